@@ -1,0 +1,97 @@
+"""The `rayless` command: `train`, `engine`, `make-tiny-model` and `dump`.
+
+Owns argument dispatch and exit statuses only: 0 success, 1 a failure during the run, 2 bad flags (reported
+before any process is launched or port opened). Each subcommand's work lives in its own module and is imported
+lazily, so `rayless --help` and flag errors stay fast and never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+
+USAGE = """usage: rayless COMMAND [ARGS]
+
+commands:
+  train             run RL post-training (rollouts on engines, training on torchrun ranks); --help for flags
+  engine            serve a Hugging Face model with the SGLang HTTP API on the CPU
+  make-tiny-model   write a tiny local Hugging Face model directory (nothing fetched from a hub)
+  dump              show | verify | convert rollout dumps
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "train":
+        return train_main(rest)
+    if command == "engine":
+        from workers.engine import main as engine_main
+
+        return engine_main(rest)
+    if command == "make-tiny-model":
+        return make_tiny_model_main(rest)
+    if command == "dump":
+        from replay.tools import main as dump_main
+
+        return dump_main(rest)
+    print(f"rayless: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+def train_main(argv: Sequence[str]) -> int:
+    from coordinator.config import ConfigError, ConfigWarning, check_paths, parse_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigWarning)
+        try:
+            config = parse_config(argv)
+            check_paths(config)
+        except ConfigError as error:
+            print(f"rayless train: error: {error}", file=sys.stderr)
+            return 2
+    for warning in caught:
+        print(f"rayless train: warning: {warning.message}", file=sys.stderr)
+
+    from coordinator.run import run_training_sync
+
+    return run_training_sync(config)
+
+
+def make_tiny_model_main(argv: Sequence[str]) -> int:
+    from workers.tiny_model import TinyModelSpec
+
+    defaults = TinyModelSpec()
+    parser = argparse.ArgumentParser(prog="rayless make-tiny-model",
+                                     description="Write a tiny Qwen3-family model with a character tokenizer.")
+    parser.add_argument("directory")
+    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
+    parser.add_argument("--num-hidden-layers", type=int, default=defaults.num_hidden_layers)
+    parser.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
+    parser.add_argument("--num-attention-heads", type=int, default=defaults.num_attention_heads)
+    parser.add_argument("--num-key-value-heads", type=int, default=defaults.num_key_value_heads)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    options = parser.parse_args(list(argv))
+
+    from workers.tiny_model import build_tiny_model, count_parameters
+
+    spec = TinyModelSpec(
+        hidden_size=options.hidden_size,
+        num_hidden_layers=options.num_hidden_layers,
+        intermediate_size=options.intermediate_size,
+        num_attention_heads=options.num_attention_heads,
+        num_key_value_heads=options.num_key_value_heads,
+        seed=options.seed,
+    )
+    directory = build_tiny_model(options.directory, spec)
+    print(f"wrote {directory} ({count_parameters(directory):,} parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# rayless set-up and entry point.
+#   ./run.sh            install (first time), build the tiny model, run the default RL job on CPU engines
+#   ./run.sh test       install (first time) and run the whole test suite
+#   ./run.sh ARGS...    install (first time) and run `rayless ARGS...`
+# Idempotent: the virtual environment is reused and reinstalled only when pyproject.toml changes.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV="${RAYLESS_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+STAMP="$VENV/.rayless-install-stamp"
+
+log() { printf '\033[1m[run.sh]\033[0m %s\n' "$*" >&2; }
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+install() {
+    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+        log "rayless needs Python >= 3.10 (found $("$PYTHON" --version 2>&1)); set PYTHON=..."; exit 1
+    fi
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "creating virtual environment in $VENV"
+        "$PYTHON" -m venv "$VENV"
+    fi
+    local want
+    want="$(cat pyproject.toml; has_gpu && echo gpu || echo cpu)"
+    if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+        return
+    fi
+    local pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+    if has_gpu; then
+        log "GPU found: installing the CUDA build of torch"
+        "${pip[@]}" 'torch>=2.6,<2.15'
+    else
+        log "no GPU: installing the CPU build of torch"
+        "${pip[@]}" 'torch==2.13.0'
+    fi
+    log "installing rayless and its test tools"
+    "${pip[@]}" -e '.[dev]'
+    printf '%s' "$want" > "$STAMP"
+}
+
+install 2>&1 | grep -v '^WARNING: Location' >&2 || true
+[ -x "$VENV/bin/rayless" ] || { log "installation failed"; exit 1; }
+export PATH="$PWD/$VENV/bin:$PATH"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+case "${1:-}" in
+    test)
+        shift
+        exec "$VENV/bin/python" -m pytest -q "$@"
+        ;;
+    "")
+        RUN_DIR="${RAYLESS_RUN_DIR:-runs/default}"
+        MODEL_DIR="runs/tiny-model"
+        [ -f "$MODEL_DIR/model.safetensors" ] || "$VENV/bin/rayless" make-tiny-model "$MODEL_DIR"
+        log "default job: 2 CPU engines, 2 torchrun ranks (gloo), task 'first digit'; run dir $RUN_DIR"
+        exec "$VENV/bin/rayless" train \
+            --hf-checkpoint "$MODEL_DIR" \
+            --prompt-data builtin:first_digit --rm-type first_digit \
+            --rollout-num-engines 2 --actor-num-gpus-per-node 2 \
+            --rollout-batch-size 32 --n-samples-per-prompt 8 --num-rollout 100 \
+            --rollout-max-response-len 4 --rollout-temperature 1.0 --rollout-shuffle \
+            --lr 2e-3 --clip-grad 1.0 --eps-clip 0.2 \
+            --sglang-server-concurrency 128 \
+            --run-dir "$RUN_DIR"
+        ;;
+    *)
+        exec "$VENV/bin/rayless" "$@"
+        ;;
+esac

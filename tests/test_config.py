@@ -1,0 +1,203 @@
+"""The mode table (one test per row) and the start-up validation rules (one test per rule)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import Config, ConfigError, ConfigWarning, config_from_mapping, parse_config
+
+BASE = ["--hf-checkpoint", "/model", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--num-rollout", "3", "--prompt-data", "builtin:first_digit"]
+
+
+def cfg(*extra: str) -> Config:
+    return parse_config([*BASE, *extra])
+
+
+# --- mode table ---------------------------------------------------------------------------------------------
+def test_replay_mode_is_load_debug_rollout_data_set_and_builds_nothing_that_generates() -> None:
+    config = cfg("--load-debug-rollout-data", "d/{rollout_id}.rld", "--use-fault-tolerance",
+                 "--ft-components", "rollout,train")
+    assert config.replay_mode and config.train_only
+    assert not config.builds_rollout_fn
+    assert not config.needs_engines
+    assert config.num_rollout_engines == 0 and config.num_eval_engines == 0
+    assert not config.health_monitor_enabled  # even with rollout FT asked for
+    assert not config.eval_fleet_enabled
+    with pytest.raises(ConfigError, match="without rollout engines"):
+        _ = config.generate_concurrency
+
+
+def test_replay_mode_with_empty_template_string_still_counts_as_set() -> None:
+    # `is not None`, not truthiness: an empty template is an error, not a silent fall-back to generation.
+    with pytest.raises(ConfigError, match=r"--load-debug-rollout-data .*\{rollout_id\}"):
+        cfg("--load-debug-rollout-data", "")
+
+
+def test_debug_train_only_keeps_the_rollout_fn_but_starts_no_engines() -> None:
+    config = cfg("--debug-train-only")
+    assert config.train_only and not config.replay_mode
+    assert config.builds_rollout_fn
+    assert not config.needs_engines and config.num_rollout_engines == 0
+    assert config.needs_train_ranks
+
+
+def test_debug_rollout_only_starts_no_training_ranks() -> None:
+    config = cfg("--debug-rollout-only", "--rollout-num-engines", "2")
+    assert not config.needs_train_ranks and config.num_train_ranks == 0
+    assert config.needs_engines and config.num_rollout_engines == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "rollout_ft", "train_ft"),
+    [
+        ([], False, False),
+        (["--use-fault-tolerance"], True, False),  # default components: {"rollout"}, as in miles
+        (["--use-fault-tolerance", "--ft-components", "train"], False, True),
+        (["--use-fault-tolerance", "--ft-components", "rollout,train"], True, True),
+        (["--use-fault-tolerance", "--ft-components", "rollout", "train"], True, True),  # miles' spaced form
+    ],
+)
+def test_fault_tolerance_components(flags: list[str], rollout_ft: bool, train_ft: bool) -> None:
+    config = cfg("--rollout-num-engines", "1", *flags)
+    assert config.rollout_ft_enabled is rollout_ft
+    assert config.train_ft_enabled is train_ft
+    assert config.health_monitor_enabled is rollout_ft
+    assert isinstance(config.ft_components, frozenset) and config.ft_components
+
+
+def test_generate_concurrency_counts_launched_and_external_engines() -> None:
+    config = cfg("--rollout-num-engines", "2", "--rollout-external-engine-addrs", "127.0.0.1:1", "127.0.0.1:2",
+                 "--sglang-server-concurrency", "8")
+    assert config.num_rollout_engines == 4
+    assert config.generate_concurrency == 32
+    gpu = cfg("--rollout-num-gpus", "8", "--rollout-num-gpus-per-engine", "2")
+    assert gpu.num_rollout_engines == 4 and gpu.generate_concurrency == 4 * 512
+
+
+def test_fault_injection_is_armed_only_with_rollout_ft() -> None:
+    with pytest.warns(ConfigWarning, match="armed only"):
+        train_only_ft = cfg("--rollout-num-engines", "1", "--use-fault-tolerance", "--ft-components", "train",
+                            "--inject-engine-fault-at-rollout", "1")
+    assert not train_only_ft.fault_injection_armed
+    armed = cfg("--rollout-num-engines", "1", "--use-fault-tolerance", "--inject-engine-fault-at-rollout", "1")
+    assert armed.fault_injection_armed
+
+
+def test_shared_rollout_and_eval_fn() -> None:
+    assert cfg("--rollout-num-engines", "1").shares_rollout_and_eval_fn
+    other = cfg("--rollout-num-engines", "1", "--eval-function-path", "x.y:Z")
+    assert not other.shares_rollout_and_eval_fn
+
+
+def test_ft_components_without_use_fault_tolerance_warns() -> None:
+    with pytest.warns(ConfigWarning, match="--ft-components has no effect without --use-fault-tolerance"):
+        config = cfg("--rollout-num-engines", "1", "--ft-components", "train")
+    assert not config.train_ft_enabled
+
+
+def test_config_file_supplies_flags_and_command_line_wins(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "job.yaml"
+    yaml_file.write_text("rollout-num-engines: 3\nlr: 0.5\nuse_fault_tolerance: true\nft_components: [rollout, train]\n")
+    config = cfg("--config", str(yaml_file), "--lr", "0.25")
+    assert config.num_rollout_engines == 3 and config.lr == 0.25
+    assert config.ft_components == {"rollout", "train"}
+    toml_file = tmp_path / "job.toml"
+    toml_file.write_text("rollout_num_engines = 2\nsglang_server_concurrency = 4\n")
+    assert cfg("--config", str(toml_file)).generate_concurrency == 8
+    bad = tmp_path / "bad.toml"
+    bad.write_text("no_such_flag = 1\n")
+    with pytest.raises(ConfigError, match="unknown flag 'no_such_flag'"):
+        cfg("--config", str(bad))
+
+
+def test_sglang_passthrough_strips_the_prefix() -> None:
+    config = cfg("--rollout-num-engines", "1", "--sglang-mem-fraction-static", "0.8", "--sglang-enable-metrics")
+    assert config.sglang_passthrough == ("--mem-fraction-static", "0.8", "--enable-metrics")
+
+
+def test_resolved_config_json_hides_the_api_key() -> None:
+    config = cfg("--rollout-num-engines", "1", "--sglang-api-key", "secret")
+    data = json.loads(config.to_json())
+    assert data["sglang_api_key"] == "***" and data["rollout_num_engines"] == 1
+
+
+def test_config_is_frozen() -> None:
+    config = config_from_mapping({"hf_checkpoint": "/m"})
+    with pytest.raises(AttributeError):
+        config.lr = 1.0  # type: ignore[misc]
+
+
+# --- validation through the real CLI: exit 2, flags named, nothing launched ----------------------------------
+PROBE = textwrap.dedent(
+    """
+    import json, sys, psutil
+    from coordinator.cli import main
+    status = main(sys.argv[1:])
+    print(json.dumps({
+        "status": status,
+        "children": len(psutil.Process().children(recursive=True)),
+        "launcher_imported": "coordinator.run" in sys.modules,
+        "torch_imported": "torch" in sys.modules,
+    }))
+    """
+)
+
+
+def run_cli(*args: str) -> tuple[dict, str]:
+    result = subprocess.run([sys.executable, "-c", PROBE, "train", *args], capture_output=True, text=True,
+                            timeout=60, check=False)
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--rollout-num-engines", "1", "--load-debug-rollout-data", "d/{rollout_id}", "--debug-rollout-only"],
+         ["--load-debug-rollout-data", "--debug-rollout-only"]),
+        (["--load-debug-rollout-data", "d/{rollout_id}", "--eval-num-engines", "1"],
+         ["--load-debug-rollout-data", "--eval-num-engines"]),
+        (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
+         ["--rollout-num-gpus", "--rollout-num-gpus-per-engine"]),
+        (["--rollout-num-engines", "1", "--use-fault-tolerance", "--ft-components", "rollout,trian"],
+         ["--ft-components", "trian"]),
+        ([], ["--rollout-num-engines", "--rollout-external-engine-addrs", "--debug-train-only"]),
+        (["--load-debug-rollout-data", "dumps/rollout.rld"], ["--load-debug-rollout-data", "{rollout_id}"]),
+        (["--rollout-num-engines", "1", "--rollout-batch-size", "0"], ["--rollout-batch-size"]),
+        (["--rollout-num-engines", "1", "--n-samples-per-prompt", "-1"], ["--n-samples-per-prompt"]),
+        (["--rollout-num-engines", "1", "--global-batch-size", "3"],
+         ["--global-batch-size", "--rollout-batch-size", "--n-samples-per-prompt"]),
+        (["--rollout-num-engines", "1", "--debug-train-only", "--debug-rollout-only"],
+         ["--debug-train-only", "--debug-rollout-only"]),
+    ],
+    ids=["replay+rollout-only", "replay+eval-fleet", "gpus-not-divisible", "unknown-ft-component",
+         "no-engines", "template-without-rollout-id", "zero-batch", "negative-n-samples",
+         "global-batch-not-dividing", "train-only+rollout-only"],
+)
+def test_contradictory_flags_exit_2_naming_flags_before_launching(flags: list[str], named: list[str]) -> None:
+    outcome, stderr = run_cli(*BASE, *flags)
+    assert outcome["status"] == 2, stderr
+    for flag in named:
+        assert flag in stderr, (flag, stderr)
+    assert outcome["children"] == 0
+    assert not outcome["launcher_imported"] and not outcome["torch_imported"]
+
+
+def test_missing_model_directory_is_reported_before_launching(tmp_path: Path) -> None:
+    outcome, stderr = run_cli(*[a if a != "/model" else str(tmp_path / "nope") for a in BASE],
+                              "--rollout-num-engines", "1")
+    assert outcome["status"] == 2 and "--hf-checkpoint" in stderr and "make-tiny-model" in stderr
+    assert outcome["children"] == 0 and not outcome["launcher_imported"]
+
+
+def test_parse_errors_do_not_warn_twice() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg("--rollout-num-engines", "1")  # a clean config raises no warning at all
