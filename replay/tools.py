@@ -1,0 +1,209 @@
+"""`rayless dump show | verify | convert`: inspect, check and import rollout dumps from the command line.
+
+Owns the dump subcommands; the lead's CLI calls `main(argv_after_dump)`. Invariants: `verify` exits 1 when
+any file is corrupt (and says what is wrong per file), 0 otherwise; `show` streams the file, so memory stays
+at one sample whatever the dump size; `convert` never executes the source file's content.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from replay.format import DumpError, iter_samples, read_header
+from replay.sample import Sample
+
+
+class _Stats:
+    """Running count / mean / std / min / max (Welford), so `show` never holds the samples."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+        self.min = min(self.min, x)
+        self.max = max(self.max, x)
+
+    def row(self, name: str) -> list[str]:
+        if self.n == 0:
+            return [name, "0", "-", "-", "-", "-"]
+        std = math.sqrt(self.m2 / self.n)
+        return [name, str(self.n), f"{self.mean:.4g}", f"{std:.4g}", f"{self.min:.4g}", f"{self.max:.4g}"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rayless dump", description="Inspect, check and import rollout dumps."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("show", help="header, counts, reward and length statistics of one dump")
+    show.add_argument("file", type=Path)
+    show.add_argument("--tokenizer", type=Path, default=None, help="tokenizer dir: decode the first samples")
+    show.add_argument("--first", type=int, default=3, help="how many samples to print (default 3)")
+    verify = sub.add_parser("verify", help="check dumps end to end; exit 1 if any is corrupt")
+    verify.add_argument("files", type=Path, nargs="+")
+    convert = sub.add_parser("convert", help="import a slime/miles .pt dump into the rayless format")
+    convert.add_argument("src", type=Path)
+    convert.add_argument("dst", type=Path)
+    convert.add_argument("--n-samples-per-prompt", type=int, default=None)
+    convert.add_argument("--rollout-id", type=int, default=None, help="override the id stored in SRC")
+    convert.add_argument(
+        "--allow-missing-logprobs",
+        action="store_true",
+        help="fill missing rollout logprobs with zeros (flagged in each sample's metadata)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    console = Console(soft_wrap=True, highlight=False)
+    if args.command == "show":
+        return _show(console, args.file, args.tokenizer, args.first)
+    if args.command == "verify":
+        return _verify(console, args.files)
+    return _convert(console, args)
+
+
+def _error(console: Console, message: str) -> None:
+    Console(stderr=True, soft_wrap=True, highlight=False).print(f"[bold red]error:[/] {message}", markup=True)
+
+
+def _show(console: Console, path: Path, tokenizer_dir: Path | None, first: int) -> int:
+    try:
+        header = read_header(path)
+    except DumpError as exc:
+        _error(console, str(exc))
+        return 1
+    tokenizer = _load_tokenizer(console, tokenizer_dir) if tokenizer_dir is not None else None
+    if tokenizer_dir is not None and tokenizer is None:
+        return 1
+
+    info = Table(title=f"dump {path}", show_header=False)
+    for key in ("format_version", "rollout_id", "kind", "created_at_iso", "writer", "sample_count"):
+        info.add_row(key, str(header.raw.get(key)))
+    for key, value in header.config.items():
+        info.add_row(f"config.{key}", repr(value) if not isinstance(value, str) else value)
+    console.print(info)
+
+    statuses: Counter[str] = Counter()
+    groups: Counter[int] = Counter()
+    rewards: dict[str, _Stats] = {}
+    lengths, prompt_lengths, advantages = _Stats(), _Stats(), _Stats()
+    shown: list[Sample] = []
+    try:
+        for sample in iter_samples(path):
+            statuses[sample.status.value] += 1
+            groups[sample.group_index] += 1
+            lengths.add(sample.response_length)
+            prompt_lengths.add(sample.prompt_length)
+            advantages.add(sample.advantage)
+            if isinstance(sample.reward, dict):
+                for key, value in sample.reward.items():
+                    rewards.setdefault(f"reward.{key}", _Stats()).add(float(value))
+            elif sample.reward is not None:
+                rewards.setdefault("reward", _Stats()).add(float(sample.reward))
+            if len(shown) < first:
+                shown.append(sample)
+    except DumpError as exc:
+        _error(console, str(exc))
+        return 1
+
+    sizes = Counter(groups.values())
+    console.print(
+        f"groups: {len(groups)}  samples: {sum(groups.values())}  group sizes: "
+        + ", ".join(f"{size}×{count}" for size, count in sorted(sizes.items()))
+    )
+    console.print("status: " + ", ".join(f"{name} {count}" for name, count in sorted(statuses.items())))
+    stats = Table(title="statistics")
+    for column in ("field", "n", "mean", "std", "min", "max"):
+        stats.add_column(column, justify="right" if column != "field" else "left")
+    for name, stat in sorted(rewards.items()):
+        stats.add_row(*stat.row(name))
+    if not rewards:
+        stats.add_row("reward", "0", "-", "-", "-", "-")
+    stats.add_row(*lengths.row("response_length"))
+    stats.add_row(*prompt_lengths.row("prompt_length"))
+    stats.add_row(*advantages.row("advantage"))
+    console.print(stats)
+
+    for sample in shown:
+        console.rule(f"sample {sample.group_index}/{sample.sample_index} · {sample.status.value}")
+        console.print(f"reward: {sample.reward!r}  advantage: {sample.advantage:.4g}  "
+                      f"weight_versions: {sample.weight_versions}  label: {sample.label!r}")  # fmt: skip
+        console.print(f"prompt ({sample.prompt_length} tokens): {_clip(sample.prompt)}", markup=False)
+        console.print(f"response ({sample.response_length} tokens): {_clip(sample.response)}", markup=False)
+        if tokenizer is not None:
+            decoded = tokenizer.decode(sample.response_tokens)
+            console.print(f"decoded response: {_clip(decoded)}", markup=False)
+    return 0
+
+
+def _clip(text: str, limit: int = 400) -> str:
+    text = text.replace("\n", "⏎")
+    return text if len(text) <= limit else text[:limit] + f"… (+{len(text) - limit} chars)"
+
+
+def _load_tokenizer(console: Console, tokenizer_dir: Path) -> Any:
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError) as exc:
+        _error(console, f"cannot load a tokenizer from {tokenizer_dir}: {exc}")
+        return None
+
+
+def _verify(console: Console, files: list[Path]) -> int:
+    bad = 0
+    for path in files:
+        try:
+            header = read_header(path)
+            count = sum(1 for _ in iter_samples(path))
+        except DumpError as exc:
+            bad += 1
+            console.print(f"CORRUPT {exc}", markup=False)
+            continue
+        console.print(f"ok {path} ({header.kind} {header.rollout_id}, {count} samples)", markup=False)
+    if bad:
+        console.print(f"{bad} of {len(files)} file(s) corrupt", markup=False)
+    return 1 if bad else 0
+
+
+def _convert(console: Console, args: argparse.Namespace) -> int:
+    from replay.torch_import import convert_torch_dump
+
+    try:
+        out = convert_torch_dump(
+            args.src,
+            args.dst,
+            n_samples_per_prompt=args.n_samples_per_prompt,
+            allow_missing_logprobs=args.allow_missing_logprobs,
+            rollout_id=args.rollout_id,
+        )
+        header = read_header(out)
+    except DumpError as exc:
+        _error(console, str(exc))
+        return 1
+    console.print(f"wrote {out} (rollout {header.rollout_id}, {header.sample_count} samples)", markup=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
