@@ -1,0 +1,347 @@
+"""The prompt data source: JSONL / Parquet prompts (or an in-memory list), shuffled per epoch, resumable.
+
+Owns the order in which prompts are handed to rollouts. Invariant: the order is a pure function of
+(seed, epoch, position) and the data, so `load_state_dict(state_dict())` on a fresh source built from the
+same data and seed continues with exactly the prompts the original would have returned next.
+
+Within an epoch every record is returned exactly once; epoch `e` uses the permutation drawn from
+`random.Random(f"rayless-data:{seed}:{e}")` (or the file order when `shuffle` is false).
+
+Files are read once at construction with plain I/O (start-up, before the event loop is busy). The chat
+template is applied when records are taken (a few prompts per rollout), not to the whole file up front.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+ChatMessages = list[dict[str, Any]]
+STATE_VERSION = 1
+
+
+class DataSourceError(ValueError):
+    """Prompt data that cannot be read or used as asked (bad file, missing key, wrong type, bad state)."""
+
+
+class ChatTokenizer(Protocol):
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+@dataclass
+class PromptRecord:
+    """One prompt: its text (or chat messages when no template is applied), label and metadata."""
+
+    prompt: str | ChatMessages
+    label: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    # Position in the data (row / non-blank line order); stable across epochs and resumes.
+    index: int = -1
+
+
+def _label_text(value: Any, *, where: str, key: str) -> str | None:
+    """Labels are text; numbers (common in math sets) become their decimal text."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        raise DataSourceError(
+            f"{where}: label key {key!r} holds a boolean ({value!r}); expected text or a number"
+        )
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, (list, dict)):
+        # Structured labels (several accepted answers, test cases) travel as JSON text to custom rms.
+        return json.dumps(value, ensure_ascii=False)
+    raise DataSourceError(
+        f"{where}: label key {key!r} holds {type(value).__name__}; expected text or a number"
+    )
+
+
+def _check_prompt(value: Any, *, where: str, key: str) -> str | ChatMessages:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        for position, message in enumerate(value):
+            if (
+                not isinstance(message, dict)
+                or not isinstance(message.get("role"), str)
+                or "content" not in message
+            ):
+                raise DataSourceError(
+                    f"{where}: input key {key!r} is a list, so it must be chat messages "
+                    f"({{'role': str, 'content': ...}}); message {position} is {message!r}"
+                )
+        return value
+    raise DataSourceError(
+        f"{where}: input key {key!r} holds {type(value).__name__}; expected a string or a list of chat messages"
+    )
+
+
+def _check_metadata(value: Any, *, where: str, key: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise DataSourceError(
+                f"{where}: metadata key {key!r} is a string but not JSON: {error}"
+            ) from error
+    if not isinstance(value, dict):
+        raise DataSourceError(
+            f"{where}: metadata key {key!r} holds {type(value).__name__}; expected an object (dict)"
+        )
+    return value
+
+
+def _rows_from_jsonl(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
+    with path.open("r", encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataSourceError(f"{where}: not valid JSON: {error}") from error
+            if not isinstance(row, dict):
+                raise DataSourceError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+            yield where, row
+
+
+def _rows_from_parquet(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as error:  # pyarrow raises several types for unreadable files
+        raise DataSourceError(f"{path}: cannot read as Parquet: {error}") from error
+    for row_number, row in enumerate(table.to_pylist(), start=1):
+        yield f"{path}: row {row_number}", row
+
+
+def read_prompt_file(
+    path: str | Path,
+    *,
+    input_key: str = "prompt",
+    label_key: str | None = None,
+    metadata_key: str | None = None,
+) -> list[PromptRecord]:
+    """Read every record of a `.parquet` file or a JSONL file (any other suffix), checking the keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataSourceError(f"--prompt-data {str(path)!r}: no such file")
+    rows = _rows_from_parquet(path) if path.suffix.lower() in {".parquet", ".pq"} else _rows_from_jsonl(path)
+    records: list[PromptRecord] = []
+    for where, row in rows:
+        keys = [("--input-key", input_key)]
+        keys += [("--label-key", label_key)] if label_key is not None else []
+        keys += [("--metadata-key", metadata_key)] if metadata_key is not None else []
+        for flag, key in keys:
+            if key not in row:
+                raise DataSourceError(
+                    f"{where}: key {key!r} ({flag}) is missing; the record has {sorted(row)}"
+                )
+        records.append(
+            PromptRecord(
+                prompt=_check_prompt(row[input_key], where=where, key=input_key),
+                label=_label_text(row[label_key], where=where, key=label_key)
+                if label_key is not None
+                else None,
+                metadata=_check_metadata(row[metadata_key], where=where, key=metadata_key)
+                if metadata_key is not None
+                else {},
+                index=len(records),
+            )
+        )
+    if not records:
+        raise DataSourceError(f"--prompt-data {str(path)!r}: the file holds no records")
+    return records
+
+
+class PromptDataSource:
+    """Hands out prompt records in epochs; `take(n)` is the only way to advance."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        input_key: str = "prompt",
+        label_key: str | None = None,
+        metadata_key: str | None = None,
+        apply_chat_template: bool = False,
+        tokenizer: ChatTokenizer | None = None,
+        shuffle: bool,
+        seed: int,
+    ) -> None:
+        records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key)
+        self._setup(
+            records,
+            apply_chat_template=apply_chat_template,
+            tokenizer=tokenizer,
+            shuffle=shuffle,
+            seed=seed,
+            source=str(path),
+        )
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Sequence[PromptRecord],
+        *,
+        apply_chat_template: bool = False,
+        tokenizer: ChatTokenizer | None = None,
+        shuffle: bool,
+        seed: int,
+        source: str = "<in-memory>",
+    ) -> PromptDataSource:
+        """A source over records built in memory (the built-in tasks)."""
+        checked: list[PromptRecord] = []
+        for position, record in enumerate(records):
+            where = f"{source}: record {position}"
+            checked.append(
+                PromptRecord(
+                    prompt=_check_prompt(record.prompt, where=where, key="prompt"),
+                    label=record.label,
+                    metadata=dict(record.metadata),
+                    index=position,
+                )
+            )
+        if not checked:
+            raise DataSourceError(f"{source}: no records")
+        source_object = cls.__new__(cls)
+        source_object._setup(
+            checked,
+            apply_chat_template=apply_chat_template,
+            tokenizer=tokenizer,
+            shuffle=shuffle,
+            seed=seed,
+            source=source,
+        )
+        return source_object
+
+    def _setup(
+        self,
+        records: list[PromptRecord],
+        *,
+        apply_chat_template: bool,
+        tokenizer: ChatTokenizer | None,
+        shuffle: bool,
+        seed: int,
+        source: str,
+    ) -> None:
+        if apply_chat_template and tokenizer is None:
+            raise DataSourceError(
+                "--apply-chat-template needs a tokenizer (from --hf-checkpoint); none was given"
+            )
+        if apply_chat_template and not hasattr(tokenizer, "apply_chat_template"):
+            raise DataSourceError(
+                f"--apply-chat-template: tokenizer {type(tokenizer).__name__} has no apply_chat_template"
+            )
+        self._records = records
+        self._apply_chat_template = apply_chat_template
+        self._tokenizer = tokenizer
+        self._shuffle = shuffle
+        self._seed = int(seed)
+        self._source = source
+        self._epoch = 0
+        self._position = 0
+        self._order = self._order_for(0)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """How many records of the current epoch have been handed out."""
+        return self._position
+
+    def _order_for(self, epoch: int) -> list[int]:
+        order = list(range(len(self._records)))
+        if self._shuffle:
+            # A string seed is hashed with SHA-512 by `random`, so the permutation is stable across runs,
+            # processes and PYTHONHASHSEED values.
+            random.Random(f"rayless-data:{self._seed}:{epoch}").shuffle(order)
+        return order
+
+    def _render(self, record: PromptRecord) -> PromptRecord:
+        prompt = record.prompt
+        if self._apply_chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            assert self._tokenizer is not None  # checked in _setup
+            try:
+                prompt = self._tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as error:
+                raise DataSourceError(
+                    f"{self._source}: record {record.index}: --apply-chat-template failed: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            if not isinstance(prompt, str):
+                raise DataSourceError(
+                    f"{self._source}: apply_chat_template returned {type(prompt).__name__}, expected text"
+                )
+        # Copies: callers may mutate metadata of one rollout without changing later epochs.
+        return PromptRecord(
+            prompt=prompt, label=record.label, metadata=dict(record.metadata), index=record.index
+        )
+
+    def take(self, n_groups: int) -> list[PromptRecord]:
+        """The next `n_groups` records, crossing into the next epoch (newly shuffled) as needed."""
+        if n_groups < 0:
+            raise ValueError(f"take() needs a non-negative count, got {n_groups}")
+        taken: list[PromptRecord] = []
+        while len(taken) < n_groups:
+            if self._position >= len(self._order):
+                self._epoch += 1
+                self._position = 0
+                self._order = self._order_for(self._epoch)
+            taken.append(self._render(self._records[self._order[self._position]]))
+            self._position += 1
+        return taken
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            "num_records": len(self._records),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where the saved source stopped; refuses a state saved over different data or seed."""
+        try:
+            version, epoch, position = int(state["version"]), int(state["epoch"]), int(state["position"])
+            seed, shuffle, num_records = int(state["seed"]), bool(state["shuffle"]), int(state["num_records"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise DataSourceError(f"data source state {state!r} is malformed: {error!r}") from error
+        if version != STATE_VERSION:
+            raise DataSourceError(
+                f"data source state version {version} is not supported (expected {STATE_VERSION})"
+            )
+        if num_records != len(self._records):
+            raise DataSourceError(
+                f"cannot resume: the checkpoint's data source had {num_records} records, {self._source} has "
+                f"{len(self._records)}; resume with the same --prompt-data"
+            )
+        if seed != self._seed or shuffle != self._shuffle:
+            raise DataSourceError(
+                f"cannot resume: the checkpoint's data order used seed {seed} (shuffle={shuffle}), this run "
+                f"uses seed {self._seed} (shuffle={self._shuffle}); resume with the same --rollout-seed"
+            )
+        if epoch < 0 or not 0 <= position <= num_records:
+            raise DataSourceError(f"data source state epoch {epoch} / position {position} is out of range")
+        self._epoch = epoch
+        self._position = position
+        self._order = self._order_for(epoch)

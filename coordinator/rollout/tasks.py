@@ -1,0 +1,98 @@
+"""Built-in toy tasks for the default job: prompts of three random digits that a tiny model can learn by RL.
+
+Owns the task definitions (prompt format, label, which `--rm-type` scores them). Invariant: the same
+(task, n, seed) always yields the same records, so the default job and its tests are reproducible.
+
+Prompts look like `3 7 1=` (digits separated by spaces, then `=`); with the tiny model's character
+tokenizer every character is one token, so a prompt is 6 tokens. Tasks (see ../shared/MEASURED.md):
+
+| task          | label          | reward (`--rm-type`)                                                    |
+|---------------|----------------|-------------------------------------------------------------------------|
+| `first_digit` | `3`            | `first_digit`: fraction of the first 4 response chars equal to the label |
+| `copy`        | `371`          | `char_match`: fraction of label positions matched by the response       |
+| `reverse`     | `173`          | `char_match`                                                            |
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.rollout.data_source import PromptRecord
+
+NUM_DIGITS = 3
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    rm_type: str
+    # digits of the prompt -> label text
+    label_of: Callable[[str], str]
+    # generated tokens the task is measured with (the default job's --rollout-max-response-len)
+    response_length: int
+
+
+TASKS: dict[str, Task] = {
+    "first_digit": Task("first_digit", "first_digit", lambda digits: digits[0], 4),
+    "copy": Task("copy", "char_match", lambda digits: digits, 4),
+    "reverse": Task("reverse", "char_match", lambda digits: digits[::-1], 4),
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown built-in task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+def make_task_prompts(task: str, n: int, seed: int) -> list[PromptRecord]:
+    """`n` prompts of the named task, drawn from `random.Random(seed)`."""
+    spec = get_task(task)
+    if n < 1:
+        raise ValueError(f"a task needs at least one prompt, got n={n}")
+    rng = random.Random(seed)
+    records = []
+    for index in range(n):
+        digits = "".join(rng.choice("0123456789") for _ in range(NUM_DIGITS))
+        records.append(
+            PromptRecord(
+                prompt=" ".join(digits) + "=",
+                label=spec.label_of(digits),
+                metadata={"task": spec.name},
+                index=index,
+            )
+        )
+    return records
+
+
+def make_first_digit_prompts(n: int, seed: int) -> list[PromptRecord]:
+    """The default job's prompts: `3 7 1=` with label `3`."""
+    return make_task_prompts("first_digit", n, seed)
+
+
+def make_copy_prompts(n: int, seed: int) -> list[PromptRecord]:
+    return make_task_prompts("copy", n, seed)
+
+
+def make_reverse_prompts(n: int, seed: int) -> list[PromptRecord]:
+    return make_task_prompts("reverse", n, seed)
+
+
+def write_task_jsonl(path: str | Path, task: str, n: int, seed: int) -> Path:
+    """Write a task as `--prompt-data` JSONL (`{"prompt", "label", "metadata"}` per line); returns the path.
+
+    Read it back with `--input-key prompt --label-key label --metadata-key metadata`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        for record in make_task_prompts(task, n, seed):
+            handle.write(
+                json.dumps({"prompt": record.prompt, "label": record.label, "metadata": record.metadata})
+                + "\n"
+            )
+    return path
