@@ -465,7 +465,9 @@ def _decode_sample(payload: bytes) -> Sample:
     if record.keys() != _REQUIRED:
         missing = sorted(_REQUIRED - record.keys())
         unknown = sorted(str(k) for k in record.keys() - _REQUIRED)
-        raise _SchemaError(f"fields do not match the schema (missing {missing}, unknown {unknown})")
+        parts = [f"missing {missing}"] if missing else []
+        parts += [f"unknown {unknown}"] if unknown else []
+        raise _SchemaError(f"fields do not match the schema ({', '.join(parts)})")
     problems = []
     for name in ("group_index", "sample_index", "response_length"):
         if type(record[name]) is not int:
