@@ -1,0 +1,268 @@
+"""The engine fleet: the state of every engine in one group (rollout or eval).
+
+Owns: the `EngineHandle`s of one group, their processes when launched locally, and the change event.
+
+Invariants:
+  * This object alone changes an engine's state (STARTING / ALIVE / DEAD); the rollout path, the health
+    monitor, the eval fleet and weight sync read it and ask for changes through `mark_dead` / `relaunch`.
+  * Every state change sets the change event, so a dispatcher waiting for an engine wakes up.
+  * Launched engines are stopped when `run()` ends, however it ends; external engines (attached by
+    address) are probed, never launched or killed.
+  * At most one relaunch of a handle runs at a time; a second caller waits for it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+
+from coordinator.engines.client import NO_RETRY, EngineClient, EngineError
+from coordinator.engines.launch import EngineLaunchSpec, EngineProcess, engine_log_path
+
+T = TypeVar("T")
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    ALIVE = "alive"
+    DEAD = "dead"
+
+
+@dataclass(eq=False)
+class EngineHandle:
+    """One engine of the group. Read its fields; change its state only through the fleet."""
+
+    name: str
+    url: str
+    launched: bool
+    state: EngineState = EngineState.STARTING
+    in_flight: int = 0
+    dead_reason: str | None = None
+    #: bumped on every (re)start, so a caller can tell a relaunched engine from the one it last used
+    incarnation: int = 0
+    process: EngineProcess | None = field(default=None, repr=False)
+    _lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.state is EngineState.ALIVE
+
+
+class EngineFleet:
+    """Launches (or attaches) one group of engines and keeps their states.
+
+    Args:
+        client: the shared engine client (its pool serves every engine of every group).
+        group: "rollout", "eval", ...; engine names are `<group>-<i>`.
+        launch: how to start local engines (None when only external engines are used).
+        num_engines: how many local engines to launch.
+        external_urls: addresses of engines started elsewhere; probed, never launched or killed.
+        run_dir: logs go to `<run_dir>/logs/engine-<name>.log`.
+        probe_timeout: read timeout of one `/health_generate` probe.
+        attach_timeout: how long to wait for an external engine to answer.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: EngineClient,
+        group: str = "rollout",
+        launch: EngineLaunchSpec | None = None,
+        num_engines: int = 0,
+        external_urls: Sequence[str] = (),
+        run_dir: Path,
+        probe_timeout: float = 30.0,
+        attach_timeout: float = 300.0,
+    ) -> None:
+        if num_engines < 0:
+            raise ValueError(f"num_engines must be >= 0, got {num_engines}")
+        if num_engines and launch is None:
+            raise ValueError(f"{group}: {num_engines} local engines requested but no launch spec given")
+        if not num_engines and not external_urls:
+            raise ValueError(f"{group}: no engines: give num_engines > 0 or external_urls")
+        self.client = client
+        self.group = group
+        self.launch = launch
+        self.run_dir = Path(run_dir)
+        self.probe_timeout = probe_timeout
+        self.attach_timeout = attach_timeout
+        self._changed = anyio.Event()
+        self._running = False
+        self.engines: list[EngineHandle] = []
+        for i in range(num_engines):
+            name = f"{group}-{i}"
+            assert launch is not None
+            proc = EngineProcess(
+                launch, name=name, log_path=engine_log_path(self.run_dir, name), client=client
+            )
+            self.engines.append(EngineHandle(name=name, url="", launched=True, process=proc))
+        for j, url in enumerate(external_urls):
+            url = url if url.startswith(("http://", "https://")) else f"http://{url}"
+            self.engines.append(EngineHandle(name=f"{group}-ext-{j}", url=url.rstrip("/"), launched=False))
+
+    # -- lifetime ------------------------------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[EngineFleet] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Bring every engine up concurrently, signal started, then serve until cancelled.
+
+        A launch failure raises EngineLaunchError out of here (the other engines are stopped).
+        """
+        if self._running:
+            raise RuntimeError(f"fleet {self.group} is already running")
+        self._running = True
+        try:
+            async with anyio.create_task_group() as tg:
+                for h in self.engines:
+                    tg.start_soon(self._bring_up, h, self.attach_timeout)
+            task_status.started(self)
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stop_all()
+            self._running = False
+
+    async def _stop_all(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for h in self.engines:
+                if h.process is not None:
+                    tg.start_soon(h.process.stop)
+        for h in self.engines:
+            if h.launched and h.state is not EngineState.DEAD:
+                self._set(h, EngineState.DEAD, "fleet stopped")
+
+    async def _bring_up(self, h: EngineHandle, attach_timeout: float) -> None:
+        self._set(h, EngineState.STARTING, None)
+        if h.launched:
+            assert h.process is not None
+            prev_port = h.process.port
+            h.url = await h.process.start(port=prev_port)
+        else:
+            await self._wait_answers(h, attach_timeout)
+        h.incarnation += 1
+        self._set(h, EngineState.ALIVE, None)
+
+    async def _wait_answers(self, h: EngineHandle, timeout: float) -> None:
+        engine = self.client.engine(h.url)
+        last: EngineError | None = None
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    try:
+                        await engine.health_generate(timeout=self.probe_timeout, retry=NO_RETRY)
+                        return
+                    except EngineError as exc:
+                        last = exc
+                        await anyio.sleep(0.5)
+        except TimeoutError:
+            raise EngineError(
+                f"external engine {h.name} did not answer /health_generate within {timeout:.0f}s: {last}",
+                h.url,
+            ) from None
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def _set(self, h: EngineHandle, state: EngineState, reason: str | None) -> None:
+        h.state = state
+        h.dead_reason = reason if state is EngineState.DEAD else None
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def alive(self) -> list[EngineHandle]:
+        return [h for h in self.engines if h.state is EngineState.ALIVE]
+
+    def mark_dead(self, handle: EngineHandle, reason: str) -> None:
+        """Take an engine out of dispatch. Idempotent."""
+        if handle.state is not EngineState.DEAD:
+            self._set(handle, EngineState.DEAD, reason)
+
+    async def wait_changed(self) -> None:
+        """Return at the next state change of any engine."""
+        await self._changed.wait()
+
+    async def wait_any_alive(self, timeout: float | None = None) -> list[EngineHandle]:
+        """The alive engines, waiting up to `timeout` seconds for one; TimeoutError if none came."""
+        with anyio.fail_after(timeout):
+            while not (alive := self.alive()):
+                await self.wait_changed()
+        return alive
+
+    @contextmanager
+    def use(self, handle: EngineHandle) -> Iterator[EngineHandle]:
+        """Count a request against `handle.in_flight` (least-in-flight dispatch reads it)."""
+        handle.in_flight += 1
+        try:
+            yield handle
+        finally:
+            handle.in_flight -= 1
+
+    async def check(self, handle: EngineHandle) -> bool:
+        """Is the engine serving? A launched engine whose process has exited is marked dead here (with its
+        exit status); a failed probe only returns False (the health monitor counts consecutive failures)."""
+        if handle.launched and handle.process is not None and handle.state is not EngineState.STARTING:
+            code = handle.process.exit_code()
+            if code is not None:
+                self.mark_dead(handle, f"process exited with status {code}")
+                return False
+        if handle.state is EngineState.STARTING or not handle.url:
+            return False
+        try:
+            await self.client.engine(handle.url).health_generate(timeout=self.probe_timeout, retry=NO_RETRY)
+        except EngineError:
+            return False
+        return True
+
+    async def relaunch(self, handle: EngineHandle, *, timeout: float | None = None) -> None:
+        """Bring a dead engine back: a launched one is stopped and started again (same port if it can),
+        an external one is waited for until it answers. Marks it ALIVE on success; on failure it stays DEAD
+        and the error is raised. Concurrent calls for the same handle run it once."""
+        if not self._running:
+            raise RuntimeError(f"fleet {self.group} is not running: relaunch needs run() to own the process")
+        if handle not in self.engines:
+            raise ValueError(f"{handle.name} is not an engine of fleet {self.group}")
+        incarnation = handle.incarnation
+        async with handle._lock:
+            if handle.incarnation != incarnation and handle.state is EngineState.ALIVE:
+                return  # someone else relaunched it while we waited for the lock
+            try:
+                if handle.launched:
+                    assert handle.process is not None
+                    await handle.process.stop()
+                    with anyio.fail_after(timeout):
+                        await self._bring_up(handle, self.attach_timeout)
+                else:
+                    await self._bring_up(handle, timeout if timeout is not None else self.attach_timeout)
+            except BaseException as exc:  # cancellation included: the handle must not stay STARTING
+                self._set(handle, EngineState.DEAD, f"relaunch failed: {exc!r}"[:500])
+                raise
+
+    async def for_each_alive(
+        self, fn: Callable[[EngineHandle], Awaitable[T]], *, return_exceptions: bool = False
+    ) -> dict[str, T | Exception]:
+        """Run `fn(handle)` concurrently on every alive engine; results by engine name.
+
+        With return_exceptions=True one engine's failure is returned in its slot and the others finish
+        (weight sync must not abort a healthy engine's update because another one failed); otherwise the
+        first failure cancels the rest and propagates.
+        """
+        results: dict[str, Any] = {}
+
+        async def one(h: EngineHandle) -> None:
+            try:
+                results[h.name] = await fn(h)
+            except Exception as exc:
+                if not return_exceptions:
+                    raise
+                results[h.name] = exc
+
+        async with anyio.create_task_group() as tg:
+            for h in self.alive():
+                tg.start_soon(one, h)
+        return results

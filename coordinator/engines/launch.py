@@ -1,0 +1,333 @@
+"""Launching local engine processes (the CPU engine or SGLang) and ending them.
+
+Owns: one `EngineProcess` per launched engine: its command line, port, log file and OS process group.
+
+Invariants:
+  * Every engine runs in its own session / process group (`start_new_session=True`), so one `killpg`
+    reaches the server and every helper it forked (SGLang's scheduler and detokenizer processes).
+  * A launch either returns a healthy engine (it answered `/health_generate`) or raises
+    `EngineLaunchError` with the tail of the engine's log, and leaves no process behind. A process that
+    exits while starting is reported at once, not after the start deadline.
+  * `stop()` always ends the whole group: SIGTERM, SIGKILL after a grace period, then reap. It runs shielded,
+    so cancellation of the caller cannot leave an orphan.
+
+Why `subprocess.Popen` and polling rather than `anyio.open_process`: an engine outlives the task that
+started it (the fleet's relaunch runs in the health monitor's task; the fleet's `run()` stops it), while
+anyio's `Process` wants to be closed by the task that opened it. Exit checks use
+`waitid(WNOWAIT)`, which sees the exit without reaping, so the process-group id cannot be reused by the OS
+before the final `killpg` that sweeps the group's leftovers.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import anyio
+import psutil
+
+from coordinator.engines.client import NO_RETRY, EngineClient, EngineError
+
+#: Ports handed out by this process recently; a second launch in the same moment must not get the same one.
+_RESERVED: dict[int, float] = {}
+_RESERVE_SECONDS = 60.0
+
+_ADDRESS_IN_USE = ("address already in use", "errno 98", "eaddrinuse", "address in use")
+
+
+class EngineLaunchError(RuntimeError):
+    """An engine failed to start: it exited, or did not become healthy before the deadline."""
+
+    def __init__(
+        self, message: str, *, name: str, log_path: Path | None, log_tail: str, returncode: int | None
+    ) -> None:
+        tail = f"\n--- last lines of {log_path} ---\n{log_tail}" if log_tail else ""
+        super().__init__(f"engine {name}: {message}{tail}")
+        self.name = name
+        self.log_path = log_path
+        self.log_tail = log_tail
+        self.returncode = returncode
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago and not handed out by this process in the last minute.
+
+    Binding port 0 and releasing it is racy against other processes; launches retry on address-in-use.
+    """
+    now = time.monotonic()
+    for port, t in list(_RESERVED.items()):
+        if now - t > _RESERVE_SECONDS:
+            del _RESERVED[port]
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _RESERVED:
+            _RESERVED[port] = now
+            return port
+    raise RuntimeError("could not find a free port")
+
+
+def read_tail(path: Path, lines: int = 40, max_bytes: int = 16384) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])
+
+
+@dataclass(frozen=True)
+class EngineLaunchSpec:
+    """How to start one kind of local engine.
+
+    kind: "cpu" runs `python -m workers.engine`; "sglang" runs `python -m sglang.launch_server`.
+    extra_args: appended verbatim (the `--sglang-*` passthrough for SGLang, engine flags for the CPU engine).
+    """
+
+    kind: str
+    model_path: str
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    start_timeout: float = 300.0
+    stop_grace: float = 10.0
+    python: str = field(default=sys.executable)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cpu", "sglang"):
+            raise ValueError(f"engine kind must be 'cpu' or 'sglang', got {self.kind!r}")
+
+    def command(self, port: int) -> list[str]:
+        module = "workers.engine" if self.kind == "cpu" else "sglang.launch_server"
+        cmd = [
+            self.python,
+            "-m",
+            module,
+            "--model-path",
+            str(self.model_path),
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+        ]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        return cmd + list(self.extra_args)
+
+
+class EngineProcess:
+    """One launched engine. `start()` → healthy or EngineLaunchError; `stop()` ends its process group."""
+
+    def __init__(self, spec: EngineLaunchSpec, *, name: str, log_path: Path, client: EngineClient) -> None:
+        self.spec = spec
+        self.name = name
+        self.log_path = log_path
+        self.client = client
+        self.port: int | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"engine {self.name} has no port yet")
+        return f"http://{self.spec.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def exit_code(self) -> int | None:
+        """The exit status if the process has exited (without reaping it), else None."""
+        if self.proc is None:
+            return None
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        try:
+            info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return self.proc.poll()
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+    def running(self) -> bool:
+        return self.proc is not None and self.exit_code() is None
+
+    async def start(self, *, port: int | None = None, attempts: int = 3) -> str:
+        """Spawn the engine and wait until `/health_generate` answers; return its base URL.
+
+        `port`: try this one first (a relaunch keeps its URL when it can); a fresh free port is taken when
+        it is None or when the engine reports the address in use.
+        """
+        if self.running():
+            raise RuntimeError(f"engine {self.name} is already running (pid {self.pid})")
+        for attempt in range(1, attempts + 1):
+            self.port = port if (port is not None and attempt == 1) else free_port(self.spec.host)
+            try:
+                await self._start_once()
+                return self.url
+            except EngineLaunchError as exc:
+                in_use = any(s in exc.log_tail.lower() for s in _ADDRESS_IN_USE)
+                if not in_use or attempt == attempts:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _start_once(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: ASYNC230 - local append-only log, closed in stop()
+        cmd = self.spec.command(self.port or 0)
+        self._log.write(f"\n=== rayless: starting engine {self.name}: {' '.join(cmd)}\n".encode())
+        self._log.flush()
+        env = dict(os.environ)
+        env.update(dict(self.spec.env))
+        self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns after exec; exit is polled, never waited on
+            cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, env=env, start_new_session=True
+        )
+        ok = False
+        try:
+            with anyio.fail_after(self.spec.start_timeout):
+                await self._wait_healthy()
+            ok = True
+        except TimeoutError:
+            raise self._launch_error(
+                f"not healthy within {self.spec.start_timeout:.0f}s (/health_generate)"
+            ) from None
+        finally:
+            if not ok:
+                await self.stop()
+
+    async def _wait_healthy(self) -> None:
+        """Probe /health_generate while a sibling task watches the process; whichever ends first wins."""
+        engine = self.client.engine(self.url)
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while True:
+                    code = self.exit_code()
+                    if code is not None:
+                        raise self._launch_error(f"exited with status {code} while starting")
+                    await anyio.sleep(0.1)
+
+            async def probe() -> None:
+                while True:
+                    try:
+                        await engine.health_generate(timeout=30.0, retry=NO_RETRY)
+                        break
+                    except EngineError:
+                        await anyio.sleep(0.25)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            tg.start_soon(probe)
+
+    def _launch_error(self, message: str) -> EngineLaunchError:
+        if self._log is not None:
+            self._log.flush()
+        return EngineLaunchError(
+            message,
+            name=self.name,
+            log_path=self.log_path,
+            log_tail=read_tail(self.log_path),
+            returncode=self.exit_code(),
+        )
+
+    async def stop(self) -> int | None:
+        """End the engine's process group (SIGTERM, SIGKILL after the grace period) and reap it. Shielded.
+
+        Returns the exit status, or None if it was never started.
+        """
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.returncode is not None:  # already reaped by an earlier stop(): its pgid may be reused now
+            self._close_log()
+            return proc.returncode
+        code = await terminate_process_group(proc, self.spec.stop_grace)
+        self._close_log(f"=== rayless: engine {self.name} ended with status {code}\n")
+        return code
+
+    def _close_log(self, last_line: str = "") -> None:
+        if self._log is not None:
+            self._log.write(last_line.encode())
+            self._log.close()
+            self._log = None
+
+
+def _exited(pid: int) -> bool:
+    """Has the child exited? Seen without reaping it, so its process-group id cannot be reused yet."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+async def terminate_process_group(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """End `proc`'s process group: SIGTERM, SIGKILL after `grace` seconds, sweep leftovers, reap. Shielded.
+
+    `proc` must lead its own group (started with start_new_session=True) and not be reaped yet.
+    """
+    with anyio.CancelScope(shield=True):
+        try:
+            descendants = psutil.Process(proc.pid).children(recursive=True)  # helpers that left the group
+        except psutil.Error:
+            descendants = []
+        if not _exited(proc.pid):
+            _killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            # No event exists for a child's exit short of SIGCHLD handlers (process-global): poll.
+            while not _exited(proc.pid) and time.monotonic() < deadline:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        # The leader is exited but not reaped, so its pgid is still ours: sweep the whole group.
+        _killpg(proc.pid, signal.SIGKILL)
+        for child in descendants:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        while proc.poll() is None:  # noqa: ASYNC110 - SIGKILLed: reaped within milliseconds
+            await anyio.sleep(0.02)
+        return proc.returncode
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def engine_log_path(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / "logs" / f"engine-{name}.log"
+
+
+async def launch_engine(
+    spec: EngineLaunchSpec, *, name: str, run_dir: Path, client: EngineClient, port: int | None = None
+) -> EngineProcess:
+    """Start one engine and return it healthy (caller owns `stop()`), or raise EngineLaunchError."""
+    ep = EngineProcess(spec, name=name, log_path=engine_log_path(run_dir, name), client=client)
+    await ep.start(port=port)
+    return ep
+
+
+def parse_passthrough(args: Sequence[str] | str | None) -> tuple[str, ...]:
+    """`--sglang-*` passthrough arrives as a list or one shell-quoted string."""
+    if args is None:
+        return ()
+    if isinstance(args, str):
+        return tuple(shlex.split(args))
+    return tuple(args)
