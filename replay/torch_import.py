@@ -58,6 +58,10 @@ _KNOWN_KEYS = {
 _STATUS_ALIASES = {s.value: s for s in SampleStatus} | {"failed": SampleStatus.ABORTED}
 
 
+class _Refused(pickle.UnpicklingError):
+    """The file asks for a global or persistent object; raised before anything is resolved."""
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """Builds only plain containers and scalars; every other global or persistent id is refused."""
 
@@ -72,11 +76,11 @@ class _PlainUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         allowed = self._ALLOWED.get((module, name))
         if allowed is None:
-            raise pickle.UnpicklingError(f"refusing to load global {module}.{name} (not plain data)")
+            raise _Refused(f"refusing to load global {module}.{name} (not plain data)")
         return allowed
 
     def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("refusing a persistent id (a legacy torch storage or custom object)")
+        raise _Refused("refusing a persistent id (a legacy torch storage or custom object)")
 
 
 def load_plain(path: str | os.PathLike[str]) -> Any:
@@ -106,9 +110,18 @@ def load_plain(path: str | os.PathLike[str]) -> Any:
     data = path.read_bytes()
     try:
         return _PlainUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as exc:
+    except _Refused as exc:
         raise DumpError(refusal.format(path=path, detail=exc)) from None
-    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as exc:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        AttributeError,
+        MemoryError,
+    ) as exc:
         raise DumpError(f"{path}: neither a torch.save file nor a readable pickle ({exc!r:.120})") from None
 
 
