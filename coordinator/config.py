@@ -27,7 +27,7 @@ from typing import Any
 
 FT_COMPONENTS = ("rollout", "train")
 ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_plus_plus_baseline")
-RM_TYPES = ("exact_match", "math", "first_digit", "copy", "reverse")
+RM_TYPES = ("exact_match", "math", "first_digit", "char_match")
 WEIGHT_TRANSFER_MODES = ("disk", "distributed")
 ENGINE_BACKENDS = ("auto", "cpu", "sglang")
 DEFAULT_ROLLOUT_FUNCTION = "coordinator.rollout.generate:DefaultRollout"

@@ -1,0 +1,125 @@
+"""Terminal progress and the run's metrics file.
+
+Owns what a person watching the run sees (a live rich status line on a terminal, plain log lines otherwise or
+with `--no-progress`) and `metrics.jsonl` in the run directory: one JSON object per line, each with `step`
+(the rollout id) and a `time`. Invariant: every line of metrics.jsonl is a complete JSON object (written
+and flushed in one call), so a crash never leaves a torn line that breaks the reader.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+log = logging.getLogger("rayless")
+
+
+class HasLine(Protocol):
+    def line(self) -> str: ...
+
+
+class ProgressDisplay:
+    def __init__(self, *, enabled: bool, min_interval: float = 0.25, log_interval: float = 10.0) -> None:
+        self.live = enabled and sys.stderr.isatty()
+        self.min_interval = min_interval
+        self.log_interval = log_interval
+
+    @contextmanager
+    def __call__(self, title: str, source: HasLine) -> Iterator[Callable[[], None]]:
+        if self.live:
+            from rich.console import Console
+            from rich.live import Live
+
+            console = Console(stderr=True)
+            last = 0.0
+            with Live(console=console, refresh_per_second=4, transient=True) as live:
+
+                def refresh() -> None:
+                    nonlocal last
+                    now = time.monotonic()
+                    if now - last >= self.min_interval:
+                        last = now
+                        live.update(f"[bold]{title}[/]  {source.line()}")
+
+                refresh()
+                yield refresh
+            return
+        last_logged = time.monotonic()
+
+        def log_refresh() -> None:
+            nonlocal last_logged
+            now = time.monotonic()
+            if now - last_logged >= self.log_interval:
+                last_logged = now
+                log.info("%s  %s", title, source.line())
+
+        yield log_refresh
+
+
+class MetricsLog:
+    """Appends metrics to `<run_dir>/metrics.jsonl`; keeps them in memory for the end-of-run plot."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._file: TextIO = self.path.open("a", encoding="utf-8")
+        self.history: list[dict[str, Any]] = []
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        self.history.append(record)
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_rewards(history: list[dict[str, Any]], path: Path) -> Path | None:
+    """Reward / response length / timing curves to a PNG at the end of a run (matplotlib, no display)."""
+    rows = [row for row in history if "rollout/reward_mean" in row]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [row["step"] for row in rows]
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [row["rollout/reward_mean"] for row in rows], marker=".")
+    axes[0].set_title("mean reward")
+    axes[1].plot(steps, [row.get("rollout/response_len_mean", 0) for row in rows], marker=".")
+    axes[1].set_title("mean response length")
+    for key, label in (("rollout/time_s", "rollout"), ("train/time_s", "train"), ("sync/time_s", "weight sync")):
+        values = [row.get(key) for row in rows]
+        if any(v is not None for v in values):
+            axes[2].plot(steps, [v if v is not None else float("nan") for v in values], label=label)
+    axes[2].set_title("seconds per rollout")
+    axes[2].legend()
+    for axis in axes:
+        axis.set_xlabel("rollout")
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -1,0 +1,360 @@
+"""The generate path: GenerateState and the default rollout function.
+
+Owns turning prompt records into scored, filtered groups of samples through the dispatcher:
+`n_samples_per_prompt` requests per prompt (all on one engine), each under the GenerateState semaphore;
+finish reasons mapped to sample status; groups scored, filtered and accepted until `rollout_batch_size`
+groups are in; then every straggler is aborted at once (and, with `--partial-rollout`, its partial tokens
+are kept in a buffer and continued in the next rollout).
+
+Invariants:
+- a rollout returns exactly `rollout_batch_size` groups of exactly `n_samples_per_prompt` samples each;
+- every accepted sample was answered exactly once (the dispatcher retries only requests whose engine died);
+- at most `generate concurrency` requests are in flight (the semaphore), never an unbounded number.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from coordinator.rollout.data_source import PromptRecord
+from coordinator.rollout.dispatch import Dispatcher
+from coordinator.rollout.filters import DynamicFilter
+from coordinator.rollout.rewards import RewardModel
+from replay.sample import RolloutBatch, Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from coordinator.rollout.manager import RolloutContext
+
+log = logging.getLogger(__name__)
+
+FINISH_STATUS = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
+
+
+@dataclass
+class GenerateState:
+    """What generation needs besides engines: tokenizer, sampling defaults, and the concurrency bound."""
+
+    tokenizer: Any
+    sampling_params: dict[str, Any]
+    max_response_len: int
+    context_length: int
+    concurrency: int
+    seed: int
+    semaphore: anyio.Semaphore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.semaphore = anyio.Semaphore(self.concurrency)
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def max_new_tokens(self, prompt_length: int, already_generated: int = 0) -> int:
+        """The response budget of one sample, clipped so prompt + response fits the context length."""
+        room = self.context_length - prompt_length
+        return max(0, min(self.max_response_len - already_generated, room))
+
+
+@dataclass
+class PartialGroup:
+    """Aborted stragglers of an earlier rollout, continued in the next one (`--partial-rollout`)."""
+
+    record: PromptRecord
+    prompt_ids: list[int]
+    samples: list[Sample]
+
+
+@dataclass
+class RolloutProgress:
+    target: int
+    accepted: int = 0
+    in_flight: int = 0
+    generated_tokens: int = 0
+    aborted: int = 0
+    filtered: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        return (
+            f"groups {self.accepted}/{self.target}  in flight {self.in_flight}  "
+            f"{self.generated_tokens / elapsed:,.0f} tok/s  aborted {self.aborted}  filtered {self.filtered}"
+        )
+
+
+class DefaultRollout:
+    """The default rollout fn: constructed once with the context, called once per rollout."""
+
+    def __init__(self, context: RolloutContext) -> None:
+        # Pieces are read from the context when used, not here: in --debug-train-only the fn is built but the
+        # engines are not, and using it then must fail with the context's clear "not built" error.
+        self.context = context
+        self.config = context.config
+        self.partial_buffer: list[PartialGroup] = []
+        self.progress: RolloutProgress | None = None
+
+    @property
+    def state(self) -> GenerateState:
+        return self.context.generate_state
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return self.context.dispatcher
+
+    @property
+    def data_source(self) -> Any:
+        return self.context.data_source
+
+    @property
+    def reward_model(self) -> RewardModel:
+        return self.context.reward_model
+
+    @property
+    def filter(self) -> DynamicFilter | None:
+        return self.context.dynamic_filter
+
+    async def __call__(self, rollout_id: int, weight_version: str) -> RolloutBatch:
+        config = self.config
+        target = config.rollout_batch_size
+        assert target is not None
+        progress = self.progress = RolloutProgress(target=target)
+        if self.filter is not None:
+            self.filter.reset()
+        started = time.monotonic()
+        accepted: list[list[Sample]] = []
+        stragglers: list[PartialGroup] = []
+        send, receive = anyio.create_memory_object_stream[tuple[PartialGroup, list[Sample]]](
+            max_buffer_size=config.effective_over_sampling_batch_size
+        )
+        next_group_index = 0
+        pending = 0
+
+        async def run_group(group: PartialGroup, stream: Any) -> None:
+            async with stream:
+                samples = await self._generate_group(group, rollout_id)
+                await stream.send((group, samples))
+
+        with self.context.progress_display(f"rollout {rollout_id}", progress) as refresh:
+            async with send, receive, anyio.create_task_group() as task_group:
+
+                def submit(groups: list[PartialGroup]) -> None:
+                    nonlocal pending
+                    for group in groups:
+                        pending += 1
+                        task_group.start_soon(run_group, group, send.clone())
+
+                resumed, self.partial_buffer = self.partial_buffer, []
+                first = resumed + self._new_groups(
+                    config.effective_over_sampling_batch_size - len(resumed), next_group_index
+                )
+                next_group_index += len(first)
+                submit(first)
+                async for group, samples in receive:
+                    pending -= 1
+                    aborted = [s for s in samples if s.status is SampleStatus.ABORTED]
+                    if aborted:
+                        # Aborted before the batch was full (an engine paused with mode=abort): generate the
+                        # aborted samples again, so the prompt is not lost.
+                        progress.aborted += len(aborted)
+                        submit([self._resume(PartialGroup(group.record, group.prompt_ids, samples))])
+                    elif len(accepted) < target:
+                        await self.reward_model.score_group(samples)
+                        keep = True
+                        if self.filter is not None:
+                            keep = (await self.filter(samples)).keep
+                            if not keep:
+                                progress.filtered += 1
+                        if keep:
+                            accepted.append(samples)
+                            progress.accepted = len(accepted)
+                    if len(accepted) >= target:
+                        break
+                    if pending + len(accepted) < target:
+                        more = self._new_groups(config.effective_over_sampling_batch_size, next_group_index)
+                        next_group_index += len(more)
+                        submit(more)
+                    refresh()
+                # The batch is full: abort every straggler at once, collect what they return.
+                if pending:
+                    await self.dispatcher.abort_all()
+                    with anyio.move_on_after(10):
+                        while pending:
+                            group, samples = await receive.receive()
+                            pending -= 1
+                            progress.aborted += sum(s.status is SampleStatus.ABORTED for s in samples)
+                            stragglers.append(PartialGroup(group.record, group.prompt_ids, samples))
+                    task_group.cancel_scope.cancel()
+                refresh()
+
+        if config.partial_rollout:
+            self.partial_buffer = [self._resume(group) for group in stragglers]
+        for new_index, group in enumerate(accepted):
+            for sample in group:
+                sample.group_index = new_index
+        metrics = self._metrics(accepted, progress, time.monotonic() - started)
+        return RolloutBatch(rollout_id=rollout_id, groups=accepted, metrics=metrics)
+
+    # ------------------------------------------------------------------------------------------------------
+    def _new_groups(self, count: int, first_index: int) -> list[PartialGroup]:
+        if count <= 0:
+            return []
+        groups = []
+        for offset, record in enumerate(self.data_source.take(count)):
+            if not isinstance(record.prompt, str):
+                raise TypeError(
+                    "prompt records hold chat messages but --apply-chat-template is not set; set it, or give "
+                    "plain-text prompts"
+                )
+            prompt_ids = self.state.encode(record.prompt)
+            samples = [
+                self._empty_sample(record, prompt_ids, first_index + offset, k)
+                for k in range(self.config.n_samples_per_prompt)
+            ]
+            groups.append(PartialGroup(record, prompt_ids, samples))
+        return groups
+
+    def _empty_sample(self, record: PromptRecord, prompt_ids: list[int], group: int, index: int) -> Sample:
+        return Sample(
+            group_index=group,
+            sample_index=index,
+            prompt=str(record.prompt),
+            tokens=list(prompt_ids),
+            response_length=0,
+            loss_mask=[],
+            rollout_log_probs=[],
+            status=SampleStatus.PENDING,
+            label=record.label,
+            metadata={**record.metadata, "prompt_index": record.index},
+        )
+
+    def _resume(self, group: PartialGroup) -> PartialGroup:
+        """Make aborted samples generate again: from their partial tokens with --partial-rollout, else anew."""
+        for sample in group.samples:
+            if sample.status is not SampleStatus.ABORTED:
+                continue
+            sample.status = SampleStatus.PENDING
+            if not self.config.partial_rollout:
+                sample.tokens = sample.tokens[: sample.prompt_length]
+                sample.response_length = 0
+                sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [], [], []
+                sample.response = ""
+        return group
+
+    async def _generate_group(self, group: PartialGroup, rollout_id: int) -> list[Sample]:
+        engine = None if self.dispatcher.router_url else await self.dispatcher.pick()
+        results: list[Sample] = list(group.samples)
+
+        async def one(position: int, sample: Sample) -> None:
+            if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
+                return  # finished in an earlier rollout (partial rollout)
+            results[position] = await self._generate_sample(sample, rollout_id, engine)
+
+        async with anyio.create_task_group() as task_group:
+            for position, sample in enumerate(group.samples):
+                task_group.start_soon(one, position, sample)
+        return results
+
+    async def _generate_sample(self, sample: Sample, rollout_id: int, engine: Any) -> Sample:
+        progress = self.progress
+        prompt_length = sample.prompt_length
+        budget = self.state.max_new_tokens(prompt_length, sample.response_length)
+        if budget <= 0 and sample.response_length == 0:
+            raise ValueError(
+                f"prompt {sample.metadata.get('prompt_index')} has {prompt_length} tokens, leaving no room in the "
+                f"context length {self.state.context_length}; shorten it or raise --rollout-max-context-len"
+            )
+        if budget <= 0:
+            sample.status = SampleStatus.TRUNCATED
+            return sample
+        seed = _sampling_seed(self.state.seed, rollout_id, sample)
+        payload = {
+            "input_ids": sample.tokens,
+            "sampling_params": {
+                **self.state.sampling_params,
+                "max_new_tokens": budget,
+                "sampling_seed": seed,
+            },
+            "return_logprob": True,
+            "rid": uuid.uuid4().hex,
+        }
+        async with self.state.semaphore:
+            if progress is not None:
+                progress.in_flight += 1
+            try:
+                response, _ = await self.dispatcher.generate(payload, engine=engine)
+            finally:
+                if progress is not None:
+                    progress.in_flight -= 1
+        return self._apply_response(sample, response)
+
+    def _apply_response(self, sample: Sample, response: dict[str, Any]) -> Sample:
+        meta = response.get("meta_info") or {}
+        output_ids = response.get("output_ids")
+        logprob_triples = meta.get("output_token_logprobs") or []
+        if output_ids is None:  # SGLang before 0.5.1 has no output_ids; the logprob triples carry the ids
+            output_ids = [int(triple[1]) for triple in logprob_triples]
+        if len(logprob_triples) != len(output_ids):
+            raise ValueError(
+                f"engine returned {len(output_ids)} tokens but {len(logprob_triples)} logprobs for rid "
+                f"{meta.get('id')}; the engine must honour return_logprob"
+            )
+        finish = meta.get("finish_reason") or {}
+        status = FINISH_STATUS.get(finish.get("type") if isinstance(finish, dict) else None)
+        if status is None:
+            raise ValueError(f"engine returned an unknown finish_reason {finish!r}")
+        sample.tokens = sample.tokens + [int(token) for token in output_ids]
+        sample.response_length += len(output_ids)
+        sample.loss_mask = sample.loss_mask + [1] * len(output_ids)
+        sample.rollout_log_probs = sample.rollout_log_probs + [float(triple[0]) for triple in logprob_triples]
+        sample.response = self.state.decode(sample.response_tokens)
+        sample.status = status
+        version = str(meta.get("weight_version", "default"))
+        if not sample.weight_versions or sample.weight_versions[-1] != version:
+            sample.weight_versions = [*sample.weight_versions, version]
+        if self.progress is not None:
+            self.progress.generated_tokens += len(output_ids)
+        return sample
+
+    def _metrics(
+        self, groups: list[list[Sample]], progress: RolloutProgress, seconds: float
+    ) -> dict[str, float]:
+        samples = [sample for group in groups for sample in group]
+        rewards = [sample.scalar_reward(self.config.reward_key) for sample in samples]
+        lengths = [sample.response_length for sample in samples]
+        mean = sum(rewards) / max(len(rewards), 1)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1))
+        metrics = {
+            "rollout/reward_mean": mean,
+            "rollout/reward_std": std,
+            "rollout/response_len_mean": sum(lengths) / max(len(lengths), 1),
+            "rollout/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples)
+            / max(len(samples), 1),
+            "rollout/aborted_stragglers": float(progress.aborted),
+            "rollout/filtered_groups": float(progress.filtered),
+            "rollout/engine_retries": float(self.dispatcher.retried),
+            "rollout/time_s": seconds,
+            "rollout/tokens_per_s": progress.generated_tokens / max(seconds, 1e-9),
+            "rollout/partial_buffer": float(len(self.partial_buffer)),
+        }
+        if self.filter is not None:
+            metrics.update(self.filter.metrics())
+        return metrics
+
+
+def _sampling_seed(seed: int, rollout_id: int, sample: Sample) -> int:
+    """Deterministic per-sample seed, so a rerun with the same weights draws the same tokens."""
+    value = (seed * 1_000_003 + rollout_id) * 1_000_003 + sample.group_index * 1_009 + sample.sample_index
+    return (value + sample.response_length * 7_919) % (2**31 - 1)

@@ -1,0 +1,350 @@
+"""RolloutManager: builds exactly the rollout machinery the run's mode needs, and nothing else.
+
+Owns the construction gates of the mode table (ARCHITECTURE.md), reading only `Config`'s derived facts:
+
+| mode                            | rollout fn | eval fn | GenerateState / dispatcher | replay loader |
+|---------------------------------|------------|---------|----------------------------|---------------|
+| replay (--load-debug-rollout-data) | no      | no      | no                         | yes           |
+| --debug-train-only              | yes        | yes     | no                         | no            |
+| otherwise                       | yes        | yes (shared when the paths are equal) | yes          | no            |
+
+Invariant: a piece that this mode did not build is never `None`-called: reaching it raises `NotBuiltError`,
+which names the mode and the flag that turned it off. Every batch handed to the training loop has its
+advantages computed here (one place, for generated and replayed rollouts alike) and, with
+`--save-debug-rollout-data`, is dumped before it is returned.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config
+from coordinator.progress import ProgressDisplay
+from coordinator.rollout.advantages import compute_advantages
+from coordinator.rollout.data_source import PromptDataSource
+from coordinator.rollout.dispatch import Dispatcher
+from coordinator.rollout.filters import DynamicFilter
+from coordinator.rollout.generate import GenerateState
+from coordinator.rollout.loading import load_object
+from coordinator.rollout.rewards import RewardModel
+from replay.sample import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+class NotBuiltError(RuntimeError):
+    """A piece of rollout machinery that this run's mode does not build was used."""
+
+
+def _not_built(piece: str, config: Config) -> NotBuiltError:
+    if config.replay_mode:
+        why = f"--load-debug-rollout-data {config.load_debug_rollout_data!r} replays dumps"
+    elif config.debug_train_only:
+        why = "--debug-train-only starts no engines"
+    else:
+        why = "this run's configuration does not need it"
+    return NotBuiltError(f"{piece} is not built in this run: {why}")
+
+
+class RolloutContext:
+    """What a rollout fn is constructed with. Pieces the mode did not build raise NotBuiltError on access."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        tokenizer: Any,
+        data_source: PromptDataSource | None,
+        generate_state: GenerateState | None,
+        dispatcher: Dispatcher | None,
+        reward_model: RewardModel | None,
+        dynamic_filter: DynamicFilter | None,
+        progress_display: Callable[..., AbstractContextManager[Callable[[], None]]] | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self._data_source = data_source
+        self._generate_state = generate_state
+        self._dispatcher = dispatcher
+        self._reward_model = reward_model
+        self.dynamic_filter = dynamic_filter
+        self.progress_display = progress_display or _no_progress
+
+    @property
+    def data_source(self) -> PromptDataSource:
+        if self._data_source is None:
+            raise _not_built("the prompt data source (--prompt-data)", self.config)
+        return self._data_source
+
+    @property
+    def generate_state(self) -> GenerateState:
+        if self._generate_state is None:
+            raise _not_built("GenerateState (engines, tokenizer, request semaphore)", self.config)
+        return self._generate_state
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        if self._dispatcher is None:
+            raise _not_built("the engine dispatcher", self.config)
+        return self._dispatcher
+
+    @property
+    def reward_model(self) -> RewardModel:
+        if self._reward_model is None:
+            raise _not_built("the reward model (--rm-type / --custom-rm-path)", self.config)
+        return self._reward_model
+
+
+@contextmanager
+def _no_progress(title: str, source: Any) -> Any:
+    yield lambda: None
+
+
+RolloutCallable = Callable[[int, str], Awaitable[RolloutBatch]]
+
+
+def instantiate_rollout_fn(path: str, context: RolloutContext, *, what: str) -> RolloutCallable:
+    """A class is constructed once with the context; a function is called as fn(context, rollout_id, version)."""
+    target = load_object(path, what=what)
+    if inspect.isclass(target):
+        instance = target(context)
+        if not callable(instance):
+            raise TypeError(f"{what} {path!r}: instances of {target.__name__} are not callable")
+        return _as_async(instance, path, what)
+    if callable(target):
+        return _as_async(lambda rollout_id, version: target(context, rollout_id, version), path, what)
+    raise TypeError(f"{what} {path!r} is neither a class nor a function")
+
+
+def _as_async(fn: Callable[[int, str], Any], path: str, what: str) -> RolloutCallable:
+    async def call(rollout_id: int, weight_version: str) -> RolloutBatch:
+        result = fn(rollout_id, weight_version)
+        if inspect.isawaitable(result):
+            result = await result
+        if isinstance(result, RolloutBatch):
+            return result
+        if isinstance(result, list):
+            return RolloutBatch(rollout_id=rollout_id, groups=result)
+        raise TypeError(f"{what} {path!r} returned {type(result).__name__}; expected a RolloutBatch or a list "
+                        "of sample groups")
+
+    call.target = fn  # type: ignore[attr-defined]
+    return call
+
+
+@dataclass
+class BuildCounts:
+    """What a RolloutManager constructed, counted, so tests pin the gates down instead of assuming them."""
+
+    rollout_fns: int = 0
+    eval_fns: int = 0
+    generate_states: int = 0
+    dispatchers: int = 0
+    replay_loaders: int = 0
+    data_sources: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class RolloutManager:
+    def __init__(self, *, config: Config) -> None:
+        self.config = config
+        self.counts = BuildCounts()
+        self._rollout_fn: RolloutCallable | None = None
+        self._eval_fn: RolloutCallable | None = None
+        self._replay_loader: Any = None
+        self.context: RolloutContext | None = None
+
+    # --- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        config: Config,
+        *,
+        tokenizer: Any = None,
+        client: Any = None,
+        pool: Any = None,
+        router_url: str | None = None,
+        context_length: int | None = None,
+        progress: ProgressDisplay | None = None,
+    ) -> RolloutManager:
+        manager = cls(config=config)
+        if config.replay_mode:
+            from replay.loader import ReplayLoader
+
+            manager._replay_loader = ReplayLoader(
+                config.load_debug_rollout_data,  # type: ignore[arg-type]
+                subsample=config.load_debug_rollout_data_subsample,
+                seed=config.rollout_seed,
+                n_samples_per_prompt=None,
+            )
+            manager.counts.replay_loaders += 1
+            return manager
+
+        generate_state = dispatcher = None
+        if config.needs_engines:
+            if client is None or (pool is None and router_url is None):
+                raise ValueError("a run that generates needs an engine client and a fleet or router")
+            generate_state = GenerateState(
+                tokenizer=tokenizer,
+                sampling_params=sampling_params(config),
+                max_response_len=config.rollout_max_response_len,
+                context_length=context_length or config.rollout_max_context_len or 1 << 30,
+                concurrency=config.generate_concurrency,
+                seed=config.rollout_seed,
+            )
+            manager.counts.generate_states += 1
+            dispatcher = Dispatcher(client=client, pool=pool, router_url=router_url)
+            manager.counts.dispatchers += 1
+        data_source = build_data_source(config, tokenizer) if config.prompt_data else None
+        if data_source is not None:
+            manager.counts.data_sources += 1
+        reward_model = build_reward_model(config)
+        dynamic_filter = (DynamicFilter.load(config.dynamic_sampling_filter_path, reward_key=config.reward_key)
+                          if config.dynamic_sampling_filter_path else None)
+        manager.context = RolloutContext(
+            config=config, tokenizer=tokenizer, data_source=data_source, generate_state=generate_state,
+            dispatcher=dispatcher, reward_model=reward_model, dynamic_filter=dynamic_filter,
+            progress_display=progress,
+        )
+        manager._rollout_fn = instantiate_rollout_fn(config.rollout_function_path, manager.context,
+                                                     what="--rollout-function-path")
+        manager.counts.rollout_fns += 1
+        if config.shares_rollout_and_eval_fn:
+            manager._eval_fn = manager._rollout_fn
+        else:
+            manager._eval_fn = instantiate_rollout_fn(config.effective_eval_function_path, manager.context,
+                                                      what="--eval-function-path")
+            manager.counts.eval_fns += 1
+        return manager
+
+    # --- gated pieces -------------------------------------------------------------------------------------
+    @property
+    def rollout_fn(self) -> RolloutCallable:
+        if self._rollout_fn is None:
+            raise _not_built("the rollout function", self.config)
+        return self._rollout_fn
+
+    @property
+    def eval_fn(self) -> RolloutCallable:
+        if self._eval_fn is None:
+            raise _not_built("the eval function", self.config)
+        return self._eval_fn
+
+    @property
+    def replay_loader(self) -> Any:
+        if self._replay_loader is None:
+            raise NotBuiltError("the replay loader is built only with --load-debug-rollout-data")
+        return self._replay_loader
+
+    @property
+    def built_generate_state(self) -> GenerateState | None:
+        return None if self.context is None else self.context._generate_state
+
+    # --- the interface the training loop uses ----------------------------------------------------------------
+    async def get_rollout(self, rollout_id: int, weight_version: str) -> RolloutBatch:
+        if self.config.replay_mode:
+            batch = await self.replay_loader.get_rollout(rollout_id, weight_version)
+        else:
+            batch = await self.rollout_fn(rollout_id, weight_version)
+            self._check_shape(batch)
+        compute_advantages(batch.groups, estimator=self.config.advantage_estimator,
+                           normalize_std=not self.config.disable_grpo_std_normalization,
+                           reward_key=self.config.reward_key)
+        if self.config.save_debug_rollout_data is not None and not self.config.replay_mode:
+            await self._dump(batch)
+        return batch
+
+    def _check_shape(self, batch: RolloutBatch) -> None:
+        if self.config.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION:
+            return  # a custom rollout fn may return any shape (e.g. SFT data); the default one is checked
+        want_groups, want_n = self.config.rollout_batch_size, self.config.n_samples_per_prompt
+        sizes = [len(group) for group in batch.groups]
+        if len(sizes) != want_groups or any(size != want_n for size in sizes):
+            raise RuntimeError(f"rollout {batch.rollout_id} returned groups of sizes {sizes}; expected "
+                               f"{want_groups} groups of {want_n}")
+
+    async def _dump(self, batch: RolloutBatch, *, kind: str = "rollout") -> None:
+        from replay.format import dump_path, write_dump
+
+        path = dump_path(self.config.save_debug_rollout_data, batch.rollout_id,  # type: ignore[arg-type]
+                         eval=(kind == "eval"))
+        facts = {
+            "hf_checkpoint": self.config.hf_checkpoint,
+            "n_samples_per_prompt": self.config.n_samples_per_prompt,
+            "rollout_batch_size": self.config.rollout_batch_size,
+            "advantage_estimator": self.config.advantage_estimator,
+            "reward_key": self.config.reward_key,
+            "metrics": batch.metrics,
+        }
+        await anyio.to_thread.run_sync(
+            lambda: write_dump(path, batch.rollout_id, batch.samples, config_facts=facts, kind=kind)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.context is not None and self.context._data_source is not None:
+            return {"data_source": self.context._data_source.state_dict()}
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "data_source" in state and self.context is not None and self.context._data_source is not None:
+            self.context._data_source.load_state_dict(state["data_source"])
+
+
+def sampling_params(config: Config) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "temperature": config.rollout_temperature,
+        "top_p": config.rollout_top_p,
+        "top_k": config.rollout_top_k,
+    }
+    if config.rollout_stop:
+        params["stop"] = list(config.rollout_stop)
+    if config.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(config.rollout_stop_token_ids)
+    return params
+
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_PROMPTS = 4096
+
+
+def builtin_task(config: Config) -> str | None:
+    if config.prompt_data and config.prompt_data.startswith(BUILTIN_PREFIX):
+        return config.prompt_data[len(BUILTIN_PREFIX):]
+    return None
+
+
+def build_data_source(config: Config, tokenizer: Any) -> PromptDataSource:
+    task = builtin_task(config)
+    if task is not None:
+        from coordinator.rollout.tasks import make_task_prompts
+
+        return PromptDataSource.from_records(
+            make_task_prompts(task, BUILTIN_PROMPTS, config.rollout_seed),
+            apply_chat_template=config.apply_chat_template, tokenizer=tokenizer,
+            shuffle=config.rollout_shuffle, seed=config.rollout_seed, source=config.prompt_data or "",
+        )
+    return PromptDataSource(
+        config.prompt_data or "", input_key=config.input_key, label_key=config.label_key,
+        metadata_key=config.metadata_key, apply_chat_template=config.apply_chat_template, tokenizer=tokenizer,
+        shuffle=config.rollout_shuffle, seed=config.rollout_seed,
+    )
+
+
+def build_reward_model(config: Config) -> RewardModel | None:
+    rm_type = config.rm_type
+    task = builtin_task(config)
+    if rm_type is None and config.custom_rm_path is None and task is not None:
+        from coordinator.rollout.tasks import get_task
+
+        rm_type = get_task(task).rm_type
+    if rm_type is None and config.custom_rm_path is None:
+        return None
+    return RewardModel(rm_type=rm_type, custom_rm_path=config.custom_rm_path, group_rm=config.group_rm,
+                       reward_key=config.reward_key)
