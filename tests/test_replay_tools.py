@@ -1,0 +1,132 @@
+"""`rayless dump show | verify | convert`: output and exit codes, in-process and as a real subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay.format import read_dump, write_dump
+from replay.sample import Sample, SampleStatus
+from replay.tools import main
+
+
+def write_sample_dump(path: Path, *, response_tokens: list[int] | None = None) -> Path:
+    response_tokens = response_tokens or [7, 8]
+    samples = [
+        Sample(
+            group_index=g,
+            sample_index=i,
+            prompt="question",
+            tokens=[3, 4, *response_tokens],
+            response_length=len(response_tokens),
+            loss_mask=[1] * len(response_tokens),
+            rollout_log_probs=[-0.5] * len(response_tokens),
+            reward=float(i),  # rewards 0,1 per group: mean 0.5, std 0.5
+            status=SampleStatus.COMPLETED if i == 0 else SampleStatus.TRUNCATED,
+            weight_versions=["2"],
+            response="answer text",
+        )
+        for g in range(3)
+        for i in range(2)
+    ]
+    return write_dump(
+        path, 11, samples, config_facts={"hf_checkpoint": "/models/tiny", "n_samples_per_prompt": 2}
+    )
+
+
+def test_show_prints_header_counts_and_statistics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_sample_dump(tmp_path / "11.rld")
+    assert main(["show", str(path), "--first", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout_id" in out and "11" in out
+    assert "config.hf_checkpoint" in out and "/models/tiny" in out
+    assert "groups: 3  samples: 6  group sizes: 2×3" in out
+    assert "status: completed 3, truncated 3" in out
+    reward_row = next(line for line in out.splitlines() if "│ reward " in line)
+    assert [cell.strip() for cell in reward_row.strip("│ ").split("│")] == [
+        "reward",
+        "6",
+        "0.5",
+        "0.5",
+        "0",
+        "1",
+    ]
+    assert out.count("sample 0/0") == 1 and "sample 0/1" not in out  # --first 1
+
+
+def test_show_decodes_with_a_tokenizer(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    ids = tokenizer.encode("hello", add_special_tokens=False)
+    path = write_sample_dump(tmp_path / "11.rld", response_tokens=ids)
+    assert main(["show", str(path), "--tokenizer", str(tiny_model_dir), "--first", "1"]) == 0
+    assert "decoded response: hello" in capsys.readouterr().out
+
+
+def test_verify_exit_codes_and_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = write_sample_dump(tmp_path / "1.rld")
+    other = write_sample_dump(tmp_path / "2.rld")
+    assert main(["verify", str(good), str(other)]) == 0
+    out = capsys.readouterr().out
+    assert f"ok {good} (rollout 11, 6 samples)" in out and f"ok {other}" in out
+
+    data = bytearray(other.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    other.write_bytes(bytes(data))
+    truncated = tmp_path / "3.rld"
+    truncated.write_bytes(good.read_bytes()[:-5])
+    assert main(["verify", str(good), str(other), str(truncated), str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"ok {good}")
+    assert lines[1].startswith(f"CORRUPT {other}: checksum mismatch")
+    assert lines[2].startswith(f"CORRUPT {truncated}: truncated")
+    assert lines[3] == f"CORRUPT {tmp_path}: is a directory, not a dump file"
+    assert lines[4] == "3 of 4 file(s) corrupt"
+
+
+def test_show_on_a_corrupt_file_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "x.rld"
+    bad.write_bytes(b"")
+    assert main(["show", str(bad)]) == 1
+    assert "empty file" in capsys.readouterr().err
+
+
+def test_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "rollout_0.pt"
+    raw = {
+        "index": 0,
+        "tokens": torch.tensor([1, 2, 3]),
+        "response_length": 1,
+        "rollout_log_probs": [-0.75],
+        "status": "truncated",
+        "reward": 0.0,
+    }
+    torch.save({"rollout_id": 0, "samples": [raw]}, src)
+    dst = tmp_path / "0.rld"
+    assert main(["convert", str(src), str(dst)]) == 1  # no group_index and no --n-samples-per-prompt
+    assert "pass --n-samples-per-prompt" in capsys.readouterr().err
+    assert main(["convert", str(src), str(dst), "--n-samples-per-prompt", "1"]) == 0
+    assert f"wrote {dst} (rollout 0, 1 samples)" in capsys.readouterr().out
+    sample = read_dump(dst).samples[0]
+    assert sample.status is SampleStatus.TRUNCATED and sample.rollout_log_probs == [-0.75]
+
+
+def test_cli_as_a_process(tmp_path: Path) -> None:
+    good = write_sample_dump(tmp_path / "1.rld")
+    bad = tmp_path / "2.rld"
+    bad.write_bytes(good.read_bytes()[:40])
+    ok = subprocess.run(
+        [sys.executable, "-m", "replay.tools", "verify", str(good)], capture_output=True, text=True
+    )
+    assert ok.returncode == 0 and ok.stdout.startswith(f"ok {good}")
+    fail = subprocess.run(
+        [sys.executable, "-m", "replay.tools", "verify", str(good), str(bad)], capture_output=True, text=True
+    )
+    assert fail.returncode == 1 and f"CORRUPT {bad}: truncated" in fail.stdout
