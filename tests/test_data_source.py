@@ -9,10 +9,13 @@ import pytest
 
 from coordinator.rollout.data_source import DataSourceError, PromptDataSource, PromptRecord, read_prompt_file
 from coordinator.rollout.tasks import (
+    BUILTIN_TASK_SIZE,
+    builtin_task_name,
     get_task,
     make_copy_prompts,
     make_first_digit_prompts,
     make_reverse_prompts,
+    open_prompt_source,
     write_task_jsonl,
 )
 
@@ -233,3 +236,16 @@ def test_written_task_reads_back(tmp_path: Path) -> None:
     path = write_task_jsonl(tmp_path / "sub" / "first.jsonl", "first_digit", 16, seed=2)
     source = PromptDataSource(path, label_key="label", metadata_key="metadata", shuffle=False, seed=0)
     assert source.take(16) == make_first_digit_prompts(16, seed=2)
+
+
+def test_open_prompt_source_builtin_and_file(tmp_path: Path) -> None:
+    builtin = open_prompt_source("builtin:reverse", shuffle=True, seed=9)
+    assert len(builtin) == BUILTIN_TASK_SIZE
+    again = open_prompt_source("builtin:reverse", shuffle=True, seed=9)
+    assert builtin.take(40) == again.take(40)
+    assert builtin_task_name("builtin:first_digit") == "first_digit"
+    assert builtin_task_name(str(tmp_path / "x.jsonl")) is None
+    with pytest.raises(ValueError, match=r"unknown built-in task 'nope'"):
+        open_prompt_source("builtin:nope", shuffle=False, seed=0)
+    from_file = open_prompt_source(str(numbered(tmp_path, 3)), label_key="label", shuffle=False, seed=0)
+    assert [record.label for record in from_file.take(4)] == ["0", "1", "2", "0"]

@@ -11,6 +11,9 @@ tokenizer every character is one token, so a prompt is 6 tokens. Tasks (see ../s
 | `first_digit` | `3`            | `first_digit`: fraction of the first 4 response chars equal to the label |
 | `copy`        | `371`          | `char_match`: fraction of label positions matched by the response       |
 | `reverse`     | `173`          | `char_match`                                                            |
+
+`--prompt-data builtin:NAME` selects a task without a file (`open_prompt_source`); `write_task_jsonl`
+writes one as a file to show the data format.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.rollout.data_source import PromptRecord
+from coordinator.rollout.data_source import ChatTokenizer, PromptDataSource, PromptRecord
 
 NUM_DIGITS = 3
 
@@ -96,3 +99,53 @@ def write_task_jsonl(path: str | Path, task: str, n: int, seed: int) -> Path:
                 + "\n"
             )
     return path
+
+
+BUILTIN_PREFIX = "builtin:"
+# Prompts drawn for a `builtin:` data source; 3 digits give only 1,000 distinct prompts, so a few thousand
+# draws cover them all with the natural repetition of random sampling.
+BUILTIN_TASK_SIZE = 4096
+
+
+def builtin_task_name(prompt_data: str | None) -> str | None:
+    """`first_digit` for `--prompt-data builtin:first_digit` (checked), None for a file path."""
+    if prompt_data is None or not prompt_data.startswith(BUILTIN_PREFIX):
+        return None
+    return get_task(prompt_data.removeprefix(BUILTIN_PREFIX)).name
+
+
+def open_prompt_source(
+    prompt_data: str,
+    *,
+    input_key: str = "prompt",
+    label_key: str | None = None,
+    metadata_key: str | None = None,
+    apply_chat_template: bool = False,
+    tokenizer: ChatTokenizer | None = None,
+    shuffle: bool,
+    seed: int,
+) -> PromptDataSource:
+    """The data source for a `--prompt-data` value: a built-in task (`builtin:NAME`) or a JSONL/Parquet file.
+
+    A built-in task's prompts are drawn from `seed`, so the same `--rollout-seed` gives the same data.
+    """
+    task = builtin_task_name(prompt_data)
+    if task is None:
+        return PromptDataSource(
+            prompt_data,
+            input_key=input_key,
+            label_key=label_key,
+            metadata_key=metadata_key,
+            apply_chat_template=apply_chat_template,
+            tokenizer=tokenizer,
+            shuffle=shuffle,
+            seed=seed,
+        )
+    return PromptDataSource.from_records(
+        make_task_prompts(task, BUILTIN_TASK_SIZE, seed),
+        apply_chat_template=apply_chat_template,
+        tokenizer=tokenizer,
+        shuffle=shuffle,
+        seed=seed,
+        source=prompt_data,
+    )

@@ -1,0 +1,99 @@
+"""Dynamic-sampling filters: decide whether a scored prompt group is kept for training.
+
+Owns the filter protocol and its loading. A filter is `fn(group: list[Sample]) -> FilterResult` (a plain
+`bool` is accepted too: `False` is dropped with reason "filtered"), sync or async, loaded from
+`--dynamic-sampling-filter-path`; a filter whose signature has a `reward_key` parameter gets `--reward-key`
+passed as a keyword. Invariant: `DynamicFilter.__call__` always returns a `FilterResult` whose `reason` is
+a non-empty string exactly when `keep` is false, so drop reasons can be counted as metrics; anything else
+a filter returns is an error naming the flag.
+
+Built-in: `coordinator.rollout.filters:reward_std_positive` drops groups whose (non-aborted) rewards are all
+equal, with reason "zero_std": such a group has zero advantage everywhere and teaches nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.rollout.loading import load_object
+from replay.sample import Sample, SampleStatus
+
+FILTER_FLAG = "--dynamic-sampling-filter-path"
+
+
+class FilterError(ValueError):
+    """A filter that broke its contract."""
+
+
+@dataclass(frozen=True)
+class FilterResult:
+    keep: bool
+    reason: str | None = None
+
+
+def reward_std_positive(group: list[Sample], *, reward_key: str | None = None) -> FilterResult:
+    """Keep a group only when its non-aborted samples do not all have the same reward."""
+    rewards = [
+        sample.scalar_reward(reward_key) for sample in group if sample.status is not SampleStatus.ABORTED
+    ]
+    if len(set(rewards)) > 1:
+        return FilterResult(keep=True)
+    return FilterResult(keep=False, reason="zero_std")
+
+
+def _accepts_reward_key(fn: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return False
+    return "reward_key" in parameters
+
+
+class DynamicFilter:
+    """A loaded filter with its contract checked; also counts drop reasons for the rollout metrics."""
+
+    def __init__(self, fn: Callable[..., Any], *, name: str, reward_key: str | None = None) -> None:
+        if not callable(fn):
+            raise FilterError(f"{FILTER_FLAG} {name!r} is not callable")
+        self._fn = fn
+        self.name = name
+        self._kwargs: dict[str, Any] = {"reward_key": reward_key} if _accepts_reward_key(fn) else {}
+        self.drops: Counter[str] = Counter()
+        self.kept = 0
+
+    @classmethod
+    def load(cls, path: str, *, reward_key: str | None = None) -> DynamicFilter:
+        return cls(load_object(path, what=FILTER_FLAG), name=path, reward_key=reward_key)
+
+    async def __call__(self, group: list[Sample]) -> FilterResult:
+        result = self._fn(group, **self._kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        if isinstance(result, bool):
+            result = FilterResult(keep=result, reason=None if result else "filtered")
+        if not isinstance(result, FilterResult):
+            raise FilterError(
+                f"{FILTER_FLAG} {self.name!r} returned {type(result).__name__}; expected FilterResult(keep, reason)"
+            )
+        if not result.keep and not result.reason:
+            result = FilterResult(keep=False, reason="filtered")
+        if result.keep:
+            self.kept += 1
+            return FilterResult(keep=True)
+        self.drops[str(result.reason)] += 1
+        return result
+
+    def metrics(self, prefix: str = "rollout/filter_drop/") -> dict[str, float]:
+        """Drop counts by reason since the last `reset()`, plus the kept count."""
+        return {
+            **{f"{prefix}{reason}": float(count) for reason, count in sorted(self.drops.items())},
+            "rollout/filter_kept": float(self.kept),
+        }
+
+    def reset(self) -> None:
+        self.drops.clear()
+        self.kept = 0
