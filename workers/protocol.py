@@ -1,0 +1,407 @@
+"""The control channel between the coordinator and the training ranks: frames, messages, handshake.
+
+Owns the wire contract, shared by both sides (`coordinator.train_group` and `workers.train_rank`); it
+imports no coordinator code and no torch at import time (the coordinator must not pay for torch).
+
+Wire format: every frame is a 4-byte big-endian length followed by a msgpack body of at most
+`max_frame_bytes` (default `MAX_FRAME_BYTES`). Tensors travel as msgpack ext type `TENSOR_EXT`
+holding `[dtype name, shape, raw bytes]`; nothing is ever pickled. Every body is a map with a `kind`
+naming one of the message dataclasses below; `decode_message` accepts only those kinds and only their
+fields, so a malformed peer gets a `ProtocolError` naming the problem, never a TypeError from deep inside.
+
+Handshake: the rank sends `Hello` (protocol version, token, rank, world size, local rank, pid, restart
+count); the coordinator checks the version and compares the token with `hmac.compare_digest`, then answers
+`Welcome` or an `ErrorMessage` and closes. After that the coordinator sends `Request`s (request id +
+one command) and the rank answers each with exactly one `Response` carrying the same id.
+
+Invariant: a frame is never written or accepted beyond the limit — the sender refuses before writing,
+the receiver refuses after reading only the 4-byte header (and tells the peer why before closing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgpack
+
+if TYPE_CHECKING:
+    from anyio.abc import ByteStream
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+TENSOR_EXT = 1
+HEADER = struct.Struct(">I")
+
+ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
+ENV_ADDR = "RAYLESS_CONTROL_ADDR"
+ENV_MAX_FRAME = "RAYLESS_CONTROL_MAX_FRAME_BYTES"
+
+
+class ProtocolError(RuntimeError):
+    """The peer sent something this side cannot accept (bad frame, unknown message, wrong field)."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame is over the configured limit; raised by the sender before writing, by the receiver on read."""
+
+
+class HandshakeRefused(ProtocolError):
+    """The coordinator refused this rank (wrong token, wrong protocol version, unexpected rank)."""
+
+
+# ----------------------------------------------------------------------------------------------- tensors
+
+
+def _encode_default(obj: Any) -> Any:
+    torch = _torch_if_loaded()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        tensor = obj.detach().to("cpu").contiguous()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        # A uint8 view gives the raw bytes of any dtype (bfloat16 has no numpy equivalent).
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        return msgpack.ExtType(TENSOR_EXT, msgpack.packb([dtype, list(tensor.shape), raw]))
+    if isinstance(obj, tuple):
+        return list(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    raise ProtocolError(f"cannot encode a {type(obj).__name__} on the control channel")
+
+
+def _decode_ext(code: int, data: bytes) -> Any:
+    if code != TENSOR_EXT:
+        raise ProtocolError(f"unknown msgpack ext type {code} on the control channel")
+    import torch
+
+    try:
+        dtype_name, shape, raw = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"malformed tensor payload: {exc}") from exc
+    dtype = getattr(torch, str(dtype_name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ProtocolError(f"unknown tensor dtype {dtype_name!r}")
+    count = 1
+    for size in shape:
+        count *= int(size)
+    expected = count * torch.empty((), dtype=dtype).element_size()
+    if len(raw) != expected:
+        raise ProtocolError(f"tensor {dtype_name}{list(shape)} needs {expected} bytes, got {len(raw)}")
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _torch_if_loaded() -> Any:
+    # Only tensors that exist can be encoded, so torch is already imported whenever one is passed.
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack body of `obj`, tensors as ext types."""
+    return msgpack.packb(obj, default=_encode_default, use_bin_type=True)
+
+
+def unpack(body: bytes) -> Any:
+    try:
+        return msgpack.unpackb(body, ext_hook=_decode_ext, raw=False, strict_map_key=False)
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"malformed frame body: {exc}") from exc
+
+
+def frame(obj: Any, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """Header + body; raises FrameTooLarge instead of producing a frame the peer must refuse."""
+    body = pack(obj)
+    if len(body) > max_frame_bytes:
+        raise FrameTooLarge(
+            f"frame of {len(body)} bytes exceeds the control-channel limit of {max_frame_bytes} bytes "
+            f"(raise {ENV_MAX_FRAME} / max_frame_bytes, or send less per command)"
+        )
+    return HEADER.pack(len(body)) + body
+
+
+def check_length(length: int, max_frame_bytes: int) -> None:
+    if length > max_frame_bytes:
+        raise FrameTooLarge(
+            f"peer announced a frame of {length} bytes, over the control-channel limit of "
+            f"{max_frame_bytes} bytes"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- messages
+
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+
+
+@dataclass
+class Message:
+    kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            MESSAGE_TYPES[cls.kind] = cls
+
+    def to_wire(self) -> dict[str, Any]:
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        body["kind"] = self.kind
+        return body
+
+
+@dataclass
+class Hello(Message):
+    kind: ClassVar[str] = "hello"
+    protocol_version: int
+    token: str
+    rank: int
+    world_size: int
+    local_rank: int
+    pid: int
+    restart_count: int = 0
+
+
+@dataclass
+class Welcome(Message):
+    kind: ClassVar[str] = "welcome"
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass
+class ErrorMessage(Message):
+    kind: ClassVar[str] = "error"
+    message: str
+
+
+# Commands: the body of a Request. Each rank runs them in the order received.
+
+
+@dataclass
+class Command(Message):
+    pass
+
+
+@dataclass
+class InitCommand(Command):
+    kind: ClassVar[str] = "init"
+    config: dict[str, Any]
+
+
+@dataclass
+class TrainCommand(Command):
+    """One rollout's shard for this rank: `steps[i]` is this rank's part of optimizer step i.
+
+    A sample is a map: tokens, response_length, loss_mask, rollout_log_probs, advantage.
+    `step_loss_tokens[i]` is the number of loss-mask tokens of step i over *all* ranks, so every rank
+    divides by the same count and the token mean spans the whole global batch.
+    """
+
+    kind: ClassVar[str] = "train"
+    rollout_id: int
+    steps: list[list[dict[str, Any]]]
+    step_loss_tokens: list[int]
+
+
+@dataclass
+class SaveCommand(Command):
+    kind: ClassVar[str] = "save"
+    rollout_id: int
+    directory: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadCommand(Command):
+    kind: ClassVar[str] = "load"
+    path: str
+
+
+@dataclass
+class ExportWeightsCommand(Command):
+    kind: ClassVar[str] = "export_weights"
+    directory: str
+    weight_version: str
+    keep: int = 2
+
+
+@dataclass
+class WeightManifestCommand(Command):
+    kind: ClassVar[str] = "weight_manifest"
+
+
+@dataclass
+class BroadcastWeightsCommand(Command):
+    kind: ClassVar[str] = "broadcast_weights"
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    timeout_s: float = 120.0
+
+
+@dataclass
+class DestroyWeightGroupCommand(Command):
+    kind: ClassVar[str] = "destroy_weight_group"
+    group_name: str = "weight_update_group"
+
+
+@dataclass
+class ShutdownCommand(Command):
+    kind: ClassVar[str] = "shutdown"
+
+
+@dataclass
+class Request(Message):
+    kind: ClassVar[str] = "request"
+    request_id: int
+    command: Command
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "request_id": self.request_id, "command": self.command.to_wire()}
+
+
+@dataclass
+class Response(Message):
+    """The answer to one Request. `result` holds the command's results (metrics are dicts of floats)."""
+
+    kind: ClassVar[str] = "response"
+    request_id: int
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    traceback: str = ""
+
+
+def encode_message(message: Message) -> dict[str, Any]:
+    return message.to_wire()
+
+
+def decode_message(obj: Any) -> Message:
+    """Build the typed message from a decoded frame body; ProtocolError for anything else."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("kind"), str):
+        raise ProtocolError(f"expected a message map with a 'kind', got {type(obj).__name__}")
+    kind = obj["kind"]
+    cls = MESSAGE_TYPES.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {key: value for key, value in obj.items() if key != "kind"}
+    unknown = set(values) - names
+    if unknown:
+        raise ProtocolError(f"message {kind!r} has unknown fields {sorted(unknown)}")
+    if cls is Request:
+        command = decode_message(values.get("command"))
+        if not isinstance(command, Command):
+            raise ProtocolError(f"request carries a {command.kind!r}, which is not a command")
+        values["command"] = command
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ProtocolError(f"message {kind!r} is missing fields: {exc}") from exc
+
+
+# ------------------------------------------------------------------------------------------ async side
+
+
+async def send_message(stream: ByteStream, message: Message, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    await stream.send(frame(encode_message(message), max_frame_bytes))
+
+
+async def receive_message(
+    stream: BufferedByteReceiveStream, max_frame_bytes: int = MAX_FRAME_BYTES
+) -> Message:
+    """Read one frame. Raises anyio.IncompleteRead / EndOfStream when the peer closed."""
+    (length,) = HEADER.unpack(await stream.receive_exactly(HEADER.size))
+    check_length(length, max_frame_bytes)
+    return decode_message(unpack(await stream.receive_exactly(length)))
+
+
+# ----------------------------------------------------------------------------------------- blocking side
+
+
+class RankChannel:
+    """The rank's end: one blocking socket to the coordinator, used by one thread."""
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.sock = sock
+        self.max_frame_bytes = max_frame_bytes
+
+    @classmethod
+    def connect(
+        cls,
+        address: str,
+        hello: Hello,
+        *,
+        timeout_s: float = 60.0,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ) -> RankChannel:
+        """Dial `host:port`, send Hello and wait for Welcome; HandshakeRefused with the coordinator's reason."""
+        host, port = split_address(address)
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        channel = cls(sock, max_frame_bytes)
+        try:
+            channel.send(hello)
+            reply = channel.receive()
+        except ConnectionError as exc:
+            sock.close()
+            raise HandshakeRefused(
+                f"coordinator at {address} closed the connection during the handshake"
+            ) from exc
+        except BaseException:
+            sock.close()
+            raise
+        if isinstance(reply, ErrorMessage):
+            sock.close()
+            raise HandshakeRefused(f"coordinator at {address} refused rank {hello.rank}: {reply.message}")
+        if not isinstance(reply, Welcome):
+            sock.close()
+            raise ProtocolError(f"expected welcome from the coordinator, got {reply.kind!r}")
+        # Commands can take arbitrarily long (a training step); the channel itself has no deadline.
+        sock.settimeout(None)
+        return channel
+
+    def send(self, message: Message) -> None:
+        self.sock.sendall(frame(encode_message(message), self.max_frame_bytes))
+
+    def receive(self) -> Message:
+        (length,) = HEADER.unpack(self._receive_exactly(HEADER.size))
+        check_length(length, self.max_frame_bytes)
+        return decode_message(unpack(self._receive_exactly(length)))
+
+    def _receive_exactly(self, count: int) -> bytes:
+        buffer = bytearray(count)
+        view = memoryview(buffer)
+        received = 0
+        while received < count:
+            chunk = self.sock.recv_into(view[received:], count - received)
+            if chunk == 0:
+                raise ConnectionError("the coordinator closed the control channel")
+            received += chunk
+        return bytes(buffer)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"control address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def max_frame_bytes_from_env() -> int:
+    value = os.environ.get(ENV_MAX_FRAME)
+    if not value:
+        return MAX_FRAME_BYTES
+    if not value.isdigit() or int(value) <= 0:
+        raise ValueError(f"{ENV_MAX_FRAME}={value!r} is not a positive integer")
+    return int(value)

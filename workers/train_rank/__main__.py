@@ -1,0 +1,118 @@
+"""Entry point of a training rank: `torchrun ... -m workers.train_rank`.
+
+Fixed wiring order: read the environment → dial the coordinator (token from RAYLESS_CONTROL_TOKEN,
+address from RAYLESS_CONTROL_ADDR, never argv) → join the torch process group (gloo on CPU, NCCL on
+CUDA) → serve commands until `shutdown` → always destroy the process group and close the channel.
+`@record` makes torchrun's error file name this rank when it fails. Invariant: every Request gets exactly
+one Response; a failing command is answered with its error and traceback, never with silence.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from workers import protocol
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(
+                f"{name} is not set: start this module with torchrun (see coordinator.train_group)"
+            )
+        return default
+    return int(value)
+
+
+def _connect() -> protocol.RankChannel:
+    address = os.environ.get(protocol.ENV_ADDR)
+    token = os.environ.get(protocol.ENV_TOKEN)
+    if not address or not token:
+        raise RuntimeError(
+            f"{protocol.ENV_ADDR} and {protocol.ENV_TOKEN} must be set in the environment: the coordinator's "
+            "TrainGroup passes them to torchrun"
+        )
+    hello = protocol.Hello(
+        protocol_version=protocol.PROTOCOL_VERSION,
+        token=token,
+        rank=_env_int("RANK"),
+        world_size=_env_int("WORLD_SIZE"),
+        local_rank=_env_int("LOCAL_RANK", 0),
+        pid=os.getpid(),
+        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+    )
+    return protocol.RankChannel.connect(address, hello, max_frame_bytes=protocol.max_frame_bytes_from_env())
+
+
+def serve(channel: protocol.RankChannel, trainer: object) -> None:
+    from workers.train_rank.trainer import handle
+
+    while True:
+        try:
+            message = channel.receive()
+        except (ConnectionError, OSError) as exc:
+            raise RuntimeError(f"rank lost the control channel to the coordinator: {exc}") from exc
+        if not isinstance(message, protocol.Request):
+            raise protocol.ProtocolError(f"expected a request from the coordinator, got {message.kind!r}")
+        if isinstance(message.command, protocol.ShutdownCommand):
+            channel.send(protocol.Response(request_id=message.request_id, ok=True))
+            return
+        try:
+            result = handle(trainer, message.command)  # type: ignore[arg-type]
+            response = protocol.Response(request_id=message.request_id, ok=True, result=result)
+            channel.send(response)
+        except Exception as exc:
+            channel.send(
+                protocol.Response(
+                    request_id=message.request_id,
+                    ok=False,
+                    error=f"{type(exc).__name__}: {exc}",
+                    traceback=traceback.format_exc(),
+                )
+            )
+
+
+@record
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+
+    threads = _env_int("RAYLESS_TORCH_THREADS", 1)
+    torch.set_num_threads(threads)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+    channel = _connect()
+    try:
+        if torch.cuda.is_available():
+            local_rank = _env_int("LOCAL_RANK", 0)
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+            backend = "nccl"
+        else:
+            device = torch.device("cpu")
+            backend = "gloo"
+        timeout = datetime.timedelta(seconds=_env_int("RAYLESS_PG_TIMEOUT_S", 600))
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        from workers.train_rank.trainer import Trainer
+
+        trainer = Trainer(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+        try:
+            serve(channel, trainer)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        channel.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Loads the Hugging Face causal LM a rank trains (and its frozen reference copy).
+
+Knows nothing about distribution: imports no torch.distributed; `parallel` shards or replicates what
+this returns. Invariant: the trained model and the reference are loaded from the same directory with the
+same dtype, so at step 0 their logprobs are equal and the KL is exactly zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def load_causal_lm(
+    path: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str | None = None,
+    trainable: bool = True,
+) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as exc:
+        raise FileNotFoundError(f"cannot load a causal LM from {path!r}: {exc}") from exc
+    model.to(device)
+    if trainable:
+        model.train()
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    # The KV cache is for generation; training forwards never reuse it.
+    model.config.use_cache = False
+    return model
+
+
+def tied_parameter_names(model: Any) -> set[str]:
+    """State-dict names that alias another tensor (e.g. lm_head.weight with tied embeddings)."""
+    config = getattr(model, "config", None)
+    text_config = (
+        config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    )
+    if not getattr(text_config, "tie_word_embeddings", False):
+        return set()
+    keys = getattr(model, "_tied_weights_keys", None) or {}
+    return set(keys) if isinstance(keys, (dict, list, tuple, set)) else set()

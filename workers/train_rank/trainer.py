@@ -1,0 +1,232 @@
+"""The rank's training state and one method per control-channel command.
+
+Owns the model, its reference copy, the optimizer and scheduler between commands. Invariant: every rank
+runs the same commands in the same order (the coordinator serialises them), so each collective here is
+entered by all ranks; a rank's shard may differ but never its number of optimizer steps.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from workers import protocol
+from workers.train_rank import checkpoint, weight_export
+from workers.train_rank.batching import make_micro_batches, token_entropy, token_log_probs
+from workers.train_rank.loss import LossConfig, policy_loss
+from workers.train_rank.model import load_causal_lm
+from workers.train_rank.optim import build_optimizer, build_scheduler, clip_gradients
+from workers.train_rank.parallel import apply_data_parallel
+from workers.train_rank.settings import TrainSettings
+
+
+class NotInitialised(RuntimeError):
+    """A command that needs the model arrived before `init`."""
+
+
+class Trainer:
+    def __init__(self, *, rank: int, world_size: int, device: torch.device) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.settings: TrainSettings | None = None
+        self.model: Any = None
+        self.reference: Any = None
+        self.parallel: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.pad_token_id = 0
+        self.broadcaster = weight_export.WeightBroadcaster()
+
+    # ------------------------------------------------------------------------------------------ commands
+
+    def init(self, command: protocol.InitCommand) -> dict[str, Any]:
+        settings = TrainSettings.from_dict(command.config)
+        torch.manual_seed(settings.seed)
+        dtype = getattr(torch, settings.dtype)
+        model = load_causal_lm(
+            settings.model_path,
+            dtype=dtype,
+            device=self.device,
+            attn_implementation=settings.attn_implementation,
+        )
+        if settings.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if settings.needs_reference:
+            self.reference = load_causal_lm(
+                settings.model_path,
+                dtype=dtype,
+                device=self.device,
+                attn_implementation=settings.attn_implementation,
+                trainable=False,
+            )
+        compute_dtype = getattr(torch, settings.compute_dtype) if settings.compute_dtype else None
+        self.parallel = apply_data_parallel(model, device=self.device, compute_dtype=compute_dtype)
+        self.model = model
+        self.optimizer = build_optimizer(
+            model,
+            lr=settings.lr,
+            weight_decay=settings.weight_decay,
+            betas=(settings.adam_beta1, settings.adam_beta2),
+            eps=settings.adam_eps,
+        )
+        self.scheduler = build_scheduler(self.optimizer, warmup_steps=settings.warmup_steps)
+        pad = getattr(model.config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else 0
+        self.settings = settings
+        return {"num_parameters": sum(p.numel() for p in model.parameters()), "device": str(self.device)}
+
+    def train(self, command: protocol.TrainCommand) -> dict[str, Any]:
+        settings, _, _ = self._require()
+        if len(command.steps) != len(command.step_loss_tokens):
+            raise ValueError(
+                f"train command has {len(command.steps)} steps but {len(command.step_loss_tokens)} token counts"
+            )
+        loss_config = LossConfig(
+            eps_clip=settings.eps_clip,
+            eps_clip_high=settings.clip_high,
+            kl_coef=settings.kl_coef,
+            use_kl_loss=settings.use_kl_loss,
+            entropy_coef=settings.entropy_coef,
+        )
+        steps = []
+        for samples, global_tokens in zip(command.steps, command.step_loss_tokens, strict=True):
+            steps.append(self._train_step(samples, int(global_tokens), loss_config))
+        return {"steps": steps}
+
+    def _train_step(
+        self, samples: list[dict[str, Any]], global_tokens: int, loss_config: LossConfig
+    ) -> dict[str, Any]:
+        settings, model, optimizer = self._require()
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {"num_tokens": 0.0}
+        maxima: dict[str, float] = {}
+        micro_batches = make_micro_batches(
+            samples, max_tokens=settings.max_tokens_per_micro_batch, pad_token_id=self.pad_token_id
+        )
+        for micro_batch in micro_batches:
+            batch = micro_batch.to(self.device)
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            log_probs = token_log_probs(logits, batch.input_ids)
+            if settings.entropy_coef:
+                entropy = token_entropy(logits)
+            else:
+                with torch.no_grad():
+                    entropy = token_entropy(logits.detach())
+            ref_log_probs = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logits = self.reference(
+                        input_ids=batch.input_ids, attention_mask=batch.attention_mask
+                    ).logits
+                    ref_log_probs = token_log_probs(ref_logits, batch.input_ids)
+            loss, batch_sums, batch_maxima = policy_loss(
+                log_probs=log_probs,
+                rollout_log_probs=batch.rollout_log_probs,
+                advantages=batch.advantages,
+                loss_mask=batch.loss_mask,
+                global_loss_tokens=global_tokens,
+                config=loss_config,
+                entropy=entropy,
+                ref_log_probs=ref_log_probs,
+            )
+            loss.backward()
+            for key, value in batch_sums.items():
+                sums[key] = sums.get(key, 0.0) + value
+            for key, value in batch_maxima.items():
+                maxima[key] = max(maxima.get(key, 0.0), value)
+            sums["num_tokens"] += batch.num_tokens
+        self.parallel.reduce_gradients()
+        grad_norm = clip_gradients(model, settings.clip_grad)
+        lr = float(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        self.scheduler.step()
+        return {
+            "sum": sums,
+            "max": maxima,
+            "value": {"grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - started},
+        }
+
+    def save(self, command: protocol.SaveCommand) -> dict[str, Any]:
+        _, model, optimizer = self._require()
+        path = checkpoint.save_checkpoint(
+            command.directory,
+            command.rollout_id,
+            model=model,
+            optimizer=optimizer,
+            scheduler=self.scheduler,
+            extra=command.extra,
+        )
+        return {"path": str(path)}
+
+    def load(self, command: protocol.LoadCommand) -> dict[str, Any]:
+        _, model, optimizer = self._require()
+        loaded = checkpoint.load_checkpoint(
+            command.path, model=model, optimizer=optimizer, scheduler=self.scheduler
+        )
+        return {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "path": str(loaded.path)}
+
+    def export_weights(self, command: protocol.ExportWeightsCommand) -> dict[str, Any]:
+        settings, model, _ = self._require()
+        state = weight_export.full_state_dict(model, sharded=self.parallel.sharded)
+        if self.rank != 0:
+            return {}
+        path = weight_export.write_snapshot(
+            state,
+            source_dir=settings.model_path,
+            directory=command.directory,
+            weight_version=command.weight_version,
+            keep=command.keep,
+        )
+        return {"path": str(path), "manifest": weight_export.manifest(state)}
+
+    def weight_manifest(self, command: protocol.WeightManifestCommand) -> dict[str, Any]:
+        _, model, _ = self._require()
+        state = weight_export.full_state_dict(model, sharded=self.parallel.sharded)
+        return {"manifest": weight_export.manifest(state)}
+
+    def broadcast_weights(self, command: protocol.BroadcastWeightsCommand) -> dict[str, Any]:
+        _, model, _ = self._require()
+        state = weight_export.full_state_dict(model, sharded=self.parallel.sharded)
+        if self.rank != 0:
+            return {}
+        group = self.broadcaster.group(
+            master_address=command.master_address,
+            master_port=command.master_port,
+            world_size=command.world_size,
+            group_name=command.group_name,
+            timeout_s=command.timeout_s,
+        )
+        started = time.perf_counter()
+        self.broadcaster.broadcast(state, group)
+        return {"manifest": weight_export.manifest(state), "seconds": time.perf_counter() - started}
+
+    def destroy_weight_group(self, command: protocol.DestroyWeightGroupCommand) -> dict[str, Any]:
+        return {"destroyed": self.broadcaster.destroy(command.group_name) if self.rank == 0 else False}
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    def _require(self) -> tuple[TrainSettings, Any, torch.optim.Optimizer]:
+        if self.settings is None or self.model is None or self.optimizer is None:
+            raise NotInitialised("the trainer got a command before 'init'; call TrainGroup.init first")
+        return self.settings, self.model, self.optimizer
+
+
+def handle(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:
+    handlers = {
+        protocol.InitCommand: trainer.init,
+        protocol.TrainCommand: trainer.train,
+        protocol.SaveCommand: trainer.save,
+        protocol.LoadCommand: trainer.load,
+        protocol.ExportWeightsCommand: trainer.export_weights,
+        protocol.WeightManifestCommand: trainer.weight_manifest,
+        protocol.BroadcastWeightsCommand: trainer.broadcast_weights,
+        protocol.DestroyWeightGroupCommand: trainer.destroy_weight_group,
+    }
+    handler = handlers.get(type(command))
+    if handler is None:
+        raise protocol.ProtocolError(f"the rank has no handler for command {command.kind!r}")
+    return handler(command)

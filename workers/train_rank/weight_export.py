@@ -1,0 +1,147 @@
+"""Hands the trained weights to engines: an HF safetensors snapshot on disk, or a gloo/NCCL broadcast.
+
+Both paths send the same tensors under the same names: the full (unsharded) Hugging Face state dict minus
+tied aliases (lm_head.weight when embeddings are tied), in state-dict order. `manifest` describes them
+so the coordinator can tell engines what to expect before a broadcast starts.
+
+Invariants: a snapshot directory `weights-<version>` appears only complete (written under a tmp name,
+then renamed); old snapshots are pruned to the newest `keep`; only rank 0 writes or broadcasts, but every
+rank calls `full_state_dict` because gathering FSDP shards is collective.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.train_rank.model import tied_parameter_names
+
+SNAPSHOT_PREFIX = "weights-"
+WEIGHT_FILE_PATTERNS = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+def full_state_dict(model: Any, *, sharded: bool) -> dict[str, torch.Tensor]:
+    """Collective under FSDP. The full tensors (on CPU) every engine needs, tied aliases dropped."""
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    tied = tied_parameter_names(model)
+    return {name: tensor.to("cpu").contiguous() for name, tensor in state.items() if name not in tied}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def manifest(state: dict[str, torch.Tensor]) -> list[list[Any]]:
+    return [[name, dtype_name(tensor.dtype), list(tensor.shape)] for name, tensor in state.items()]
+
+
+def _safe_version(weight_version: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", str(weight_version))
+    if not safe or safe in (".", ".."):
+        raise ValueError(f"weight_version {weight_version!r} cannot name a directory")
+    return safe
+
+
+def write_snapshot(
+    state: dict[str, torch.Tensor],
+    *,
+    source_dir: str | Path,
+    directory: str | Path,
+    weight_version: str,
+    keep: int,
+) -> Path:
+    """Rank 0 only. Writes `<directory>/weights-<version>` (safetensors + the source's config and tokenizer)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{SNAPSHOT_PREFIX}{_safe_version(weight_version)}"
+    tmp = directory / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for item in Path(source_dir).iterdir():
+            # Config, generation config and tokenizer files make the snapshot loadable on its own.
+            if item.is_file() and not item.name.endswith(WEIGHT_FILE_PATTERNS):
+                shutil.copy2(item, tmp / item.name)
+        (tmp / "rayless_weight_version.txt").write_text(str(weight_version) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune_snapshots(directory, keep=keep, protect=final)
+    return final
+
+
+def prune_snapshots(directory: Path, *, keep: int, protect: Path) -> None:
+    snapshots = sorted(
+        (path for path in directory.iterdir() if path.is_dir() and path.name.startswith(SNAPSHOT_PREFIX)),
+        key=lambda path: path.stat().st_mtime_ns,
+    )
+    excess = len(snapshots) - max(keep, 1)
+    for path in snapshots[: max(excess, 0)]:
+        if path != protect:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class WeightBroadcaster:
+    """Rank 0's side of standalone weight-update groups with engines (rank 0 in each, hosting the store).
+
+    The group is built by `workers.engine.weight_group.join_weight_update_group`, the same function the CPU
+    engine calls, so store layout and prefix agree by construction; engines join as ranks
+    `rank_offset .. world_size-1`. A group is kept for the next update when called again with the same
+    address/port/world size, so engines call `init_weights_update_group` once per group.
+    """
+
+    def __init__(self) -> None:
+        self.groups: dict[str, tuple[tuple[str, int, int], Any]] = {}
+
+    def group(
+        self, *, master_address: str, master_port: int, world_size: int, group_name: str, timeout_s: float
+    ) -> Any:
+        from workers.engine.weight_group import join_weight_update_group
+
+        key = (master_address, int(master_port), int(world_size))
+        existing = self.groups.get(group_name)
+        if existing is not None and existing[0] == key:
+            return existing[1]
+        if existing is not None:
+            self.destroy(group_name)
+        # Blocks until every engine rank has joined (the coordinator tells them to meanwhile).
+        group = join_weight_update_group(
+            master_address=master_address,
+            master_port=int(master_port),
+            rank=0,
+            world_size=int(world_size),
+            group_name=group_name,
+            timeout_s=timeout_s,
+        )
+        self.groups[group_name] = (key, group)
+        return group
+
+    def broadcast(self, state: dict[str, torch.Tensor], group: Any) -> None:
+        # All broadcasts are queued before waiting: gloo runs them in order, and queuing overlaps
+        # the next tensor's send with the engines' copy of the previous one.
+        works = [group.group.broadcast([tensor], 0) for tensor in state.values()]
+        for work in works:
+            work.wait()
+
+    def destroy(self, group_name: str) -> bool:
+        entry = self.groups.pop(group_name, None)
+        if entry is None:
+            return False
+        entry[1].close()
+        return True
