@@ -35,7 +35,9 @@ class EnginePool(Protocol):
 
     async def check(self, handle: Any) -> bool: ...
 
-    async def wait_any_alive(self, timeout: float) -> None: ...
+    async def wait_any_alive(self, timeout: float) -> Any: ...
+
+    def mark_dead(self, handle: Any, reason: str) -> None: ...
 
 
 class NoEngineAvailable(RuntimeError):
@@ -110,6 +112,9 @@ class Dispatcher:
             # The engine failed this request after the client's own retries: ask the fleet whether it is dead.
             if await self.pool.check(handle):
                 raise last_error
+            # A failed request and a failed probe: take it out of dispatch (the health monitor, when rollout
+            # FT is on, relaunches it; otherwise the run goes on with the others).
+            self.pool.mark_dead(handle, f"request failed ({last_error}) and the engine did not answer a probe")
             failed.add(handle.url)
             self.retried += 1
             log.warning(

@@ -128,6 +128,8 @@ class DefaultRollout:
 
     async def __call__(self, rollout_id: int, weight_version: str) -> RolloutBatch:
         config = self.config
+        # Reach every piece up front: in a mode that did not build one, fail here with its clear error.
+        _ = self.state, self.dispatcher, self.data_source, self.reward_model
         target = config.rollout_batch_size
         assert target is not None
         progress = self.progress = RolloutProgress(target=target)

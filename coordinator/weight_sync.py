@@ -1,0 +1,198 @@
+"""Pushing trained weights from the training ranks to the rollout engines.
+
+Owns one weight update end to end: pause generation (in place: requests are kept, not aborted), move the
+weights by `disk` (rank 0 writes a safetensors snapshot; every engine loads it concurrently) or `distributed`
+(rank 0 broadcasts over a fresh gloo/NCCL group that the engines join), check that every engine reports the
+new weight version, and continue generation — on every exit path.
+
+Invariants:
+- after `update()` returns, every engine it updated reports `version`; otherwise `WeightSyncError` is raised
+  naming the engines that did not (the run must not train on samples from weights nobody can name);
+- dead rollout engines are recovered before an update only when rollout fault tolerance is on
+  (`recover_engines`); with train-only FT or FT off this object never touches an engine's lifecycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+
+from coordinator.engines.client import EngineClient, EngineError
+from coordinator.engines.launch import free_port
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """Engines did not take the new weights."""
+
+
+class TrainWeights(Protocol):
+    async def export_weights(self, directory: Path, weight_version: str) -> Path: ...
+
+    async def weight_manifest(self) -> list[tuple[str, str, list[int]]]: ...
+
+    async def broadcast_weights(self, *, master_address: str, master_port: int, world_size: int,
+                                group_name: str) -> Any: ...
+
+
+class WeightSync:
+    def __init__(
+        self,
+        *,
+        mode: str,
+        fleet: Any,
+        client: EngineClient,
+        trainer: TrainWeights,
+        snapshot_dir: Path,
+        keep_snapshots: int = 2,
+        recover_engines: bool = False,
+        pause_mode: str = "in_place",
+        host: str = "127.0.0.1",
+        backend: str = "gloo",
+    ) -> None:
+        if mode not in ("disk", "distributed"):
+            raise ValueError(f"--update-weight-transfer-mode {mode!r}: choose disk or distributed")
+        self.mode = mode
+        self.fleet = fleet
+        self.client = client
+        self.trainer = trainer
+        self.snapshot_dir = Path(snapshot_dir)
+        self.keep_snapshots = max(1, keep_snapshots)
+        self.recover_engines = recover_engines
+        self.pause_mode = pause_mode
+        self.host = host
+        self.backend = backend
+        self.current_version: str | None = None
+        self.current_snapshot: Path | None = None
+        self.recoveries = 0
+        self.updating = anyio.Event()
+        self.updating.set()  # set = not updating; the health monitor waits on it before probing
+
+    async def update(self, version: str) -> dict[str, float]:
+        started = time.monotonic()
+        if self.recover_engines:
+            await self._recover_dead_engines()
+        engines = list(self.fleet.alive())
+        if not engines:
+            raise WeightSyncError("no rollout engine is alive to take the new weights")
+        self.updating = anyio.Event()
+        try:
+            await self._for_each(engines, lambda e: self.client.engine(e.url).pause_generation(self.pause_mode),
+                                 what="pause generation")
+            try:
+                if self.mode == "disk":
+                    await self._by_disk(engines, version)
+                else:
+                    await self._by_distributed(engines, version)
+                await self._verify(engines, version)
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                    await self._for_each(engines, lambda e: self.client.engine(e.url).continue_generation(),
+                                         what="continue generation", raise_errors=False)
+        finally:
+            self.updating.set()
+        self.current_version = version
+        seconds = time.monotonic() - started
+        return {"sync/time_s": seconds, "sync/engines": float(len(engines))}
+
+    async def _by_disk(self, engines: list[Any], version: str) -> None:
+        target = self.snapshot_dir / f"weights_{version}"
+        path = await self.trainer.export_weights(target, version)
+        self.current_snapshot = Path(path)
+        await self._for_each(
+            engines,
+            lambda e: self.client.engine(e.url).update_weights_from_disk(str(path), weight_version=version,
+                                                                         flush_cache=True),
+            what="update_weights_from_disk",
+        )
+        await anyio.to_thread.run_sync(self._prune_snapshots)
+
+    async def _by_distributed(self, engines: list[Any], version: str) -> None:
+        manifest = await self.trainer.weight_manifest()
+        names = [name for name, _, _ in manifest]
+        dtypes = [dtype for _, dtype, _ in manifest]
+        shapes = [list(shape) for _, _, shape in manifest]
+        port = free_port(self.host)
+        world_size = 1 + len(engines)
+        group_name = f"rayless_weights_{version}"
+
+        async def engine_side(index: int, engine: Any) -> None:
+            api = self.client.engine(engine.url)
+            await api.init_weights_update_group(master_address=self.host, master_port=port, rank_offset=1 + index,
+                                                world_size=world_size, group_name=group_name, backend=self.backend)
+            await api.update_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
+                                                      group_name=group_name, weight_version=version)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: self.trainer.broadcast_weights(
+                master_address=self.host, master_port=port, world_size=world_size, group_name=group_name))
+            for index, engine in enumerate(engines):
+                group.start_soon(engine_side, index, engine)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            await self._for_each(engines, lambda e: self.client.engine(e.url).destroy_weights_update_group(group_name),
+                                 what="destroy_weights_update_group", raise_errors=False)
+
+    async def _verify(self, engines: list[Any], version: str) -> None:
+        reported: dict[str, str] = {}
+
+        async def ask(engine: Any) -> None:
+            reported[engine.name] = await self.client.engine(engine.url).get_weight_version()
+
+        await self._for_each(engines, ask, what="get_weight_version")
+        wrong = {name: got for name, got in reported.items() if got != version}
+        if wrong:
+            raise WeightSyncError(f"engines report the wrong weight version after the update to {version!r}: {wrong}")
+
+    async def sync_engine(self, engine: Any) -> None:
+        """Load the current weights into one (re)started engine: used by the health monitor's recovery."""
+        if self.current_version is None:
+            return  # engines start from --hf-checkpoint, which is the current policy
+        api = self.client.engine(engine.url)
+        if self.mode == "disk" and self.current_snapshot is not None:
+            await api.update_weights_from_disk(str(self.current_snapshot), weight_version=self.current_version)
+        else:
+            path = await self.trainer.export_weights(self.snapshot_dir / f"weights_{self.current_version}",
+                                                     self.current_version)
+            self.current_snapshot = Path(path)
+            await api.update_weights_from_disk(str(path), weight_version=self.current_version)
+        got = await api.get_weight_version()
+        if got != self.current_version:
+            raise WeightSyncError(f"{engine.name} reports weight version {got!r} after recovery, "
+                                  f"expected {self.current_version!r}")
+
+    async def _recover_dead_engines(self) -> None:
+        dead = [engine for engine in self.fleet.engines if not engine.alive]
+        for engine in dead:
+            log.warning("recovering dead rollout engine %s before the weight update", engine.name)
+            await self.fleet.relaunch(engine)
+            self.recoveries += 1
+
+    async def _for_each(self, engines: list[Any], fn: Any, *, what: str, raise_errors: bool = True) -> None:
+        errors: dict[str, str] = {}
+
+        async def one(engine: Any) -> None:
+            try:
+                await fn(engine)
+            except EngineError as error:
+                errors[engine.name] = str(error)
+
+        async with anyio.create_task_group() as group:
+            for engine in engines:
+                group.start_soon(one, engine)
+        if errors:
+            if raise_errors:
+                raise WeightSyncError(f"{what} failed on {len(errors)} engine(s): {errors}")
+            log.warning("%s failed on %s", what, errors)
+
+    def _prune_snapshots(self) -> None:
+        snapshots = sorted((p for p in self.snapshot_dir.glob("weights_*") if p.is_dir()),
+                           key=lambda p: p.stat().st_mtime)
+        for old in snapshots[: max(0, len(snapshots) - self.keep_snapshots)]:
+            if old != self.current_snapshot:
+                shutil.rmtree(old, ignore_errors=True)

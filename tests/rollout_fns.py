@@ -1,0 +1,39 @@
+"""Real rollout functions used by tests through --rollout-function-path (they count their constructions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replay.sample import RolloutBatch, Sample, SampleStatus
+
+CONSTRUCTED: list[str] = []
+
+
+class CountingRollout:
+    """An SFT-style producer: builds fixed samples without engines; counts how often it is constructed."""
+
+    def __init__(self, context: Any) -> None:
+        CONSTRUCTED.append(type(self).__name__)
+        self.context = context
+
+    async def __call__(self, rollout_id: int, weight_version: str) -> RolloutBatch:
+        groups = []
+        for group in range(2):
+            samples = []
+            for index in range(2):
+                samples.append(Sample(group_index=group, sample_index=index, prompt="1 2 3=", tokens=[8, 9, 10, 11],
+                                      response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -2.0],
+                                      reward=float(index), status=SampleStatus.COMPLETED,
+                                      weight_versions=[weight_version]))
+            groups.append(samples)
+        return RolloutBatch(rollout_id=rollout_id, groups=groups)
+
+
+class OtherCountingRollout(CountingRollout):
+    pass
+
+
+def plain_function_rollout(context: Any, rollout_id: int, weight_version: str) -> list[list[Sample]]:
+    CONSTRUCTED.append("plain")
+    return [[Sample(group_index=0, sample_index=0, prompt="p", tokens=[1, 2], response_length=1, loss_mask=[1],
+                    rollout_log_probs=[-0.5], reward=1.0, status=SampleStatus.COMPLETED)]]
