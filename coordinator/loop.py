@@ -130,7 +130,9 @@ class TrainingLoop:
         result.rollouts += 1
         if self.trainer is not None:
             train_started = time.monotonic()
-            record.update(await self.trainer.train(rollout_id, batch.samples))
+            train_metrics = await self.trainer.train(rollout_id, batch.samples)
+            record.update({key if key.startswith("train/") else f"train/{key}": value
+                           for key, value in train_metrics.items()})
             record["train/time_s"] = time.monotonic() - train_started
             result.train_steps += 1
             self.version += 1
@@ -159,7 +161,7 @@ class TrainingLoop:
 def _summary(rollout_id: int, total: int, record: dict[str, Any]) -> str:
     parts = [f"rollout {rollout_id + 1}/{total}"]
     for key, label, fmt in (("rollout/reward_mean", "reward", "{:.3f}"), ("train/loss", "loss", "{:.4f}"),
-                            ("train/logprob_abs_diff_max", "logp diff", "{:.1e}"),
+                            ("train/train_rollout_logprob_abs_diff_max", "logp diff", "{:.1e}"),
                             ("rollout/time_s", "gen", "{:.1f}s"), ("train/time_s", "train", "{:.1f}s"),
                             ("sync/time_s", "sync", "{:.2f}s")):
         if key in record:

@@ -227,7 +227,7 @@ def train_settings(config: Config) -> dict[str, Any]:
         "model_path": str(config.hf_checkpoint),
         "seed": config.seed,
         "lr": config.lr,
-        "lr_warmup_iters": config.lr_warmup_iters,
+        "warmup_steps": config.lr_warmup_iters,
         "weight_decay": config.weight_decay,
         "clip_grad": config.clip_grad,
         "eps_clip": config.eps_clip,
@@ -236,7 +236,7 @@ def train_settings(config: Config) -> dict[str, Any]:
         "use_kl_loss": config.use_kl_loss,
         "entropy_coef": config.entropy_coef,
         "max_tokens_per_micro_batch": config.max_tokens_per_gpu,
-        "global_batch_size": config.effective_global_batch_size,
+        "global_batch_size": config.global_batch_size,  # None: one optimizer step per rollout
         "save_dir": config.save,
     }
 
@@ -263,9 +263,9 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
 
     start_rollout = 0
     if config.load and services.train_group is not None:
-        extra = await services.train_group.load(Path(config.load))
-        start_rollout = int(extra["rollout_id"]) + 1
-        manager.load_state_dict(extra.get("rollout_state", {}))
+        checkpoint = await services.train_group.load_checkpoint(Path(config.load))
+        start_rollout = checkpoint.rollout_id + 1
+        manager.load_state_dict(checkpoint.extra.get("rollout_state", {}))
         log.info("resumed from %s: continuing at rollout %d", config.load, start_rollout)
         if weight_sync is not None:
             await weight_sync.update(str(start_rollout))

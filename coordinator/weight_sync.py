@@ -15,7 +15,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,12 +32,14 @@ class WeightSyncError(RuntimeError):
 
 
 class TrainWeights(Protocol):
-    async def export_weights(self, directory: Path, weight_version: str) -> Path: ...
+    async def export_weights(self, directory: Path, weight_version: str, keep: int = 2) -> Path: ...
 
     async def weight_manifest(self) -> list[tuple[str, str, list[int]]]: ...
 
     async def broadcast_weights(self, *, master_address: str, master_port: int, world_size: int,
                                 group_name: str) -> Any: ...
+
+    async def destroy_weight_group(self, group_name: str) -> bool: ...
 
 
 class WeightSync:
@@ -102,8 +103,8 @@ class WeightSync:
         return {"sync/time_s": seconds, "sync/engines": float(len(engines))}
 
     async def _by_disk(self, engines: list[Any], version: str) -> None:
-        target = self.snapshot_dir / f"weights_{version}"
-        path = await self.trainer.export_weights(target, version)
+        # Rank 0 writes <snapshot_dir>/weights-<version> atomically and prunes all but the last `keep`.
+        path = await self.trainer.export_weights(self.snapshot_dir, version, keep=self.keep_snapshots)
         self.current_snapshot = Path(path)
         await self._for_each(
             engines,
@@ -111,7 +112,6 @@ class WeightSync:
                                                                          flush_cache=True),
             what="update_weights_from_disk",
         )
-        await anyio.to_thread.run_sync(self._prune_snapshots)
 
     async def _by_distributed(self, engines: list[Any], version: str) -> None:
         manifest = await self.trainer.weight_manifest()
@@ -134,7 +134,9 @@ class WeightSync:
                 master_address=self.host, master_port=port, world_size=world_size, group_name=group_name))
             for index, engine in enumerate(engines):
                 group.start_soon(engine_side, index, engine)
+        # A fresh group per update: an engine relaunched since the last update can always join.
         with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            await self.trainer.destroy_weight_group(group_name)
             await self._for_each(engines, lambda e: self.client.engine(e.url).destroy_weights_update_group(group_name),
                                  what="destroy_weights_update_group", raise_errors=False)
 
@@ -154,13 +156,11 @@ class WeightSync:
         if self.current_version is None:
             return  # engines start from --hf-checkpoint, which is the current policy
         api = self.client.engine(engine.url)
-        if self.mode == "disk" and self.current_snapshot is not None:
-            await api.update_weights_from_disk(str(self.current_snapshot), weight_version=self.current_version)
-        else:
-            path = await self.trainer.export_weights(self.snapshot_dir / f"weights_{self.current_version}",
-                                                     self.current_version)
+        if self.current_snapshot is None or not self.current_snapshot.exists():
+            path = await self.trainer.export_weights(self.snapshot_dir, self.current_version,
+                                                     keep=self.keep_snapshots)
             self.current_snapshot = Path(path)
-            await api.update_weights_from_disk(str(path), weight_version=self.current_version)
+        await api.update_weights_from_disk(str(self.current_snapshot), weight_version=self.current_version)
         got = await api.get_weight_version()
         if got != self.current_version:
             raise WeightSyncError(f"{engine.name} reports weight version {got!r} after recovery, "
@@ -189,10 +189,3 @@ class WeightSync:
             if raise_errors:
                 raise WeightSyncError(f"{what} failed on {len(errors)} engine(s): {errors}")
             log.warning("%s failed on %s", what, errors)
-
-    def _prune_snapshots(self) -> None:
-        snapshots = sorted((p for p in self.snapshot_dir.glob("weights_*") if p.is_dir()),
-                           key=lambda p: p.stat().st_mtime)
-        for old in snapshots[: max(0, len(snapshots) - self.keep_snapshots)]:
-            if old != self.current_snapshot:
-                shutil.rmtree(old, ignore_errors=True)

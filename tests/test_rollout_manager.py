@@ -80,7 +80,7 @@ async def test_debug_train_only_builds_the_rollout_fn_but_no_generate_state(tmp_
 async def test_default_rollout_fn_in_train_only_mode_fails_clearly_when_called(tmp_path: Path) -> None:
     manager = RolloutManager.build(_config(tmp_path, "--debug-train-only"))
     assert manager.counts.rollout_fns == 1
-    with pytest.raises(NotBuiltError, match="GenerateState .* --debug-train-only starts no engines"):
+    with pytest.raises(NotBuiltError, match=r"GenerateState .* --debug-train-only starts no engines"):
         await manager.get_rollout(0, "0")
 
 
