@@ -208,6 +208,9 @@ class TrainGroup:
         self._request_ids = itertools.count(1)
         self._state = _Call()
         self._stop = anyio.Event()
+        # Set once the listener is bound (`address` known) and once every rank has said Hello.
+        self.listening = anyio.Event()
+        self.ready = anyio.Event()
 
     # ------------------------------------------------------------------------------------------ lifetime
 
@@ -226,6 +229,7 @@ class TrainGroup:
         async with listener:
             port = listener.extra(SocketAttribute.local_port)
             self.address = f"{self.advertise_host or self.host}:{port}"
+            self.listening.set()
             log_file: IO[bytes] | None = None
             try:
                 async with anyio.create_task_group() as tg:
@@ -244,6 +248,7 @@ class TrainGroup:
                                 protocol.ENV_TOKEN,
                             )
                         await self._wait_all_connected()
+                        self.ready.set()
                         task_status.started(self)
                         await self._stop.wait()
                     finally:

@@ -1,0 +1,258 @@
+"""The control channel: frames and typed messages round-trip; the handshake refuses wrong tokens, wrong
+protocol versions and oversized frames with clear errors on both sides; a rank that disconnects fails
+pending calls at once.
+
+The socket tests run a real TrainGroup listener (attach mode: it launches nothing) and real rank-side
+clients (`RankChannel`) in threads. Those clients answer commands with a tiny handler instead of a
+trainer: a protocol-level stand-in for a rank, so these tests need no torch process.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+import anyio
+import pytest
+import torch
+
+from coordinator.train_group import RankCommandError, RankFailure, TrainGroup
+from workers import protocol
+
+
+def hello(
+    token: str, *, rank: int = 0, world_size: int = 1, version: int = protocol.PROTOCOL_VERSION
+) -> protocol.Hello:
+    return protocol.Hello(
+        protocol_version=version, token=token, rank=rank, world_size=world_size, local_rank=rank, pid=12345
+    )
+
+
+def roundtrip(message: protocol.Message) -> protocol.Message:
+    data = protocol.frame(protocol.encode_message(message))
+    (length,) = protocol.HEADER.unpack(data[:4])
+    assert length == len(data) - 4
+    return protocol.decode_message(protocol.unpack(data[4:]))
+
+
+def test_every_message_kind_round_trips() -> None:
+    messages: list[protocol.Message] = [
+        hello("secret"),
+        protocol.Welcome(),
+        protocol.ErrorMessage("no"),
+        protocol.Request(7, protocol.InitCommand({"model_path": "/m", "lr": 1e-3, "nested": {"a": [1, 2]}})),
+        protocol.Request(
+            8, protocol.TrainCommand(3, [[{"tokens": [1, 2, 3], "advantage": 0.5}], []], [3, 0])
+        ),
+        protocol.Request(9, protocol.SaveCommand(3, "/ckpt", {"data": {"epoch": 1}})),
+        protocol.Request(10, protocol.LoadCommand("/ckpt")),
+        protocol.Request(11, protocol.ExportWeightsCommand("/w", "5", keep=3)),
+        protocol.Request(12, protocol.WeightManifestCommand()),
+        protocol.Request(13, protocol.BroadcastWeightsCommand("127.0.0.1", 29500, 3, "g", 5.0)),
+        protocol.Request(14, protocol.DestroyWeightGroupCommand("g")),
+        protocol.Request(15, protocol.ShutdownCommand()),
+        protocol.Response(15, True, {"metrics": {"loss": 0.25}}),
+        protocol.Response(16, False, {}, "ValueError: bad", "Traceback ..."),
+    ]
+    for message in messages:
+        assert roundtrip(message) == message
+
+
+def test_tensors_round_trip_exactly() -> None:
+    tensors = {
+        "f32": torch.randn(3, 4),
+        "bf16": torch.randn(5).to(torch.bfloat16),
+        "i64": torch.arange(6).reshape(2, 3),
+        "empty": torch.empty(0, 7),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "strided": torch.randn(4, 4).t(),
+    }
+    back = roundtrip(protocol.Response(1, True, {"tensors": tensors}))
+    assert isinstance(back, protocol.Response)
+    for name, tensor in tensors.items():
+        got = back.result["tensors"][name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+        assert torch.equal(got, tensor), name
+
+
+def test_malformed_messages_raise_protocol_errors() -> None:
+    with pytest.raises(protocol.ProtocolError, match="unknown message kind 'nope'"):
+        protocol.decode_message({"kind": "nope"})
+    with pytest.raises(protocol.ProtocolError, match="unknown fields"):
+        protocol.decode_message({"kind": "welcome", "protocol_version": 1, "extra": 2})
+    with pytest.raises(protocol.ProtocolError, match="missing fields"):
+        protocol.decode_message({"kind": "hello", "token": "x"})
+    with pytest.raises(protocol.ProtocolError, match="not a command"):
+        protocol.decode_message({"kind": "request", "request_id": 1, "command": {"kind": "welcome"}})
+    with pytest.raises(protocol.ProtocolError, match="cannot encode a object"):
+        protocol.pack({"x": object()})
+    with pytest.raises(protocol.ProtocolError, match="unknown msgpack ext type"):
+        protocol.unpack(protocol.pack(protocol.msgpack.ExtType(9, b"")))
+
+
+def test_sender_refuses_a_frame_over_the_limit() -> None:
+    with pytest.raises(protocol.FrameTooLarge, match="exceeds the control-channel limit of 1000 bytes"):
+        protocol.frame({"blob": b"x" * 2000}, max_frame_bytes=1000)
+
+
+# ---------------------------------------------------------------------------------- real sockets
+
+
+async def start_listener(tg: anyio.abc.TaskGroup, world_size: int = 1, **kwargs: object) -> TrainGroup:
+    group = TrainGroup(nproc_per_node=world_size, run_dir=kwargs.pop("run_dir"), launch=False, **kwargs)  # type: ignore[arg-type]
+    tg.start_soon(group.run)
+    await group.listening.wait()
+    return group
+
+
+def serve_in_thread(
+    channel: protocol.RankChannel, handler: Callable[[protocol.Request], protocol.Response | None]
+) -> threading.Thread:
+    """The stand-in rank's command loop: answers until shutdown, or closes when the handler returns None."""
+
+    def loop() -> None:
+        try:
+            while True:
+                request = channel.receive()
+                assert isinstance(request, protocol.Request)
+                if isinstance(request.command, protocol.ShutdownCommand):
+                    channel.send(protocol.Response(request.request_id, True))
+                    return
+                response = handler(request)
+                if response is None:
+                    return
+                channel.send(response)
+        except ConnectionError:
+            return
+        finally:
+            channel.close()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+async def test_wrong_token_is_refused_with_a_clear_error(tmp_path) -> None:
+    async with anyio.create_task_group() as tg:
+        group = await start_listener(tg, run_dir=tmp_path)
+        with pytest.raises(protocol.HandshakeRefused, match="wrong token from rank 0"):
+            await anyio.to_thread.run_sync(
+                protocol.RankChannel.connect, group.address, hello("not-the-token")
+            )
+        assert any("wrong token" in reason for reason in group.refusals)
+        assert not group.ready.is_set()
+        tg.cancel_scope.cancel()
+
+
+async def test_wrong_protocol_version_is_refused(tmp_path) -> None:
+    async with anyio.create_task_group() as tg:
+        group = await start_listener(tg, run_dir=tmp_path)
+        with pytest.raises(protocol.HandshakeRefused, match="protocol version mismatch: rank speaks 999"):
+            await anyio.to_thread.run_sync(
+                protocol.RankChannel.connect, group.address, hello(group.token, version=999)
+            )
+        tg.cancel_scope.cancel()
+
+
+async def test_frame_over_the_limit_is_refused_by_the_receiver(tmp_path) -> None:
+    async with anyio.create_task_group() as tg:
+        group = await start_listener(tg, run_dir=tmp_path, max_frame_bytes=4096)
+
+        def send_huge_header() -> str:
+            host, port = protocol.split_address(group.address or "")
+            with socket.create_connection((host, port), timeout=10) as sock:
+                # Announce 1 MiB; the coordinator must refuse after the header, without reading a body.
+                sock.sendall(struct.pack(">I", 1 << 20))
+                channel = protocol.RankChannel(sock)
+                reply = channel.receive()
+                assert isinstance(reply, protocol.ErrorMessage)
+                return reply.message
+
+        message = await anyio.to_thread.run_sync(send_huge_header)
+        assert "1048576 bytes" in message and "limit of 4096 bytes" in message
+        assert any("limit of 4096" in reason for reason in group.refusals)
+        tg.cancel_scope.cancel()
+
+
+async def test_rank_side_receiver_refuses_an_oversized_frame() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        right.sendall(struct.pack(">I", 10_000))
+        with pytest.raises(protocol.FrameTooLarge, match="over the control-channel limit of 100 bytes"):
+            protocol.RankChannel(left, max_frame_bytes=100).receive()
+
+
+async def test_commands_reach_every_rank_and_errors_name_the_rank(tmp_path) -> None:
+    async with anyio.create_task_group() as tg:
+        group = await start_listener(tg, world_size=2, run_dir=tmp_path, error_window_s=0.2)
+        seen: dict[int, list[str]] = {0: [], 1: []}
+
+        def make_handler(rank: int) -> Callable[[protocol.Request], protocol.Response]:
+            def handle(request: protocol.Request) -> protocol.Response:
+                seen[rank].append(request.command.kind)
+                if isinstance(request.command, protocol.LoadCommand) and rank == 1:
+                    return protocol.Response(
+                        request.request_id, False, error="CheckpointError: no such dir", traceback="tb"
+                    )
+                return protocol.Response(
+                    request.request_id,
+                    True,
+                    {"rollout_id": 4, "extra": {}, "path": "/p", "manifest": [["w", "float32", [2]]]},
+                )
+
+            return handle
+
+        threads = []
+        for rank in (0, 1):
+            channel = await anyio.to_thread.run_sync(
+                protocol.RankChannel.connect, group.address, hello(group.token, rank=rank, world_size=2)
+            )
+            threads.append(serve_in_thread(channel, make_handler(rank)))
+        await group.ready.wait()
+        assert sorted(group.ranks) == [0, 1]
+        assert await group.weight_manifest() == [("w", "float32", [2])]
+        with pytest.raises(
+            RankCommandError, match=r"command 'load' failed on rank\(s\) 1: CheckpointError: no such dir"
+        ):
+            await group.load("/nowhere")
+        # Ranks may be out of step after a failed command: the group refuses further calls.
+        with pytest.raises(RuntimeError, match="unusable after an earlier failed command"):
+            await group.weight_manifest()
+        assert seen == {0: ["weight_manifest", "load"], 1: ["weight_manifest", "load"]}
+        await group.shutdown()
+        for thread in threads:
+            await anyio.to_thread.run_sync(thread.join, 10)
+            assert not thread.is_alive()
+
+
+async def test_a_rank_that_disconnects_fails_the_pending_call_at_once(tmp_path) -> None:
+    async with anyio.create_task_group() as tg:
+        group = await start_listener(tg, world_size=2, run_dir=tmp_path)
+        release = threading.Event()
+
+        def answer_slowly(request: protocol.Request) -> protocol.Response:
+            release.wait(30)
+            return protocol.Response(request.request_id, True, {"manifest": []})
+
+        def disconnect(request: protocol.Request) -> None:
+            return None  # closes the socket, like a rank that died
+
+        threads = []
+        for rank, handler in ((0, answer_slowly), (1, disconnect)):
+            channel = await anyio.to_thread.run_sync(
+                protocol.RankChannel.connect, group.address, hello(group.token, rank=rank, world_size=2)
+            )
+            threads.append(serve_in_thread(channel, handler))
+        await group.ready.wait()
+        with anyio.fail_after(10):
+            with pytest.raises(
+                RankFailure, match=r"training rank\(s\) 1 failed: rank 1 \(pid 12345\) closed"
+            ) as info:
+                await group.weight_manifest()
+        assert info.value.ranks == [1]
+        release.set()
+        await group.shutdown()
+        for thread in threads:
+            await anyio.to_thread.run_sync(thread.join, 10)
