@@ -132,8 +132,10 @@ def _as_async(fn: Callable[[int, str], Any], path: str, what: str) -> RolloutCal
             return result
         if isinstance(result, list):
             return RolloutBatch(rollout_id=rollout_id, groups=result)
-        raise TypeError(f"{what} {path!r} returned {type(result).__name__}; expected a RolloutBatch or a list "
-                        "of sample groups")
+        raise TypeError(
+            f"{what} {path!r} returned {type(result).__name__}; expected a RolloutBatch or a list "
+            "of sample groups"
+        )
 
     call.target = fn  # type: ignore[attr-defined]
     return call
@@ -206,21 +208,31 @@ class RolloutManager:
         if data_source is not None:
             manager.counts.data_sources += 1
         reward_model = build_reward_model(config)
-        dynamic_filter = (DynamicFilter.load(config.dynamic_sampling_filter_path, reward_key=config.reward_key)
-                          if config.dynamic_sampling_filter_path else None)
+        dynamic_filter = (
+            DynamicFilter.load(config.dynamic_sampling_filter_path, reward_key=config.reward_key)
+            if config.dynamic_sampling_filter_path
+            else None
+        )
         manager.context = RolloutContext(
-            config=config, tokenizer=tokenizer, data_source=data_source, generate_state=generate_state,
-            dispatcher=dispatcher, reward_model=reward_model, dynamic_filter=dynamic_filter,
+            config=config,
+            tokenizer=tokenizer,
+            data_source=data_source,
+            generate_state=generate_state,
+            dispatcher=dispatcher,
+            reward_model=reward_model,
+            dynamic_filter=dynamic_filter,
             progress_display=progress,
         )
-        manager._rollout_fn = instantiate_rollout_fn(config.rollout_function_path, manager.context,
-                                                     what="--rollout-function-path")
+        manager._rollout_fn = instantiate_rollout_fn(
+            config.rollout_function_path, manager.context, what="--rollout-function-path"
+        )
         manager.counts.rollout_fns += 1
         if config.shares_rollout_and_eval_fn:
             manager._eval_fn = manager._rollout_fn
         else:
-            manager._eval_fn = instantiate_rollout_fn(config.effective_eval_function_path, manager.context,
-                                                      what="--eval-function-path")
+            manager._eval_fn = instantiate_rollout_fn(
+                config.effective_eval_function_path, manager.context, what="--eval-function-path"
+            )
             manager.counts.eval_fns += 1
         return manager
 
@@ -254,9 +266,12 @@ class RolloutManager:
         else:
             batch = await self.rollout_fn(rollout_id, weight_version)
             self._check_shape(batch)
-        compute_advantages(batch.groups, estimator=self.config.advantage_estimator,
-                           normalize_std=not self.config.disable_grpo_std_normalization,
-                           reward_key=self.config.reward_key)
+        compute_advantages(
+            batch.groups,
+            estimator=self.config.advantage_estimator,
+            normalize_std=not self.config.disable_grpo_std_normalization,
+            reward_key=self.config.reward_key,
+        )
         if self.config.save_debug_rollout_data is not None and not self.config.replay_mode:
             await self._dump(batch)
         return batch
@@ -267,14 +282,19 @@ class RolloutManager:
         want_groups, want_n = self.config.rollout_batch_size, self.config.n_samples_per_prompt
         sizes = [len(group) for group in batch.groups]
         if len(sizes) != want_groups or any(size != want_n for size in sizes):
-            raise RuntimeError(f"rollout {batch.rollout_id} returned groups of sizes {sizes}; expected "
-                               f"{want_groups} groups of {want_n}")
+            raise RuntimeError(
+                f"rollout {batch.rollout_id} returned groups of sizes {sizes}; expected "
+                f"{want_groups} groups of {want_n}"
+            )
 
     async def _dump(self, batch: RolloutBatch, *, kind: str = "rollout") -> None:
         from replay.format import dump_path, write_dump
 
-        path = dump_path(self.config.save_debug_rollout_data, batch.rollout_id,  # type: ignore[arg-type]
-                         eval=(kind == "eval"))
+        path = dump_path(
+            self.config.save_debug_rollout_data,
+            batch.rollout_id,  # type: ignore[arg-type]
+            eval=(kind == "eval"),
+        )
         facts = {
             "hf_checkpoint": self.config.hf_checkpoint,
             "n_samples_per_prompt": self.config.n_samples_per_prompt,
@@ -316,7 +336,7 @@ BUILTIN_PROMPTS = 4096
 
 def builtin_task(config: Config) -> str | None:
     if config.prompt_data and config.prompt_data.startswith(BUILTIN_PREFIX):
-        return config.prompt_data[len(BUILTIN_PREFIX):]
+        return config.prompt_data[len(BUILTIN_PREFIX) :]
     return None
 
 
@@ -327,13 +347,21 @@ def build_data_source(config: Config, tokenizer: Any) -> PromptDataSource:
 
         return PromptDataSource.from_records(
             make_task_prompts(task, BUILTIN_PROMPTS, config.rollout_seed),
-            apply_chat_template=config.apply_chat_template, tokenizer=tokenizer,
-            shuffle=config.rollout_shuffle, seed=config.rollout_seed, source=config.prompt_data or "",
+            apply_chat_template=config.apply_chat_template,
+            tokenizer=tokenizer,
+            shuffle=config.rollout_shuffle,
+            seed=config.rollout_seed,
+            source=config.prompt_data or "",
         )
     return PromptDataSource(
-        config.prompt_data or "", input_key=config.input_key, label_key=config.label_key,
-        metadata_key=config.metadata_key, apply_chat_template=config.apply_chat_template, tokenizer=tokenizer,
-        shuffle=config.rollout_shuffle, seed=config.rollout_seed,
+        config.prompt_data or "",
+        input_key=config.input_key,
+        label_key=config.label_key,
+        metadata_key=config.metadata_key,
+        apply_chat_template=config.apply_chat_template,
+        tokenizer=tokenizer,
+        shuffle=config.rollout_shuffle,
+        seed=config.rollout_seed,
     )
 
 
@@ -346,5 +374,9 @@ def build_reward_model(config: Config) -> RewardModel | None:
         rm_type = get_task(task).rm_type
     if rm_type is None and config.custom_rm_path is None:
         return None
-    return RewardModel(rm_type=rm_type, custom_rm_path=config.custom_rm_path, group_rm=config.group_rm,
-                       reward_key=config.reward_key)
+    return RewardModel(
+        rm_type=rm_type,
+        custom_rm_path=config.custom_rm_path,
+        group_rm=config.group_rm,
+        reward_key=config.reward_key,
+    )
