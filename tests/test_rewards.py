@@ -332,3 +332,13 @@ def test_custom_rm_path_errors_surface_from_reward_model(hook_dir: Path) -> None
         RewardModel(custom_rm_path="rm_hooks_value:nope")
     with pytest.raises(RewardError, match=r"--custom-rm-path 'rm_hooks_value:NOT_CALLABLE' is not callable"):
         RewardModel(custom_rm_path="rm_hooks_value:NOT_CALLABLE")
+
+
+def test_math_reward_survives_hostile_responses() -> None:
+    # Beyond int()'s digit limit and float range: not numbers, so compared as text (and no exception).
+    assert math_reward("1" * 100_000, "1") == 0.0
+    assert math_reward(r"\boxed{1e999999}", "1") == 0.0
+    assert math_reward(r"\boxed{1e999999}", "1e999999") == 1.0
+    # Thousands of unclosed boxes: the innermost closed one is the answer (found in one pass over the text).
+    assert math_reward("\\boxed{" * 5_000 + "5}", "5") == 1.0
+    assert math_reward("\\boxed{" * 5_000, "5") == 0.0

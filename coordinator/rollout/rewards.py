@@ -35,6 +35,8 @@ from replay.sample import Reward, Sample, SampleStatus
 
 FIRST_DIGIT_WINDOW = 4
 MATH_RELATIVE_TOLERANCE = 1e-6
+MAX_NUMBER_CHARS = 64
+MAX_EXPONENT = 308
 
 
 class RewardError(ValueError):
@@ -81,32 +83,38 @@ _FRAC_PARTS = re.compile(r"^\\[dt]?frac\s*(\{[^{}]*\}|\d)\s*(\{[^{}]*\}|\d)$")
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
 
 
-def _braced(text: str, start: int) -> str | None:
-    """The content of the brace group opening at `text[start]`, nested braces included; None if unbalanced."""
-    if start >= len(text) or text[start] != "{":
-        return None
-    depth = 0
-    for position in range(start, len(text)):
-        if text[position] == "{":
-            depth += 1
-        elif text[position] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1 : position]
-    return None
+def _closing_braces(text: str) -> dict[int, int]:
+    """For every `{` that is closed, the index of its `}` (one pass: nested braces are matched properly)."""
+    open_positions: list[int] = []
+    closing: dict[int, int] = {}
+    for position, char in enumerate(text):
+        if char == "{":
+            open_positions.append(position)
+        elif char == "}" and open_positions:
+            closing[open_positions.pop()] = position
+    return closing
 
 
 def extract_boxed(text: str) -> str | None:
-    """The content of the last complete `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) in `text`."""
-    found: str | None = None
-    for match in _BOXED.finditer(text):
-        content = _braced(text, match.end())
-        if content is None and text[match.end() - 1].isspace():  # `\\boxed 5`: up to the next space
-            bare = re.match(r"[^\s${}]+", text[match.end() :])
-            content = bare.group(0) if bare else None
-        if content is not None:
-            found = content
-    return found
+    """The content of the last complete `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) in `text`.
+
+    Linear in the text (brace pairs are found in one pass), so a response of thousands of `\\boxed{` costs
+    no more than its length.
+    """
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return None
+    closing = _closing_braces(text)
+    for match in reversed(matches):
+        start = match.end()
+        if start < len(text) and text[start] == "{":
+            if start in closing:
+                return text[start + 1 : closing[start]]
+        elif text[start - 1].isspace():  # `\\boxed 5`: up to the next space, `$` or brace
+            bare = re.match(r"[^\s${}]+", text[start:])
+            if bare is not None:
+                return bare.group(0)
+    return None
 
 
 def extract_math_answer(response: str) -> str | None:
@@ -137,7 +145,12 @@ def _normalize_math_text(text: str) -> str:
 def _parse_plain_number(text: str) -> Fraction | None:
     if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", text):
         text = text.replace(",", "")
-    if not re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?", text):
+    # Bounded: a model can emit a 100k-digit "number" or `1e999999`; exact arithmetic on those would be
+    # slow (or refused by int()), so anything beyond float range is not a number and compares as text.
+    if len(text) > MAX_NUMBER_CHARS:
+        return None
+    match = re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE]([-+]?\d+))?", text)
+    if match is None or (match.group(1) is not None and abs(int(match.group(1))) > MAX_EXPONENT):
         return None
     return Fraction(text)
 
