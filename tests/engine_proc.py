@@ -1,0 +1,119 @@
+"""Start a real CPU engine (`python -m workers.engine`) for tests and benchmarks, and always stop it.
+
+Owns the engine subprocesses that tests start. Invariant: the process is started in its own session and its
+whole process group is terminated (then killed) when the context exits, on every path, so no test leaves an
+orphan. A process that dies while starting is reported with the tail of its log instead of a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class RunningEngine:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+
+@contextmanager
+def start_engine_process(
+    model_dir: str | Path,
+    *,
+    api_key: str | None = None,
+    extra_args: Sequence[str] = (),
+    threads: int = 1,
+    startup_timeout_s: float = 90.0,
+    log_path: str | Path | None = None,
+) -> Iterator[RunningEngine]:
+    """Launch an engine on a free 127.0.0.1 port; yield once /health answers 200."""
+    port = free_port()
+    if log_path is None:
+        handle, name = tempfile.mkstemp(prefix="rayless-engine-", suffix=".log")
+        os.close(handle)
+        log_path = Path(name)
+    log_path = Path(log_path)
+    command = [sys.executable, "-m", "workers.engine", "--model-path", str(model_dir), "--port", str(port)]
+    command += ["--random-seed", "0", "--log-level", "warning"]
+    if api_key:
+        command += ["--api-key", api_key]
+    command += list(extra_args)
+    env = {**os.environ, "RAYLESS_ENGINE_THREADS": str(threads)}
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    engine = RunningEngine(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
+    try:
+        _wait_healthy(engine, startup_timeout_s)
+        yield engine
+    finally:
+        _stop(process)
+
+
+def _wait_healthy(engine: RunningEngine, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            code = engine.process.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"engine exited with code {code} while starting; log tail:\n{engine.log_tail()}"
+                )
+            try:
+                if client.get(engine.url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # the port opens only after the weights load
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine not healthy after {timeout_s} s; log tail:\n{engine.log_tail()}")
+            time.sleep(0.1)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    process.wait()
+
+
+@contextmanager
+def start_engine(
+    model_dir: str | Path, *, api_key: str | None = None, extra_args: Sequence[str] = ()
+) -> Iterator[str]:
+    """The common case: yield the engine's base URL (http://127.0.0.1:PORT)."""
+    with start_engine_process(model_dir, api_key=api_key, extra_args=extra_args) as engine:
+        yield engine.url

@@ -1,0 +1,495 @@
+"""The SGLang HTTP contract (../shared/SGLANG_CONTRACT.md), checked against a real CPU engine process.
+
+Every test takes the engine's base URL from the `engine_url` fixture, so the same tests can run against
+another front (e.g. sglang-router before two engines) by overriding that fixture. Tests that need the
+model itself (logprob checks) load it from `tiny_model_dir` in this process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import torch
+from engine_proc import start_engine
+
+PROMPT = "1 2 3="
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path) -> Iterator[str]:
+    with start_engine(tiny_model_dir) as url:
+        yield url
+
+
+@pytest.fixture
+async def client(engine_url: str) -> Any:
+    async with httpx.AsyncClient(base_url=engine_url, timeout=60.0) as http:
+        yield http
+
+
+async def generate(client: httpx.AsyncClient, body: dict[str, Any], status: int = 200) -> Any:
+    response = await client.post("/generate", json=body)
+    assert response.status_code == status, response.text
+    return response.json()
+
+
+def greedy(max_new_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, **extra}
+
+
+async def stream_chunks(client: httpx.AsyncClient, body: dict[str, Any]) -> list[Any]:
+    chunks: list[Any] = []
+    async with client.stream("POST", "/generate", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                payload = line.removeprefix("data: ")
+                chunks.append(payload if payload == "[DONE]" else json.loads(payload))
+    return chunks
+
+
+# ---- /generate shapes ----------------------------------------------------------------------------------
+
+
+async def test_single_text_response_shape(client: httpx.AsyncClient) -> None:
+    out = await generate(client, {"text": PROMPT, "sampling_params": greedy(6, ignore_eos=True)})
+    assert isinstance(out, dict)
+    assert set(out) >= {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert len(out["output_ids"]) == meta["completion_tokens"] == 6
+    assert meta["prompt_tokens"] == len(PROMPT)
+    assert meta["cached_tokens"] == 0
+    assert meta["weight_version"] == "default"
+    assert meta["e2e_latency"] > 0 and isinstance(meta["id"], str) and meta["id"]
+    assert "output_token_logprobs" not in meta
+
+
+async def test_rid_becomes_id_and_unknown_top_level_keys_are_ignored(client: httpx.AsyncClient) -> None:
+    out = await generate(
+        client, {"text": PROMPT, "rid": "my-rid", "no_such_key": 1, "sampling_params": greedy(2)}
+    )
+    assert out["meta_info"]["id"] == "my-rid"
+
+
+async def test_batched_text_with_n_is_prompt_by_prompt(client: httpx.AsyncClient) -> None:
+    prompts = ["12", "abcd"]
+    out = await generate(
+        client, {"text": prompts, "sampling_params": {"max_new_tokens": 3, "n": 3, "ignore_eos": True}}
+    )
+    assert isinstance(out, list) and len(out) == 6
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 2, 2, 4, 4, 4]
+    assert len({o["meta_info"]["id"] for o in out}) == 6
+    assert all(len(o["output_ids"]) == 3 for o in out)
+
+
+async def test_batched_input_ids_and_per_item_params(client: httpx.AsyncClient) -> None:
+    out = await generate(
+        client,
+        {"input_ids": [[6, 7, 8], [9, 10]], "sampling_params": [greedy(2), greedy(4)]},
+    )
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [2, 4]
+    single = await generate(client, {"input_ids": [6, 7, 8], "sampling_params": greedy(2)})
+    assert single["output_ids"] == out[0]["output_ids"]
+    # A one-item batch is still a batch: the answer is an array.
+    assert isinstance(await generate(client, {"text": ["12"], "sampling_params": greedy(1)}), list)
+
+
+async def test_finish_stop_on_token_id(client: httpx.AsyncClient) -> None:
+    base = await generate(client, {"text": PROMPT, "sampling_params": greedy(8)})
+    first = base["output_ids"][0]
+    out = await generate(client, {"text": PROMPT, "sampling_params": greedy(8, stop_token_ids=[first])})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+    assert out["output_ids"] == [first]  # the stop token is part of output_ids ...
+    assert out["meta_info"]["completion_tokens"] == 1
+    assert out["text"] == ""  # ... but trimmed from the text
+    kept = await generate(
+        client, {"text": PROMPT, "sampling_params": greedy(8, stop_token_ids=[first], no_stop_trim=True)}
+    )
+    assert kept["text"] == base["text"][:1]
+    ignored = await generate(
+        client, {"text": PROMPT, "sampling_params": greedy(3, stop_token_ids=[first], ignore_eos=True)}
+    )
+    assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
+async def test_finish_stop_on_string_trims_unless_no_stop_trim(client: httpx.AsyncClient) -> None:
+    base = await generate(client, {"text": "ab", "sampling_params": greedy(10)})
+    text = base["text"]
+    assert len(text) >= 3
+    stop = text[2]
+    cut = text.index(stop)
+    out = await generate(client, {"text": "ab", "sampling_params": greedy(10, stop=[stop, "never-seen"])})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[:cut]
+    kept = await generate(client, {"text": "ab", "sampling_params": greedy(10, stop=stop, no_stop_trim=True)})
+    assert kept["text"] == text[: cut + 1]
+
+
+async def test_min_new_tokens_bans_stop_tokens(client: httpx.AsyncClient) -> None:
+    base = await generate(client, {"text": PROMPT, "sampling_params": greedy(4)})
+    first = base["output_ids"][0]
+    out = await generate(
+        client, {"text": PROMPT, "sampling_params": greedy(4, stop_token_ids=[first], min_new_tokens=2)}
+    )
+    assert out["output_ids"][0] != first
+    assert out["meta_info"]["completion_tokens"] >= 2
+
+
+async def test_abort_by_rid_returns_partial_output(client: httpx.AsyncClient) -> None:
+    body = {
+        "text": PROMPT,
+        "rid": "to-abort",
+        "stream": True,
+        "sampling_params": greedy(400, ignore_eos=True),
+    }
+    chunks: list[Any] = []
+    async with client.stream("POST", "/generate", json=body) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line.removeprefix("data: ")
+            chunks.append(payload if payload == "[DONE]" else json.loads(payload))
+            if len(chunks) == 1:
+                aborted = await client.post("/abort_request", json={"rid": "to-abort"})
+                assert aborted.status_code == 200
+    assert chunks[-1] == "[DONE]"
+    final = chunks[-2]
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "message" in final["meta_info"]["finish_reason"]
+    assert 1 <= len(final["output_ids"]) < 400
+    # An unknown rid is a no-op.
+    assert (await client.post("/abort_request", json={"rid": "nobody"})).status_code == 200
+
+
+async def test_streaming_is_cumulative_and_ends_with_done(client: httpx.AsyncClient) -> None:
+    chunks = await stream_chunks(client, {"text": PROMPT, "sampling_params": greedy(5, ignore_eos=True)})
+    assert chunks[-1] == "[DONE]"
+    events = chunks[:-1]
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    lengths = [len(e["output_ids"]) for e in events]
+    assert lengths == sorted(lengths) and lengths[-1] == 5
+    for earlier, later in itertools.pairwise(events):
+        assert later["output_ids"][: len(earlier["output_ids"])] == earlier["output_ids"]
+    unstreamed = await generate(client, {"text": PROMPT, "sampling_params": greedy(5, ignore_eos=True)})
+    assert events[-1]["output_ids"] == unstreamed["output_ids"]
+    assert events[-1]["text"] == unstreamed["text"]
+
+
+async def test_streaming_batch_carries_index(client: httpx.AsyncClient) -> None:
+    chunks = await stream_chunks(client, {"text": ["12", "34"], "sampling_params": greedy(3, n=2)})
+    finals = {c["index"]: c for c in chunks[:-1] if c["meta_info"]["finish_reason"] is not None}
+    assert sorted(finals) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"text": ""}, "empty"),
+        ({"input_ids": []}, "empty"),
+        ({}, "exactly one"),
+        ({"text": "1", "input_ids": [1]}, "exactly one"),
+        ({"input_ids": [1, 10_000]}, "vocabulary"),
+        ({"text": "1" * 500, "sampling_params": {"max_new_tokens": 100}}, "context length"),
+        ({"text": "1", "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"text": "1", "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"text": "1", "sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"text": "1", "sampling_params": {"top_k": 0}}, "top_k"),
+        ({"text": "1", "sampling_params": {"min_p": 2}}, "min_p"),
+        ({"text": "1", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"text": "1", "sampling_params": {"n": 0}}, "n must"),
+        ({"text": "1", "sampling_params": {"temperature": "hot"}}, "temperature"),
+        ({"text": "1", "sampling_params": {"bogus_key": 1}}, "bogus_key"),
+        ({"text": ["1", "2"], "sampling_params": [{}]}, "sampling_params"),
+    ],
+)
+async def test_rejected_input_is_400_with_message(client: httpx.AsyncClient, body: dict, needle: str) -> None:
+    out = await generate(client, body, status=400)
+    assert needle in out["error"]["message"]
+
+
+async def test_invalid_json_is_400(client: httpx.AsyncClient) -> None:
+    response = await client.post("/generate", content=b"{not json")
+    assert response.status_code == 400
+    assert "JSON" in response.json()["error"]["message"]
+
+
+# ---- sampling and logprobs ------------------------------------------------------------------------------
+
+
+async def test_sampling_seed_is_deterministic(client: httpx.AsyncClient) -> None:
+    params = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}
+    first = await generate(client, {"text": PROMPT, "sampling_params": {**params, "sampling_seed": 7}})
+    again = await generate(client, {"text": PROMPT, "sampling_params": {**params, "sampling_seed": 7}})
+    other = await generate(client, {"text": PROMPT, "sampling_params": {**params, "sampling_seed": 8}})
+    assert first["output_ids"] == again["output_ids"]
+    assert first["output_ids"] != other["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+def reference_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the float32 logits: row i scores token i + 1."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20}])
+async def test_output_logprobs_are_log_softmax_of_raw_logits(
+    client: httpx.AsyncClient, reference_model: Any, sampling: dict
+) -> None:
+    body = {
+        "text": PROMPT,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {**sampling, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 3},
+    }
+    out = await generate(client, body)
+    prompt_ids = [entry[1] for entry in out["meta_info"]["input_token_logprobs"]]
+    assert len(prompt_ids) == len(PROMPT)
+    ids = prompt_ids + out["output_ids"]
+    reference = reference_logprobs(reference_model, ids)
+    got = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+    assert [entry[1] for entry in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
+    expected = [reference[len(prompt_ids) - 1 + i, token].item() for i, token in enumerate(out["output_ids"])]
+    assert got == pytest.approx(expected, abs=1e-4)
+    inputs = out["meta_info"]["input_token_logprobs"]
+    assert inputs[0][0] is None
+    assert [e[0] for e in inputs[1:]] == pytest.approx(
+        [reference[i - 1, prompt_ids[i]].item() for i in range(1, len(prompt_ids))], abs=1e-4
+    )
+
+
+async def test_prefill_only_scores_the_prompt(client: httpx.AsyncClient, reference_model: Any) -> None:
+    body = {
+        "text": ["12+3", "ab"],
+        "return_logprob": True,
+        "return_text_in_logprobs": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 0},
+    }
+    out = await generate(client, body)
+    first = out[0]
+    assert first["output_ids"] == [] and first["meta_info"]["completion_tokens"] == 0
+    assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert first["meta_info"]["prompt_tokens"] == 4
+    entries = first["meta_info"]["input_token_logprobs"]
+    assert [e[2] for e in entries] == list("12+3")
+    reference = reference_logprobs(reference_model, [e[1] for e in entries])
+    assert [e[0] for e in entries[1:]] == pytest.approx(
+        [reference[i - 1, entries[i][1]].item() for i in range(1, 4)], abs=1e-4
+    )
+    # The default logprob_start_len (-1) returns only the last prompt position.
+    default = await generate(
+        client, {"text": "12+3", "return_logprob": True, "sampling_params": {"max_new_tokens": 0}}
+    )
+    assert len(default["meta_info"]["input_token_logprobs"]) == 1
+    assert default["meta_info"]["input_token_logprobs"][0][0] == pytest.approx(entries[-1][0], abs=1e-5)
+
+
+async def test_concurrent_requests_match_their_solo_runs(client: httpx.AsyncClient) -> None:
+    prompts = ["1", "22 3", "abc=", "9 8 7 6 5", "x", "hello", "0+0=", "Q"]
+
+    def body(prompt: str, length: int) -> dict[str, Any]:
+        return {"text": prompt, "return_logprob": True, "sampling_params": greedy(length, ignore_eos=True)}
+
+    solo = [await generate(client, body(p, 6 + i)) for i, p in enumerate(prompts)]
+    together: list[Any] = [None] * len(prompts)
+
+    async def run(i: int) -> None:
+        together[i] = await generate(client, body(prompts[i], 6 + i))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(run, i)
+    for alone, batched in zip(solo, together, strict=True):
+        assert batched["output_ids"] == alone["output_ids"]
+        lp_alone = [e[0] for e in alone["meta_info"]["output_token_logprobs"]]
+        lp_batched = [e[0] for e in batched["meta_info"]["output_token_logprobs"]]
+        assert lp_batched == pytest.approx(lp_alone, abs=1e-5)
+
+
+# ---- health, info, control ------------------------------------------------------------------------------
+
+
+async def test_health_and_info_endpoints(client: httpx.AsyncClient, tiny_model_dir: Path) -> None:
+    assert (await client.get("/health")).status_code == 200
+    assert (await client.get("/health_generate")).status_code == 200
+    for path in ("/model_info", "/get_model_info"):
+        info = (await client.get(path)).json()
+        assert info["model_path"] == str(tiny_model_dir)
+        assert info["tokenizer_path"] == str(tiny_model_dir)
+        assert info["is_generation"] is True and info["weight_version"] == "default"
+    for path in ("/server_info", "/get_server_info"):
+        info = (await client.get(path)).json()
+        assert info["max_total_num_tokens"] > 0 and "version" in info and "internal_states" in info
+        assert "api_key" not in info
+    for path in ("/get_weight_version", "/weight_version"):
+        assert (await client.get(path)).json() == {"weight_version": "default"}
+
+
+async def test_metrics_are_prometheus_text(client: httpx.AsyncClient) -> None:
+    await generate(client, {"text": PROMPT, "sampling_params": greedy(2)})
+    text = (await client.get("/metrics")).text
+    for name in (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:gen_throughput",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+    ):
+        assert f"# TYPE {name} " in text
+    total = next(line for line in text.splitlines() if line.startswith("sglang:generation_tokens_total"))
+    assert float(total.rsplit(" ", 1)[1]) >= 2
+
+
+async def test_update_weight_version(client: httpx.AsyncClient) -> None:
+    try:
+        out = (await client.post("/update_weight_version", json={"new_version": "v7"})).json()
+        assert out == {"success": True, "message": out["message"], "new_version": "v7"}
+        assert (await client.get("/get_weight_version")).json() == {"weight_version": "v7"}
+        gen = await generate(client, {"text": PROMPT, "sampling_params": greedy(1)})
+        assert gen["meta_info"]["weight_version"] == "v7"
+        assert (await client.post("/update_weight_version", json={})).status_code == 400
+    finally:
+        await client.post("/update_weight_version", json={"new_version": "default"})
+
+
+async def running_stream(
+    client: httpx.AsyncClient, body: dict[str, Any], started: anyio.Event, sink: list
+) -> None:
+    """Stream a generation into `sink`, setting `started` after its first chunk."""
+    async with client.stream("POST", "/generate", json={**body, "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                sink.append(json.loads(line.removeprefix("data: ")))
+                started.set()
+
+
+async def generated_total(client: httpx.AsyncClient) -> float:
+    text = (await client.get("/metrics")).text
+    line = next(line for line in text.splitlines() if line.startswith("sglang:generation_tokens_total"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+async def test_flush_cache_refuses_while_running(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/flush_cache")).status_code == 200
+    started, sink = anyio.Event(), []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            running_stream,
+            client,
+            {"text": PROMPT, "rid": "long", "sampling_params": greedy(400, ignore_eos=True)},
+            started,
+            sink,
+        )
+        await started.wait()
+        assert (await client.get("/flush_cache")).status_code == 400
+        await client.post("/abort_request", json={"abort_all": True})
+    assert sink[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_pause_holds_generation_and_continue_finishes_it(client: httpx.AsyncClient, mode: str) -> None:
+    params = greedy(60, ignore_eos=True)
+    expected = await generate(client, {"text": PROMPT, "sampling_params": params})
+    started, sink = anyio.Event(), []
+    held: list[Any] = []
+
+    async def new_request() -> None:
+        held.append(await generate(client, {"text": "12", "sampling_params": greedy(3)}))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(running_stream, client, {"text": PROMPT, "sampling_params": params}, started, sink)
+        await started.wait()
+        paused = await client.post("/pause_generation", json={"mode": mode})
+        assert paused.status_code == 200
+        tg.start_soon(new_request)
+        before = await generated_total(client)
+        await anyio.sleep(0.3)
+        assert await generated_total(client) == before  # nothing advances while paused
+        assert held == []
+        assert (await client.get("/health_generate")).status_code == 200  # probes still answer
+        assert (await client.post("/continue_generation", json={})).status_code == 200
+    final = sink[-1]
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+    # Paused in place or retracted and re-prefilled, the greedy continuation is the same.
+    assert final["output_ids"] == expected["output_ids"]
+    assert held[0]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+async def test_pause_abort_mode_aborts_running_requests(client: httpx.AsyncClient) -> None:
+    started, sink = anyio.Event(), []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            running_stream,
+            client,
+            {"text": PROMPT, "sampling_params": greedy(400, ignore_eos=True)},
+            started,
+            sink,
+        )
+        await started.wait()
+        assert (await client.post("/pause_generation", json={"mode": "abort"})).status_code == 200
+    try:
+        assert sink[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert (await client.post("/pause_generation", json={"mode": "sideways"})).status_code == 400
+    finally:
+        await client.post("/continue_generation", json={})
+    assert (await generate(client, {"text": PROMPT, "sampling_params": greedy(1)}))["output_ids"]
+
+
+async def test_release_and_resume_memory(client: httpx.AsyncClient) -> None:
+    released = await client.post("/release_memory_occupation", json={})
+    assert released.status_code == 200
+    try:
+        refused = await generate(client, {"text": PROMPT, "sampling_params": greedy(1)}, status=400)
+        assert "resume_memory_occupation" in refused["error"]["message"]
+        assert (await client.get("/health_generate")).status_code == 503
+    finally:
+        assert (await client.post("/resume_memory_occupation", json={})).status_code == 200
+    assert (await generate(client, {"text": PROMPT, "sampling_params": greedy(1)}))["output_ids"]
+    started, sink = anyio.Event(), []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            running_stream,
+            client,
+            {"text": PROMPT, "sampling_params": greedy(400, ignore_eos=True)},
+            started,
+            sink,
+        )
+        await started.wait()
+        busy = await client.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        assert busy.status_code == 400
+        await client.post("/abort_request", json={"abort_all": True})
+
+
+# ---- auth ---------------------------------------------------------------------------------------------
+
+
+async def test_api_key_guards_everything_but_health_and_metrics(tiny_model_dir: Path) -> None:
+    with start_engine(tiny_model_dir, api_key="sekret") as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+            body = {"text": PROMPT, "sampling_params": greedy(1)}
+            denied = await http.post("/generate", json=body)
+            assert denied.status_code == 401 and denied.json() == {"error": "Unauthorized"}
+            wrong = await http.get("/model_info", headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+            ok = await http.post("/generate", json=body, headers={"Authorization": "Bearer sekret"})
+            assert ok.status_code == 200
+            for path in ("/health", "/health_generate", "/metrics"):
+                assert (await http.get(path)).status_code == 200
