@@ -1,0 +1,241 @@
+"""The training rank's parts, in this process (no torchrun): batching and logprobs, the loss, the
+schedule, settings validation, the HF snapshot, and one-process training determinism."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers import protocol
+from workers.train_rank import weight_export
+from workers.train_rank.batching import (
+    BatchError,
+    make_micro_batches,
+    plan_micro_batches,
+    token_log_probs,
+)
+from workers.train_rank.loss import LossConfig, policy_loss
+from workers.train_rank.model import load_causal_lm
+from workers.train_rank.optim import WarmupFactor, build_optimizer, build_scheduler
+from workers.train_rank.settings import SettingsError, TrainSettings
+from workers.train_rank.trainer import Trainer
+
+torch.set_num_threads(1)
+
+
+def reference_log_probs(model: torch.nn.Module, tokens: list[int], response_length: int) -> list[float]:
+    """What an engine reports: log_softmax at temperature 1 of each response token, one sequence alone."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    start = len(tokens) - response_length
+    return [float(log_probs[position - 1, tokens[position]]) for position in range(start, len(tokens))]
+
+
+def synthetic_samples(model_dir: Path, count: int, seed: int) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(count):
+        prompt = " ".join(str(rng.randrange(10)) for _ in range(rng.randrange(2, 5))) + "="
+        response = "".join(rng.choice("0123456789abc") for _ in range(rng.randrange(1, 6)))
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        response_ids = tokenizer(response)["input_ids"]
+        tokens = prompt_ids + response_ids
+        samples.append(
+            {
+                "tokens": tokens,
+                "response_length": len(response_ids),
+                "loss_mask": [1] * len(response_ids),
+                "rollout_log_probs": reference_log_probs(model, tokens, len(response_ids)),
+                "advantage": rng.gauss(0.0, 1.0),
+            }
+        )
+    return samples
+
+
+def test_micro_batches_respect_the_token_budget() -> None:
+    assert plan_micro_batches([3, 3, 3, 3], max_tokens=6) == [[0, 1], [2, 3]]
+    # Padded size counts: a long sample after short ones starts a new batch; one over budget goes alone.
+    assert plan_micro_batches([2, 2, 5, 9, 1], max_tokens=6) == [[0, 1], [2], [3], [4]]
+    assert plan_micro_batches([4, 4, 4], max_tokens=100) == [[0, 1, 2]]
+
+
+def test_padded_micro_batch_logprobs_match_single_sequence_forward(tiny_model_dir: Path) -> None:
+    samples = synthetic_samples(tiny_model_dir, 6, seed=1)
+    model = load_causal_lm(
+        str(tiny_model_dir), dtype=torch.float32, device=torch.device("cpu"), trainable=False
+    )
+    batches = make_micro_batches(samples, max_tokens=40, pad_token_id=0)
+    assert len(batches) > 1
+    worst = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            log_probs = token_log_probs(
+                model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch.input_ids
+            )
+            mask = batch.loss_mask.bool()
+            worst = max(worst, float((log_probs[mask] - batch.rollout_log_probs[mask]).abs().max()))
+    assert worst < 1e-5
+    assert sum(int(batch.loss_mask.sum()) for batch in batches) == sum(len(s["loss_mask"]) for s in samples)
+
+
+def test_malformed_samples_are_rejected_with_the_field_named() -> None:
+    good = {"tokens": [5, 6, 7], "response_length": 1, "loss_mask": [1], "rollout_log_probs": [-1.0]}
+    with pytest.raises(BatchError, match="sample 1: loss_mask has 2 entries, response_length is 1"):
+        make_micro_batches([good, {**good, "loss_mask": [1, 1]}], max_tokens=10, pad_token_id=0)
+    with pytest.raises(BatchError, match="must leave at least one prompt token"):
+        make_micro_batches(
+            [{**good, "response_length": 3, "loss_mask": [1] * 3, "rollout_log_probs": [0.0] * 3}],
+            max_tokens=10,
+            pad_token_id=0,
+        )
+
+
+def test_policy_loss_is_a_global_token_mean_with_ppo_clipping() -> None:
+    config = LossConfig(eps_clip=0.2, eps_clip_high=0.3, kl_coef=0.0, use_kl_loss=False, entropy_coef=0.0)
+    rollout = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    entropy = torch.zeros(1, 4)
+    # On-policy: ratio 1, loss = -sum(adv·mask) / global tokens (10 here, as if other ranks had 7 more).
+    log_probs = rollout.clone().requires_grad_(True)
+    loss, sums, _ = policy_loss(
+        log_probs=log_probs,
+        rollout_log_probs=rollout,
+        advantages=advantages,
+        loss_mask=mask,
+        global_loss_tokens=10,
+        config=config,
+        entropy=entropy,
+    )
+    assert math.isclose(float(loss.detach()), -(1 + 1 - 1) / 10, abs_tol=1e-7)
+    assert sums["clipped_tokens"] == 0 and sums["loss_tokens"] == 3
+    # Ratio e^1 ≈ 2.72 > 1 + 0.3 on a positive advantage: clipped, so that token gets no gradient.
+    log_probs = torch.tensor([[0.0, -1.0, -1.0, -1.0]], requires_grad=True)
+    loss, sums, maxima = policy_loss(
+        log_probs=log_probs,
+        rollout_log_probs=rollout,
+        advantages=advantages,
+        loss_mask=mask,
+        global_loss_tokens=3,
+        config=config,
+        entropy=entropy,
+    )
+    loss.backward()
+    assert sums["clipped_tokens"] == 1
+    assert log_probs.grad is not None and log_probs.grad[0, 0] == 0 and log_probs.grad[0, 1] != 0
+    assert math.isclose(maxima["logprob_abs_diff_max"], 1.0)
+    assert math.isclose(float(loss.detach()), (-1.3 - 1 + 1) / 3, rel_tol=1e-6)
+
+
+def test_k3_kl_is_zero_against_itself_and_positive_otherwise() -> None:
+    config = LossConfig(eps_clip=0.2, eps_clip_high=0.2, kl_coef=0.5, use_kl_loss=True, entropy_coef=0.0)
+    base = dict(
+        rollout_log_probs=torch.full((1, 3), -1.0),
+        advantages=torch.zeros(1, 3),
+        loss_mask=torch.ones(1, 3),
+        global_loss_tokens=3,
+        config=config,
+        entropy=torch.zeros(1, 3),
+    )
+    log_probs = torch.full((1, 3), -1.0)
+    loss, sums, _ = policy_loss(log_probs=log_probs, ref_log_probs=log_probs.clone(), **base)
+    assert sums["kl_sum"] == 0 and float(loss.detach()) == 0
+    loss, sums, _ = policy_loss(log_probs=log_probs, ref_log_probs=torch.full((1, 3), -2.0), **base)
+    expected = math.exp(-1) + 1 - 1  # k3 with r = -1
+    assert math.isclose(sums["kl_sum"], 3 * expected, rel_tol=1e-6)
+    assert math.isclose(float(loss.detach()), 0.5 * expected, rel_tol=1e-6)
+
+
+def test_warmup_schedule_and_its_state_are_plain_data() -> None:
+    assert [WarmupFactor(4)(step) for step in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert WarmupFactor(0)(0) == 1.0
+    model = torch.nn.Linear(2, 2)
+    optimizer = build_optimizer(model, lr=0.1, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    scheduler = build_scheduler(optimizer, warmup_steps=2)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    state = json.loads(json.dumps(scheduler.state_dict()))
+    fresh = build_scheduler(
+        build_optimizer(model, lr=0.1, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), warmup_steps=2
+    )
+    fresh.load_state_dict(state)
+    assert fresh.last_epoch == 1
+
+
+def test_settings_reject_unknown_keys_and_bad_values(tiny_model_dir: Path) -> None:
+    with pytest.raises(SettingsError, match=r"unknown train config keys \['lrr'\]"):
+        TrainSettings.from_dict({"model_path": str(tiny_model_dir), "lrr": 1.0})
+    with pytest.raises(SettingsError, match="needs 'model_path'"):
+        TrainSettings.from_dict({"lr": 1.0})
+    with pytest.raises(SettingsError, match="max_tokens_per_micro_batch must be > 0"):
+        TrainSettings.from_dict({"model_path": "x", "max_tokens_per_micro_batch": 0})
+    assert TrainSettings.from_dict({"model_path": "x", "eps_clip": 0.1}).clip_high == 0.1
+
+
+def test_snapshot_is_loadable_complete_and_pruned(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device=torch.device("cpu"))
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # make the snapshot differ from the source
+    state = weight_export.full_state_dict(model, sharded=False)
+    assert "lm_head.weight" not in state  # tied to the embeddings: sent once
+    paths = [
+        weight_export.write_snapshot(
+            state, source_dir=tiny_model_dir, directory=tmp_path, weight_version=str(v), keep=2
+        )
+        for v in range(3)
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights-1", "weights-2"]
+    loaded = AutoModelForCausalLM.from_pretrained(str(paths[-1]), dtype=torch.float32)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert AutoTokenizer.from_pretrained(str(paths[-1])).eos_token == "<|endoftext|>"
+    assert (paths[-1] / "rayless_weight_version.txt").read_text().strip() == "2"
+    assert weight_export.manifest(state)[0] == [
+        "model.embed_tokens.weight",
+        "float32",
+        list(state["model.embed_tokens.weight"].shape),
+    ]
+
+
+def run_single_process(model_dir: Path, samples: list[dict], steps: int) -> list[dict]:
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(
+        protocol.InitCommand(
+            {"model_path": str(model_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 32, "seed": 3}
+        )
+    )
+    results = []
+    for _ in range(steps):
+        results.append(
+            trainer.train(protocol.TrainCommand(0, [samples], [sum(len(s["loss_mask"]) for s in samples)]))[
+                "steps"
+            ][0]
+        )
+    return results
+
+
+def test_training_in_one_process_is_deterministic_and_moves_the_loss(tiny_model_dir: Path) -> None:
+    samples = synthetic_samples(tiny_model_dir, 8, seed=2)
+    first = run_single_process(tiny_model_dir, samples, steps=3)
+    second = run_single_process(tiny_model_dir, samples, steps=3)
+    assert [step["sum"]["loss"] for step in first] == [step["sum"]["loss"] for step in second]
+    assert [step["value"]["grad_norm"] for step in first] == [step["value"]["grad_norm"] for step in second]
+    # The first step runs on the rollout weights: recomputed logprobs equal the rollout's.
+    assert first[0]["max"]["logprob_abs_diff_max"] < 1e-5
+    # Descending the loss: later steps see a lower loss on the same data.
+    assert first[-1]["sum"]["loss"] < first[0]["sum"]["loss"]
+    assert all(math.isfinite(step["sum"]["entropy_sum"]) for step in first)
