@@ -123,16 +123,24 @@ def test_payload_is_live_when_unpickled_naively(tmp_path: Path) -> None:
     assert marker.exists()
 
 
-@pytest.mark.parametrize("container", ["torch.save", "pickle protocol 2", "pickle protocol 5"])
+@pytest.mark.parametrize(
+    "container", ["torch.save", "torch.save lists", "pickle protocol 2", "pickle protocol 5"]
+)
 def test_reduce_payload_is_refused_and_never_runs(tmp_path: Path, container: str) -> None:
     marker = tmp_path / "pwned"
     src = tmp_path / "evil.pt"
-    payload = {"rollout_id": 0, "samples": [slime_sample(0, metadata={"x": MarkerPayload(marker)})]}
-    if container == "torch.save":
-        torch.save(payload, src)
+    evil = slime_sample(0, metadata={"x": MarkerPayload(marker)})
+    if container == "torch.save":  # holds tensors: torch's weights-only unpickler refuses the payload
+        torch.save({"rollout_id": 0, "samples": [evil]}, src)
     else:
-        src.write_bytes(pickle.dumps(payload, protocol=int(container[-1])))
-    with pytest.raises(DumpError, match=r"refused to load .*evil\.pt.*it was not executed"):
+        # Plain lists only, so the payload is the one thing the loader has to refuse (for torch.save
+        # files this is our plain unpickler's fast path).
+        evil.update(tokens=[1, 2, 3, 4], rollout_log_probs=[-1.0, -1.0])
+    if container == "torch.save lists":
+        torch.save({"rollout_id": 0, "samples": [evil]}, src)
+    elif container.startswith("pickle"):
+        src.write_bytes(pickle.dumps({"rollout_id": 0, "samples": [evil]}, protocol=int(container[-1])))
+    with pytest.raises(DumpError, match=r"refused to load .*evil\.pt.*(open|io).*it was not executed"):
         import_torch_dump(src)
     with pytest.raises(DumpError):
         convert_torch_dump(src, tmp_path / "0.rld")
@@ -142,6 +150,13 @@ def test_reduce_payload_is_refused_and_never_runs(tmp_path: Path, container: str
     with pytest.raises(DumpError, match="not a rayless dump"):
         read_dump(src)
     assert not marker.exists()
+
+
+def test_bare_pickle_with_tensors_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "t.pkl"
+    src.write_bytes(pickle.dumps({"rollout_id": 0, "samples": [slime_sample(0)]}, protocol=2))
+    with pytest.raises(DumpError, match=r"torch global torch\._utils\._rebuild_tensor_v2 in a bare pickle"):
+        import_torch_dump(src)
 
 
 def test_unreadable_sources(tmp_path: Path) -> None:
