@@ -1,0 +1,7 @@
+"""Replay: the Sample record, the rollout dump format, the replay loader and the slime/miles importer.
+
+Modules: `sample` (Sample, SampleStatus, RolloutBatch), `format` (write_dump, read_dump, iter_samples,
+dump_path, DumpError), `loader` (ReplayLoader, ReplayMissingError), `torch_import` (import/convert of `.pt`
+dumps; the only module that touches torch, lazily), `tools` (`rayless dump ...`). This package imports
+neither `coordinator` nor `workers`, and importing it imports nothing else, so `replay.sample` stays cheap.
+"""

@@ -105,7 +105,15 @@ class ReplayLoader:
         total_groups = len(groups)
         if self.subsample is not None:
             groups = subsample_groups(groups, self.subsample, seed=self.seed, rollout_id=rollout_id)
+        # The generate path's metrics for this rollout (when the writer stored them) come back as they were,
+        # so replayed runs log the same rollout metrics; replay's own facts are added under replay/.
+        dumped = dump.header.config.get("metrics")
         metrics: dict[str, float] = {
+            str(k): float(v)
+            for k, v in (dumped.items() if isinstance(dumped, dict) else ())
+            if type(v) in (int, float)
+        }
+        metrics |= {
             "replay/groups": float(len(groups)),
             "replay/groups_in_dump": float(total_groups),
             "replay/samples": float(sum(len(g) for g in groups)),

@@ -54,6 +54,16 @@ async def test_get_rollout_returns_groups_in_file_order(template: str) -> None:
     assert batch.metrics["replay/samples"] == 6.0
 
 
+async def test_dumped_metrics_come_back(template: str) -> None:
+    samples = [sample(0, 0), sample(0, 1)]
+    facts = {"metrics": {"rollout/raw_reward": 0.5, "rollout/response_len/mean": 12, "note": "text"}}
+    write_dump(dump_path(template, 2), 2, samples, config_facts=facts)
+    batch = await ReplayLoader(template, subsample=None, seed=0, n_samples_per_prompt=2).get_rollout(2, "1")
+    assert batch.metrics["rollout/raw_reward"] == 0.5
+    assert batch.metrics["rollout/response_len/mean"] == 12.0
+    assert "note" not in batch.metrics
+
+
 def test_group_samples_interleaved() -> None:
     mixed = [sample(1, 0), sample(0, 0), sample(1, 1), sample(0, 1)]
     assert [[s.sample_index for s in g] for g in group_samples(mixed)] == [[0, 1], [0, 1]]
