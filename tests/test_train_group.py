@@ -1,0 +1,215 @@
+"""A real torchrun group of 2 CPU ranks (gloo) with the tiny model, driven through TrainGroup.
+
+One module-scoped run trains three rollouts (saving a checkpoint and exporting weights on the way) and
+records what it saw; the tests check that record. A second, fresh group resumes from the checkpoint and
+must reproduce the losses exactly; then one of its ranks is SIGKILLed mid-step. No process may outlive
+its test.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+import torch
+from test_train_rank import synthetic_samples
+
+from coordinator.train_group import RankFailure, TrainGroup
+from replay.sample import Sample, SampleStatus
+from workers import protocol
+from workers.train_rank.trainer import Trainer
+
+TRAIN_CONFIG: dict[str, Any] = {
+    "lr": 1e-3,
+    "warmup_steps": 2,
+    "eps_clip": 0.2,
+    "eps_clip_high": 0.28,
+    "kl_coef": 0.01,
+    "use_kl_loss": True,
+    "clip_grad": 1.0,
+    "max_tokens_per_micro_batch": 48,
+    "seed": 7,
+    "global_batch_size": 4,
+}
+METRICS = [
+    "loss",
+    "pg_loss",
+    "pg_clipfrac",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "num_tokens",
+    "train_rollout_logprob_abs_diff_mean",
+    "train_rollout_logprob_abs_diff_max",
+]
+
+
+def as_samples(raw: list[dict[str, Any]]) -> list[Sample]:
+    return [
+        Sample(
+            group_index=index // 2,
+            sample_index=index % 2,
+            prompt="",
+            tokens=item["tokens"],
+            response_length=item["response_length"],
+            loss_mask=item["loss_mask"],
+            rollout_log_probs=item["rollout_log_probs"],
+            reward=0.0,
+            status=SampleStatus.COMPLETED,
+            advantage=item["advantage"],
+        )
+        for index, item in enumerate(raw)
+    ]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@dataclass
+class FirstRun:
+    rollouts: list[list[dict[str, Any]]]
+    init_info: dict[str, Any]
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    step_metrics: list[list[dict[str, float]]] = field(default_factory=list)
+    checkpoint: Path | None = None
+    export_after_0: Path | None = None
+    export_after_2: Path | None = None
+    manifest: list[tuple[str, str, list[int]]] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    log_path: Path | None = None
+
+
+def config_for(model_dir: Path, save_dir: Path) -> dict[str, Any]:
+    return {**TRAIN_CONFIG, "model_path": str(model_dir), "save_dir": str(save_dir)}
+
+
+@pytest.fixture(scope="module")
+async def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FirstRun:
+    root = tmp_path_factory.mktemp("train-group")
+    rollouts = [synthetic_samples(tiny_model_dir, 8, seed=10 + index) for index in range(3)]
+    with anyio.fail_after(240):
+        async with anyio.create_task_group() as tg:
+            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=root / "run").run)
+            record = FirstRun(
+                rollouts=rollouts, init_info=await group.init(config_for(tiny_model_dir, root / "ckpt"))
+            )
+            record.pids = [info.pid for info in group.ranks.values()] + [group.torchrun_pid or 0]
+            record.log_path = group.log_path
+            for rollout_id, raw in enumerate(rollouts):
+                record.metrics.append(await group.train(rollout_id, as_samples(raw)))
+                record.step_metrics.append(group.step_metrics)
+                if rollout_id == 0:
+                    record.checkpoint = await group.save(0, extra={"data_source": {"epoch": 0, "offset": 8}})
+                    record.export_after_0 = await group.export_weights(root / "weights", weight_version=1)
+            record.export_after_2 = await group.export_weights(root / "weights", weight_version=3)
+            record.manifest = await group.weight_manifest()
+            await group.shutdown()
+    return record
+
+
+async def test_training_reports_finite_metrics_per_step(first_run: FirstRun) -> None:
+    assert first_run.init_info["num_parameters"] > 0
+    for metrics in first_run.metrics:
+        for key in METRICS:
+            assert key in metrics and math.isfinite(metrics[key]), key
+        assert metrics["num_steps"] == 2  # 8 samples, global batch of 4
+    assert [len(steps) for steps in first_run.step_metrics] == [2, 2, 2]
+    # Warm-up over two optimizer steps: half the lr, then the full lr.
+    assert [step["lr"] for step in first_run.step_metrics[0]] == pytest.approx([5e-4, 1e-3])
+    # The reference is the initial model: zero KL at the first step, then the policy moves away.
+    assert first_run.step_metrics[0][0]["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert first_run.step_metrics[2][-1]["kl"] > 0
+
+
+async def test_recomputed_logprobs_match_the_rollout_logprobs(first_run: FirstRun) -> None:
+    first = first_run.metrics[0]
+    assert first["train_rollout_logprob_abs_diff_max"] < 1e-4
+    assert first["train_rollout_logprob_abs_diff_mean"] < 1e-5
+    # Later rollouts were generated (here: scored) with the initial weights, so the trained model differs.
+    assert first_run.metrics[2]["train_rollout_logprob_abs_diff_max"] > 1e-4
+
+
+async def test_exported_snapshot_loads_and_equals_single_process_training(
+    first_run: FirstRun, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    assert first_run.export_after_0 is not None and first_run.export_after_0.name == "weights-1"
+    exported = AutoModelForCausalLM.from_pretrained(
+        str(first_run.export_after_0), dtype=torch.float32
+    ).state_dict()
+    # The same rollout trained in this process, unsplit: two data-parallel ranks must give the same update.
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(protocol.InitCommand(config_for(tiny_model_dir, Path("unused"))))
+    raw = first_run.rollouts[0]
+    steps = [raw[:4], raw[4:]]
+    trainer.train(protocol.TrainCommand(0, steps, [sum(sum(s["loss_mask"]) for s in step) for step in steps]))
+    expected = trainer.model.state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).state_dict()
+    assert set(exported) == set(expected)
+    assert any(not torch.equal(exported[name], initial[name]) for name in expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+    assert [name for name, _, _ in first_run.manifest] == [n for n in expected if n != "lm_head.weight"]
+
+
+async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fails_the_call(
+    first_run: FirstRun, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    assert first_run.checkpoint is not None and first_run.export_after_2 is not None
+    assert all(gone(pid) for pid in first_run.pids), "the first group left processes behind"
+    pids: list[int] = []
+    with anyio.fail_after(240):
+        async with anyio.create_task_group() as tg:
+            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
+            pids = [info.pid for info in group.ranks.values()] + [group.torchrun_pid or 0]
+            await group.init(config_for(tiny_model_dir, tmp_path / "ckpt"))
+            info = await group.load_checkpoint(first_run.checkpoint.parent)  # the save dir: follows `latest`
+            assert info.rollout_id == 0 and info.extra == {"data_source": {"epoch": 0, "offset": 8}}
+            for rollout_id in (1, 2):
+                metrics = await group.train(rollout_id, as_samples(first_run.rollouts[rollout_id]))
+                for key in ("loss", "pg_loss", "grad_norm", "kl", "entropy", "lr"):
+                    assert metrics[key] == first_run.metrics[rollout_id][key], (rollout_id, key)
+            resumed = await group.export_weights(tmp_path / "weights", weight_version=3)
+            original = load_file(str(first_run.export_after_2 / "model.safetensors"))
+            for name, tensor in load_file(str(resumed / "model.safetensors")).items():
+                assert torch.equal(tensor, original[name]), name
+
+            # A rank killed mid-step: the call fails at once, naming the rank; nothing hangs.
+            victim = group.ranks[1].pid
+            big = as_samples(first_run.rollouts[0] * 16)
+            failure: list[BaseException] = []
+
+            async def train_and_record() -> None:
+                try:
+                    await group.train(3, big)
+                except RankFailure as exc:
+                    failure.append(exc)
+
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(train_and_record)
+                await anyio.sleep(0.3)  # let the step start; the outcome is the same if it has not
+                os.kill(victim, signal.SIGKILL)
+            assert failure, "train() returned although rank 1 was killed"
+            assert isinstance(failure[0], RankFailure) and 1 in failure[0].ranks
+            assert "rank 1" in str(failure[0]) and str(group.log_path) in str(failure[0])
+            with pytest.raises(RankFailure):
+                await group.weight_manifest()
+            tg.cancel_scope.cancel()
+    for pid in pids:
+        assert gone(pid), f"process {pid} outlived its TrainGroup"
