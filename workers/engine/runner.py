@@ -261,7 +261,7 @@ class ModelRunner:
         return len(tensors)
 
     def load_from_disk(self, model_path: str) -> int:
-        from safetensors import SafetensorsError
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         path = Path(model_path)
@@ -278,7 +278,7 @@ class ModelRunner:
         for file in files:
             try:
                 tensors.update(load_file(str(file)))
-            except (SafetensorsError, OSError, ValueError) as error:
+            except (SafetensorError, OSError, ValueError) as error:
                 raise WeightUpdateError(f"cannot read {file}: {error}") from error
         return self.load_tensors(tensors, require_all=True)
 

@@ -71,10 +71,18 @@ def parse_dtype(name: str) -> torch.dtype:
     return value
 
 
+def _from_rank_0() -> dist.BroadcastOptions:
+    # The options form of ProcessGroup.broadcast is the one every torch 2.x accepts.
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    return options
+
+
 def broadcast_tensors(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor]) -> None:
     """Rank 0's side: send each tensor, in order."""
     for tensor in tensors:
-        group.group.broadcast([tensor.detach().contiguous().cpu()], 0).wait()
+        group.group.broadcast([tensor.detach().contiguous().cpu()], _from_rank_0()).wait()
 
 
 def receive_tensors(
@@ -84,6 +92,6 @@ def receive_tensors(
     received = []
     for dtype, shape in zip(dtypes, shapes, strict=True):
         buffer = torch.empty(tuple(int(s) for s in shape), dtype=dtype)
-        group.group.broadcast([buffer], 0).wait()
+        group.group.broadcast([buffer], _from_rank_0()).wait()
         received.append(buffer)
     return received
