@@ -37,3 +37,10 @@ def plain_function_rollout(context: Any, rollout_id: int, weight_version: str) -
     CONSTRUCTED.append("plain")
     return [[Sample(group_index=0, sample_index=0, prompt="p", tokens=[1, 2], response_length=1, loss_mask=[1],
                     rollout_log_probs=[-0.5], reward=1.0, status=SampleStatus.COMPLETED)]]
+
+
+def alternating_constant_reward(sample: Sample) -> float:
+    """Even prompts: every sample scores 1.0 (zero std, dropped by reward_std_positive); odd: 0/1 by sample."""
+    if sample.metadata["prompt_index"] % 2 == 0:
+        return 1.0
+    return float(sample.sample_index % 2)

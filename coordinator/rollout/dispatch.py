@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import anyio
@@ -62,6 +63,9 @@ class Dispatcher:
         self.engine_wait = engine_wait
         self.max_attempts = max_attempts
         self.in_flight: Counter[str] = Counter()
+        # Groups assigned to an engine and not finished: picks happen before any request is in flight, so
+        # least-loaded must count assignments too, or every group of a burst lands on the first engine.
+        self.assigned: Counter[str] = Counter()
         self.retried = 0
 
     def _least_loaded(self, exclude: set[str]) -> Any | None:
@@ -69,7 +73,7 @@ class Dispatcher:
         candidates = [handle for handle in self.pool.alive() if handle.url not in exclude]
         if not candidates:
             return None
-        return min(candidates, key=lambda handle: self.in_flight[handle.url])
+        return min(candidates, key=lambda handle: (self.assigned[handle.url], self.in_flight[handle.url]))
 
     async def pick(self, exclude: set[str] | None = None) -> Any:
         """An alive engine with the fewest requests in flight; waits for one to come back if all are dead."""
@@ -90,6 +94,20 @@ class Dispatcher:
             if handle is None:
                 raise NoEngineAvailable("no rollout engine alive")
         return handle
+
+    @asynccontextmanager
+    async def group_engine(self) -> AsyncIterator[Any]:
+        """The engine one prompt group uses (None with a router): counted as assigned while the block runs."""
+        if self.router_url is not None:
+            yield None
+            return
+        handle = await self.pick()
+        url = handle.url
+        self.assigned[url] += 1
+        try:
+            yield handle
+        finally:
+            self.assigned[url] -= 1
 
     async def generate(
         self, payload: dict[str, Any], *, engine: Any | None = None

@@ -256,17 +256,16 @@ class DefaultRollout:
         return group
 
     async def _generate_group(self, group: PartialGroup, rollout_id: int) -> list[Sample]:
-        engine = None if self.dispatcher.router_url else await self.dispatcher.pick()
         results: list[Sample] = list(group.samples)
 
-        async def one(position: int, sample: Sample) -> None:
+        async def one(position: int, sample: Sample, engine: Any) -> None:
             if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
                 return  # finished in an earlier rollout (partial rollout)
             results[position] = await self._generate_sample(sample, rollout_id, engine)
 
-        async with anyio.create_task_group() as task_group:
+        async with self.dispatcher.group_engine() as engine, anyio.create_task_group() as task_group:
             for position, sample in enumerate(group.samples):
-                task_group.start_soon(one, position, sample)
+                task_group.start_soon(one, position, sample, engine)
         return results
 
     async def _generate_sample(self, sample: Sample, rollout_id: int, engine: Any) -> Sample:
@@ -296,10 +295,11 @@ class DefaultRollout:
             if progress is not None:
                 progress.in_flight += 1
             try:
-                response, _ = await self.dispatcher.generate(payload, engine=engine)
+                response, url = await self.dispatcher.generate(payload, engine=engine)
             finally:
                 if progress is not None:
                     progress.in_flight -= 1
+        sample.metadata["engine"] = url
         return self._apply_response(sample, response)
 
     def _apply_response(self, sample: Sample, response: dict[str, Any]) -> Sample:

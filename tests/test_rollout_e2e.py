@@ -1,0 +1,136 @@
+"""The generate path end to end against real CPU engines launched by the real fleet."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from coordinator.config import parse_config
+from coordinator.engines.client import EngineClient
+from coordinator.engines.fleet import EngineFleet
+from coordinator.engines.launch import EngineLaunchSpec
+from coordinator.rollout.manager import RolloutManager
+from replay.format import dump_path, read_dump
+from replay.sample import RolloutBatch, SampleStatus
+
+
+@asynccontextmanager
+async def running_fleet(model_dir: Path, run_dir: Path, engines: int = 2) -> AsyncIterator[tuple[EngineClient, EngineFleet]]:
+    spec = EngineLaunchSpec(kind="cpu", model_path=str(model_dir),
+                            extra_args=("--weight-version", "0", "--random-seed", "0"),
+                            env=(("RAYLESS_ENGINE_THREADS", "1"),))
+    async with EngineClient(max_connections=64) as client, anyio.create_task_group() as group:
+        fleet = EngineFleet(client=client, launch=spec, num_engines=engines, run_dir=run_dir, probe_timeout=5)
+        await group.start(fleet.run)
+        yield client, fleet
+        group.cancel_scope.cancel()
+
+
+def build_manager(model_dir: Path, client: EngineClient, fleet: EngineFleet, *flags: str) -> RolloutManager:
+    from transformers import AutoTokenizer
+
+    config = parse_config(["--hf-checkpoint", str(model_dir), "--rollout-num-engines", str(len(fleet.engines)),
+                           "--prompt-data", "builtin:first_digit", "--num-rollout", "1", *flags])
+    return RolloutManager.build(config, tokenizer=AutoTokenizer.from_pretrained(model_dir), client=client,
+                                pool=fleet, context_length=512)
+
+
+def assert_consistent(batch: RolloutBatch, groups: int, n: int, *, one_engine_per_group: bool = True) -> None:
+    assert len(batch.groups) == groups
+    seen = set()
+    for group_index, group in enumerate(batch.groups):
+        assert len(group) == n
+        assert sorted(s.sample_index for s in group) == list(range(n))
+        if one_engine_per_group:
+            assert len({s.metadata["engine"] for s in group}) == 1, "a group's samples must share one engine"
+        assert len({s.metadata["prompt_index"] for s in group}) == 1
+        rewards = [s.reward for s in group]
+        advantages = [s.advantage for s in group]
+        assert abs(sum(advantages)) < 1e-6 * n + 1e-9  # GRPO: centred within the group
+        if len(set(rewards)) > 1:
+            assert any(a != 0 for a in advantages)
+        for sample in group:
+            sample.validate()
+            assert sample.group_index == group_index
+            assert sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+            assert sample.response_length >= 1 and sample.loss_mask == [1] * sample.response_length
+            assert all(lp <= 0 and math.isfinite(lp) for lp in sample.rollout_log_probs)
+            assert sample.tokens[: sample.prompt_length] == sample.tokens[: len(sample.tokens) - sample.response_length]
+            assert 0.0 <= float(sample.reward) <= 1.0  # type: ignore[arg-type]
+            assert sample.weight_versions == ["0"]
+            key = (sample.metadata["prompt_index"], sample.sample_index, tuple(sample.tokens))
+            assert key not in seen, "duplicated sample"
+            seen.add(key)
+
+
+async def test_rollout_against_two_engines_returns_the_full_consistent_batch(tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    template = str(tmp_path / "dumps" / "{rollout_id}.rld")
+    async with running_fleet(tiny_model_dir, tmp_path) as (client, fleet):
+        manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "6",
+                                "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
+                                "--save-debug-rollout-data", template)
+        assert manager.counts.generate_states == 1 and manager.counts.dispatchers == 1
+        assert manager.built_generate_state is not None
+        assert manager.built_generate_state.concurrency == 2 * 512
+        batch = await manager.get_rollout(0, "0")
+        used_engines = {s.metadata["engine"] for s in batch.samples}
+    assert_consistent(batch, groups=6, n=4)
+    assert len(used_engines) == 2, "least-in-flight dispatch spreads groups over both engines"
+    assert batch.metrics["rollout/reward_mean"] == sum(s.reward for s in batch.samples) / 24  # type: ignore[misc]
+    dumped = read_dump(dump_path(template, 0))
+    assert dumped.header.rollout_id == 0
+    assert [s.tokens for s in dumped.samples] == [s.tokens for s in batch.samples]
+    assert [s.advantage for s in dumped.samples] == [s.advantage for s in batch.samples]
+
+
+async def test_killing_an_engine_mid_rollout_loses_and_duplicates_nothing(tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    async with running_fleet(tiny_model_dir, tmp_path) as (client, fleet):
+        manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "12",
+                                "--n-samples-per-prompt", "4", "--rollout-max-response-len", "48",
+                                "--sglang-server-concurrency", "8")
+        rollout_fn: Any = manager.rollout_fn.target  # type: ignore[attr-defined]
+        victim = fleet.engines[0]
+        result: list[RolloutBatch] = []
+
+        async def rollout() -> None:
+            result.append(await manager.get_rollout(0, "0"))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(rollout)
+            with anyio.fail_after(60):
+                while rollout_fn.progress is None or rollout_fn.progress.generated_tokens < 200:
+                    await anyio.sleep(0.02)
+            assert victim.process is not None and victim.process.pid is not None
+            os.killpg(victim.process.pid, signal.SIGKILL)
+        assert not victim.alive, "the fleet marks the killed engine dead"
+        assert manager.context is not None and manager.context.dispatcher.retried > 0
+    batch = result[0]
+    # requests retried after the kill finish on the other engine, so a group may span both here
+    assert_consistent(batch, groups=12, n=4, one_engine_per_group=False)
+    assert {s.metadata["engine"] for s in batch.samples} >= {fleet.engines[1].url}
+
+
+async def test_dynamic_filter_drops_constant_reward_groups_and_replaces_them(tiny_model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    async with running_fleet(tiny_model_dir, tmp_path, engines=1) as (client, fleet):
+        manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "4",
+                                "--n-samples-per-prompt", "2", "--rollout-max-response-len", "2",
+                                "--custom-rm-path", "rollout_fns:alternating_constant_reward",
+                                "--dynamic-sampling-filter-path",
+                                "coordinator.rollout.filters:reward_std_positive")
+        batch = await manager.get_rollout(0, "0")
+    assert len(batch.groups) == 4
+    for group in batch.groups:
+        assert group[0].metadata["prompt_index"] % 2 == 1
+        assert len({s.reward for s in group}) > 1
+    assert batch.metrics["rollout/filter_drop/zero_std"] >= 4
+    assert batch.metrics["rollout/filtered_groups"] >= 4
