@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from coordinator.engines.client import NO_RETRY, EngineClient, EngineError
+from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineUnreachable
 from coordinator.engines.launch import EngineLaunchSpec, EngineProcess, engine_log_path
 
 T = TypeVar("T")
@@ -206,17 +206,30 @@ class EngineFleet:
     async def check(self, handle: EngineHandle) -> bool:
         """Is the engine serving? A launched engine whose process has exited is marked dead here (with its
         exit status); a failed probe only returns False (the health monitor counts consecutive failures)."""
-        if handle.launched and handle.process is not None and handle.state is not EngineState.STARTING:
-            code = handle.process.exit_code()
-            if code is not None:
-                self.mark_dead(handle, f"process exited with status {code}")
-                return False
         if handle.state is EngineState.STARTING or not handle.url:
+            return False
+        if self._process_exited(handle):
             return False
         try:
             await self.client.engine(handle.url).health_generate(timeout=self.probe_timeout, retry=NO_RETRY)
+        except EngineUnreachable:
+            # The socket of a SIGKILLed server closes a moment before its process is seen to exit.
+            with anyio.move_on_after(1.0):
+                while not self._process_exited(handle):  # noqa: ASYNC110 - no exit event to wait on
+                    await anyio.sleep(0.05)
+            return False
         except EngineError:
             return False
+        return True
+
+    def _process_exited(self, handle: EngineHandle) -> bool:
+        """Launched engines only: if its process has exited, mark it dead (with the status) and say so."""
+        if not handle.launched or handle.process is None:
+            return False
+        code = handle.process.exit_code()
+        if code is None:
+            return False
+        self.mark_dead(handle, f"process exited with status {code}")
         return True
 
     async def relaunch(self, handle: EngineHandle, *, timeout: float | None = None) -> None:

@@ -214,14 +214,15 @@ class EngineProcess:
     async def _wait_healthy(self) -> None:
         """Probe /health_generate while a sibling task watches the process; whichever ends first wins."""
         engine = self.client.engine(self.url)
+        exited: int | None = None
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
-                while True:
-                    code = self.exit_code()
-                    if code is not None:
-                        raise self._launch_error(f"exited with status {code} while starting")
+                nonlocal exited
+                while (code := self.exit_code()) is None:  # noqa: ASYNC110 - no exit event to wait on
                     await anyio.sleep(0.1)
+                exited = code
+                tg.cancel_scope.cancel()
 
             async def probe() -> None:
                 while True:
@@ -234,6 +235,8 @@ class EngineProcess:
 
             tg.start_soon(watch)
             tg.start_soon(probe)
+        if exited is not None:  # raised out here, not from the task, so callers get it unwrapped
+            raise self._launch_error(f"exited with status {exited} while starting")
 
     def _launch_error(self, message: str) -> EngineLaunchError:
         if self._log is not None:

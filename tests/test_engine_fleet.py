@@ -1,0 +1,178 @@
+"""EngineFleet and the launcher with real CPU engine processes.
+
+Launches two engines, kills one with SIGKILL, checks the fleet marks it dead and relaunches it; cancelling
+the fleet leaves no process behind; an engine that crashes at start is reported with its log tail as soon as
+it exits; external engines are attached and never killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+from coordinator.engines import (
+    NO_RETRY,
+    EngineClient,
+    EngineFleet,
+    EngineHandle,
+    EngineLaunchError,
+    EngineLaunchSpec,
+    EngineProcess,
+    EngineState,
+    EngineUnreachable,
+)
+
+ENGINE_ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))
+PROMPT = {"text": "ab", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+
+
+def cpu_spec(model_dir: Path, *, start_timeout: float = 120.0) -> EngineLaunchSpec:
+    return EngineLaunchSpec(
+        kind="cpu", model_path=str(model_dir), env=ENGINE_ENV, start_timeout=start_timeout
+    )
+
+
+def group_alive(pid: int) -> bool:
+    """Is any process of the group led by `pid` still running (zombies do not count)?"""
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
+
+
+async def test_fleet_launch_kill_mark_dead_relaunch_and_cancel(tiny_model_dir: Path, tmp_path: Path) -> None:
+    async with EngineClient(max_connections=16, retry=NO_RETRY) as client:
+        fleet = EngineFleet(client=client, launch=cpu_spec(tiny_model_dir), num_engines=2, run_dir=tmp_path)
+        pids: list[int] = []
+        async with anyio.create_task_group() as tg:
+            await tg.start(fleet.run)
+            assert [h.state for h in fleet.engines] == [EngineState.ALIVE, EngineState.ALIVE]
+            assert all(h.launched for h in fleet.engines)
+            assert len({h.url for h in fleet.engines}) == 2
+            for h in fleet.engines:
+                assert (tmp_path / "logs" / f"engine-{h.name}.log").is_file()
+                assert h.process is not None and h.process.pid is not None
+                pids.append(h.process.pid)
+
+            versions = await fleet.for_each_alive(lambda h: client.engine(h.url).get_weight_version())
+            assert set(versions) == {"rollout-0", "rollout-1"}
+
+            victim, other = fleet.engines
+            assert victim.process is not None and victim.process.pid is not None
+            os.killpg(victim.process.pid, signal.SIGKILL)
+            with anyio.fail_after(30):
+                with pytest.raises(EngineUnreachable):
+                    while True:  # the kill lands within milliseconds; until then the engine still answers
+                        await client.engine(victim.url).generate(PROMPT)
+                        await anyio.sleep(0.05)
+                assert await fleet.check(victim) is False
+            assert victim.state is EngineState.DEAD
+            assert victim.dead_reason is not None and "exited" in victim.dead_reason
+            assert fleet.alive() == [other]
+            assert await fleet.wait_any_alive(timeout=1) == [other]
+            assert await fleet.check(other) is True
+
+            old_url, old_incarnation = victim.url, victim.incarnation
+            await fleet.relaunch(victim)
+            assert victim.state is EngineState.ALIVE
+            assert victim.incarnation == old_incarnation + 1
+            assert victim.url == old_url  # relaunch keeps the port when it is free
+            assert isinstance(await client.engine(victim.url).generate(PROMPT), dict)
+            assert victim.process is not None and victim.process.pid is not None
+            pids.append(victim.process.pid)
+            tg.cancel_scope.cancel()
+
+        assert all(h.state is EngineState.DEAD for h in fleet.engines)
+        for pid in pids:
+            assert not group_alive(pid), f"process group {pid} survived the fleet"
+        log = (tmp_path / "logs" / "engine-rollout-0.log").read_text()
+        assert log.count("=== rayless: starting engine rollout-0") == 2  # relaunch appends to the same log
+
+
+async def test_engine_crashing_at_start_reports_log_tail(tmp_path: Path) -> None:
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    async with EngineClient(max_connections=2) as client:
+        # A long deadline: the error must come from watching the process, not from the deadline.
+        ep = EngineProcess(
+            cpu_spec(empty, start_timeout=600), name="broken", log_path=tmp_path / "b.log", client=client
+        )
+        with pytest.raises(EngineLaunchError) as err:
+            await ep.start()
+    assert err.value.returncode not in (None, 0)
+    assert "exited with status" in str(err.value)
+    assert err.value.log_tail.strip()  # the engine's own complaint is in the message
+    assert err.value.log_tail in str(err.value)
+    assert ep.pid is not None and not group_alive(ep.pid)
+
+
+async def test_fleet_start_failure_propagates_and_stops_the_others(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """One engine of the fleet fails to launch: run() raises and the healthy ones are not left running."""
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    async with EngineClient(max_connections=4, retry=NO_RETRY) as client:
+        fleet = EngineFleet(client=client, launch=cpu_spec(empty), num_engines=2, run_dir=tmp_path)
+        with pytest.raises(BaseException) as err:
+            async with anyio.create_task_group() as tg:
+                await tg.start(fleet.run)
+        launch_errors = [e for e in _leaves(err.value) if isinstance(e, EngineLaunchError)]
+        assert launch_errors, err.value
+        for h in fleet.engines:
+            assert h.process is not None and h.process.pid is not None
+            assert not group_alive(h.process.pid)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    subs = getattr(exc, "exceptions", None)  # an ExceptionGroup (builtin from Python 3.11)
+    if subs is not None:
+        return [leaf for sub in subs for leaf in _leaves(sub)]
+    return [exc]
+
+
+async def test_external_engines_are_attached_not_killed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    async with EngineClient(max_connections=4, retry=NO_RETRY) as client:
+        outside = EngineProcess(
+            cpu_spec(tiny_model_dir), name="outside", log_path=tmp_path / "o.log", client=client
+        )
+        url = await outside.start()
+        try:
+            addr = url.removeprefix("http://")  # --rollout-external-engine-addrs gives host:port
+            fleet = EngineFleet(client=client, external_urls=[addr], run_dir=tmp_path, group="eval")
+            async with anyio.create_task_group() as tg:
+                await tg.start(fleet.run)
+                (h,) = fleet.engines
+                assert (h.launched, h.state, h.url) == (False, EngineState.ALIVE, url)
+                assert await fleet.check(h) is True
+
+                fleet.mark_dead(h, "probe failures")
+                fleet.mark_dead(h, "again")  # idempotent: the first reason stays
+                assert (h.state, h.dead_reason) == (EngineState.DEAD, "probe failures")
+                with pytest.raises(TimeoutError):
+                    await fleet.wait_any_alive(timeout=0.2)
+                woke: list[EngineHandle] = []
+
+                async def waiter() -> None:
+                    woke.extend(await fleet.wait_any_alive(timeout=120))
+
+                tg.start_soon(waiter)
+                await anyio.wait_all_tasks_blocked()
+                assert woke == []
+                await fleet.relaunch(h, timeout=30)  # external: waits until it answers, launches nothing
+                assert h.state is EngineState.ALIVE
+                await anyio.wait_all_tasks_blocked()
+                assert woke == [h]  # the change event woke the waiting dispatcher
+                tg.cancel_scope.cancel()
+            assert outside.running(), "the fleet killed an engine it did not launch"
+            await client.engine(url).health_generate()
+        finally:
+            await outside.stop()
