@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -493,3 +494,32 @@ async def test_api_key_guards_everything_but_health_and_metrics(tiny_model_dir: 
             assert ok.status_code == 200
             for path in ("/health", "/health_generate", "/metrics"):
                 assert (await http.get(path)).status_code == 200
+
+
+async def metric(client: httpx.AsyncClient, name: str) -> float:
+    text = (await client.get("/metrics")).text
+    line = next(line for line in text.splitlines() if line.startswith(f"sglang:{name}{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+async def eventually(read: Any, ok: Any, timeout_s: float = 30.0) -> None:
+    """Poll a server-side value until `ok(value)`; the engine offers no event to wait on."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            if ok(await read()):
+                return
+            await anyio.sleep(0.01)
+
+
+async def test_client_disconnect_aborts_the_generation(client: httpx.AsyncClient, engine_url: str) -> None:
+    body = {"text": PROMPT, "sampling_params": greedy(450, ignore_eos=True)}
+    before = await metric(client, "generation_tokens_total")
+    async with httpx.AsyncClient(base_url=engine_url, timeout=60.0) as doomed:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(doomed.post, "/generate", json=body))
+            await eventually(lambda: metric(client, "num_running_reqs"), lambda n: n >= 1)
+            assert (await client.get("/health")).status_code == 200  # HTTP answers while generating
+            tg.cancel_scope.cancel()  # closes the connection mid-request
+    await eventually(lambda: metric(client, "num_running_reqs"), lambda n: n == 0)
+    # It was aborted, not run to the end.
+    assert await metric(client, "generation_tokens_total") - before < 450
