@@ -135,7 +135,13 @@ class WeightBroadcaster:
     def broadcast(self, state: dict[str, torch.Tensor], group: Any) -> None:
         # All broadcasts are queued before waiting: gloo runs them in order, and queuing overlaps
         # the next tensor's send with the engines' copy of the previous one.
-        works = [group.group.broadcast([tensor], 0) for tensor in state.values()]
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        # The options form of ProcessGroup.broadcast is the one every torch 2.x accepts.
+        works = [group.group.broadcast([tensor], options) for tensor in state.values()]
         for work in works:
             work.wait()
 
