@@ -230,27 +230,32 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[RowRe
         sub = rows_subset(rows, sampled)
         temps = torch.tensor([row.temperature for row in sub]).unsqueeze(1)
         scaled = masked[sampled] / temps
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        ranks = torch.arange(vocab).unsqueeze(0)
-        top_k = torch.tensor([row.top_k if row.top_k > 0 else vocab for row in sub]).unsqueeze(1)
-        top_p = torch.tensor([row.top_p for row in sub]).unsqueeze(1)
-        min_p = torch.tensor([row.min_p for row in sub]).unsqueeze(1)
-        cumulative = probs.cumsum(dim=-1)
-        drop = ranks >= top_k
-        drop |= (cumulative - probs) > top_p
-        drop |= probs < min_p * probs[:, :1]
-        drop[:, 0] = False  # the most likely token always survives the filters
-        probs = probs.masked_fill(drop, 0.0)
+        if any(row.top_k > 0 or row.top_p < 1.0 or row.min_p > 0.0 for row in sub):
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            ranks = torch.arange(vocab).unsqueeze(0)
+            top_k = torch.tensor([row.top_k if row.top_k > 0 else vocab for row in sub]).unsqueeze(1)
+            top_p = torch.tensor([row.top_p for row in sub]).unsqueeze(1)
+            min_p = torch.tensor([row.min_p for row in sub]).unsqueeze(1)
+            cumulative = probs.cumsum(dim=-1)
+            drop = ranks >= top_k
+            drop |= (cumulative - probs) > top_p
+            drop |= probs < min_p * probs[:, :1]
+            drop[:, 0] = False  # the most likely token always survives the filters
+            probs = probs.masked_fill(drop, 0.0)
+        else:
+            # No filter asked for: sample the full distribution without sorting it.
+            order = None
+            probs = torch.softmax(scaled, dim=-1)
         cumulative = probs.cumsum(dim=-1)
         # Inverse-CDF sampling with one uniform draw per row from that row's own generator.
         uniforms = torch.cat([torch.rand(1, generator=row.generator) for row in sub])
         targets = (uniforms * cumulative[:, -1]).unsqueeze(1)
         choice = torch.searchsorted(cumulative, targets, right=True).clamp_(max=vocab - 1)
-        # A draw that lands on a zero-probability tail slot (rounding) moves back to the last kept token.
+        # A draw that lands on a zero-probability slot (rounding at the tail) moves back to the last kept one.
         kept_last = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1, keepdim=True)
         choice = torch.minimum(choice, kept_last)
-        tokens[sampled] = order.gather(1, choice).squeeze(1)
+        tokens[sampled] = (choice if order is None else order.gather(1, choice)).squeeze(1)
 
     token_logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     token_list = tokens.tolist()

@@ -275,7 +275,15 @@ class Scheduler:
                 await self._wakeup.wait()
                 continue
             async with self.model_lock:
-                await self._step()
+                try:
+                    await self._step()
+                except Exception as exc:
+                    # A failed forward must not take the server down with it: the sequences in the batch end
+                    # as aborted with the error, the cache is rebuilt from scratch, and serving goes on.
+                    log.exception("engine step failed; aborting the running requests")
+                    for seq in list(self.running.values()):
+                        self._finish(seq, {"type": "abort", "message": f"engine step failed: {exc!r}"})
+                    self.runner.reset()
 
     def _row(self, seq: Seq) -> RowSampling:
         params = seq.params
