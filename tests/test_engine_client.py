@@ -236,3 +236,87 @@ async def test_killed_engine_raises_unreachable_and_nothing_hangs(
         finally:
             await ep.stop()
         assert ep.exit_code() == -signal.SIGKILL
+
+
+async def test_distributed_weight_update_methods(
+    client: EngineClient, keyed_engine: str, tiny_model_dir: Path
+) -> None:
+    """init / update_weights_from_distributed / destroy through the typed methods; this process plays the
+    trainer's rank 0 over gloo (the engine's own helper is the other side's contract)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from coordinator.engines import free_port
+    from workers.engine.weight_group import broadcast_tensors, join_weight_update_group
+
+    e = client.engine(keyed_engine)
+    greedy = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0},
+        "return_logprob": True,
+    }
+    before = await e.generate(greedy)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    torch.manual_seed(0)
+    named = [
+        (name, (p.detach() + 0.5 * torch.randn_like(p)).contiguous()) for name, p in model.named_parameters()
+    ]
+    port = free_port()
+    results: dict[str, dict[str, object]] = {}
+
+    async def init() -> None:
+        results["init"] = await e.init_weights_update_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank_offset=1,
+            world_size=2,
+            group_name="g1",
+            backend="gloo",
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(init)
+        group = await anyio.to_thread.run_sync(
+            lambda: join_weight_update_group(
+                master_address="127.0.0.1",
+                master_port=port,
+                rank=0,
+                world_size=2,
+                group_name="g1",
+                timeout_s=60,
+            )
+        )
+    try:
+        assert results["init"]["success"] is True
+
+        async def update() -> None:
+            results["update"] = await e.update_weights_from_distributed(
+                names=[n for n, _ in named],
+                dtypes=["float32"] * len(named),
+                shapes=[list(t.shape) for _, t in named],
+                group_name="g1",
+                weight_version="dist-1",
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(update)
+            await anyio.to_thread.run_sync(broadcast_tensors, group, [t for _, t in named])
+    finally:
+        group.close()
+    assert results["update"]["success"] is True
+    assert await e.get_weight_version() == "dist-1"
+    after = await e.generate(greedy)
+    assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    assert (await e.destroy_weights_update_group("g1"))["success"] is True
+    with pytest.raises(EngineHTTPError) as err:  # a second destroy: the group is gone, a 400 at once
+        await e.destroy_weights_update_group("g1")
+    assert err.value.status == 400
+    with pytest.raises(ValueError, match="lengths differ"):
+        await e.update_weights_from_distributed(names=["a"], dtypes=[], shapes=[[1]])
+
+    await e.update_weights_from_disk(
+        str(tiny_model_dir), weight_version="restored"
+    )  # leave it as we found it
+    assert (await e.generate(greedy))["meta_info"]["output_token_logprobs"] == before["meta_info"][
+        "output_token_logprobs"
+    ]

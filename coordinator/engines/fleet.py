@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import anyio
 
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineUnreachable
-from coordinator.engines.launch import EngineLaunchSpec, EngineProcess, engine_log_path
+from coordinator.engines.launch import EngineLaunchError, EngineLaunchSpec, EngineProcess, engine_log_path
 
 T = TypeVar("T")
 
@@ -119,9 +119,17 @@ class EngineFleet:
             raise RuntimeError(f"fleet {self.group} is already running")
         self._running = True
         try:
-            async with anyio.create_task_group() as tg:
-                for h in self.engines:
-                    tg.start_soon(self._bring_up, h, self.attach_timeout)
+            try:
+                async with anyio.create_task_group() as tg:
+                    for h in self.engines:
+                        tg.start_soon(self._bring_up, h, self.attach_timeout)
+            except Exception as exc:
+                # One engine failing cancels the others' launches: raise the engine's own error rather than
+                # an exception group (the group, naming any other failed engine, stays as its cause).
+                leaves = _leaves(exc)
+                if all(isinstance(e, EngineLaunchError | EngineError) for e in leaves):
+                    raise leaves[0] from (exc if len(leaves) > 1 else None)
+                raise
             task_status.started(self)
             await anyio.sleep_forever()
         finally:
@@ -279,3 +287,10 @@ class EngineFleet:
             for h in self.alive():
                 tg.start_soon(one, h)
         return results
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    subs = getattr(exc, "exceptions", None)  # an exception group
+    if subs is None:
+        return [exc]
+    return [leaf for sub in subs for leaf in _leaves(sub)]
