@@ -236,6 +236,29 @@ async def test_sampling_seed_is_deterministic(client: httpx.AsyncClient) -> None
     assert first["output_ids"] != other["output_ids"]
 
 
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
+async def test_filters_that_keep_one_token_equal_greedy(client: httpx.AsyncClient, filters: dict) -> None:
+    base = await generate(client, {"text": PROMPT, "sampling_params": greedy(10, ignore_eos=True)})
+    params = {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True, **filters}
+    out = await generate(client, {"text": PROMPT, "sampling_params": params})
+    assert out["output_ids"] == base["output_ids"]
+
+
+async def test_top_logprobs(client: httpx.AsyncClient) -> None:
+    body = {
+        "text": PROMPT,
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 1},
+    }
+    meta = (await generate(client, body))["meta_info"]
+    tops = meta["output_top_logprobs"]
+    assert len(tops) == 4 and all(len(entry) == 3 for entry in tops)
+    for entry, (logprob, _token, _text) in zip(tops, meta["output_token_logprobs"], strict=True):
+        values = [e[0] for e in entry]
+        assert values == sorted(values, reverse=True) and values[0] >= logprob
+
+
 @pytest.fixture(scope="module")
 def reference_model(tiny_model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
