@@ -683,7 +683,11 @@ def serve(args: EngineArgs) -> int:
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     started = time.perf_counter()
-    runner = ModelRunner(args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype)
+    try:
+        runner = ModelRunner(args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype)
+    except (OSError, ValueError) as exc:  # FileNotFoundError included: a bad --model-path is the usual cause
+        log.error("cannot load the model from %s: %s", args.model_path, exc)
+        return 2
     server = EngineServer(args, runner)
     if not args.skip_server_warmup:
         # One forward before the port opens, so the first request does not pay for lazy initialisation.
