@@ -1,8 +1,8 @@
 """Benchmark: load N rollout dumps in the rayless format beside torch.load of the same data saved slime-style.
 
 Measures, in one run on the same samples: samples/s to load N dumps (ours whole, ours streaming, torch.load
-weights_only=False as slime does it, torch.load weights_only=True as our importer does it), the ratio ours /
-torch, and peak traced Python memory (tracemalloc) for N = 1, 4, 16 files, showing that streaming stays flat
+weights_only=False as slime does it, torch.load weights_only=True (torch's safe mode), and our restricted
+importer of the same .pt files), the ratio ours / torch, and peak traced Python memory (tracemalloc) for N = 1, 4, 16 files, showing that streaming stays flat
 while loading everything grows with N. The floor (torch.load) is measured in the same run, never quoted.
 
     .venv/bin/python bench/replay_load.py [--samples-per-file 128] [--response-len 1024] [--files 1 4 16]
