@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_train_rank import synthetic_samples
 
-from coordinator.train_group import RankFailure, TrainGroup
+from coordinator.train_group import RankFailure, TrainGroup, balance_by_tokens, plan_steps
 from replay.sample import Sample, SampleStatus
 from workers import protocol
 from workers.train_rank.trainer import Trainer
@@ -213,3 +213,68 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
             tg.cancel_scope.cancel()
     for pid in pids:
         assert gone(pid), f"process {pid} outlived its TrainGroup"
+
+
+def wire(length: int, loss_tokens: int) -> dict[str, Any]:
+    return {
+        "tokens": [5] * length,
+        "response_length": loss_tokens,
+        "loss_mask": [1] * loss_tokens,
+        "rollout_log_probs": [0.0] * loss_tokens,
+    }
+
+
+def test_steps_are_cut_in_order_and_balanced_by_tokens() -> None:
+    samples = [wire(length, 2) for length in (10, 3, 3, 4, 9, 1, 1, 1)]
+    plan = plan_steps(samples, {"global_batch_size": 4}, world_size=2)
+    assert len(plan) == 2 and [step.loss_tokens for step in plan] == [8, 8]
+    loads = [[sum(len(s["tokens"]) for s in shard) for shard in step.shards] for step in plan]
+    assert loads == [[10, 10], [9, 3]]  # longest first onto the lighter rank
+    assert plan_steps(samples, {"num_steps_per_rollout": 4}, world_size=2)[0].shards == [
+        [samples[0]],
+        [samples[1]],
+    ]
+    assert len(plan_steps(samples, {}, world_size=2)) == 1
+    assert balance_by_tokens([5, 5, 5, 5, 5], 3) == [[0, 3], [1, 4], [2]]
+
+
+def test_batch_settings_that_cannot_work_are_rejected_with_the_setting_named() -> None:
+    samples = [wire(6, 2) for _ in range(6)]
+    with pytest.raises(ValueError, match="not a multiple of global_batch_size=4"):
+        plan_steps(samples, {"global_batch_size": 4}, world_size=2)
+    with pytest.raises(ValueError, match="smaller than the 4 data-parallel ranks"):
+        plan_steps(samples, {"global_batch_size": 2}, world_size=4)
+    with pytest.raises(ValueError, match="either global_batch_size or num_steps_per_rollout"):
+        plan_steps(samples, {"global_batch_size": 2, "num_steps_per_rollout": 3}, world_size=1)
+    with pytest.raises(ValueError, match="no samples"):
+        plan_steps([], {}, world_size=1)
+
+
+def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
+    single = TrainGroup(nproc_per_node=2, run_dir=tmp_path).torchrun_command()
+    assert single[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        "--max-restarts",
+        "0",
+        "-m",
+        "workers.train_rank",
+    ]
+    multi = TrainGroup(
+        nproc_per_node=8,
+        nnodes=2,
+        node_rank=1,
+        rdzv_endpoint="10.0.0.1:29400",
+        max_restarts=3,
+        run_dir=tmp_path,
+    )
+    command = multi.torchrun_command()
+    assert command[command.index("--nnodes") + 1] == "2" and command[command.index("--node-rank") + 1] == "1"
+    assert command[command.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
+    assert command[command.index("--max-restarts") + 1] == "3" and multi.world_size == 16
+    assert all(multi.token not in part for part in command)  # the token travels in the environment only
+    with pytest.raises(ValueError, match="needs rdzv_endpoint"):
+        TrainGroup(nproc_per_node=1, nnodes=2, run_dir=tmp_path)
