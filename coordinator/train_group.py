@@ -491,14 +491,21 @@ class TrainGroup:
             if missing:
                 raise await self._with_log(RankFailure(missing, "not connected", log_path=self.log_path))
             # Encode everything first: a frame over the limit must not leave some ranks with a command.
-            frames: dict[int, tuple[int, bytes]] = {}
-            for rank, command in commands.items():
-                request_id = next(self._request_ids)
-                request = protocol.Request(request_id, command)
-                frames[rank] = (
-                    request_id,
-                    protocol.frame(protocol.encode_message(request), self.max_frame_bytes),
-                )
+            # A rollout's shards can be large, so the encoding runs off the event loop.
+            requests = {
+                rank: protocol.Request(next(self._request_ids), command) for rank, command in commands.items()
+            }
+
+            def encode() -> dict[int, tuple[int, bytes]]:
+                return {
+                    rank: (
+                        request.request_id,
+                        protocol.frame(protocol.encode_message(request), self.max_frame_bytes),
+                    )
+                    for rank, request in requests.items()
+                }
+
+            frames = await anyio.to_thread.run_sync(encode)
             call = _Call()
             pendings: dict[int, _Pending] = {}
             for rank, (request_id, data) in frames.items():
@@ -583,8 +590,13 @@ class TrainGroup:
         """
         if self.train_config is None:
             raise RuntimeError("TrainGroup.train() before init(): call init(train_config) first")
-        wire = [sample_to_wire(sample) for sample in samples]
-        plan = plan_steps(wire, self.train_config, self.world_size)
+        config = self.train_config
+
+        def prepare() -> list[StepPlan]:
+            # Converting and splitting thousands of samples would stall the event loop.
+            return plan_steps([sample_to_wire(sample) for sample in samples], config, self.world_size)
+
+        plan = await anyio.to_thread.run_sync(prepare)
         commands: dict[int, protocol.Command] = {
             rank: protocol.TrainCommand(
                 rollout_id=int(rollout_id),
