@@ -1,0 +1,491 @@
+"""Rollout fault tolerance: the HealthMonitor of one engine group, and the fault-injection switch.
+
+Owns, per engine group, the decision that an engine is dead and its recovery: probe every engine
+concurrently with `/health_generate` on a fixed cadence, count consecutive failures, and past the threshold
+take the engine out of dispatch (`fleet.mark_dead`) and out of the router, relaunch it (launched engines) or
+wait until it answers again (external engines), load the current weights and version into it, and put it
+back. The monitor also recovers engines that someone else (the dispatcher) marked dead.
+
+Invariants:
+- A monitor exists only when `Config.health_monitor_enabled` (rollout FT on and engines exist); this module
+  never re-derives that gate (`build_health_monitors` reads it and nothing else).
+- Probes start every `interval` seconds whether or not the previous one answered, each bounded by `timeout`,
+  so with failure threshold N a hung engine is marked dead at most N·interval + timeout after it hung
+  (threshold 2: interval + timeout + one interval). Probes of different engines never wait for each other,
+  so detection time does not grow with the number of engines.
+- A probe that overlapped a weight update (or an eval pin) counts neither as a success nor as a failure:
+  an engine paused for an update may not answer a 1-token generate, and that is not a fault.
+- Slow is not hung: a probe that timed out while the engine's `/metrics` counters (requests and tokens
+  generated) kept moving since the previous probe counts as slow, not failed. An engine whose `/metrics` does
+  not answer, or whose counters stand still, is hung.
+- A recovered rollout engine serves the current weight version before it is back in dispatch: a launched
+  engine is restarted from the current weight snapshot with `--weight-version` set (no moment where it is
+  ALIVE with stale weights), an external one is loaded while it is still DEAD, and both are checked to
+  report the version.
+- `FaultInjector.pending` is always initialised (False when not armed); it kills one engine once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import anyio.abc
+
+from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineTimeout
+from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
+
+log = logging.getLogger(__name__)
+
+_PROGRESS_METRICS = ("sglang:num_requests_total", "sglang:generation_tokens_total")
+_METRIC_LINE = re.compile(r"^(sglang:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfa]+)\s*$")
+
+
+class Pausing(Protocol):
+    """Something that must not be disturbed by probes while it works: `updating` is set when idle.
+
+    WeightSync (training weight updates) and EvalFleet (pinning a snapshot) provide it.
+    """
+
+    updating: anyio.Event
+
+
+@dataclass
+class MonitorStats:
+    """What one monitor did, counted (tests and the run summary read these)."""
+
+    probes: int = 0
+    probe_failures: int = 0
+    slow: int = 0
+    discarded: int = 0
+    deaths: int = 0
+    recoveries: int = 0
+    recovery_errors: int = 0
+
+
+@dataclass
+class HealthEvent:
+    at: float
+    engine: str
+    kind: str  # "dead" | "recovered" | "recovery_failed" | "slow"
+    detail: str
+
+
+@dataclass
+class _Watch:
+    """Probe state of one engine during one incarnation."""
+
+    failures: int = 0
+    last_progress: float | None = None
+    dead: bool = False
+    probe_starts: list[float] = field(default_factory=list)
+
+
+class HealthMonitor:
+    """Watches one engine group. Start with `await task_group.start(monitor.run)`.
+
+    Args:
+        fleet: the group's EngineFleet (the only owner of engine states).
+        client: the shared engine client.
+        interval / timeout / first_wait / failure_threshold: `--rollout-health-check-*`.
+        weight_sync: the rollout group's WeightSync (current weights for a recovered engine; pauses probing
+            during updates). None for a group that never receives training weights (the eval fleet).
+        router: the group's RouterHandle when `--use-sglang-router`.
+        pauses: further objects whose `updating` event pauses probing (the EvalFleet while it pins).
+        relaunch_timeout: bound on one relaunch of a launched engine (None: the launch spec's own).
+    """
+
+    def __init__(
+        self,
+        *,
+        fleet: EngineFleet,
+        client: EngineClient,
+        interval: float,
+        timeout: float,
+        first_wait: float = 0.0,
+        failure_threshold: int = 2,
+        weight_sync: Any = None,
+        router: Any = None,
+        pauses: Sequence[Pausing] = (),
+        relaunch_timeout: float | None = None,
+    ) -> None:
+        if interval <= 0 or timeout <= 0:
+            raise ValueError(
+                f"--rollout-health-check-interval ({interval}) and --rollout-health-check-timeout ({timeout}) "
+                "must be positive"
+            )
+        if failure_threshold < 1:
+            raise ValueError(f"--rollout-health-check-failure-threshold must be >= 1, got {failure_threshold}")
+        self.fleet = fleet
+        self.client = client
+        self.interval = interval
+        self.timeout = timeout
+        self.first_wait = max(0.0, first_wait)
+        self.failure_threshold = failure_threshold
+        self.weight_sync = weight_sync
+        self.router = router
+        self.pauses: list[Pausing] = list(pauses)
+        if weight_sync is not None:
+            self.pauses.append(weight_sync)
+        self.relaunch_timeout = relaunch_timeout
+        self.stats = MonitorStats()
+        self.events: list[HealthEvent] = []
+        self.watches: dict[str, _Watch] = {}
+        self._declared: set[str] = set()
+
+    @property
+    def group(self) -> str:
+        return self.fleet.group
+
+    @property
+    def detection_bound(self) -> float:
+        """Longest time from an engine hanging to it being marked dead: threshold·interval + timeout."""
+        return self.failure_threshold * self.interval + self.timeout
+
+    # -- lifetime ------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[HealthMonitor] = anyio.TASK_STATUS_IGNORED) -> None:
+        """One watcher per engine (they never wait for each other); runs until cancelled."""
+        log.info("health monitor of %s engines: probe every %.1fs (timeout %.1fs), dead after %d failures",
+                 self.group, self.interval, self.timeout, self.failure_threshold)
+        async with anyio.create_task_group() as tg:
+            for handle in self.fleet.engines:
+                tg.start_soon(self._watch, handle)
+            task_status.started(self)
+
+    async def _watch(self, handle: EngineHandle) -> None:
+        while True:
+            if handle.state is EngineState.DEAD:
+                await self._recover(handle)
+                continue
+            if handle.state is EngineState.STARTING:
+                await self.fleet.wait_changed()  # someone else (weight sync's recovery) is starting it
+                continue
+            await anyio.sleep(self.first_wait)  # grace after a (re)start: engines warm up
+            if handle.state is EngineState.ALIVE:
+                await self._probe_while_alive(handle)
+
+    async def _probe_while_alive(self, handle: EngineHandle) -> None:
+        """Probe on a fixed cadence until the engine leaves ALIVE (marked dead by us or by the dispatcher)."""
+        watch = self.watches[handle.name] = _Watch()
+        incarnation = handle.incarnation
+        async with anyio.create_task_group() as tg:
+
+            async def stop_when_not_alive() -> None:
+                while handle.state is EngineState.ALIVE and handle.incarnation == incarnation:
+                    await self.fleet.wait_changed()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stop_when_not_alive)
+            while True:
+                await self._wait_not_paused()
+                tg.start_soon(self._probe, handle, watch)
+                await anyio.sleep(self.interval)
+
+    async def _wait_not_paused(self) -> None:
+        for pausing in self.pauses:
+            while not pausing.updating.is_set():
+                await pausing.updating.wait()
+
+    def _pause_marks(self) -> list[tuple[int, bool]]:
+        return [(id(p.updating), p.updating.is_set()) for p in self.pauses]
+
+    # -- probing -------------------------------------------------------------------------------------
+
+    async def _probe(self, handle: EngineHandle, watch: _Watch) -> None:
+        marks = self._pause_marks()
+        watch.probe_starts.append(time.monotonic())
+        self.stats.probes += 1
+        url = handle.url
+        api = self.client.engine(url)
+        health_error: EngineError | None = None
+        progress: float | None = None
+
+        async def health() -> None:
+            nonlocal health_error
+            try:
+                with anyio.fail_after(self.timeout):
+                    await api.health_generate(timeout=self.timeout, retry=NO_RETRY)
+            except TimeoutError:
+                health_error = EngineTimeout(url, self.timeout, "probe deadline")
+            except EngineError as error:
+                health_error = error
+
+        async def metrics() -> None:
+            nonlocal progress
+            with anyio.move_on_after(self.timeout):
+                try:
+                    progress = _progress_counter(await api.metrics(timeout=self.timeout, retry=NO_RETRY))
+                except EngineError:
+                    progress = None
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(health)
+            tg.start_soon(metrics)
+        if self._pause_marks() != marks or not all(set_ for _, set_ in marks):
+            self.stats.discarded += 1  # overlapped a weight update or a pin: says nothing about health
+            return
+        if handle.state is not EngineState.ALIVE or watch.dead:
+            return
+        previous = watch.last_progress
+        if progress is not None:
+            watch.last_progress = progress
+        if health_error is None:
+            watch.failures = 0
+            return
+        if (isinstance(health_error, EngineTimeout) and progress is not None and previous is not None
+                and progress > previous):
+            # Requests kept finishing while the probe waited: overloaded, not hung.
+            self.stats.slow += 1
+            self.events.append(HealthEvent(time.monotonic(), handle.name, "slow", str(health_error)))
+            return
+        watch.failures += 1
+        self.stats.probe_failures += 1
+        if watch.failures >= self.failure_threshold and not watch.dead:
+            watch.dead = True
+            reason = (f"{watch.failures} consecutive health checks failed "
+                      f"({'no progress' if progress is not None else 'metrics unanswered'}): {health_error}")
+            self._declare_dead(handle, reason)
+
+    def _declare_dead(self, handle: EngineHandle, reason: str) -> None:
+        log.warning("engine %s is dead: %s", handle.name, reason)
+        self._declared.add(handle.name)
+        self.stats.deaths += 1
+        self.events.append(HealthEvent(time.monotonic(), handle.name, "dead", reason))
+        self.fleet.mark_dead(handle, reason)
+
+    # -- recovery ------------------------------------------------------------------------------------
+
+    async def _recover(self, handle: EngineHandle) -> None:
+        """Bring a dead engine back with the current weights; on failure wait one interval and try again."""
+        if handle.name not in self._declared:
+            # Marked dead by someone else (the dispatcher saw a request fail): count it here too.
+            self.stats.deaths += 1
+            self.events.append(HealthEvent(time.monotonic(), handle.name, "dead", handle.dead_reason or ""))
+        if self.router is not None:
+            await self._router_change(handle, add=False)
+        while handle.state is EngineState.DEAD:
+            await self._wait_not_paused()
+            try:
+                if handle.launched:
+                    await self._relaunch_launched(handle)
+                else:
+                    await self._reattach_external(handle)
+                await self._check_version(handle)
+            except Exception as error:  # a failed recovery is retried; the run goes on with the others
+                self.stats.recovery_errors += 1
+                self.events.append(HealthEvent(time.monotonic(), handle.name, "recovery_failed", repr(error)))
+                log.warning("recovery of engine %s failed (%r); retrying in %.1fs", handle.name, error,
+                            self.interval)
+                if handle.state is not EngineState.DEAD:
+                    self.fleet.mark_dead(handle, f"recovery failed: {error!r}"[:500])
+                await anyio.sleep(self.interval)
+                continue
+        self._declared.discard(handle.name)
+        if handle.state is EngineState.ALIVE:
+            if self.router is not None:
+                await self._router_change(handle, add=True)
+            self.stats.recoveries += 1
+            self.events.append(HealthEvent(time.monotonic(), handle.name, "recovered",
+                                           f"incarnation {handle.incarnation} at {handle.url}"))
+            log.info("engine %s is back at %s (weight version %s)", handle.name, handle.url,
+                     self._current_version() or "initial")
+
+    def _current_version(self) -> str | None:
+        return None if self.weight_sync is None else self.weight_sync.current_version
+
+    async def _current_snapshot(self) -> Path | None:
+        """The snapshot of the current weights on disk (exported now when the transfer mode kept none)."""
+        sync = self.weight_sync
+        if sync is None or sync.current_version is None:
+            return None
+        exists = sync.current_snapshot is not None and await anyio.Path(sync.current_snapshot).exists()
+        if not exists:
+            sync.current_snapshot = Path(await sync.trainer.export_weights(
+                sync.snapshot_dir, sync.current_version, keep=sync.keep_snapshots))
+        return Path(sync.current_snapshot)
+
+    async def _relaunch_launched(self, handle: EngineHandle) -> None:
+        """Restart the process from the current snapshot with `--weight-version`, so it is never ALIVE stale."""
+        process = handle.process
+        assert process is not None
+        snapshot = await self._current_snapshot()
+        version = self._current_version()
+        original = process.spec
+        if snapshot is not None and version is not None:
+            process.spec = dataclasses.replace(
+                original, model_path=str(snapshot), extra_args=_with_flag(original.extra_args, "--weight-version",
+                                                                          version))
+        try:
+            await self.fleet.relaunch(handle, timeout=self.relaunch_timeout)
+        finally:
+            process.spec = original  # the next relaunch (maybe by weight sync) starts from a fresh choice
+
+    async def _reattach_external(self, handle: EngineHandle) -> None:
+        """Probe until the external engine answers, load the current weights while it is still DEAD, then
+        let the fleet mark it ALIVE."""
+        api = self.client.engine(handle.url)
+        while True:
+            try:
+                with anyio.fail_after(self.timeout):
+                    await api.health_generate(timeout=self.timeout, retry=NO_RETRY)
+                break
+            except (EngineError, TimeoutError):
+                await anyio.sleep(self.interval)
+        if self.weight_sync is not None and self.weight_sync.current_version is not None:
+            await self.weight_sync.sync_engine(handle)
+        await self.fleet.relaunch(handle, timeout=self.timeout * 4)
+
+    async def _check_version(self, handle: EngineHandle) -> None:
+        version = self._current_version()
+        if version is None or handle.state is not EngineState.ALIVE:
+            return
+        got = await self.client.engine(handle.url).get_weight_version()
+        if got != version:
+            # An update ran while this engine was restarting: load the current weights now.
+            await self.weight_sync.sync_engine(handle)
+
+    async def _router_change(self, handle: EngineHandle, *, add: bool) -> None:
+        from coordinator.engines.router import RouterError
+
+        try:
+            if add:
+                await self.router.add_worker(handle.url)
+            else:
+                await self.router.remove_worker(handle.url)
+        except (RouterError, EngineError) as error:
+            log.warning("router: could not %s worker %s: %s", "add" if add else "remove", handle.url, error)
+
+
+def _progress_counter(text: str) -> float | None:
+    """Requests + tokens generated so far, from Prometheus text; None when the engine does not report them."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        match = _METRIC_LINE.match(line.strip())
+        if match and match.group(1) in _PROGRESS_METRICS:
+            try:
+                total += float(match.group(2))
+                found = True
+            except ValueError:
+                continue
+    return total if found else None
+
+
+def _with_flag(args: Sequence[str], flag: str, value: str) -> tuple[str, ...]:
+    out = list(args)
+    if flag in out:
+        index = out.index(flag)
+        if index + 1 < len(out):
+            out[index + 1] = value
+            return tuple(out)
+        out.append(value)
+        return tuple(out)
+    return (*out, flag, value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Wiring: which monitors exist (read from Config's derived facts only)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def build_health_monitors(
+    config: Any,
+    *,
+    client: EngineClient,
+    rollout_fleet: EngineFleet | None,
+    weight_sync: Any = None,
+    router: Any = None,
+    eval_fleet: EngineFleet | None = None,
+    eval_pauses: Sequence[Pausing] = (),
+) -> list[HealthMonitor]:
+    """One monitor per engine group, only when `config.health_monitor_enabled`; [] otherwise."""
+    if not config.health_monitor_enabled:
+        return []
+    settings = dict(
+        client=client,
+        interval=config.rollout_health_check_interval,
+        timeout=config.rollout_health_check_timeout,
+        first_wait=config.rollout_health_check_first_wait,
+        failure_threshold=config.rollout_health_check_failure_threshold,
+    )
+    monitors = []
+    if rollout_fleet is not None:
+        monitors.append(HealthMonitor(fleet=rollout_fleet, weight_sync=weight_sync, router=router, **settings))
+    if eval_fleet is not None:
+        # Eval engines never receive training weights: a recovered one is re-pinned by the next eval.
+        monitors.append(HealthMonitor(fleet=eval_fleet, pauses=eval_pauses, **settings))
+    return monitors
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fault injection
+# ----------------------------------------------------------------------------------------------------------
+
+
+class FaultInjector:
+    """`--inject-engine-fault-at-rollout N`: SIGKILL one launched rollout engine once, when rollout N starts.
+
+    Armed only when `config.fault_injection_armed` (rollout FT on, engines exist). `pending` is always set
+    (True while armed and not yet fired), so code reading it never meets a missing attribute.
+    """
+
+    def __init__(self, *, armed: bool, at_rollout: int | None, fleet: EngineFleet | None) -> None:
+        self.armed = bool(armed and at_rollout is not None and fleet is not None)
+        self.at_rollout = at_rollout
+        self.fleet = fleet
+        self.pending = self.armed
+        self.killed: list[str] = []
+
+    @classmethod
+    def from_config(cls, config: Any, fleet: EngineFleet | None) -> FaultInjector:
+        return cls(armed=config.fault_injection_armed, at_rollout=config.inject_engine_fault_at_rollout,
+                   fleet=fleet)
+
+    def maybe_inject(self, rollout_id: int) -> str | None:
+        """Kill the victim if this is the armed rollout; returns its name when it fired."""
+        if not self.pending or rollout_id != self.at_rollout:
+            return None
+        assert self.fleet is not None
+        victims = [h for h in self.fleet.alive() if h.launched and h.process is not None and h.process.pid]
+        if not victims:
+            log.warning("fault injection at rollout %d: no launched rollout engine is alive to kill", rollout_id)
+            return None
+        self.pending = False
+        victim = victims[0]
+        assert victim.process is not None and victim.process.pid is not None
+        log.warning("fault injection: killing rollout engine %s (pid %d) at rollout %d", victim.name,
+                    victim.process.pid, rollout_id)
+        try:
+            os.killpg(victim.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.killed.append(victim.name)
+        return victim.name
+
+
+class FaultInjectingSource:
+    """The rollout source the training loop sees when an injector exists: fires it, then delegates."""
+
+    def __init__(self, source: Any, injector: FaultInjector) -> None:
+        self.source = source
+        self.injector = injector
+
+    async def get_rollout(self, rollout_id: int, weight_version: str) -> Any:
+        self.injector.maybe_inject(rollout_id)
+        return await self.source.get_rollout(rollout_id, weight_version)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)

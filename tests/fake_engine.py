@@ -1,0 +1,112 @@
+"""A FAKE engine: an in-process HTTP responder speaking the few SGLang endpoints the FT code uses.
+
+Used only for failures a real engine cannot be made to show on demand and deterministically: a
+`/health_generate` that hangs while `/metrics` keeps moving (slow, not hung), an engine that reports a stale
+weight version after a load (pin violation), a listener that refuses connections and comes back (external
+engine outage), and 16 instant responders for the probe benchmark. Everything else is tested against the real
+CPU engine.
+
+Owns its listener; `run()` serves until cancelled and closes it on every exit path (no process is started).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.abc import SocketAttribute
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+
+class FakeEngine:
+    """Knobs: `health` ("ok" | "hang"), `progressing` (metrics counter grows per read), `stale_version`
+    (reported instead of the loaded one), `serving` (False closes the listener: connection refused)."""
+
+    def __init__(self) -> None:
+        self.health = "ok"
+        self.progressing = False
+        self.counter = 0.0
+        self.weight_version = "0"
+        self.stale_version: str | None = None
+        self.requests: dict[str, int] = {}
+        self.port: int | None = None
+        self._serving = anyio.Event()
+        self._serving.set()
+        self._stopped = anyio.Event()
+
+    @property
+    def url(self) -> str:
+        assert self.port is not None
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop_serving(self) -> None:
+        self._serving = anyio.Event()
+        self._stopped.set()
+
+    def start_serving(self) -> None:
+        self._stopped = anyio.Event()
+        self._serving.set()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[FakeEngine] = anyio.TASK_STATUS_IGNORED) -> None:
+        first = True
+        while True:
+            listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=self.port or 0)
+            async with listener, anyio.create_task_group() as tg:
+                self.port = listener.extra(SocketAttribute.local_port)
+                tg.start_soon(listener.serve, self._handle, tg)
+                if first:
+                    task_status.started(self)
+                    first = False
+                await self._stopped.wait()
+                tg.cancel_scope.cancel()
+            await self._serving.wait()
+
+    async def _handle(self, stream: anyio.abc.ByteStream) -> None:
+        async with stream:
+            buffered = BufferedByteReceiveStream(stream)
+            while True:
+                try:
+                    head = await buffered.receive_until(b"\r\n\r\n", 65536)
+                except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    return
+                lines = head.decode().split("\r\n")
+                method, target, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
+                length = int(headers.get("content-length", "0"))
+                body = await buffered.receive_exactly(length) if length else b""
+                path = target.split("?", 1)[0]
+                self.requests[path] = self.requests.get(path, 0) + 1
+                status, payload = await self._route(method, path, body)
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                kind = b"text/plain" if isinstance(payload, bytes) else b"application/json"
+                await stream.send(b"HTTP/1.1 %d OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                                  % (status, kind, len(data)) + data)
+
+    async def _route(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
+        request = json.loads(body) if body else {}
+        if path == "/health_generate":
+            if self.health == "hang":
+                await anyio.sleep_forever()
+            return 200, b""
+        if path == "/health":
+            return 200, b""
+        if path == "/metrics":
+            if self.progressing:
+                self.counter += 1
+            return 200, (f"sglang:num_requests_total{{model_name=\"fake\"}} {self.counter}\n"
+                         "sglang:generation_tokens_total{model_name=\"fake\"} 0.0\n").encode()
+        if path in ("/get_weight_version", "/model_info"):
+            return 200, {"weight_version": self.stale_version or self.weight_version, "model_path": "fake"}
+        if path == "/update_weights_from_disk":
+            self.weight_version = str(request.get("weight_version", self.weight_version))
+            return 200, {"success": True, "message": "ok", "num_paused_requests": 0}
+        if path == "/generate":
+            return 200, {"text": "a", "output_ids": [5], "meta_info": {
+                "id": "x", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 1,
+                "completion_tokens": 1, "cached_tokens": 0, "weight_version": self.stale_version or self.weight_version,
+                "output_token_logprobs": [[-0.5, 5, None]]}}
+        if path in ("/pause_generation", "/continue_generation", "/abort_request", "/flush_cache"):
+            return 200, {"success": True}
+        return 404, {"error": {"message": f"no route {path}"}}
