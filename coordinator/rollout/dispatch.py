@@ -5,7 +5,8 @@ alive; all samples of a group on one engine, for its prefix cache) and the retry
 died. With `--use-sglang-router` every request goes to the router instead, which balances and retries itself.
 
 Invariant: `generate()` returns exactly one response per request or raises. A request is re-sent to another
-engine only after the fleet confirmed its first engine is dead, so no response is counted twice; a request
+engine only after the fleet confirmed its first engine is dead (a request still waiting on an engine the fleet
+marks dead is abandoned then, not at its timeout), so no response is counted twice; a request
 whose engine is alive but answered 4xx raises at once (the request is wrong, retrying cannot help).
 """
 
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.engines.client import EngineClient, EngineError, EngineHTTPError
+from coordinator.engines.client import EngineClient, EngineError, EngineHTTPError, EngineUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,10 @@ class EnginePool(Protocol):
     async def wait_any_alive(self, timeout: float) -> Any: ...
 
     def mark_dead(self, handle: Any, reason: str) -> None: ...
+
+
+def _still_alive(handle: Any) -> bool:
+    return bool(getattr(handle, "alive", True))
 
 
 class NoEngineAvailable(RuntimeError):
@@ -119,16 +124,20 @@ class Dispatcher:
         failed: set[str] = set()
         for attempt in range(1, self.max_attempts + 1):
             try:
-                return await self._send(handle.url, payload), handle.url
+                response = await self._send_unless_dead(handle, payload)
+                if response is not None:
+                    return response, handle.url
+                # The fleet marked the engine dead (the health monitor saw it hang) while we waited.
+                last_error: EngineError = EngineUnreachable(handle.url, "the fleet marked the engine dead")
             except EngineHTTPError as error:
                 if error.status < 500:
                     raise
-                last_error: EngineError = error
+                last_error = error
             except EngineError as error:
                 last_error = error
             assert self.pool is not None
             # The engine failed this request after the client's own retries: ask the fleet whether it is dead.
-            if await self.pool.check(handle):
+            if _still_alive(handle) and await self.pool.check(handle):
                 raise last_error
             # A failed request and a failed probe: take it out of dispatch (the health monitor, when rollout
             # FT is on, relaunches it; otherwise the run goes on with the others).
@@ -144,17 +153,41 @@ class Dispatcher:
             handle = await self.pick(exclude=failed)
         raise NoEngineAvailable(f"request failed on {self.max_attempts} engines in a row")
 
+    async def _send_unless_dead(self, handle: Any, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """`_send`, abandoned (None) as soon as the fleet marks `handle` dead: a request blocked on a hung
+        (e.g. SIGSTOPped) engine would otherwise wait for the generate timeout instead of being retried."""
+        wait_changed = getattr(self.pool, "wait_changed", None)
+        if wait_changed is None or not hasattr(handle, "alive"):
+            return await self._send(handle.url, payload)
+        result: dict[str, Any] | None = None
+        async with anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                while _still_alive(handle):
+                    await wait_changed()
+                group.cancel_scope.cancel()
+
+            async def send() -> None:
+                nonlocal result
+                result = await self._send(handle.url, payload)
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            group.start_soon(send)
+        return result
+
     async def _send(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
         self.in_flight[url] += 1
         try:
             response = await self.client.engine(url).generate(payload)
         finally:
             self.in_flight[url] -= 1
-        if isinstance(response, list):
-            if len(response) != 1:
-                raise EngineHTTPError(200, f"expected one generate result, got {len(response)}", url)
-            response = response[0]
-        return response
+        # A batched request (input_ids is a list of prompts) answers one result per prompt, in order.
+        expected = len(payload["input_ids"]) if _is_batched(payload) else 1
+        results = response if isinstance(response, list) else [response]
+        if len(results) != expected:
+            raise EngineHTTPError(200, f"expected {expected} generate result(s), got {len(results)}", url)
+        return results if _is_batched(payload) else results[0]  # type: ignore[return-value]
 
     async def abort_all(self) -> None:
         """Abort every request in flight on every alive engine (the rollout has what it needs)."""
@@ -173,3 +206,8 @@ class Dispatcher:
         async with anyio.create_task_group() as group:
             for url in urls:
                 group.start_soon(abort, url)
+
+
+def _is_batched(payload: dict[str, Any]) -> bool:
+    ids = payload.get("input_ids")
+    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
