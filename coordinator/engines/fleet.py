@@ -133,9 +133,9 @@ class EngineFleet:
             task_status.started(self)
             await anyio.sleep_forever()
         finally:
+            self._running = False  # first: a relaunch finishing from now on stops what it started
             with anyio.CancelScope(shield=True):
                 await self._stop_all()
-            self._running = False
 
     async def _stop_all(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -258,6 +258,9 @@ class EngineFleet:
                     await handle.process.stop()
                     with anyio.fail_after(timeout):
                         await self._bring_up(handle, self.attach_timeout)
+                    if not self._running:  # the fleet stopped while we started it: nobody would end it
+                        await handle.process.stop()
+                        raise RuntimeError(f"fleet {self.group} stopped while {handle.name} was relaunched")
                 else:
                     await self._bring_up(handle, timeout if timeout is not None else self.attach_timeout)
             except BaseException as exc:  # cancellation included: the handle must not stay STARTING
