@@ -294,3 +294,26 @@ def socket_port() -> Iterator[int]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         yield sock.getsockname()[1]
+
+
+def test_direct_safetensors_writer_reads_back_with_the_safetensors_library(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    state = {
+        "a.weight": torch.randn(3, 5),
+        "b.bf16": torch.randn(7).to(torch.bfloat16),
+        "c.ids": torch.arange(4, dtype=torch.int64),
+        "d.empty": torch.empty(0, 3),
+        "e.strided": torch.randn(4, 6).t(),
+    }
+    path = tmp_path / "model.safetensors"
+    weight_export.write_safetensors(state, path, metadata={"format": "pt"})
+    loaded = load_file(str(path))
+    assert set(loaded) == set(state)
+    for name, tensor in state.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    with pytest.raises(TypeError, match="cannot store"):
+        weight_export.write_safetensors({"x": torch.zeros(2, dtype=torch.complex64)}, path, metadata={})
