@@ -160,6 +160,7 @@ class Dispatcher:
         if wait_changed is None or not hasattr(handle, "alive"):
             return await self._send(handle.url, payload)
         result: dict[str, Any] | None = None
+        failure: EngineError | None = None
         async with anyio.create_task_group() as group:
 
             async def watch() -> None:
@@ -168,12 +169,19 @@ class Dispatcher:
                 group.cancel_scope.cancel()
 
             async def send() -> None:
-                nonlocal result
-                result = await self._send(handle.url, payload)
+                # The error is carried out of the task group by hand: raised inside, it would arrive wrapped
+                # in an ExceptionGroup that the caller's `except EngineError` does not catch.
+                nonlocal result, failure
+                try:
+                    result = await self._send(handle.url, payload)
+                except EngineError as error:
+                    failure = error
                 group.cancel_scope.cancel()
 
             group.start_soon(watch)
             group.start_soon(send)
+        if failure is not None:
+            raise failure
         return result
 
     async def _send(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,8 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +57,23 @@ class GenerateState:
 
     def __post_init__(self) -> None:
         self.semaphore = anyio.Semaphore(self.concurrency)
+        self._acquiring = anyio.Lock()
+
+    @asynccontextmanager
+    async def slots(self, count: int) -> AsyncIterator[None]:
+        """Hold `count` request slots (clipped to the concurrency). Slots are taken under a lock, so two
+        groups never each hold part of what they need and wait for each other forever."""
+        count = min(count, self.concurrency)
+        taken = 0
+        try:
+            async with self._acquiring:
+                for _ in range(count):
+                    await self.semaphore.acquire()
+                    taken += 1
+            yield
+        finally:
+            for _ in range(taken):
+                self.semaphore.release()
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -256,20 +275,51 @@ class DefaultRollout:
         return group
 
     async def _generate_group(self, group: PartialGroup, rollout_id: int) -> list[Sample]:
-        results: list[Sample] = list(group.samples)
+        """Generate the unfinished samples of one group on one engine.
 
-        async def one(position: int, sample: Sample, engine: Any) -> None:
-            if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
-                return  # finished in an earlier rollout (partial rollout)
-            results[position] = await self._generate_sample(sample, rollout_id, engine)
-
-        async with self.dispatcher.group_engine() as engine, anyio.create_task_group() as task_group:
-            for position, sample in enumerate(group.samples):
-                task_group.start_soon(one, position, sample, engine)
-        return results
-
-    async def _generate_sample(self, sample: Sample, rollout_id: int, engine: Any) -> Sample:
+        Without a router the group is one batched request (one prompt copy per sample, each with its own
+        sampling seed): one HTTP round trip instead of n. Through sglang-router, which refuses batched bodies,
+        each sample is its own request.
+        """
+        pending = [sample for sample in group.samples
+                   if sample.status not in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)]
+        items = [(sample, self._request_item(sample, rollout_id)) for sample in pending]
+        items = [(sample, item) for sample, item in items if item is not None]
+        if not items:
+            return group.samples
         progress = self.progress
+        async with self.dispatcher.group_engine() as engine, self.state.slots(len(items)):
+            if progress is not None:
+                progress.in_flight += len(items)
+            try:
+                if self.dispatcher.router_url is None:
+                    payload = {
+                        "input_ids": [sample.tokens for sample, _ in items],
+                        "sampling_params": [params for _, params in items],
+                        "return_logprob": True,
+                    }
+                    responses, url = await self.dispatcher.generate(payload, engine=engine)
+                    for (sample, _), response in zip(items, responses, strict=True):  # type: ignore[arg-type]
+                        sample.metadata["engine"] = url
+                        self._apply_response(sample, response)
+                else:
+                    async with anyio.create_task_group() as task_group:
+                        for sample, params in items:
+                            task_group.start_soon(self._generate_one, sample, params, engine)
+            finally:
+                if progress is not None:
+                    progress.in_flight -= len(items)
+        return group.samples
+
+    async def _generate_one(self, sample: Sample, params: dict[str, Any], engine: Any) -> None:
+        payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True,
+                   "rid": uuid.uuid4().hex}
+        response, url = await self.dispatcher.generate(payload, engine=engine)
+        sample.metadata["engine"] = url
+        self._apply_response(sample, response)
+
+    def _request_item(self, sample: Sample, rollout_id: int) -> dict[str, Any] | None:
+        """The sampling params of one sample's request, or None when it has no room left to generate."""
         prompt_length = sample.prompt_length
         budget = self.state.max_new_tokens(prompt_length, sample.response_length)
         if budget <= 0 and sample.response_length == 0:
@@ -279,28 +329,9 @@ class DefaultRollout:
             )
         if budget <= 0:
             sample.status = SampleStatus.TRUNCATED
-            return sample
+            return None
         seed = _sampling_seed(self.state.seed, rollout_id, sample)
-        payload = {
-            "input_ids": sample.tokens,
-            "sampling_params": {
-                **self.state.sampling_params,
-                "max_new_tokens": budget,
-                "sampling_seed": seed,
-            },
-            "return_logprob": True,
-            "rid": uuid.uuid4().hex,
-        }
-        async with self.state.semaphore:
-            if progress is not None:
-                progress.in_flight += 1
-            try:
-                response, url = await self.dispatcher.generate(payload, engine=engine)
-            finally:
-                if progress is not None:
-                    progress.in_flight -= 1
-        sample.metadata["engine"] = url
-        return self._apply_response(sample, response)
+        return {**self.state.sampling_params, "max_new_tokens": budget, "sampling_seed": seed}
 
     def _apply_response(self, sample: Sample, response: dict[str, Any]) -> Sample:
         meta = response.get("meta_info") or {}

@@ -1,0 +1,137 @@
+"""Samples/s through the full generate path beside the fastest bare request loop, in one run.
+
+An instant responder (aiohttp, in its own process) answers /generate with a fixed 4-token response. The
+generate path (RolloutManager → DefaultRollout → dispatcher → EngineClient, with the semaphore, sample
+bookkeeping and the reward) is timed against a bare `aiohttp` loop posting the same number of requests at the
+same concurrency. Prints samples/s for both, their ratio (target ≥ 0.8) and the coordinator's CPU time per
+sample. Usage: python bench/rollout_overhead.py [--samples 4096] [--concurrency 64 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RESPONDER = r"""
+import json, sys
+from aiohttp import web
+body = json.dumps({"text": "3333", "output_ids": [8, 8, 8, 8], "meta_info": {
+    "id": "x", "finish_reason": {"type": "length", "length": 4}, "prompt_tokens": 6, "completion_tokens": 4,
+    "cached_tokens": 0, "weight_version": "0", "e2e_latency": 0.0,
+    "output_token_logprobs": [[-0.1, 8, None]] * 4}}).encode()
+async def generate(request):
+    await request.read()
+    return web.Response(body=body, content_type="application/json")
+async def ok(request):
+    return web.Response(text="ok")
+async def info(request):
+    return web.json_response({"weight_version": "0", "model_path": "x", "is_generation": True})
+app = web.Application()
+app.router.add_post("/generate", generate)
+app.router.add_get("/health", ok)
+app.router.add_get("/health_generate", ok)
+app.router.add_get("/model_info", info)
+app.router.add_post("/abort_request", ok)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def bare_loop(url: str, samples: int, concurrency: int) -> float:
+    import aiohttp
+
+    payload = json.dumps({"input_ids": [8, 4, 3, 4, 6, 18], "sampling_params": {"max_new_tokens": 4},
+                          "return_logprob": True}).encode()
+    limit = anyio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one() -> None:
+            async with limit, session.post(url + "/generate", data=payload,
+                                           headers={"Content-Type": "application/json"}) as response:
+                await response.read()
+
+        started = time.perf_counter()
+        async with anyio.create_task_group() as group:
+            for _ in range(samples):
+                group.start_soon(one)
+        return samples / (time.perf_counter() - started)
+
+
+async def generate_path(url: str, model_dir: Path, samples: int, concurrency: int) -> tuple[float, float]:
+    from transformers import AutoTokenizer
+
+    from coordinator.config import parse_config
+    from coordinator.engines.client import EngineClient
+    from coordinator.engines.fleet import EngineFleet
+    from coordinator.rollout.manager import RolloutManager
+
+    n = 8
+    config = parse_config(["--hf-checkpoint", str(model_dir), "--prompt-data", "builtin:first_digit",
+                           "--rollout-external-engine-addrs", url, "--sglang-server-concurrency", str(concurrency),
+                           "--rollout-batch-size", str(samples // n), "--n-samples-per-prompt", str(n),
+                           "--num-rollout", "1", "--rollout-max-response-len", "4", "--no-progress"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    async with EngineClient(max_connections=concurrency) as client, anyio.create_task_group() as group:
+        fleet = EngineFleet(client=client, external_urls=[url], run_dir=Path(tempfile.mkdtemp()))
+        await group.start(fleet.run)
+        manager = RolloutManager.build(config, tokenizer=tokenizer, client=client, pool=fleet, context_length=512)
+        await manager.get_rollout(0, "0")  # warm-up: connections, tokenizer caches
+        cpu0, started = time.process_time(), time.perf_counter()
+        batch = await manager.get_rollout(1, "0")
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
+        group.cancel_scope.cancel()
+    assert len(batch.samples) == samples
+    return samples / elapsed, cpu / samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 512])
+    options = parser.parse_args()
+    from workers.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    port = free_port()
+    responder = subprocess.Popen([sys.executable, "-c", RESPONDER, str(port)], env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        for _ in range(100):
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        print(f"{'concurrency':>11} {'bare aiohttp/s':>15} {'generate path/s':>16} {'ratio':>6} {'CPU µs/sample':>14}")
+        for concurrency in options.concurrency:
+            bare = anyio.run(bare_loop, url, options.samples, concurrency)
+            path, cpu = anyio.run(generate_path, url, model_dir, options.samples, concurrency)
+            print(f"{concurrency:>11} {bare:>15,.0f} {path:>16,.0f} {path / bare:>6.2f} {cpu * 1e6:>14,.0f}")
+    finally:
+        responder.terminate()
+        responder.wait(10)
+
+
+if __name__ == "__main__":
+    main()
