@@ -4,17 +4,21 @@ Owns the wiring order and the run directory. Services start concurrently (engine
 each through `task_group.start(service.run)`, so the loop begins only once everything it uses is ready;
 leaving the block — normally, on error or on Ctrl-C — cancels the group, and each service ends the processes
 it launched. Only what the mode needs is started: replay starts no engine, router, health monitor, eval fleet
-or HTTP client; `--debug-rollout-only` starts no training ranks.
+or HTTP client; `--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
+`build_fault_tolerance` from the config's derived gates only (health monitors, the fault injector, the eval
+fleet's own probing), and `build_weight_sync` gives WeightSync its `recover_engines` gate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +96,13 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-async def run_training(config: Config) -> dict[str, Any]:
-    """Run the job; returns a summary (also written to <run_dir>/summary.json)."""
+async def run_training(config: Config, *, extra_hooks: Callable[[Services], list[Any]] | None = None
+                       ) -> dict[str, Any]:
+    """Run the job; returns a summary (also written to <run_dir>/summary.json).
+
+    `extra_hooks(services)` returns more training-loop hooks (`after_step(rollout_id, weight_version)`); tests
+    use it to act on the running services (kill a rank mid-run).
+    """
     started = time.monotonic()
     run_dir = config.resolved_run_dir
     metrics = MetricsLog(run_dir)
@@ -104,7 +113,8 @@ async def run_training(config: Config) -> dict[str, Any]:
             task_group = await stack.enter_async_context(anyio.create_task_group())
             services = await _start_services(config, run_dir, task_group, stack, timings)
             timings["services_ready_s"] = time.monotonic() - started
-            summary = await _train(config, run_dir, services, metrics, progress, timings)
+            summary = await _train(config, run_dir, services, metrics, progress, timings, task_group,
+                                   extra_hooks)
             task_group.cancel_scope.cancel()
     finally:
         metrics.close()
@@ -126,6 +136,9 @@ class Services:
         self.train_group: Any = None
         self.tokenizer: Any = None
         self.context_length: int | None = None
+        self.eval_engines: Any = None  # EngineFleet of group "eval"
+        self.ft: FaultTolerance | None = None
+        self.weight_sync: Any = None
 
 
 async def _start_services(config: Config, run_dir: Path, task_group: Any, stack: AsyncExitStack,
@@ -169,6 +182,18 @@ async def _start_services(config: Config, run_dir: Path, task_group: Any, stack:
                 services.router = RouterHandle(client=services.client, run_dir=run_dir,
                                                policy=config.sglang_router_policy)
                 await task_group.start(services.router.run, [e.url for e in services.fleet.alive()])
+
+        if config.eval_fleet_enabled:
+            # Dedicated eval engines: same launch spec, their own group; never given training weights.
+            services.eval_engines = EngineFleet(client=services.client, group="eval", launch=spec,
+                                                num_engines=config.num_eval_engines, run_dir=run_dir,
+                                                probe_timeout=config.rollout_health_check_timeout)
+
+            async def start_eval_engines() -> None:
+                await task_group.start(services.eval_engines.run)
+                timings["eval_engines_ready_s"] = time.monotonic() - t0
+
+            starters.append(start_eval_engines)
 
         async def load_tokenizer() -> None:
             services.tokenizer, services.context_length = await anyio.to_thread.run_sync(
@@ -242,7 +267,8 @@ def train_settings(config: Config) -> dict[str, Any]:
 
 
 async def _train(config: Config, run_dir: Path, services: Services, metrics: MetricsLog,
-                 progress: ProgressDisplay, timings: dict[str, float]) -> dict[str, Any]:
+                 progress: ProgressDisplay, timings: dict[str, float], task_group: Any,
+                 extra_hooks: Callable[[Services], list[Any]] | None = None) -> dict[str, Any]:
     from coordinator.loop import TrainingLoop
     from coordinator.rollout.manager import RolloutManager
 
@@ -251,15 +277,13 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         router_url=services.router.url if services.router is not None else None,
         context_length=services.context_length, progress=progress,
     )
-    weight_sync = None
-    if services.fleet is not None and services.train_group is not None:
-        from coordinator.weight_sync import WeightSync
-
-        weight_sync = WeightSync(
-            mode=config.update_weight_transfer_mode, fleet=services.fleet, client=services.client,
-            trainer=services.train_group, snapshot_dir=run_dir / "weights",
-            keep_snapshots=config.keep_weight_snapshots, recover_engines=config.rollout_ft_enabled,
-        )
+    weight_sync = services.weight_sync = build_weight_sync(config, services, run_dir)
+    ft = services.ft = build_fault_tolerance(config, services=services, weight_sync=weight_sync,
+                                             run_dir=run_dir, metrics=metrics)
+    if ft.eval_fleet is not None:
+        await task_group.start(ft.eval_fleet.run)
+    for monitor in ft.monitors:
+        await task_group.start(monitor.run)
 
     start_rollout = 0
     if config.load and services.train_group is not None:
@@ -276,10 +300,20 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         if not ids:
             raise RunFailed(f"--load-debug-rollout-data {config.load_debug_rollout_data!r} matches no dump file")
         num_rollout = max(ids) + 1
-    loop = TrainingLoop(config=config, rollouts=manager, trainer=services.train_group, weight_sync=weight_sync,
-                        metrics=metrics, start_rollout=start_rollout, num_rollout=num_rollout)
+    hooks: list[Any] = [ft.eval_fleet] if ft.eval_fleet is not None else []
+    if extra_hooks is not None:
+        hooks += extra_hooks(services)
+    rollouts: Any = manager
+    if ft.injector is not None and ft.injector.armed:
+        from coordinator.health import FaultInjectingSource
+
+        rollouts = FaultInjectingSource(manager, ft.injector)
+    loop = TrainingLoop(config=config, rollouts=rollouts, trainer=services.train_group, weight_sync=weight_sync,
+                        metrics=metrics, start_rollout=start_rollout, num_rollout=num_rollout, hooks=hooks)
     timings["loop_start_s"] = 0.0
     result = await loop.run()
+    if ft.eval_fleet is not None:
+        await ft.eval_fleet.drain(timeout=300)
     if config.save and services.train_group is not None and result.train_steps:
         await loop.save(num_rollout - 1)
     rewards = [row.get("rollout/reward_mean") for row in result.history if "rollout/reward_mean" in row]
@@ -289,4 +323,66 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         "final_weight_version": loop.weight_version,
         "reward_first": rewards[:3],
         "reward_last": rewards[-3:],
+        "train_recoveries": loop.train_recoveries,
+        "ft": ft.summary(weight_sync),
     }
+
+
+def build_weight_sync(config: Config, services: Services, run_dir: Path) -> Any:
+    """WeightSync for the rollout engines; it recovers dead engines only with rollout FT (the config's gate)."""
+    if services.fleet is None or services.train_group is None:
+        return None
+    from coordinator.weight_sync import WeightSync
+
+    return WeightSync(
+        mode=config.update_weight_transfer_mode, fleet=services.fleet, client=services.client,
+        trainer=services.train_group, snapshot_dir=run_dir / "weights",
+        keep_snapshots=config.keep_weight_snapshots, recover_engines=config.rollout_ft_enabled,
+    )
+
+
+@dataclass
+class FaultTolerance:
+    """The FT pieces of one run, each present only where its gate in Config says so."""
+
+    monitors: list[Any] = field(default_factory=list)
+    injector: Any = None
+    eval_fleet: Any = None
+
+    def summary(self, weight_sync: Any) -> dict[str, Any]:
+        return {
+            "monitors": [m.group for m in self.monitors],
+            "monitor_stats": {m.group: dataclasses.asdict(m.stats) for m in self.monitors},
+            "injection_armed": bool(self.injector is not None and self.injector.armed),
+            "injected": list(self.injector.killed) if self.injector is not None else [],
+            "weight_sync_recoveries": getattr(weight_sync, "recoveries", 0),
+            "eval_probes": self.eval_fleet.probes if self.eval_fleet is not None else 0,
+            "evals": [dataclasses.asdict(r) for r in self.eval_fleet.records] if self.eval_fleet is not None
+            else [],
+        }
+
+
+def build_fault_tolerance(config: Config, *, services: Services, weight_sync: Any, run_dir: Path,
+                          metrics: MetricsLog | None) -> FaultTolerance:
+    """Monitors (rollout FT and engines only), the fault injector (always built when rollout engines exist, armed
+    only by `config.fault_injection_armed`) and the eval fleet (probing itself unless a monitor watches it)."""
+    ft = FaultTolerance()
+    if services.fleet is None:
+        return ft
+    from coordinator.health import FaultInjector, build_health_monitors
+
+    ft.injector = FaultInjector.from_config(config, services.fleet)
+    if services.eval_engines is not None:
+        from coordinator.eval_fleet import EvalFleet
+
+        ft.eval_fleet = EvalFleet(
+            config=config, fleet=services.eval_engines, client=services.client, tokenizer=services.tokenizer,
+            exporter=services.train_group, snapshot_dir=run_dir / "eval_weights", metrics=metrics,
+            probe_before_pin=not config.health_monitor_enabled,
+        )
+    ft.monitors = build_health_monitors(
+        config, client=services.client, rollout_fleet=services.fleet, weight_sync=weight_sync,
+        router=services.router, eval_fleet=services.eval_engines,
+        eval_pauses=[ft.eval_fleet] if ft.eval_fleet is not None else [],
+    )
+    return ft
