@@ -10,6 +10,11 @@ the loop cannot tell), train on it, push the new weights to the engines, save on
 
 Invariant: the weight version names the number of optimizer updates applied to the policy, as a string
 ("0" = `--hf-checkpoint`); after the sync of step k every engine reports str(k + 1).
+
+Train FT (`Config.train_ft_enabled` only): a step that fails with `RankFailure` waits for torchrun's restart
+(`trainer.recover()`: ranks reconnect, are initialised again and load the last checkpoint) and is sent again,
+at most `--max-restarts` times; engines are not touched. Without train FT the failure ends the run, naming the
+rank.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class TrainingLoop:
         self.num_rollout = num_rollout
         self.hooks = hooks or []
         self.version = start_rollout  # optimizer updates applied so far
+        self.train_recoveries = 0
         self._version_changed = anyio.Event()
 
     @property
@@ -130,7 +136,7 @@ class TrainingLoop:
         result.rollouts += 1
         if self.trainer is not None:
             train_started = time.monotonic()
-            train_metrics = await self.trainer.train(rollout_id, batch.samples)
+            train_metrics = await self._train_step(rollout_id, batch.samples)
             record.update({key if key.startswith("train/") else f"train/{key}": value
                            for key, value in train_metrics.items()})
             record["train/time_s"] = time.monotonic() - train_started
@@ -149,6 +155,25 @@ class TrainingLoop:
         log.info(_summary(rollout_id, self.num_rollout, record))
         for hook in self.hooks:
             await hook.after_step(rollout_id, self.weight_version)
+
+    async def _train_step(self, rollout_id: int, samples: list[Any]) -> dict[str, float]:
+        assert self.trainer is not None
+        from coordinator.train_group import RankFailure
+
+        while True:
+            try:
+                return await self.trainer.train(rollout_id, samples)
+            except RankFailure as failure:
+                if not self.config.train_ft_enabled or self.train_recoveries >= self.config.max_restarts:
+                    raise
+                self.train_recoveries += 1
+                log.warning("train step of rollout %d failed (%s); train FT: waiting for the restarted ranks "
+                            "(recovery %d of at most %d)", rollout_id, failure.reason, self.train_recoveries,
+                            self.config.max_restarts)
+                loaded = await self.trainer.recover()  # type: ignore[attr-defined]
+                log.warning("ranks are back%s; sending rollout %d's step again",
+                            f" from checkpoint {loaded.path}" if loaded is not None else " from the initial model",
+                            rollout_id)
 
     async def save(self, rollout_id: int) -> None:
         assert self.trainer is not None
