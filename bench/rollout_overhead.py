@@ -3,7 +3,8 @@
 An instant responder (aiohttp, in its own process) answers /generate with a fixed 4-token response. The
 generate path (RolloutManager → DefaultRollout → dispatcher → EngineClient, with the semaphore, sample
 bookkeeping and the reward) is timed against a bare `aiohttp` loop posting the same number of requests at the
-same concurrency. Prints samples/s for both, their ratio (target ≥ 0.8) and the coordinator's CPU time per
+same concurrency. Prints samples/s for both (the bare loop per sample and batched as the generate path sends), the ratios
+(target ≥ 0.8) and the coordinator's CPU time per
 sample. Usage: python bench/rollout_overhead.py [--samples 4096] [--concurrency 64 512]
 """
 
@@ -26,12 +27,20 @@ sys.path.insert(0, str(ROOT))
 RESPONDER = r"""
 import json, sys
 from aiohttp import web
-body = json.dumps({"text": "3333", "output_ids": [8, 8, 8, 8], "meta_info": {
+one = {"text": "3333", "output_ids": [8, 8, 8, 8], "meta_info": {
     "id": "x", "finish_reason": {"type": "length", "length": 4}, "prompt_tokens": 6, "completion_tokens": 4,
     "cached_tokens": 0, "weight_version": "0", "e2e_latency": 0.0,
-    "output_token_logprobs": [[-0.1, 8, None]] * 4}}).encode()
+    "output_token_logprobs": [[-0.1, 8, None]] * 4}}
+body = json.dumps(one).encode()
+batches = {}
 async def generate(request):
-    await request.read()
+    data = json.loads(await request.read())
+    ids = data["input_ids"]
+    if ids and isinstance(ids[0], list):  # batched: one result per prompt
+        n = len(ids)
+        if n not in batches:
+            batches[n] = json.dumps([one] * n).encode()
+        return web.Response(body=batches[n], content_type="application/json")
     return web.Response(body=body, content_type="application/json")
 async def ok(request):
     return web.Response(text="ok")
@@ -55,11 +64,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def bare_loop(url: str, samples: int, concurrency: int) -> float:
+GROUP = 8
+
+
+async def bare_loop(url: str, samples: int, concurrency: int, *, batched: bool = False) -> float:
+    """The floor: bare aiohttp posts, one per sample, or (batched) one per group of GROUP samples as the
+    generate path sends them; at most `concurrency` samples in flight either way."""
     import aiohttp
 
-    payload = json.dumps({"input_ids": [8, 4, 3, 4, 6, 18], "sampling_params": {"max_new_tokens": 4},
-                          "return_logprob": True}).encode()
+    prompt = [8, 4, 3, 4, 6, 18]
+    if batched:
+        body = {"input_ids": [prompt] * GROUP, "sampling_params": [{"max_new_tokens": 4}] * GROUP,
+                "return_logprob": True}
+    else:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}
+    payload = json.dumps(body).encode()
+    per_request = GROUP if batched else 1
+    requests = samples // per_request
+    concurrency = max(1, concurrency // per_request)
     limit = anyio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -71,9 +93,9 @@ async def bare_loop(url: str, samples: int, concurrency: int) -> float:
 
         started = time.perf_counter()
         async with anyio.create_task_group() as group:
-            for _ in range(samples):
+            for _ in range(requests):
                 group.start_soon(one)
-        return samples / (time.perf_counter() - started)
+        return requests * per_request / (time.perf_counter() - started)
 
 
 async def generate_path(url: str, model_dir: Path, samples: int, concurrency: int) -> tuple[float, float]:
@@ -84,7 +106,7 @@ async def generate_path(url: str, model_dir: Path, samples: int, concurrency: in
     from coordinator.engines.fleet import EngineFleet
     from coordinator.rollout.manager import RolloutManager
 
-    n = 8
+    n = GROUP
     config = parse_config(["--hf-checkpoint", str(model_dir), "--prompt-data", "builtin:first_digit",
                            "--rollout-external-engine-addrs", url, "--sglang-server-concurrency", str(concurrency),
                            "--rollout-batch-size", str(samples // n), "--n-samples-per-prompt", str(n),
@@ -123,11 +145,16 @@ def main() -> None:
                 break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        print(f"{'concurrency':>11} {'bare aiohttp/s':>15} {'generate path/s':>16} {'ratio':>6} {'CPU µs/sample':>14}")
+        print("samples/s; 'per sample' posts one request per sample, 'batched' one per group of "
+              f"{GROUP} as the generate path does; ratios are generate path / bare loop")
+        print(f"{'concurrency':>11} {'bare per sample':>16} {'bare batched':>13} {'generate path':>14} "
+              f"{'÷ per sample':>13} {'÷ batched':>10} {'CPU µs/sample':>14}")
         for concurrency in options.concurrency:
             bare = anyio.run(bare_loop, url, options.samples, concurrency)
+            bare_batched = anyio.run(lambda: bare_loop(url, options.samples, concurrency, batched=True))
             path, cpu = anyio.run(generate_path, url, model_dir, options.samples, concurrency)
-            print(f"{concurrency:>11} {bare:>15,.0f} {path:>16,.0f} {path / bare:>6.2f} {cpu * 1e6:>14,.0f}")
+            print(f"{concurrency:>11} {bare:>16,.0f} {bare_batched:>13,.0f} {path:>14,.0f} {path / bare:>13.2f} "
+                  f"{path / bare_batched:>10.2f} {cpu * 1e6:>14,.0f}")
     finally:
         responder.terminate()
         responder.wait(10)
