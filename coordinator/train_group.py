@@ -231,6 +231,7 @@ class TrainGroup:
             self.address = f"{self.advertise_host or self.host}:{port}"
             self.listening.set()
             log_file: IO[bytes] | None = None
+            startup_failure: RankFailure | None = None
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(listener.serve, self._handle_connection, tg)
@@ -247,10 +248,16 @@ class TrainGroup:
                                 self.address,
                                 protocol.ENV_TOKEN,
                             )
-                        await self._wait_all_connected()
-                        self.ready.set()
-                        task_status.started(self)
-                        await self._stop.wait()
+                        try:
+                            await self._wait_all_connected()
+                        except RankFailure as exc:
+                            # Raised below, outside the task group, so the caller of tg.start() gets a
+                            # RankFailure rather than an ExceptionGroup around it.
+                            startup_failure = exc
+                        else:
+                            self.ready.set()
+                            task_status.started(self)
+                            await self._stop.wait()
                     finally:
                         with anyio.CancelScope(shield=True):
                             await self._teardown()
@@ -258,6 +265,8 @@ class TrainGroup:
             finally:
                 if log_file is not None:
                     log_file.close()
+        if startup_failure is not None:
+            raise startup_failure
 
     def environment(self) -> dict[str, str]:
         """What each rank needs in its environment (also for ranks started by an external launcher)."""
@@ -295,7 +304,9 @@ class TrainGroup:
         return command
 
     async def _launch(self, log_file: IO[bytes]) -> anyio.abc.Process:
-        env = {**os.environ, **self.extra_env, **self.environment()}
+        # extra_env may tune the ranks (threads, frame limit) but never replace the address or the token.
+        env = {**os.environ, **self.environment(), **self.extra_env}
+        env.update({key: self.environment()[key] for key in (protocol.ENV_ADDR, protocol.ENV_TOKEN)})
         env.setdefault("OMP_NUM_THREADS", str(self.torch_threads))
         command = self.torchrun_command()
         log_file.write(f"$ {' '.join(command)}\n".encode())
@@ -324,21 +335,33 @@ class TrainGroup:
         self._state.notify()
 
     async def _wait_all_connected(self) -> None:
-        with anyio.fail_after(self.start_timeout_s):
-            while True:
-                changed = self._state.changed
-                if len(self.ranks) == self.world_size:
-                    return
-                if self._exit_code is not None:
-                    raise await self._with_log(
-                        RankFailure(
-                            sorted(set(range(self.world_size)) - set(self.ranks)),
-                            f"torchrun exited with code {self._exit_code} before all ranks connected "
-                            f"({len(self.ranks)}/{self.world_size})",
-                            log_path=self.log_path,
-                        )
+        with anyio.move_on_after(self.start_timeout_s):
+            await self._wait_all_connected_forever()
+            return
+        raise await self._with_log(
+            RankFailure(
+                sorted(set(range(self.world_size)) - set(self.ranks)),
+                f"only {len(self.ranks)}/{self.world_size} ranks connected within {self.start_timeout_s:g} s "
+                f"(refused connections: {self.refusals or 'none'})",
+                log_path=self.log_path,
+            )
+        )
+
+    async def _wait_all_connected_forever(self) -> None:
+        while True:
+            changed = self._state.changed
+            if len(self.ranks) == self.world_size:
+                return
+            if self._exit_code is not None:
+                raise await self._with_log(
+                    RankFailure(
+                        sorted(set(range(self.world_size)) - set(self.ranks)),
+                        f"torchrun exited with code {self._exit_code} before all ranks connected "
+                        f"({len(self.ranks)}/{self.world_size})",
+                        log_path=self.log_path,
                     )
-                await changed.wait()
+                )
+            await changed.wait()
 
     async def shutdown(self) -> None:
         """Ask the ranks to exit, wait for torchrun, and let run() return."""

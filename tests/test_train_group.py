@@ -278,3 +278,16 @@ def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
     assert all(multi.token not in part for part in command)  # the token travels in the environment only
     with pytest.raises(ValueError, match="needs rdzv_endpoint"):
         TrainGroup(nproc_per_node=1, nnodes=2, run_dir=tmp_path)
+
+
+async def test_ranks_that_die_before_connecting_fail_start_with_the_log(tmp_path: Path) -> None:
+    group = TrainGroup(nproc_per_node=2, run_dir=tmp_path, extra_env={"RAYLESS_TORCH_THREADS": "many"})
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            with pytest.raises(
+                RankFailure, match=r"torchrun exited with code \d+ before all ranks connected \(0/2\)"
+            ) as info:
+                await tg.start(group.run)
+    assert info.value.ranks == [0, 1]
+    assert "invalid literal for int()" in str(info.value)
+    assert group.torchrun_pid is not None and gone(group.torchrun_pid)
