@@ -83,6 +83,7 @@ class TrainingLoop:
         self.hooks = hooks or []
         self.version = start_rollout  # optimizer updates applied so far
         self.train_recoveries = 0
+        self._rank_generation: dict[int, int] | None = None  # train FT: restart count of each rank at init
         self._version_changed = anyio.Event()
 
     @property
@@ -158,22 +159,36 @@ class TrainingLoop:
 
     async def _train_step(self, rollout_id: int, samples: list[Any]) -> dict[str, float]:
         assert self.trainer is not None
+        if not self.config.train_ft_enabled:
+            return await self.trainer.train(rollout_id, samples)
         from coordinator.train_group import RankFailure
 
+        group: Any = self.trainer
+        if self._rank_generation is None:
+            self._rank_generation = _generation(group)
         while True:
-            try:
-                return await self.trainer.train(rollout_id, samples)
-            except RankFailure as failure:
-                if not self.config.train_ft_enabled or self.train_recoveries >= self.config.max_restarts:
-                    raise
+            # torchrun may have restarted the ranks while we generated: they are back but hold no model yet.
+            if len(group.ranks) < group.world_size or _generation(group) != self._rank_generation:
+                if self.train_recoveries >= self.config.max_restarts:
+                    raise RankFailure(sorted(set(range(group.world_size)) - set(group.ranks)),
+                                      f"train FT gave up after {self.train_recoveries} recoveries (--max-restarts)")
                 self.train_recoveries += 1
-                log.warning("train step of rollout %d failed (%s); train FT: waiting for the restarted ranks "
-                            "(recovery %d of at most %d)", rollout_id, failure.reason, self.train_recoveries,
+                log.warning("train FT: ranks failed before rollout %d's step; waiting for the restarted ranks "
+                            "(recovery %d of at most %d)", rollout_id, self.train_recoveries,
                             self.config.max_restarts)
-                loaded = await self.trainer.recover()  # type: ignore[attr-defined]
-                log.warning("ranks are back%s; sending rollout %d's step again",
+                loaded = await recover_train_group(group, failed_generation=max(self._rank_generation.values(),
+                                                                                 default=0))
+                self._rank_generation = _generation(group)
+                log.warning("train FT: ranks are back%s; sending rollout %d's step",
                             f" from checkpoint {loaded.path}" if loaded is not None else " from the initial model",
                             rollout_id)
+            try:
+                return await group.train(rollout_id, samples)
+            except RankFailure as failure:
+                if len(group.ranks) == group.world_size and _generation(group) == self._rank_generation:
+                    raise  # every rank is still there: not a rank death that a restart can mend
+                log.warning("train step of rollout %d failed: %s", rollout_id, failure.reason)
+                # the loop head sees the missing or restarted ranks and recovers them
 
     async def save(self, rollout_id: int) -> None:
         assert self.trainer is not None
@@ -181,6 +196,41 @@ class TrainingLoop:
                  "rollout_state": self.rollouts.state_dict()}
         path = await self.trainer.save(rollout_id, extra)
         log.info("saved checkpoint of rollout %d to %s", rollout_id, path)
+
+
+def _generation(group: Any) -> dict[int, int]:
+    return {rank: info.restart_count for rank, info in group.ranks.items()}
+
+
+async def recover_train_group(group: Any, *, failed_generation: int, timeout: float = 300.0,
+                              poll: float = 0.1) -> Any:
+    """Train FT, after a RankFailure: wait until torchrun's restart brought every rank back (each reports a
+    restart count above the failed generation's), initialise them again with the same train config, and load
+    the last checkpoint of the save dir when there is one (else they start from the initial model).
+
+    Uses TrainGroup's public surface only (`ranks`, `world_size`, `train_config`, `init`, `load_checkpoint`);
+    the group has no reconnect event to wait on, hence the poll. Returns the CheckpointInfo loaded, or None.
+    """
+    from coordinator.train_group import RankFailure
+
+    deadline = time.monotonic() + timeout
+    while True:
+        ranks = group.ranks
+        if len(ranks) == group.world_size and all(i.restart_count > failed_generation for i in ranks.values()):
+            try:
+                await group.init(group.train_config)
+                break
+            except RankFailure:
+                pass  # an old rank was still connected a moment ago: wait for the full new generation
+        if time.monotonic() > deadline:
+            raise RankFailure(sorted(set(range(group.world_size)) - set(ranks)),
+                              f"train FT: the ranks did not all come back within {timeout:.0f}s "
+                              "(torchrun out of --max-restarts?)")
+        await anyio.sleep(poll)
+    save_dir = (group.train_config or {}).get("save_dir")
+    if save_dir and await anyio.Path(save_dir, "latest").exists():
+        return await group.load_checkpoint(save_dir)
+    return None
 
 
 def _summary(rollout_id: int, total: int, record: dict[str, Any]) -> str:
