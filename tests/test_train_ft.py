@@ -1,0 +1,93 @@
+"""Train FT end to end: a rank killed mid-run is restarted by torchrun, reloaded from the last checkpoint and
+sent the step again; every rollout completes and the engines are never relaunched. Without train FT the same
+kill ends the run with a RankFailure naming the rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.config import parse_config
+from coordinator.run import Services, run_training
+from coordinator.train_group import RankFailure
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+
+class RankKiller:
+    """Hook: SIGKILL rank 0's process right after the step of `at_rollout` (between steps, like a crash)."""
+
+    def __init__(self, services: Services, at_rollout: int) -> None:
+        self.services = services
+        self.at_rollout = at_rollout
+        self.killed: list[int] = []
+        self.engine_incarnations: list[dict[str, int]] = []
+
+    async def after_step(self, rollout_id: int, weight_version: str) -> None:
+        self.engine_incarnations.append({h.name: h.incarnation for h in self.services.fleet.engines})
+        if rollout_id == self.at_rollout:
+            pid = self.services.train_group.ranks[0].pid
+            os.kill(pid, signal.SIGKILL)
+            self.killed.append(pid)
+
+
+def train_config(model_dir: Path, tmp_path: Path, *flags: str) -> Any:
+    return parse_config([
+        "--hf-checkpoint", str(model_dir), "--engine-backend", "cpu", "--rollout-num-engines", "1",
+        "--actor-num-gpus-per-node", "1", "--prompt-data", "builtin:first_digit", "--num-rollout", "3",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+        "--sglang-server-concurrency", "8", "--run-dir", str(tmp_path / "run"), "--no-progress",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "1", *flags,
+    ])
+
+
+async def test_a_killed_rank_is_restarted_and_the_run_completes_without_touching_engines(
+        tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="rayless")
+    config = train_config(tiny_model_dir, tmp_path, "--use-fault-tolerance", "--ft-components", "train",
+                          "--max-restarts", "2")
+    assert config.train_ft_enabled and not config.rollout_ft_enabled
+    killers: list[RankKiller] = []
+    seen: list[Services] = []
+
+    def hooks(services: Services) -> list[Any]:
+        seen.append(services)
+        killers.append(RankKiller(services, at_rollout=0))
+        return killers
+
+    summary = await run_training(config, extra_hooks=hooks)
+    killer = killers[0]
+    assert killer.killed, "the hook killed rank 0"
+    assert summary["rollouts"] == 3 and summary["train_steps"] == 3 and summary["final_weight_version"] == "3"
+    assert summary["train_recoveries"] == 1
+    ft = summary["ft"]
+    assert ft["monitors"] == [] and not ft["injection_armed"] and ft["weight_sync_recoveries"] == 0
+    # engines stayed up with their weights: never relaunched
+    assert all(inc == {"rollout-0": 1} for inc in killer.engine_incarnations)
+    assert seen[0].fleet.engines[0].incarnation == 1
+    assert "--max-restarts" in seen[0].train_group.torchrun_command()
+    # the restarted rank was given the last checkpoint (rollout 0's) before the step was sent again
+    assert any("ranks are back from checkpoint" in r.getMessage() and "rollout_0" in r.getMessage()
+               for r in caplog.records)
+
+
+async def test_without_train_ft_a_killed_rank_ends_the_run_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = train_config(tiny_model_dir, tmp_path)
+
+    def hooks(services: Services) -> list[Any]:
+        return [RankKiller(services, at_rollout=0)]
+
+    with pytest.raises((RankFailure, BaseExceptionGroup)) as raised:  # type: ignore[arg-type]
+        await run_training(config, extra_hooks=hooks)
+    error = raised.value
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, RankFailure) and error.ranks == [0]
+    assert "training rank(s) 0 failed" in str(error)
