@@ -222,6 +222,9 @@ class DefaultRollout:
 
         if config.partial_rollout:
             self.partial_buffer = [self._resume(group) for group in stragglers]
+        # Groups finish in an order set by timing; hand them over in submission order so a rerun (or a
+        # resumed run) with the same data and seeds yields the same batch.
+        accepted.sort(key=lambda group: group[0].group_index)
         for new_index, group in enumerate(accepted):
             for sample in group:
                 sample.group_index = new_index

@@ -1,0 +1,149 @@
+"""Whole runs: generate → train → sync on real CPU engines and torchrun ranks; replay; resume.
+
+One generating run (module fixture) feeds several checks: the reward rises, training logprobs match the
+engines', dumps replay with no engine process, two replays give identical losses, and a resumed run continues
+with the same data order and losses. Runs are kept short: CI has 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+
+from coordinator.config import parse_config
+from coordinator.progress import read_metrics
+from coordinator.run import run_training
+from replay.format import dump_path, read_dump
+
+ROLLOUTS = 12
+COMMON = ["--prompt-data", "builtin:first_digit", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+          "--rollout-max-response-len", "4", "--rollout-shuffle", "--lr", "3e-3", "--clip-grad", "1.0",
+          "--actor-num-gpus-per-node", "2", "--no-progress"]
+
+
+def config_for(model: Path, run_dir: Path, *flags: str):
+    return parse_config(["--hf-checkpoint", str(model), "--run-dir", str(run_dir), *COMMON, *flags])
+
+
+class ChildWatch:
+    """Records the command lines of every child process seen while a run goes on."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    async def run(self) -> None:
+        while True:
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    self.seen.add(" ".join(child.cmdline()))
+                except psutil.Error:
+                    pass
+            await anyio.sleep(0.2)
+
+
+async def run_watched(config: Any) -> tuple[dict[str, Any], set[str]]:
+    watch = ChildWatch()
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch.run)
+        summary = await run_training(config)
+        group.cancel_scope.cancel()
+    return summary, watch.seen
+
+
+@pytest.fixture(scope="module")
+def generated_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("generated")
+    config = config_for(tiny_model_dir, run_dir, "--rollout-num-engines", "2", "--num-rollout", str(ROLLOUTS),
+                        "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld"),
+                        "--save", str(run_dir / "ckpt"), "--save-interval", "6")
+    summary, children = anyio.run(run_watched, config)
+    (run_dir / "children.json").write_text(json.dumps(sorted(children)))
+    assert summary["rollouts"] == ROLLOUTS and summary["train_steps"] == ROLLOUTS
+    return run_dir
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [row["train/loss"] for row in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def test_the_reward_rises_and_engines_serve_every_new_version(generated_run: Path) -> None:
+    rows = read_metrics(generated_run / "metrics.jsonl")
+    rewards = [row["rollout/reward_mean"] for row in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last >= 2 * first, rewards
+    assert [row["weight_version"] for row in rows] == [str(i + 1) for i in range(ROLLOUTS)]
+    assert (generated_run / "rewards.png").stat().st_size > 0
+    children = json.loads((generated_run / "children.json").read_text())
+    assert sum("workers.engine" in c for c in children) >= 2 and any("workers.train_rank" in c for c in children)
+
+
+def test_training_logprobs_match_the_engines_by_disk_sync(generated_run: Path) -> None:
+    rows = read_metrics(generated_run / "metrics.jsonl")
+    worst = max(row["train/train_rollout_logprob_abs_diff_max"] for row in rows)
+    assert worst <= 1e-4, worst  # every rollout after the first ran on weights pushed by disk sync
+
+
+async def test_replay_trains_with_no_engine_and_repeats_losses_exactly(generated_run: Path, tiny_model_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    template = str(generated_run / "dumps" / "{rollout_id}.rld")
+    results = []
+    for attempt in range(2):
+        run_dir = tmp_path / f"replay{attempt}"
+        config = config_for(tiny_model_dir, run_dir, "--load-debug-rollout-data", template, "--num-rollout", "4")
+        summary, children = await run_watched(config)
+        assert summary["train_steps"] == 4
+        assert not [c for c in children if "workers.engine" in c or "sglang" in c], children
+        assert any("workers.train_rank" in c for c in children)
+        results.append(losses(run_dir))
+    assert results[0] == results[1]
+    # the replayed batches are the generated ones, so the first step's loss is the generating run's
+    assert results[0][0] == pytest.approx(losses(generated_run)[0], abs=1e-6)
+
+
+async def test_resume_continues_with_the_same_data_order_and_losses(generated_run: Path, tiny_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    checkpoint = generated_run / "ckpt" / "rollout_5"
+    assert checkpoint.is_dir(), sorted(p.name for p in (generated_run / "ckpt").iterdir())
+    run_dir = tmp_path / "resumed"
+    config = config_for(tiny_model_dir, run_dir, "--rollout-num-engines", "2", "--num-rollout", "8",
+                        "--load", str(checkpoint),
+                        "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld"))
+    summary = await run_training(config)
+    assert summary["rollouts"] == 2  # rollouts 6 and 7
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [6, 7]
+    for rollout_id in (6, 7):
+        original = read_dump(dump_path(str(generated_run / "dumps" / "{rollout_id}.rld"), rollout_id)).samples
+        resumed = read_dump(dump_path(str(run_dir / "dumps" / "{rollout_id}.rld"), rollout_id)).samples
+        assert [s.metadata["prompt_index"] for s in resumed] == [s.metadata["prompt_index"] for s in original]
+        assert [s.tokens for s in resumed] == [s.tokens for s in original]
+    assert losses(run_dir) == pytest.approx(losses(generated_run)[6:8], abs=1e-6)
+
+
+async def test_distributed_sync_gives_engines_the_exact_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = config_for(tiny_model_dir, tmp_path, "--rollout-num-engines", "2", "--num-rollout", "3",
+                        "--update-weight-transfer-mode", "distributed")
+    summary = await run_training(config)
+    assert summary["train_steps"] == 3 and summary["final_weight_version"] == "3"
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert max(row["train/train_rollout_logprob_abs_diff_max"] for row in rows) <= 1e-4
+    assert all(row["sync/engines"] == 2 for row in rows)
+
+
+async def test_async_rollout_overlaps_generation_within_the_staleness_bound(tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    config = config_for(tiny_model_dir, tmp_path, "--rollout-num-engines", "2", "--num-rollout", "4",
+                        "--async-rollout", "--max-weight-staleness", "1",
+                        "--save-debug-rollout-data", str(tmp_path / "dumps" / "{rollout_id}.rld"))
+    summary = await run_training(config)
+    assert summary["train_steps"] == 4 and summary["final_weight_version"] == "4"
+    for rollout_id in range(4):
+        samples = read_dump(dump_path(str(tmp_path / "dumps" / "{rollout_id}.rld"), rollout_id)).samples
+        versions = {int(v) for s in samples for v in s.weight_versions}
+        # rollout k trains at policy version k; its samples come from versions k-1 .. k (one step off policy)
+        assert versions and min(versions) >= rollout_id - 1 and max(versions) <= rollout_id, (rollout_id, versions)
