@@ -363,6 +363,28 @@ class TrainGroup:
                 )
             await changed.wait()
 
+    async def wait_for_ranks(self, *, restarted_after: int | None = None) -> dict[int, RankInfo]:
+        """Wait until every rank is connected — with a restart count above `restarted_after` when given
+        (torchrun restarted them after a failure). Bound it with a cancel scope; raises RankFailure when
+        torchrun exits first. Calls go through again once every rank is back."""
+        while True:
+            changed = self._state.changed
+            ranks = self.ranks
+            if len(ranks) == self.world_size and (
+                restarted_after is None
+                or all(info.restart_count > restarted_after for info in ranks.values())
+            ):
+                return ranks
+            if self._exit_code is not None:
+                raise await self._with_log(
+                    RankFailure(
+                        sorted(set(range(self.world_size)) - set(ranks)) or list(range(self.world_size)),
+                        f"torchrun exited with code {self._exit_code} while waiting for the ranks to reconnect",
+                        log_path=self.log_path,
+                    )
+                )
+            await changed.wait()
+
     async def shutdown(self) -> None:
         """Ask the ranks to exit, wait for torchrun, and let run() return."""
         with anyio.CancelScope(shield=True):
@@ -436,9 +458,10 @@ class TrainGroup:
                 await stream.aclose()
             return
         self._connections[hello.rank] = conn
-        if self._failure is not None and len(self.ranks) == self.world_size:
+        if len(self.ranks) == self.world_size and (self._failure is not None or self._broken is not None):
             # Every rank is back (torchrun restarted the group): calls may go through again.
             self._failure = None
+            self._broken = None
         self._state.notify()
         await self._read_responses(conn, buffered)
 

@@ -256,3 +256,33 @@ async def test_a_rank_that_disconnects_fails_the_pending_call_at_once(tmp_path) 
         await group.shutdown()
         for thread in threads:
             await anyio.to_thread.run_sync(thread.join, 10)
+
+
+async def test_a_reconnected_rank_makes_the_group_usable_again(tmp_path) -> None:
+    def answer(request: protocol.Request) -> protocol.Response:
+        return protocol.Response(request.request_id, True, {"manifest": [["w", "float32", [1]]]})
+
+    async with anyio.create_task_group() as tg:
+        group = await start_listener(tg, world_size=2, run_dir=tmp_path)
+        channels = {}
+        for rank in (0, 1):
+            channels[rank] = await anyio.to_thread.run_sync(
+                protocol.RankChannel.connect, group.address, hello(group.token, rank=rank, world_size=2)
+            )
+        thread0 = serve_in_thread(channels[0], answer)
+        with anyio.fail_after(10):
+            await group.wait_for_ranks()
+        channels[1].close()  # rank 1 dies
+        with anyio.fail_after(10), pytest.raises(RankFailure, match=r"rank\(s\) 1 failed"):
+            await group.weight_manifest()
+        restarted = hello(group.token, rank=1, world_size=2)
+        restarted.restart_count = 1
+        channel = await anyio.to_thread.run_sync(protocol.RankChannel.connect, group.address, restarted)
+        thread1 = serve_in_thread(channel, answer)
+        with anyio.fail_after(10):
+            ranks = await group.wait_for_ranks()
+        assert ranks[1].restart_count == 1
+        assert await group.weight_manifest() == [("w", "float32", [1])]
+        await group.shutdown()
+        for thread in (thread0, thread1):
+            await anyio.to_thread.run_sync(thread.join, 10)
