@@ -79,7 +79,7 @@ async def test_a_killed_rank_is_restarted_and_the_run_completes_without_touching
 
 
 async def test_without_train_ft_a_killed_rank_ends_the_run_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = train_config(tiny_model_dir, tmp_path)
+    config = train_config(tiny_model_dir, tmp_path)  # the kill after rollout 0 ends it at rollout 1's step
 
     def hooks(services: Services) -> list[Any]:
         return [RankKiller(services, at_rollout=0)]
