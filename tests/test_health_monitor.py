@@ -109,3 +109,33 @@ async def test_slow_is_not_hung_and_an_external_engine_is_waited_for(tmp_path: P
                 await anyio.sleep(0.02)
         assert handle.state is EngineState.ALIVE and handle.url == fake.url
         group.cancel_scope.cancel()
+
+
+async def test_probing_pauses_while_weights_are_updated(tmp_path: Path) -> None:
+    """FAKE engine that stops answering /health_generate during a (simulated) weight update: no fault then."""
+    from coordinator.weight_sync import WeightSync
+
+    fake = FakeEngine()
+    async with EngineClient(max_connections=16) as client, anyio.create_task_group() as group:
+        await group.start(fake.run)
+        fleet = EngineFleet(client=client, external_urls=[fake.url], run_dir=tmp_path, probe_timeout=1)
+        await group.start(fleet.run)
+        weight_sync = WeightSync(mode="disk", fleet=fleet, client=client, trainer=None,  # type: ignore[arg-type]
+                                 snapshot_dir=tmp_path, recover_engines=True)
+        monitor = HealthMonitor(fleet=fleet, client=client, interval=0.1, timeout=0.2, failure_threshold=2,
+                                weight_sync=weight_sync)
+        await group.start(monitor.run)
+        await anyio.sleep(0.3)
+        weight_sync.updating = anyio.Event()  # what WeightSync.update() does while engines load weights
+        fake.health = "hang"
+        await anyio.sleep(1.0)
+        assert monitor.stats.probe_failures == 0 and fleet.engines[0].state is EngineState.ALIVE
+        probes_while_paused = monitor.stats.probes
+        await anyio.sleep(0.5)
+        assert monitor.stats.probes == probes_while_paused, "no probe starts during an update"
+        weight_sync.updating.set()  # update done; the engine still hangs: now it is a fault
+        with anyio.fail_after(10):
+            while fleet.engines[0].state is EngineState.ALIVE:  # noqa: ASYNC110 - polls the fleet's state
+                await anyio.sleep(0.02)
+        assert monitor.stats.deaths == 1
+        group.cancel_scope.cancel()
