@@ -160,6 +160,8 @@ async def _start_services(config: Config, run_dir: Path, task_group: Any, stack:
         extra: list[str] = ["--weight-version", "0"]
         if config.sglang_context_length:
             extra += ["--context-length", str(config.sglang_context_length)]
+        if config.health_monitor_enabled:
+            extra.append("--enable-metrics")  # the monitor tells slow from hung by /metrics progress
         if backend == "sglang":
             extra += ["--tp-size", str(config.rollout_num_gpus_per_engine), *config.sglang_passthrough]
         else:
