@@ -60,9 +60,9 @@ case "${1:-}" in
             --hf-checkpoint "$MODEL_DIR" \
             --prompt-data builtin:first_digit --rm-type first_digit \
             --rollout-num-engines 2 --actor-num-gpus-per-node 2 \
-            --rollout-batch-size 32 --n-samples-per-prompt 8 --num-rollout 100 \
+            --rollout-batch-size 32 --n-samples-per-prompt 8 --num-rollout 60 \
             --rollout-max-response-len 4 --rollout-temperature 1.0 --rollout-shuffle \
-            --lr 2e-3 --clip-grad 1.0 --eps-clip 0.2 \
+            --lr 3e-3 --clip-grad 1.0 --eps-clip 0.2 \
             --sglang-server-concurrency 128 \
             --run-dir "$RUN_DIR"
         ;;
