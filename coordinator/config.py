@@ -189,8 +189,15 @@ class Config:
         return self.rollout_ft_enabled and self.needs_engines
 
     @property
+    def fault_injection_rollout(self) -> int | None:
+        """The rollout at which one engine is killed: --inject-engine-fault-at-rollout, or 1 with --ci-test."""
+        if self.inject_engine_fault_at_rollout is not None:
+            return self.inject_engine_fault_at_rollout
+        return 1 if self.ci_test else None
+
+    @property
     def fault_injection_armed(self) -> bool:
-        return self.inject_engine_fault_at_rollout is not None and self.health_monitor_enabled
+        return self.fault_injection_rollout is not None and self.health_monitor_enabled
 
     @property
     def num_launched_rollout_engines(self) -> int:
@@ -554,7 +561,7 @@ def build_parser(prog: str = "rayless train") -> argparse.ArgumentParser:
     _value_flag(g, "load_debug_rollout_data_subsample", "keep this fraction of each replayed rollout", type=float)
     _bool_flag(g, "debug_train_only", "start no engines")
     _bool_flag(g, "debug_rollout_only", "start no training ranks")
-    _bool_flag(g, "ci_test", "CI mode: extra consistency checks")
+    _bool_flag(g, "ci_test", "CI mode: with rollout FT, kill one rollout engine at rollout 1 to exercise recovery")
 
     g = parser.add_argument_group("training")
     _value_flag(g, "seed", "training seed", type=int)

@@ -448,7 +448,7 @@ class FaultInjector:
 
     @classmethod
     def from_config(cls, config: Any, fleet: EngineFleet | None) -> FaultInjector:
-        return cls(armed=config.fault_injection_armed, at_rollout=config.inject_engine_fault_at_rollout,
+        return cls(armed=config.fault_injection_armed, at_rollout=config.fault_injection_rollout,
                    fleet=fleet)
 
     def maybe_inject(self, rollout_id: int) -> str | None:

@@ -88,7 +88,12 @@ def test_fault_injection_is_armed_only_with_rollout_ft() -> None:
                             "--inject-engine-fault-at-rollout", "1")
     assert not train_only_ft.fault_injection_armed
     armed = cfg("--rollout-num-engines", "1", "--use-fault-tolerance", "--inject-engine-fault-at-rollout", "1")
-    assert armed.fault_injection_armed
+    assert armed.fault_injection_armed and armed.fault_injection_rollout == 1
+    ci = cfg("--rollout-num-engines", "1", "--use-fault-tolerance", "--ci-test")
+    assert ci.fault_injection_armed and ci.fault_injection_rollout == 1
+    ci_without_rollout_ft = cfg("--rollout-num-engines", "1", "--use-fault-tolerance", "--ft-components", "train",
+                                "--ci-test")
+    assert not ci_without_rollout_ft.fault_injection_armed
 
 
 def test_shared_rollout_and_eval_fn() -> None:
