@@ -11,6 +11,7 @@ sample. Usage: python bench/rollout_overhead.py [--samples 4096] [--concurrency 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -151,7 +152,7 @@ def main() -> None:
               f"{'÷ per sample':>13} {'÷ batched':>10} {'CPU µs/sample':>14}")
         for concurrency in options.concurrency:
             bare = anyio.run(bare_loop, url, options.samples, concurrency)
-            bare_batched = anyio.run(lambda: bare_loop(url, options.samples, concurrency, batched=True))
+            bare_batched = anyio.run(functools.partial(bare_loop, url, options.samples, concurrency, batched=True))
             path, cpu = anyio.run(generate_path, url, model_dir, options.samples, concurrency)
             print(f"{concurrency:>11} {bare:>16,.0f} {bare_batched:>13,.0f} {path:>14,.0f} {path / bare:>13.2f} "
                   f"{path / bare_batched:>10.2f} {cpu * 1e6:>14,.0f}")

@@ -22,7 +22,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 class FakeEngine:
     """Knobs: `health` ("ok" | "hang"), `progressing` (metrics counter grows per read), `stale_version`
-    (reported instead of the loaded one), `serving` (False closes the listener: connection refused)."""
+    (reported instead of the loaded one), `serving` (False drops every connection without an answer)."""
 
     def __init__(self) -> None:
         self.health = "ok"
@@ -34,7 +34,6 @@ class FakeEngine:
         self.port: int | None = None
         self._serving = anyio.Event()
         self._serving.set()
-        self._stopped = anyio.Event()
 
     @property
     def url(self) -> str:
@@ -43,33 +42,31 @@ class FakeEngine:
 
     def stop_serving(self) -> None:
         self._serving = anyio.Event()
-        self._stopped.set()
 
     def start_serving(self) -> None:
-        self._stopped = anyio.Event()
         self._serving.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[FakeEngine] = anyio.TASK_STATUS_IGNORED) -> None:
-        first = True
-        while True:
-            listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=self.port or 0)
-            async with listener, anyio.create_task_group() as tg:
-                self.port = listener.extra(SocketAttribute.local_port)
-                tg.start_soon(listener.serve, self._handle, tg)
-                if first:
-                    task_status.started(self)
-                    first = False
-                await self._stopped.wait()
-                tg.cancel_scope.cancel()
-            await self._serving.wait()
+        # One listener for the whole life: while "not serving" every connection is dropped at once. (Closing
+        # and re-binding the listener instead races asyncio's pending accept: InvalidStateError.)
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=self.port or 0)
+        async with listener, anyio.create_task_group() as tg:
+            self.port = listener.extra(SocketAttribute.local_port)
+            tg.start_soon(listener.serve, self._handle, tg)
+            task_status.started(self)
+            await anyio.sleep_forever()
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         async with stream:
             buffered = BufferedByteReceiveStream(stream)
             while True:
+                if not self._serving.is_set():
+                    return  # gone: the connection is closed without an answer
                 try:
                     head = await buffered.receive_until(b"\r\n\r\n", 65536)
                 except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    return
+                if not self._serving.is_set():
                     return
                 lines = head.decode().split("\r\n")
                 method, target, _ = lines[0].split(" ", 2)

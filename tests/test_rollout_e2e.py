@@ -134,3 +134,32 @@ async def test_dynamic_filter_drops_constant_reward_groups_and_replaces_them(tin
         assert len({s.reward for s in group}) > 1
     assert batch.metrics["rollout/filter_drop/zero_std"] >= 4
     assert batch.metrics["rollout/filtered_groups"] >= 4
+
+
+async def test_stragglers_are_aborted_and_partial_rollout_continues_them_next_time(tiny_model_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    async with running_fleet(tiny_model_dir, tmp_path, engines=1) as (client, fleet):
+        manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "2",
+                                "--over-sampling-batch-size", "12", "--n-samples-per-prompt", "2",
+                                "--rollout-max-response-len", "200", "--sglang-server-concurrency", "4",
+                                "--partial-rollout")
+        rollout_fn: Any = manager.rollout_fn.target  # type: ignore[attr-defined]
+        first = await manager.get_rollout(0, "0")
+        assert len(first.groups) == 2 and first.metrics["rollout/aborted_stragglers"] > 0
+        buffered = rollout_fn.partial_buffer
+        assert buffered, "aborted stragglers go to the partial-rollout buffer"
+        started = {(g.record.index, s.sample_index): s.response_length for g in buffered for s in g.samples}
+        assert any(length > 0 for length in started.values()), "some stragglers had generated tokens"
+        # nothing is still running on the engine: the stragglers were aborted, not awaited
+        metrics = await client.engine(fleet.engines[0].url).metrics()
+        running = [line for line in metrics.splitlines() if line.startswith("sglang:num_running_reqs")]
+        assert running and float(running[0].rsplit(" ", 1)[1]) == 0.0, running
+        second = await manager.get_rollout(1, "1")
+    assert len(second.groups) == 2
+    continued = [s for s in second.samples if started.get((s.metadata["prompt_index"], s.sample_index), 0) > 0]
+    # resumed groups are submitted first and need fewer tokens, so they are among the accepted ones;
+    # each continued sample kept its earlier tokens and grew
+    assert continued
+    for sample in continued:
+        assert sample.response_length >= started[(sample.metadata["prompt_index"], sample.sample_index)]
+        assert len(sample.rollout_log_probs) == sample.response_length

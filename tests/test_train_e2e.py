@@ -147,3 +147,16 @@ async def test_async_rollout_overlaps_generation_within_the_staleness_bound(tiny
         versions = {int(v) for s in samples for v in s.weight_versions}
         # rollout k trains at policy version k; its samples come from versions k-1 .. k (one step off policy)
         assert versions and min(versions) >= rollout_id - 1 and max(versions) <= rollout_id, (rollout_id, versions)
+
+
+async def test_debug_rollout_only_generates_and_dumps_without_training_ranks(tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    template = str(tmp_path / "dumps" / "{rollout_id}.rld")
+    config = config_for(tiny_model_dir, tmp_path, "--rollout-num-engines", "1", "--num-rollout", "2",
+                        "--debug-rollout-only", "--save-debug-rollout-data", template)
+    summary, children = await run_watched(config)
+    assert summary["rollouts"] == 2 and summary["train_steps"] == 0
+    assert not [c for c in children if "train_rank" in c or "torch.distributed.run" in c], children
+    assert any("workers.engine" in c for c in children)
+    for rollout_id in range(2):
+        assert len(read_dump(dump_path(template, rollout_id)).samples) == 32 * 8

@@ -48,8 +48,7 @@ def vocabulary() -> dict[str, int]:
 
 
 def build_tokenizer_files(directory: Path) -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = vocabulary()

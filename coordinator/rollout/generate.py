@@ -178,8 +178,11 @@ class DefaultRollout:
                         task_group.start_soon(run_group, group, send.clone())
 
                 resumed, self.partial_buffer = self.partial_buffer, []
+                for index, group in enumerate(resumed):  # continued groups go first in submission order
+                    for sample in group.samples:
+                        sample.group_index = index
                 first = resumed + self._new_groups(
-                    config.effective_over_sampling_batch_size - len(resumed), next_group_index
+                    config.effective_over_sampling_batch_size - len(resumed), len(resumed)
                 )
                 next_group_index += len(first)
                 submit(first)
