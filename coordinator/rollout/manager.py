@@ -330,30 +330,10 @@ def sampling_params(config: Config) -> dict[str, Any]:
     return params
 
 
-BUILTIN_PREFIX = "builtin:"
-BUILTIN_PROMPTS = 4096
-
-
-def builtin_task(config: Config) -> str | None:
-    if config.prompt_data and config.prompt_data.startswith(BUILTIN_PREFIX):
-        return config.prompt_data[len(BUILTIN_PREFIX) :]
-    return None
-
-
 def build_data_source(config: Config, tokenizer: Any) -> PromptDataSource:
-    task = builtin_task(config)
-    if task is not None:
-        from coordinator.rollout.tasks import make_task_prompts
+    from coordinator.rollout.tasks import open_prompt_source
 
-        return PromptDataSource.from_records(
-            make_task_prompts(task, BUILTIN_PROMPTS, config.rollout_seed),
-            apply_chat_template=config.apply_chat_template,
-            tokenizer=tokenizer,
-            shuffle=config.rollout_shuffle,
-            seed=config.rollout_seed,
-            source=config.prompt_data or "",
-        )
-    return PromptDataSource(
+    return open_prompt_source(
         config.prompt_data or "",
         input_key=config.input_key,
         label_key=config.label_key,
@@ -367,10 +347,10 @@ def build_data_source(config: Config, tokenizer: Any) -> PromptDataSource:
 
 def build_reward_model(config: Config) -> RewardModel | None:
     rm_type = config.rm_type
-    task = builtin_task(config)
-    if rm_type is None and config.custom_rm_path is None and task is not None:
-        from coordinator.rollout.tasks import get_task
+    from coordinator.rollout.tasks import builtin_task_name, get_task
 
+    task = builtin_task_name(config.prompt_data)
+    if rm_type is None and config.custom_rm_path is None and task is not None:
         rm_type = get_task(task).rm_type
     if rm_type is None and config.custom_rm_path is None:
         return None
