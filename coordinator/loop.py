@@ -202,31 +202,29 @@ def _generation(group: Any) -> dict[int, int]:
     return {rank: info.restart_count for rank, info in group.ranks.items()}
 
 
-async def recover_train_group(group: Any, *, failed_generation: int, timeout: float = 300.0,
-                              poll: float = 0.1) -> Any:
+async def recover_train_group(group: Any, *, failed_generation: int, timeout: float = 300.0) -> Any:
     """Train FT, after a RankFailure: wait until torchrun's restart brought every rank back (each reports a
     restart count above the failed generation's), initialise them again with the same train config, and load
     the last checkpoint of the save dir when there is one (else they start from the initial model).
-
-    Uses TrainGroup's public surface only (`ranks`, `world_size`, `train_config`, `init`, `load_checkpoint`);
-    the group has no reconnect event to wait on, hence the poll. Returns the CheckpointInfo loaded, or None.
+    Returns the CheckpointInfo loaded, or None.
     """
     from coordinator.train_group import RankFailure
 
-    deadline = time.monotonic() + timeout
-    while True:
-        ranks = group.ranks
-        if len(ranks) == group.world_size and all(i.restart_count > failed_generation for i in ranks.values()):
-            try:
-                await group.init(group.train_config)
-                break
-            except RankFailure:
-                pass  # an old rank was still connected a moment ago: wait for the full new generation
-        if time.monotonic() > deadline:
-            raise RankFailure(sorted(set(range(group.world_size)) - set(ranks)),
-                              f"train FT: the ranks did not all come back within {timeout:.0f}s "
-                              "(torchrun out of --max-restarts?)")
-        await anyio.sleep(poll)
+    try:
+        with anyio.fail_after(timeout):
+            while True:
+                await group.wait_for_ranks(restarted_after=failed_generation)
+                try:
+                    await group.init(group.train_config)
+                    break
+                except RankFailure:
+                    # A rank of the old generation was still listed, or the new one failed again: wait for the
+                    # group to change rather than spin on a call that fails at once.
+                    await anyio.sleep(0.1)
+    except TimeoutError:
+        missing = sorted(set(range(group.world_size)) - set(group.ranks))
+        raise RankFailure(missing, f"train FT: the ranks did not all come back within {timeout:.0f}s "
+                                   "(torchrun out of --max-restarts?)") from None
     save_dir = (group.train_config or {}).get("save_dir")
     if save_dir and await anyio.Path(save_dir, "latest").exists():
         return await group.load_checkpoint(save_dir)
