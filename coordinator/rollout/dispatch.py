@@ -59,7 +59,10 @@ class Dispatcher:
         router_url: str | None = None,
         engine_wait: float = 120.0,
         max_attempts: int = 8,
+        watch_engine_state: bool = True,
     ) -> None:
+        """`watch_engine_state`: abandon a request as soon as the fleet marks its engine dead. Only a health
+        monitor marks a live-but-hung engine dead, so runs without one skip the per-request watcher task."""
         if pool is None and router_url is None:
             raise ValueError("Dispatcher needs an engine pool or a router URL")
         self.client = client
@@ -67,6 +70,7 @@ class Dispatcher:
         self.router_url = router_url
         self.engine_wait = engine_wait
         self.max_attempts = max_attempts
+        self.watch_engine_state = watch_engine_state
         self.in_flight: Counter[str] = Counter()
         # Groups assigned to an engine and not finished: picks happen before any request is in flight, so
         # least-loaded must count assignments too, or every group of a burst lands on the first engine.
@@ -157,7 +161,7 @@ class Dispatcher:
         """`_send`, abandoned (None) as soon as the fleet marks `handle` dead: a request blocked on a hung
         (e.g. SIGSTOPped) engine would otherwise wait for the generate timeout instead of being retried."""
         wait_changed = getattr(self.pool, "wait_changed", None)
-        if wait_changed is None or not hasattr(handle, "alive"):
+        if not self.watch_engine_state or wait_changed is None or not hasattr(handle, "alive"):
             return await self._send(handle.url, payload)
         result: dict[str, Any] | None = None
         failure: EngineError | None = None

@@ -1,7 +1,7 @@
 """The generate path: GenerateState and the default rollout function.
 
 Owns turning prompt records into scored, filtered groups of samples through the dispatcher:
-`n_samples_per_prompt` requests per prompt (all on one engine), each under the GenerateState semaphore;
+`n_samples_per_prompt` requests per prompt (all on one engine), within the GenerateState request slots;
 finish reasons mapped to sample status; groups scored, filtered and accepted until `rollout_batch_size`
 groups are in; then every straggler is aborted at once (and, with `--partial-rollout`, its partial tokens
 are kept in a buffer and continued in the next rollout).
@@ -9,7 +9,7 @@ are kept in a buffer and continued in the next rollout).
 Invariants:
 - a rollout returns exactly `rollout_batch_size` groups of exactly `n_samples_per_prompt` samples each;
 - every accepted sample was answered exactly once (the dispatcher retries only requests whose engine died);
-- at most `generate concurrency` requests are in flight (the semaphore), never an unbounded number.
+- at most `generate concurrency` requests are in flight (the request slots), never an unbounded number.
 """
 
 from __future__ import annotations
@@ -53,27 +53,30 @@ class GenerateState:
     context_length: int
     concurrency: int
     seed: int
-    semaphore: anyio.Semaphore = field(init=False)
+    free_slots: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.semaphore = anyio.Semaphore(self.concurrency)
-        self._acquiring = anyio.Lock()
+        self.free_slots = self.concurrency
+        self._queue = anyio.Lock()  # FIFO: groups take their slots in arrival order
+        self._freed = anyio.Event()
 
     @asynccontextmanager
     async def slots(self, count: int) -> AsyncIterator[None]:
-        """Hold `count` request slots (clipped to the concurrency). Slots are taken under a lock, so two
-        groups never each hold part of what they need and wait for each other forever."""
+        """Hold `count` request slots (clipped to the concurrency), all at once: a group never holds part of
+        what it needs while waiting for the rest, so groups cannot starve each other into a deadlock. Only
+        the group at the head of the queue waits for slots to free up; the others wait their turn in the
+        lock, so a release wakes one task, not every waiting group."""
         count = min(count, self.concurrency)
-        taken = 0
+        async with self._queue:
+            while self.free_slots < count:
+                await self._freed.wait()
+            self.free_slots -= count
         try:
-            async with self._acquiring:
-                for _ in range(count):
-                    await self.semaphore.acquire()
-                    taken += 1
             yield
         finally:
-            for _ in range(taken):
-                self.semaphore.release()
+            self.free_slots += count
+            self._freed.set()
+            self._freed = anyio.Event()
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])

@@ -86,7 +86,7 @@ class RolloutContext:
     @property
     def generate_state(self) -> GenerateState:
         if self._generate_state is None:
-            raise _not_built("GenerateState (engines, tokenizer, request semaphore)", self.config)
+            raise _not_built("GenerateState (engines, tokenizer, request slots)", self.config)
         return self._generate_state
 
     @property
@@ -202,7 +202,8 @@ class RolloutManager:
                 seed=config.rollout_seed,
             )
             manager.counts.generate_states += 1
-            dispatcher = Dispatcher(client=client, pool=pool, router_url=router_url)
+            dispatcher = Dispatcher(client=client, pool=pool, router_url=router_url,
+                                    watch_engine_state=config.health_monitor_enabled)
             manager.counts.dispatchers += 1
         data_source = build_data_source(config, tokenizer) if config.prompt_data else None
         if data_source is not None:
