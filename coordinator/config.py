@@ -702,3 +702,8 @@ def check_paths(config: Config) -> None:
             raise ConfigError(f"--eval-prompt-data {name} {path}: no such file")
     if config.load and not Path(config.load).exists():
         raise ConfigError(f"--load {config.load}: no such checkpoint directory")
+    from coordinator.progress import missing_metric_backends
+
+    missing = missing_metric_backends(tensorboard=config.use_tensorboard, wandb=config.use_wandb)
+    if missing:
+        raise ConfigError("; ".join(missing))

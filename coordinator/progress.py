@@ -64,22 +64,55 @@ class ProgressDisplay:
 
 
 class MetricsLog:
-    """Appends metrics to `<run_dir>/metrics.jsonl`; keeps them in memory for the end-of-run plot."""
+    """Appends metrics to `<run_dir>/metrics.jsonl` (and to TensorBoard / wandb when asked); keeps them in
+    memory for the end-of-run plot."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool = False, wandb: bool = False) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._file: TextIO = self.path.open("a", encoding="utf-8")
         self.history: list[dict[str, Any]] = []
+        self._tensorboard: Any = None
+        self._wandb: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if wandb:
+            import wandb as wandb_module
+
+            self._wandb = wandb_module.init(dir=str(run_dir), config={"run_dir": str(run_dir)})
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
         self.history.append(record)
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
+        numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and k not in ("step", "time")}
+        if self._tensorboard is not None:
+            for key, value in numbers.items():
+                self._tensorboard.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def missing_metric_backends(*, tensorboard: bool, wandb: bool) -> list[str]:
+    """The asked-for metric backends that are not installed (checked at start-up, before any launch)."""
+    import importlib.util
+
+    missing = []
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        missing.append("--use-tensorboard needs the tensorboard package (pip install tensorboard)")
+    if wandb and importlib.util.find_spec("wandb") is None:
+        missing.append("--use-wandb needs the wandb package (pip install wandb)")
+    return missing
 
 
 def _plain(value: Any) -> Any:

@@ -105,7 +105,7 @@ async def run_training(config: Config, *, extra_hooks: Callable[[Services], list
     """
     started = time.monotonic()
     run_dir = config.resolved_run_dir
-    metrics = MetricsLog(run_dir)
+    metrics = MetricsLog(run_dir, tensorboard=config.use_tensorboard, wandb=config.use_wandb)
     progress = ProgressDisplay(enabled=not config.no_progress)
     timings: dict[str, float] = {}
     try:

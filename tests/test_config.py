@@ -206,3 +206,14 @@ def test_parse_errors_do_not_warn_twice() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg("--rollout-num-engines", "1")  # a clean config raises no warning at all
+
+
+def test_asking_for_a_metrics_backend_that_is_not_installed_fails_before_launching(tiny_model_dir: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here, so --use-wandb is valid")  # CI installs no wandb
+    args = [a if a != "/model" else str(tiny_model_dir) for a in BASE]
+    outcome, stderr = run_cli(*args, "--rollout-num-engines", "1", "--use-wandb")
+    assert outcome["status"] == 2 and "--use-wandb" in stderr and "pip install wandb" in stderr
+    assert outcome["children"] == 0 and not outcome["launcher_imported"]
