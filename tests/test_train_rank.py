@@ -296,7 +296,7 @@ def socket_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def test_direct_safetensors_writer_reads_back_with_the_safetensors_library(tmp_path: Path) -> None:
+def test_snapshot_writer_round_trips_every_dtype_and_layout(tmp_path: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -315,5 +315,3 @@ def test_direct_safetensors_writer_reads_back_with_the_safetensors_library(tmp_p
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
     with safe_open(str(path), framework="pt") as handle:
         assert handle.metadata() == {"format": "pt"}
-    with pytest.raises(TypeError, match="cannot store"):
-        weight_export.write_safetensors({"x": torch.zeros(2, dtype=torch.complex64)}, path, metadata={})

@@ -11,11 +11,9 @@ rank calls `full_state_dict` because gathering FSDP shards is collective.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -86,50 +84,12 @@ def write_snapshot(
     return final
 
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
 def write_safetensors(state: dict[str, torch.Tensor], path: Path, *, metadata: dict[str, str]) -> None:
-    """The safetensors format written straight from the tensors' memory.
+    """Write `state` as one safetensors file (contiguous CPU copies; the library checks dtypes)."""
+    from safetensors.torch import save_file
 
-    `safetensors.torch.save_file` first copies every tensor into a Python bytes object; writing each
-    tensor's buffer directly skips that copy of the whole model (the largest cost of a disk sync).
-    Layout per the format: u64-LE header size, JSON header padded to 8 bytes, then the raw data.
-    """
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    tensors = []
-    for name, tensor in state.items():
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
-        tensor = tensor.detach().to("cpu").contiguous()
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-        tensors.append(tensor)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)))
-        handle.write(encoded)
-        for tensor in tensors:
-            if tensor.numel():
-                handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    save_file({name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}, str(path),
+              metadata=metadata)
 
 
 def prune_snapshots(directory: Path, *, keep: int, protect: Path) -> None:
