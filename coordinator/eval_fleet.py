@@ -477,12 +477,12 @@ def _dataset_metrics(groups: list[list[Sample]], reward_key: str | None, seconds
 def load_eval_datasets(config: Any) -> list[EvalDataset]:
     """`--eval-prompt-data NAME PATH ...`: JSONL/Parquet files, or `builtin:<task>` (32 prompts, seed + 1)."""
     from coordinator.rollout.manager import build_reward_model
-    from coordinator.rollout.tasks import get_task, make_task_prompts
+    from coordinator.rollout.tasks import builtin_task_name, get_task, make_task_prompts
 
     datasets = []
     for name, path in config.eval_datasets:
-        if path.startswith("builtin:"):
-            task = path[len("builtin:"):]
+        task = builtin_task_name(path)
+        if task is not None:
             records = make_task_prompts(task, BUILTIN_EVAL_PROMPTS, config.rollout_seed + 1)
             reward_model: RewardModel | None = RewardModel(rm_type=get_task(task).rm_type,
                                                            reward_key=config.reward_key)
