@@ -6,18 +6,18 @@ weight version after a load (pin violation), a listener that refuses connections
 engine outage), and 16 instant responders for the probe benchmark. Everything else is tested against the real
 CPU engine.
 
-Owns its listener; `run()` serves until cancelled and closes it on every exit path (no process is started).
+Owns its server and connection handlers; `run()` serves until cancelled and closes them on every exit path
+(no process is started).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import anyio
 import anyio.abc
-from anyio.abc import SocketAttribute
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 
 class FakeEngine:
@@ -34,6 +34,7 @@ class FakeEngine:
         self.port: int | None = None
         self._serving = anyio.Event()
         self._serving.set()
+        self._closing = anyio.Event()
 
     @property
     def url(self) -> str:
@@ -47,45 +48,77 @@ class FakeEngine:
         self._serving.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[FakeEngine] = anyio.TASK_STATUS_IGNORED) -> None:
-        # One listener for the whole life: while "not serving" every connection is dropped at once. (Closing
-        # and re-binding the listener instead races asyncio's pending accept: InvalidStateError.)
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=self.port or 0)
-        async with listener, anyio.create_task_group() as tg:
-            self.port = listener.extra(SocketAttribute.local_port)
-            tg.start_soon(listener.serve, self._handle, tg)
+        # asyncio's own server, not anyio's listener: anyio's accept is a cancellable `sock_accept` future, and
+        # on Python 3.11 a connection arriving just as that future is cancelled at teardown (the monitor probes
+        # every 0.1 s) makes the loop report InvalidStateError. The suite pins the asyncio backend. While "not
+        # serving", every connection is dropped without an answer.
+        # Handlers are never cancelled (asyncio logs a cancelled connection callback as an error): shutdown
+        # closes their connections and releases a hanging /health_generate, and each handler returns.
+        handlers: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+        self._closing = anyio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            handlers[task] = writer
+            try:
+                await self._handle(reader, writer)
+            finally:
+                handlers.pop(task, None)
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", self.port or 0)
+        try:
+            self.port = int(server.sockets[0].getsockname()[1])
             task_status.started(self)
             await anyio.sleep_forever()
+        finally:
+            server.close()
+            self._closing.set()
+            for writer in list(handlers.values()):
+                writer.close()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*handlers, return_exceptions=True)
+                await server.wait_closed()
 
-    async def _handle(self, stream: anyio.abc.ByteStream) -> None:
-        async with stream:
-            buffered = BufferedByteReceiveStream(stream)
-            while True:
-                if not self._serving.is_set():
-                    return  # gone: the connection is closed without an answer
-                try:
-                    head = await buffered.receive_until(b"\r\n\r\n", 65536)
-                except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                    return
-                if not self._serving.is_set():
-                    return
-                lines = head.decode().split("\r\n")
-                method, target, _ = lines[0].split(" ", 2)
-                headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
-                length = int(headers.get("content-length", "0"))
-                body = await buffered.receive_exactly(length) if length else b""
-                path = target.split("?", 1)[0]
-                self.requests[path] = self.requests.get(path, 0) + 1
-                status, payload = await self._route(method, path, body)
-                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                kind = b"text/plain" if isinstance(payload, bytes) else b"application/json"
-                await stream.send(b"HTTP/1.1 %d OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
-                                  % (status, kind, len(data)) + data)
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            if not self._serving.is_set():
+                return  # gone: the connection is closed without an answer
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+                return
+            if not self._serving.is_set():
+                return
+            lines = head.decode().split("\r\n")
+            method, target, _ = lines[0].split(" ", 2)
+            headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
+            length = int(headers.get("content-length", "0"))
+            try:
+                body = await reader.readexactly(length) if length else b""
+            except (asyncio.IncompleteReadError, OSError):
+                return
+            path = target.split("?", 1)[0]
+            self.requests[path] = self.requests.get(path, 0) + 1
+            status, payload = await self._route(method, path, body)
+            if writer.is_closing():
+                return
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            kind = b"text/plain" if isinstance(payload, bytes) else b"application/json"
+            writer.write(b"HTTP/1.1 %d OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+                         % (status, kind, len(data)) + data)
+            try:
+                await writer.drain()
+            except OSError:
+                return
 
     async def _route(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
         request = json.loads(body) if body else {}
         if path == "/health_generate":
             if self.health == "hang":
-                await anyio.sleep_forever()
+                await self._closing.wait()  # hangs until the fake shuts down
+                return 503, b""
             return 200, b""
         if path == "/health":
             return 200, b""
