@@ -10,7 +10,7 @@ child process, then sends the same number of POSTs at concurrency 64 and 512 wit
 and prints requests/s and each figure as a ratio of the floor (httpx default) measured in the same run.
 The server runs in its own process so the client's event loop is the only thing measured in this one.
 
-Run: .venv/bin/python bench/client_transport.py [--requests 4000] [--concurrency 64 512]
+Run: .venv/bin/python -m bench.client_transport [--requests 4000] [--concurrency 64 512]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns nothing but its measurement. The floor is the same engine at concurrency 1 measured seconds earlier, so the
 ratio says whether requests really are batched together (target >= 4), whatever the machine's speed.
 
-    .venv/bin/python bench/engine_throughput.py [--model-path DIR] [--max-new-tokens 64] [--threads 1]
+    .venv/bin/python -m bench.engine_throughput [--model-path DIR] [--max-new-tokens 64] [--threads 1]
 
 Exit code 0 when the ratio reaches --min-ratio, 1 otherwise.
 """
@@ -11,7 +11,6 @@ Exit code 0 when the ratio reaches --min-ratio, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,11 +19,7 @@ import aiohttp
 import anyio
 import psutil
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-
-from engine_proc import start_engine_process  # noqa: E402
+from tests.support.engine_proc import start_engine_process
 
 
 async def run_load(

@@ -1,31 +1,29 @@
 """How long the HealthMonitor takes to find a dead engine, among 1, 4 and 16 engines, in one run.
 
-Engines are instant responders (tests/fake_engine.py: a FAKE engine answering /health_generate at once), so the
-figure is the monitor's own latency. Two faults per size: a *hung* engine (accepts connections, never answers
-/health_generate, /metrics stands still — what SIGSTOP looks like) and a *dead* one (connection refused). The
-bound printed beside them is the configured threshold·interval + timeout (threshold 2: interval + timeout + one
-interval). Probes of different engines run concurrently, so detection must not grow with the number of engines.
+Engines are instant responders (tests/support/fake_engine.py: a FAKE engine answering /health_generate at
+once), so the figure is the monitor's own latency. Two faults per size: a *hung* engine (accepts connections,
+never answers /health_generate, /metrics stands still — what SIGSTOP looks like) and a *dead* one (connection
+refused). The bound printed beside them is the configured threshold·interval + timeout (threshold 2: interval
++ timeout + one interval). Probes of different engines run concurrently, so detection must not grow with the
+number of engines.
 
-    .venv/bin/python bench/health_probe.py [--interval 0.5] [--timeout 1.0]
+    .venv/bin/python -m bench.health_probe [--interval 0.5] [--timeout 1.0]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fake_engine import FakeEngine
-
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.health import HealthMonitor
+from tests.support.fake_engine import FakeEngine
 
 
 async def detect(engines: int, fault: str, interval: float, timeout: float, threshold: int) -> float:

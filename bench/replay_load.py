@@ -5,7 +5,7 @@ weights_only=False as slime does it, torch.load weights_only=True (torch's safe 
 importer of the same .pt files), the ratio ours / torch, and peak traced Python memory (tracemalloc) for N = 1, 4, 16 files, showing that streaming stays flat
 while loading everything grows with N. The floor (torch.load) is measured in the same run, never quoted.
 
-    .venv/bin/python bench/replay_load.py [--samples-per-file 128] [--response-len 1024] [--files 1 4 16]
+    .venv/bin/python -m bench.replay_load [--samples-per-file 128] [--response-len 1024] [--files 1 4 16]
 
 About 1.5 CPU-minutes with the defaults (torch.load weights_only=True dominates).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -24,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from replay.format import iter_samples, read_dump, write_dump
 from replay.sample import Sample, SampleStatus

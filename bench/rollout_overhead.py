@@ -5,7 +5,7 @@ generate path (RolloutManager → DefaultRollout → dispatcher → EngineClient
 bookkeeping and the reward) is timed against a bare `aiohttp` loop posting the same number of requests at the
 same concurrency. Prints samples/s for both (the bare loop per sample and batched as the generate path sends), the ratios
 (target ≥ 0.8) and the coordinator's CPU time per
-sample. Usage: python bench/rollout_overhead.py [--samples 4096] [--concurrency 64 512]
+sample. Usage: python -m bench.rollout_overhead [--samples 4096] [--concurrency 64 512]
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ import time
 from pathlib import Path
 
 import anyio
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 RESPONDER = r"""
 import json, sys

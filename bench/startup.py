@@ -5,7 +5,7 @@ coordinator launches torchrun until every rank has answered `init`), the first t
 coordinator's own part (everything else: interpreter start, imports, config, the replay loader, the control
 channel). For scale, on these machines `ray.init()` plus one actor alone took 3.9–6.1 s before any work
 (shared/MEASURED.md). Target: the coordinator's own part ≤ 1 s.
-Usage: python bench/startup.py [--repeats 3] [--ranks 1]
+Usage: python -m bench.startup [--repeats 3] [--ranks 1]
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def write_dumps(directory: Path) -> str:

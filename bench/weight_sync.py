@@ -7,7 +7,7 @@ save plus one load in this process: the least any disk-based sync must do. `disk
 engines receive them (`/init_weights_update_group` + `/update_weights_from_distributed`), then the group is
 destroyed. Both end when every engine answered; each engine is then asked for its weight version.
 
-    .venv/bin/python bench/weight_sync.py [--hidden 640 --layers 8 --intermediate 2560] [--repeats 3]
+    .venv/bin/python -m bench.weight_sync [--hidden 640 --layers 8 --intermediate 2560] [--repeats 3]
 
 Exit code 0 when disk ≤ --target × floor (default 1.5), 1 otherwise.
 """
@@ -28,16 +28,11 @@ from typing import Any
 import anyio
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-
-from engine_proc import start_engine_process  # noqa: E402
-
-from coordinator.engines.client import EngineClient  # noqa: E402
-from coordinator.engines.launch import free_port  # noqa: E402
-from coordinator.train_group import TrainGroup  # noqa: E402
-from workers.tiny_model import TinyModelSpec, build_tiny_model, count_parameters  # noqa: E402
+from coordinator.engines.client import EngineClient
+from coordinator.engines.launch import free_port
+from coordinator.train_group import TrainGroup
+from tests.support.engine_proc import start_engine_process
+from workers.tiny_model import TinyModelSpec, build_tiny_model, count_parameters
 
 
 def measure_floor(model_dir: Path, scratch: Path, repeats: int) -> tuple[list[float], list[float]]:

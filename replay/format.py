@@ -1,5 +1,8 @@
 """The rayless rollout dump format: writer, streaming reader, integrity checks, path templates.
 
+One module (over 450 lines) because the writer, the reader and their checks are one format: each rule the
+reader enforces is refused on write beside it, so the two cannot drift apart.
+
 Owns the on-disk layout of one rollout (or eval) dump. Invariants:
 
 - A dump file either does not exist or is complete: it is written to a temporary file in the same directory,
@@ -21,6 +24,10 @@ Layout (all integers little-endian):
     frame 'T': msgpack trailer {sample_count, chain}  (chain = CRC32 over the per-sample CRCs, in order)
 
     frame = tag (1 byte) | payload length (u32) | CRC32 of payload (u32) | payload
+
+`write_dump` is the writer of well-formed dumps. The frame-level pieces it is built from (`FRAME_HEAD`,
+`encode_frame`, `packb`, `encode_sample`, `pack_ints`, `pack_floats`) are public for tools and tests that
+write or walk frames by hand, e.g. to put a record `write_dump` would refuse in front of the reader's checks.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ KINDS = ("rollout", "eval")
 ROLLOUT_ID_FIELD = "{rollout_id}"
 
 _VERSION = struct.Struct("<H")
-_FRAME = struct.Struct("<cII")  # tag, payload length, payload crc32
+FRAME_HEAD = struct.Struct("<cII")  # what precedes each payload: tag, payload length, payload crc32
 _CRC = struct.Struct("<I")
 _TAG_HEADER, _TAG_SAMPLE, _TAG_TRAILER = b"H", b"S", b"T"
 
@@ -95,7 +102,7 @@ def dump_path(template: str, rollout_id: int, *, eval: bool = False) -> Path:
 # ------------------------------------------------------------------------------------------ encoding
 
 
-def _pack_ints(values: Any, order: tuple[str, ...] = ("i", "q")) -> msgpack.ExtType:
+def pack_ints(values: Any, order: tuple[str, ...] = ("i", "q")) -> msgpack.ExtType:
     """Pack an int sequence into the narrowest listed array type that holds every value."""
     for typecode in order:
         try:
@@ -108,7 +115,8 @@ def _pack_ints(values: Any, order: tuple[str, ...] = ("i", "q")) -> msgpack.ExtT
     raise OverflowError("an integer does not fit in 64 bits")
 
 
-def _pack_floats(values: Any) -> msgpack.ExtType:
+def pack_floats(values: Any) -> msgpack.ExtType:
+    """Pack a float sequence as a little-endian float64 array (bit-exact: NaN payloads and -0.0 kept)."""
     packed = array("d", values)
     if _BIG_ENDIAN:
         packed.byteswap()
@@ -118,7 +126,7 @@ def _pack_floats(values: Any) -> msgpack.ExtType:
 def _default(obj: Any) -> Any:
     """msgpack hook for the few non-msgpack types we keep exactly; anything else is refused by name."""
     if type(obj) is tuple:
-        return msgpack.ExtType(_EXT_TUPLE, _packb(list(obj)))
+        return msgpack.ExtType(_EXT_TUPLE, packb(list(obj)))
     if type(obj) is array and obj.typecode in _TYPECODE_EXT:
         copy = array(obj.typecode, obj)
         if _BIG_ENDIAN:
@@ -132,7 +140,8 @@ def _default(obj: Any) -> Any:
     )
 
 
-def _packb(obj: Any) -> bytes:
+def packb(obj: Any) -> bytes:
+    """msgpack bytes of plain data, with tuples and packed arrays kept as our extension types."""
     # strict_types: a tuple or a str/int subclass goes through _default instead of silently becoming
     # something that reads back as a different type.
     return msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
@@ -162,16 +171,17 @@ class _SchemaError(Exception):
     """Internal: raised while decoding a record; turned into a DumpError that names the file and record."""
 
 
-def _encode_sample(sample: Sample) -> bytes:
+def encode_sample(sample: Sample) -> bytes:
+    """The record payload of one sample as a dump stores it; unchecked (`write_dump` validates first)."""
     status = sample.status
     record = {
         "group_index": sample.group_index,
         "sample_index": sample.sample_index,
         "prompt": sample.prompt,
-        "tokens": _pack_ints(sample.tokens),
+        "tokens": pack_ints(sample.tokens),
         "response_length": sample.response_length,
-        "loss_mask": _pack_ints(sample.loss_mask, ("b", "i", "q")),
-        "rollout_log_probs": _pack_floats(sample.rollout_log_probs),
+        "loss_mask": pack_ints(sample.loss_mask, ("b", "i", "q")),
+        "rollout_log_probs": pack_floats(sample.rollout_log_probs),
         "reward": sample.reward,
         "status": status.value if isinstance(status, SampleStatus) else status,
         "weight_versions": sample.weight_versions,
@@ -180,7 +190,7 @@ def _encode_sample(sample: Sample) -> bytes:
         "advantage": sample.advantage,
         "metadata": sample.metadata,
     }
-    return _packb(record)
+    return packb(record)
 
 
 def _is_int(value: Any) -> bool:
@@ -227,9 +237,10 @@ def _reward_ok(reward: Any) -> bool:
 # ------------------------------------------------------------------------------------------- writing
 
 
-def _frame(tag: bytes, payload: bytes) -> tuple[bytes, int]:
+def encode_frame(tag: bytes, payload: bytes) -> tuple[bytes, int]:
+    """One frame (`FRAME_HEAD` then the payload) and the payload's CRC32, which the trailer's chain covers."""
     crc = zlib.crc32(payload)
-    return _FRAME.pack(tag, len(payload), crc) + payload, crc
+    return FRAME_HEAD.pack(tag, len(payload), crc) + payload, crc
 
 
 def write_dump(
@@ -267,7 +278,7 @@ def write_dump(
         "config": config_facts,
     }
     try:
-        header_bytes = _packb(header)
+        header_bytes = packb(header)
     except (TypeError, OverflowError, ValueError) as exc:
         raise DumpError(f"{path}: config_facts cannot be stored: {exc}") from None
 
@@ -276,7 +287,7 @@ def write_dump(
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(MAGIC + _VERSION.pack(FORMAT_VERSION))
-            out.write(_frame(_TAG_HEADER, header_bytes)[0])
+            out.write(encode_frame(_TAG_HEADER, header_bytes)[0])
             chain = 0
             for position, sample in enumerate(samples):
                 where = f"{path}: sample #{position} ({getattr(sample, 'group_index', '?')}/{getattr(sample, 'sample_index', '?')})"
@@ -284,13 +295,13 @@ def write_dump(
                     raise DumpError(f"{where}: not a Sample but a {type(sample).__name__}")
                 _check_write(sample, where)
                 try:
-                    payload = _encode_sample(sample)
+                    payload = encode_sample(sample)
                 except (TypeError, OverflowError, ValueError) as exc:
                     raise DumpError(f"{where}: {exc}") from None
-                frame, crc = _frame(_TAG_SAMPLE, payload)
+                frame, crc = encode_frame(_TAG_SAMPLE, payload)
                 out.write(frame)
                 chain = zlib.crc32(_CRC.pack(crc), chain)
-            out.write(_frame(_TAG_TRAILER, _packb({"sample_count": len(samples), "chain": chain}))[0])
+            out.write(encode_frame(_TAG_TRAILER, packb({"sample_count": len(samples), "chain": chain}))[0])
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp_name, path)
@@ -367,7 +378,7 @@ class _Reader:
         return data
 
     def frame(self, what: str) -> tuple[bytes, bytes, int]:
-        tag, length, crc = _FRAME.unpack(self.read_exact(_FRAME.size, f"the frame head of {what}"))
+        tag, length, crc = FRAME_HEAD.unpack(self.read_exact(FRAME_HEAD.size, f"the frame head of {what}"))
         payload = self.read_exact(length, what)
         if zlib.crc32(payload) != crc:
             raise self.error(f"checksum mismatch in {what} (the file is corrupt: a byte changed on disk)")

@@ -1,7 +1,9 @@
 """Shared fixtures: the tiny model (built once per session), the anyio backend, and the orphan check.
 
-Every test that starts a process must end it; `test_zz_no_orphans.py` (run last by name) and the session
-finaliser below assert that the pytest process has no child processes left.
+Tests live in `unit/` (no process started) and `integration/` (real engines, torchrun, routers, CLIs as
+subprocesses); what they share lives in the `tests.support` package, imported as `tests.support.<module>`
+here, in child processes and in `bench/`. Every test that starts a process must end it: the plugin
+`tests.support.orphans` asserts at the end of the session that the pytest process has no child left.
 """
 
 from __future__ import annotations
@@ -12,10 +14,17 @@ from pathlib import Path
 
 import pytest
 
+# Before anything imports them: shared checks in tests.support report their asserts like test modules do.
+pytest.register_assert_rewrite("tests.support")
+
+# pytester: the orphan check is itself tested in a pytest session of its own.
+pytest_plugins = ["tests.support.orphans", "pytester"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
-# Child processes (engines, torchrun, ranks) must find the project's packages from any working directory.
+# Child processes (engines, torchrun, ranks) must find the project's packages, and `tests.support` (e.g. a
+# `--custom-rm-path tests.support.rollout_fns:...`), from any working directory.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(REPO_ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])]
 )

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-import rollout_fns
 
 from coordinator.config import parse_config
 from coordinator.rollout.manager import NotBuiltError, RolloutManager
 from replay.format import dump_path, write_dump
 from replay.sample import Sample, SampleStatus
+from tests.support import rollout_fns
 
 BASE = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2",
         "--prompt-data", "builtin:first_digit"]
@@ -63,7 +63,7 @@ async def test_replay_mode_builds_only_the_replay_loader_and_opens_nothing(tmp_p
 
 async def test_debug_train_only_builds_the_rollout_fn_but_no_generate_state(tmp_path: Path) -> None:
     rollout_fns.CONSTRUCTED.clear()
-    config = _config(tmp_path, "--debug-train-only", "--rollout-function-path", "rollout_fns:CountingRollout")
+    config = _config(tmp_path, "--debug-train-only", "--rollout-function-path", "tests.support.rollout_fns:CountingRollout")
     manager = RolloutManager.build(config)
     assert manager.counts.rollout_fns == 1 and manager.counts.generate_states == 0
     assert manager.counts.dispatchers == 0 and manager.counts.replay_loaders == 0
@@ -86,8 +86,8 @@ async def test_default_rollout_fn_in_train_only_mode_fails_clearly_when_called(t
 
 def test_distinct_eval_fn_gets_its_own_instance(tmp_path: Path) -> None:
     rollout_fns.CONSTRUCTED.clear()
-    config = _config(tmp_path, "--debug-train-only", "--rollout-function-path", "rollout_fns:CountingRollout",
-                     "--eval-function-path", "rollout_fns.OtherCountingRollout")
+    config = _config(tmp_path, "--debug-train-only", "--rollout-function-path", "tests.support.rollout_fns:CountingRollout",
+                     "--eval-function-path", "tests.support.rollout_fns.OtherCountingRollout")
     manager = RolloutManager.build(config)
     assert rollout_fns.CONSTRUCTED == ["CountingRollout", "OtherCountingRollout"]
     assert manager.counts.eval_fns == 1 and manager.eval_fn is not manager.rollout_fn
@@ -95,7 +95,7 @@ def test_distinct_eval_fn_gets_its_own_instance(tmp_path: Path) -> None:
 
 async def test_plain_function_rollout_is_called_with_the_context(tmp_path: Path) -> None:
     rollout_fns.CONSTRUCTED.clear()
-    config = _config(tmp_path, "--debug-train-only", "--rollout-function-path", "rollout_fns:plain_function_rollout")
+    config = _config(tmp_path, "--debug-train-only", "--rollout-function-path", "tests.support.rollout_fns:plain_function_rollout")
     manager = RolloutManager.build(config)
     batch = await manager.get_rollout(3, "0")
     assert batch.rollout_id == 3 and rollout_fns.CONSTRUCTED == ["plain"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import struct
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -238,19 +239,19 @@ def handmade_dump(path: Path, records: list[dict[str, Any]], *, fields: list[str
         "sample_count": len(records), "sample_fields": fields or list(fmt.SAMPLE_FIELDS), "config": {},
     }  # fmt: skip
     out = bytearray(fmt.MAGIC + struct.pack("<H", 1))
-    out += fmt._frame(b"H", fmt._packb(header))[0]
+    out += fmt.encode_frame(b"H", fmt.packb(header))[0]
     chain = 0
     for record in records:
-        frame, crc = fmt._frame(b"S", fmt._packb(record))
+        frame, crc = fmt.encode_frame(b"S", fmt.packb(record))
         out += frame
-        chain = fmt.zlib.crc32(struct.pack("<I", crc), chain)
-    out += fmt._frame(b"T", fmt._packb({"sample_count": len(records), "chain": chain}))[0]
+        chain = zlib.crc32(struct.pack("<I", crc), chain)
+    out += fmt.encode_frame(b"T", fmt.packb({"sample_count": len(records), "chain": chain}))[0]
     path.write_bytes(bytes(out))
     return path
 
 
 def good_record() -> dict[str, Any]:
-    return msgpack.unpackb(fmt._encode_sample(make_sample()), raw=False)
+    return msgpack.unpackb(fmt.encode_sample(make_sample()), raw=False)
 
 
 def test_handmade_valid_record_reads(tmp_path: Path) -> None:
@@ -261,8 +262,8 @@ def test_handmade_valid_record_reads(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda r: r.update(loss_mask=fmt._pack_ints([1, 1])), "wrong lengths: .*loss_mask has 2 entries"),
-        (lambda r: r.update(rollout_log_probs=fmt._pack_floats([0.0])), "wrong lengths: .*rollout_log_probs"),
+        (lambda r: r.update(loss_mask=fmt.pack_ints([1, 1])), "wrong lengths: .*loss_mask has 2 entries"),
+        (lambda r: r.update(rollout_log_probs=fmt.pack_floats([0.0])), "wrong lengths: .*rollout_log_probs"),
         (lambda r: r.update(response_length=99), "wrong lengths: .*response_length 99 outside"),
         (lambda r: r.update(extra=1), r"unknown \['extra'\]"),
         (lambda r: r.pop("reward"), r"missing \['reward'\]"),
@@ -292,9 +293,9 @@ def test_reordered_and_dropped_records_are_detected(dump_file: Path, tmp_path: P
     # Split into frames by walking the lengths: head, header, 4 samples, trailer.
     offset, frames = 10, []
     while offset < len(data):
-        _, length, _ = fmt._FRAME.unpack_from(data, offset)
-        frames.append(data[offset : offset + fmt._FRAME.size + length])
-        offset += fmt._FRAME.size + length
+        _, length, _ = fmt.FRAME_HEAD.unpack_from(data, offset)
+        frames.append(data[offset : offset + fmt.FRAME_HEAD.size + length])
+        offset += fmt.FRAME_HEAD.size + length
     head, header, *sample_frames, trailer = data[:10], frames[0], *frames[1:]
     assert len(sample_frames) == 4
     swapped = tmp_path / "swapped.rld"

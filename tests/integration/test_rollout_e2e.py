@@ -124,7 +124,7 @@ async def test_dynamic_filter_drops_constant_reward_groups_and_replaces_them(tin
     async with running_fleet(tiny_model_dir, tmp_path, engines=1) as (client, fleet):
         manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "4",
                                 "--n-samples-per-prompt", "2", "--rollout-max-response-len", "2",
-                                "--custom-rm-path", "rollout_fns:alternating_constant_reward",
+                                "--custom-rm-path", "tests.support.rollout_fns:alternating_constant_reward",
                                 "--dynamic-sampling-filter-path",
                                 "coordinator.rollout.filters:reward_std_positive")
         batch = await manager.get_rollout(0, "0")

@@ -4,7 +4,7 @@ Structural: `build_fault_tolerance` / `build_weight_sync` (what `run_training` c
 fleets and a real (unlaunched) TrainGroup: monitors, the armed injector, WeightSync's recovery gate, the eval
 fleet's own probing. Behavioural: the same objects over running engines — recovery calls made by a weight
 update with a dead engine, and probes made by an eval pin. The engines there are FAKE responders
-(tests/fake_engine.py): the gates decide what happens around an engine, not what the engine computes, and
+(tests/support/fake_engine.py): the gates decide what happens around an engine, not what the engine computes, and
 eight real CPU engines would cost a minute.
 """
 
@@ -16,13 +16,13 @@ from typing import Any
 
 import anyio
 import pytest
-from fake_engine import FakeEngine
 
 from coordinator.config import Config, ConfigWarning, parse_config
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet, EngineState
 from coordinator.run import Services, build_fault_tolerance, build_weight_sync
 from coordinator.train_group import TrainGroup
+from tests.support.fake_engine import FakeEngine
 
 CHOICES = {
     "rollout": ["--use-fault-tolerance", "--ft-components", "rollout"],

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import random
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.train_samples import synthetic_samples
 from workers import protocol
 from workers.train_rank import weight_export
 from workers.train_rank.batching import (
@@ -29,40 +29,6 @@ from workers.train_rank.settings import SettingsError, TrainSettings
 from workers.train_rank.trainer import Trainer
 
 torch.set_num_threads(1)
-
-
-def reference_log_probs(model: torch.nn.Module, tokens: list[int], response_length: int) -> list[float]:
-    """What an engine reports: log_softmax at temperature 1 of each response token, one sequence alone."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
-    log_probs = torch.log_softmax(logits, dim=-1)
-    start = len(tokens) - response_length
-    return [float(log_probs[position - 1, tokens[position]]) for position in range(start, len(tokens))]
-
-
-def synthetic_samples(model_dir: Path, count: int, seed: int) -> list[dict]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    rng = random.Random(seed)
-    samples = []
-    for _ in range(count):
-        prompt = " ".join(str(rng.randrange(10)) for _ in range(rng.randrange(2, 5))) + "="
-        response = "".join(rng.choice("0123456789abc") for _ in range(rng.randrange(1, 6)))
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        response_ids = tokenizer(response)["input_ids"]
-        tokens = prompt_ids + response_ids
-        samples.append(
-            {
-                "tokens": tokens,
-                "response_length": len(response_ids),
-                "loss_mask": [1] * len(response_ids),
-                "rollout_log_probs": reference_log_probs(model, tokens, len(response_ids)),
-                "advantage": rng.gauss(0.0, 1.0),
-            }
-        )
-    return samples
 
 
 def test_micro_batches_respect_the_token_budget() -> None:

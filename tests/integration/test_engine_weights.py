@@ -17,8 +17,8 @@ import anyio
 import httpx
 import pytest
 import torch
-from engine_proc import free_port, start_engine
 
+from tests.support.engine_proc import free_port, start_engine
 from workers.engine.weight_group import broadcast_tensors, join_weight_update_group
 
 PROMPT = "1 2 3="

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from fake_engine import FakeEngine
 
 from coordinator.config import parse_config
 from coordinator.engines.client import EngineClient
@@ -19,6 +18,7 @@ from coordinator.engines.launch import EngineLaunchSpec
 from coordinator.health import HealthMonitor
 from coordinator.rollout.manager import RolloutManager
 from replay.sample import RolloutBatch, SampleStatus
+from tests.support.fake_engine import FakeEngine
 
 
 async def test_sigstopped_engine_is_marked_dead_within_the_bound_and_the_rollout_completes(

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import builtins
 import pickle  # noqa: TID251 - builds malicious test inputs; never used to read anything in rayless
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +12,7 @@ import torch
 from replay.format import DumpError, read_dump
 from replay.sample import SampleStatus
 from replay.torch_import import convert_torch_dump, import_torch_dump
-
-
-class MarkerPayload:
-    """Unpickling this calls open(marker, "w"): the side effect a safe loader must never allow."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (builtins.open, (str(self.marker), "w"))
+from tests.support.replay_inputs import MarkerPayload
 
 
 def slime_sample(index: int, **overrides: Any) -> dict[str, Any]:
@@ -110,17 +98,6 @@ def test_bare_pickle_of_plain_data_is_read(tmp_path: Path) -> None:
     src.write_bytes(pickle.dumps(plain, protocol=5))
     rollout_id, got, _ = import_torch_dump(src, rollout_id=9)
     assert rollout_id == 9 and [s.rollout_log_probs for s in got] == [[-1.0, -2.0]] * 2
-
-
-def test_payload_is_live_when_unpickled_naively(tmp_path: Path) -> None:
-    # Proves the payload used below really has a side effect, so its absence there means something.
-    marker = tmp_path / "pwned"
-    src = tmp_path / "evil.pkl"
-    src.write_bytes(pickle.dumps({"rollout_id": 0, "samples": [MarkerPayload(marker)]}))
-    subprocess.run(
-        [sys.executable, "-c", f"import pickle; pickle.loads(open({str(src)!r}, 'rb').read())"], check=True
-    )
-    assert marker.exists()
 
 
 @pytest.mark.parametrize(

@@ -19,25 +19,12 @@ import anyio
 import psutil
 import pytest
 import torch
-from test_train_rank import synthetic_samples
 
 from coordinator.train_group import RankFailure, TrainGroup, balance_by_tokens, plan_steps
-from replay.sample import Sample, SampleStatus
+from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 from workers import protocol
 from workers.train_rank.trainer import Trainer
 
-TRAIN_CONFIG: dict[str, Any] = {
-    "lr": 1e-3,
-    "warmup_steps": 2,
-    "eps_clip": 0.2,
-    "eps_clip_high": 0.28,
-    "kl_coef": 0.01,
-    "use_kl_loss": True,
-    "clip_grad": 1.0,
-    "max_tokens_per_micro_batch": 48,
-    "seed": 7,
-    "global_batch_size": 4,
-}
 METRICS = [
     "loss",
     "pg_loss",
@@ -51,24 +38,6 @@ METRICS = [
     "train_rollout_logprob_abs_diff_mean",
     "train_rollout_logprob_abs_diff_max",
 ]
-
-
-def as_samples(raw: list[dict[str, Any]]) -> list[Sample]:
-    return [
-        Sample(
-            group_index=index // 2,
-            sample_index=index % 2,
-            prompt="",
-            tokens=item["tokens"],
-            response_length=item["response_length"],
-            loss_mask=item["loss_mask"],
-            rollout_log_probs=item["rollout_log_probs"],
-            reward=0.0,
-            status=SampleStatus.COMPLETED,
-            advantage=item["advantage"],
-        )
-        for index, item in enumerate(raw)
-    ]
 
 
 def gone(pid: int) -> bool:

@@ -12,10 +12,9 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from test_train_group import TRAIN_CONFIG, as_samples
-from test_train_rank import synthetic_samples
 
 from coordinator.train_group import TrainGroup
+from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 
 pytestmark = [
     pytest.mark.gpu,

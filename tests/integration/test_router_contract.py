@@ -1,7 +1,8 @@
 """The engine contract tests again, through a real sglang-router (PyPI wheel) in front of two CPU engines.
 
-The tests are the ones in test_engine_contract.py, imported here so pytest runs them with this module's
-`engine_url` fixture (the router). Only the generate path is run through the router: the router proxies
+The tests are the shared ones in tests.support.generate_contract (also run directly against an engine by
+test_engine_contract.py), imported here so pytest runs them with this module's `engine_url` fixture (the
+router). Only the generate path is run through the router: the router proxies
 `/generate`, `/health*` and `/model_info`, while per-engine control endpoints (abort, pause, flush, weights,
 metrics) are addressed to each engine directly by rayless and are covered by the direct suite. Of the generate
 tests, those whose request shape the router itself refuses are left out, with the router behaviour named:
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_proc import free_port, start_engine
-from test_engine_contract import (  # noqa: F401 - tests collected here against the router, and their fixtures
+
+from tests.support.engine_proc import free_port, start_engine
+from tests.support.generate_contract import (  # noqa: F401 - tests collected here against the router, and their fixtures
     client,
     generate,
     reference_model,

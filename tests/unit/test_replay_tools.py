@@ -1,41 +1,17 @@
-"""`rayless dump show | verify | convert`: output and exit codes, in-process and as a real subprocess."""
+"""`rayless dump show | verify | convert`: output and exit codes, in-process (as a real subprocess: the
+integration test test_replay_cli.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from replay.format import read_dump, write_dump
-from replay.sample import Sample, SampleStatus
+from replay.format import read_dump
+from replay.sample import SampleStatus
 from replay.tools import main
-
-
-def write_sample_dump(path: Path, *, response_tokens: list[int] | None = None) -> Path:
-    response_tokens = response_tokens or [7, 8]
-    samples = [
-        Sample(
-            group_index=g,
-            sample_index=i,
-            prompt="question",
-            tokens=[3, 4, *response_tokens],
-            response_length=len(response_tokens),
-            loss_mask=[1] * len(response_tokens),
-            rollout_log_probs=[-0.5] * len(response_tokens),
-            reward=float(i),  # rewards 0,1 per group: mean 0.5, std 0.5
-            status=SampleStatus.COMPLETED if i == 0 else SampleStatus.TRUNCATED,
-            weight_versions=["2"],
-            response="answer text",
-        )
-        for g in range(3)
-        for i in range(2)
-    ]
-    return write_dump(
-        path, 11, samples, config_facts={"hf_checkpoint": "/models/tiny", "n_samples_per_prompt": 2}
-    )
+from tests.support.replay_inputs import write_sample_dump
 
 
 def test_show_prints_header_counts_and_statistics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -116,17 +92,3 @@ def test_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert f"wrote {dst} (rollout 0, 1 samples)" in capsys.readouterr().out
     sample = read_dump(dst).samples[0]
     assert sample.status is SampleStatus.TRUNCATED and sample.rollout_log_probs == [-0.75]
-
-
-def test_cli_as_a_process(tmp_path: Path) -> None:
-    good = write_sample_dump(tmp_path / "1.rld")
-    bad = tmp_path / "2.rld"
-    bad.write_bytes(good.read_bytes()[:40])
-    ok = subprocess.run(
-        [sys.executable, "-m", "replay.tools", "verify", str(good)], capture_output=True, text=True
-    )
-    assert ok.returncode == 0 and ok.stdout.startswith(f"ok {good}")
-    fail = subprocess.run(
-        [sys.executable, "-m", "replay.tools", "verify", str(good), str(bad)], capture_output=True, text=True
-    )
-    assert fail.returncode == 1 and f"CORRUPT {bad}: truncated" in fail.stdout

@@ -8,7 +8,6 @@ from typing import Any
 
 import anyio
 import pytest
-from fake_engine import FakeEngine
 
 from coordinator.config import parse_config
 from coordinator.engines.client import EngineClient
@@ -16,6 +15,7 @@ from coordinator.engines.fleet import EngineFleet
 from coordinator.eval_fleet import EvalFleet, EvalSkip
 from coordinator.progress import MetricsLog, read_metrics
 from coordinator.run import Services, run_training
+from tests.support.fake_engine import FakeEngine
 
 
 def eval_config(model_dir: Path, run_dir: Path, *flags: str) -> Any:
