@@ -39,6 +39,8 @@ def test_runs_and_ends_a_child():
 
 def run_session(pytester: pytest.Pytester, source: str) -> pytest.RunResult:
     pytester.makepyfile(test_session=source)
+    # A short grace: a leak here is certain, and a clean child is reaped before the check looks.
+    pytester.makeconftest("import tests.support.orphans as orphans\norphans.GRACE_S = 0.5\n")
     # PYTHONPATH (set by tests/conftest.py, kept by pytester) makes the plugin importable in the child pytest.
     return pytester.runpytest_subprocess("-p", "tests.support.orphans", "-p", "no:cacheprovider", timeout=120)
 
