@@ -340,6 +340,7 @@ def build_weight_sync(config: Config, services: Services, run_dir: Path) -> Any:
         mode=config.update_weight_transfer_mode, fleet=services.fleet, client=services.client,
         trainer=services.train_group, snapshot_dir=run_dir / "weights",
         keep_snapshots=config.keep_weight_snapshots, recover_engines=config.rollout_ft_enabled,
+        router=services.router,
     )
 
 
