@@ -377,11 +377,12 @@ def build_fault_tolerance(config: Config, *, services: Services, weight_sync: An
     ft.injector = FaultInjector.from_config(config, services.fleet)
     if services.eval_engines is not None:
         from coordinator.eval_fleet import EvalFleet
+        from coordinator.eval_settings import EvalSettings
 
         ft.eval_fleet = EvalFleet(
-            config=config, fleet=services.eval_engines, client=services.client, tokenizer=services.tokenizer,
-            exporter=services.train_group, snapshot_dir=run_dir / "eval_weights", metrics=metrics,
-            probe_before_pin=not config.health_monitor_enabled,
+            settings=EvalSettings.from_config(config), fleet=services.eval_engines, client=services.client,
+            tokenizer=services.tokenizer, exporter=services.train_group, snapshot_dir=run_dir / "eval_weights",
+            metrics=metrics, probe_before_pin=not config.health_monitor_enabled,
         )
     ft.monitors = build_health_monitors(
         config, client=services.client, rollout_fleet=services.fleet, weight_sync=weight_sync,

@@ -127,10 +127,7 @@ class DefaultRollout:
                         pending += 1
                         task_group.start_soon(run_group, group, send.clone())
 
-                resumed, self.partial_buffer = self.partial_buffer, []
-                for index, group in enumerate(resumed):  # continued groups go first in submission order
-                    for sample in group.samples:
-                        sample.group_index = index
+                resumed = self._take_partial_buffer()
                 first = resumed + self._new_groups(
                     config.effective_over_sampling_batch_size - len(resumed), len(resumed)
                 )
@@ -144,16 +141,9 @@ class DefaultRollout:
                         # aborted samples again, so the prompt is not lost.
                         progress.aborted += len(aborted)
                         submit([self._resume(PartialGroup(group.record, group.prompt_ids, samples))])
-                    elif len(accepted) < target:
-                        await self.reward_model.score_group(samples)
-                        keep = True
-                        if self.filter is not None:
-                            keep = (await self.filter(samples)).keep
-                            if not keep:
-                                progress.filtered += 1
-                        if keep:
-                            accepted.append(samples)
-                            progress.accepted = len(accepted)
+                    elif len(accepted) < target and await self._keep(samples, progress):
+                        accepted.append(samples)
+                        progress.accepted = len(accepted)
                     if len(accepted) >= target:
                         break
                     if pending + len(accepted) < target:
@@ -175,16 +165,29 @@ class DefaultRollout:
 
         if config.partial_rollout:
             self.partial_buffer = [self._resume(group) for group in stragglers]
-        # Groups finish in an order set by timing; hand them over in submission order so a rerun (or a
-        # resumed run) with the same data and seeds yields the same batch.
-        accepted.sort(key=lambda group: group[0].group_index)
-        for new_index, group in enumerate(accepted):
-            for sample in group:
-                sample.group_index = new_index
+        _in_submission_order(accepted)
         metrics = self._metrics(accepted, progress, time.monotonic() - started)
         return RolloutBatch(rollout_id=rollout_id, groups=accepted, metrics=metrics)
 
     # ------------------------------------------------------------------------------------------------------
+    def _take_partial_buffer(self) -> list[PartialGroup]:
+        """The groups continued from the last rollout; they go first in submission order."""
+        resumed, self.partial_buffer = self.partial_buffer, []
+        for index, group in enumerate(resumed):
+            for sample in group.samples:
+                sample.group_index = index
+        return resumed
+
+    async def _keep(self, samples: list[Sample], progress: RolloutProgress) -> bool:
+        """Score a finished group; False when the dynamic filter drops it."""
+        await self.reward_model.score_group(samples)
+        if self.filter is None:
+            return True
+        keep = (await self.filter(samples)).keep
+        if not keep:
+            progress.filtered += 1
+        return keep
+
     def _new_groups(self, count: int, first_index: int) -> list[PartialGroup]:
         if count <= 0:
             return []
@@ -243,3 +246,12 @@ class DefaultRollout:
         if self.filter is not None:
             metrics.update(self.filter.metrics())
         return metrics
+
+
+def _in_submission_order(groups: list[list[Sample]]) -> None:
+    """Groups finish in an order set by timing; hand them over in submission order (renumbered) so a rerun
+    (or a resumed run) with the same data and seeds yields the same batch."""
+    groups.sort(key=lambda group: group[0].group_index)
+    for new_index, group in enumerate(groups):
+        for sample in group:
+            sample.group_index = new_index
