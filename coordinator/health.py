@@ -1,10 +1,11 @@
 """Rollout fault tolerance: the HealthMonitor of one engine group, and the fault-injection switch.
 
-Owns, per engine group, the decision that an engine is dead and its recovery: probe every engine
+Owns, per engine group, the decision that an engine is dead and when to recover it: probe every engine
 concurrently with `/health_generate` on a fixed cadence, count consecutive failures, and past the threshold
-take the engine out of dispatch (`fleet.mark_dead`) and out of the router, relaunch it (launched engines) or
-wait until it answers again (external engines), load the current weights and version into it, and put it
-back. The monitor also recovers engines that someone else (the dispatcher) marked dead.
+take the engine out of dispatch (`fleet.mark_dead`), then hand it to the group's `EngineRecovery` (the same
+one WeightSync uses: out of the router, relaunched from the current snapshot or re-attached, the current
+weights loaded and checked, back in dispatch and the router), retrying every interval until it is back. The
+monitor also recovers engines that someone else (the dispatcher) marked dead.
 
 Invariants:
 - A monitor exists only when `Config.health_monitor_enabled` (rollout FT on and engines exist); this module
@@ -20,14 +21,13 @@ Invariants:
   not answer, or whose counters stand still, is hung.
 - A recovered rollout engine serves the current weight version before it is back in dispatch: a launched
   engine is restarted from the current weight snapshot with `--weight-version` set (no moment where it is
-  ALIVE with stale weights), an external one is loaded while it is still DEAD, and both are checked to
-  report the version.
+  ALIVE with stale weights), an external one is loaded before it is ALIVE, and both are checked to report
+  the version (`EngineRecovery` and `WeightSync.admit` keep this; this module only decides when).
 - `FaultInjector.pending` is always initialised (False when not armed); it kills one engine once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -35,14 +35,17 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.abc
 
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineTimeout
 from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
+from coordinator.engines.recovery import EngineRecovery, RouterLike
+
+if TYPE_CHECKING:
+    from coordinator.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,8 @@ class Pausing(Protocol):
     WeightSync (training weight updates) and EvalFleet (pinning a snapshot) provide it.
     """
 
-    updating: anyio.Event
+    @property
+    def updating(self) -> anyio.Event: ...
 
 
 @dataclass
@@ -97,11 +101,10 @@ class HealthMonitor:
         fleet: the group's EngineFleet (the only owner of engine states).
         client: the shared engine client.
         interval / timeout / first_wait / failure_threshold: `--rollout-health-check-*`.
-        weight_sync: the rollout group's WeightSync (current weights for a recovered engine; pauses probing
-            during updates). None for a group that never receives training weights (the eval fleet).
-        router: the group's RouterHandle when `--use-sglang-router`.
+        recovery: the group's EngineRecovery (the rollout group's is its WeightSync's `recovery`, which also
+            pauses probing during updates). None: a recovery without weights or router (the eval engines).
         pauses: further objects whose `updating` event pauses probing (the EvalFleet while it pins).
-        relaunch_timeout: bound on one relaunch of a launched engine (None: the launch spec's own).
+        relaunch_timeout: bound on one relaunch (None: the launch spec's own, or the fleet's attach timeout).
     """
 
     def __init__(
@@ -113,8 +116,7 @@ class HealthMonitor:
         timeout: float,
         first_wait: float = 0.0,
         failure_threshold: int = 2,
-        weight_sync: Any = None,
-        router: Any = None,
+        recovery: EngineRecovery | None = None,
         pauses: Sequence[Pausing] = (),
         relaunch_timeout: float | None = None,
     ) -> None:
@@ -131,11 +133,13 @@ class HealthMonitor:
         self.timeout = timeout
         self.first_wait = max(0.0, first_wait)
         self.failure_threshold = failure_threshold
-        self.weight_sync = weight_sync
-        self.router = router
+        self.recovery = recovery if recovery is not None else EngineRecovery(fleet=fleet)
+        if self.recovery.fleet is not fleet:
+            raise ValueError(f"the recovery of fleet {self.recovery.fleet.group} cannot recover the engines of "
+                             f"fleet {fleet.group}")
         self.pauses: list[Pausing] = list(pauses)
-        if weight_sync is not None:
-            self.pauses.append(weight_sync)
+        if self.recovery.weights is not None:
+            self.pauses.append(self.recovery.weights)  # no probe overlaps a weight update
         self.relaunch_timeout = relaunch_timeout
         self.stats = MonitorStats()
         self.events: list[HealthEvent] = []
@@ -271,99 +275,23 @@ class HealthMonitor:
             # Marked dead by someone else (the dispatcher saw a request fail): count it here too.
             self.stats.deaths += 1
             self.events.append(HealthEvent(time.monotonic(), handle.name, "dead", handle.dead_reason or ""))
-        if self.router is not None:
-            await self._router_change(handle, add=False)
         while handle.state is EngineState.DEAD:
             await self._wait_not_paused()
             try:
-                if handle.launched:
-                    await self._relaunch_launched(handle)
-                else:
-                    await self._reattach_external(handle)
-                await self._check_version(handle)
+                await self.recovery.recover(handle, timeout=self.relaunch_timeout)
             except Exception as error:  # a failed recovery is retried; the run goes on with the others
                 self.stats.recovery_errors += 1
                 self.events.append(HealthEvent(time.monotonic(), handle.name, "recovery_failed", repr(error)))
                 log.warning("recovery of engine %s failed (%r); retrying in %.1fs", handle.name, error,
                             self.interval)
-                if handle.state is not EngineState.DEAD:
-                    self.fleet.mark_dead(handle, f"recovery failed: {error!r}"[:500])
                 await anyio.sleep(self.interval)
-                continue
         self._declared.discard(handle.name)
         if handle.state is EngineState.ALIVE:
-            if self.router is not None:
-                await self._router_change(handle, add=True)
             self.stats.recoveries += 1
             self.events.append(HealthEvent(time.monotonic(), handle.name, "recovered",
                                            f"incarnation {handle.incarnation} at {handle.url}"))
             log.info("engine %s is back at %s (weight version %s)", handle.name, handle.url,
-                     self._current_version() or "initial")
-
-    def _current_version(self) -> str | None:
-        return None if self.weight_sync is None else self.weight_sync.current_version
-
-    async def _current_snapshot(self) -> Path | None:
-        """The snapshot of the current weights on disk (exported now when the transfer mode kept none)."""
-        sync = self.weight_sync
-        if sync is None or sync.current_version is None:
-            return None
-        exists = sync.current_snapshot is not None and await anyio.Path(sync.current_snapshot).exists()
-        if not exists:
-            sync.current_snapshot = Path(await sync.trainer.export_weights(
-                sync.snapshot_dir, sync.current_version, keep=sync.keep_snapshots))
-        return Path(sync.current_snapshot)
-
-    async def _relaunch_launched(self, handle: EngineHandle) -> None:
-        """Restart the process from the current snapshot with `--weight-version`, so it is never ALIVE stale."""
-        process = handle.process
-        assert process is not None
-        snapshot = await self._current_snapshot()
-        version = self._current_version()
-        original = process.spec
-        if snapshot is not None and version is not None:
-            process.spec = dataclasses.replace(
-                original, model_path=str(snapshot), extra_args=_with_flag(original.extra_args, "--weight-version",
-                                                                          version))
-        try:
-            await self.fleet.relaunch(handle, timeout=self.relaunch_timeout)
-        finally:
-            process.spec = original  # the next relaunch (maybe by weight sync) starts from a fresh choice
-
-    async def _reattach_external(self, handle: EngineHandle) -> None:
-        """Probe until the external engine answers, load the current weights while it is still DEAD, then
-        let the fleet mark it ALIVE."""
-        api = self.client.engine(handle.url)
-        while True:
-            try:
-                with anyio.fail_after(self.timeout):
-                    await api.health_generate(timeout=self.timeout, retry=NO_RETRY)
-                break
-            except (EngineError, TimeoutError):
-                await anyio.sleep(self.interval)
-        if self.weight_sync is not None and self.weight_sync.current_version is not None:
-            await self.weight_sync.sync_engine(handle)
-        await self.fleet.relaunch(handle, timeout=self.timeout * 4)
-
-    async def _check_version(self, handle: EngineHandle) -> None:
-        version = self._current_version()
-        if version is None or handle.state is not EngineState.ALIVE:
-            return
-        got = await self.client.engine(handle.url).get_weight_version()
-        if got != version:
-            # An update ran while this engine was restarting: load the current weights now.
-            await self.weight_sync.sync_engine(handle)
-
-    async def _router_change(self, handle: EngineHandle, *, add: bool) -> None:
-        from coordinator.engines.router import RouterError
-
-        try:
-            if add:
-                await self.router.add_worker(handle.url)
-            else:
-                await self.router.remove_worker(handle.url)
-        except (RouterError, EngineError) as error:
-            log.warning("router: could not %s worker %s: %s", "add" if add else "remove", handle.url, error)
+                     self.recovery.current_version or "initial")
 
 
 def _progress_counter(text: str) -> float | None:
@@ -381,18 +309,6 @@ def _progress_counter(text: str) -> float | None:
     return total if found else None
 
 
-def _with_flag(args: Sequence[str], flag: str, value: str) -> tuple[str, ...]:
-    out = list(args)
-    if flag in out:
-        index = out.index(flag)
-        if index + 1 < len(out):
-            out[index + 1] = value
-            return tuple(out)
-        out.append(value)
-        return tuple(out)
-    return (*out, flag, value)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Wiring: which monitors exist (read from Config's derived facts only)
 # ----------------------------------------------------------------------------------------------------------
@@ -403,12 +319,15 @@ def build_health_monitors(
     *,
     client: EngineClient,
     rollout_fleet: EngineFleet | None,
-    weight_sync: Any = None,
-    router: Any = None,
+    weight_sync: WeightSync | None = None,
+    router: RouterLike | None = None,
     eval_fleet: EngineFleet | None = None,
     eval_pauses: Sequence[Pausing] = (),
 ) -> list[HealthMonitor]:
-    """One monitor per engine group, only when `config.health_monitor_enabled`; [] otherwise."""
+    """One monitor per engine group, only when `config.health_monitor_enabled`; [] otherwise.
+
+    The rollout monitor recovers through `weight_sync.recovery` (the one WeightSync uses; built with the
+    router) or, in a run without training, a recovery of its own that keeps the router up to date."""
     if not config.health_monitor_enabled:
         return []
     settings = dict(
@@ -420,7 +339,9 @@ def build_health_monitors(
     )
     monitors = []
     if rollout_fleet is not None:
-        monitors.append(HealthMonitor(fleet=rollout_fleet, weight_sync=weight_sync, router=router, **settings))
+        recovery = (weight_sync.recovery if weight_sync is not None
+                    else EngineRecovery(fleet=rollout_fleet, router=router))
+        monitors.append(HealthMonitor(fleet=rollout_fleet, recovery=recovery, **settings))
     if eval_fleet is not None:
         # Eval engines never receive training weights: a recovered one is re-pinned by the next eval.
         monitors.append(HealthMonitor(fleet=eval_fleet, pauses=eval_pauses, **settings))

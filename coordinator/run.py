@@ -340,6 +340,7 @@ def build_weight_sync(config: Config, services: Services, run_dir: Path) -> Any:
         mode=config.update_weight_transfer_mode, fleet=services.fleet, client=services.client,
         trainer=services.train_group, snapshot_dir=run_dir / "weights",
         keep_snapshots=config.keep_weight_snapshots, recover_engines=config.rollout_ft_enabled,
+        router=services.router,
     )
 
 
@@ -376,11 +377,12 @@ def build_fault_tolerance(config: Config, *, services: Services, weight_sync: An
     ft.injector = FaultInjector.from_config(config, services.fleet)
     if services.eval_engines is not None:
         from coordinator.eval_fleet import EvalFleet
+        from coordinator.eval_settings import EvalSettings
 
         ft.eval_fleet = EvalFleet(
-            config=config, fleet=services.eval_engines, client=services.client, tokenizer=services.tokenizer,
-            exporter=services.train_group, snapshot_dir=run_dir / "eval_weights", metrics=metrics,
-            probe_before_pin=not config.health_monitor_enabled,
+            settings=EvalSettings.from_config(config), fleet=services.eval_engines, client=services.client,
+            tokenizer=services.tokenizer, exporter=services.train_group, snapshot_dir=run_dir / "eval_weights",
+            metrics=metrics, probe_before_pin=not config.health_monitor_enabled,
         )
     ft.monitors = build_health_monitors(
         config, client=services.client, rollout_fleet=services.fleet, weight_sync=weight_sync,

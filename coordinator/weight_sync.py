@@ -1,13 +1,19 @@
-"""Pushing trained weights from the training ranks to the rollout engines.
+"""Pushing trained weights to the rollout engines, and owning which weights are current.
 
 Owns one weight update end to end: pause generation (in place: requests are kept, not aborted), move the
 weights by `disk` (rank 0 writes a safetensors snapshot; every engine loads it concurrently) or `distributed`
 (rank 0 broadcasts over a fresh gloo/NCCL group that the engines join), check that every engine reports the
-new weight version, and continue generation — on every exit path.
+new weight version, and continue generation — on every exit path. Owns too the current weights (version and
+snapshot: the only place rollout snapshots are exported) and the rollout group's `EngineRecovery`, which the
+health monitor shares: a recovering engine gets the current weights from here (`current_weights`, `admit`).
 
 Invariants:
 - after `update()` returns, every engine it updated reports `version`; otherwise `WeightSyncError` is raised
   naming the engines that did not (the run must not train on samples from weights nobody can name);
+- `current_weights()` never pairs a snapshot with another version's name: a snapshot is reused only when it
+  was exported for the current version, else the current weights are exported now;
+- `admit()` returns only at a moment when the engine reports the current version and no update runs, so an
+  engine the fleet marks ALIVE right after it never misses an update;
 - dead rollout engines are recovered before an update only when rollout fault tolerance is on
   (`recover_engines`); with train-only FT or FT off this object never touches an engine's lifecycle.
 """
@@ -22,7 +28,9 @@ from typing import Any, Protocol
 import anyio
 
 from coordinator.engines.client import EngineClient, EngineError
+from coordinator.engines.fleet import EngineFleet, EngineHandle
 from coordinator.engines.launch import free_port
+from coordinator.engines.recovery import EngineRecovery, RouterLike
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +51,14 @@ class TrainWeights(Protocol):
 
 
 class WeightSync:
+    """Weight updates of the rollout engines. `router`: the group's RouterHandle (`--use-sglang-router`), so
+    that an engine this object's recovery brings back rejoins it."""
+
     def __init__(
         self,
         *,
         mode: str,
-        fleet: Any,
+        fleet: EngineFleet,
         client: EngineClient,
         trainer: TrainWeights,
         snapshot_dir: Path,
@@ -56,6 +67,7 @@ class WeightSync:
         pause_mode: str = "in_place",
         host: str = "127.0.0.1",
         backend: str = "gloo",
+        router: RouterLike | None = None,
     ) -> None:
         if mode not in ("disk", "distributed"):
             raise ValueError(f"--update-weight-transfer-mode {mode!r}: choose disk or distributed")
@@ -70,10 +82,12 @@ class WeightSync:
         self.host = host
         self.backend = backend
         self.current_version: str | None = None
-        self.current_snapshot: Path | None = None
+        self._snapshot: tuple[Path, str] | None = None  # the last export and the version it holds
+        self._export_lock = anyio.Lock()
         self.recoveries = 0
         self.updating = anyio.Event()
         self.updating.set()  # set = not updating; the health monitor waits on it before probing
+        self.recovery = EngineRecovery(fleet=fleet, weights=self, router=router)
 
     async def update(self, version: str) -> dict[str, float]:
         started = time.monotonic()
@@ -103,9 +117,8 @@ class WeightSync:
         return {"sync/time_s": seconds, "sync/engines": float(len(engines))}
 
     async def _by_disk(self, engines: list[Any], version: str) -> None:
-        # Rank 0 writes <snapshot_dir>/weights-<version> atomically and prunes all but the last `keep`.
-        path = await self.trainer.export_weights(self.snapshot_dir, version, keep=self.keep_snapshots)
-        self.current_snapshot = Path(path)
+        async with self._export_lock:
+            path, _ = await self._export(version)
         await self._for_each(
             engines,
             lambda e: self.client.engine(e.url).update_weights_from_disk(str(path), weight_version=version,
@@ -151,27 +164,59 @@ class WeightSync:
         if wrong:
             raise WeightSyncError(f"engines report the wrong weight version after the update to {version!r}: {wrong}")
 
-    async def sync_engine(self, engine: Any) -> None:
-        """Load the current weights into one (re)started engine: used by the health monitor's recovery."""
-        if self.current_version is None:
-            return  # engines start from --hf-checkpoint, which is the current policy
+    # -- the current weights, for an engine that comes back ----------------------------------------------
+
+    async def _export(self, version: str) -> tuple[Path, str]:
+        """Rank 0 writes <snapshot_dir>/weights-<version> atomically and prunes all but the last `keep`."""
+        path = await self.trainer.export_weights(self.snapshot_dir, version, keep=self.keep_snapshots)
+        self._snapshot = (Path(path), version)
+        return self._snapshot
+
+    async def current_weights(self) -> tuple[Path, str] | None:
+        """(snapshot directory, version) of the current weights, exported now when no snapshot of this version
+        is on disk (the distributed mode keeps none; old ones are pruned). None before the first update: the
+        engines start from --hf-checkpoint, which is the current policy then."""
+        version = self.current_version
+        if version is None:
+            return None
+        async with self._export_lock:  # two engines recovering at once export once
+            snapshot = self._snapshot
+            if snapshot is not None and snapshot[1] == version and await anyio.Path(snapshot[0]).exists():
+                return snapshot
+            return await self._export(version)
+
+    async def admit(self, engine: EngineHandle) -> None:
+        """Make a (re)started engine that is not in dispatch yet serve the current weights.
+
+        Returns at a moment when the engine reports the current version and no update runs (the fleet marks
+        it ALIVE right after, with no await in between, so it cannot miss an update); raises WeightSyncError
+        when it does not take the current weights.
+        """
         api = self.client.engine(engine.url)
-        if self.current_snapshot is None or not self.current_snapshot.exists():
-            path = await self.trainer.export_weights(self.snapshot_dir, self.current_version,
-                                                     keep=self.keep_snapshots)
-            self.current_snapshot = Path(path)
-        await api.update_weights_from_disk(str(self.current_snapshot), weight_version=self.current_version)
-        got = await api.get_weight_version()
-        if got != self.current_version:
-            raise WeightSyncError(f"{engine.name} reports weight version {got!r} after recovery, "
-                                  f"expected {self.current_version!r}")
+        while True:
+            while not self.updating.is_set():  # an update runs: admit against the version it leaves
+                await self.updating.wait()
+            version = self.current_version
+            if version is None:
+                return  # engines start from --hf-checkpoint, which is the current policy
+            if await api.get_weight_version() != version:
+                current = await self.current_weights()
+                if current is None or current[1] != version:
+                    continue  # an update finished meanwhile: load the newer weights instead
+                await api.update_weights_from_disk(str(current[0]), weight_version=version)
+                got = await api.get_weight_version()
+                if got != version:
+                    raise WeightSyncError(f"{engine.name} reports weight version {got!r} after recovery, "
+                                          f"expected {version!r}")
+            if self.updating.is_set() and self.current_version == version:
+                return
 
     async def _recover_dead_engines(self) -> None:
         dead = [engine for engine in self.fleet.engines if not engine.alive]
         for engine in dead:
             log.warning("recovering dead rollout engine %s before the weight update", engine.name)
-            await self.fleet.relaunch(engine)
-            self.recoveries += 1
+            if await self.recovery.recover(engine):
+                self.recoveries += 1
 
     async def _for_each(self, engines: list[Any], fn: Any, *, what: str, raise_errors: bool = True) -> None:
         errors: dict[str, str] = {}

@@ -1,18 +1,26 @@
 """The engine fleet: the state of every engine in one group (rollout or eval).
 
-Owns: the `EngineHandle`s of one group, their processes when launched locally, and the change event.
+Owns: the `EngineHandle`s of one group, the group's launch spec, the process of each launched engine (one
+`EngineProcess` per incarnation, built here) and the change event.
 
 Invariants:
-  * This object alone changes an engine's state (STARTING / ALIVE / DEAD); the rollout path, the health
-    monitor, the eval fleet and weight sync read it and ask for changes through `mark_dead` / `relaunch`.
+  * This object alone changes an engine's state (STARTING / ALIVE / DEAD) and its process; the rollout path,
+    the health monitor, the eval fleet and weight sync read them and ask for changes through `mark_dead` /
+    `relaunch` (recovery goes through `coordinator.engines.recovery.EngineRecovery`, which calls `relaunch`).
+  * The launch spec is never changed: a relaunch with other weights (`model_path`, `weight_version`) gets a
+    spec derived for that incarnation alone, so the next relaunch starts from the group's own spec again.
   * Every state change sets the change event, so a dispatcher waiting for an engine wakes up.
   * Launched engines are stopped when `run()` ends, however it ends; external engines (attached by
     address) are probed, never launched or killed.
-  * At most one relaunch of a handle runs at a time; a second caller waits for it.
+  * At most one relaunch of a handle runs at a time; a second caller waits for it and returns False when it
+    finds the engine brought back meanwhile.
+  * An engine is marked ALIVE right after `relaunch`'s `admit` callback returns, with no await in between, so
+    what `admit` checked (e.g. the weight version) still holds when the engine enters dispatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,6 +34,9 @@ from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, Engi
 from coordinator.engines.launch import EngineLaunchError, EngineLaunchSpec, EngineProcess, engine_log_path
 
 T = TypeVar("T")
+
+#: Called with an engine that answers but is not yet ALIVE; raising keeps it out of dispatch (DEAD).
+Admit = Callable[["EngineHandle"], Awaitable[None]]
 
 
 class EngineState(enum.Enum):
@@ -98,10 +109,8 @@ class EngineFleet:
         for i in range(num_engines):
             name = f"{group}-{i}"
             assert launch is not None
-            proc = EngineProcess(
-                launch, name=name, log_path=engine_log_path(self.run_dir, name), client=client
-            )
-            self.engines.append(EngineHandle(name=name, url="", launched=True, process=proc))
+            process = self._process(name, launch)
+            self.engines.append(EngineHandle(name=name, url="", launched=True, process=process))
         for j, url in enumerate(external_urls):
             url = url if url.startswith(("http://", "https://")) else f"http://{url}"
             self.engines.append(EngineHandle(name=f"{group}-ext-{j}", url=url.rstrip("/"), launched=False))
@@ -146,14 +155,33 @@ class EngineFleet:
             if h.launched and h.state is not EngineState.DEAD:
                 self._set(h, EngineState.DEAD, "fleet stopped")
 
-    async def _bring_up(self, h: EngineHandle, attach_timeout: float) -> None:
-        self._set(h, EngineState.STARTING, None)
+    def _process(self, name: str, spec: EngineLaunchSpec) -> EngineProcess:
+        return EngineProcess(spec, name=name, log_path=engine_log_path(self.run_dir, name), client=self.client)
+
+    def _spec_for(self, model_path: str | None, weight_version: str | None) -> EngineLaunchSpec:
+        """The group's spec with one incarnation's weights: a new frozen spec, the group's own untouched."""
+        assert self.launch is not None
+        spec = self.launch
+        if model_path is not None:
+            spec = dataclasses.replace(spec, model_path=model_path)
+        if weight_version is not None:
+            spec = dataclasses.replace(spec, extra_args=_with_flag(spec.extra_args, "--weight-version",
+                                                                   weight_version))
+        return spec
+
+    async def _bring_up(self, h: EngineHandle, attach_timeout: float, *, port: int | None = None,
+                        admit: Admit | None = None) -> None:
         if h.launched:
+            self._set(h, EngineState.STARTING, None)
             assert h.process is not None
-            prev_port = h.process.port
-            h.url = await h.process.start(port=prev_port)
+            h.url = await h.process.start(port=port)
         else:
+            # An external engine keeps its state (DEAD on a relaunch) until it answers again.
             await self._wait_answers(h, attach_timeout)
+            self._set(h, EngineState.STARTING, None)
+        if admit is not None:
+            await admit(h)
+        # No await from here to ALIVE: what admit checked still holds when the engine enters dispatch.
         h.incarnation += 1
         self._set(h, EngineState.ALIVE, None)
 
@@ -240,32 +268,57 @@ class EngineFleet:
         self.mark_dead(handle, f"process exited with status {code}")
         return True
 
-    async def relaunch(self, handle: EngineHandle, *, timeout: float | None = None) -> None:
-        """Bring a dead engine back: a launched one is stopped and started again (same port if it can),
-        an external one is waited for until it answers. Marks it ALIVE on success; on failure it stays DEAD
-        and the error is raised. Concurrent calls for the same handle run it once."""
+    async def relaunch(
+        self,
+        handle: EngineHandle,
+        *,
+        model_path: str | None = None,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+        admit: Admit | None = None,
+    ) -> bool:
+        """Bring a dead engine back; True when this call did, False when another caller did while it waited.
+
+        A launched engine is stopped and started again (same port if it can) from the group's spec, with
+        `model_path` / `weight_version` (`--weight-version`) for this incarnation when given; an external one
+        stays DEAD until it answers (within `timeout`, default the attach timeout; it cannot take other
+        weights at start: give `admit` instead).
+        `admit(handle)` runs once the engine answers and before it is marked ALIVE. On failure the engine
+        stays DEAD and the error is raised. Concurrent calls for the same handle run it once.
+        """
         if not self._running:
             raise RuntimeError(f"fleet {self.group} is not running: relaunch needs run() to own the process")
         if handle not in self.engines:
             raise ValueError(f"{handle.name} is not an engine of fleet {self.group}")
+        if not handle.launched and (model_path is not None or weight_version is not None):
+            raise ValueError(f"{handle.name} is an external engine: it cannot be relaunched with other weights")
         incarnation = handle.incarnation
         async with handle._lock:
             if handle.incarnation != incarnation and handle.state is EngineState.ALIVE:
-                return  # someone else relaunched it while we waited for the lock
+                return False  # someone else relaunched it while we waited for the lock
             try:
                 if handle.launched:
-                    assert handle.process is not None
-                    await handle.process.stop()
-                    with anyio.fail_after(timeout):
-                        await self._bring_up(handle, self.attach_timeout)
-                    if not self._running:  # the fleet stopped while we started it: nobody would end it
-                        await handle.process.stop()
-                        raise RuntimeError(f"fleet {self.group} stopped while {handle.name} was relaunched")
+                    await self._restart(handle, self._spec_for(model_path, weight_version), timeout, admit)
                 else:
-                    await self._bring_up(handle, timeout if timeout is not None else self.attach_timeout)
+                    await self._bring_up(handle, timeout if timeout is not None else self.attach_timeout,
+                                         admit=admit)
             except BaseException as exc:  # cancellation included: the handle must not stay STARTING
                 self._set(handle, EngineState.DEAD, f"relaunch failed: {exc!r}"[:500])
                 raise
+        return True
+
+    async def _restart(self, handle: EngineHandle, spec: EngineLaunchSpec, timeout: float | None,
+                       admit: Admit | None) -> None:
+        """Stop the launched engine's process and start a new incarnation from `spec` (same port if free)."""
+        assert handle.process is not None
+        await handle.process.stop()
+        port = handle.process.port
+        handle.process = self._process(handle.name, spec)
+        with anyio.fail_after(timeout):
+            await self._bring_up(handle, self.attach_timeout, port=port, admit=admit)
+        if not self._running:  # the fleet stopped while we started it: nobody would end it
+            await handle.process.stop()
+            raise RuntimeError(f"fleet {self.group} stopped while {handle.name} was relaunched")
 
     async def for_each_alive(
         self, fn: Callable[[EngineHandle], Awaitable[T]], *, return_exceptions: bool = False
@@ -290,6 +343,19 @@ class EngineFleet:
             for h in self.alive():
                 tg.start_soon(one, h)
         return results
+
+
+def _with_flag(args: Sequence[str], flag: str, value: str) -> tuple[str, ...]:
+    """`args` with `flag value` set: the value after an existing `flag` replaced, else both appended."""
+    out = list(args)
+    if flag not in out:
+        return (*out, flag, value)
+    index = out.index(flag)
+    if index + 1 < len(out):
+        out[index + 1] = value
+    else:
+        out.append(value)
+    return tuple(out)
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

@@ -1,10 +1,10 @@
-"""The generate path: GenerateState and the default rollout function.
+"""The generate path: the default rollout function.
 
 Owns turning prompt records into scored, filtered groups of samples through the dispatcher:
-`n_samples_per_prompt` requests per prompt (all on one engine), within the GenerateState request slots;
-finish reasons mapped to sample status; groups scored, filtered and accepted until `rollout_batch_size`
-groups are in; then every straggler is aborted at once (and, with `--partial-rollout`, its partial tokens
-are kept in a buffer and continued in the next rollout).
+`n_samples_per_prompt` requests per prompt (all on one engine, through `requests.generate_group`, the
+request/response code the eval fleet uses too), within the GenerateState request slots; groups scored,
+filtered and accepted until `rollout_batch_size` groups are in; then every straggler is aborted at once
+(and, with `--partial-rollout`, its partial tokens are kept in a buffer and continued in the next rollout).
 
 Invariants:
 - a rollout returns exactly `rollout_batch_size` groups of exactly `n_samples_per_prompt` samples each;
@@ -17,9 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +25,7 @@ import anyio
 from coordinator.rollout.data_source import PromptRecord
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
+from coordinator.rollout.requests import GenerateState, generate_group, new_sample
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch, Sample, SampleStatus
 
@@ -36,58 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FINISH_STATUS = {
-    "stop": SampleStatus.COMPLETED,
-    "length": SampleStatus.TRUNCATED,
-    "abort": SampleStatus.ABORTED,
-}
-
-
-@dataclass
-class GenerateState:
-    """What generation needs besides engines: tokenizer, sampling defaults, and the concurrency bound."""
-
-    tokenizer: Any
-    sampling_params: dict[str, Any]
-    max_response_len: int
-    context_length: int
-    concurrency: int
-    seed: int
-    free_slots: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.free_slots = self.concurrency
-        self._queue = anyio.Lock()  # FIFO: groups take their slots in arrival order
-        self._freed = anyio.Event()
-
-    @asynccontextmanager
-    async def slots(self, count: int) -> AsyncIterator[None]:
-        """Hold `count` request slots (clipped to the concurrency), all at once: a group never holds part of
-        what it needs while waiting for the rest, so groups cannot starve each other into a deadlock. Only
-        the group at the head of the queue waits for slots to free up; the others wait their turn in the
-        lock, so a release wakes one task, not every waiting group."""
-        count = min(count, self.concurrency)
-        async with self._queue:
-            while self.free_slots < count:
-                await self._freed.wait()
-            self.free_slots -= count
-        try:
-            yield
-        finally:
-            self.free_slots += count
-            self._freed.set()
-            self._freed = anyio.Event()
-
-    def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-
-    def decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
-
-    def max_new_tokens(self, prompt_length: int, already_generated: int = 0) -> int:
-        """The response budget of one sample, clipped so prompt + response fits the context length."""
-        room = self.context_length - prompt_length
-        return max(0, min(self.max_response_len - already_generated, room))
+__all__ = ["DefaultRollout", "GenerateState", "PartialGroup", "RolloutProgress"]  # GenerateState: re-exported
 
 
 @dataclass
@@ -180,10 +127,7 @@ class DefaultRollout:
                         pending += 1
                         task_group.start_soon(run_group, group, send.clone())
 
-                resumed, self.partial_buffer = self.partial_buffer, []
-                for index, group in enumerate(resumed):  # continued groups go first in submission order
-                    for sample in group.samples:
-                        sample.group_index = index
+                resumed = self._take_partial_buffer()
                 first = resumed + self._new_groups(
                     config.effective_over_sampling_batch_size - len(resumed), len(resumed)
                 )
@@ -197,16 +141,9 @@ class DefaultRollout:
                         # aborted samples again, so the prompt is not lost.
                         progress.aborted += len(aborted)
                         submit([self._resume(PartialGroup(group.record, group.prompt_ids, samples))])
-                    elif len(accepted) < target:
-                        await self.reward_model.score_group(samples)
-                        keep = True
-                        if self.filter is not None:
-                            keep = (await self.filter(samples)).keep
-                            if not keep:
-                                progress.filtered += 1
-                        if keep:
-                            accepted.append(samples)
-                            progress.accepted = len(accepted)
+                    elif len(accepted) < target and await self._keep(samples, progress):
+                        accepted.append(samples)
+                        progress.accepted = len(accepted)
                     if len(accepted) >= target:
                         break
                     if pending + len(accepted) < target:
@@ -228,16 +165,29 @@ class DefaultRollout:
 
         if config.partial_rollout:
             self.partial_buffer = [self._resume(group) for group in stragglers]
-        # Groups finish in an order set by timing; hand them over in submission order so a rerun (or a
-        # resumed run) with the same data and seeds yields the same batch.
-        accepted.sort(key=lambda group: group[0].group_index)
-        for new_index, group in enumerate(accepted):
-            for sample in group:
-                sample.group_index = new_index
+        _in_submission_order(accepted)
         metrics = self._metrics(accepted, progress, time.monotonic() - started)
         return RolloutBatch(rollout_id=rollout_id, groups=accepted, metrics=metrics)
 
     # ------------------------------------------------------------------------------------------------------
+    def _take_partial_buffer(self) -> list[PartialGroup]:
+        """The groups continued from the last rollout; they go first in submission order."""
+        resumed, self.partial_buffer = self.partial_buffer, []
+        for index, group in enumerate(resumed):
+            for sample in group.samples:
+                sample.group_index = index
+        return resumed
+
+    async def _keep(self, samples: list[Sample], progress: RolloutProgress) -> bool:
+        """Score a finished group; False when the dynamic filter drops it."""
+        await self.reward_model.score_group(samples)
+        if self.filter is None:
+            return True
+        keep = (await self.filter(samples)).keep
+        if not keep:
+            progress.filtered += 1
+        return keep
+
     def _new_groups(self, count: int, first_index: int) -> list[PartialGroup]:
         if count <= 0:
             return []
@@ -249,26 +199,10 @@ class DefaultRollout:
                     "plain-text prompts"
                 )
             prompt_ids = self.state.encode(record.prompt)
-            samples = [
-                self._empty_sample(record, prompt_ids, first_index + offset, k)
-                for k in range(self.config.n_samples_per_prompt)
-            ]
+            samples = [new_sample(record, prompt_ids, first_index + offset, k)
+                       for k in range(self.config.n_samples_per_prompt)]
             groups.append(PartialGroup(record, prompt_ids, samples))
         return groups
-
-    def _empty_sample(self, record: PromptRecord, prompt_ids: list[int], group: int, index: int) -> Sample:
-        return Sample(
-            group_index=group,
-            sample_index=index,
-            prompt=str(record.prompt),
-            tokens=list(prompt_ids),
-            response_length=0,
-            loss_mask=[],
-            rollout_log_probs=[],
-            status=SampleStatus.PENDING,
-            label=record.label,
-            metadata={**record.metadata, "prompt_index": record.index},
-        )
 
     def _resume(self, group: PartialGroup) -> PartialGroup:
         """Make aborted samples generate again: from their partial tokens with --partial-rollout, else anew."""
@@ -284,91 +218,9 @@ class DefaultRollout:
         return group
 
     async def _generate_group(self, group: PartialGroup, rollout_id: int) -> list[Sample]:
-        """Generate the unfinished samples of one group on one engine.
-
-        Without a router the group is one batched request (one prompt copy per sample, each with its own
-        sampling seed): one HTTP round trip instead of n. Through sglang-router, which refuses batched bodies,
-        each sample is its own request.
-        """
-        pending = [sample for sample in group.samples
-                   if sample.status not in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)]
-        items = [(sample, self._request_item(sample, rollout_id)) for sample in pending]
-        items = [(sample, item) for sample, item in items if item is not None]
-        if not items:
-            return group.samples
-        progress = self.progress
-        async with self.dispatcher.group_engine() as engine, self.state.slots(len(items)):
-            if progress is not None:
-                progress.in_flight += len(items)
-            try:
-                if self.dispatcher.router_url is None:
-                    payload = {
-                        "input_ids": [sample.tokens for sample, _ in items],
-                        "sampling_params": [params for _, params in items],
-                        "return_logprob": True,
-                    }
-                    responses, url = await self.dispatcher.generate(payload, engine=engine)
-                    for (sample, _), response in zip(items, responses, strict=True):  # type: ignore[arg-type]
-                        sample.metadata["engine"] = url
-                        self._apply_response(sample, response)
-                else:
-                    async with anyio.create_task_group() as task_group:
-                        for sample, params in items:
-                            task_group.start_soon(self._generate_one, sample, params, engine)
-            finally:
-                if progress is not None:
-                    progress.in_flight -= len(items)
-        return group.samples
-
-    async def _generate_one(self, sample: Sample, params: dict[str, Any], engine: Any) -> None:
-        payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True,
-                   "rid": uuid.uuid4().hex}
-        response, url = await self.dispatcher.generate(payload, engine=engine)
-        sample.metadata["engine"] = url
-        self._apply_response(sample, response)
-
-    def _request_item(self, sample: Sample, rollout_id: int) -> dict[str, Any] | None:
-        """The sampling params of one sample's request, or None when it has no room left to generate."""
-        prompt_length = sample.prompt_length
-        budget = self.state.max_new_tokens(prompt_length, sample.response_length)
-        if budget <= 0 and sample.response_length == 0:
-            raise ValueError(
-                f"prompt {sample.metadata.get('prompt_index')} has {prompt_length} tokens, leaving no room in the "
-                f"context length {self.state.context_length}; shorten it or raise --rollout-max-context-len"
-            )
-        if budget <= 0:
-            sample.status = SampleStatus.TRUNCATED
-            return None
-        seed = _sampling_seed(self.state.seed, rollout_id, sample)
-        return {**self.state.sampling_params, "max_new_tokens": budget, "sampling_seed": seed}
-
-    def _apply_response(self, sample: Sample, response: dict[str, Any]) -> Sample:
-        meta = response.get("meta_info") or {}
-        output_ids = response.get("output_ids")
-        logprob_triples = meta.get("output_token_logprobs") or []
-        if output_ids is None:  # SGLang before 0.5.1 has no output_ids; the logprob triples carry the ids
-            output_ids = [int(triple[1]) for triple in logprob_triples]
-        if len(logprob_triples) != len(output_ids):
-            raise ValueError(
-                f"engine returned {len(output_ids)} tokens but {len(logprob_triples)} logprobs for rid "
-                f"{meta.get('id')}; the engine must honour return_logprob"
-            )
-        finish = meta.get("finish_reason") or {}
-        status = FINISH_STATUS.get(finish.get("type") if isinstance(finish, dict) else None)
-        if status is None:
-            raise ValueError(f"engine returned an unknown finish_reason {finish!r}")
-        sample.tokens = sample.tokens + [int(token) for token in output_ids]
-        sample.response_length += len(output_ids)
-        sample.loss_mask = sample.loss_mask + [1] * len(output_ids)
-        sample.rollout_log_probs = sample.rollout_log_probs + [float(triple[0]) for triple in logprob_triples]
-        sample.response = self.state.decode(sample.response_tokens)
-        sample.status = status
-        version = str(meta.get("weight_version", "default"))
-        if not sample.weight_versions or sample.weight_versions[-1] != version:
-            sample.weight_versions = [*sample.weight_versions, version]
-        if self.progress is not None:
-            self.progress.generated_tokens += len(output_ids)
-        return sample
+        """Generate the unfinished samples of one group on one engine (`requests.generate_group`)."""
+        return await generate_group(self.state, self.dispatcher, group.samples, rollout_id,
+                                    progress=self.progress)
 
     def _metrics(
         self, groups: list[list[Sample]], progress: RolloutProgress, seconds: float
@@ -396,7 +248,10 @@ class DefaultRollout:
         return metrics
 
 
-def _sampling_seed(seed: int, rollout_id: int, sample: Sample) -> int:
-    """Deterministic per-sample seed, so a rerun with the same weights draws the same tokens."""
-    value = (seed * 1_000_003 + rollout_id) * 1_000_003 + sample.group_index * 1_009 + sample.sample_index
-    return (value + sample.response_length * 7_919) % (2**31 - 1)
+def _in_submission_order(groups: list[list[Sample]]) -> None:
+    """Groups finish in an order set by timing; hand them over in submission order (renumbered) so a rerun
+    (or a resumed run) with the same data and seeds yields the same batch."""
+    groups.sort(key=lambda group: group[0].group_index)
+    for new_index, group in enumerate(groups):
+        for sample in group:
+            sample.group_index = new_index

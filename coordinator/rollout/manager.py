@@ -31,8 +31,9 @@ from coordinator.rollout.advantages import compute_advantages
 from coordinator.rollout.data_source import PromptDataSource
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
-from coordinator.rollout.generate import GenerateState
 from coordinator.rollout.loading import load_object
+from coordinator.rollout.requests import GenerateState
+from coordinator.rollout.reward_choice import RewardChoice
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch
 
@@ -347,17 +348,4 @@ def build_data_source(config: Config, tokenizer: Any) -> PromptDataSource:
 
 
 def build_reward_model(config: Config) -> RewardModel | None:
-    rm_type = config.rm_type
-    from coordinator.rollout.tasks import builtin_task_name, get_task
-
-    task = builtin_task_name(config.prompt_data)
-    if rm_type is None and config.custom_rm_path is None and task is not None:
-        rm_type = get_task(task).rm_type
-    if rm_type is None and config.custom_rm_path is None:
-        return None
-    return RewardModel(
-        rm_type=rm_type,
-        custom_rm_path=config.custom_rm_path,
-        group_rm=config.group_rm,
-        reward_key=config.reward_key,
-    )
+    return RewardChoice.from_config(config).resolved(config.prompt_data).model()

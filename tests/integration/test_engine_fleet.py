@@ -81,9 +81,20 @@ async def test_fleet_launch_kill_mark_dead_relaunch_and_cancel(tiny_model_dir: P
             assert await fleet.check(other) is True
 
             old_url, old_incarnation = victim.url, victim.incarnation
-            await fleet.relaunch(victim)
+            brought_back: list[bool] = []
+
+            async def relaunch() -> None:  # with this incarnation's weights given as arguments
+                brought_back.append(await fleet.relaunch(victim, model_path=str(tiny_model_dir),
+                                                         weight_version="7"))
+
+            async with anyio.create_task_group() as callers:  # two at once: one relaunch, the other waits
+                callers.start_soon(relaunch)
+                callers.start_soon(relaunch)
+            assert sorted(brought_back) == [False, True]
             assert victim.state is EngineState.ALIVE
             assert victim.incarnation == old_incarnation + 1
+            assert await client.engine(victim.url).get_weight_version() == "7"
+            assert fleet.launch == cpu_spec(tiny_model_dir), "the group's spec is never changed by a relaunch"
             assert victim.url == old_url  # relaunch keeps the port when it is free
             assert isinstance(await client.engine(victim.url).generate(PROMPT), dict)
             assert victim.process is not None and victim.process.pid is not None

@@ -13,8 +13,12 @@ from coordinator.config import parse_config
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.eval_fleet import EvalFleet, EvalSkip
+from coordinator.eval_settings import EVAL_SEED, EvalSettings
 from coordinator.progress import MetricsLog, read_metrics
+from coordinator.rollout.data_source import PromptRecord
+from coordinator.rollout.requests import GenerateState, apply_response, new_sample
 from coordinator.run import Services, run_training
+from replay.sample import SampleStatus
 from tests.support.fake_engine import FakeEngine
 
 
@@ -41,7 +45,7 @@ class Observer:
     async def after_step(self, rollout_id: int, weight_version: str) -> None:
         eval_fleet = self.services.ft.eval_fleet  # type: ignore[union-attr]
         # The loop got here while the queued eval is still waiting or running: training was not held by it.
-        self.eval_pending_after_step[rollout_id] = bool(eval_fleet._waiting or eval_fleet._running)
+        self.eval_pending_after_step[rollout_id] = bool(eval_fleet.waiting or eval_fleet.running)
         client = self.services.client
         self.rollout_engine_version[rollout_id] = await client.engine(
             self.services.fleet.alive()[0].url).get_weight_version()
@@ -84,12 +88,12 @@ async def test_evals_at_the_interval_record_metrics_against_the_pinned_version(t
     assert (tmp_path / "run" / "eval_weights" / "weights-4").is_dir()
 
 
-def fake_eval_config(tmp_path: Path, max_in_flight: int = 1) -> Any:
-    return parse_config([
+def fake_eval_settings(tmp_path: Path, max_in_flight: int = 1) -> EvalSettings:
+    return EvalSettings.from_config(parse_config([
         "--hf-checkpoint", str(tmp_path), "--rollout-num-engines", "1", "--prompt-data", "builtin:first_digit",
         "--num-rollout", "1", "--rollout-batch-size", "1", "--eval-num-engines", "1", "--eval-interval", "1",
         "--eval-prompt-data", "digits", "builtin:first_digit", "--eval-max-in-flight", str(max_in_flight),
-    ])
+    ]))
 
 
 async def test_a_stale_engine_is_a_pin_violation_and_a_dead_fleet_is_unhealthy(tmp_path: Path) -> None:
@@ -103,7 +107,7 @@ async def test_a_stale_engine_is_a_pin_violation_and_a_dead_fleet_is_unhealthy(t
                             probe_timeout=1)
         await group.start(fleet.run)
         metrics = MetricsLog(tmp_path)
-        evals = EvalFleet(config=fake_eval_config(tmp_path), fleet=fleet, client=client, tokenizer=None,
+        evals = EvalFleet(settings=fake_eval_settings(tmp_path), fleet=fleet, client=client, tokenizer=None,
                           exporter=None, snapshot_dir=tmp_path / "eval_weights", metrics=metrics,
                           probe_before_pin=True, datasets=[])
         with pytest.raises(EvalSkip) as skip:
@@ -115,7 +119,7 @@ async def test_a_stale_engine_is_a_pin_violation_and_a_dead_fleet_is_unhealthy(t
                                  probe_timeout=0.5, attach_timeout=0.5)
         await group.start(dead_fleet.run)
         gone.stop_serving()
-        dead = EvalFleet(config=fake_eval_config(tmp_path), fleet=dead_fleet, client=client, tokenizer=None,
+        dead = EvalFleet(settings=fake_eval_settings(tmp_path), fleet=dead_fleet, client=client, tokenizer=None,
                          exporter=None, snapshot_dir=tmp_path / "eval_weights", metrics=metrics,
                          probe_before_pin=True, pin_wait=0.5, datasets=[])
         await group.start(dead.run)
@@ -133,10 +137,35 @@ async def test_a_stale_engine_is_a_pin_violation_and_a_dead_fleet_is_unhealthy(t
 async def test_over_the_bound_the_oldest_waiting_eval_is_skipped_as_busy(tmp_path: Path) -> None:
     async with EngineClient(max_connections=2) as client:
         fleet = EngineFleet(client=client, group="eval", external_urls=["127.0.0.1:1"], run_dir=tmp_path)
-        evals = EvalFleet(config=fake_eval_config(tmp_path, max_in_flight=2), fleet=fleet, client=client,
+        evals = EvalFleet(settings=fake_eval_settings(tmp_path, max_in_flight=2), fleet=fleet, client=client,
                           tokenizer=None, exporter=None, snapshot_dir=tmp_path, probe_before_pin=True, datasets=[])
         # run() is not started: every submitted eval waits
         for step in range(4):
             evals.submit(step, str(step + 1), str(tmp_path))
     assert [(r.pinned_step, r.reason) for r in evals.records] == [(0, "busy"), (1, "busy")]
-    assert [job.pinned_step for job in evals._waiting] == [2, 3]
+    assert [job.pinned_step for job in evals.waiting] == [2, 3]
+
+
+@pytest.mark.parametrize("logprobs", [False, True], ids=["eval", "rollout"])
+def test_eval_and_rollout_read_a_response_with_the_same_code(tiny_model_dir: Path, logprobs: bool) -> None:
+    """Eval (no logprobs) and the default rollout (logprobs) parse responses with one function: the same
+    status for a known finish reason, and the same error for an unknown one (eval once mapped it to
+    COMPLETED)."""
+    from transformers import AutoTokenizer
+
+    state = GenerateState(tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), sampling_params={},
+                          max_response_len=4, context_length=64, concurrency=1, seed=EVAL_SEED)
+    record = PromptRecord(prompt="3 7 1=", label="3", index=0)
+    prompt_ids = state.encode("3 7 1=")
+    triples = [[-0.5, 5, None]] if logprobs else []
+
+    def response(finish: str) -> dict[str, Any]:
+        return {"output_ids": [5], "meta_info": {"id": "r", "finish_reason": {"type": finish},
+                                                 "weight_version": "2", "output_token_logprobs": triples}}
+
+    sample = new_sample(record, prompt_ids, 0, 0)
+    assert apply_response(state, sample, response("length"), logprobs=logprobs) == 1
+    assert sample.status is SampleStatus.TRUNCATED and sample.weight_versions == ["2"]
+    assert sample.response_length == 1 and len(sample.rollout_log_probs) == len(triples)
+    with pytest.raises(ValueError, match="unknown finish_reason"):
+        apply_response(state, new_sample(record, prompt_ids, 0, 1), response("weird"), logprobs=logprobs)

@@ -123,7 +123,7 @@ async def test_probing_pauses_while_weights_are_updated(tmp_path: Path) -> None:
         weight_sync = WeightSync(mode="disk", fleet=fleet, client=client, trainer=None,  # type: ignore[arg-type]
                                  snapshot_dir=tmp_path, recover_engines=True)
         monitor = HealthMonitor(fleet=fleet, client=client, interval=0.1, timeout=0.2, failure_threshold=2,
-                                weight_sync=weight_sync)
+                                recovery=weight_sync.recovery)
         await group.start(monitor.run)
         await anyio.sleep(0.3)
         weight_sync.updating = anyio.Event()  # what WeightSync.update() does while engines load weights
@@ -138,4 +138,57 @@ async def test_probing_pauses_while_weights_are_updated(tmp_path: Path) -> None:
             while fleet.engines[0].state is EngineState.ALIVE:  # noqa: ASYNC110 - polls the fleet's state
                 await anyio.sleep(0.02)
         assert monitor.stats.deaths == 1
+        group.cancel_scope.cancel()
+
+
+class SnapshotExporter:
+    """Stand-in for the TrainGroup's `export_weights`: the fake engine accepts any snapshot directory."""
+
+    def __init__(self) -> None:
+        self.exports: list[str] = []
+
+    async def export_weights(self, directory: Path, weight_version: str, keep: int = 2) -> Path:
+        self.exports.append(weight_version)
+        path = Path(directory) / f"weights-{weight_version}"
+        await anyio.Path(path).mkdir(parents=True, exist_ok=True)
+        return path
+
+
+async def test_one_recovery_for_two_callers_loads_the_current_weights_before_dispatch(tmp_path: Path) -> None:
+    """FAKE external engine that comes back with its start weights (restarted by whoever runs it): the monitor's
+    recovery and the weight sync's are one, so two callers at once bring it back once, with the current
+    version loaded from the snapshot the last update exported."""
+    from coordinator.weight_sync import WeightSync
+
+    fake = FakeEngine()
+    async with EngineClient(max_connections=16) as client, anyio.create_task_group() as group:
+        await group.start(fake.run)
+        fleet = EngineFleet(client=client, external_urls=[fake.url], run_dir=tmp_path, probe_timeout=1,
+                            attach_timeout=10)
+        await group.start(fleet.run)
+        exporter = SnapshotExporter()
+        weight_sync = WeightSync(mode="disk", fleet=fleet, client=client, trainer=exporter,  # type: ignore[arg-type]
+                                 snapshot_dir=tmp_path / "weights", recover_engines=True)
+        await weight_sync.update("3")
+        assert fake.weight_version == "3" and exporter.exports == ["3"]
+        monitor = HealthMonitor(fleet=fleet, client=client, interval=0.1, timeout=0.5,
+                                recovery=weight_sync.recovery)
+        assert weight_sync in monitor.pauses
+
+        handle = fleet.engines[0]
+        fleet.mark_dead(handle, "the engine restarted")
+        fake.weight_version = "0"  # back with the weights it starts from
+        brought_back: list[bool] = []
+
+        async def recover() -> None:
+            brought_back.append(await monitor.recovery.recover(handle))
+
+        async with anyio.create_task_group() as callers:
+            callers.start_soon(recover)
+            callers.start_soon(recover)
+        assert sorted(brought_back) == [False, True], "the second caller waited and found it back"
+        assert handle.state is EngineState.ALIVE and handle.incarnation == 2
+        assert fake.weight_version == "3"
+        assert fake.requests["/update_weights_from_disk"] == 2, "the update, then one load by the recovery"
+        assert exporter.exports == ["3"], "the snapshot of the current version is reused, not exported again"
         group.cancel_scope.cancel()

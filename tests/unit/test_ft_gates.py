@@ -75,8 +75,10 @@ async def test_gates_per_component_choice(choice: str, tmp_path: Path) -> None:
     assert ft.eval_fleet is not None and ft.eval_fleet.probe_before_pin is (not rollout_ft)
     if rollout_ft:
         # the rollout monitor pauses for weight updates, the eval monitor for pins
-        assert ft.monitors[0].weight_sync is weight_sync and ft.eval_fleet in ft.monitors[1].pauses
-        assert ft.monitors[1].weight_sync is None, "eval engines never get training weights"
+        assert weight_sync in ft.monitors[0].pauses and ft.eval_fleet in ft.monitors[1].pauses
+        # one recovery per group: the monitor recovers rollout engines through the weight sync's own
+        assert ft.monitors[0].recovery is weight_sync.recovery
+        assert ft.monitors[1].recovery.weights is None, "eval engines never get training weights"
 
 
 @pytest.mark.parametrize("mode", ["debug_train_only", "replay"])

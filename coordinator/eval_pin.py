@@ -1,0 +1,198 @@
+"""Pinning the eval engines to one weight snapshot, for one evaluation at a time.
+
+Owns what the eval engines serve: `EvalPin.pin(snapshot, version)` loads one snapshot on every alive eval
+engine and checks it; `PinnedPool` is the set of engines one evaluation may then use (the EvalFleet's
+dispatcher picks among them only).
+
+Invariants:
+- `pin()` returns only when every engine it pinned reports the pinned version and answered a 1-token
+  generate; otherwise it raises `EvalSkip("unhealthy" | "pin_violation")`.
+- `pin()` probes the engines itself exactly when no monitor watches them (`probe_before_pin`, from
+  `Config.health_monitor_enabled`) and brings dead ones back through `EngineRecovery` (the same recovery as
+  every engine group's); otherwise it leaves probing and recovery to the monitor.
+- While a pin loads weights its `updating` event is clear, so the eval group's monitor does not probe a
+  loading engine; an engine relaunched after a pin is not in that pin's pool (it serves the base weights).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+
+from coordinator.engines.client import NO_RETRY, EngineClient, EngineError
+from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
+from coordinator.engines.recovery import EngineRecovery
+
+log = logging.getLogger(__name__)
+
+
+class EvalSkip(Exception):
+    """An evaluation that did not run. `reason`: "unhealthy", "pin_violation" or "busy"."""
+
+    REASONS = ("unhealthy", "pin_violation", "busy")
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        if reason not in self.REASONS:
+            raise ValueError(f"EvalSkip reason must be one of {self.REASONS}, got {reason!r}")
+        super().__init__(f"eval skipped ({reason}){': ' + detail if detail else ''}")
+        self.reason = reason
+        self.detail = detail
+
+
+class PinnedPool:
+    """The engines one evaluation may use: those pinned by it, in the incarnation that was pinned (a
+    relaunched engine serves the base weights until the next pin, so it is not used)."""
+
+    def __init__(self, fleet: EngineFleet, pinned: dict[str, int]) -> None:
+        self.fleet = fleet
+        self.pinned = pinned
+
+    def alive(self) -> list[EngineHandle]:
+        return [h for h in self.fleet.alive() if self.pinned.get(h.name) == h.incarnation]
+
+    async def check(self, handle: EngineHandle) -> bool:
+        return await self.fleet.check(handle)
+
+    async def wait_any_alive(self, timeout: float) -> list[EngineHandle]:
+        with anyio.fail_after(timeout):
+            while not (alive := self.alive()):
+                await self.fleet.wait_changed()
+        return alive
+
+    def mark_dead(self, handle: EngineHandle, reason: str) -> None:
+        self.fleet.mark_dead(handle, reason)
+
+    async def wait_changed(self) -> None:
+        await self.fleet.wait_changed()
+
+
+class EvalPin:
+    """Loads one snapshot into the eval engines per evaluation.
+
+    Args:
+        fleet: the EngineFleet of group "eval".
+        client: the shared engine client.
+        probe_before_pin: True when no HealthMonitor watches the eval engines.
+        pin_wait: seconds `pin()` waits for dead engines to come back before going on with the alive ones.
+        timeout: bound on each engine call during a pin (load, version, 1-token generate).
+    """
+
+    def __init__(self, *, fleet: EngineFleet, client: EngineClient, probe_before_pin: bool, pin_wait: float,
+                 timeout: float) -> None:
+        self.fleet = fleet
+        self.client = client
+        self.probe_before_pin = probe_before_pin
+        self.pin_wait = pin_wait
+        self.timeout = timeout
+        self.recovery = EngineRecovery(fleet=fleet)  # used only while no monitor watches these engines
+        # Pausing protocol for the eval group's HealthMonitor: set = not pinning.
+        self.updating = anyio.Event()
+        self.updating.set()
+        self.probes = 0  # engine probes made by pin() itself (0 whenever a monitor watches the engines)
+        self.pins = 0
+
+    async def pin(self, checkpoint_dir: str, weight_version: str) -> dict[str, int]:
+        """Make the eval engines serve `checkpoint_dir` as `weight_version`; returns {engine: incarnation}.
+
+        Raises EvalSkip("unhealthy") when no engine is alive (after probing/recovering) or one does not answer
+        a 1-token generate, EvalSkip("pin_violation") when an engine does not report the version after a
+        second load.
+        """
+        self.pins += 1
+        if self.probe_before_pin:
+            await self._probe_and_recover()
+        alive = await self._wait_alive()
+        self.updating = anyio.Event()  # the eval group's monitor (if any) must not probe a loading engine
+        try:
+            await self._load(alive, checkpoint_dir, weight_version)
+            await self._one_token(alive)
+        finally:
+            self.updating.set()
+        return {h.name: h.incarnation for h in alive}
+
+    async def _probe_and_recover(self) -> None:
+        async def probe(handle: EngineHandle) -> None:
+            if handle.state is not EngineState.ALIVE:
+                return
+            self.probes += 1
+            if not await self.fleet.check(handle):
+                self.fleet.mark_dead(handle, "eval fleet probe before pinning failed")
+
+        async def recover(handle: EngineHandle) -> None:
+            try:
+                await self.recovery.recover(handle, timeout=self.pin_wait)
+            except Exception as error:  # the pin goes on with the others; none alive → unhealthy
+                log.warning("eval engine %s could not be recovered: %r", handle.name, error)
+
+        async with anyio.create_task_group() as tg:
+            for handle in self.fleet.engines:
+                tg.start_soon(probe, handle)
+        async with anyio.create_task_group() as tg:
+            for handle in self.fleet.engines:
+                if handle.state is EngineState.DEAD:
+                    tg.start_soon(recover, handle)
+
+    async def _wait_alive(self) -> list[EngineHandle]:
+        """Every engine alive, or after `pin_wait` the alive ones; none → unhealthy."""
+        with anyio.move_on_after(0 if self.probe_before_pin else self.pin_wait):
+            while len(self.fleet.alive()) < len(self.fleet.engines):
+                await self.fleet.wait_changed()
+        alive = self.fleet.alive()
+        if not alive:
+            states = {h.name: h.dead_reason or h.state.value for h in self.fleet.engines}
+            raise EvalSkip("unhealthy", f"no eval engine is alive: {states}")
+        return alive
+
+    async def _load(self, engines: list[EngineHandle], checkpoint_dir: str, version: str) -> None:
+        async def load(handle: EngineHandle) -> None:
+            api = self.client.engine(handle.url)
+            with anyio.fail_after(self.timeout):
+                await api.update_weights_from_disk(checkpoint_dir, weight_version=version, flush_cache=True,
+                                                   timeout=self.timeout)
+
+        async def version_of(handle: EngineHandle) -> str:
+            with anyio.fail_after(self.timeout):
+                return await self.client.engine(handle.url).get_weight_version(timeout=self.timeout)
+
+        wrong = await self._for_each(engines, load, version_of, version)
+        if wrong:
+            log.warning("eval engines %s do not report version %s after the load; loading once more", wrong, version)
+            wrong = await self._for_each([h for h in engines if h.name in wrong], load, version_of, version)
+        if wrong:
+            raise EvalSkip("pin_violation", f"engines report {wrong} instead of weight version {version!r}")
+
+    async def _for_each(self, engines: list[EngineHandle], load: Any, version_of: Any, version: str) -> dict[str, str]:
+        wrong: dict[str, str] = {}
+
+        async def one(handle: EngineHandle) -> None:
+            try:
+                await load(handle)
+                got = await version_of(handle)
+            except (EngineError, TimeoutError) as error:
+                got = f"<load failed: {error}>"[:300]
+            if got != version:
+                wrong[handle.name] = got
+
+        async with anyio.create_task_group() as tg:
+            for handle in engines:
+                tg.start_soon(one, handle)
+        return wrong
+
+    async def _one_token(self, engines: list[EngineHandle]) -> None:
+        failed: dict[str, str] = {}
+
+        async def one(handle: EngineHandle) -> None:
+            payload = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+            try:
+                with anyio.fail_after(self.timeout):
+                    await self.client.engine(handle.url).generate(payload, timeout=self.timeout, retry=NO_RETRY)
+            except (EngineError, TimeoutError) as error:
+                failed[handle.name] = str(error)[:300]
+
+        async with anyio.create_task_group() as tg:
+            for handle in engines:
+                tg.start_soon(one, handle)
+        if failed:
+            raise EvalSkip("unhealthy", f"pinned engines did not answer a 1-token generate: {failed}")

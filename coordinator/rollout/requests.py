@@ -1,0 +1,223 @@
+"""Generate requests and responses: how samples become `/generate` requests and responses become samples.
+
+Owns, for every path that generates (the default rollout and the eval fleet): `GenerateState` (tokenizer,
+sampling defaults, response budget, request slots, base seed), the per-sample sampling seed, the request of
+one group on one engine (one batched request without a router, one request per sample through
+sglang-router, which refuses batched bodies), and the reading of a response into its sample (tokens,
+logprobs, finish reason → status, weight version, engine).
+
+Invariants:
+- every finish reason maps to a status through `FINISH_STATUS`; any other one is an error, never a guess;
+- a sample's seed depends only on (base seed, rollout or eval id, group, index, tokens generated so far), so a
+  rerun with the same weights draws the same tokens, and a resumed partial sample draws new ones;
+- with logprobs requested, a response's tokens and logprobs agree in number, or it is an error;
+- at most `GenerateState.concurrency` requests are in flight, taken a group at a time (`slots`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+
+from coordinator.rollout.data_source import PromptRecord
+from coordinator.rollout.dispatch import Dispatcher
+from replay.sample import Sample, SampleStatus
+
+FINISH_STATUS = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
+
+_SEED_MODULUS = 2**31 - 1
+
+
+@dataclass
+class GenerateState:
+    """What generation needs besides engines: tokenizer, sampling defaults, and the concurrency bound."""
+
+    tokenizer: Any
+    sampling_params: dict[str, Any]
+    max_response_len: int
+    context_length: int
+    concurrency: int
+    seed: int
+    free_slots: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.free_slots = self.concurrency
+        self._queue = anyio.Lock()  # FIFO: groups take their slots in arrival order
+        self._freed = anyio.Event()
+
+    @asynccontextmanager
+    async def slots(self, count: int) -> AsyncIterator[None]:
+        """Hold `count` request slots (clipped to the concurrency), all at once: a group never holds part of
+        what it needs while waiting for the rest, so groups cannot starve each other into a deadlock. Only
+        the group at the head of the queue waits for slots to free up; the others wait their turn in the
+        lock, so a release wakes one task, not every waiting group."""
+        count = min(count, self.concurrency)
+        async with self._queue:
+            while self.free_slots < count:
+                await self._freed.wait()
+            self.free_slots -= count
+        try:
+            yield
+        finally:
+            self.free_slots += count
+            self._freed.set()
+            self._freed = anyio.Event()
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def max_new_tokens(self, prompt_length: int, already_generated: int = 0) -> int:
+        """The response budget of one sample, clipped so prompt + response fits the context length."""
+        room = self.context_length - prompt_length
+        return max(0, min(self.max_response_len - already_generated, room))
+
+
+class GenerateProgress(Protocol):
+    """Counters a caller may keep (the rollout's progress line): requests in flight, tokens received."""
+
+    in_flight: int
+    generated_tokens: int
+
+
+def sampling_seed(seed: int, rollout_id: int, sample: Sample) -> int:
+    """Deterministic per-sample seed, so a rerun with the same weights draws the same tokens."""
+    value = (seed * 1_000_003 + rollout_id) * 1_000_003 + sample.group_index * 1_009 + sample.sample_index
+    return (value + sample.response_length * 7_919) % _SEED_MODULUS
+
+
+def new_sample(record: PromptRecord, prompt_ids: list[int], group: int, index: int) -> Sample:
+    """Sample `index` of prompt group `group`, before anything was generated."""
+    return Sample(
+        group_index=group,
+        sample_index=index,
+        prompt=str(record.prompt),
+        tokens=list(prompt_ids),
+        response_length=0,
+        loss_mask=[],
+        rollout_log_probs=[],
+        status=SampleStatus.PENDING,
+        label=record.label,
+        metadata={**record.metadata, "prompt_index": record.index},
+    )
+
+
+def request_params(state: GenerateState, sample: Sample, rollout_id: int) -> dict[str, Any] | None:
+    """The sampling params of one sample's request, or None when it has no room left to generate."""
+    prompt_length = sample.prompt_length
+    budget = state.max_new_tokens(prompt_length, sample.response_length)
+    if budget <= 0 and sample.response_length == 0:
+        raise ValueError(
+            f"prompt {sample.metadata.get('prompt_index')} has {prompt_length} tokens, leaving no room in the "
+            f"context length {state.context_length}; shorten it or raise --rollout-max-context-len"
+        )
+    if budget <= 0:
+        sample.status = SampleStatus.TRUNCATED
+        return None
+    seed = sampling_seed(state.seed, rollout_id, sample)
+    return {**state.sampling_params, "max_new_tokens": budget, "sampling_seed": seed}
+
+
+def finish_status(meta: dict[str, Any]) -> SampleStatus:
+    finish = meta.get("finish_reason") or {}
+    status = FINISH_STATUS.get(finish.get("type") if isinstance(finish, dict) else None)
+    if status is None:
+        raise ValueError(f"engine returned an unknown finish_reason {finish!r}")
+    return status
+
+
+def apply_response(state: GenerateState, sample: Sample, response: dict[str, Any], *, logprobs: bool = True) -> int:
+    """Append one response to its sample (tokens, logprobs, status, text, weight version); returns the number
+    of tokens it added."""
+    meta = response.get("meta_info") or {}
+    output_ids = response.get("output_ids")
+    logprob_triples = meta.get("output_token_logprobs") or []
+    if output_ids is None:  # SGLang before 0.5.1 has no output_ids; the logprob triples carry the ids
+        if not logprobs:
+            raise ValueError(f"engine returned no output_ids for rid {meta.get('id')}; it needs SGLang 0.5.1+")
+        output_ids = [int(triple[1]) for triple in logprob_triples]
+    if logprobs and len(logprob_triples) != len(output_ids):
+        raise ValueError(
+            f"engine returned {len(output_ids)} tokens but {len(logprob_triples)} logprobs for rid "
+            f"{meta.get('id')}; the engine must honour return_logprob"
+        )
+    status = finish_status(meta)
+    sample.tokens = sample.tokens + [int(token) for token in output_ids]
+    sample.response_length += len(output_ids)
+    sample.loss_mask = sample.loss_mask + [1] * len(output_ids)
+    if logprobs:
+        sample.rollout_log_probs = sample.rollout_log_probs + [float(triple[0]) for triple in logprob_triples]
+    sample.response = state.decode(sample.response_tokens)
+    sample.status = status
+    version = str(meta.get("weight_version", "default"))
+    if not sample.weight_versions or sample.weight_versions[-1] != version:
+        sample.weight_versions = [*sample.weight_versions, version]
+    return len(output_ids)
+
+
+async def generate_group(
+    state: GenerateState,
+    dispatcher: Dispatcher,
+    samples: list[Sample],
+    rollout_id: int,
+    *,
+    logprobs: bool = True,
+    progress: GenerateProgress | None = None,
+) -> list[Sample]:
+    """Generate the unfinished samples of one group on one engine; returns `samples`, updated in place.
+
+    Without a router the group is one batched request (one prompt copy per sample, each with its own
+    sampling seed): one HTTP round trip instead of n. Through sglang-router, which refuses batched bodies,
+    each sample is its own request.
+    """
+    pending = [sample for sample in samples
+               if sample.status not in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)]
+    items = [(sample, request_params(state, sample, rollout_id)) for sample in pending]
+    ready = [(sample, params) for sample, params in items if params is not None]
+    if not ready:
+        return samples
+
+    def received(sample: Sample, response: dict[str, Any], url: str) -> None:
+        sample.metadata["engine"] = url
+        tokens = apply_response(state, sample, response, logprobs=logprobs)
+        if progress is not None:
+            progress.generated_tokens += tokens
+
+    async def one(sample: Sample, params: dict[str, Any], engine: Any) -> None:
+        payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": logprobs,
+                   "rid": uuid.uuid4().hex}
+        response, url = await dispatcher.generate(payload, engine=engine)
+        received(sample, response, url)
+
+    async with dispatcher.group_engine() as engine, state.slots(len(ready)):
+        if progress is not None:
+            progress.in_flight += len(ready)
+        try:
+            if dispatcher.router_url is None:
+                payload = {
+                    "input_ids": [sample.tokens for sample, _ in ready],
+                    "sampling_params": [params for _, params in ready],
+                    "return_logprob": logprobs,
+                }
+                responses, url = await dispatcher.generate(payload, engine=engine)
+                for (sample, _), response in zip(ready, responses, strict=True):  # type: ignore[arg-type]
+                    received(sample, response, url)
+            else:
+                async with anyio.create_task_group() as task_group:
+                    for sample, params in ready:
+                        task_group.start_soon(one, sample, params, engine)
+        finally:
+            if progress is not None:
+                progress.in_flight -= len(ready)
+    return samples

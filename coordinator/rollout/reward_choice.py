@@ -1,0 +1,46 @@
+"""Which reward scores a prompt source: the one rule the rollout manager and the eval fleet share.
+
+Owns the choice of a `RewardModel` from the reward flags (`--rm-type`, `--custom-rm-path`, `--group-rm`,
+`--reward-key`). Invariants: `--custom-rm-path` wins over `--rm-type` (RewardModel's own rule); with neither
+flag, a `builtin:<task>` prompt source is scored by its task's rm type; otherwise there is no reward (None)
+and the caller names the flag to give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from coordinator.rollout.rewards import RewardModel
+from coordinator.rollout.tasks import builtin_task_name, get_task
+
+if TYPE_CHECKING:
+    from coordinator.config import Config
+
+
+@dataclass(frozen=True)
+class RewardChoice:
+    rm_type: str | None = None
+    custom_rm_path: str | None = None
+    group_rm: bool = False
+    reward_key: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Config) -> RewardChoice:
+        return cls(rm_type=config.rm_type, custom_rm_path=config.custom_rm_path, group_rm=config.group_rm,
+                   reward_key=config.reward_key)
+
+    def resolved(self, prompt_source: str | None) -> RewardChoice:
+        """This choice, with the rm type of `prompt_source`'s built-in task when no reward flag names one."""
+        task = builtin_task_name(prompt_source)
+        if self.rm_type is None and self.custom_rm_path is None and task is not None:
+            return dataclasses.replace(self, rm_type=get_task(task).rm_type)
+        return self
+
+    def model(self) -> RewardModel | None:
+        """The RewardModel of this choice; None when it names no reward."""
+        if self.rm_type is None and self.custom_rm_path is None:
+            return None
+        return RewardModel(rm_type=self.rm_type, custom_rm_path=self.custom_rm_path, group_rm=self.group_rm,
+                           reward_key=self.reward_key)
