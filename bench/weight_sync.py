@@ -36,7 +36,7 @@ from engine_proc import start_engine_process  # noqa: E402
 
 from coordinator.engines.client import EngineClient  # noqa: E402
 from coordinator.engines.launch import free_port  # noqa: E402
-from coordinator.train_group import TrainGroup  # noqa: E402
+from coordinator.train.group import TrainGroup  # noqa: E402
 from workers.tiny_model import TinyModelSpec, build_tiny_model, count_parameters  # noqa: E402
 
 

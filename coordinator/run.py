@@ -199,7 +199,7 @@ async def _start_services(config: Config, run_dir: Path, task_group: Any, stack:
         starters += [start_engines, load_tokenizer]
 
     if config.needs_train_ranks:
-        from coordinator.train_group import TrainGroup
+        from coordinator.train.group import TrainGroup
 
         services.train_group = TrainGroup(
             nproc_per_node=config.actor_num_gpus_per_node,

@@ -15,7 +15,7 @@ import torch
 from test_train_group import TRAIN_CONFIG, as_samples
 from test_train_rank import synthetic_samples
 
-from coordinator.train_group import TrainGroup
+from coordinator.train.group import TrainGroup
 
 pytestmark = [
     pytest.mark.gpu,
