@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -76,28 +76,42 @@ async def terminate_process_group(proc: subprocess.Popen[bytes], grace: float) -
 
     `proc` must lead its own group (see `spawn_group_leader`) and not be reaped yet. Returns its exit status.
     """
+    with anyio.CancelScope(shield=True):
+        for pause in _terminate_steps(proc, grace):
+            await anyio.sleep(pause)
+    return proc.returncode
+
+
+def terminate_process_group_blocking(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """`terminate_process_group` for code with no event loop (the test and bench helpers)."""
+    for pause in _terminate_steps(proc, grace):
+        time.sleep(pause)
+    return proc.returncode
+
+
+def _terminate_steps(proc: subprocess.Popen[bytes], grace: float) -> Iterator[float]:
+    """Ending a process group, step by step; yields how long to pause between checks, so the one sequence
+    serves async and blocking callers (no event exists for a child's exit short of SIGCHLD handlers)."""
     import psutil  # here, not at the top: `coordinator.run` imports this module and starts faster without it
 
-    with anyio.CancelScope(shield=True):
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)  # helpers that left the group
+    except psutil.Error:
+        descendants = []
+    if exit_status(proc) is None:
+        _killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while exit_status(proc) is None and time.monotonic() < deadline:
+            yield 0.05
+    # The leader is exited but not reaped, so its pgid is still ours: sweep the whole group.
+    _killpg(proc.pid, signal.SIGKILL)
+    for child in descendants:
         try:
-            descendants = psutil.Process(proc.pid).children(recursive=True)  # helpers that left the group
+            child.kill()
         except psutil.Error:
-            descendants = []
-        if exit_status(proc) is None:
-            _killpg(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while exit_status(proc) is None and time.monotonic() < deadline:  # noqa: ASYNC110
-                await anyio.sleep(0.05)
-        # The leader is exited but not reaped, so its pgid is still ours: sweep the whole group.
-        _killpg(proc.pid, signal.SIGKILL)
-        for child in descendants:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        while proc.poll() is None:  # noqa: ASYNC110 - SIGKILLed: reaped within milliseconds
-            await anyio.sleep(0.02)
-        return proc.returncode
+            pass
+    while proc.poll() is None:  # SIGKILLed: reaped within milliseconds
+        yield 0.02
 
 
 def _killpg(pgid: int, sig: int) -> None:
