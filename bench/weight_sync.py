@@ -30,7 +30,7 @@ import torch
 
 from coordinator.engines.client import EngineClient
 from coordinator.engines.launch import free_port
-from coordinator.train_group import TrainGroup
+from coordinator.train.group import TrainGroup
 from tests.support.engine_proc import start_engine_process
 from workers.tiny_model import TinyModelSpec, build_tiny_model, count_parameters
 

@@ -11,10 +11,10 @@ the loop cannot tell), train on it, push the new weights to the engines, save on
 Invariant: the weight version names the number of optimizer updates applied to the policy, as a string
 ("0" = `--hf-checkpoint`); after the sync of step k every engine reports str(k + 1).
 
-Train FT (`Config.train_ft_enabled` only): a step that fails with `RankFailure` waits for torchrun's restart
-(`trainer.recover()`: ranks reconnect, are initialised again and load the last checkpoint) and is sent again,
-at most `--max-restarts` times; engines are not touched. Without train FT the failure ends the run, naming the
-rank.
+Train FT lives behind the `Trainer` protocol: with `--max-restarts` given to torchrun, the trainer itself
+brings restarted ranks back to the last checkpoint and sends the step again (`coordinator.train.recovery`);
+the loop only reports `trainer.recoveries`. Engines are not touched. Without train FT a rank failure ends the
+run, naming the rank.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ class Trainer(Protocol):
     async def train(self, rollout_id: int, samples: list[Any]) -> dict[str, float]: ...
 
     async def save(self, rollout_id: int, extra: dict[str, Any]) -> Any: ...
+
+    @property
+    def recoveries(self) -> int:
+        """Times the trainer brought failed ranks back and resent a step (train FT)."""
+        ...
 
 
 class Syncer(Protocol):
@@ -82,13 +87,15 @@ class TrainingLoop:
         self.num_rollout = num_rollout
         self.hooks = hooks or []
         self.version = start_rollout  # optimizer updates applied so far
-        self.train_recoveries = 0
-        self._rank_generation: dict[int, int] | None = None  # train FT: restart count of each rank at init
         self._version_changed = anyio.Event()
 
     @property
     def weight_version(self) -> str:
         return str(self.version)
+
+    @property
+    def train_recoveries(self) -> int:
+        return self.trainer.recoveries if self.trainer is not None else 0
 
     async def run(self) -> LoopResult:
         result = LoopResult()
@@ -137,7 +144,7 @@ class TrainingLoop:
         result.rollouts += 1
         if self.trainer is not None:
             train_started = time.monotonic()
-            train_metrics = await self._train_step(rollout_id, batch.samples)
+            train_metrics = await self.trainer.train(rollout_id, batch.samples)
             record.update({key if key.startswith("train/") else f"train/{key}": value
                            for key, value in train_metrics.items()})
             record["train/time_s"] = time.monotonic() - train_started
@@ -157,78 +164,12 @@ class TrainingLoop:
         for hook in self.hooks:
             await hook.after_step(rollout_id, self.weight_version)
 
-    async def _train_step(self, rollout_id: int, samples: list[Any]) -> dict[str, float]:
-        assert self.trainer is not None
-        if not self.config.train_ft_enabled:
-            return await self.trainer.train(rollout_id, samples)
-        from coordinator.train_group import RankFailure
-
-        group: Any = self.trainer
-        if self._rank_generation is None:
-            self._rank_generation = _generation(group)
-        while True:
-            # torchrun may have restarted the ranks while we generated: they are back but hold no model yet.
-            if len(group.ranks) < group.world_size or _generation(group) != self._rank_generation:
-                if self.train_recoveries >= self.config.max_restarts:
-                    raise RankFailure(sorted(set(range(group.world_size)) - set(group.ranks)),
-                                      f"train FT gave up after {self.train_recoveries} recoveries (--max-restarts)")
-                self.train_recoveries += 1
-                log.warning("train FT: ranks failed before rollout %d's step; waiting for the restarted ranks "
-                            "(recovery %d of at most %d)", rollout_id, self.train_recoveries,
-                            self.config.max_restarts)
-                loaded = await recover_train_group(group, failed_generation=max(self._rank_generation.values(),
-                                                                                 default=0))
-                self._rank_generation = _generation(group)
-                log.warning("train FT: ranks are back%s; sending rollout %d's step",
-                            f" from checkpoint {loaded.path}" if loaded is not None else " from the initial model",
-                            rollout_id)
-            try:
-                return await group.train(rollout_id, samples)
-            except RankFailure as failure:
-                if len(group.ranks) == group.world_size and _generation(group) == self._rank_generation:
-                    raise  # every rank is still there: not a rank death that a restart can mend
-                log.warning("train step of rollout %d failed: %s", rollout_id, failure.reason)
-                # the loop head sees the missing or restarted ranks and recovers them
-
     async def save(self, rollout_id: int) -> None:
         assert self.trainer is not None
         extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
                  "rollout_state": self.rollouts.state_dict()}
         path = await self.trainer.save(rollout_id, extra)
         log.info("saved checkpoint of rollout %d to %s", rollout_id, path)
-
-
-def _generation(group: Any) -> dict[int, int]:
-    return {rank: info.restart_count for rank, info in group.ranks.items()}
-
-
-async def recover_train_group(group: Any, *, failed_generation: int, timeout: float = 300.0) -> Any:
-    """Train FT, after a RankFailure: wait until torchrun's restart brought every rank back (each reports a
-    restart count above the failed generation's), initialise them again with the same train config, and load
-    the last checkpoint of the save dir when there is one (else they start from the initial model).
-    Returns the CheckpointInfo loaded, or None.
-    """
-    from coordinator.train_group import RankFailure
-
-    try:
-        with anyio.fail_after(timeout):
-            while True:
-                await group.wait_for_ranks(restarted_after=failed_generation)
-                try:
-                    await group.init(group.train_config)
-                    break
-                except RankFailure:
-                    # A rank of the old generation was still listed, or the new one failed again: wait for the
-                    # group to change rather than spin on a call that fails at once.
-                    await anyio.sleep(0.1)
-    except TimeoutError:
-        missing = sorted(set(range(group.world_size)) - set(group.ranks))
-        raise RankFailure(missing, f"train FT: the ranks did not all come back within {timeout:.0f}s "
-                                   "(torchrun out of --max-restarts?)") from None
-    save_dir = (group.train_config or {}).get("save_dir")
-    if save_dir and await anyio.Path(save_dir, "latest").exists():
-        return await group.load_checkpoint(save_dir)
-    return None
 
 
 def _summary(rollout_id: int, total: int, record: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 
 from coordinator.config import Config, write_resolved_config
+from coordinator.processes import leaf_exceptions
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -68,7 +69,7 @@ def run_training_sync(config: Config) -> int:
         log.error("interrupted; every launched process was stopped")
         return 130
     except BaseExceptionGroup as group:
-        errors = _flatten(group)
+        errors = leaf_exceptions(group)
         for error in errors:
             log.error("run failed: %s", _describe(error), exc_info=_unexpected(error))
         return 1
@@ -76,12 +77,6 @@ def run_training_sync(config: Config) -> int:
         log.error("run failed: %s", _describe(error), exc_info=_unexpected(error))
         return 1
     return 0
-
-
-def _flatten(group: BaseException) -> list[BaseException]:
-    if isinstance(group, BaseExceptionGroup):
-        return [leaf for inner in group.exceptions for leaf in _flatten(inner)]
-    return [group]
 
 
 def _unexpected(error: BaseException) -> bool:
@@ -204,7 +199,7 @@ async def _start_services(config: Config, run_dir: Path, task_group: Any, stack:
         starters += [start_engines, load_tokenizer]
 
     if config.needs_train_ranks:
-        from coordinator.train_group import TrainGroup
+        from coordinator.train.group import TrainGroup
 
         services.train_group = TrainGroup(
             nproc_per_node=config.actor_num_gpus_per_node,

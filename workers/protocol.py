@@ -1,13 +1,19 @@
 """The control channel between the coordinator and the training ranks: frames, messages, handshake.
 
-Owns the wire contract, shared by both sides (`coordinator.train_group` and `workers.train_rank`); it
-imports no coordinator code and no torch at import time (the coordinator must not pay for torch).
+Owns the wire contract, shared by both sides (`coordinator.train` and `workers.train_rank`); it
+imports no coordinator code and no torch at import time (the coordinator must not pay for torch). It is
+one module over ~450 lines on purpose: a reader of either side finds every frame, message, command and
+record of the contract in this one file.
 
 Wire format: every frame is a 4-byte big-endian length followed by a msgpack body of at most
 `max_frame_bytes` (default `MAX_FRAME_BYTES`). Tensors travel as msgpack ext type `TENSOR_EXT`
 holding `[dtype name, shape, raw bytes]`; nothing is ever pickled. Every body is a map with a `kind`
 naming one of the message dataclasses below; `decode_message` accepts only those kinds and only their
 fields, so a malformed peer gets a `ProtocolError` naming the problem, never a TypeError from deep inside.
+The values inside messages that both sides read field by field — a sample to train on (`WireSample`), one
+rank's numbers for one optimizer step (`StepMetrics`, inside `TrainResult`) — are `Record`s, decoded the
+same way: unknown or missing fields are refused. Changing any of them changes `PROTOCOL_VERSION`, which
+the handshake compares, so ranks and coordinator never read each other's records under different shapes.
 
 Handshake: the rank sends `Hello` (protocol version, token, rank, world size, local rank, pid, restart
 count); the coordinator checks the version and compares the token with `hmac.compare_digest`, then answers
@@ -25,7 +31,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgpack
 
@@ -33,7 +39,9 @@ if TYPE_CHECKING:
     from anyio.abc import ByteStream
     from anyio.streams.buffered import BufferedByteReceiveStream
 
-PROTOCOL_VERSION = 1
+T = TypeVar("T")
+
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 TENSOR_EXT = 1
 HEADER = struct.Struct(">I")
@@ -141,6 +149,28 @@ def check_length(length: int, max_frame_bytes: int) -> None:
 MESSAGE_TYPES: dict[str, type[Message]] = {}
 
 
+def build(cls: type[T], values: dict[str, Any], what: str) -> T:
+    """`cls(**values)` for a dataclass, or ProtocolError naming `what` and its unknown / missing fields."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    unknown = set(values) - {f.name for f in fields}
+    if unknown:
+        raise ProtocolError(f"{what} has unknown fields {sorted(unknown)}")
+    missing = [
+        f.name
+        for f in fields
+        if f.init
+        and f.name not in values
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ProtocolError(f"{what} is missing fields {missing}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{what} has an invalid field: {exc}") from exc
+
+
 @dataclass
 class Message:
     kind: ClassVar[str] = ""
@@ -154,6 +184,102 @@ class Message:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         body["kind"] = self.kind
         return body
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any]) -> Message:
+        """The message from its decoded fields (`kind` removed); overridden where a field holds records."""
+        return build(cls, values, f"message {cls.kind!r}")
+
+
+@dataclass
+class Record:
+    """A typed value inside a message (a sample, one step's metrics), decoded with its fields checked."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_wire(cls: type[T], obj: Any) -> T:
+        if not isinstance(obj, dict):
+            raise ProtocolError(f"a {cls.__name__} must be a map, got {type(obj).__name__}")
+        return build(cls, obj, f"record {cls.__name__!r}")
+
+
+# Records: what both sides read field by field.
+
+
+@dataclass
+class WireSample(Record):
+    """One sample as a rank trains on it: prompt + response `tokens`, the response being the last
+    `response_length` of them; `loss_mask` and `rollout_log_probs` have one entry per response token."""
+
+    tokens: list[int]
+    response_length: int
+    loss_mask: list[int]
+    rollout_log_probs: list[float]
+    advantage: float = 0.0
+
+    @classmethod
+    def from_sample(cls, sample: Any) -> WireSample:
+        """A `replay.sample.Sample` (anything with its training fields) → plain ints and floats, validated
+        first when the sample can validate itself."""
+        validate = getattr(sample, "validate", None)
+        if validate is not None:
+            validate()
+        return cls(
+            tokens=[int(token) for token in sample.tokens],
+            response_length=int(sample.response_length),
+            loss_mask=[int(value) for value in sample.loss_mask],
+            rollout_log_probs=[float(value) for value in sample.rollout_log_probs],
+            advantage=float(sample.advantage),
+        )
+
+
+@dataclass
+class StepMetrics(Record):
+    """One rank's raw numbers for one optimizer step (`TrainResult.steps`).
+
+    The first eight are sums over this rank's tokens (the losses already divided by the step's loss tokens
+    over all ranks), so the ranks' values add up; `logprob_abs_diff_max` is this rank's maximum; `grad_norm`
+    and `lr` are the same on every rank (gradients are all-reduced before clipping); `step_time_s` is this
+    rank's wall time. `coordinator.train.planning.reduce_step_metrics` combines them into a step's metrics.
+    """
+
+    loss: float
+    pg_loss: float
+    loss_tokens: float
+    clipped_tokens: float
+    entropy_sum: float
+    kl_sum: float
+    logprob_abs_diff_sum: float
+    num_tokens: float
+    logprob_abs_diff_max: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"StepMetrics.{f.name} must be a number, got {value!r}")
+
+
+@dataclass
+class TrainResult(Record):
+    """A rank's answer to `TrainCommand`: one `StepMetrics` per optimizer step, in order."""
+
+    steps: list[StepMetrics]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"steps": [step.to_wire() for step in self.steps]}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> TrainResult:
+        if not isinstance(obj, dict) or not isinstance(obj.get("steps"), list):
+            raise ProtocolError(f"a TrainResult must be a map with a 'steps' list, got {obj!r:.200}")
+        steps = [StepMetrics.from_wire(step) for step in obj["steps"]]
+        return build(cls, {**obj, "steps": steps}, "record 'TrainResult'")
 
 
 @dataclass
@@ -198,15 +324,30 @@ class InitCommand(Command):
 class TrainCommand(Command):
     """One rollout's shard for this rank: `steps[i]` is this rank's part of optimizer step i.
 
-    A sample is a map: tokens, response_length, loss_mask, rollout_log_probs, advantage.
     `step_loss_tokens[i]` is the number of loss-mask tokens of step i over *all* ranks, so every rank
-    divides by the same count and the token mean spans the whole global batch.
+    divides by the same count and the token mean spans the whole global batch. Answered by a `TrainResult`.
     """
 
     kind: ClassVar[str] = "train"
     rollout_id: int
-    steps: list[list[dict[str, Any]]]
+    steps: list[list[WireSample]]
     step_loss_tokens: list[int]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "rollout_id": self.rollout_id,
+            "steps": [[sample.to_wire() for sample in step] for step in self.steps],
+            "step_loss_tokens": self.step_loss_tokens,
+        }
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any]) -> Message:
+        steps = values.get("steps")
+        if not isinstance(steps, list) or not all(isinstance(step, list) for step in steps):
+            raise ProtocolError("message 'train' needs 'steps', a list of lists of samples")
+        values = {**values, "steps": [[WireSample.from_wire(sample) for sample in step] for step in steps]}
+        return build(cls, values, f"message {cls.kind!r}")
 
 
 @dataclass
@@ -266,6 +407,13 @@ class Request(Message):
     def to_wire(self) -> dict[str, Any]:
         return {"kind": self.kind, "request_id": self.request_id, "command": self.command.to_wire()}
 
+    @classmethod
+    def from_fields(cls, values: dict[str, Any]) -> Message:
+        command = decode_message(values.get("command"))
+        if not isinstance(command, Command):
+            raise ProtocolError(f"request carries a {command.kind!r}, which is not a command")
+        return build(cls, {**values, "command": command}, f"message {cls.kind!r}")
+
 
 @dataclass
 class Response(Message):
@@ -291,20 +439,7 @@ def decode_message(obj: Any) -> Message:
     cls = MESSAGE_TYPES.get(kind)
     if cls is None:
         raise ProtocolError(f"unknown message kind {kind!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    values = {key: value for key, value in obj.items() if key != "kind"}
-    unknown = set(values) - names
-    if unknown:
-        raise ProtocolError(f"message {kind!r} has unknown fields {sorted(unknown)}")
-    if cls is Request:
-        command = decode_message(values.get("command"))
-        if not isinstance(command, Command):
-            raise ProtocolError(f"request carries a {command.kind!r}, which is not a command")
-        values["command"] = command
-    try:
-        return cls(**values)
-    except TypeError as exc:
-        raise ProtocolError(f"message {kind!r} is missing fields: {exc}") from exc
+    return cls.from_fields({key: value for key, value in obj.items() if key != "kind"})
 
 
 # ------------------------------------------------------------------------------------------ async side

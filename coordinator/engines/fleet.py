@@ -32,6 +32,7 @@ import anyio
 
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineUnreachable
 from coordinator.engines.launch import EngineLaunchError, EngineLaunchSpec, EngineProcess, engine_log_path
+from coordinator.processes import leaf_exceptions
 
 T = TypeVar("T")
 
@@ -135,7 +136,7 @@ class EngineFleet:
             except Exception as exc:
                 # One engine failing cancels the others' launches: raise the engine's own error rather than
                 # an exception group (the group, naming any other failed engine, stays as its cause).
-                leaves = _leaves(exc)
+                leaves = leaf_exceptions(exc)
                 if all(isinstance(e, EngineLaunchError | EngineError) for e in leaves):
                     raise leaves[0] from (exc if len(leaves) > 1 else None)
                 raise
@@ -357,9 +358,3 @@ def _with_flag(args: Sequence[str], flag: str, value: str) -> tuple[str, ...]:
         out.append(value)
     return tuple(out)
 
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    subs = getattr(exc, "exceptions", None)  # an exception group
-    if subs is None:
-        return [exc]
-    return [leaf for sub in subs for leaf in _leaves(sub)]

@@ -11,18 +11,14 @@ Invariants:
   * `stop()` always ends the whole group: SIGTERM, SIGKILL after a grace period, then reap. It runs shielded,
     so cancellation of the caller cannot leave an orphan.
 
-Why `subprocess.Popen` and polling rather than `anyio.open_process`: an engine outlives the task that
-started it (the fleet's relaunch runs in the health monitor's task; the fleet's `run()` stops it), while
-anyio's `Process` wants to be closed by the task that opened it. Exit checks use
-`waitid(WNOWAIT)`, which sees the exit without reaping, so the process-group id cannot be reused by the OS
-before the final `killpg` that sweeps the group's leftovers.
+Processes are started, watched and ended with `coordinator.processes` (its docstring says why they are
+`subprocess.Popen` children polled with `waitid(WNOWAIT)`).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -33,9 +29,15 @@ from pathlib import Path
 from typing import IO
 
 import anyio
-import psutil
 
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError
+from coordinator.processes import (
+    exit_status,
+    read_tail,
+    spawn_group_leader,
+    terminate_process_group,
+    wait_exited,
+)
 
 #: Ports handed out by this process recently; a second launch in the same moment must not get the same one.
 _RESERVED: dict[int, float] = {}
@@ -75,18 +77,6 @@ def free_port(host: str = "127.0.0.1") -> int:
             _RESERVED[port] = now
             return port
     raise RuntimeError("could not find a free port")
-
-
-def read_tail(path: Path, lines: int = 40, max_bytes: int = 16384) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(data.splitlines()[-lines:])
 
 
 @dataclass(frozen=True)
@@ -153,17 +143,7 @@ class EngineProcess:
 
     def exit_code(self) -> int | None:
         """The exit status if the process has exited (without reaping it), else None."""
-        if self.proc is None:
-            return None
-        if self.proc.returncode is not None:
-            return self.proc.returncode
-        try:
-            info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return self.proc.poll()
-        if info is None:
-            return None
-        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        return None if self.proc is None else exit_status(self.proc)
 
     def running(self) -> bool:
         return self.proc is not None and self.exit_code() is None
@@ -193,11 +173,7 @@ class EngineProcess:
         cmd = self.spec.command(self.port or 0)
         self._log.write(f"\n=== rayless: starting engine {self.name}: {' '.join(cmd)}\n".encode())
         self._log.flush()
-        env = dict(os.environ)
-        env.update(dict(self.spec.env))
-        self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns after exec; exit is polled, never waited on
-            cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, env=env, start_new_session=True
-        )
+        self.proc = spawn_group_leader(cmd, log=self._log, env={**os.environ, **dict(self.spec.env)})
         ok = False
         try:
             with anyio.fail_after(self.spec.start_timeout):
@@ -219,9 +195,8 @@ class EngineProcess:
 
             async def watch() -> None:
                 nonlocal exited
-                while (code := self.exit_code()) is None:  # noqa: ASYNC110 - no exit event to wait on
-                    await anyio.sleep(0.1)
-                exited = code
+                assert self.proc is not None
+                exited = await wait_exited(self.proc)
                 tg.cancel_scope.cancel()
 
             async def probe() -> None:
@@ -269,49 +244,6 @@ class EngineProcess:
             self._log.write(last_line.encode())
             self._log.close()
             self._log = None
-
-
-def _exited(pid: int) -> bool:
-    """Has the child exited? Seen without reaping it, so its process-group id cannot be reused yet."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
-
-
-async def terminate_process_group(proc: subprocess.Popen[bytes], grace: float) -> int:
-    """End `proc`'s process group: SIGTERM, SIGKILL after `grace` seconds, sweep leftovers, reap. Shielded.
-
-    `proc` must lead its own group (started with start_new_session=True) and not be reaped yet.
-    """
-    with anyio.CancelScope(shield=True):
-        try:
-            descendants = psutil.Process(proc.pid).children(recursive=True)  # helpers that left the group
-        except psutil.Error:
-            descendants = []
-        if not _exited(proc.pid):
-            _killpg(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            # No event exists for a child's exit short of SIGCHLD handlers (process-global): poll.
-            while not _exited(proc.pid) and time.monotonic() < deadline:  # noqa: ASYNC110
-                await anyio.sleep(0.05)
-        # The leader is exited but not reaped, so its pgid is still ours: sweep the whole group.
-        _killpg(proc.pid, signal.SIGKILL)
-        for child in descendants:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        while proc.poll() is None:  # noqa: ASYNC110 - SIGKILLed: reaped within milliseconds
-            await anyio.sleep(0.02)
-        return proc.returncode
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def engine_log_path(run_dir: Path, name: str) -> Path:

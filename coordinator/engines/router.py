@@ -24,7 +24,8 @@ from typing import IO, Any
 import anyio
 
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineHTTPError
-from coordinator.engines.launch import free_port, read_tail, terminate_process_group
+from coordinator.engines.launch import free_port
+from coordinator.processes import exit_status, read_tail, spawn_group_leader, terminate_process_group
 
 
 class RouterError(RuntimeError):
@@ -105,18 +106,12 @@ class RouterHandle:
         self._log = open(self.log_path, "ab")  # noqa: ASYNC230 - local append-only log, closed in _stop()
         self._log.write(f"\n=== rayless: starting router: {' '.join(cmd)}\n".encode())
         self._log.flush()
-        self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns after exec; exit is polled, never waited on
-            cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, start_new_session=True
-        )
+        self.proc = spawn_group_leader(cmd, log=self._log)
         try:
             with anyio.fail_after(self.start_timeout):
                 while True:
-                    if self.proc.poll() is not None:
-                        raise RouterError(
-                            self._with_tail(
-                                f"router exited with status {self.proc.returncode} while starting"
-                            )
-                        )
+                    if (code := exit_status(self.proc)) is not None:
+                        raise RouterError(self._with_tail(f"router exited with status {code} while starting"))
                     try:
                         await self.client.request(self.url, "GET", "/health", timeout=2.0, retry=NO_RETRY)
                         break
@@ -202,10 +197,8 @@ class RouterHandle:
         try:
             with anyio.fail_after(self.change_timeout):
                 while (url in [u.rstrip("/") for u in await self.list_workers()]) != present:
-                    if self.proc is not None and self.proc.poll() is not None:
-                        raise RouterError(
-                            self._with_tail(f"router exited with status {self.proc.returncode}")
-                        )
+                    if self.proc is not None and (code := exit_status(self.proc)) is not None:
+                        raise RouterError(self._with_tail(f"router exited with status {code}"))
                     await anyio.sleep(0.1)
         except TimeoutError:
             what = "register" if present else "remove"

@@ -13,7 +13,7 @@ import anyio
 import pytest
 import torch
 
-from coordinator.train_group import TrainGroup
+from coordinator.train.group import TrainGroup
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 
 pytestmark = [

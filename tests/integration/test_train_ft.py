@@ -15,7 +15,7 @@ import pytest
 
 from coordinator.config import parse_config
 from coordinator.run import Services, run_training
-from coordinator.train_group import RankFailure
+from coordinator.train.errors import RankFailure
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup

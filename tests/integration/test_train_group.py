@@ -20,7 +20,9 @@ import psutil
 import pytest
 import torch
 
-from coordinator.train_group import RankFailure, TrainGroup, balance_by_tokens, plan_steps
+from coordinator.train.errors import RankFailure
+from coordinator.train.group import TrainGroup
+from coordinator.train.planning import balance_by_tokens, plan_steps, reduce_step_metrics
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 from workers import protocol
 from workers.train_rank.trainer import Trainer
@@ -49,7 +51,7 @@ def gone(pid: int) -> bool:
 
 @dataclass
 class FirstRun:
-    rollouts: list[list[dict[str, Any]]]
+    rollouts: list[list[protocol.WireSample]]
     init_info: dict[str, Any]
     metrics: list[dict[str, float]] = field(default_factory=list)
     step_metrics: list[list[dict[str, float]]] = field(default_factory=list)
@@ -125,7 +127,7 @@ async def test_exported_snapshot_loads_and_equals_single_process_training(
     trainer.init(protocol.InitCommand(config_for(tiny_model_dir, Path("unused"))))
     raw = first_run.rollouts[0]
     steps = [raw[:4], raw[4:]]
-    trainer.train(protocol.TrainCommand(0, steps, [sum(sum(s["loss_mask"]) for s in step) for step in steps]))
+    trainer.train(protocol.TrainCommand(0, steps, [sum(sum(s.loss_mask) for s in step) for step in steps]))
     expected = trainer.model.state_dict()
     initial = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).state_dict()
     assert set(exported) == set(expected)
@@ -184,20 +186,20 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
         assert gone(pid), f"process {pid} outlived its TrainGroup"
 
 
-def wire(length: int, loss_tokens: int) -> dict[str, Any]:
-    return {
-        "tokens": [5] * length,
-        "response_length": loss_tokens,
-        "loss_mask": [1] * loss_tokens,
-        "rollout_log_probs": [0.0] * loss_tokens,
-    }
+def wire(length: int, loss_tokens: int) -> protocol.WireSample:
+    return protocol.WireSample(
+        tokens=[5] * length,
+        response_length=loss_tokens,
+        loss_mask=[1] * loss_tokens,
+        rollout_log_probs=[0.0] * loss_tokens,
+    )
 
 
 def test_steps_are_cut_in_order_and_balanced_by_tokens() -> None:
     samples = [wire(length, 2) for length in (10, 3, 3, 4, 9, 1, 1, 1)]
     plan = plan_steps(samples, {"global_batch_size": 4}, world_size=2)
     assert len(plan) == 2 and [step.loss_tokens for step in plan] == [8, 8]
-    loads = [[sum(len(s["tokens"]) for s in shard) for shard in step.shards] for step in plan]
+    loads = [[sum(len(s.tokens) for s in shard) for shard in step.shards] for step in plan]
     assert loads == [[10, 10], [9, 3]]  # longest first onto the lighter rank
     assert plan_steps(samples, {"num_steps_per_rollout": 4}, world_size=2)[0].shards == [
         [samples[0]],
@@ -205,6 +207,31 @@ def test_steps_are_cut_in_order_and_balanced_by_tokens() -> None:
     ]
     assert len(plan_steps(samples, {}, world_size=2)) == 1
     assert balance_by_tokens([5, 5, 5, 5, 5], 3) == [[0, 3], [1, 4], [2]]
+
+
+def test_step_metrics_add_up_over_ranks_as_token_means() -> None:
+    def rank(loss: float, tokens: float, diff_max: float, seconds: float, grad_norm: float) -> protocol.StepMetrics:
+        return protocol.StepMetrics(
+            loss=loss,
+            pg_loss=loss,
+            loss_tokens=tokens,
+            clipped_tokens=tokens / 2,
+            entropy_sum=tokens,
+            kl_sum=0.0,
+            logprob_abs_diff_sum=tokens / 4,
+            num_tokens=3 * tokens,
+            logprob_abs_diff_max=diff_max,
+            grad_norm=grad_norm,
+            lr=1e-3,
+            step_time_s=seconds,
+        )
+
+    step = reduce_step_metrics([rank(0.25, 6.0, 0.5, 2.0, 1.5), rank(0.5, 2.0, 0.75, 1.0, 9.0)])
+    assert step["loss"] == 0.75 and step["loss_tokens"] == 8.0 and step["num_tokens"] == 24.0
+    assert step["pg_clipfrac"] == 0.5 and step["entropy"] == 1.0
+    assert step["train_rollout_logprob_abs_diff_mean"] == 0.25 and step["train_rollout_logprob_abs_diff_max"] == 0.75
+    # the slowest rank sets the step time; grad norm and lr are rank 0's (all-reduced, the same everywhere)
+    assert step["step_time_s"] == 2.0 and step["tokens_per_s"] == 12.0 and step["grad_norm"] == 1.5
 
 
 def test_batch_settings_that_cannot_work_are_rejected_with_the_setting_named() -> None:

@@ -8,7 +8,6 @@ orphan. A process that dies while starting is reported with the tail of its log 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from coordinator.processes import exit_status, read_tail, terminate_process_group_blocking
 
 
 def free_port() -> int:
@@ -35,10 +36,7 @@ class RunningEngine:
     log_path: Path
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "<no log>"
+        return read_tail(self.log_path, lines) or "<no log>"
 
 
 @contextmanager
@@ -73,14 +71,14 @@ def start_engine_process(
         _wait_healthy(engine, startup_timeout_s)
         yield engine
     finally:
-        _stop(process)
+        terminate_process_group_blocking(process, grace=10.0)
 
 
 def _wait_healthy(engine: RunningEngine, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0) as client:
         while True:
-            code = engine.process.poll()
+            code = exit_status(engine.process)
             if code is not None:
                 raise RuntimeError(
                     f"engine exited with code {code} while starting; log tail:\n{engine.log_tail()}"
@@ -93,21 +91,6 @@ def _wait_healthy(engine: RunningEngine, timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine not healthy after {timeout_s} s; log tail:\n{engine.log_tail()}")
             time.sleep(0.1)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                process.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-    process.wait()
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from replay.sample import Sample, SampleStatus
+from workers import protocol
 
 TRAIN_CONFIG: dict[str, Any] = {
     "lr": 1e-3,
@@ -34,7 +35,7 @@ def reference_log_probs(model: torch.nn.Module, tokens: list[int], response_leng
     return [float(log_probs[position - 1, tokens[position]]) for position in range(start, len(tokens))]
 
 
-def synthetic_samples(model_dir: Path, count: int, seed: int) -> list[dict]:
+def synthetic_samples(model_dir: Path, count: int, seed: int) -> list[protocol.WireSample]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -48,30 +49,30 @@ def synthetic_samples(model_dir: Path, count: int, seed: int) -> list[dict]:
         response_ids = tokenizer(response)["input_ids"]
         tokens = prompt_ids + response_ids
         samples.append(
-            {
-                "tokens": tokens,
-                "response_length": len(response_ids),
-                "loss_mask": [1] * len(response_ids),
-                "rollout_log_probs": reference_log_probs(model, tokens, len(response_ids)),
-                "advantage": rng.gauss(0.0, 1.0),
-            }
+            protocol.WireSample(
+                tokens=tokens,
+                response_length=len(response_ids),
+                loss_mask=[1] * len(response_ids),
+                rollout_log_probs=reference_log_probs(model, tokens, len(response_ids)),
+                advantage=rng.gauss(0.0, 1.0),
+            )
         )
     return samples
 
 
-def as_samples(raw: list[dict[str, Any]]) -> list[Sample]:
+def as_samples(raw: list[protocol.WireSample]) -> list[Sample]:
     return [
         Sample(
             group_index=index // 2,
             sample_index=index % 2,
             prompt="",
-            tokens=item["tokens"],
-            response_length=item["response_length"],
-            loss_mask=item["loss_mask"],
-            rollout_log_probs=item["rollout_log_probs"],
+            tokens=item.tokens,
+            response_length=item.response_length,
+            loss_mask=item.loss_mask,
+            rollout_log_probs=item.rollout_log_probs,
             reward=0.0,
             status=SampleStatus.COMPLETED,
-            advantage=item["advantage"],
+            advantage=item.advantage,
         )
         for index, item in enumerate(raw)
     ]

@@ -21,7 +21,7 @@ from coordinator.config import Config, ConfigWarning, parse_config
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet, EngineState
 from coordinator.run import Services, build_fault_tolerance, build_weight_sync
-from coordinator.train_group import TrainGroup
+from coordinator.train.group import TrainGroup
 from tests.support.fake_engine import FakeEngine
 
 CHOICES = {

@@ -18,7 +18,8 @@ import anyio
 import pytest
 import torch
 
-from coordinator.train_group import RankCommandError, RankFailure, TrainGroup
+from coordinator.train.errors import RankCommandError, RankFailure
+from coordinator.train.group import TrainGroup
 from workers import protocol
 
 
@@ -27,6 +28,23 @@ def hello(
 ) -> protocol.Hello:
     return protocol.Hello(
         protocol_version=version, token=token, rank=rank, world_size=world_size, local_rank=rank, pid=12345
+    )
+
+
+def step_metrics(loss: float) -> protocol.StepMetrics:
+    return protocol.StepMetrics(
+        loss=loss,
+        pg_loss=loss,
+        loss_tokens=4.0,
+        clipped_tokens=1.0,
+        entropy_sum=2.0,
+        kl_sum=0.0,
+        logprob_abs_diff_sum=0.5,
+        num_tokens=12.0,
+        logprob_abs_diff_max=0.25,
+        grad_norm=1.5,
+        lr=1e-3,
+        step_time_s=0.1,
     )
 
 
@@ -44,7 +62,10 @@ def test_every_message_kind_round_trips() -> None:
         protocol.ErrorMessage("no"),
         protocol.Request(7, protocol.InitCommand({"model_path": "/m", "lr": 1e-3, "nested": {"a": [1, 2]}})),
         protocol.Request(
-            8, protocol.TrainCommand(3, [[{"tokens": [1, 2, 3], "advantage": 0.5}], []], [3, 0])
+            8,
+            protocol.TrainCommand(
+                3, [[protocol.WireSample([1, 2, 3], 1, [1], [-0.5], advantage=0.5)], []], [1, 0]
+            ),
         ),
         protocol.Request(9, protocol.SaveCommand(3, "/ckpt", {"data": {"epoch": 1}})),
         protocol.Request(10, protocol.LoadCommand("/ckpt")),
@@ -54,6 +75,7 @@ def test_every_message_kind_round_trips() -> None:
         protocol.Request(14, protocol.DestroyWeightGroupCommand("g")),
         protocol.Request(15, protocol.ShutdownCommand()),
         protocol.Response(15, True, {"metrics": {"loss": 0.25}}),
+        protocol.Response(16, True, protocol.TrainResult([step_metrics(0.25)]).to_wire()),
         protocol.Response(16, False, {}, "ValueError: bad", "Traceback ..."),
     ]
     for message in messages:
@@ -90,6 +112,31 @@ def test_malformed_messages_raise_protocol_errors() -> None:
         protocol.pack({"x": object()})
     with pytest.raises(protocol.ProtocolError, match="unknown msgpack ext type"):
         protocol.unpack(protocol.pack(protocol.msgpack.ExtType(9, b"")))
+
+
+def test_records_decode_typed_and_refuse_unknown_or_missing_fields() -> None:
+    sent = protocol.TrainCommand(0, [[protocol.WireSample([4, 5], 1, [1], [-1.0])]], [1])
+    request = roundtrip(protocol.Request(1, sent))
+    assert isinstance(request, protocol.Request) and isinstance(request.command, protocol.TrainCommand)
+    assert request.command.steps[0][0] == protocol.WireSample([4, 5], 1, [1], [-1.0], advantage=0.0)
+    body = protocol.unpack(protocol.pack(protocol.TrainResult([step_metrics(0.5)]).to_wire()))
+    assert protocol.TrainResult.from_wire(body).steps == [step_metrics(0.5)]
+
+    sample = {"tokens": [1, 2], "response_length": 1, "loss_mask": [1], "rollout_log_probs": [0.0]}
+    train = {"kind": "train", "rollout_id": 0, "step_loss_tokens": [1]}
+    with pytest.raises(protocol.ProtocolError, match=r"record 'WireSample' has unknown fields \['reward'\]"):
+        protocol.decode_message({**train, "steps": [[{**sample, "reward": 1.0}]]})
+    with pytest.raises(protocol.ProtocolError, match=r"record 'WireSample' is missing fields \['loss_mask'\]"):
+        protocol.decode_message({**train, "steps": [[{k: v for k, v in sample.items() if k != "loss_mask"}]]})
+    with pytest.raises(protocol.ProtocolError, match="needs 'steps', a list of lists of samples"):
+        protocol.decode_message({**train, "steps": [sample]})
+    metrics = step_metrics(0.5).to_wire()
+    with pytest.raises(protocol.ProtocolError, match=r"record 'StepMetrics' has unknown fields \['sum'\]"):
+        protocol.TrainResult.from_wire({"steps": [{**metrics, "sum": {}}]})
+    with pytest.raises(protocol.ProtocolError, match=r"StepMetrics.lr must be a number, got 'fast'"):
+        protocol.TrainResult.from_wire({"steps": [{**metrics, "lr": "fast"}]})
+    with pytest.raises(protocol.ProtocolError, match="a TrainResult must be a map with a 'steps' list"):
+        protocol.TrainResult.from_wire({"steps": None})
 
 
 def test_sender_refuses_a_frame_over_the_limit() -> None:

@@ -8,6 +8,7 @@ import json
 import math
 import socket
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,16 +55,16 @@ def test_padded_micro_batch_logprobs_match_single_sequence_forward(tiny_model_di
             mask = batch.loss_mask.bool()
             worst = max(worst, float((log_probs[mask] - batch.rollout_log_probs[mask]).abs().max()))
     assert worst < 1e-5
-    assert sum(int(batch.loss_mask.sum()) for batch in batches) == sum(len(s["loss_mask"]) for s in samples)
+    assert sum(int(batch.loss_mask.sum()) for batch in batches) == sum(len(s.loss_mask) for s in samples)
 
 
 def test_malformed_samples_are_rejected_with_the_field_named() -> None:
-    good = {"tokens": [5, 6, 7], "response_length": 1, "loss_mask": [1], "rollout_log_probs": [-1.0]}
+    good = protocol.WireSample(tokens=[5, 6, 7], response_length=1, loss_mask=[1], rollout_log_probs=[-1.0])
     with pytest.raises(BatchError, match="sample 1: loss_mask has 2 entries, response_length is 1"):
-        make_micro_batches([good, {**good, "loss_mask": [1, 1]}], max_tokens=10, pad_token_id=0)
+        make_micro_batches([good, replace(good, loss_mask=[1, 1])], max_tokens=10, pad_token_id=0)
     with pytest.raises(BatchError, match="must leave at least one prompt token"):
         make_micro_batches(
-            [{**good, "response_length": 3, "loss_mask": [1] * 3, "rollout_log_probs": [0.0] * 3}],
+            [replace(good, response_length=3, loss_mask=[1] * 3, rollout_log_probs=[0.0] * 3)],
             max_tokens=10,
             pad_token_id=0,
         )
@@ -180,7 +181,9 @@ def test_snapshot_is_loadable_complete_and_pruned(tiny_model_dir: Path, tmp_path
     ]
 
 
-def run_single_process(model_dir: Path, samples: list[dict], steps: int) -> list[dict]:
+def run_single_process(
+    model_dir: Path, samples: list[protocol.WireSample], steps: int
+) -> list[protocol.StepMetrics]:
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
     trainer.init(
         protocol.InitCommand(
@@ -189,11 +192,8 @@ def run_single_process(model_dir: Path, samples: list[dict], steps: int) -> list
     )
     results = []
     for _ in range(steps):
-        results.append(
-            trainer.train(protocol.TrainCommand(0, [samples], [sum(len(s["loss_mask"]) for s in samples)]))[
-                "steps"
-            ][0]
-        )
+        answer = trainer.train(protocol.TrainCommand(0, [samples], [sum(len(s.loss_mask) for s in samples)]))
+        results.append(protocol.TrainResult.from_wire(answer).steps[0])
     return results
 
 
@@ -201,13 +201,13 @@ def test_training_in_one_process_is_deterministic_and_moves_the_loss(tiny_model_
     samples = synthetic_samples(tiny_model_dir, 8, seed=2)
     first = run_single_process(tiny_model_dir, samples, steps=3)
     second = run_single_process(tiny_model_dir, samples, steps=3)
-    assert [step["sum"]["loss"] for step in first] == [step["sum"]["loss"] for step in second]
-    assert [step["value"]["grad_norm"] for step in first] == [step["value"]["grad_norm"] for step in second]
+    assert [step.loss for step in first] == [step.loss for step in second]
+    assert [step.grad_norm for step in first] == [step.grad_norm for step in second]
     # The first step runs on the rollout weights: recomputed logprobs equal the rollout's.
-    assert first[0]["max"]["logprob_abs_diff_max"] < 1e-5
+    assert first[0].logprob_abs_diff_max < 1e-5
     # Descending the loss: later steps see a lower loss on the same data.
-    assert first[-1]["sum"]["loss"] < first[0]["sum"]["loss"]
-    assert all(math.isfinite(step["sum"]["entropy_sum"]) for step in first)
+    assert first[-1].loss < first[0].loss
+    assert all(math.isfinite(step.entropy_sum) for step in first)
 
 
 def test_broadcast_reaches_an_engine_side_receiver_in_manifest_order(tiny_model_dir: Path) -> None:

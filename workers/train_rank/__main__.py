@@ -23,7 +23,7 @@ def _env_int(name: str, default: int | None = None) -> int:
     if value is None:
         if default is None:
             raise RuntimeError(
-                f"{name} is not set: start this module with torchrun (see coordinator.train_group)"
+                f"{name} is not set: start this module with torchrun (see coordinator.train.torchrun)"
             )
         return default
     return int(value)

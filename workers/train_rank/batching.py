@@ -9,9 +9,10 @@ shifted index: position t scores token t + 1, so sample i's response occupies sh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from workers.protocol import WireSample
 
 
 class BatchError(ValueError):
@@ -38,9 +39,9 @@ class MicroBatch:
         )
 
 
-def check_sample(sample: dict[str, Any], index: int) -> None:
-    tokens = sample.get("tokens")
-    response_length = sample.get("response_length")
+def check_sample(sample: WireSample, index: int) -> None:
+    tokens = sample.tokens
+    response_length = sample.response_length
     if not isinstance(tokens, list) or not isinstance(response_length, int):
         raise BatchError(f"sample {index}: needs a 'tokens' list and an int 'response_length'")
     if response_length < 0 or response_length >= len(tokens):
@@ -48,11 +49,11 @@ def check_sample(sample: dict[str, Any], index: int) -> None:
             f"sample {index}: response_length {response_length} must leave at least one prompt token "
             f"of {len(tokens)}"
         )
-    for key in ("loss_mask", "rollout_log_probs"):
-        if len(sample.get(key) or []) != response_length:
+    for key, values in (("loss_mask", sample.loss_mask), ("rollout_log_probs", sample.rollout_log_probs)):
+        if not isinstance(values, list) or len(values) != response_length:
+            count = len(values) if isinstance(values, list) else "no"
             raise BatchError(
-                f"sample {index}: {key} has {len(sample.get(key) or [])} entries, response_length is "
-                f"{response_length}"
+                f"sample {index}: {key} has {count} entries, response_length is {response_length}"
             )
 
 
@@ -73,8 +74,8 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def collate(samples: list[dict[str, Any]], pad_token_id: int) -> MicroBatch:
-    longest = max(len(sample["tokens"]) for sample in samples)
+def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
+    longest = max(len(sample.tokens) for sample in samples)
     size = len(samples)
     input_ids = torch.full((size, longest), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((size, longest), dtype=torch.long)
@@ -83,26 +84,24 @@ def collate(samples: list[dict[str, Any]], pad_token_id: int) -> MicroBatch:
     advantages = torch.zeros((size, longest - 1), dtype=torch.float32)
     num_tokens = 0
     for row, sample in enumerate(samples):
-        tokens = sample["tokens"]
+        tokens = sample.tokens
         count = len(tokens)
-        response_length = sample["response_length"]
+        response_length = sample.response_length
         input_ids[row, :count] = torch.tensor(tokens, dtype=torch.long)
         attention_mask[row, :count] = 1
         start = count - response_length - 1
         if response_length:
-            loss_mask[row, start : count - 1] = torch.tensor(sample["loss_mask"], dtype=torch.float32)
-            rollout[row, start : count - 1] = torch.tensor(sample["rollout_log_probs"], dtype=torch.float32)
-            advantages[row, start : count - 1] = float(sample.get("advantage", 0.0))
+            loss_mask[row, start : count - 1] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+            rollout[row, start : count - 1] = torch.tensor(sample.rollout_log_probs, dtype=torch.float32)
+            advantages[row, start : count - 1] = float(sample.advantage)
         num_tokens += count
     return MicroBatch(input_ids, attention_mask, loss_mask, rollout, advantages, num_tokens)
 
 
-def make_micro_batches(
-    samples: list[dict[str, Any]], *, max_tokens: int, pad_token_id: int
-) -> list[MicroBatch]:
+def make_micro_batches(samples: list[WireSample], *, max_tokens: int, pad_token_id: int) -> list[MicroBatch]:
     for index, sample in enumerate(samples):
         check_sample(sample, index)
-    plan = plan_micro_batches([len(sample["tokens"]) for sample in samples], max_tokens)
+    plan = plan_micro_batches([len(sample.tokens) for sample in samples], max_tokens)
     return [collate([samples[i] for i in group], pad_token_id) for group in plan]
 
 

@@ -94,11 +94,11 @@ class Trainer:
         steps = []
         for samples, global_tokens in zip(command.steps, command.step_loss_tokens, strict=True):
             steps.append(self._train_step(samples, int(global_tokens), loss_config))
-        return {"steps": steps}
+        return protocol.TrainResult(steps).to_wire()
 
     def _train_step(
-        self, samples: list[dict[str, Any]], global_tokens: int, loss_config: LossConfig
-    ) -> dict[str, Any]:
+        self, samples: list[protocol.WireSample], global_tokens: int, loss_config: LossConfig
+    ) -> protocol.StepMetrics:
         settings, model, optimizer = self._require()
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -144,11 +144,9 @@ class Trainer:
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
         self.scheduler.step()
-        return {
-            "sum": sums,
-            "max": maxima,
-            "value": {"grad_norm": grad_norm, "lr": lr, "step_time_s": time.perf_counter() - started},
-        }
+        return protocol.StepMetrics(
+            **sums, **maxima, grad_norm=grad_norm, lr=lr, step_time_s=time.perf_counter() - started
+        )
 
     def save(self, command: protocol.SaveCommand) -> dict[str, Any]:
         _, model, optimizer = self._require()

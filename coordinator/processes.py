@@ -1,0 +1,141 @@
+"""The child processes the coordinator launches (engines, the router, torchrun), and how they end.
+
+Owns, written once for every launcher: starting a child as the leader of its own process group with its
+output in a log file, seeing that it exited without reaping it, ending its whole group (SIGTERM, SIGKILL after
+a grace period, sweep, reap), reading the tail of its log for an error message, and flattening the exception
+groups that concurrent starts raise.
+
+Invariants:
+  * A child started here leads its own session / process group (`start_new_session=True`), so one `killpg`
+    reaches it and every helper it forked (SGLang's scheduler, torchrun's ranks).
+  * Exit checks use `waitid(WNOWAIT)`, which sees the exit without reaping: a child is reaped only by
+    `terminate_process_group`, after the last `killpg` of its group, so the OS cannot hand its group id to an
+    unrelated process while we may still signal it.
+
+Why `subprocess.Popen` and polling rather than `anyio.open_process`: a launched child may outlive the task that
+started it (an engine relaunched in the health monitor's task is stopped by the fleet's `run()`), while
+anyio's `Process` wants to be closed by the task that opened it, and reaps on `wait()`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+import anyio
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+
+def spawn_group_leader(
+    command: Sequence[str], *, log: IO[bytes], env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `command` leading its own process group, stdout and stderr into `log`, no stdin.
+
+    Blocking only until the child has exec'd, so async callers call it directly.
+    """
+    return subprocess.Popen(
+        list(command),
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(env) if env is not None else None,
+        start_new_session=True,
+    )
+
+
+def exit_status(proc: subprocess.Popen[bytes]) -> int | None:
+    """The exit status if `proc` has exited (negative: killed by that signal), else None. Never reaps."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+async def wait_exited(proc: subprocess.Popen[bytes], poll_s: float = 0.1) -> int:
+    """Wait until `proc` exits (without reaping it) and return its exit status. Bound it with a cancel scope."""
+    while (code := exit_status(proc)) is None:  # noqa: ASYNC110 - no exit event short of SIGCHLD handlers
+        await anyio.sleep(poll_s)
+    return code
+
+
+async def terminate_process_group(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """End `proc`'s process group: SIGTERM, SIGKILL after `grace` seconds, sweep leftovers, reap. Shielded.
+
+    `proc` must lead its own group (see `spawn_group_leader`) and not be reaped yet. Returns its exit status.
+    """
+    with anyio.CancelScope(shield=True):
+        for pause in _terminate_steps(proc, grace):
+            await anyio.sleep(pause)
+    return proc.returncode
+
+
+def terminate_process_group_blocking(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """`terminate_process_group` for code with no event loop (the test and bench helpers)."""
+    for pause in _terminate_steps(proc, grace):
+        time.sleep(pause)
+    return proc.returncode
+
+
+def _terminate_steps(proc: subprocess.Popen[bytes], grace: float) -> Iterator[float]:
+    """Ending a process group, step by step; yields how long to pause between checks, so the one sequence
+    serves async and blocking callers (no event exists for a child's exit short of SIGCHLD handlers)."""
+    import psutil  # here, not at the top: `coordinator.run` imports this module and starts faster without it
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)  # helpers that left the group
+    except psutil.Error:
+        descendants = []
+    if exit_status(proc) is None:
+        _killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while exit_status(proc) is None and time.monotonic() < deadline:
+            yield 0.05
+    # The leader is exited but not reaped, so its pgid is still ours: sweep the whole group.
+    _killpg(proc.pid, signal.SIGKILL)
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    while proc.poll() is None:  # SIGKILLed: reaped within milliseconds
+        yield 0.02
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def read_tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+    """The last `lines` lines of a log (read from its last `max_bytes`); "" when it cannot be read."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def leaf_exceptions(error: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; a plain exception is its own only leaf."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in leaf_exceptions(inner)]
+    return [error]

@@ -1,0 +1,405 @@
+"""The control-channel server: one authenticated connection per training rank, and the calls made over them.
+
+Owns the accepted connections, the handshake check (`Hello` → `Welcome` or a refusal with its reason), the
+replies still pending and the call / gather logic. It launches nothing: whoever started the ranks tells it
+when they are gone (`torchrun_exited`), and lends it `explain`, which adds the ranks' log to a failure.
+
+Invariants:
+- Calls are serialised (one lock): every rank receives the same commands in the same order, so collectives
+  inside a command are always entered by all ranks.
+- A call never hangs on a dead rank: a rank that disconnects, or torchrun exiting, fails every pending call at
+  once with `RankFailure` naming the rank(s); later calls fail the same way until every rank has reconnected
+  (torchrun restarted them: train FT).
+- A rank that answers a command with an error makes the call raise `RankCommandError` with its traceback;
+  the channel is then marked broken (the ranks may be out of step) and later calls refuse, until every rank
+  has reconnected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from coordinator.train.errors import RankCommandError, RankFailure
+from workers import protocol
+
+logger = logging.getLogger(__name__)
+
+STREAM_ERRORS = (
+    anyio.EndOfStream,
+    anyio.IncompleteRead,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    ConnectionError,
+    OSError,
+)
+
+
+@dataclass
+class RankInfo:
+    """A connected rank, as it introduced itself in Hello."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    pid: int
+    restart_count: int
+
+
+class _Call:
+    """Wakes the waiter whenever something it watches changes (a reply resolved, a rank came or went)."""
+
+    def __init__(self) -> None:
+        self.changed = anyio.Event()
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+@dataclass
+class _Pending:
+    rank: int
+    call: _Call
+    response: protocol.Response | None = None
+    failure: RankFailure | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.response is not None or self.failure is not None
+
+    def resolve(
+        self, *, response: protocol.Response | None = None, failure: RankFailure | None = None
+    ) -> None:
+        if self.done:
+            return
+        self.response = response
+        self.failure = failure
+        self.call.notify()
+
+
+@dataclass
+class _Connection:
+    info: RankInfo
+    stream: anyio.abc.ByteStream
+    send_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    alive: bool = True
+
+
+async def _unchanged(failure: RankFailure) -> RankFailure:
+    return failure
+
+
+class ControlServer:
+    """Accepts the ranks' connections (`serve`) and sends them commands (`call`)."""
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        token: str,
+        max_frame_bytes: int = protocol.MAX_FRAME_BYTES,
+        handshake_timeout_s: float = 30.0,
+        error_window_s: float = 2.0,
+        grace_s: float = 5.0,
+        explain: Callable[[RankFailure], Awaitable[RankFailure]] | None = None,
+    ) -> None:
+        self.world_size = world_size
+        self.token = token
+        self.max_frame_bytes = max_frame_bytes
+        self.handshake_timeout_s = handshake_timeout_s
+        self.error_window_s = error_window_s
+        self.grace_s = grace_s
+        #: adds the ranks' log to a failure (the launcher's); failures pass unchanged without one
+        self.explain = explain or _unchanged
+        #: why connections were refused, in order (wrong token, wrong version, bad frame...)
+        self.refusals: list[str] = []
+        #: torchrun's exit status once it has exited, else None
+        self.torchrun_exit_code: int | None = None
+        self._connections: dict[int, _Connection] = {}
+        self._failure: RankFailure | None = None
+        self._broken: RankCommandError | None = None
+        self._closing = False
+        self._call_lock = anyio.Lock()
+        self._request_ids = itertools.count(1)
+        self._state = _Call()
+
+    @property
+    def ranks(self) -> dict[int, RankInfo]:
+        """The ranks connected now (their pids, as reported in Hello)."""
+        return {rank: conn.info for rank, conn in self._connections.items() if conn.alive}
+
+    async def serve(self, listener: anyio.abc.Listener[Any], task_group: anyio.abc.TaskGroup) -> None:
+        """Accept connections until cancelled; each connection's handler runs in `task_group`."""
+        await listener.serve(self._handle_connection, task_group)
+
+    # ------------------------------------------------------------------------------------- membership
+
+    def _missing(self, ranks: dict[int, RankInfo]) -> list[int]:
+        return sorted(set(range(self.world_size)) - set(ranks))
+
+    async def wait_all_connected(self, timeout_s: float) -> None:
+        """Return once every rank said Hello; RankFailure (explained) on timeout or torchrun's exit."""
+        with anyio.move_on_after(timeout_s):
+            if await self._until_connected() is not None:
+                return
+            ranks = self.ranks
+            raise await self.explain(
+                RankFailure(
+                    self._missing(ranks),
+                    f"torchrun exited with code {self.torchrun_exit_code} before all ranks connected "
+                    f"({len(ranks)}/{self.world_size})",
+                )
+            )
+        raise await self.explain(
+            RankFailure(
+                self._missing(self.ranks),
+                f"only {len(self.ranks)}/{self.world_size} ranks connected within {timeout_s:g} s "
+                f"(refused connections: {self.refusals or 'none'})",
+            )
+        )
+
+    async def wait_for_ranks(self, *, restarted_after: int | None = None) -> dict[int, RankInfo]:
+        """Wait until every rank is connected — with a restart count above `restarted_after` when given
+        (torchrun restarted them after a failure). Bound it with a cancel scope; raises RankFailure when
+        torchrun exits first. Calls go through again once every rank is back."""
+        ranks = await self._until_connected(restarted_after)
+        if ranks is not None:
+            return ranks
+        raise await self.explain(
+            RankFailure(
+                self._missing(self.ranks) or list(range(self.world_size)),
+                f"torchrun exited with code {self.torchrun_exit_code} while waiting for the ranks to reconnect",
+            )
+        )
+
+    async def _until_connected(self, restarted_after: int | None = None) -> dict[int, RankInfo] | None:
+        """Every rank, once all are connected (each restarted more than `restarted_after` times when given);
+        None as soon as torchrun has exited instead."""
+        while True:
+            changed = self._state.changed
+            ranks = self.ranks
+            if len(ranks) == self.world_size and (
+                restarted_after is None
+                or all(info.restart_count > restarted_after for info in ranks.values())
+            ):
+                return ranks
+            if self.torchrun_exit_code is not None:
+                return None
+            await changed.wait()
+
+    def torchrun_exited(self, code: int) -> None:
+        """torchrun (and so every rank) is gone: fail what is pending unless we are closing anyway."""
+        self.torchrun_exit_code = code
+        if not self._closing:
+            alive = [rank for rank, conn in self._connections.items() if conn.alive]
+            self._fail(
+                RankFailure(alive or list(range(self.world_size)), f"torchrun exited with code {code}")
+            )
+        self._state.notify()
+
+    async def close(self) -> None:
+        """Fail pending calls, refuse new ones, and ask every connected rank to shut down. Shield it."""
+        # Not under the call lock: a caller may be waiting on a reply that will never come; fail it first.
+        self._fail(RankFailure(list(self.ranks), "the training group is shutting down"))
+        self._closing = True
+        for conn in list(self._connections.values()):
+            if conn.alive:
+                with contextlib.suppress(*STREAM_ERRORS, protocol.ProtocolError):
+                    with anyio.move_on_after(self.grace_s):
+                        async with conn.send_lock:
+                            request = protocol.Request(next(self._request_ids), protocol.ShutdownCommand())
+                            await protocol.send_message(conn.stream, request, self.max_frame_bytes)
+
+    async def disconnect_all(self) -> None:
+        """Close every connection (after the ranks' processes have ended)."""
+        for conn in self._connections.values():
+            conn.alive = False
+            with contextlib.suppress(*STREAM_ERRORS):
+                await conn.stream.aclose()
+
+    # ------------------------------------------------------------------------------------- connections
+
+    async def _refuse(self, stream: anyio.abc.ByteStream, reason: str) -> None:
+        self.refusals.append(reason)
+        logger.warning("control channel refused a connection: %s", reason)
+        with contextlib.suppress(*STREAM_ERRORS, protocol.ProtocolError):
+            with anyio.move_on_after(self.handshake_timeout_s):
+                await protocol.send_message(stream, protocol.ErrorMessage(reason), self.max_frame_bytes)
+        with contextlib.suppress(*STREAM_ERRORS):
+            await stream.aclose()
+
+    async def _handle_connection(self, stream: anyio.abc.ByteStream) -> None:
+        buffered = BufferedByteReceiveStream(stream)
+        try:
+            with anyio.fail_after(self.handshake_timeout_s):
+                hello = await protocol.receive_message(buffered, self.max_frame_bytes)
+        except protocol.ProtocolError as exc:
+            await self._refuse(stream, f"bad handshake frame: {exc}")
+            return
+        except (TimeoutError, *STREAM_ERRORS) as exc:
+            await self._refuse(stream, f"no Hello within {self.handshake_timeout_s} s ({type(exc).__name__})")
+            return
+        reason = self._check_hello(hello)
+        if reason is not None:
+            await self._refuse(stream, reason)
+            return
+        assert isinstance(hello, protocol.Hello)
+        info = RankInfo(hello.rank, hello.world_size, hello.local_rank, hello.pid, hello.restart_count)
+        conn = _Connection(info=info, stream=stream)
+        try:
+            await protocol.send_message(stream, protocol.Welcome(), self.max_frame_bytes)
+        except STREAM_ERRORS:
+            with contextlib.suppress(*STREAM_ERRORS):
+                await stream.aclose()
+            return
+        self._connections[hello.rank] = conn
+        if len(self.ranks) == self.world_size and (self._failure is not None or self._broken is not None):
+            # Every rank is back (torchrun restarted the group): calls may go through again.
+            self._failure = None
+            self._broken = None
+        self._state.notify()
+        await self._read_responses(conn, buffered)
+
+    def _check_hello(self, hello: protocol.Message) -> str | None:
+        if not isinstance(hello, protocol.Hello):
+            return f"expected hello as the first message, got {hello.kind!r}"
+        if hello.protocol_version != protocol.PROTOCOL_VERSION:
+            return (
+                f"protocol version mismatch: rank speaks {hello.protocol_version}, coordinator speaks "
+                f"{protocol.PROTOCOL_VERSION}; run the same rayless version on both sides"
+            )
+        if not hmac.compare_digest(str(hello.token).encode(), self.token.encode()):
+            return f"wrong token from rank {hello.rank} (pid {hello.pid}): check {protocol.ENV_TOKEN}"
+        if hello.world_size != self.world_size:
+            return f"rank {hello.rank} reports world size {hello.world_size}, this group expects {self.world_size}"
+        if not 0 <= hello.rank < self.world_size:
+            return f"rank {hello.rank} is outside world size {self.world_size}"
+        existing = self._connections.get(hello.rank)
+        if existing is not None and existing.alive:
+            return f"rank {hello.rank} is already connected (pid {existing.info.pid})"
+        return None
+
+    async def _read_responses(self, conn: _Connection, buffered: BufferedByteReceiveStream) -> None:
+        reason = "closed the control channel"
+        try:
+            while True:
+                message = await protocol.receive_message(buffered, self.max_frame_bytes)
+                if not isinstance(message, protocol.Response):
+                    raise protocol.ProtocolError(f"expected a response, got {message.kind!r}")
+                pending = conn.pending.pop(message.request_id, None)
+                if pending is not None:
+                    pending.resolve(response=message)
+        except STREAM_ERRORS as exc:
+            reason = f"closed the control channel ({type(exc).__name__})"
+        except protocol.ProtocolError as exc:
+            reason = f"sent an invalid message: {exc}"
+        finally:
+            was_alive = conn.alive
+            conn.alive = False
+            with contextlib.suppress(*STREAM_ERRORS):
+                await conn.stream.aclose()
+            if was_alive and not self._closing:
+                info = conn.info
+                self._fail(RankFailure([info.rank], f"rank {info.rank} (pid {info.pid}) {reason}"))
+            self._state.notify()
+
+    def _fail(self, failure: RankFailure) -> None:
+        if self._failure is None:
+            self._failure = failure
+        for conn in self._connections.values():
+            for pending in list(conn.pending.values()):
+                pending.resolve(failure=self._failure)
+            conn.pending.clear()
+
+    # ------------------------------------------------------------------------------------------- calls
+
+    async def call_all(self, command: protocol.Command) -> dict[int, dict[str, Any]]:
+        """The same command to every rank; each rank's result."""
+        return await self.call({rank: command for rank in range(self.world_size)})
+
+    async def call(self, commands: dict[int, protocol.Command]) -> dict[int, dict[str, Any]]:
+        """Send each rank its command, wait for all replies; RankFailure / RankCommandError otherwise."""
+        async with self._call_lock:
+            if self._closing:
+                raise RuntimeError("the TrainGroup is shut down (its run() has ended or is ending)")
+            if self._failure is not None:
+                raise await self.explain(self._failure)
+            if self._broken is not None:
+                raise RuntimeError(
+                    f"the training group is unusable after an earlier failed command: {self._broken}"
+                ) from self._broken
+            missing = sorted(set(commands) - set(self.ranks))
+            if missing:
+                raise await self.explain(RankFailure(missing, "not connected"))
+            frames = await self._encode(commands)
+            call = _Call()
+            pendings: dict[int, _Pending] = {}
+            for rank, (request_id, data) in frames.items():
+                conn = self._connections[rank]
+                pending = pendings[rank] = conn.pending[request_id] = _Pending(rank, call)
+                try:
+                    async with conn.send_lock:
+                        await conn.stream.send(data)
+                except STREAM_ERRORS as exc:
+                    conn.pending.pop(request_id, None)
+                    self._fail(RankFailure([rank], f"rank {rank} could not be sent a command ({exc!r})"))
+                    pending.resolve(failure=self._failure)
+            return await self._gather(next(iter(commands.values())).kind, call, pendings)
+
+    async def _encode(self, commands: dict[int, protocol.Command]) -> dict[int, tuple[int, bytes]]:
+        """Every rank's frame, before any is sent: a frame over the limit must not leave some ranks with a
+        command. A rollout's shards can be large, so the encoding runs off the event loop."""
+        requests = {
+            rank: protocol.Request(next(self._request_ids), command) for rank, command in commands.items()
+        }
+
+        def encode() -> dict[int, tuple[int, bytes]]:
+            return {
+                rank: (
+                    request.request_id,
+                    protocol.frame(protocol.encode_message(request), self.max_frame_bytes),
+                )
+                for rank, request in requests.items()
+            }
+
+        return await anyio.to_thread.run_sync(encode)
+
+    async def _gather(
+        self, kind: str, call: _Call, pendings: dict[int, _Pending]
+    ) -> dict[int, dict[str, Any]]:
+        error_deadline: float | None = None
+        while True:
+            changed = call.changed
+            failures = [p.failure for p in pendings.values() if p.failure is not None]
+            if failures:
+                raise await self.explain(failures[0])
+            errors = {
+                p.rank: p.response for p in pendings.values() if p.response is not None and not p.response.ok
+            }
+            if all(p.done for p in pendings.values()) or (
+                errors and error_deadline is not None and anyio.current_time() >= error_deadline
+            ):
+                if errors:
+                    self._broken = RankCommandError(kind, errors)  # type: ignore[arg-type]
+                    raise self._broken
+                return {rank: p.response.result for rank, p in pendings.items()}  # type: ignore[union-attr]
+            if errors and error_deadline is None:
+                # Other ranks may be stuck in a collective the failed rank never entered: wait briefly
+                # for their answers (or a disconnect), then report the error rather than hang.
+                error_deadline = anyio.current_time() + self.error_window_s
+            if error_deadline is None:
+                await changed.wait()
+            else:
+                with anyio.move_on_after(max(0.0, error_deadline - anyio.current_time())):
+                    await changed.wait()

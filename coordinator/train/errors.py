@@ -1,0 +1,45 @@
+"""What a training-rank call raises: `RankFailure` (a rank or torchrun died) and `RankCommandError` (a rank
+answered with an error).
+
+Owns the two error types callers catch (the loop, train FT recovery, the run's error report). Invariant: both
+name the ranks involved, and a failure with a log tail says which log it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from workers import protocol
+
+
+class RankFailure(RuntimeError):
+    """One or more training ranks died or disconnected (or torchrun exited)."""
+
+    def __init__(
+        self, ranks: Sequence[int], reason: str, *, log_path: Path | None = None, log_tail: str = ""
+    ) -> None:
+        self.ranks = sorted(set(ranks))
+        self.reason = reason
+        self.log_path = log_path
+        self.log_tail = log_tail
+        names = ", ".join(str(rank) for rank in self.ranks) or "unknown"
+        message = f"training rank(s) {names} failed: {reason}"
+        if log_tail:
+            message += f"\n--- last lines of {log_path} ---\n{log_tail}"
+        super().__init__(message)
+
+
+class RankCommandError(RuntimeError):
+    """A rank answered a command with an error (its traceback is in the message)."""
+
+    def __init__(self, command: str, errors: dict[int, protocol.Response]) -> None:
+        self.command = command
+        self.errors = errors
+        first_rank = min(errors)
+        first = errors[first_rank]
+        ranks = ", ".join(str(rank) for rank in sorted(errors))
+        super().__init__(
+            f"command {command!r} failed on rank(s) {ranks}: {first.error}\n--- rank {first_rank} traceback ---\n"
+            f"{first.traceback}"
+        )

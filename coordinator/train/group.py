@@ -1,0 +1,335 @@
+"""TrainGroup: the coordinator's handle on the torchrun training ranks, and their command API.
+
+Owns the group's lifetime and wires its parts: the control-channel listener and server (`channel`), the
+torchrun process (`torchrun`), train FT (`recovery`) and batch planning (`planning`). `run()` binds the
+listener, launches torchrun with the token and address in its environment (never on its command line),
+signals `started` only once every rank said Hello, and on every exit path — shielded — asks the ranks to shut
+down, then ends torchrun's whole process group.
+
+Invariants: the group is usable (`started`) only with every rank connected; every command goes to the ranks
+through the server's one lock, so all ranks see the same commands in the same order (see `channel`).
+Imports only `workers.protocol` from `workers`, and no torch: the coordinator stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.abc import SocketAttribute
+
+from coordinator.train.channel import ControlServer, RankInfo
+from coordinator.train.errors import RankFailure
+from coordinator.train.planning import (
+    StepPlan,
+    plan_steps,
+    reduce_rollout_metrics,
+    reduce_step_metrics,
+    steps_config,
+)
+from coordinator.train.recovery import RankRecovery
+from coordinator.train.torchrun import TorchrunProcess, TorchrunSpec
+from workers import protocol
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointInfo:
+    rollout_id: int
+    extra: dict[str, Any]
+    path: Path
+
+
+class TrainGroup:
+    """Launches and talks to the training ranks. Use: `group = await tg.start(TrainGroup(...).run)`.
+
+    `launch=False` launches nothing and waits for ranks started elsewhere (`environment()` says what they
+    need). `max_restarts > 0` is train FT: torchrun restarts dead ranks, and `train()` brings them back to the
+    last checkpoint before sending a step again, at most `max_restarts` times (`recoveries` counts them).
+    """
+
+    def __init__(
+        self,
+        *,
+        nproc_per_node: int,
+        run_dir: str | Path,
+        nnodes: int = 1,
+        node_rank: int | None = None,
+        rdzv_backend: str | None = None,
+        rdzv_endpoint: str | None = None,
+        max_restarts: int = 0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        launch: bool = True,
+        token: str | None = None,
+        start_timeout_s: float = 300.0,
+        handshake_timeout_s: float = 30.0,
+        grace_s: float = 5.0,
+        error_window_s: float = 2.0,
+        max_frame_bytes: int = protocol.MAX_FRAME_BYTES,
+        torch_threads: int = 1,
+        extra_env: dict[str, str] | None = None,
+        log_name: str = "train_ranks.log",
+    ) -> None:
+        self.spec = TorchrunSpec(
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            rdzv_backend=rdzv_backend,
+            rdzv_endpoint=rdzv_endpoint,
+            max_restarts=max_restarts,
+        )
+        self.world_size = self.spec.world_size
+        self.run_dir = Path(run_dir)
+        self.log_path = self.run_dir / log_name
+        self.host, self.port, self.advertise_host = host, port, advertise_host
+        self.token = token or secrets.token_hex(32)
+        self.start_timeout_s = start_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.torch_threads = torch_threads
+        self.torchrun = (
+            TorchrunProcess(
+                self.spec,
+                log_path=self.log_path,
+                grace_s=grace_s,
+                torch_threads=torch_threads,
+                extra_env=extra_env,
+            )
+            if launch
+            else None
+        )
+        self.server = ControlServer(
+            world_size=self.world_size,
+            token=self.token,
+            max_frame_bytes=max_frame_bytes,
+            handshake_timeout_s=handshake_timeout_s,
+            error_window_s=error_window_s,
+            grace_s=grace_s,
+            explain=self.torchrun.explain if self.torchrun is not None else None,
+        )
+        self.recovery = RankRecovery(self, max_recoveries=max_restarts) if max_restarts > 0 else None
+        self.address: str | None = None
+        self.train_config: dict[str, Any] | None = None
+        #: one dict of metrics per optimizer step of the last `train()`
+        self.step_metrics: list[dict[str, float]] = []
+        # Set once the listener is bound (`address` known) and once every rank has said Hello.
+        self.listening = anyio.Event()
+        self.ready = anyio.Event()
+        self._stop = anyio.Event()
+
+    # ------------------------------------------------------------------------------------------ lifetime
+
+    @property
+    def ranks(self) -> dict[int, RankInfo]:
+        """The ranks connected now (their pids, as reported in Hello)."""
+        return self.server.ranks
+
+    @property
+    def refusals(self) -> list[str]:
+        """Why connections to the control channel were refused, in order."""
+        return self.server.refusals
+
+    @property
+    def torchrun_pid(self) -> int | None:
+        return self.torchrun.pid if self.torchrun is not None else None
+
+    @property
+    def recoveries(self) -> int:
+        """Train FT recoveries made so far (0 without train FT)."""
+        return self.recovery.recoveries if self.recovery is not None else 0
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[TrainGroup] = anyio.TASK_STATUS_IGNORED) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        listener = await anyio.create_tcp_listener(local_host=self.host, local_port=self.port)
+        async with listener:
+            self.address = f"{self.advertise_host or self.host}:{listener.extra(SocketAttribute.local_port)}"
+            self.listening.set()
+            startup_failure: RankFailure | None = None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.server.serve, listener, tg)
+                try:
+                    await self._launch(tg)
+                    try:
+                        await self.server.wait_all_connected(self.start_timeout_s)
+                    except RankFailure as exc:
+                        # Raised below, outside the task group, so the caller of tg.start() gets a
+                        # RankFailure rather than an ExceptionGroup around it.
+                        startup_failure = exc
+                    else:
+                        self.ready.set()
+                        task_status.started(self)
+                        await self._stop.wait()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self._teardown()
+                    tg.cancel_scope.cancel()
+        if startup_failure is not None:
+            raise startup_failure
+
+    async def _launch(self, tg: anyio.abc.TaskGroup) -> None:
+        if self.torchrun is None:
+            logger.info(
+                "waiting for %d external ranks to dial %s (token via %s)",
+                self.world_size,
+                self.address,
+                protocol.ENV_TOKEN,
+            )
+            return
+        await self.torchrun.start(self.environment())
+        tg.start_soon(self._watch_torchrun, self.torchrun)
+
+    async def _watch_torchrun(self, torchrun: TorchrunProcess) -> None:
+        self.server.torchrun_exited(await torchrun.wait_exited())
+
+    def environment(self) -> dict[str, str]:
+        """What each rank needs in its environment (also for ranks started by an external launcher)."""
+        if self.address is None:
+            raise RuntimeError("TrainGroup.environment() is known only after run() bound the listener")
+        return {
+            protocol.ENV_ADDR: self.address,
+            protocol.ENV_TOKEN: self.token,
+            protocol.ENV_MAX_FRAME: str(self.max_frame_bytes),
+            "RAYLESS_TORCH_THREADS": str(self.torch_threads),
+        }
+
+    def torchrun_command(self) -> list[str]:
+        return self.spec.command()
+
+    async def wait_for_ranks(self, *, restarted_after: int | None = None) -> dict[int, RankInfo]:
+        """Wait until every rank is connected (see `ControlServer.wait_for_ranks`)."""
+        return await self.server.wait_for_ranks(restarted_after=restarted_after)
+
+    async def shutdown(self) -> None:
+        """Ask the ranks to exit, wait for torchrun, and let run() return."""
+        with anyio.CancelScope(shield=True):
+            await self._teardown()
+        self._stop.set()
+
+    async def _teardown(self) -> None:
+        await self.server.close()
+        self._stop.set()
+        if self.torchrun is not None:
+            await self.torchrun.stop()
+        await self.server.disconnect_all()
+
+    # ------------------------------------------------------------------------------------------ commands
+
+    async def init(self, train_config: dict[str, Any]) -> dict[str, Any]:
+        """Load the model on every rank and build the optimizer. Returns rank 0's summary."""
+        steps_config(train_config)  # reject contradictory batch settings before any rank loads a model
+        results = await self.server.call_all(protocol.InitCommand(dict(train_config)))
+        self.train_config = dict(train_config)
+        if self.recovery is not None:
+            self.recovery.initialised()
+        return results[0]
+
+    async def train(self, rollout_id: int, samples: Sequence[Any]) -> dict[str, float]:
+        """Train on one rollout's samples (`replay.sample.Sample`s with advantages set).
+
+        The samples are cut into optimizer steps in order (`global_batch_size` samples each, or
+        `num_steps_per_rollout` equal steps, else one step); each step is split across ranks balanced
+        by token count. Returns the rollout's metrics; `step_metrics` keeps one dict per step. With train FT
+        (`max_restarts > 0`) a step lost to dead ranks is sent again once they are back (`recovery`).
+        """
+        if self.train_config is None:
+            raise RuntimeError("TrainGroup.train() before init(): call init(train_config) first")
+        if self.recovery is None:
+            return await self._train_once(rollout_id, samples)
+        return await self.recovery.run_step(rollout_id, lambda: self._train_once(rollout_id, samples))
+
+    async def _train_once(self, rollout_id: int, samples: Sequence[Any]) -> dict[str, float]:
+        config = self.train_config or {}
+
+        def prepare() -> list[StepPlan]:
+            # Converting and splitting thousands of samples would stall the event loop.
+            wire = [protocol.WireSample.from_sample(sample) for sample in samples]
+            return plan_steps(wire, config, self.world_size)
+
+        plan = await anyio.to_thread.run_sync(prepare)
+        commands: dict[int, protocol.Command] = {
+            rank: protocol.TrainCommand(
+                rollout_id=int(rollout_id),
+                steps=[step.shards[rank] for step in plan],
+                step_loss_tokens=[step.loss_tokens for step in plan],
+            )
+            for rank in range(self.world_size)
+        }
+        results = await self.server.call(commands)
+        by_rank = [protocol.TrainResult.from_wire(results[rank]).steps for rank in range(self.world_size)]
+        self.step_metrics = [
+            reduce_step_metrics([steps[index] for steps in by_rank]) for index in range(len(plan))
+        ]
+        return reduce_rollout_metrics(self.step_metrics)
+
+    async def save(
+        self, rollout_id: int, extra: dict[str, Any] | None = None, directory: str | Path | None = None
+    ) -> Path:
+        """Write a resumable checkpoint to `<save_dir>/rollout_<id>` (atomic; `latest` updated)."""
+        target = directory or (self.train_config or {}).get("save_dir")
+        if not target:
+            raise ValueError(
+                "save() needs a directory: pass directory= or set 'save_dir' in the train config"
+            )
+        command = protocol.SaveCommand(
+            rollout_id=int(rollout_id), directory=str(target), extra=dict(extra or {})
+        )
+        return Path((await self.server.call_all(command))[0]["path"])
+
+    async def load_checkpoint(self, path: str | Path) -> CheckpointInfo:
+        """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank."""
+        first = (await self.server.call_all(protocol.LoadCommand(str(path))))[0]
+        return CheckpointInfo(
+            rollout_id=int(first["rollout_id"]), extra=dict(first["extra"]), path=Path(first["path"])
+        )
+
+    async def load(self, path: str | Path) -> int:
+        """Restore a checkpoint; returns the rollout id it was saved at (resume at that id + 1)."""
+        return (await self.load_checkpoint(path)).rollout_id
+
+    async def export_weights(self, directory: str | Path, weight_version: str | int, keep: int = 2) -> Path:
+        """Rank 0 writes `<directory>/weights-<version>` (HF safetensors + config/tokenizer); keeps the last `keep`."""
+        command = protocol.ExportWeightsCommand(
+            directory=str(directory), weight_version=str(weight_version), keep=keep
+        )
+        return Path((await self.server.call_all(command))[0]["path"])
+
+    async def weight_manifest(self) -> list[tuple[str, str, list[int]]]:
+        """(name, dtype, shape) of every tensor a broadcast sends, in broadcast order."""
+        results = await self.server.call_all(protocol.WeightManifestCommand())
+        return [(name, dtype, list(shape)) for name, dtype, shape in results[0]["manifest"]]
+
+    async def broadcast_weights(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        timeout_s: float = 120.0,
+    ) -> list[tuple[str, str, list[int]]]:
+        """Rank 0 joins (or reuses) the weight-update group as rank 0 and broadcasts every tensor.
+
+        Returns when rank 0 has sent everything. Meanwhile the caller posts
+        `/init_weights_update_group` (first time for this group) and `/update_weights_from_distributed`
+        with `weight_manifest()`'s names/dtypes/shapes to the engines.
+        """
+        command = protocol.BroadcastWeightsCommand(
+            master_address=master_address,
+            master_port=int(master_port),
+            world_size=int(world_size),
+            group_name=group_name,
+            timeout_s=float(timeout_s),
+        )
+        results = await self.server.call_all(command)
+        return [(name, dtype, list(shape)) for name, dtype, shape in results[0]["manifest"]]
+
+    async def destroy_weight_group(self, group_name: str = "weight_update_group") -> bool:
+        results = await self.server.call({0: protocol.DestroyWeightGroupCommand(group_name)})
+        return bool(results[0]["destroyed"])
