@@ -31,11 +31,12 @@ from coordinator.engines.client import EngineClient, EngineError
 from coordinator.engines.fleet import EngineFleet, EngineHandle
 from coordinator.engines.launch import free_port
 from coordinator.engines.recovery import EngineRecovery, RouterLike
+from workers.errors import RaylessError
 
 log = logging.getLogger(__name__)
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(RaylessError, RuntimeError):
     """Engines did not take the new weights."""
 
 

@@ -38,13 +38,15 @@ import anyio
 import httpx
 from httpx_aiohttp import AiohttpTransport
 
+from workers.errors import RaylessError
+
 JSON = Any  # parsed JSON value: dict, list, str, number, bool or None
 
 
 # --------------------------------------------------------------------------------------------- errors
 
 
-class EngineError(Exception):
+class EngineError(RaylessError):
     """Base of every error the engine client raises."""
 
     def __init__(self, message: str, url: str) -> None:

@@ -26,9 +26,10 @@ import anyio
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineHTTPError
 from coordinator.engines.launch import free_port
 from coordinator.processes import exit_status, read_tail, spawn_group_leader, terminate_process_group
+from workers.errors import RaylessError
 
 
-class RouterError(RuntimeError):
+class RouterError(RaylessError, RuntimeError):
     """The router failed to start, or did not take a worker change."""
 
 

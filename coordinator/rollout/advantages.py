@@ -22,12 +22,13 @@ import math
 from collections.abc import Sequence
 
 from replay.sample import Sample, SampleStatus
+from workers.errors import RaylessError
 
 EPSILON = 1e-6
 ESTIMATORS = ("grpo", "reinforce_plus_plus_baseline")
 
 
-class AdvantageError(ValueError):
+class AdvantageError(RaylessError, ValueError):
     """An unknown estimator or rewards that cannot be turned into advantages."""
 
 

@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from workers.errors import RaylessError
+
 ChatMessages = list[dict[str, Any]]
 STATE_VERSION = 1
 
 
-class DataSourceError(ValueError):
+class DataSourceError(RaylessError, ValueError):
     """Prompt data that cannot be read or used as asked (bad file, missing key, wrong type, bad state)."""
 
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import anyio
 
 from coordinator.engines.client import EngineClient, EngineError, EngineHTTPError, EngineUnreachable
+from workers.errors import RaylessError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def _still_alive(handle: Any) -> bool:
     return bool(getattr(handle, "alive", True))
 
 
-class NoEngineAvailable(RuntimeError):
+class NoEngineAvailable(RaylessError, RuntimeError):
     """Every rollout engine is dead and none came back within the wait."""
 
 

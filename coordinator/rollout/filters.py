@@ -21,11 +21,12 @@ from typing import Any
 
 from coordinator.rollout.loading import load_object
 from replay.sample import Sample, SampleStatus
+from workers.errors import RaylessError
 
 FILTER_FLAG = "--dynamic-sampling-filter-path"
 
 
-class FilterError(ValueError):
+class FilterError(RaylessError, ValueError):
     """A filter that broke its contract."""
 
 

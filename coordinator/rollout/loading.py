@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from workers.errors import RaylessError
 
-class HookLoadError(ValueError):
+
+class HookLoadError(RaylessError, ValueError):
     """A hook path that names no importable object."""
 
 

@@ -32,6 +32,7 @@ import anyio
 
 from coordinator.rollout.loading import load_object
 from replay.sample import Reward, Sample, SampleStatus
+from workers.errors import RaylessError
 
 FIRST_DIGIT_WINDOW = 4
 MATH_RELATIVE_TOLERANCE = 1e-6
@@ -39,7 +40,7 @@ MAX_NUMBER_CHARS = 64
 MAX_EXPONENT = 308
 
 
-class RewardError(ValueError):
+class RewardError(RaylessError, ValueError):
     """A reward that cannot be computed or a reward function that broke its contract."""
 
 

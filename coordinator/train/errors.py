@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from workers import protocol
+from workers.errors import RaylessError
 
 
-class RankFailure(RuntimeError):
+class RankFailure(RaylessError, RuntimeError):
     """One or more training ranks died or disconnected (or torchrun exited)."""
 
     def __init__(
@@ -30,7 +31,7 @@ class RankFailure(RuntimeError):
         super().__init__(message)
 
 
-class RankCommandError(RuntimeError):
+class RankCommandError(RaylessError, RuntimeError):
     """A rank answered a command with an error (its traceback is in the message)."""
 
     def __init__(self, command: str, errors: dict[int, protocol.Response]) -> None:
