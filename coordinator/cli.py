@@ -45,18 +45,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train_main(argv: Sequence[str]) -> int:
-    from coordinator.config import ConfigError, ConfigWarning, check_paths, parse_config
+    """Parse, check against the machine (files, hooks, backends), then run. Exit 2 before any launch on bad
+    flags; secrets given on the command line are masked in everything printed here."""
+    from coordinator.config import ConfigError, ConfigWarning, parse_config, preflight
+    from coordinator.config.secrets import mask_text, secret_values_in_argv
 
+    secrets = secret_values_in_argv(argv)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         try:
             config = parse_config(argv)
-            check_paths(config)
+            preflight(config)
         except ConfigError as error:
-            print(f"rayless train: error: {error}", file=sys.stderr)
+            print(f"rayless train: error: {mask_text(str(error), secrets)}", file=sys.stderr)
             return 2
     for warning in caught:
-        print(f"rayless train: warning: {warning.message}", file=sys.stderr)
+        print(f"rayless train: warning: {mask_text(str(warning.message), secrets)}", file=sys.stderr)
 
     from coordinator.run import run_training_sync
 

@@ -96,7 +96,7 @@ class EvalFleet:
     """Start with `await task_group.start(eval_fleet.run)`; the training loop calls `after_step` as a hook.
 
     Args:
-        settings: the eval flags (`EvalSettings.from_config`; `probe_before_pin` is derived by the caller).
+        settings: the eval flags (`EvalSettings.from_slices`; `probe_before_pin` is derived by the caller).
         fleet: the EngineFleet of group "eval".
         client: the shared engine client.
         tokenizer: the policy's tokenizer (prompts are sent as token ids).

@@ -1,8 +1,8 @@
 """What an evaluation runs on: the eval flags (`EvalSettings`) and the eval datasets they name.
 
-Owns the one mapping from the run's Config to the eval fleet's settings (`EvalSettings.from_config`: the
-fleet never sees the whole Config) and the loading of `--eval-prompt-data NAME PATH ...` with the reward
-that scores each dataset. Invariants: every dataset has a reward (else a ValueError naming the flag to give);
+Owns the one mapping from the eval slice (and the rollout and sglang flags it falls back to) to the eval
+fleet's settings (`EvalSettings.from_slices`: the fleet never sees the whole Config) and the loading of
+`--eval-prompt-data NAME PATH ...` with the reward that scores each dataset. Invariants: every dataset has a reward (else a ValueError naming the flag to give);
 a `builtin:<task>` dataset is always the same 32 prompts for one `--rollout-seed` and is scored by its task's
 own rm type; a file dataset by the run's reward flags (`RewardChoice`, the rule the rollout uses).
 """
@@ -18,7 +18,7 @@ from coordinator.rollout.rewards import RewardModel
 from coordinator.rollout.tasks import builtin_task_name, make_task_prompts
 
 if TYPE_CHECKING:
-    from coordinator.config import Config
+    from coordinator.config import EvalConfig, RolloutConfig, SglangConfig
 
 BUILTIN_EVAL_PROMPTS = 32
 #: Base sampling seed of eval requests: a sample's seed depends on the evaluation, prompt and sample only.
@@ -27,7 +27,7 @@ EVAL_SEED = 0
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """The flags the eval fleet reads; `from_config` is the one place they are taken from the run's Config."""
+    """The flags the eval fleet reads; `from_slices` is the one place they are taken from the run's config."""
 
     interval: int | None
     datasets: tuple[tuple[str, str], ...]  # --eval-prompt-data NAME PATH pairs
@@ -45,23 +45,24 @@ class EvalSettings:
     reward: RewardChoice = field(default_factory=RewardChoice)  # for file datasets, resolved for --prompt-data
 
     @classmethod
-    def from_config(cls, config: Config) -> EvalSettings:
+    def from_slices(cls, evaluation: EvalConfig, *, rollout: RolloutConfig, sglang: SglangConfig) -> EvalSettings:
+        """The eval slice's flags; unset sampling flags fall back to the rollout's."""
         return cls(
-            interval=config.eval_interval,
-            datasets=tuple(config.eval_datasets),
-            n_samples=config.n_samples_per_eval_prompt,
-            max_in_flight=config.eval_max_in_flight,
-            temperature=(config.eval_temperature if config.eval_temperature is not None
-                         else config.rollout_temperature),
-            top_p=config.eval_top_p if config.eval_top_p is not None else config.rollout_top_p,
-            max_response_len=config.eval_max_response_len or config.rollout_max_response_len,
-            server_concurrency=config.sglang_server_concurrency,
-            hf_checkpoint=str(config.hf_checkpoint),
-            builtin_prompt_seed=config.rollout_seed + 1,
-            input_key=config.input_key,
-            label_key=config.label_key,
-            metadata_key=config.metadata_key,
-            reward=RewardChoice.from_config(config).resolved(config.prompt_data),
+            interval=evaluation.eval_interval,
+            datasets=tuple(evaluation.eval_datasets),
+            n_samples=evaluation.n_samples_per_eval_prompt,
+            max_in_flight=evaluation.eval_max_in_flight,
+            temperature=(evaluation.eval_temperature if evaluation.eval_temperature is not None
+                         else rollout.rollout_temperature),
+            top_p=evaluation.eval_top_p if evaluation.eval_top_p is not None else rollout.rollout_top_p,
+            max_response_len=evaluation.eval_max_response_len or rollout.rollout_max_response_len,
+            server_concurrency=sglang.sglang_server_concurrency,
+            hf_checkpoint=str(rollout.hf_checkpoint),
+            builtin_prompt_seed=rollout.rollout_seed + 1,
+            input_key=rollout.input_key,
+            label_key=rollout.label_key,
+            metadata_key=rollout.metadata_key,
+            reward=RewardChoice.from_rollout(rollout).resolved(rollout.prompt_data),
         )
 
 

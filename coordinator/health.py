@@ -45,6 +45,7 @@ from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
 from coordinator.engines.recovery import EngineRecovery, RouterLike
 
 if TYPE_CHECKING:
+    from coordinator.config import Config, FaultToleranceConfig
     from coordinator.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -315,8 +316,9 @@ def _progress_counter(text: str) -> float | None:
 
 
 def build_health_monitors(
-    config: Any,
+    settings: FaultToleranceConfig,
     *,
+    enabled: bool,
     client: EngineClient,
     rollout_fleet: EngineFleet | None,
     weight_sync: WeightSync | None = None,
@@ -324,27 +326,27 @@ def build_health_monitors(
     eval_fleet: EngineFleet | None = None,
     eval_pauses: Sequence[Pausing] = (),
 ) -> list[HealthMonitor]:
-    """One monitor per engine group, only when `config.health_monitor_enabled`; [] otherwise.
+    """One monitor per engine group, only when `enabled` (`Config.health_monitor_enabled`); [] otherwise.
 
     The rollout monitor recovers through `weight_sync.recovery` (the one WeightSync uses; built with the
     router) or, in a run without training, a recovery of its own that keeps the router up to date."""
-    if not config.health_monitor_enabled:
+    if not enabled:
         return []
-    settings = dict(
+    probing = dict(
         client=client,
-        interval=config.rollout_health_check_interval,
-        timeout=config.rollout_health_check_timeout,
-        first_wait=config.rollout_health_check_first_wait,
-        failure_threshold=config.rollout_health_check_failure_threshold,
+        interval=settings.rollout_health_check_interval,
+        timeout=settings.rollout_health_check_timeout,
+        first_wait=settings.rollout_health_check_first_wait,
+        failure_threshold=settings.rollout_health_check_failure_threshold,
     )
     monitors = []
     if rollout_fleet is not None:
         recovery = (weight_sync.recovery if weight_sync is not None
                     else EngineRecovery(fleet=rollout_fleet, router=router))
-        monitors.append(HealthMonitor(fleet=rollout_fleet, recovery=recovery, **settings))
+        monitors.append(HealthMonitor(fleet=rollout_fleet, recovery=recovery, **probing))
     if eval_fleet is not None:
         # Eval engines never receive training weights: a recovered one is re-pinned by the next eval.
-        monitors.append(HealthMonitor(fleet=eval_fleet, pauses=eval_pauses, **settings))
+        monitors.append(HealthMonitor(fleet=eval_fleet, pauses=eval_pauses, **probing))
     return monitors
 
 
@@ -368,7 +370,7 @@ class FaultInjector:
         self.killed: list[str] = []
 
     @classmethod
-    def from_config(cls, config: Any, fleet: EngineFleet | None) -> FaultInjector:
+    def from_config(cls, config: Config, fleet: EngineFleet | None) -> FaultInjector:
         return cls(armed=config.fault_injection_armed, at_rollout=config.fault_injection_rollout,
                    fleet=fleet)
 

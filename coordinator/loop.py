@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.config import Config
+from coordinator.config import CheckpointConfig, RolloutConfig
 from coordinator.progress import MetricsLog
 from replay.sample import RolloutBatch
 
@@ -69,7 +69,8 @@ class TrainingLoop:
     def __init__(
         self,
         *,
-        config: Config,
+        rollout: RolloutConfig,
+        checkpoint: CheckpointConfig,
         rollouts: RolloutSource,
         trainer: Trainer | None,
         weight_sync: Syncer | None,
@@ -78,7 +79,8 @@ class TrainingLoop:
         num_rollout: int,
         hooks: list[StepHook] | None = None,
     ) -> None:
-        self.config = config
+        self.settings = rollout
+        self.checkpoint = checkpoint
         self.rollouts = rollouts
         self.trainer = trainer
         self.weight_sync = weight_sync
@@ -99,7 +101,7 @@ class TrainingLoop:
 
     async def run(self) -> LoopResult:
         result = LoopResult()
-        if self.config.async_rollout and self.trainer is not None:
+        if self.settings.async_rollout and self.trainer is not None:
             await self._run_async(result)
         else:
             for rollout_id in range(self.start_rollout, self.num_rollout):
@@ -110,7 +112,7 @@ class TrainingLoop:
 
     async def _run_async(self, result: LoopResult) -> None:
         send, receive = anyio.create_memory_object_stream[tuple[RolloutBatch, float]](max_buffer_size=0)
-        staleness = self.config.max_weight_staleness
+        staleness = self.settings.max_weight_staleness
 
         async def produce() -> None:
             async with send:
@@ -138,7 +140,7 @@ class TrainingLoop:
         rollout_id = batch.rollout_id
         record: dict[str, Any] = dict(batch.metrics)
         record["rollout/samples"] = float(len(batch.samples))
-        rewards = [s.scalar_reward(self.config.reward_key) for s in batch.samples if s.reward is not None]
+        rewards = [s.scalar_reward(self.settings.reward_key) for s in batch.samples if s.reward is not None]
         if rewards and "rollout/reward_mean" not in record:
             record["rollout/reward_mean"] = sum(rewards) / len(rewards)
         result.rollouts += 1
@@ -154,7 +156,8 @@ class TrainingLoop:
             self._version_changed = anyio.Event()
             if self.weight_sync is not None:
                 record.update(await self.weight_sync.update(self.weight_version))
-            if self.config.save and self.config.save_interval and (rollout_id + 1) % self.config.save_interval == 0:
+            interval = self.checkpoint.save_interval
+            if self.checkpoint.save and interval and (rollout_id + 1) % interval == 0:
                 await self.save(rollout_id)
         record["weight_version"] = self.weight_version
         record["step/time_s"] = time.monotonic() - started

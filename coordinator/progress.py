@@ -67,7 +67,8 @@ class MetricsLog:
     """Appends metrics to `<run_dir>/metrics.jsonl` (and to TensorBoard / wandb when asked); keeps them in
     memory for the end-of-run plot."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = False, wandb: bool = False) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool = False, wandb: bool = False,
+                 wandb_key: str | None = None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._file: TextIO = self.path.open("a", encoding="utf-8")
@@ -81,6 +82,8 @@ class MetricsLog:
         if wandb:
             import wandb as wandb_module
 
+            if wandb_key:  # `--wandb-key`; otherwise wandb's own login (WANDB_API_KEY, ~/.netrc)
+                wandb_module.login(key=wandb_key)
             self._wandb = wandb_module.init(dir=str(run_dir), config={"run_dir": str(run_dir)})
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

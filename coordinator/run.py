@@ -20,47 +20,68 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from coordinator.config import Config, write_resolved_config
+from coordinator.config.secrets import SecretMaskFilter, config_secrets
+from coordinator.failures import log_failure
 from coordinator.processes import leaf_exceptions
+from workers.errors import RaylessError
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 from coordinator.progress import MetricsLog, ProgressDisplay, plot_rewards
 
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+    from transformers import PreTrainedTokenizerBase
+
+    from coordinator.engines.client import EngineClient
+    from coordinator.engines.fleet import EngineFleet
+    from coordinator.engines.router import RouterHandle
+    from coordinator.eval_fleet import EvalFleet
+    from coordinator.health import FaultInjector, HealthMonitor
+    from coordinator.loop import StepHook
+    from coordinator.train.group import TrainGroup
+    from coordinator.weight_sync import WeightSync
+
 log = logging.getLogger("rayless")
 
 
-class RunFailed(RuntimeError):
+class RunFailed(RaylessError, RuntimeError):
     """A failure a person can act on; printed without a traceback."""
 
 
 def setup_logging(config: Config, run_dir: Path) -> None:
+    """Log to `<run_dir>/coordinator.log` and stderr, the run's secrets masked in every record."""
     run_dir.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
-    root.setLevel(config.log_level)
+    root.setLevel(config.logging.log_level)
     for handler in list(root.handlers):
         root.removeHandler(handler)
     file_handler = logging.FileHandler(run_dir / "coordinator.log")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(file_handler)
-    if sys.stderr.isatty() and not config.no_progress:
+    handlers: list[logging.Handler] = [file_handler]
+    if sys.stderr.isatty() and not config.logging.no_progress:
         from rich.logging import RichHandler
 
-        root.addHandler(RichHandler(show_path=False, log_time_format="%H:%M:%S"))
+        handlers.append(RichHandler(show_path=False, log_time_format="%H:%M:%S"))
     else:
         stream = logging.StreamHandler(sys.stderr)
         stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-        root.addHandler(stream)
+        handlers.append(stream)
+    mask = SecretMaskFilter(config_secrets(config))
+    for handler in handlers:
+        handler.addFilter(mask)
+        root.addHandler(handler)
     for noisy in ("httpx", "httpcore", "aiohttp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def run_training_sync(config: Config) -> int:
-    run_dir = config.resolved_run_dir
+    run_dir = config.logging.resolved_run_dir
     setup_logging(config, run_dir)
     write_resolved_config(config, run_dir)
     try:
@@ -69,29 +90,16 @@ def run_training_sync(config: Config) -> int:
         log.error("interrupted; every launched process was stopped")
         return 130
     except BaseExceptionGroup as group:
-        errors = leaf_exceptions(group)
-        for error in errors:
-            log.error("run failed: %s", _describe(error), exc_info=_unexpected(error))
+        for error in leaf_exceptions(group):
+            log_failure(log, error)
         return 1
     except Exception as error:
-        log.error("run failed: %s", _describe(error), exc_info=_unexpected(error))
+        log_failure(log, error)
         return 1
     return 0
 
 
-def _unexpected(error: BaseException) -> bool:
-    """Known failure types are reported by message alone; anything else gets its traceback."""
-    known = ("RunFailed", "RankFailure", "EngineLaunchError", "WeightSyncError", "NoEngineAvailable",
-             "DumpError", "ReplayMissingError", "NotBuiltError", "RewardError", "DataSourceError", "HookLoadError",
-             "RouterError", "EngineHTTPError", "EngineUnreachable")
-    return type(error).__name__ not in known
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
-async def run_training(config: Config, *, extra_hooks: Callable[[Services], list[Any]] | None = None
+async def run_training(config: Config, *, extra_hooks: Callable[[Services], list[StepHook]] | None = None
                        ) -> dict[str, Any]:
     """Run the job; returns a summary (also written to <run_dir>/summary.json).
 
@@ -99,9 +107,10 @@ async def run_training(config: Config, *, extra_hooks: Callable[[Services], list
     use it to act on the running services (kill a rank mid-run).
     """
     started = time.monotonic()
-    run_dir = config.resolved_run_dir
-    metrics = MetricsLog(run_dir, tensorboard=config.use_tensorboard, wandb=config.use_wandb)
-    progress = ProgressDisplay(enabled=not config.no_progress)
+    run_dir = config.logging.resolved_run_dir
+    metrics = MetricsLog(run_dir, tensorboard=config.logging.use_tensorboard, wandb=config.logging.use_wandb,
+                         wandb_key=config.logging.wandb_key)
+    progress = ProgressDisplay(enabled=not config.logging.no_progress)
     timings: dict[str, float] = {}
     try:
         async with AsyncExitStack() as stack:
@@ -123,149 +132,126 @@ async def run_training(config: Config, *, extra_hooks: Callable[[Services], list
     return summary
 
 
+@dataclass
 class Services:
-    def __init__(self) -> None:
-        self.client: Any = None
-        self.fleet: Any = None
-        self.router: Any = None
-        self.train_group: Any = None
-        self.tokenizer: Any = None
-        self.context_length: int | None = None
-        self.eval_engines: Any = None  # EngineFleet of group "eval"
-        self.ft: FaultTolerance | None = None
-        self.weight_sync: Any = None
+    """What the run started, each piece present only where the mode needs it (None otherwise).
+
+    Filled while the services start (concurrently) and as the loop is wired; read by the loop, the FT
+    pieces and tests' hooks.
+    """
+
+    client: EngineClient | None = None
+    fleet: EngineFleet | None = None
+    router: RouterHandle | None = None
+    train_group: TrainGroup | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
+    context_length: int | None = None
+    eval_engines: EngineFleet | None = None  # the EngineFleet of group "eval"
+    ft: FaultTolerance | None = None
+    weight_sync: WeightSync | None = None
 
 
-async def _start_services(config: Config, run_dir: Path, task_group: Any, stack: AsyncExitStack,
+async def _start_services(config: Config, run_dir: Path, task_group: TaskGroup, stack: AsyncExitStack,
                           timings: dict[str, float]) -> Services:
     services = Services()
     starters: list[Callable[[], Awaitable[None]]] = []
-    t0 = time.monotonic()
-
     if config.needs_engines:
-        from coordinator.engines.client import EngineClient
-        from coordinator.engines.fleet import EngineFleet
-        from coordinator.engines.launch import EngineLaunchSpec
-
-        services.client = await stack.enter_async_context(
-            EngineClient(max_connections=min(config.generate_concurrency, 1024), api_key=config.sglang_api_key)
-        )
-        cuda = _cuda_available()
-        backend = config.resolved_engine_backend(cuda_available=cuda)
-        extra: list[str] = ["--weight-version", "0"]
-        if config.sglang_context_length:
-            extra += ["--context-length", str(config.sglang_context_length)]
-        if config.health_monitor_enabled:
-            extra.append("--enable-metrics")  # the monitor tells slow from hung by /metrics progress
-        if backend == "sglang":
-            extra += ["--tp-size", str(config.rollout_num_gpus_per_engine), *config.sglang_passthrough]
-        else:
-            extra += ["--random-seed", str(config.rollout_seed),
-                      "--max-running-requests", str(config.sglang_server_concurrency)]
-        spec = EngineLaunchSpec(kind=backend, model_path=str(config.hf_checkpoint), api_key=config.sglang_api_key,
-                                extra_args=tuple(extra))
-        services.fleet = EngineFleet(client=services.client, group="rollout",
-                                     launch=spec if config.num_launched_rollout_engines else None,
-                                     num_engines=config.num_launched_rollout_engines,
-                                     external_urls=config.rollout_external_engine_addrs, run_dir=run_dir,
-                                     probe_timeout=config.rollout_health_check_timeout)
-
-        async def start_engines() -> None:
-            await task_group.start(services.fleet.run)
-            timings["engines_ready_s"] = time.monotonic() - t0
-            if config.use_sglang_router:
-                from coordinator.engines.router import RouterHandle
-
-                services.router = RouterHandle(client=services.client, run_dir=run_dir,
-                                               policy=config.sglang_router_policy)
-                await task_group.start(services.router.run, [e.url for e in services.fleet.alive()])
-
-        if config.eval_fleet_enabled:
-            # Dedicated eval engines: same launch spec, their own group; never given training weights.
-            services.eval_engines = EngineFleet(client=services.client, group="eval", launch=spec,
-                                                num_engines=config.num_eval_engines, run_dir=run_dir,
-                                                probe_timeout=config.rollout_health_check_timeout)
-
-            async def start_eval_engines() -> None:
-                await task_group.start(services.eval_engines.run)
-                timings["eval_engines_ready_s"] = time.monotonic() - t0
-
-            starters.append(start_eval_engines)
-
-        async def load_tokenizer() -> None:
-            services.tokenizer, services.context_length = await anyio.to_thread.run_sync(
-                _load_tokenizer, config)
-
-        starters += [start_engines, load_tokenizer]
-
+        starters += await _engine_starters(config, run_dir, task_group, stack, services, timings)
     if config.needs_train_ranks:
-        from coordinator.train.group import TrainGroup
-
-        services.train_group = TrainGroup(
-            nproc_per_node=config.actor_num_gpus_per_node,
-            nnodes=config.actor_num_nodes,
-            node_rank=config.actor_node_rank,
-            rdzv_endpoint=config.rdzv_endpoint,
-            max_restarts=config.max_restarts if config.train_ft_enabled else 0,
-            host=config.control_host,
-            port=config.control_port,
-            run_dir=run_dir,
-        )
-
-        async def start_ranks() -> None:
-            await task_group.start(services.train_group.run)
-            timings["ranks_ready_s"] = time.monotonic() - t0
-            await services.train_group.init(train_settings(config))
-            timings["ranks_initialised_s"] = time.monotonic() - t0
-
-        starters.append(start_ranks)
-
+        starters.append(_rank_starter(config, run_dir, task_group, services, timings))
     async with anyio.create_task_group() as starting:
         for starter in starters:
             starting.start_soon(starter)
     return services
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+async def _engine_starters(config: Config, run_dir: Path, task_group: TaskGroup, stack: AsyncExitStack,
+                           services: Services, timings: dict[str, float]) -> list[Callable[[], Awaitable[None]]]:
+    """Open the engine client and build the fleets; return the tasks that start engines, router, tokenizer."""
+    from coordinator.engines.client import EngineClient
+    from coordinator.engines.fleet import EngineFleet
+    from coordinator.engines.launch import engine_launch_spec
+
+    t0 = time.monotonic()
+    cluster, sglang, ft = config.cluster, config.sglang, config.fault_tolerance
+    client = services.client = await stack.enter_async_context(
+        EngineClient(max_connections=min(config.generate_concurrency, 1024), api_key=sglang.sglang_api_key)
+    )
+    spec = engine_launch_spec(model_path=str(config.rollout.hf_checkpoint), sglang=sglang, cluster=cluster,
+                              seed=config.rollout.rollout_seed, enable_metrics=config.health_monitor_enabled)
+    fleet = services.fleet = EngineFleet(
+        client=client, group="rollout", launch=spec if config.num_launched_rollout_engines else None,
+        num_engines=config.num_launched_rollout_engines, external_urls=cluster.rollout_external_engine_addrs,
+        run_dir=run_dir, probe_timeout=ft.rollout_health_check_timeout)
+
+    async def start_engines() -> None:
+        await task_group.start(fleet.run)
+        timings["engines_ready_s"] = time.monotonic() - t0
+        if sglang.use_sglang_router:
+            from coordinator.engines.router import RouterHandle
+
+            router = services.router = RouterHandle(client=client, run_dir=run_dir,
+                                                    policy=sglang.sglang_router_policy)
+            await task_group.start(router.run, [e.url for e in fleet.alive()])
+
+    async def load_tokenizer() -> None:
+        services.tokenizer, services.context_length = await anyio.to_thread.run_sync(_load_tokenizer, config)
+
+    starters = [start_engines, load_tokenizer]
+    if config.eval_fleet_enabled:
+        # Dedicated eval engines: same launch spec, their own group; never given training weights.
+        eval_engines = services.eval_engines = EngineFleet(
+            client=client, group="eval", launch=spec, num_engines=config.num_eval_engines, run_dir=run_dir,
+            probe_timeout=ft.rollout_health_check_timeout)
+
+        async def start_eval_engines() -> None:
+            await task_group.start(eval_engines.run)
+            timings["eval_engines_ready_s"] = time.monotonic() - t0
+
+        starters.append(start_eval_engines)
+    return starters
+
+
+def _rank_starter(config: Config, run_dir: Path, task_group: TaskGroup, services: Services,
+                  timings: dict[str, float]) -> Callable[[], Awaitable[None]]:
+    from coordinator.train.group import TrainGroup
+
+    t0 = time.monotonic()
+    cluster = config.cluster
+    group = services.train_group = TrainGroup(
+        nproc_per_node=cluster.actor_num_gpus_per_node,
+        nnodes=cluster.actor_num_nodes,
+        node_rank=cluster.actor_node_rank,
+        rdzv_endpoint=cluster.rdzv_endpoint,
+        max_restarts=config.fault_tolerance.max_restarts if config.train_ft_enabled else 0,
+        host=cluster.control_host,
+        port=cluster.control_port,
+        run_dir=run_dir,
+    )
+    settings = config.train.rank_settings(model_path=str(config.rollout.hf_checkpoint),
+                                          save_dir=config.checkpoint.save)
+
+    async def start_ranks() -> None:
+        await task_group.start(group.run)
+        timings["ranks_ready_s"] = time.monotonic() - t0
+        await group.init(settings)
+        timings["ranks_initialised_s"] = time.monotonic() - t0
+
+    return start_ranks
 
 
 def _load_tokenizer(config: Config) -> tuple[Any, int | None]:
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
-    model_config = AutoConfig.from_pretrained(config.hf_checkpoint)
-    context = config.sglang_context_length or getattr(model_config, "max_position_embeddings", None)
+    tokenizer = AutoTokenizer.from_pretrained(config.rollout.hf_checkpoint)
+    model_config = AutoConfig.from_pretrained(config.rollout.hf_checkpoint)
+    context = config.sglang.sglang_context_length or getattr(model_config, "max_position_embeddings", None)
     return tokenizer, context
 
 
-def train_settings(config: Config) -> dict[str, Any]:
-    """What the ranks need to know, and nothing else: the ranks never see the coordinator's Config."""
-    return {
-        "model_path": str(config.hf_checkpoint),
-        "seed": config.seed,
-        "lr": config.lr,
-        "warmup_steps": config.lr_warmup_iters,
-        "weight_decay": config.weight_decay,
-        "clip_grad": config.clip_grad,
-        "eps_clip": config.eps_clip,
-        "eps_clip_high": config.eps_clip_high if config.eps_clip_high is not None else config.eps_clip,
-        "kl_coef": config.kl_coef,
-        "use_kl_loss": config.use_kl_loss,
-        "entropy_coef": config.entropy_coef,
-        "max_tokens_per_micro_batch": config.max_tokens_per_gpu,
-        "global_batch_size": config.global_batch_size,  # None: one optimizer step per rollout
-        "save_dir": config.save,
-    }
-
-
 async def _train(config: Config, run_dir: Path, services: Services, metrics: MetricsLog,
-                 progress: ProgressDisplay, timings: dict[str, float], task_group: Any,
-                 extra_hooks: Callable[[Services], list[Any]] | None = None) -> dict[str, Any]:
+                 progress: ProgressDisplay, timings: dict[str, float], task_group: TaskGroup,
+                 extra_hooks: Callable[[Services], list[StepHook]] | None = None) -> dict[str, Any]:
     from coordinator.loop import TrainingLoop
     from coordinator.rollout.manager import RolloutManager
 
@@ -282,22 +268,15 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
     for monitor in ft.monitors:
         await task_group.start(monitor.run)
 
-    start_rollout = 0
-    if config.load and services.train_group is not None:
-        checkpoint = await services.train_group.load_checkpoint(Path(config.load))
-        start_rollout = checkpoint.rollout_id + 1
-        manager.load_state_dict(checkpoint.extra.get("rollout_state", {}))
-        log.info("resumed from %s: continuing at rollout %d", config.load, start_rollout)
-        if weight_sync is not None:
-            await weight_sync.update(str(start_rollout))
-
-    num_rollout = config.num_rollout
+    start_rollout = await _resume(config, services, manager, weight_sync)
+    num_rollout = config.rollout.num_rollout
     if num_rollout is None:  # replay without --num-rollout: every dump the template finds
         ids = manager.replay_loader.available_rollout_ids()
         if not ids:
-            raise RunFailed(f"--load-debug-rollout-data {config.load_debug_rollout_data!r} matches no dump file")
+            raise RunFailed(f"--load-debug-rollout-data {config.debug.load_debug_rollout_data!r} matches no "
+                            "dump file")
         num_rollout = max(ids) + 1
-    hooks: list[Any] = [ft.eval_fleet] if ft.eval_fleet is not None else []
+    hooks: list[StepHook] = [ft.eval_fleet] if ft.eval_fleet is not None else []
     if extra_hooks is not None:
         hooks += extra_hooks(services)
     rollouts: Any = manager
@@ -305,13 +284,14 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         from coordinator.health import FaultInjectingSource
 
         rollouts = FaultInjectingSource(manager, ft.injector)
-    loop = TrainingLoop(config=config, rollouts=rollouts, trainer=services.train_group, weight_sync=weight_sync,
-                        metrics=metrics, start_rollout=start_rollout, num_rollout=num_rollout, hooks=hooks)
+    loop = TrainingLoop(rollout=config.rollout, checkpoint=config.checkpoint, rollouts=rollouts,
+                        trainer=services.train_group, weight_sync=weight_sync, metrics=metrics,
+                        start_rollout=start_rollout, num_rollout=num_rollout, hooks=hooks)
     timings["loop_start_s"] = 0.0
     result = await loop.run()
     if ft.eval_fleet is not None:
         await ft.eval_fleet.drain(timeout=300)
-    if config.save and services.train_group is not None and result.train_steps:
+    if config.checkpoint.save and services.train_group is not None and result.train_steps:
         await loop.save(num_rollout - 1)
     rewards = [row.get("rollout/reward_mean") for row in result.history if "rollout/reward_mean" in row]
     return {
@@ -325,16 +305,30 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
     }
 
 
-def build_weight_sync(config: Config, services: Services, run_dir: Path) -> Any:
+async def _resume(config: Config, services: Services, manager: Any, weight_sync: WeightSync | None) -> int:
+    """With `--load`: restore the ranks and the data order, push the restored weights; the first rollout id."""
+    load = config.checkpoint.load
+    if not load or services.train_group is None:
+        return 0
+    checkpoint = await services.train_group.load_checkpoint(Path(load))
+    start_rollout = checkpoint.rollout_id + 1
+    manager.load_state_dict(checkpoint.extra.get("rollout_state", {}))
+    log.info("resumed from %s: continuing at rollout %d", load, start_rollout)
+    if weight_sync is not None:
+        await weight_sync.update(str(start_rollout))
+    return start_rollout
+
+
+def build_weight_sync(config: Config, services: Services, run_dir: Path) -> WeightSync | None:
     """WeightSync for the rollout engines; it recovers dead engines only with rollout FT (the config's gate)."""
-    if services.fleet is None or services.train_group is None:
+    if services.fleet is None or services.train_group is None or services.client is None:
         return None
     from coordinator.weight_sync import WeightSync
 
     return WeightSync(
-        mode=config.update_weight_transfer_mode, fleet=services.fleet, client=services.client,
+        mode=config.sglang.update_weight_transfer_mode, fleet=services.fleet, client=services.client,
         trainer=services.train_group, snapshot_dir=run_dir / "weights",
-        keep_snapshots=config.keep_weight_snapshots, recover_engines=config.rollout_ft_enabled,
+        keep_snapshots=config.checkpoint.keep_weight_snapshots, recover_engines=config.rollout_ft_enabled,
         router=services.router,
     )
 
@@ -343,29 +337,29 @@ def build_weight_sync(config: Config, services: Services, run_dir: Path) -> Any:
 class FaultTolerance:
     """The FT pieces of one run, each present only where its gate in Config says so."""
 
-    monitors: list[Any] = field(default_factory=list)
-    injector: Any = None
-    eval_fleet: Any = None
+    monitors: list[HealthMonitor] = field(default_factory=list)
+    injector: FaultInjector | None = None
+    eval_fleet: EvalFleet | None = None
 
-    def summary(self, weight_sync: Any) -> dict[str, Any]:
+    def summary(self, weight_sync: WeightSync | None) -> dict[str, Any]:
         return {
             "monitors": [m.group for m in self.monitors],
             "monitor_stats": {m.group: dataclasses.asdict(m.stats) for m in self.monitors},
             "injection_armed": bool(self.injector is not None and self.injector.armed),
             "injected": list(self.injector.killed) if self.injector is not None else [],
-            "weight_sync_recoveries": getattr(weight_sync, "recoveries", 0),
+            "weight_sync_recoveries": weight_sync.recoveries if weight_sync is not None else 0,
             "eval_probes": self.eval_fleet.probes if self.eval_fleet is not None else 0,
             "evals": [dataclasses.asdict(r) for r in self.eval_fleet.records] if self.eval_fleet is not None
             else [],
         }
 
 
-def build_fault_tolerance(config: Config, *, services: Services, weight_sync: Any, run_dir: Path,
+def build_fault_tolerance(config: Config, *, services: Services, weight_sync: WeightSync | None, run_dir: Path,
                           metrics: MetricsLog | None) -> FaultTolerance:
     """Monitors (rollout FT and engines only), the fault injector (always built when rollout engines exist, armed
     only by `config.fault_injection_armed`) and the eval fleet (probing itself unless a monitor watches it)."""
     ft = FaultTolerance()
-    if services.fleet is None:
+    if services.fleet is None or services.client is None:
         return ft
     from coordinator.health import FaultInjector, build_health_monitors
 
@@ -375,13 +369,14 @@ def build_fault_tolerance(config: Config, *, services: Services, weight_sync: An
         from coordinator.eval_settings import EvalSettings
 
         ft.eval_fleet = EvalFleet(
-            settings=EvalSettings.from_config(config), fleet=services.eval_engines, client=services.client,
-            tokenizer=services.tokenizer, exporter=services.train_group, snapshot_dir=run_dir / "eval_weights",
-            metrics=metrics, probe_before_pin=not config.health_monitor_enabled,
+            settings=EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang),
+            fleet=services.eval_engines, client=services.client, tokenizer=services.tokenizer,
+            exporter=services.train_group, snapshot_dir=run_dir / "eval_weights", metrics=metrics,
+            probe_before_pin=not config.health_monitor_enabled,
         )
     ft.monitors = build_health_monitors(
-        config, client=services.client, rollout_fleet=services.fleet, weight_sync=weight_sync,
-        router=services.router, eval_fleet=services.eval_engines,
-        eval_pauses=[ft.eval_fleet] if ft.eval_fleet is not None else [],
+        config.fault_tolerance, enabled=config.health_monitor_enabled, client=services.client,
+        rollout_fleet=services.fleet, weight_sync=weight_sync, router=services.router,
+        eval_fleet=services.eval_engines, eval_pauses=[ft.eval_fleet] if ft.eval_fleet is not None else [],
     )
     return ft

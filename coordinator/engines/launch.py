@@ -26,10 +26,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import anyio
 
+from coordinator.config.secrets import mask_argv
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError
 from coordinator.processes import (
     exit_status,
@@ -38,6 +39,10 @@ from coordinator.processes import (
     terminate_process_group,
     wait_exited,
 )
+from workers.errors import RaylessError
+
+if TYPE_CHECKING:
+    from coordinator.config import ClusterConfig, SglangConfig
 
 #: Ports handed out by this process recently; a second launch in the same moment must not get the same one.
 _RESERVED: dict[int, float] = {}
@@ -46,7 +51,7 @@ _RESERVE_SECONDS = 60.0
 _ADDRESS_IN_USE = ("address already in use", "errno 98", "eaddrinuse", "address in use")
 
 
-class EngineLaunchError(RuntimeError):
+class EngineLaunchError(RaylessError, RuntimeError):
     """An engine failed to start: it exited, or did not become healthy before the deadline."""
 
     def __init__(
@@ -119,6 +124,38 @@ class EngineLaunchSpec:
         return cmd + list(self.extra_args)
 
 
+def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: ClusterConfig, seed: int,
+                       enable_metrics: bool, cuda_available: bool | None = None) -> EngineLaunchSpec:
+    """How the run launches its engines (rollout and eval alike), from the sglang and cluster slices.
+
+    The CPU engine gets our flags (seed, request slots); SGLang gets its tensor-parallel size and the
+    `--sglang-*` passthrough. `enable_metrics`: the health monitor tells slow from hung by /metrics progress.
+    `cuda_available` is probed (importing torch) only when `--engine-backend auto` needs it.
+    """
+    if cuda_available is None and cluster.engine_backend == "auto":
+        cuda_available = _cuda_available()
+    backend = cluster.resolved_engine_backend(cuda_available=bool(cuda_available))
+    extra: list[str] = ["--weight-version", "0"]
+    if sglang.sglang_context_length:
+        extra += ["--context-length", str(sglang.sglang_context_length)]
+    if enable_metrics:
+        extra.append("--enable-metrics")
+    if backend == "sglang":
+        extra += ["--tp-size", str(cluster.rollout_num_gpus_per_engine), *sglang.sglang_passthrough]
+    else:
+        extra += ["--random-seed", str(seed), "--max-running-requests", str(sglang.sglang_server_concurrency)]
+    return EngineLaunchSpec(kind=backend, model_path=model_path, api_key=sglang.sglang_api_key,
+                            extra_args=tuple(extra))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 class EngineProcess:
     """One launched engine. `start()` → healthy or EngineLaunchError; `stop()` ends its process group."""
 
@@ -171,7 +208,8 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: ASYNC230 - local append-only log, closed in stop()
         cmd = self.spec.command(self.port or 0)
-        self._log.write(f"\n=== rayless: starting engine {self.name}: {' '.join(cmd)}\n".encode())
+        shown = " ".join(mask_argv(cmd))  # the API key (and any other secret flag) never reaches the log
+        self._log.write(f"\n=== rayless: starting engine {self.name}: {shown}\n".encode())
         self._log.flush()
         self.proc = spawn_group_leader(cmd, log=self._log, env={**os.environ, **dict(self.spec.env)})
         ok = False

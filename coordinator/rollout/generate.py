@@ -71,7 +71,7 @@ class DefaultRollout:
         # Pieces are read from the context when used, not here: in --debug-train-only the fn is built but the
         # engines are not, and using it then must fail with the context's clear "not built" error.
         self.context = context
-        self.config = context.config
+        self.settings = context.config.rollout  # this fn reads the rollout slice only
         self.partial_buffer: list[PartialGroup] = []
         self.progress: RolloutProgress | None = None
 
@@ -96,10 +96,10 @@ class DefaultRollout:
         return self.context.dynamic_filter
 
     async def __call__(self, rollout_id: int, weight_version: str) -> RolloutBatch:
-        config = self.config
+        settings = self.settings
         # Reach every piece up front: in a mode that did not build one, fail here with its clear error.
         _ = self.state, self.dispatcher, self.data_source, self.reward_model
-        target = config.rollout_batch_size
+        target = settings.rollout_batch_size
         assert target is not None
         progress = self.progress = RolloutProgress(target=target)
         if self.filter is not None:
@@ -108,7 +108,7 @@ class DefaultRollout:
         accepted: list[list[Sample]] = []
         stragglers: list[PartialGroup] = []
         send, receive = anyio.create_memory_object_stream[tuple[PartialGroup, list[Sample]]](
-            max_buffer_size=config.effective_over_sampling_batch_size
+            max_buffer_size=settings.effective_over_sampling_batch_size
         )
         next_group_index = 0
         pending = 0
@@ -129,7 +129,7 @@ class DefaultRollout:
 
                 resumed = self._take_partial_buffer()
                 first = resumed + self._new_groups(
-                    config.effective_over_sampling_batch_size - len(resumed), len(resumed)
+                    settings.effective_over_sampling_batch_size - len(resumed), len(resumed)
                 )
                 next_group_index += len(first)
                 submit(first)
@@ -147,7 +147,7 @@ class DefaultRollout:
                     if len(accepted) >= target:
                         break
                     if pending + len(accepted) < target:
-                        more = self._new_groups(config.effective_over_sampling_batch_size, next_group_index)
+                        more = self._new_groups(settings.effective_over_sampling_batch_size, next_group_index)
                         next_group_index += len(more)
                         submit(more)
                     refresh()
@@ -163,7 +163,7 @@ class DefaultRollout:
                     task_group.cancel_scope.cancel()
                 refresh()
 
-        if config.partial_rollout:
+        if settings.partial_rollout:
             self.partial_buffer = [self._resume(group) for group in stragglers]
         _in_submission_order(accepted)
         metrics = self._metrics(accepted, progress, time.monotonic() - started)
@@ -200,7 +200,7 @@ class DefaultRollout:
                 )
             prompt_ids = self.state.encode(record.prompt)
             samples = [new_sample(record, prompt_ids, first_index + offset, k)
-                       for k in range(self.config.n_samples_per_prompt)]
+                       for k in range(self.settings.n_samples_per_prompt)]
             groups.append(PartialGroup(record, prompt_ids, samples))
         return groups
 
@@ -210,7 +210,7 @@ class DefaultRollout:
             if sample.status is not SampleStatus.ABORTED:
                 continue
             sample.status = SampleStatus.PENDING
-            if not self.config.partial_rollout:
+            if not self.settings.partial_rollout:
                 sample.tokens = sample.tokens[: sample.prompt_length]
                 sample.response_length = 0
                 sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [], [], []
@@ -226,7 +226,7 @@ class DefaultRollout:
         self, groups: list[list[Sample]], progress: RolloutProgress, seconds: float
     ) -> dict[str, float]:
         samples = [sample for group in groups for sample in group]
-        rewards = [sample.scalar_reward(self.config.reward_key) for sample in samples]
+        rewards = [sample.scalar_reward(self.settings.reward_key) for sample in samples]
         lengths = [sample.response_length for sample in samples]
         mean = sum(rewards) / max(len(rewards), 1)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(len(rewards), 1))

@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 
-from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config
+from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config, RolloutConfig
 from coordinator.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
 from coordinator.rollout.data_source import PromptDataSource
@@ -36,18 +36,19 @@ from coordinator.rollout.requests import GenerateState
 from coordinator.rollout.reward_choice import RewardChoice
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch
+from workers.errors import RaylessError
 
 log = logging.getLogger(__name__)
 
 
-class NotBuiltError(RuntimeError):
+class NotBuiltError(RaylessError, RuntimeError):
     """A piece of rollout machinery that this run's mode does not build was used."""
 
 
 def _not_built(piece: str, config: Config) -> NotBuiltError:
     if config.replay_mode:
-        why = f"--load-debug-rollout-data {config.load_debug_rollout_data!r} replays dumps"
-    elif config.debug_train_only:
+        why = f"--load-debug-rollout-data {config.debug.load_debug_rollout_data!r} replays dumps"
+    elif config.debug.debug_train_only:
         why = "--debug-train-only starts no engines"
     else:
         why = "this run's configuration does not need it"
@@ -178,13 +179,14 @@ class RolloutManager:
         progress: ProgressDisplay | None = None,
     ) -> RolloutManager:
         manager = cls(config=config)
+        rollout = config.rollout
         if config.replay_mode:
             from replay.loader import ReplayLoader
 
             manager._replay_loader = ReplayLoader(
-                config.load_debug_rollout_data,  # type: ignore[arg-type]
-                subsample=config.load_debug_rollout_data_subsample,
-                seed=config.rollout_seed,
+                config.debug.load_debug_rollout_data,  # type: ignore[arg-type]
+                subsample=config.debug.load_debug_rollout_data_subsample,
+                seed=rollout.rollout_seed,
                 n_samples_per_prompt=None,
             )
             manager.counts.replay_loaders += 1
@@ -196,23 +198,23 @@ class RolloutManager:
                 raise ValueError("a run that generates needs an engine client and a fleet or router")
             generate_state = GenerateState(
                 tokenizer=tokenizer,
-                sampling_params=sampling_params(config),
-                max_response_len=config.rollout_max_response_len,
-                context_length=context_length or config.rollout_max_context_len or 1 << 30,
+                sampling_params=sampling_params(rollout),
+                max_response_len=rollout.rollout_max_response_len,
+                context_length=context_length or rollout.rollout_max_context_len or 1 << 30,
                 concurrency=config.generate_concurrency,
-                seed=config.rollout_seed,
+                seed=rollout.rollout_seed,
             )
             manager.counts.generate_states += 1
             dispatcher = Dispatcher(client=client, pool=pool, router_url=router_url,
                                     watch_engine_state=config.health_monitor_enabled)
             manager.counts.dispatchers += 1
-        data_source = build_data_source(config, tokenizer) if config.prompt_data else None
+        data_source = build_data_source(rollout, tokenizer) if rollout.prompt_data else None
         if data_source is not None:
             manager.counts.data_sources += 1
-        reward_model = build_reward_model(config)
+        reward_model = build_reward_model(rollout)
         dynamic_filter = (
-            DynamicFilter.load(config.dynamic_sampling_filter_path, reward_key=config.reward_key)
-            if config.dynamic_sampling_filter_path
+            DynamicFilter.load(rollout.dynamic_sampling_filter_path, reward_key=rollout.reward_key)
+            if rollout.dynamic_sampling_filter_path
             else None
         )
         manager.context = RolloutContext(
@@ -226,14 +228,14 @@ class RolloutManager:
             progress_display=progress,
         )
         manager._rollout_fn = instantiate_rollout_fn(
-            config.rollout_function_path, manager.context, what="--rollout-function-path"
+            rollout.rollout_function_path, manager.context, what="--rollout-function-path"
         )
         manager.counts.rollout_fns += 1
-        if config.shares_rollout_and_eval_fn:
+        if rollout.shares_rollout_and_eval_fn:
             manager._eval_fn = manager._rollout_fn
         else:
             manager._eval_fn = instantiate_rollout_fn(
-                config.effective_eval_function_path, manager.context, what="--eval-function-path"
+                rollout.effective_eval_function_path, manager.context, what="--eval-function-path"
             )
             manager.counts.eval_fns += 1
         return manager
@@ -268,20 +270,22 @@ class RolloutManager:
         else:
             batch = await self.rollout_fn(rollout_id, weight_version)
             self._check_shape(batch)
+        rollout = self.config.rollout
         compute_advantages(
             batch.groups,
-            estimator=self.config.advantage_estimator,
-            normalize_std=not self.config.disable_grpo_std_normalization,
-            reward_key=self.config.reward_key,
+            estimator=rollout.advantage_estimator,
+            normalize_std=not rollout.disable_grpo_std_normalization,
+            reward_key=rollout.reward_key,
         )
-        if self.config.save_debug_rollout_data is not None and not self.config.replay_mode:
+        if self.config.debug.save_debug_rollout_data is not None and not self.config.replay_mode:
             await self._dump(batch)
         return batch
 
     def _check_shape(self, batch: RolloutBatch) -> None:
-        if self.config.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION:
+        rollout = self.config.rollout
+        if rollout.rollout_function_path != DEFAULT_ROLLOUT_FUNCTION:
             return  # a custom rollout fn may return any shape (e.g. SFT data); the default one is checked
-        want_groups, want_n = self.config.rollout_batch_size, self.config.n_samples_per_prompt
+        want_groups, want_n = rollout.rollout_batch_size, rollout.n_samples_per_prompt
         sizes = [len(group) for group in batch.groups]
         if len(sizes) != want_groups or any(size != want_n for size in sizes):
             raise RuntimeError(
@@ -293,16 +297,17 @@ class RolloutManager:
         from replay.format import dump_path, write_dump
 
         path = dump_path(
-            self.config.save_debug_rollout_data,
+            self.config.debug.save_debug_rollout_data,
             batch.rollout_id,  # type: ignore[arg-type]
             eval=(kind == "eval"),
         )
+        rollout = self.config.rollout
         facts = {
-            "hf_checkpoint": self.config.hf_checkpoint,
-            "n_samples_per_prompt": self.config.n_samples_per_prompt,
-            "rollout_batch_size": self.config.rollout_batch_size,
-            "advantage_estimator": self.config.advantage_estimator,
-            "reward_key": self.config.reward_key,
+            "hf_checkpoint": rollout.hf_checkpoint,
+            "n_samples_per_prompt": rollout.n_samples_per_prompt,
+            "rollout_batch_size": rollout.rollout_batch_size,
+            "advantage_estimator": rollout.advantage_estimator,
+            "reward_key": rollout.reward_key,
             "metrics": batch.metrics,
         }
         await anyio.to_thread.run_sync(
@@ -319,33 +324,33 @@ class RolloutManager:
             self.context._data_source.load_state_dict(state["data_source"])
 
 
-def sampling_params(config: Config) -> dict[str, Any]:
+def sampling_params(rollout: RolloutConfig) -> dict[str, Any]:
     params: dict[str, Any] = {
-        "temperature": config.rollout_temperature,
-        "top_p": config.rollout_top_p,
-        "top_k": config.rollout_top_k,
+        "temperature": rollout.rollout_temperature,
+        "top_p": rollout.rollout_top_p,
+        "top_k": rollout.rollout_top_k,
     }
-    if config.rollout_stop:
-        params["stop"] = list(config.rollout_stop)
-    if config.rollout_stop_token_ids:
-        params["stop_token_ids"] = list(config.rollout_stop_token_ids)
+    if rollout.rollout_stop:
+        params["stop"] = list(rollout.rollout_stop)
+    if rollout.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(rollout.rollout_stop_token_ids)
     return params
 
 
-def build_data_source(config: Config, tokenizer: Any) -> PromptDataSource:
+def build_data_source(rollout: RolloutConfig, tokenizer: Any) -> PromptDataSource:
     from coordinator.rollout.tasks import open_prompt_source
 
     return open_prompt_source(
-        config.prompt_data or "",
-        input_key=config.input_key,
-        label_key=config.label_key,
-        metadata_key=config.metadata_key,
-        apply_chat_template=config.apply_chat_template,
+        rollout.prompt_data or "",
+        input_key=rollout.input_key,
+        label_key=rollout.label_key,
+        metadata_key=rollout.metadata_key,
+        apply_chat_template=rollout.apply_chat_template,
         tokenizer=tokenizer,
-        shuffle=config.rollout_shuffle,
-        seed=config.rollout_seed,
+        shuffle=rollout.rollout_shuffle,
+        seed=rollout.rollout_seed,
     )
 
 
-def build_reward_model(config: Config) -> RewardModel | None:
-    return RewardChoice.from_config(config).resolved(config.prompt_data).model()
+def build_reward_model(rollout: RolloutConfig) -> RewardModel | None:
+    return RewardChoice.from_rollout(rollout).resolved(rollout.prompt_data).model()

@@ -16,7 +16,7 @@ from coordinator.rollout.rewards import RewardModel
 from coordinator.rollout.tasks import builtin_task_name, get_task
 
 if TYPE_CHECKING:
-    from coordinator.config import Config
+    from coordinator.config import RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,9 @@ class RewardChoice:
     reward_key: str | None = None
 
     @classmethod
-    def from_config(cls, config: Config) -> RewardChoice:
-        return cls(rm_type=config.rm_type, custom_rm_path=config.custom_rm_path, group_rm=config.group_rm,
-                   reward_key=config.reward_key)
+    def from_rollout(cls, rollout: RolloutConfig) -> RewardChoice:
+        return cls(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, group_rm=rollout.group_rm,
+                   reward_key=rollout.reward_key)
 
     def resolved(self, prompt_source: str | None) -> RewardChoice:
         """This choice, with the rm type of `prompt_source`'s built-in task when no reward flag names one."""

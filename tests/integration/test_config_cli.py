@@ -86,3 +86,122 @@ def test_asking_for_a_metrics_backend_that_is_not_installed_fails_before_launchi
     outcome, stderr = run_cli(*args, "--rollout-num-engines", "1", "--use-wandb")
     assert outcome["status"] == 2 and "--use-wandb" in stderr and "pip install wandb" in stderr
     assert outcome["children"] == 0 and not outcome["launcher_imported"]
+
+
+# One interpreter for many command lines (each case would otherwise pay ~1 s of start-up): the same checks per
+# case — exit 2, the flag or key named — and, after every case, no child process and neither the launcher
+# nor torch imported.
+BATCH_PROBE = textwrap.dedent(
+    """
+    import contextlib, io, json, sys, psutil
+    from coordinator.cli import main
+    results = []
+    for argv in json.loads(sys.stdin.read()):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            status = main(argv)
+        results.append({
+            "status": status, "stderr": err.getvalue(),
+            "children": len(psutil.Process().children(recursive=True)),
+            "launcher_imported": "coordinator.run" in sys.modules,
+            "torch_imported": "torch" in sys.modules,
+        })
+    print(json.dumps(results))
+    """
+)
+
+
+def run_cli_batch(cases: list[list[str]]) -> list[dict]:
+    result = subprocess.run([sys.executable, "-c", BATCH_PROBE], input=json.dumps([["train", *c] for c in cases]),
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_refused(cases: list[tuple[list[str], list[str]]], base: list[str]) -> None:
+    outcomes = run_cli_batch([[*base, *flags] for flags, _ in cases])
+    for (flags, named), outcome in zip(cases, outcomes, strict=True):
+        assert outcome["status"] == 2, (flags, outcome["stderr"])
+        for text in named:
+            assert text in outcome["stderr"], (flags, text, outcome["stderr"])
+        assert outcome["stderr"].startswith("rayless train: error: ") and "Traceback" not in outcome["stderr"]
+        assert outcome["children"] == 0, flags
+        assert not outcome["launcher_imported"] and not outcome["torch_imported"], flags
+
+
+def test_values_out_of_type_or_range_exit_2_naming_the_flag_before_launching(tiny_model_dir: Path) -> None:
+    base = [a if a != "/model" else str(tiny_model_dir) for a in BASE] + ["--rollout-num-engines", "1"]
+    assert_refused([
+        (["--rollout-temperature", "nan"], ["--rollout-temperature", "finite"]),
+        (["--rollout-top-k", "0"], ["--rollout-top-k", "≥ 1 or -1"]),
+        (["--lr", "-1"], ["--lr", "≥ 0"]),
+        (["--lr", "nan"], ["--lr", "finite"]),
+        (["--save", "ckpt", "--save-interval", "0"], ["--save-interval"]),
+        (["--rollout-health-check-interval", "0"], ["--rollout-health-check-interval"]),
+        (["--keep-weight-snapshots", "0"], ["--keep-weight-snapshots"]),
+        (["--rollout-external-engine-addrs", "not an address"], ["--rollout-external-engine-addrs", "not an address"]),
+        (["--rollout-num-engines", "-1"], ["--rollout-num-engines"]),
+        (["--control-port", "70000"], ["--control-port", "65535"]),
+        (["--rm-type", "bogus"], ["--rm-type", "bogus", "exact_match"]),
+        (["--rollout-external", "127.0.0.1:1"], ["--rollout-external", "--rollout-external-engine-addrs"]),
+    ], base)
+
+
+def test_config_files_with_wrong_types_exit_2_naming_the_key(tiny_model_dir: Path, tmp_path: Path) -> None:
+    base = [a if a != "/model" else str(tiny_model_dir) for a in BASE] + ["--rollout-num-engines", "1"]
+    cases = []
+    for index, (text, named) in enumerate([
+        ("rollout-batch-size: abc\n", ["'rollout-batch-size'", "integer"]),
+        ("rm-type: bogus\n", ["'rm-type'", "bogus"]),
+        ("ft_components: null\n", ["'ft_components'", "null"]),
+        ("lr: .nan\n", ["'lr'", "finite"]),
+        ("rollout_external_engine_addrs: [127.0.0.1]\n", ["'rollout_external_engine_addrs'", "not an address"]),
+    ]):
+        path = tmp_path / f"job{index}.yaml"
+        path.write_text(text)
+        cases.append((["--config", str(path)], [str(path), *named]))
+    assert_refused(cases, [a for a in base if a not in ("--rollout-batch-size", "4")])
+
+
+def test_hook_paths_are_resolved_before_launching(tiny_model_dir: Path) -> None:
+    base = [a if a != "/model" else str(tiny_model_dir) for a in BASE] + ["--rollout-num-engines", "1"]
+    assert_refused([
+        (["--rollout-function-path", "no_such_module_here:Rollout"],
+         ["--rollout-function-path", "no_such_module_here", "not found"]),
+        (["--eval-function-path", "coordinator.rollout.generate:NoSuchRollout"],
+         ["--eval-function-path", "has no attribute 'NoSuchRollout'"]),
+        (["--custom-rm-path", "coordinator.rollout.rewards:FIRST_DIGIT_WINDOW"],
+         ["--custom-rm-path", "names a int, not a function or class"]),
+        (["--dynamic-sampling-filter-path", "coordinator.rollout.filters:no_such_filter"],
+         ["--dynamic-sampling-filter-path", "no_such_filter"]),
+    ], base)
+
+
+def test_secrets_on_the_command_line_are_never_echoed_in_errors(tiny_model_dir: Path) -> None:
+    base = [a if a != "/model" else str(tiny_model_dir) for a in BASE] + ["--rollout-num-engines", "1"]
+    secrets = ["--wandb-key", "SENTINEL-W", "--sglang-api-key", "SENTINEL-S", "--sglang-hf-token", "SENTINEL-H"]
+    outcomes = run_cli_batch([
+        [*base, *secrets, "--kl-loss-coef", "0.1", "--my-secret-token", "SENTINEL-U"],
+        [*base, *secrets, "--lr", "nan"],
+        [*base, "--wandb-key", "SENTINEL-W", "--wandb-key"],
+    ])
+    for outcome in outcomes:
+        assert outcome["status"] == 2 and "SENTINEL" not in outcome["stderr"], outcome["stderr"]
+    assert "--kl-loss-coef" in outcomes[0]["stderr"] and "\n" in outcomes[0]["stderr"].strip()
+
+
+def test_no_secret_reaches_any_output_or_file_of_a_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "train", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data",
+         "builtin:first_digit", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+         "--rollout-num-engines", "1", "--rollout-max-response-len", "4", "--no-progress", "--run-dir", str(run_dir),
+         "--sglang-api-key", "SENTINEL-API-KEY", "--wandb-key", "SENTINEL-WANDB-KEY"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SENTINEL" not in result.stdout + result.stderr
+    leaks = [str(path) for path in run_dir.rglob("*") if path.is_file() and b"SENTINEL" in path.read_bytes()]
+    assert leaks == []
+    assert json.loads((run_dir / "config.json").read_text())["sglang_api_key"] == "***"
+    engine_logs = list(run_dir.rglob("engine-*.log"))
+    assert engine_logs and "--api-key ***" in engine_logs[0].read_text()

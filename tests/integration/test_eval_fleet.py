@@ -89,11 +89,12 @@ async def test_evals_at_the_interval_record_metrics_against_the_pinned_version(t
 
 
 def fake_eval_settings(tmp_path: Path, max_in_flight: int = 1) -> EvalSettings:
-    return EvalSettings.from_config(parse_config([
+    config = parse_config([
         "--hf-checkpoint", str(tmp_path), "--rollout-num-engines", "1", "--prompt-data", "builtin:first_digit",
         "--num-rollout", "1", "--rollout-batch-size", "1", "--eval-num-engines", "1", "--eval-interval", "1",
         "--eval-prompt-data", "digits", "builtin:first_digit", "--eval-max-in-flight", str(max_in_flight),
-    ]))
+    ])
+    return EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
 
 
 async def test_a_stale_engine_is_a_pin_violation_and_a_dead_fleet_is_unhealthy(tmp_path: Path) -> None:

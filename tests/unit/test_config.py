@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
 import pytest
 
-from coordinator.config import Config, ConfigError, ConfigWarning, config_from_mapping, parse_config
+from coordinator.config import RULES, Config, ConfigError, ConfigWarning, config_from_mapping, parse_config
 
 BASE = ["--hf-checkpoint", "/model", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--num-rollout", "3", "--prompt-data", "builtin:first_digit"]
@@ -34,7 +35,7 @@ def test_replay_mode_is_load_debug_rollout_data_set_and_builds_nothing_that_gene
 
 def test_replay_mode_with_empty_template_string_still_counts_as_set() -> None:
     # `is not None`, not truthiness: an empty template is an error, not a silent fall-back to generation.
-    with pytest.raises(ConfigError, match=r"--load-debug-rollout-data .*\{rollout_id\}"):
+    with pytest.raises(ConfigError, match=r"--load-debug-rollout-data: '' must contain '\{rollout_id\}'"):
         cfg("--load-debug-rollout-data", "")
 
 
@@ -94,9 +95,9 @@ def test_fault_injection_is_armed_only_with_rollout_ft() -> None:
 
 
 def test_shared_rollout_and_eval_fn() -> None:
-    assert cfg("--rollout-num-engines", "1").shares_rollout_and_eval_fn
+    assert cfg("--rollout-num-engines", "1").rollout.shares_rollout_and_eval_fn
     other = cfg("--rollout-num-engines", "1", "--eval-function-path", "x.y:Z")
-    assert not other.shares_rollout_and_eval_fn
+    assert not other.rollout.shares_rollout_and_eval_fn
 
 
 def test_ft_components_without_use_fault_tolerance_warns() -> None:
@@ -109,7 +110,7 @@ def test_config_file_supplies_flags_and_command_line_wins(tmp_path: Path) -> Non
     yaml_file = tmp_path / "job.yaml"
     yaml_file.write_text("rollout-num-engines: 3\nlr: 0.5\nuse_fault_tolerance: true\nft_components: [rollout, train]\n")
     config = cfg("--config", str(yaml_file), "--lr", "0.25")
-    assert config.num_rollout_engines == 3 and config.lr == 0.25
+    assert config.num_rollout_engines == 3 and config.train.lr == 0.25
     assert config.ft_components == {"rollout", "train"}
     toml_file = tmp_path / "job.toml"
     toml_file.write_text("rollout_num_engines = 2\nsglang_server_concurrency = 4\n")
@@ -122,7 +123,7 @@ def test_config_file_supplies_flags_and_command_line_wins(tmp_path: Path) -> Non
 
 def test_sglang_passthrough_strips_the_prefix() -> None:
     config = cfg("--rollout-num-engines", "1", "--sglang-mem-fraction-static", "0.8", "--sglang-enable-metrics")
-    assert config.sglang_passthrough == ("--mem-fraction-static", "0.8", "--enable-metrics")
+    assert config.sglang.sglang_passthrough == ("--mem-fraction-static", "0.8", "--enable-metrics")
 
 
 def test_resolved_config_json_hides_the_api_key() -> None:
@@ -134,10 +135,63 @@ def test_resolved_config_json_hides_the_api_key() -> None:
 def test_config_is_frozen() -> None:
     config = config_from_mapping({"hf_checkpoint": "/m"})
     with pytest.raises(AttributeError):
-        config.lr = 1.0  # type: ignore[misc]
+        config.train.lr = 1.0  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        config.train = config.train  # type: ignore[misc]
 
 
 def test_parse_errors_do_not_warn_twice() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg("--rollout-num-engines", "1")  # a clean config raises no warning at all
+
+
+# --- the named cross-slice rules: one case per rule, and every rule has one ----------------------------------
+# rule name → (a flag of BASE to drop with its value, flags to add, the error — or "warning: ..." — expected)
+RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
+    "replay_has_no_eval_fleet": (None, ["--load-debug-rollout-data", "d/{rollout_id}", "--eval-num-engines", "1"],
+                                 "--eval-num-engines/--eval-num-gpus (an eval fleet) cannot run"),
+    "replay_is_not_async": (None, ["--load-debug-rollout-data", "d/{rollout_id}", "--async-rollout"],
+                            "--load-debug-rollout-data generates nothing"),
+    "replay_ignores_engine_flags": (None, ["--load-debug-rollout-data", "d/{rollout_id}", "--rollout-num-engines",
+                                           "1"], "warning: --rollout-num-engines / --rollout-num-gpus"),
+    "eval_gpus_fill_whole_engines": (None, ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+                                            "--eval-num-gpus", "3"], "--eval-num-gpus 3 is not divisible"),
+    "ft_components_need_fault_tolerance": (None, ["--rollout-num-engines", "1", "--ft-components", "train"],
+                                           "warning: --ft-components has no effect"),
+    "fault_injection_needs_monitored_engines": (None, ["--rollout-num-engines", "1",
+                                                       "--inject-engine-fault-at-rollout", "1"],
+                                                "warning: --inject-engine-fault-at-rollout is armed only"),
+    "generation_needs_engines": (None, [], "has no rollout engines"),
+    "router_needs_engines": (None, ["--debug-train-only", "--use-sglang-router"], "--use-sglang-router needs"),
+    "generation_needs_num_rollout": ("--num-rollout", ["--rollout-num-engines", "1"], "--num-rollout is required"),
+    "generation_needs_batch_size": ("--rollout-batch-size", ["--rollout-num-engines", "1"],
+                                    "--rollout-batch-size is required"),
+    "default_rollout_needs_prompts": ("--prompt-data", ["--rollout-num-engines", "1"], "--prompt-data is required"),
+    "global_batch_divides_rollout": (None, ["--rollout-num-engines", "1", "--global-batch-size", "3"],
+                                     "--global-batch-size 3 does not divide"),
+    "global_batch_splits_over_ranks": (None, ["--rollout-num-engines", "1", "--actor-num-gpus-per-node", "3"],
+                                       "not divisible by the 3 training ranks"),
+    "eval_fleet_needs_schedule": (None, ["--rollout-num-engines", "1", "--eval-num-engines", "1"],
+                                  "needs --eval-interval and --eval-prompt-data"),
+    "async_rollout_needs_training": (None, ["--rollout-num-engines", "1", "--debug-rollout-only",
+                                            "--async-rollout"], "--debug-rollout-only has no training"),
+}
+
+
+def test_every_named_rule_has_a_case() -> None:
+    assert sorted(RULE_CASES) == sorted(rule.__name__ for rule in RULES)
+
+
+@pytest.mark.parametrize("rule", list(RULE_CASES))
+def test_each_named_rule_fires_on_its_contradiction(rule: str) -> None:
+    drop, flags, expected = RULE_CASES[rule]
+    argv = list(BASE)
+    if drop is not None:
+        del argv[argv.index(drop):argv.index(drop) + 2]
+    if expected.startswith("warning: "):
+        with pytest.warns(ConfigWarning, match=re.escape(expected.removeprefix("warning: "))):
+            parse_config([*argv, *flags])
+    else:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            parse_config([*argv, *flags])

@@ -1,0 +1,56 @@
+"""The cluster slice: where training ranks and engines run, how many there are, and how they are reached.
+
+Owns the sizing flags of both halves (training ranks per node and nodes; rollout engines by GPUs, by count or
+attached by address), the engine backend and the control channel's address. Invariant: the rollout fleet is
+sized by one flag (`--rollout-num-engines` or `--rollout-num-gpus`), and GPUs divide into whole engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.config import values
+from coordinator.config.fields import ConfigError, Slice, flag
+
+ENGINE_BACKENDS = ("auto", "cpu", "sglang")
+
+
+@dataclass(frozen=True)
+class ClusterConfig(Slice):
+    TITLE = "cluster"
+    DESCRIPTION = "training ranks, rollout engines and the control channel"
+
+    actor_num_nodes: int = flag(1, help="nodes of training ranks", minimum=1)
+    actor_num_gpus_per_node: int = flag(1, help="training ranks per node (GPUs, or gloo processes on CPU)",
+                                        minimum=1)
+    actor_node_rank: int = flag(0, help="this node's rank for multi-node torchrun", minimum=0)
+    rdzv_endpoint: str | None = flag(None, help="torchrun rendezvous endpoint HOST:PORT for multi-node training",
+                                     parse=values.host_port, metavar="HOST:PORT")
+    rollout_num_gpus: int | None = flag(None, help="GPUs for rollout engines (SGLang)", minimum=0)
+    rollout_num_gpus_per_engine: int = flag(1, help="GPUs per rollout engine (tensor parallel size)", minimum=1)
+    rollout_num_engines: int | None = flag(None, help="CPU rollout engines to launch", minimum=0)
+    rollout_external_engine_addrs: tuple[str, ...] = flag(
+        (), help="attach to running engines at these HOST:PORT addresses", parse=values.engine_address, metavar="HOST:PORT")
+    engine_backend: str = flag("auto", help="engine implementation", choices=ENGINE_BACKENDS)
+    control_host: str = flag("127.0.0.1", help="address the control channel listens on (127.0.0.1 unless "
+                             "multi-node)", parse=values.host, metavar="HOST")
+    control_port: int = flag(0, help="control channel port (0 = any free port)", minimum=0, maximum=65535)
+
+    def check(self) -> None:
+        if self.rollout_num_gpus is not None and self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
+            raise ConfigError(
+                f"--rollout-num-gpus {self.rollout_num_gpus} is not divisible by "
+                f"--rollout-num-gpus-per-engine {self.rollout_num_gpus_per_engine}"
+            )
+        if self.rollout_num_engines is not None and self.rollout_num_gpus is not None:
+            raise ConfigError("--rollout-num-engines (CPU engines) and --rollout-num-gpus both size the rollout "
+                              "fleet: give one")
+        if self.actor_node_rank >= self.actor_num_nodes:
+            raise ConfigError(f"--actor-node-rank {self.actor_node_rank} must be below --actor-num-nodes "
+                              f"{self.actor_num_nodes}")
+
+    def resolved_engine_backend(self, *, cuda_available: bool) -> str:
+        """`--engine-backend`, with `auto` resolved: SGLang where CUDA is available, else the CPU engine."""
+        if self.engine_backend != "auto":
+            return self.engine_backend
+        return "sglang" if cuda_available else "cpu"

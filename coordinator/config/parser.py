@@ -1,0 +1,190 @@
+"""From a command line and an optional `--config` file to a validated Config.
+
+Owns the argparse parser, generated from the slices' fields (one group per slice in `--help`), the reading
+of YAML/TOML config files, the `--sglang-*` passthrough, and `parse_config`, the one parsing path.
+
+Invariants:
+- argparse only splits the command line into flags and strings (no `type=`, no `choices=`, no defaults:
+  `SUPPRESS`); every value, from the command line or a file, then goes through `fields.convert`, so both
+  meet the same types, choices and ranges, and a default, a file value and a command-line value can be told
+  apart. The command line wins over the file.
+- Every parse failure is a `ConfigError` (exit status 2 in the CLI): argparse's own errors included, without
+  its usage dump. Flags are never abbreviated (`allow_abbrev=False`).
+- Importing this module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from coordinator.config.fields import ConfigError, FlagSpec, convert, flag_name
+from coordinator.config.settings import FLAGS, SLICES, Config, build_config
+from coordinator.config.unknown import closest_flag, unknown_flags_report
+
+_METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def _help_text(spec: FlagSpec) -> str:
+    """The field's help, then its range and default (a secret's default is never shown)."""
+    notes = [spec.range_text()]
+    default = spec.default
+    if isinstance(default, frozenset):
+        notes.append(f"default: {','.join(sorted(default))}")
+    elif default not in (None, ()) and not isinstance(default, bool) and not spec.secret:
+        notes.append(f"default: {default}")
+    notes = [note for note in notes if note]
+    return spec.options.help + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def build_parser(prog: str = "rayless train") -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=prog,
+        usage="%(prog)s [--config FILE] [FLAG ...]   (every flag below, grouped by what it configures)",
+        description="Run RL post-training: rollouts on SGLang-compatible engines, training on torchrun ranks.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Unknown --sglang-* flags are passed to sglang.launch_server with the prefix removed.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", dest="config_file", default=argparse.SUPPRESS, metavar="FILE",
+                        help="YAML or TOML file supplying any flag (keys as flag names); the command line wins")
+    for _, cls in SLICES:
+        group = parser.add_argument_group(cls.TITLE, cls.DESCRIPTION)
+        for spec in cls.specs():
+            if spec.kind is bool and spec.container is None:
+                group.add_argument(spec.flag, dest=spec.name, action="store_true", default=argparse.SUPPRESS,
+                                   help=_help_text(spec))
+                continue
+            choices = spec.choices()
+            metavar = spec.options.metavar or ("{" + ",".join(map(str, choices)) + "}" if choices
+                                               else _METAVARS[spec.kind])
+            group.add_argument(spec.flag, dest=spec.name, default=argparse.SUPPRESS, metavar=metavar,
+                               nargs="+" if spec.container is not None else None, help=_help_text(spec))
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless train") -> Config:
+    """Parse and validate a command line. Raises ConfigError (the CLI maps it to exit status 2)."""
+    parser = build_parser(prog)
+    args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    passthrough, rest = split_sglang_passthrough(unknown)
+    if rest:
+        raise ConfigError(unknown_flags_report(rest, known_flags()))
+    given = vars(args)
+    config_file = given.pop("config_file", None)
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        values.update(read_config_file(config_file))
+    for name, raw in given.items():
+        values[name] = convert(FLAGS[name][1], raw, FLAGS[name][1].flag)
+    config = build_config(values, config_file=config_file, sglang_passthrough=tuple(passthrough))
+    config.validate()
+    return config
+
+
+def parse_config_mapping(data: Mapping[Any, Any], *, origin: str = "config") -> Config:
+    """Validate a mapping of flag names to values as a `--config` file's contents (no command line)."""
+    config = build_config(config_file_values(data, origin=origin))
+    config.validate()
+    return config
+
+
+def config_from_mapping(values: Mapping[str, Any]) -> Config:
+    """A Config from field names → raw values, each converted (types, choices, ranges), not cross-validated."""
+    converted = {}
+    for name, raw in values.items():
+        if name not in FLAGS:
+            raise ConfigError(f"unknown flag {name!r}")
+        converted[name] = convert(FLAGS[name][1], raw, FLAGS[name][1].flag)
+    return build_config(converted)
+
+
+def known_flags() -> list[str]:
+    return ["--config", *(spec.flag for _, spec in FLAGS.values())]
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The flags a YAML or TOML file supplies, converted; ConfigError naming the file (and key) otherwise."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    if file.suffix not in (".toml", ".yaml", ".yml"):
+        raise ConfigError(f"--config {path}: expected a .yaml, .yml or .toml file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--config {path}: cannot be read: {error}") from None
+    data = _load_toml(text, path) if file.suffix == ".toml" else _load_yaml(text, path)
+    return config_file_values(data, origin=f"--config {path}")
+
+
+def _load_toml(text: str, path: str) -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10
+        import tomli as tomllib
+    try:
+        return tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, RecursionError) as error:
+        raise ConfigError(f"--config {path}: not valid TOML: {error}") from None
+
+
+def _load_yaml(text: str, path: str) -> Any:
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError) as error:
+        raise ConfigError(f"--config {path}: not valid YAML: {error}") from None
+    return {} if data is None else data
+
+
+def config_file_values(data: Any, *, origin: str) -> dict[str, Any]:
+    """A file's top-level mapping (keys as flag names, with or without dashes) as converted field values."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: the top level must be a mapping of flag names to values")
+    result: dict[str, Any] = {}
+    keys: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_") if isinstance(key, str) else None
+        if name is None or name not in FLAGS:
+            suggestion = closest_flag(flag_name(str(key).lstrip("-")), known_flags()) if isinstance(key, str) else None
+            hint = f" (did you mean {suggestion.lstrip('-')!r}?)" if suggestion else ""
+            raise ConfigError(f"{origin}: unknown flag {_key_text(key)}{hint}")
+        if name in keys:
+            raise ConfigError(f"{origin}: {_key_text(keys[name])} and {_key_text(key)} set the same flag")
+        keys[name] = key
+        result[name] = convert(FLAGS[name][1], value, f"{origin}: key {_key_text(key)}")
+    return result
+
+
+def _key_text(key: Any) -> str:
+    text = repr(key)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def split_sglang_passthrough(unknown: list[str]) -> tuple[list[str], list[str]]:
+    """`--sglang-mem-fraction-static 0.8` → `--mem-fraction-static 0.8` for sglang.launch_server."""
+    passthrough: list[str] = []
+    rest: list[str] = []
+    taking = False
+    for token in unknown:
+        if token.startswith("--sglang-"):
+            passthrough.append("--" + token[len("--sglang-"):])
+            taking = True
+        elif token.startswith("-"):
+            rest.append(token)
+            taking = False
+        elif taking:
+            passthrough.append(token)
+        else:
+            rest.append(token)
+    return passthrough, rest

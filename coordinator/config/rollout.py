@@ -1,0 +1,107 @@
+"""The rollout slice: the model and prompts, how many samples a rollout holds and how they are drawn,
+the user's hooks (rollout fn, eval fn, reward, filter), and the advantage estimator.
+
+Owns these flags and the facts derived from them alone (`effective_over_sampling_batch_size`,
+`samples_per_rollout`, `effective_eval_function_path`). Invariants: one flag chooses the reward
+(`--rm-type` or `--custom-rm-path`); a rollout never requests fewer groups at a time than it accepts; `--rm-type`
+and `--advantage-estimator` choices are read from the registries that implement them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.config import values
+from coordinator.config.fields import ConfigError, Slice, flag
+
+DEFAULT_ROLLOUT_FUNCTION = "coordinator.rollout.generate:DefaultRollout"
+
+
+def _rm_types() -> list[str]:
+    from coordinator.rollout.rewards import BUILTIN_RM_TYPES
+
+    return sorted(BUILTIN_RM_TYPES)
+
+
+def _estimators() -> tuple[str, ...]:
+    from coordinator.rollout.advantages import ESTIMATORS
+
+    return ESTIMATORS
+
+
+@dataclass(frozen=True)
+class RolloutConfig(Slice):
+    TITLE = "rollout"
+    DESCRIPTION = "model, prompts, sampling, hooks, rewards and advantages"
+
+    hf_checkpoint: str | None = flag(None, help="local Hugging Face model directory (policy, tokenizer, engines)",
+                                      metavar="DIR")
+    prompt_data: str | None = flag(None, help="prompts: a JSONL or Parquet file, or builtin:first_digit|copy|reverse",
+                                    metavar="PATH")
+    input_key: str = flag("prompt", help="prompt field in --prompt-data", secret=False)
+    label_key: str | None = flag(None, help="label field in --prompt-data", secret=False)
+    metadata_key: str | None = flag(None, help="metadata field in --prompt-data", secret=False)
+    apply_chat_template: bool = flag(False, help="wrap prompts with the tokenizer's chat template")
+    rollout_batch_size: int | None = flag(None, help="prompt groups accepted per rollout", minimum=1)
+    n_samples_per_prompt: int = flag(1, help="samples generated per prompt (group size)", minimum=1)
+    over_sampling_batch_size: int | None = flag(
+        None, help="prompt groups requested at a time while filling a rollout (default: --rollout-batch-size)",
+        minimum=1)
+    num_rollout: int | None = flag(None, help="rollouts to run", minimum=1)
+    rollout_max_response_len: int = flag(1024, help="max new tokens per sample", minimum=1)
+    rollout_max_context_len: int | None = flag(None, help="prompt + response token limit (default: the engine's)",
+                                               minimum=1)
+    rollout_temperature: float = flag(1.0, help="sampling temperature", minimum=0)
+    rollout_top_p: float = flag(1.0, help="nucleus sampling", above=0, maximum=1)
+    rollout_top_k: int = flag(-1, help="top-k sampling (-1 = off)", minimum=1, also=(-1,))
+    rollout_stop: tuple[str, ...] = flag((), help="stop strings")
+    rollout_stop_token_ids: tuple[int, ...] = flag((), help="stop token ids", minimum=0)
+    rollout_seed: int = flag(42, help="seed for prompt order and sampling", minimum=0)
+    rollout_shuffle: bool = flag(False, help="shuffle prompts every epoch")
+    rollout_function_path: str = flag(DEFAULT_ROLLOUT_FUNCTION, help="rollout fn: module.path:Name (class or "
+                                      "function)", parse=values.hook_path, metavar="MODULE:NAME")
+    eval_function_path: str | None = flag(None, help="eval fn (default: the rollout fn; the same path shares one "
+                                          "instance)", parse=values.hook_path, metavar="MODULE:NAME")
+    custom_rm_path: str | None = flag(None, help="custom reward: module.path:fn (sync or async)",
+                                      parse=values.hook_path, metavar="MODULE:NAME")
+    rm_type: str | None = flag(None, help="built-in reward", choices=_rm_types)
+    reward_key: str | None = flag(None, help="key of a dict reward used for advantages", secret=False)
+    group_rm: bool = flag(False, help="the custom reward scores a whole group at once")
+    advantage_estimator: str = flag("grpo", help="advantage estimator", choices=_estimators)
+    disable_grpo_std_normalization: bool = flag(False, help="GRPO advantages without dividing by the group std")
+    dynamic_sampling_filter_path: str | None = flag(
+        None, help="group filter module.path:fn, e.g. coordinator.rollout.filters:reward_std_positive",
+        parse=values.hook_path, metavar="MODULE:NAME")
+    partial_rollout: bool = flag(False, help="keep aborted stragglers' partial tokens for the next rollout")
+    async_rollout: bool = flag(False, help="generate rollout k+1 while step k trains (one step off-policy)")
+    max_weight_staleness: int = flag(1, help="max weight versions a trained sample may lag", minimum=0)
+
+    def check(self) -> None:
+        if self.hf_checkpoint is None:
+            raise ConfigError("--hf-checkpoint is required (a local Hugging Face model directory)")
+        if self.rm_type is not None and self.custom_rm_path is not None:
+            raise ConfigError("--rm-type and --custom-rm-path both choose the reward: give one")
+        if self.group_rm and self.custom_rm_path is None:
+            raise ConfigError("--group-rm applies to --custom-rm-path, which is not set")
+        if (self.over_sampling_batch_size is not None and self.rollout_batch_size is not None
+                and self.over_sampling_batch_size < self.rollout_batch_size):
+            raise ConfigError(
+                f"--over-sampling-batch-size {self.over_sampling_batch_size} is smaller than "
+                f"--rollout-batch-size {self.rollout_batch_size}"
+            )
+
+    @property
+    def effective_over_sampling_batch_size(self) -> int:
+        return self.over_sampling_batch_size or self.rollout_batch_size or 0
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return (self.rollout_batch_size or 0) * self.n_samples_per_prompt
+
+    @property
+    def effective_eval_function_path(self) -> str:
+        return self.eval_function_path or self.rollout_function_path
+
+    @property
+    def shares_rollout_and_eval_fn(self) -> bool:
+        return self.effective_eval_function_path == self.rollout_function_path

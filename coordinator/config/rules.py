@@ -1,0 +1,141 @@
+"""The cross-slice rules: each contradiction between flags of different slices is one named function here.
+
+Owns `RULES`, the ordered list `Config.validate()` runs after every slice has checked itself (so a rule may
+rely on each slice being valid on its own). A rule reads the config and either returns, warns with
+`ConfigWarning` (a flag with no effect, as miles warns), or raises `ConfigError` naming every flag involved.
+Adding a rule: write the function, add it to `RULES` where its message should win over later ones.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from coordinator.config.fields import ConfigError, ConfigWarning
+from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
+
+if TYPE_CHECKING:
+    from coordinator.config.settings import Config
+
+
+def replay_has_no_eval_fleet(config: Config) -> None:
+    if config.replay_mode and (config.eval.eval_num_engines or config.eval.eval_num_gpus):
+        raise ConfigError("--load-debug-rollout-data starts no engines, so --eval-num-engines/--eval-num-gpus "
+                          "(an eval fleet) cannot run: drop one")
+
+
+def replay_is_not_async(config: Config) -> None:
+    if config.replay_mode and config.rollout.async_rollout:
+        raise ConfigError("--async-rollout overlaps generation with training; --load-debug-rollout-data "
+                          "generates nothing: drop one")
+
+
+def replay_ignores_engine_flags(config: Config) -> None:
+    cluster = config.cluster
+    if config.replay_mode and (cluster.rollout_external_engine_addrs or cluster.rollout_num_engines
+                               or cluster.rollout_num_gpus):
+        warnings.warn("--load-debug-rollout-data starts no engines: --rollout-num-engines / --rollout-num-gpus / "
+                      "--rollout-external-engine-addrs are ignored", ConfigWarning, stacklevel=3)
+
+
+def eval_gpus_fill_whole_engines(config: Config) -> None:
+    per_engine = config.cluster.rollout_num_gpus_per_engine
+    if config.eval.eval_num_gpus % per_engine:
+        raise ConfigError(f"--eval-num-gpus {config.eval.eval_num_gpus} is not divisible by "
+                          f"--rollout-num-gpus-per-engine {per_engine}")
+
+
+def ft_components_need_fault_tolerance(config: Config) -> None:
+    if "ft_components" in config.given and not config.fault_tolerance.use_fault_tolerance:
+        warnings.warn("--ft-components has no effect without --use-fault-tolerance", ConfigWarning, stacklevel=3)
+
+
+def fault_injection_needs_monitored_engines(config: Config) -> None:
+    if config.fault_tolerance.inject_engine_fault_at_rollout is not None and not config.health_monitor_enabled:
+        warnings.warn("--inject-engine-fault-at-rollout is armed only with rollout fault tolerance "
+                      "(--use-fault-tolerance --ft-components rollout) and rollout engines; it is ignored",
+                      ConfigWarning, stacklevel=3)
+
+
+def generation_needs_engines(config: Config) -> None:
+    if config.needs_engines and config.num_rollout_engines == 0:
+        raise ConfigError("this run generates rollouts but has no rollout engines: give --rollout-num-engines "
+                          "(CPU), --rollout-num-gpus or --rollout-external-engine-addrs, or use "
+                          "--debug-train-only / --load-debug-rollout-data")
+
+
+def router_needs_engines(config: Config) -> None:
+    if config.sglang.use_sglang_router and not config.needs_engines:
+        raise ConfigError("--use-sglang-router needs rollout engines, which this run does not start")
+
+
+def generation_needs_num_rollout(config: Config) -> None:
+    if config.rollout.num_rollout is None and not config.replay_mode:
+        raise ConfigError("--num-rollout is required (how many rollouts to run)")
+
+
+def generation_needs_batch_size(config: Config) -> None:
+    if not config.replay_mode and config.rollout.rollout_batch_size is None:
+        raise ConfigError("--rollout-batch-size is required (prompt groups per rollout)")
+
+
+def default_rollout_needs_prompts(config: Config) -> None:
+    rollout = config.rollout
+    if (not config.replay_mode and rollout.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
+            and rollout.prompt_data is None):
+        raise ConfigError("--prompt-data is required by the default rollout function "
+                          "(a JSONL/Parquet file, or builtin:first_digit)")
+
+
+def global_batch_divides_rollout(config: Config) -> None:
+    rollout, global_batch_size = config.rollout, config.train.global_batch_size
+    if config.replay_mode or global_batch_size is None or not rollout.samples_per_rollout % global_batch_size:
+        return
+    raise ConfigError(
+        f"--global-batch-size {global_batch_size} does not divide --rollout-batch-size × "
+        f"--n-samples-per-prompt = {rollout.rollout_batch_size} × {rollout.n_samples_per_prompt} = "
+        f"{rollout.samples_per_rollout}"
+    )
+
+
+def global_batch_splits_over_ranks(config: Config) -> None:
+    if config.replay_mode or not config.needs_train_ranks:
+        return
+    if config.effective_global_batch_size % config.num_train_ranks:
+        raise ConfigError(
+            f"--global-batch-size {config.effective_global_batch_size} is not divisible by the "
+            f"{config.num_train_ranks} training ranks (--actor-num-nodes × --actor-num-gpus-per-node)"
+        )
+
+
+def eval_fleet_needs_schedule(config: Config) -> None:
+    if config.eval_fleet_enabled and (config.eval.eval_interval is None or not config.eval.eval_prompt_data):
+        raise ConfigError("an eval fleet (--eval-num-engines/--eval-num-gpus) needs --eval-interval and "
+                          "--eval-prompt-data")
+
+
+def async_rollout_needs_training(config: Config) -> None:
+    if config.rollout.async_rollout and not config.needs_train_ranks:
+        raise ConfigError("--async-rollout overlaps generation with training; --debug-rollout-only has no "
+                          "training: drop one")
+
+
+#: Run in this order by `Config.validate()`; the first that raises names the contradiction the user sees.
+RULES: tuple[Callable[[Config], None], ...] = (
+    replay_has_no_eval_fleet,
+    replay_is_not_async,
+    replay_ignores_engine_flags,
+    eval_gpus_fill_whole_engines,
+    ft_components_need_fault_tolerance,
+    fault_injection_needs_monitored_engines,
+    generation_needs_engines,
+    router_needs_engines,
+    generation_needs_num_rollout,
+    generation_needs_batch_size,
+    default_rollout_needs_prompts,
+    global_batch_divides_rollout,
+    global_batch_splits_over_ranks,
+    eval_fleet_needs_schedule,
+    async_rollout_needs_training,
+)

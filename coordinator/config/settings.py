@@ -1,0 +1,236 @@
+"""`Config`: the nine slices composed, the facts derived across them, and the resolved config's JSON.
+
+Owns the list of slices (`SLICES`, in `--help` order), the flat index of every flag (`FLAGS`: flag names are
+unique across slices, so a flat slime/miles name finds its slice) and every *cross-slice* derived fact: the
+mode (`replay_mode`, `train_only`, `needs_engines`, `needs_train_ranks`), the fault-tolerance gates, engine
+and rank counts, the generate concurrency. Facts that read one slice only are properties of that slice
+(`config.rollout.samples_per_rollout`). No other module re-derives any of them.
+
+Invariants: a Config is frozen; `validate()` runs each slice's checks, then each named cross-slice rule in
+`rules.RULES` order, raising `ConfigError` on the first contradiction; `to_json()` never contains a secret.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coordinator.config.checkpoint import CheckpointConfig
+from coordinator.config.cluster import ClusterConfig
+from coordinator.config.debug import DebugConfig
+from coordinator.config.evaluation import EvalConfig
+from coordinator.config.fault_tolerance import FaultToleranceConfig
+from coordinator.config.fields import ConfigError, FlagSpec, Slice
+from coordinator.config.logs import LoggingConfig
+from coordinator.config.rollout import RolloutConfig
+from coordinator.config.secrets import MASK, mask_argv
+from coordinator.config.sglang import SglangConfig
+from coordinator.config.training import TrainConfig
+
+#: (attribute on Config, slice class), in `--help` order.
+SLICES: tuple[tuple[str, type[Slice]], ...] = (
+    ("cluster", ClusterConfig),
+    ("rollout", RolloutConfig),
+    ("sglang", SglangConfig),
+    ("eval", EvalConfig),
+    ("fault_tolerance", FaultToleranceConfig),
+    ("debug", DebugConfig),
+    ("train", TrainConfig),
+    ("checkpoint", CheckpointConfig),
+    ("logging", LoggingConfig),
+)
+
+
+def _index() -> dict[str, tuple[str, FlagSpec]]:
+    index: dict[str, tuple[str, FlagSpec]] = {}
+    for attribute, cls in SLICES:
+        for spec in cls.specs():
+            if spec.name in index:
+                raise AssertionError(f"flag {spec.flag} declared in two slices")
+            index[spec.name] = (attribute, spec)
+    return index
+
+
+#: field name → (Config attribute of its slice, its FlagSpec), for every flag.
+FLAGS: dict[str, tuple[str, FlagSpec]] = _index()
+
+
+@dataclass(frozen=True)
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sglang: SglangConfig = field(default_factory=SglangConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    #: `--config FILE`, when one supplied flags.
+    config_file: str | None = None
+    #: The flags the user gave (command line or file), by field name; rules use it to warn about no-ops.
+    given: frozenset[str] = frozenset()
+
+    # --- the mode ---------------------------------------------------------------------------------------------
+    @property
+    def replay_mode(self) -> bool:
+        """Rollouts come from dumps; nothing that generates is built."""
+        return self.debug.load_debug_rollout_data is not None
+
+    @property
+    def train_only(self) -> bool:
+        """No engines: replay mode forces it, `--debug-train-only` asks for it."""
+        return self.debug.debug_train_only or self.replay_mode
+
+    @property
+    def builds_rollout_fn(self) -> bool:
+        """The rollout fn is built unless replay supplies the data (it may be an SFT-style producer)."""
+        return not self.replay_mode
+
+    @property
+    def needs_engines(self) -> bool:
+        return not self.train_only
+
+    @property
+    def needs_train_ranks(self) -> bool:
+        return not self.debug.debug_rollout_only
+
+    # --- fault tolerance --------------------------------------------------------------------------------------
+    @property
+    def ft_components(self) -> frozenset[str]:
+        return self.fault_tolerance.ft_components
+
+    @property
+    def rollout_ft_enabled(self) -> bool:
+        return self.fault_tolerance.use_fault_tolerance and "rollout" in self.ft_components
+
+    @property
+    def train_ft_enabled(self) -> bool:
+        return self.fault_tolerance.use_fault_tolerance and "train" in self.ft_components
+
+    @property
+    def health_monitor_enabled(self) -> bool:
+        """Monitors watch rollout engines only when rollout FT is on and engines exist."""
+        return self.rollout_ft_enabled and self.needs_engines
+
+    @property
+    def fault_injection_rollout(self) -> int | None:
+        """The rollout at which one engine is killed: --inject-engine-fault-at-rollout, or 1 with --ci-test."""
+        if self.fault_tolerance.inject_engine_fault_at_rollout is not None:
+            return self.fault_tolerance.inject_engine_fault_at_rollout
+        return 1 if self.debug.ci_test else None
+
+    @property
+    def fault_injection_armed(self) -> bool:
+        return self.fault_injection_rollout is not None and self.health_monitor_enabled
+
+    # --- sizes ------------------------------------------------------------------------------------------------
+    @property
+    def num_launched_rollout_engines(self) -> int:
+        cluster = self.cluster
+        if not self.needs_engines:
+            return 0
+        if cluster.rollout_num_engines is not None:
+            return cluster.rollout_num_engines
+        if cluster.rollout_num_gpus is not None:
+            return cluster.rollout_num_gpus // cluster.rollout_num_gpus_per_engine
+        return 0
+
+    @property
+    def num_rollout_engines(self) -> int:
+        """Launched plus attached rollout engines; 0 in train-only modes."""
+        if not self.needs_engines:
+            return 0
+        return self.num_launched_rollout_engines + len(self.cluster.rollout_external_engine_addrs)
+
+    @property
+    def generate_concurrency(self) -> int:
+        """Requests in flight across the rollout engines. Only meaningful when engines exist."""
+        if self.num_rollout_engines == 0:
+            raise ConfigError(
+                "generate concurrency asked for in a run without rollout engines "
+                "(--load-debug-rollout-data / --debug-train-only, or no --rollout-num-engines)"
+            )
+        return self.sglang.sglang_server_concurrency * self.num_rollout_engines
+
+    @property
+    def num_eval_engines(self) -> int:
+        if not self.needs_engines:
+            return 0
+        if self.eval.eval_num_engines:
+            return self.eval.eval_num_engines
+        return self.eval.eval_num_gpus // self.cluster.rollout_num_gpus_per_engine
+
+    @property
+    def eval_fleet_enabled(self) -> bool:
+        return self.num_eval_engines > 0
+
+    @property
+    def num_train_ranks(self) -> int:
+        if not self.needs_train_ranks:
+            return 0
+        return self.cluster.actor_num_nodes * self.cluster.actor_num_gpus_per_node
+
+    @property
+    def effective_global_batch_size(self) -> int:
+        return self.train.global_batch_size or self.rollout.samples_per_rollout
+
+    @property
+    def train_steps_per_rollout(self) -> int:
+        return self.rollout.samples_per_rollout // self.effective_global_batch_size
+
+    # --- validation and the resolved config ------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise `ConfigError` on the first contradiction, naming the flags; warn on flags with no effect."""
+        from coordinator.config.rules import RULES
+
+        for attribute, _ in SLICES:
+            getattr(self, attribute).validate()
+        for rule in RULES:
+            rule(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Every flag's value by field name (the slime/miles flat view), secrets included."""
+        return {name: getattr(getattr(self, attribute), name) for name, (attribute, _) in FLAGS.items()}
+
+    def to_json(self) -> str:
+        """The resolved config as flat flag names → values, secrets masked."""
+        def plain(value: Any) -> Any:
+            if isinstance(value, frozenset | set):
+                return sorted(value)
+            if isinstance(value, tuple):
+                return list(value)
+            return value
+
+        data = {}
+        for name, value in self.flat().items():
+            secret = FLAGS[name][1].secret and value is not None
+            data[name] = MASK if secret else plain(value)
+        data["sglang_passthrough"] = mask_argv(self.sglang.sglang_passthrough)
+        data["config_file"] = self.config_file
+        return json.dumps(data, indent=2, sort_keys=True)
+
+
+def build_config(values: dict[str, Any], *, config_file: str | None = None, given: frozenset[str] | None = None,
+                 sglang_passthrough: tuple[str, ...] = ()) -> Config:
+    """A Config from converted values by field name (each routed to its slice); not validated."""
+    per_slice: dict[str, dict[str, Any]] = {attribute: {} for attribute, _ in SLICES}
+    for name, value in values.items():
+        attribute, _ = FLAGS[name]
+        per_slice[attribute][name] = value
+    if sglang_passthrough:
+        per_slice["sglang"]["sglang_passthrough"] = tuple(sglang_passthrough)
+    slices = {attribute: cls(**per_slice[attribute]) for attribute, cls in SLICES}
+    return Config(**slices, config_file=config_file,
+                  given=frozenset(values) if given is None else given)
+
+
+
+def write_resolved_config(config: Config, run_dir: Path) -> Path:
+    """`<run_dir>/config.json`: what ran, secrets masked."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.json"
+    path.write_text(config.to_json() + "\n")
+    return path

@@ -1,0 +1,73 @@
+"""Checks of string-valued flags that have a shape: addresses, hosts and hook paths.
+
+Owns the syntax each of them must have, checked when the value is converted (before any process starts).
+Each check returns the value unchanged (what the user wrote is what the run uses) or raises ValueError with
+a reason that `convert` puts after the flag's name. Whether a hook path names an importable callable is
+checked later, at start-up (`preflight.check_hooks`), since it imports user code.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from urllib.parse import urlsplit
+
+_HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOSTNAME = re.compile(rf"^{_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?$")
+_HOOK_PATH = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)?$")
+
+
+def host(text: str) -> str:
+    """An IP address or a host name (no port, no scheme)."""
+    candidate = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        ipaddress.ip_address(candidate)
+        return text
+    except ValueError:
+        pass
+    if len(text) > 253 or not _HOSTNAME.match(text):
+        raise ValueError("is not a host name or IP address")
+    return text
+
+
+def host_port(text: str) -> str:
+    """HOST:PORT (an IPv6 host in brackets), port 1-65535."""
+    _split_url(f"//{text}", text)
+    return text
+
+
+def engine_address(text: str) -> str:
+    """HOST:PORT or http(s)://HOST:PORT[/] of a running engine."""
+    _split_url(text if "://" in text else f"//{text}", text)
+    return text
+
+
+def _split_url(url: str, original: str) -> None:
+    reason = "is not an address: expected HOST:PORT or http://HOST:PORT"
+    if any(character.isspace() for character in original):
+        raise ValueError(reason)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(reason) from None
+    if parts.scheme not in ("", "http", "https") or parts.query or parts.fragment or parts.username:
+        raise ValueError(reason)
+    if parts.path not in ("", "/") or not parts.hostname or port is None or port == 0:
+        raise ValueError(reason)
+    host(parts.hostname)
+
+
+def hook_path(text: str) -> str:
+    """`package.module:Name` or `package.module.Name` (resolved at start-up, before any process starts)."""
+    stripped = text.strip()
+    if not _HOOK_PATH.match(stripped) or ("." not in stripped and ":" not in stripped):
+        raise ValueError("is not a hook path: expected 'package.module:Name' or 'package.module.Name'")
+    return text
+
+
+def rollout_id_template(text: str) -> str:
+    """A dump path template, which must contain `{rollout_id}`."""
+    if "{rollout_id}" not in text:
+        raise ValueError("must contain '{rollout_id}', e.g. 'dumps/{rollout_id}.rld'")
+    return text
