@@ -132,7 +132,7 @@ def _finite(value: Any, name: str) -> float:
     try:
         number = float(value)
     except OverflowError:  # an int too large for a float
-        raise RequestError(f"{name} is out of range: {value}") from None
+        raise RequestError(f"{name} is out of range: {show(value)}") from None
     if not math.isfinite(number):
         raise RequestError(f"{name} must be a finite number, got {show(value)}")
     return number
