@@ -18,8 +18,8 @@ import psutil
 import pytest
 import torch
 
-from tests.support.engine_proc import RunningEngine, start_engine_process
-from workers.tiny_model import TinyModelSpec, build_tiny_model
+from tests.support.engine_proc import MID_MODEL_SPEC, RunningEngine, start_engine_process
+from workers.tiny_model import build_tiny_model
 
 PROMPT = "1 2 3 4 5="
 SCORE = {
@@ -28,14 +28,11 @@ SCORE = {
     "logprob_start_len": 0,
     "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
 }
-MID_SIZE = TinyModelSpec(
-    hidden_size=512, num_hidden_layers=7, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4
-)
 
 
 @pytest.fixture(scope="module")
 def mid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("mid-model"), MID_SIZE)
+    return build_tiny_model(tmp_path_factory.mktemp("mid-model"), MID_MODEL_SPEC)
 
 
 @pytest.fixture(scope="module")
