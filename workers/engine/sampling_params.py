@@ -316,6 +316,37 @@ def _stop_token_ids(raw: dict[str, Any], vocab_size: int) -> frozenset[int]:
 # ---- the whole item ------------------------------------------------------------------------------------
 
 
+def _verify(v: dict[str, Any], max_n: int) -> None:
+    """SGLang's verify(), in its order and words (plus our bounds on n and stream_interval)."""
+    if v["temperature"] < 0.0:
+        raise RequestError(f"temperature must be a non-negative finite number, got {v['temperature']}.")
+    if not 0.0 < v["top_p"] <= 1.0:
+        raise RequestError(f"top_p must be in (0, 1], got {v['top_p']}.")
+    if not 0.0 <= v["min_p"] <= 1.0:
+        raise RequestError(f"min_p must be in [0, 1], got {v['min_p']}.")
+    if v["top_k"] < 1 and v["top_k"] != -1:
+        raise RequestError(f"top_k must be -1 (disable) or at least 1, got {v['top_k']}.")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= v[key] <= 2.0:
+            raise RequestError(f"{key} must be in [-2, 2], got {v[key]}.")
+    if not 0.0 < v["repetition_penalty"] <= 2.0:
+        raise RequestError(
+            f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {v['repetition_penalty']}."
+        )
+    low, high = v["min_new_tokens"], v["max_new_tokens"]
+    if low < 0:
+        raise RequestError(f"min_new_tokens must be in [0, max_new_tokens], got {low}.")
+    if high is not None:
+        if high < 0:
+            raise RequestError(f"max_new_tokens must be at least 0, got {high}.")
+        if low > high:
+            raise RequestError(f"min_new_tokens must be in [0, max_new_tokens({high})], got {low}.")
+    if not 1 <= v["n"] <= max_n:
+        raise RequestError(f"sampling_params.n must be in [1, {max_n}] (the engine's --max-n), got {v['n']}")
+    if v["stream_interval"] is not None and v["stream_interval"] < 1:
+        raise RequestError(f"sampling_params.stream_interval must be at least 1, got {v['stream_interval']}")
+
+
 def parse_sampling_params(raw: Any, *, vocab_size: int, max_n: int = 128) -> SamplingParams:
     """Validate one `sampling_params` dict (None = all defaults) against SGLang's rules."""
     if raw is None:
@@ -328,50 +359,22 @@ def parse_sampling_params(raw: Any, *, vocab_size: int, max_n: int = 128) -> Sam
         raise RequestError(f"unknown sampling_params keys: {shown}")
     _check_unsupported(raw)
 
-    # Absent: 128; null: as many as the context length leaves (SGLang's Optional[int] = 128).
-    max_new_tokens = _integer(raw, "max_new_tokens", None) if "max_new_tokens" in raw else 128
-    min_new_tokens = _integer(raw, "min_new_tokens", 0) or 0
-    temperature = _number(raw, "temperature", 1.0)
-    top_p = _number(raw, "top_p", 1.0)
-    top_k = _integer(raw, "top_k", -1)
-    min_p = _number(raw, "min_p", 0.0)
-    frequency_penalty = _number(raw, "frequency_penalty", 0.0)
-    presence_penalty = _number(raw, "presence_penalty", 0.0)
-    repetition_penalty = _number(raw, "repetition_penalty", 1.0)
-    n = _integer(raw, "n", 1)
-    seed = _integer(raw, "sampling_seed", None)
-    stream_interval = _integer(raw, "stream_interval", None)
-    assert top_k is not None and n is not None
-
-    # verify(), in SGLang's order and words.
-    if temperature < 0.0:
-        raise RequestError(f"temperature must be a non-negative finite number, got {temperature}.")
-    if not 0.0 < top_p <= 1.0:
-        raise RequestError(f"top_p must be in (0, 1], got {top_p}.")
-    if not 0.0 <= min_p <= 1.0:
-        raise RequestError(f"min_p must be in [0, 1], got {min_p}.")
-    if top_k < 1 and top_k != -1:
-        raise RequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-    if not -2.0 <= frequency_penalty <= 2.0:
-        raise RequestError(f"frequency_penalty must be in [-2, 2], got {frequency_penalty}.")
-    if not -2.0 <= presence_penalty <= 2.0:
-        raise RequestError(f"presence_penalty must be in [-2, 2], got {presence_penalty}.")
-    if not 0.0 < repetition_penalty <= 2.0:
-        raise RequestError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {repetition_penalty}.")
-    if min_new_tokens < 0:
-        raise RequestError(f"min_new_tokens must be in [0, max_new_tokens], got {min_new_tokens}.")
-    if max_new_tokens is not None:
-        if max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
-        if min_new_tokens > max_new_tokens:
-            raise RequestError(
-                f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got {min_new_tokens}."
-            )
-    if not 1 <= n <= max_n:
-        raise RequestError(f"sampling_params.n must be in [1, {max_n}] (the engine's --max-n), got {n}")
-    if stream_interval is not None and stream_interval < 1:
-        raise RequestError(f"sampling_params.stream_interval must be at least 1, got {stream_interval}")
-    logit_bias = _logit_bias(raw, vocab_size)
+    v: dict[str, Any] = {
+        # Absent: 128; null: as many as the context length leaves (SGLang's Optional[int] = 128).
+        "max_new_tokens": _integer(raw, "max_new_tokens", None) if "max_new_tokens" in raw else 128,
+        "min_new_tokens": _integer(raw, "min_new_tokens", 0),
+        "temperature": _number(raw, "temperature", 1.0),
+        "top_p": _number(raw, "top_p", 1.0),
+        "top_k": _integer(raw, "top_k", -1),
+        "min_p": _number(raw, "min_p", 0.0),
+        "frequency_penalty": _number(raw, "frequency_penalty", 0.0),
+        "presence_penalty": _number(raw, "presence_penalty", 0.0),
+        "repetition_penalty": _number(raw, "repetition_penalty", 1.0),
+        "n": _integer(raw, "n", 1),
+        "sampling_seed": _integer(raw, "sampling_seed", None),
+        "stream_interval": _integer(raw, "stream_interval", None),
+    }
+    _verify(v, max_n)
 
     # normalize(): stops.
     stop = _strings(raw, "stop")
@@ -379,18 +382,12 @@ def parse_sampling_params(raw: Any, *, vocab_size: int, max_n: int = 128) -> Sam
         raise RequestError(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(stop)}")
     stop_regex, regex_max_len = _stop_regexes(raw)
 
-    greedy = temperature < SAMPLING_EPS
+    temperature, top_k = v.pop("temperature"), v.pop("top_k")
     return SamplingParams(
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens,
-        temperature=0.0 if greedy else temperature,
-        top_p=top_p,
+        **v,
+        temperature=0.0 if temperature < SAMPLING_EPS else temperature,
         top_k=-1 if top_k == -1 else min(top_k, TOP_K_ALL),
-        min_p=min_p,
-        frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty,
-        repetition_penalty=repetition_penalty,
-        logit_bias=logit_bias,
+        logit_bias=_logit_bias(raw, vocab_size),
         # An empty stop string would match every text at once; SGLang keeps it, nobody means it.
         stop=tuple(s for s in stop if s),
         stop_regex=stop_regex,
@@ -400,7 +397,4 @@ def parse_sampling_params(raw: Any, *, vocab_size: int, max_n: int = 128) -> Sam
         skip_special_tokens=_boolean(raw, "skip_special_tokens", True),
         spaces_between_special_tokens=_boolean(raw, "spaces_between_special_tokens", True),
         no_stop_trim=_boolean(raw, "no_stop_trim", False),
-        n=n,
-        sampling_seed=seed,
-        stream_interval=stream_interval,
     )

@@ -209,12 +209,10 @@ class EngineServer:
             else:
                 raise RequestError("'input_ids' must be a list of ints or a list of lists of ints")
             self._check_count(len(prompts), 1)
-            vocab = self.runner.vocab_size
-            for ids in prompts:
-                if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                    raise RequestError("'input_ids' must contain integers only")
-                if any(not 0 <= i < vocab for i in ids):
-                    raise RequestError(f"'input_ids' has ids outside the vocabulary [0, {vocab})")
+            if sum(len(ids) for ids in prompts) > 100_000:  # a long list takes a while to check: off the loop
+                await anyio.to_thread.run_sync(self._check_ids, prompts)
+            else:
+                self._check_ids(prompts)
         if not prompts or any(len(ids) == 0 for ids in prompts):
             raise RequestError("the input is empty")
         for ids in prompts:
@@ -224,6 +222,14 @@ class EngineServer:
                     f"({self.context_length} tokens)."
                 )
         return [list(ids) for ids in prompts], batched
+
+    def _check_ids(self, prompts: list[Any]) -> None:
+        vocab = self.runner.vocab_size
+        for ids in prompts:
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise RequestError("'input_ids' must contain integers only")
+            if any(not 0 <= i < vocab for i in ids):
+                raise RequestError(f"'input_ids' has ids outside the vocabulary [0, {vocab})")
 
     def _check_count(self, prompts: int, n: int) -> None:
         limit = self.args.max_seqs_per_request
