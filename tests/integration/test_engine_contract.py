@@ -329,9 +329,12 @@ async def test_release_and_resume_memory(client: httpx.AsyncClient) -> None:
     released = await client.post("/release_memory_occupation", json={})
     assert released.status_code == 200
     try:
-        refused = await generate(client, {"text": PROMPT, "sampling_params": greedy(1)}, status=400)
+        refused = await generate(client, {"text": PROMPT, "sampling_params": greedy(1)}, status=503)
         assert "resume_memory_occupation" in refused["error"]["message"]
-        assert (await client.get("/health_generate")).status_code == 503
+        assert refused["error"]["type"] == "MemoryReleased"
+        probe = await client.get("/health_generate")
+        assert probe.status_code == 503 and probe.json()["error"]["type"] == "MemoryReleased"
+        assert (await client.get("/health")).status_code == 200  # alive, only released
     finally:
         assert (await client.post("/resume_memory_occupation", json={})).status_code == 200
     assert (await generate(client, {"text": PROMPT, "sampling_params": greedy(1)}))["output_ids"]

@@ -21,6 +21,12 @@ from pathlib import Path
 import httpx
 
 from coordinator.processes import exit_status, read_tail, terminate_process_group_blocking
+from workers.tiny_model import TinyModelSpec
+
+# A ~22 M-parameter model (84 MiB in float32): big enough that freeing its weights shows in RSS / GPU memory.
+MID_MODEL_SPEC = TinyModelSpec(
+    hidden_size=512, num_hidden_layers=7, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4
+)
 
 
 def free_port() -> int:

@@ -1,11 +1,16 @@
-"""The SGLang-compatible CPU engine: `python -m workers.engine --model-path DIR --port N` (or `rayless engine`).
+"""The SGLang-compatible engine: `python -m workers.engine --model-path DIR --port N` (or `rayless engine`), on the
+CPU by default or a GPU (`--device cuda`).
 
 Owns nothing itself; it wires the modules below. The HTTP contract is ../shared/SGLANG_CONTRACT.md.
 - `args`: launch flags (named as sglang.launch_server's)
-- `sampling`: sampling-parameter validation and the batched sampler (raw-logit logprobs)
-- `runner`: the Hugging Face model, tokenizer and the batch KV cache (blocking; runs in a worker thread)
+- `sampling_params`: SGLang 0.5.x's SamplingParams: every field, its validation and messages
+- `sampling`: the batched sampler (raw-logit logprobs; penalties, bias, filters)
+- `stops`: finish checks (stop strings, stop regexes, stop tokens, length) and stop trimming, as SGLang
+- `runner`: the Hugging Face model, tokenizer and the batch KV cache on one device (blocking; worker thread)
+- `memory`: releasing the weights for real and restoring the current ones bit-identically
 - `scheduler`: sequence states and the continuous-batching step loop (event loop side)
-- `server`: Starlette routes, auth, weight-update endpoints; uvicorn
+- `http_input`: bounded request bodies (size, JSON depth) and clients that disconnect mid-body
+- `server`: Starlette routes, auth, release/resume, weight-update endpoints; uvicorn
 - `weight_group`: the stand-alone gloo group a trainer uses to broadcast weights to engines
 
 Importing this package does not import torch; `main` does.

@@ -1,14 +1,35 @@
-"""Command-line flags of the CPU engine, named as `python -m sglang.launch_server`'s.
+"""Command-line flags of the engine, named as `python -m sglang.launch_server`'s.
 
-Owns the frozen `EngineArgs` the rest of the engine reads. Flags a GPU SGLang server takes that make no sense on
-CPU (`--mem-fraction-static`, `--enable-memory-saver`, ...) are accepted and ignored so one launch line works for
-both; `--tp-size` other than 1 is refused with a clear error.
+Owns the frozen `EngineArgs` the rest of the engine reads. Flags a GPU SGLang server takes that change nothing
+here (`--mem-fraction-static`, `--enable-memory-saver`, ...) are accepted and ignored so one launch line works
+for both; `--tp-size` other than 1 is refused with a clear error. Every check here runs before the model loads,
+and a bad value exits 2 naming the flag (argparse's `error`).
+
+Device: `--device cpu|cuda|auto` (SGLang's flag; cpu by default, as before the flag existed, so an engine
+launched without it never lands on a GPU someone else planned for; `auto` is cuda when torch sees a GPU, else
+cpu) and `--base-gpu-id N` (SGLang's: the engine runs on `cuda:N` of the GPUs that CUDA_VISIBLE_DEVICES shows).
+`--dtype` defaults to float32 on every device, so rollout logprobs match a float32 trainer unless asked
+otherwise.
+
+Request bounds (ours; SGLang has none): `--max-n` bounds `sampling_params.n`, `--max-seqs-per-request` bounds
+prompts × n of one request, `--max-request-bytes` the body of any request (a larger one is a 413). They keep
+one careless request from growing the engine without limit.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+
+# SGLang's --dtype spellings, mapped to ours.
+_DTYPES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
 
 
 @dataclass(frozen=True)
@@ -26,11 +47,16 @@ class EngineArgs:
     enable_metrics: bool
     log_level: str
     dtype: str
+    device: str = "cpu"  # resolved: "cpu" or "cuda:N"
+    max_n: int = 128
+    max_seqs_per_request: int = 4096
+    max_request_bytes: int = 64 << 20
+    weight_spill_dir: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rayless engine", description="SGLang-compatible HTTP server for a Hugging Face causal LM on CPU"
+        prog="rayless engine", description="SGLang-compatible HTTP server for a Hugging Face causal LM"
     )
     parser.add_argument("--model-path", required=True, help="local Hugging Face model directory")
     parser.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
@@ -53,15 +79,44 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         default="float32",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="float32 by default on CPU so rollout logprobs match a float32 trainer",
+        choices=sorted(_DTYPES),
+        help="float32 by default (on GPU too) so rollout logprobs match a float32 trainer; "
+        "auto = the model's own dtype",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["auto", "cpu", "cuda"],
+        help="cpu (default), cuda, or auto: cuda when torch sees a GPU, else cpu",
+    )
+    parser.add_argument(
+        "--base-gpu-id", type=int, default=0, help="the GPU index (among CUDA_VISIBLE_DEVICES) to run on"
+    )
+    parser.add_argument("--max-n", type=int, default=128, help="largest sampling_params.n accepted")
+    parser.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=4096,
+        help="largest number of sequences (prompts x n) one /generate request may create",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=64 << 20,
+        help="largest request body accepted on any endpoint (larger: 413)",
+    )
+    parser.add_argument(
+        "--weight-spill-dir",
+        default=None,
+        help="where weights released on CPU are kept until resumed (default: the system temp dir)",
     )
     parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
-    # Accepted for launch-line compatibility with GPU SGLang; they have no meaning on the CPU engine.
-    for flag in ("--mem-fraction-static", "--chunked-prefill-size", "--dp-size", "--base-gpu-id"):
+    # Accepted for launch-line compatibility with GPU SGLang; they change nothing in this engine.
+    for flag in ("--mem-fraction-static", "--chunked-prefill-size", "--dp-size"):
         parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
     for flag in (
-        "--enable-memory-saver",
+        "--enable-memory-saver",  # release/resume always works here
+        "--enable-weights-cpu-backup",  # released GPU weights always get a host copy here
         "--trust-remote-code",
         "--disable-radix-cache",
         "--disable-cuda-graph",
@@ -70,17 +125,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_device(parser: argparse.ArgumentParser, device: str, base_gpu_id: int) -> str:
+    """'cpu' or 'cuda:N'; exits 2 when CUDA is asked for and absent or N is not a visible GPU."""
+    if base_gpu_id < 0:
+        parser.error(f"--base-gpu-id must be >= 0, got {base_gpu_id}")
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    available = torch.cuda.is_available()
+    if device == "auto" and not available:
+        return "cpu"
+    if not available:
+        parser.error("--device cuda: torch sees no CUDA device (a CPU build of torch, or no GPU visible)")
+    count = torch.cuda.device_count()
+    if base_gpu_id >= count:
+        parser.error(
+            f"--base-gpu-id {base_gpu_id}: only {count} GPU(s) visible (CUDA_VISIBLE_DEVICES decides which)"
+        )
+    return f"cuda:{base_gpu_id}"
+
+
 def parse_args(argv: list[str] | None) -> EngineArgs:
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.tp_size != 1:
-        parser.error(f"--tp-size {ns.tp_size}: the CPU engine runs one process; use --tp-size 1")
+        parser.error(f"--tp-size {ns.tp_size}: the engine runs one process; use --tp-size 1")
     if ns.max_running_requests < 1:
         parser.error("--max-running-requests must be >= 1")
     if ns.context_length is not None and ns.context_length < 2:
         parser.error("--context-length must be >= 2")
     if not 0 <= ns.port < 65536:
         parser.error(f"--port {ns.port} is not a TCP port")
+    if ns.max_n < 1:
+        parser.error(f"--max-n must be >= 1, got {ns.max_n}")
+    if ns.max_seqs_per_request < ns.max_n:
+        parser.error(
+            f"--max-seqs-per-request ({ns.max_seqs_per_request}) must be >= --max-n ({ns.max_n})"
+        )
+    if ns.max_request_bytes < 1024:
+        parser.error(f"--max-request-bytes must be >= 1024, got {ns.max_request_bytes}")
+    device = resolve_device(parser, ns.device, ns.base_gpu_id)
     return EngineArgs(
         model_path=ns.model_path,
         tokenizer_path=ns.tokenizer_path or ns.model_path,
@@ -94,5 +179,10 @@ def parse_args(argv: list[str] | None) -> EngineArgs:
         context_length=ns.context_length,
         enable_metrics=ns.enable_metrics,
         log_level=ns.log_level,
-        dtype=ns.dtype,
+        dtype=_DTYPES[ns.dtype],
+        device=device,
+        max_n=ns.max_n,
+        max_seqs_per_request=ns.max_seqs_per_request,
+        max_request_bytes=ns.max_request_bytes,
+        weight_spill_dir=ns.weight_spill_dir,
     )

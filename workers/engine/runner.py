@@ -1,7 +1,9 @@
 """The model runner: the Hugging Face causal LM, its tokenizer, and the batch KV cache of the running sequences.
 
-Owns every tensor of the engine. Its methods are blocking and run in a worker thread (the scheduler calls them
-through `anyio.to_thread` while holding its model lock), so only one of them runs at a time.
+Owns every tensor of the engine, all on one device (`cpu` or `cuda:N`): the model, the cache, and every index,
+mask and position tensor a step makes are created there; logits are taken to float32 before any logprob.
+Its methods are blocking and run in a worker thread (the scheduler calls them through `anyio.to_thread` while
+holding its model lock), so only one of them runs at a time.
 
 The batch cache holds one row per running sequence, left-padded to a common length: row r's real tokens fill
 the last `length - pad[r]` columns. Every forward passes an attention mask that hides the padding and explicit
@@ -9,8 +11,10 @@ position ids (a row's position is its own token count), so a sequence decoded in
 as alone, within float rounding. A new sequence is prefilled on its own (no padding) and then merged in; rows
 of finished sequences are removed and all-padding columns trimmed.
 
-Invariant: weights change only through `load_tensors`, which validates every name, shape and dtype before it
-copies anything, so a rejected update leaves the old weights intact.
+Invariants: weights change only through `load_tensors` / `load_from_disk`, which validate every name, shape
+and dtype before they copy anything, so a rejected update leaves the old weights intact. While the weights
+are released (`release_weights`), forwards and weight loads are refused with an error instead of running on
+empty storage.
 """
 
 from __future__ import annotations
@@ -25,13 +29,32 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workers.engine.memory import WeightStash, return_freed_memory
 from workers.engine.sampling import RowResult, RowSampling, sample_rows
 
 log = logging.getLogger("rayless.engine.runner")
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 class WeightUpdateError(ValueError):
     """A weight update that was rejected; the old weights are kept."""
+
+
+class WeightsReleasedError(RuntimeError):
+    """A forward or a weight load while the weights are released."""
 
 
 @dataclass
@@ -53,7 +76,15 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, *, tokenizer_path: str | None = None, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tokenizer_path: str | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        weight_spill_dir: str | None = None,
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -63,8 +94,14 @@ class ModelRunner:
             raise FileNotFoundError(
                 f"--model-path {model_path!r} is not a directory with a Hugging Face model"
             )
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).eval()
+        # transformers places a model on a device at load only through accelerate (not a dependency): load on
+        # the host, then move. Later weight loads go from disk to the device tensor by tensor.
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or path))
         self.config = self.model.config
@@ -75,8 +112,12 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.rows: list[str] = []
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._pad = torch.zeros(0, dtype=torch.long)
+        self._pad = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last_token: dict[str, int] = {}
+        self.stash = WeightStash(self.model, self.device, weight_spill_dir)
+
+    def _tensor(self, data: Any) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -102,6 +143,8 @@ class ModelRunner:
     def _forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ):
+        if self.stash.released:
+            raise WeightsReleasedError("the weights are released; call /resume_memory_occupation first")
         kwargs = {self._cache_kwarg: cache}
         return self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True, **kwargs
@@ -135,9 +178,9 @@ class ModelRunner:
 
     def _decode(self) -> torch.Tensor:
         length = self._kv[0][0].shape[2]
-        tokens = torch.tensor([[self._last_token[row]] for row in self.rows])
+        tokens = self._tensor([[self._last_token[row]] for row in self.rows])
         positions = (length - self._pad).unsqueeze(1)
-        columns = torch.arange(length + 1).unsqueeze(0)
+        columns = torch.arange(length + 1, device=self.device).unsqueeze(0)
         mask = (columns >= self._pad.unsqueeze(1)).long()
         cache = self._new_cache(self._kv)
         logits = self._forward(tokens, positions, mask, cache)[:, -1, :]
@@ -145,8 +188,8 @@ class ModelRunner:
         return logits
 
     def _prefill(self, item: PrefillItem) -> StepOutput:
-        tokens = torch.tensor([item.tokens])
-        positions = torch.arange(len(item.tokens)).unsqueeze(0)
+        tokens = self._tensor([item.tokens])
+        positions = torch.arange(len(item.tokens), device=self.device).unsqueeze(0)
         cache = self._new_cache()
         logits = self._forward(tokens, positions, None, cache)[0].float()
         output = StepOutput(sample=None)
@@ -159,7 +202,7 @@ class ModelRunner:
             if first < len(item.tokens):
                 # Position i's logprob comes from the logits at position i - 1.
                 rows = torch.log_softmax(logits[first - 1 : len(item.tokens) - 1], dim=-1)
-                targets = torch.tensor(item.tokens[first:]).unsqueeze(1)
+                targets = self._tensor(item.tokens[first:]).unsqueeze(1)
                 values = rows.gather(1, targets).squeeze(1).tolist()
                 entries.extend(zip(values, item.tokens[first:], strict=True))
             output.input_logprobs = entries
@@ -181,7 +224,7 @@ class ModelRunner:
     def _merge(self, seq_id: str, kv: list[tuple[torch.Tensor, torch.Tensor]], last_token: int) -> None:
         new_length = kv[0][0].shape[2]
         if not self.rows:
-            self._kv, self._pad = kv, torch.zeros(1, dtype=torch.long)
+            self._kv, self._pad = kv, torch.zeros(1, dtype=torch.long, device=self.device)
         else:
             length = self._kv[0][0].shape[2]
             grow, extra = max(0, new_length - length), max(0, length - new_length)
@@ -194,7 +237,7 @@ class ModelRunner:
                     )
                 )
             self._kv = merged
-            self._pad = torch.cat([self._pad + grow, torch.tensor([extra])])
+            self._pad = torch.cat([self._pad + grow, self._tensor([extra])])
         self.rows.append(seq_id)
         self._last_token[seq_id] = last_token
 
@@ -208,7 +251,7 @@ class ModelRunner:
         if not keep:
             self.reset()
             return
-        index = torch.tensor(keep)
+        index = self._tensor(keep)
         self.rows = [self.rows[i] for i in keep]
         pad = self._pad[index]
         trim = int(pad.min())  # columns that are padding in every remaining row
@@ -218,36 +261,55 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every cached row (flush, retract, release)."""
         self.rows, self._kv, self._last_token = [], [], {}
-        self._pad = torch.zeros(0, dtype=torch.long)
+        self._pad = torch.zeros(0, dtype=torch.long, device=self.device)
+
+    def release_kv_cache(self) -> None:
+        """Drop the cache and hand its memory back to the system (release_memory_occupation: kv_cache)."""
+        self.reset()
+        return_freed_memory(self.device)
+
+    def release_weights(self) -> int:
+        """Free the weights (see `memory.WeightStash`); returns the bytes freed."""
+        self.reset()
+        return self.stash.release()
+
+    def restore_weights(self) -> None:
+        self.stash.restore()
+
+    @property
+    def weights_released(self) -> bool:
+        return self.stash.released
 
     def cached_tokens(self) -> int:
         return 0 if not self.rows else int(len(self.rows) * self._kv[0][0].shape[2] - self._pad.sum())
 
     # ---- weights ----------------------------------------------------------------------------------------
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], *, require_all: bool) -> int:
-        """Validate then copy `tensors` into the model; returns how many were loaded.
+    def _validate(self, incoming: dict[str, tuple[tuple[int, ...], torch.dtype]], *, require_all: bool) -> None:
+        """Check names, shapes and dtypes of an update before anything is copied.
 
-        `require_all`: every parameter of the model must be covered (a full snapshot from disk); a tied weight
-        counts as covered through either of its names."""
-        if not tensors:
+        `incoming`: name -> (shape, dtype). `require_all`: every parameter of the model
+        must be covered (a full snapshot from disk); a tied weight counts as covered through either name."""
+        if self.stash.released:
+            raise WeightUpdateError(
+                "weights rejected, old weights kept: the weights are released; "
+                "call /resume_memory_occupation with tags [\"weights\"] first"
+            )
+        if not incoming:
             raise WeightUpdateError("no tensors to load")
         state = self.model.state_dict(keep_vars=True)
         problems: list[str] = []
-        for name, tensor in tensors.items():
+        for name, (shape, dtype) in incoming.items():
             target = state.get(name)
             if target is None:
                 problems.append(f"unknown parameter {name!r}")
-            elif tuple(target.shape) != tuple(tensor.shape):
-                problems.append(f"{name}: shape {tuple(tensor.shape)} != model's {tuple(target.shape)}")
-            elif (
-                not (tensor.is_floating_point() and target.is_floating_point())
-                and tensor.dtype != target.dtype
-            ):
-                problems.append(f"{name}: dtype {tensor.dtype} cannot load into {target.dtype}")
+            elif tuple(target.shape) != tuple(shape):
+                problems.append(f"{name}: shape {tuple(shape)} != model's {tuple(target.shape)}")
+            elif not (dtype.is_floating_point and target.is_floating_point()) and dtype != target.dtype:
+                problems.append(f"{name}: dtype {dtype} cannot load into {target.dtype}")
         if require_all and not problems:
-            covered = {state[name].data_ptr() for name in tensors}
-            missing = [name for name, p in self.model.named_parameters() if p.data_ptr() not in covered]
+            covered = {id(state[name]) for name in incoming}
+            missing = [name for name, p in self.model.named_parameters() if id(p) not in covered]
             if missing:
                 problems.append(
                     f"missing parameters: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
@@ -255,14 +317,20 @@ class ModelRunner:
         if problems:
             shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
             raise WeightUpdateError(f"weights rejected, old weights kept: {shown}")
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], *, require_all: bool) -> int:
+        """Validate then copy `tensors` (on any device) into the model; returns how many were loaded."""
+        self._validate({n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}, require_all=require_all)
+        state = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in tensors.items():
                 state[name].data.copy_(tensor.to(state[name].dtype))
         return len(tensors)
 
     def load_from_disk(self, model_path: str) -> int:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        """Load a full snapshot (safetensors files) straight onto the model's device, one tensor at a time, so
+        an update never holds a second copy of the model; validated from the files' headers first."""
+        from safetensors import SafetensorError, safe_open
 
         path = Path(model_path)
         if path.is_file():
@@ -274,13 +342,27 @@ class ModelRunner:
             raise WeightUpdateError(f"model_path {model_path!r} does not exist")
         if not files:
             raise WeightUpdateError(f"no *.safetensors file in {model_path!r}")
-        tensors: dict[str, torch.Tensor] = {}
-        for file in files:
-            try:
-                tensors.update(load_file(str(file)))
-            except (SafetensorError, OSError, ValueError) as error:
-                raise WeightUpdateError(f"cannot read {file}: {error}") from error
-        return self.load_tensors(tensors, require_all=True)
+        device = "cpu" if self.device.type == "cpu" else str(self.device)
+        try:
+            handles = [safe_open(str(file), framework="pt", device=device) for file in files]
+            where: dict[str, Any] = {}
+            incoming: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+            for handle in handles:
+                for name in handle.keys():
+                    tensor_slice = handle.get_slice(name)
+                    kind = tensor_slice.get_dtype()  # "F32", "BF16", "I64", ...
+                    if kind not in _SAFETENSORS_DTYPES:
+                        raise WeightUpdateError(f"{name}: dtype {kind} is not supported")
+                    incoming[name] = (tuple(tensor_slice.get_shape()), _SAFETENSORS_DTYPES[kind])
+                    where[name] = handle
+            self._validate(incoming, require_all=True)
+            state = self.model.state_dict(keep_vars=True)
+            with torch.no_grad():
+                for name, handle in where.items():
+                    state[name].data.copy_(handle.get_tensor(name).to(state[name].dtype))
+        except (SafetensorError, OSError) as error:
+            raise WeightUpdateError(f"cannot read {model_path}: {error}") from error
+        return len(incoming)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in self.model.state_dict().items()}

@@ -12,7 +12,9 @@ Invariants:
 - a sequence finishes exactly once (length, stop, or abort), and its request is woken when it does;
 - nothing touches the runner's tensors outside `model_lock`, so weight updates never race a forward pass;
 - while paused, no sequence is decoded and no new request is admitted (only health probes, which are
-  prefill-only one-token generations that never join the batch).
+  prefill-only one-token generations that never join the batch);
+- while any memory is released, no step runs at all and every new request (probes included) is refused with
+  `MemoryReleasedError` and counted, so a released engine never computes on freed weights or answers garbage.
 """
 
 from __future__ import annotations
@@ -34,10 +36,23 @@ import torch
 
 from workers.engine.runner import ModelRunner, PrefillItem, StepOutput
 from workers.engine.sampling import RequestError, RowResult, RowSampling, SamplingParams
+from workers.engine.stops import finish_check, trim_text
 
 log = logging.getLogger("rayless.engine.scheduler")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class MemoryReleasedError(Exception):
+    """A request to an engine whose memory is released (the server answers 503, type MemoryReleased)."""
+
+    def __init__(self, released: set[str]) -> None:
+        self.released = sorted(released)
+        super().__init__(
+            f"the engine's memory is released ({', '.join(self.released)}); "
+            "it generates again after /resume_memory_occupation"
+        )
 
 
 class SeqState(Enum):
@@ -69,9 +84,13 @@ class Seq:
     input_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
     finish_reason: dict[str, Any] | None = None
-    text_end: int | None = None  # where a matched stop string cuts the decoded text
+    max_new_tokens: int = -1  # resolved (a null max_new_tokens is what the context leaves); -1: params'
     weight_version: str = "default"
     latency: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            self.max_new_tokens = self.params.max_new_tokens or 0
 
     @property
     def finished(self) -> bool:
@@ -111,6 +130,8 @@ class Scheduler:
         self.running: dict[str, Seq] = {}
         self.paused: str | None = None
         self.released: set[str] = set()
+        self.refused_while_released = 0  # /generate requests refused because memory was released
+        self.probes_while_released = 0  # health probes answered "released"
         self._update_holds = 0
         self._wakeup = anyio.Event()
         self._changed = anyio.Event()
@@ -162,9 +183,11 @@ class Scheduler:
         if not bypass:
             await self.wait_until(lambda: self._update_holds == 0)
         if self.released:
-            raise RequestError(
-                f"engine memory is released ({', '.join(sorted(self.released))}); call /resume_memory_occupation"
-            )
+            if bypass:
+                self.probes_while_released += 1
+            else:
+                self.refused_while_released += 1
+            raise MemoryReleasedError(self.released)
         self.requests_total += 1
         for seq in group.seqs:
             seq.bypass_pause = bypass
@@ -249,20 +272,42 @@ class Scheduler:
             await anyio.to_thread.run_sync(self.runner.reset)
         return True
 
-    async def release(self, tags: set[str]) -> None:
-        if self.in_flight:
-            raise RequestError("cannot release memory while requests are running or waiting")
-        async with self.model_lock:
-            await anyio.to_thread.run_sync(self.runner.reset)
-            self.released |= tags
+    async def release(self, tags: set[str]) -> dict[str, int]:
+        """Free the memory of `tags` (SGLang's /release_memory_occupation); returns what was freed
+        (`weight_bytes`, `kv_cache_tokens`).
 
-    def resume_memory(self, tags: set[str]) -> None:
-        self.released -= tags
+        As SGLang: only when nothing runs (waiting requests are allowed while generation is paused: they run
+        after resume and continue)."""
+        if self.running or (self.waiting and self.paused is None):
+            raise RequestError(
+                "release_memory_occupation needs an idle engine: requests are running or waiting "
+                "(pause_generation with mode retract, or abort them, first)"
+            )
+        freed: dict[str, int] = {}
+        async with self.model_lock:
+            if "kv_cache" in tags or "weights" in tags:
+                freed["kv_cache_tokens"] = self.runner.cached_tokens()
+                await anyio.to_thread.run_sync(self.runner.release_kv_cache)
+            if "weights" in tags:
+                freed["weight_bytes"] = await anyio.to_thread.run_sync(self.runner.release_weights)
+            self.released |= tags
+        self._signal()
+        return freed
+
+    async def resume_memory(self, tags: set[str]) -> None:
+        """Take the memory of `tags` back; weights come back as they were when released."""
+        async with self.model_lock:
+            if "weights" in tags:
+                await anyio.to_thread.run_sync(self.runner.restore_weights)
+            self.released -= tags
         self._wake()
+        self._signal()
 
     # ---- the step loop ---------------------------------------------------------------------------------
 
     def _has_work(self) -> bool:
+        if self.released:
+            return False
         if self.paused is not None:
             return any(seq.bypass_pause for seq in self.waiting)
         return bool(self.running or self.waiting)
@@ -298,6 +343,11 @@ class Scheduler:
             generator=seq.generator,
             banned_ids=banned,
             top_logprobs_num=seq.top_logprobs_num,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=params.logit_bias,
+            output_ids=seq.output_ids if params.penalized else (),
         )
 
     async def _step(self) -> None:
@@ -319,7 +369,7 @@ class Scheduler:
             fresh = seq.input_logprobs is None and not seq.output_ids
             if fresh:
                 self.prompt_tokens_total += len(seq.prompt_ids)
-            sampling = None if seq.params.max_new_tokens == 0 else self._row(seq)
+            sampling = None if seq.max_new_tokens == 0 else self._row(seq)
             want_input = fresh and seq.return_logprob
             prefills.append(
                 PrefillItem(
@@ -364,25 +414,21 @@ class Scheduler:
         seq.output_logprobs.append(sample.logprob)
         if seq.top_logprobs_num:
             seq.output_top_logprobs.append(sample.top_logprobs)
-        params = seq.params
-        count = len(seq.output_ids)
-        if count >= params.max_new_tokens:
-            self._finish(seq, {"type": "length", "length": params.max_new_tokens})
-        elif not params.ignore_eos and (
-            sample.token in params.stop_token_ids or sample.token in self.runner.eos_ids
-        ):
-            self._finish(seq, {"type": "stop", "matched": sample.token})
-        elif params.stop and count >= params.min_new_tokens:
-            text = self.runner.tokenizer.decode(
-                seq.output_ids, skip_special_tokens=params.skip_special_tokens
-            )
-            hits = [(text.find(stop), stop) for stop in params.stop if stop in text]
-            if hits:
-                position, stop = min(hits)
-                seq.text_end = None if params.no_stop_trim else position
-                self._finish(seq, {"type": "stop", "matched": stop})
-        if not seq.finished and seq.group.stream:
+        reason = finish_check(
+            seq.params,
+            seq.output_ids,
+            eos_ids=self.runner.eos_ids,
+            max_new_tokens=seq.max_new_tokens,
+            decode=self._decode_for_stops,
+        )
+        if reason is not None:
+            self._finish(seq, reason)
+        elif seq.group.stream:
             seq.group.changed.set()
+
+    def _decode_for_stops(self, ids: Any) -> str:
+        # Special tokens included, as SGLang's tail check decodes them: stop=["<|im_end|>"] matches.
+        return self.runner.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     # ---- text of a sequence ------------------------------------------------------------------------------
 
@@ -397,6 +443,4 @@ class Scheduler:
         ):
             ids = ids[:-1]
         text = self.runner.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-        if seq.text_end is not None:
-            text = text[: seq.text_end]
-        return text
+        return trim_text(text, reason, params.no_stop_trim)

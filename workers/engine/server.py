@@ -1,12 +1,19 @@
-"""The HTTP face of the CPU engine: SGLang's endpoints over Starlette, served by uvicorn.
+"""The HTTP face of the engine: SGLang's endpoints over Starlette, served by uvicorn.
 
-Owns request parsing and validation, response shapes (../shared/SGLANG_CONTRACT.md), API-key auth, and the
-weight-update endpoints. Generation itself is the scheduler's; this module only builds sequences, submits them
-and renders their state.
+Owns request parsing and validation, response shapes (../shared/SGLANG_CONTRACT.md), API-key auth, memory
+release/resume, and the weight-update endpoints. Generation itself is the scheduler's; this module only builds
+sequences, submits them and renders their state. (Over ~450 lines because it is one route table: every
+endpoint is a short handler over the same server state.)
 
-Invariants: every rejected input is a 400 `{"error": {"message": ...}}` (never a 500 from a TypeError); the
-port opens only after the weights are loaded (as SGLang); a client that disconnects aborts its sequences, so
-nothing keeps generating for nobody.
+Invariants: every rejected input is a 4xx `{"error": {"message": ...}}` (never a 500 from a TypeError or a
+RecursionError), decided before anything joins the running batch, so one client's request cannot break
+another's; prompts are tokenized off the event loop; the port opens only after the weights are loaded (as
+SGLang); a client that disconnects aborts its sequences, so nothing keeps generating for nobody.
+
+A released engine (`/release_memory_occupation`) answers `/generate` and `/health_generate` with
+503 `{"error": {"message": ..., "type": "MemoryReleased", "released": [tags]}}` and counts them (/metrics
+`rayless:requests_refused_while_released_total`, /server_info `internal_states[0]`); `/health` stays 200
+(the process is alive).
 
 Choices where SGLang's behaviour is not worth copying: an unknown sampling key is a 400 naming the key (SGLang
 answers a plain-text 500); `backend: "nccl"` for `/init_weights_update_group` joins a gloo group (the only
@@ -35,9 +42,11 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from workers.engine.args import EngineArgs
+from workers.engine.http_input import BodyLimitMiddleware, read_json
 from workers.engine.runner import ModelRunner, WeightUpdateError
 from workers.engine.sampling import RequestError, SamplingParams, parse_sampling_params
-from workers.engine.scheduler import Scheduler, Seq
+from workers.engine.sampling_params import INT64_MAX, show
+from workers.engine.scheduler import MEMORY_TAGS, MemoryReleasedError, Scheduler, Seq
 from workers.engine.weight_group import (
     WeightUpdateGroup,
     join_weight_update_group,
@@ -54,6 +63,12 @@ GROUP_JOIN_TIMEOUT_S = 300.0
 
 def error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def released_error(exc: MemoryReleasedError) -> JSONResponse:
+    """503 that a health monitor can tell from a dead engine: type MemoryReleased and the released tags."""
+    body = {"error": {"message": str(exc), "type": "MemoryReleased", "released": exc.released}}
+    return JSONResponse(body, status_code=503)
 
 
 class ApiKeyMiddleware:
@@ -126,6 +141,7 @@ class EngineServer:
             Route("/destroy_weights_update_group", self.destroy_weights_update_group, methods=post),
         ]
         app: ASGIApp = Starlette(routes=routes, lifespan=self.lifespan)
+        app = BodyLimitMiddleware(app, self.args.max_request_bytes)
         if self.args.api_key:
             app = ApiKeyMiddleware(app, self.args.api_key)
         return app
@@ -143,23 +159,33 @@ class EngineServer:
                 self.scheduler.abort(abort_all=True, message="server shutting down")
                 for group in self.groups.values():
                     group.close()
+                self.runner.stash.discard()
                 tg.cancel_scope.cancel()
 
     # ---- /generate --------------------------------------------------------------------------------------
 
     async def _json(self, request: Request) -> dict[str, Any]:
-        body = await request.body()
-        if not body:
-            return {}
-        try:
-            value = json.loads(body)
-        except ValueError as exc:
-            raise RequestError(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise RequestError("request body must be a JSON object")
-        return value
+        return await read_json(request, self.args.max_request_bytes)
 
-    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Tokenize (blocking; run in a worker thread). A text whose first `probe` characters already make
+        far more tokens than the context holds is refused without tokenizing the rest of it."""
+        tokenizer, limit = self.runner.tokenizer, self.context_length
+        probe = 8 * limit + 1024
+        prompts = []
+        for text in texts:
+            if len(text) > probe:
+                head = len(tokenizer.encode(text[:probe]))
+                # The last word of the cut can tokenize differently; 2x the context is beyond any such slack.
+                if head > 2 * limit + 16:
+                    raise RequestError(
+                        f"The input (over {head} tokens) is longer than the model's context length "
+                        f"({limit} tokens)."
+                    )
+            prompts.append(tokenizer.encode(text))
+        return prompts
+
+    async def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise RequestError("give exactly one of 'text' or 'input_ids'")
@@ -172,8 +198,9 @@ class EngineServer:
                 raise RequestError("'text' must be a string or a list of strings")
             if not texts or any(not t for t in texts):
                 raise RequestError("the input is empty")
-            # A fast tokenizer over prompts bounded by the context length takes microseconds: inline.
-            prompts = [self.runner.tokenizer.encode(t) for t in texts]
+            self._check_count(len(texts), 1)
+            # Off the event loop: a 5 MB prompt takes seconds to tokenize, and /health must answer meanwhile.
+            prompts = await anyio.to_thread.run_sync(self._encode, texts)
         else:
             if isinstance(input_ids, list) and input_ids and all(isinstance(i, list) for i in input_ids):
                 prompts, batched = input_ids, True
@@ -181,15 +208,36 @@ class EngineServer:
                 prompts, batched = [input_ids], False
             else:
                 raise RequestError("'input_ids' must be a list of ints or a list of lists of ints")
-            vocab = self.runner.vocab_size
-            for ids in prompts:
-                if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                    raise RequestError("'input_ids' must contain integers only")
-                if any(not 0 <= i < vocab for i in ids):
-                    raise RequestError(f"'input_ids' has ids outside the vocabulary [0, {vocab})")
+            self._check_count(len(prompts), 1)
+            if sum(len(ids) for ids in prompts) > 100_000:  # a long list takes a while to check: off the loop
+                await anyio.to_thread.run_sync(self._check_ids, prompts)
+            else:
+                self._check_ids(prompts)
         if not prompts or any(len(ids) == 0 for ids in prompts):
             raise RequestError("the input is empty")
+        for ids in prompts:
+            if len(ids) >= self.context_length:
+                raise RequestError(
+                    f"The input ({len(ids)} tokens) is longer than the model's context length "
+                    f"({self.context_length} tokens)."
+                )
         return [list(ids) for ids in prompts], batched
+
+    def _check_ids(self, prompts: list[Any]) -> None:
+        vocab = self.runner.vocab_size
+        for ids in prompts:
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise RequestError("'input_ids' must contain integers only")
+            if any(not 0 <= i < vocab for i in ids):
+                raise RequestError(f"'input_ids' has ids outside the vocabulary [0, {vocab})")
+
+    def _check_count(self, prompts: int, n: int) -> None:
+        limit = self.args.max_seqs_per_request
+        if prompts * n > limit:
+            raise RequestError(
+                f"the request makes {prompts} prompt(s) x n={n} = {prompts * n} sequences, over the engine's "
+                f"--max-seqs-per-request ({limit})"
+            )
 
     @staticmethod
     def _per_item(value: Any, count: int, name: str) -> list[Any]:
@@ -199,38 +247,62 @@ class EngineServer:
             return value
         return [value] * count
 
-    def _build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]:
+    @staticmethod
+    def _flag(body: dict[str, Any], key: str) -> bool:
+        value = body.get(key)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise RequestError(f"'{key}' must be true or false, got {show(value)}")
+        return value
+
+    def _int_field(self, value: Any, name: str, low: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= INT64_MAX:
+            raise RequestError(f"{name} must be an integer in [{low}, 2**63 - 1], got {show(value)}")
+        return value
+
+    async def _build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]:
+        """Validate the whole request and make its sequences; nothing reaches the scheduler before this
+        returns, so a bad request is refused whole and never joins (or breaks) the running batch."""
         from workers.engine.scheduler import RequestGroup
 
-        prompts, batched = self._prompts(body)
+        if body.get("lora_path") is not None:
+            raise RequestError("'lora_path': LoRA adapters are not supported by the rayless engine")
+        stream = self._flag(body, "stream")
+        self._flag(body, "return_text_in_logprobs")
+        prompts, batched = await self._prompts(body)
         count = len(prompts)
-        raw_params = body.get("sampling_params")
         params_list = [
-            parse_sampling_params(p, vocab_size=self.runner.vocab_size)
-            for p in self._per_item(raw_params, count, "sampling_params")
+            parse_sampling_params(p, vocab_size=self.runner.vocab_size, max_n=self.args.max_n)
+            for p in self._per_item(body.get("sampling_params"), count, "sampling_params")
         ]
+        total_seqs = sum(params.n for params in params_list)
+        if total_seqs > self.args.max_seqs_per_request:
+            self._check_count(count, max(params.n for params in params_list))
         rids = self._per_item(body.get("rid"), count, "rid")
         return_logprob = self._per_item(body.get("return_logprob", False), count, "return_logprob")
         start_lens = self._per_item(body.get("logprob_start_len", -1), count, "logprob_start_len")
         top_nums = self._per_item(body.get("top_logprobs_num", 0), count, "top_logprobs_num")
-        group = RequestGroup(stream=bool(body.get("stream", False)))
+        group = RequestGroup(stream=stream)
         seqs: list[Seq] = []
         for index, (ids, params) in enumerate(zip(prompts, params_list, strict=True)):
-            total = len(ids) + params.max_new_tokens
-            if total > self.context_length:
+            left = self.context_length - len(ids)
+            max_new = left if params.max_new_tokens is None else params.max_new_tokens
+            if max_new > left:
+                total = len(ids) + max_new
                 raise RequestError(
                     f"Requested token count exceeds the model's maximum context length of {self.context_length} "
                     f"tokens. You requested a total of {total} tokens: {len(ids)} tokens from the input messages "
-                    f"and {params.max_new_tokens} tokens for the completion. Please reduce the number of tokens "
+                    f"and {max_new} tokens for the completion. Please reduce the number of tokens "
                     "in the input messages or the completion to fit within the limit."
                 )
-            start = start_lens[index]
-            if isinstance(start, bool) or not isinstance(start, int) or start < -1:
-                raise RequestError(f"logprob_start_len must be an integer >= -1, got {start!r}")
+            start = self._int_field(start_lens[index], "logprob_start_len", -1)
             start = len(ids) - 1 if start == -1 else min(start, len(ids) - 1)
-            top_num = top_nums[index] or 0
-            if isinstance(top_num, bool) or not isinstance(top_num, int) or top_num < 0:
-                raise RequestError(f"top_logprobs_num must be an integer >= 0, got {top_num!r}")
+            top_num = self._int_field(top_nums[index] or 0, "top_logprobs_num", 0)
+            top_num = min(top_num, self.runner.vocab_size)
+            wants_logprob = return_logprob[index]
+            if wants_logprob is not None and not isinstance(wants_logprob, bool):
+                raise RequestError(f"'return_logprob' must be true or false, got {show(wants_logprob)}")
             rid = rids[index]
             if rid is not None and not isinstance(rid, str):
                 raise RequestError("'rid' must be a string or a list of strings")
@@ -245,9 +317,10 @@ class EngineServer:
                         generator=self.scheduler.new_generator(params.sampling_seed, sample),
                         group=group,
                         index=len(seqs),
-                        return_logprob=bool(return_logprob[index]),
+                        return_logprob=bool(wants_logprob),
                         logprob_start=start,
                         top_logprobs_num=top_num,
+                        max_new_tokens=max_new,
                         weight_version=self.weight_version,
                     )
                 )
@@ -299,10 +372,12 @@ class EngineServer:
     async def generate(self, request: Request) -> Response:
         try:
             body = await self._json(request)
-            seqs, single, group = self._build(body)
+            seqs, single, group = await self._build(body)
             await self.scheduler.submit(group)
         except RequestError as exc:
             return error(str(exc))
+        except MemoryReleasedError as exc:
+            return released_error(exc)
         with_text = bool(body.get("return_text_in_logprobs", False))
         if group.stream:
             return StreamingResponse(
@@ -338,6 +413,9 @@ class EngineServer:
                     state = (len(seq.output_ids), seq.finished)
                     if sent.get(seq.index, (0, False)) == state:
                         continue  # nothing new (SGLang sends no chunk before the first token)
+                    interval = seq.params.stream_interval
+                    if interval and not seq.finished and state[0] % interval:
+                        continue  # stream_interval: a chunk every `interval` tokens, and the last one
                     sent[seq.index] = state
                     chunk = self.render(seq, with_text=with_text, final=seq.finished)
                     if not single:
@@ -361,8 +439,6 @@ class EngineServer:
 
         if not self.serving:
             return error("the engine is starting or shutting down", 503)
-        if self.scheduler.released:
-            return error("the engine's memory is released", 503)
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         group = RequestGroup()
         seq = Seq(
@@ -378,8 +454,8 @@ class EngineServer:
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
                 await self.scheduler.submit(group, bypass=True)
-            except RequestError as exc:
-                return error(str(exc), 503)
+            except MemoryReleasedError as exc:
+                return released_error(exc)
             await group.wait_finished()
         if not seq.finished or (seq.finish_reason or {}).get("type") == "abort":
             self.scheduler.abort_group(group, "health check timed out")
@@ -412,18 +488,36 @@ class EngineServer:
             weight_version=self.weight_version,
             max_total_num_tokens=self.context_length * self.args.max_running_requests,
             version=VERSION,
-            device="cpu",
+            device=self.runner.device.type,
             internal_states=[
                 {
                     "last_gen_throughput": self.scheduler.gen_throughput(),
                     "num_running_reqs": len(self.scheduler.running),
                     "num_queue_reqs": len(self.scheduler.waiting),
                     "paused": self.scheduler.paused,
+                    # Released memory (SGLang tags); while non-empty /generate and /health_generate are 503
+                    # MemoryReleased and counted below.
+                    "memory_released": sorted(self.scheduler.released),
                     "released": sorted(self.scheduler.released),
+                    "requests_refused_while_released": self.scheduler.refused_while_released,
+                    "health_probes_while_released": self.scheduler.probes_while_released,
+                    **self._memory_figures(),
                 }
             ],
         )
         return JSONResponse(info)
+
+    def _memory_figures(self) -> dict[str, Any]:
+        figures: dict[str, Any] = {
+            "device": str(self.runner.device),
+            "weight_bytes_resident": self.runner.stash.parameter_bytes(),
+            "kv_cache_tokens": self.runner.cached_tokens(),
+        }
+        if self.runner.device.type == "cuda":
+            figures["cuda_memory_allocated"] = torch.cuda.memory_allocated(self.runner.device)
+            figures["cuda_memory_reserved"] = torch.cuda.memory_reserved(self.runner.device)
+            figures["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.runner.device)
+        return figures
 
     async def get_weight_version(self, request: Request) -> Response:
         return JSONResponse({"weight_version": self.weight_version})
@@ -440,9 +534,23 @@ class EngineServer:
             ("prompt_tokens_total", "counter", s.prompt_tokens_total, "prefilled prompt tokens"),
             ("generation_tokens_total", "counter", s.generation_tokens_total, "generated tokens"),
             ("num_requests_total", "counter", s.requests_total, "generate requests"),
+            (
+                "rayless:requests_refused_while_released_total",
+                "counter",
+                s.refused_while_released,
+                "generate requests refused because memory was released",
+            ),
+            ("rayless:memory_released", "gauge", len(s.released), "released memory tags (0: none)"),
+            (
+                "rayless:weight_bytes_resident",
+                "gauge",
+                self.runner.stash.parameter_bytes(),
+                "bytes the weights hold on the device",
+            ),
         ]:
-            lines += [f"# HELP sglang:{name} {help_text}", f"# TYPE sglang:{name} {kind}"]
-            lines.append(f"sglang:{name}{labels} {float(value)}")
+            full = name if ":" in name else f"sglang:{name}"
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+            lines.append(f"{full}{labels} {float(value)}")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     # ---- control ----------------------------------------------------------------------------------------
@@ -502,27 +610,32 @@ class EngineServer:
     @staticmethod
     def _tags(body: dict[str, Any]) -> set[str]:
         tags = body.get("tags")
-        allowed = {"weights", "kv_cache", "cuda_graph"}
-        if tags is None:
-            return allowed
-        if not isinstance(tags, list) or not set(tags) <= allowed:
-            raise RequestError(f"'tags' must be null or a list drawn from {sorted(allowed)}")
+        if tags is None or tags == []:  # SGLang: null or empty means every tag
+            return set(MEMORY_TAGS)
+        if not isinstance(tags, list) or not all(isinstance(t, str) and t in MEMORY_TAGS for t in tags):
+            raise RequestError(f"'tags' must be null or a list drawn from {list(MEMORY_TAGS)}, got {show(tags)}")
         return set(tags)
 
     async def release_memory(self, request: Request) -> Response:
         async def action(body: dict[str, Any]) -> Response:
             tags = self._tags(body)
-            await self.scheduler.release(tags)
-            return JSONResponse({"success": True, "message": f"released {sorted(tags)}"})
+            try:
+                freed = await self.scheduler.release(tags)
+            except OSError as exc:  # the CPU spill file could not be written: nothing was freed
+                return error(f"release_memory_occupation failed, nothing released: {exc}", 500)
+            log.info("released memory %s (%s)", sorted(tags), freed)
+            return JSONResponse({"success": True, "message": f"released {sorted(tags)}", **freed})
 
         return await self._handle(request, action)
 
     async def resume_memory(self, request: Request) -> Response:
         async def action(body: dict[str, Any]) -> Response:
             tags = self._tags(body)
-            if self.scheduler.in_flight:
-                raise RequestError("cannot resume memory while requests are running or waiting")
-            self.scheduler.resume_memory(tags)
+            try:
+                await self.scheduler.resume_memory(tags)
+            except OSError as exc:
+                return error(f"resume_memory_occupation failed: {exc}", 500)
+            log.info("resumed memory %s", sorted(tags))
             return JSONResponse({"success": True, "message": f"resumed {sorted(tags)}"})
 
         return await self._handle(request, action)
@@ -684,7 +797,13 @@ def serve(args: EngineArgs) -> int:
         torch.manual_seed(args.random_seed)
     started = time.perf_counter()
     try:
-        runner = ModelRunner(args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype)
+        runner = ModelRunner(
+            args.model_path,
+            tokenizer_path=args.tokenizer_path,
+            dtype=args.dtype,
+            device=args.device,
+            weight_spill_dir=args.weight_spill_dir,
+        )
     except (OSError, ValueError) as exc:  # FileNotFoundError included: a bad --model-path is the usual cause
         log.error("cannot load the model from %s: %s", args.model_path, exc)
         return 2
@@ -692,8 +811,14 @@ def serve(args: EngineArgs) -> int:
     if not args.skip_server_warmup:
         # One forward before the port opens, so the first request does not pay for lazy initialisation.
         with torch.inference_mode():
-            runner.model(input_ids=torch.tensor([server._probe_ids]))
-    log.info("model loaded from %s in %.1f s", args.model_path, time.perf_counter() - started)
+            runner.model(input_ids=torch.tensor([server._probe_ids], device=runner.device))
+    log.info(
+        "model loaded from %s on %s (%s) in %.1f s",
+        args.model_path,
+        runner.device,
+        next(runner.model.parameters()).dtype,
+        time.perf_counter() - started,
+    )
     config = uvicorn.Config(
         server.app(),
         host=args.host,

@@ -1,0 +1,180 @@
+"""Hostile or careless requests to a real engine (issue 15, item 2): each kind gets a 4xx, and another client's
+generation running meanwhile still completes, untouched.
+
+The engine here runs with small request bounds (`--max-seqs-per-request 64`, `--max-request-bytes 8 MiB`) so
+the refusals are cheap to provoke; the defaults are checked by the parser tests.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from tests.support.engine_proc import RunningEngine, start_engine_process
+
+VICTIM_TOKENS = 200
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[RunningEngine]:
+    extra = ["--max-seqs-per-request", "64", "--max-n", "16", "--max-request-bytes", str(8 << 20)]
+    with start_engine_process(tiny_model_dir, extra_args=[*extra, "--log-level", "info"]) as running:
+        yield running
+
+
+@pytest.fixture
+async def client(engine: RunningEngine) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=engine.url, timeout=120.0) as http:
+        yield http
+
+
+def text_body(**params: Any) -> dict[str, Any]:
+    return {"text": "1 2 3=", "sampling_params": {"max_new_tokens": 2, **params}}
+
+
+# (name, method, path, body: dict → JSON, bytes → raw)
+HOSTILE: list[tuple[str, str, str, Any]] = [
+    ("n huge", "POST", "/generate", text_body(n=10_000_000)),
+    ("prompts x n", "POST", "/generate", {"text": ["1"] * 20, "sampling_params": {"n": 16}}),
+    ("many prompts", "POST", "/generate", {"input_ids": [[5]] * 65}),
+    ("prompt over context", "POST", "/generate", {"input_ids": [5] * 512, "sampling_params": {"max_new_tokens": 0}}),
+    ("5 MB prompt", "POST", "/generate", {"text": "1 2 3 " * 900_000}),
+    ("sampling_seed beyond int64", "POST", "/generate", text_body(sampling_seed=2**64)),
+    ("top_k beyond int64", "POST", "/generate", text_body(top_k=2**70, temperature=1.0)),
+    ("max_new_tokens beyond int64", "POST", "/generate", text_body(max_new_tokens=2**80)),
+    ("logprob_start_len beyond int64", "POST", "/generate", {**text_body(), "logprob_start_len": 2**64}),
+    ("top_logprobs_num negative", "POST", "/generate", {**text_body(), "top_logprobs_num": -3}),
+    ("NaN temperature", "POST", "/generate", b'{"text": "1", "sampling_params": {"temperature": NaN}}'),
+    ("bad stop_regex", "POST", "/generate", text_body(stop_regex="(unclosed")),
+    ("logit_bias outside vocab", "POST", "/generate", text_body(logit_bias={"999999": 1.0})),
+    ("int beyond 4300 digits", "POST", "/generate", b'{"text": "1", "sampling_params": {"n": ' + b"9" * 5000 + b"}}"),
+    ("unhashable tags", "POST", "/release_memory_occupation", {"tags": [["weights"]]}),
+    ("unknown tags", "POST", "/resume_memory_occupation", {"tags": ["everything"]}),
+    ("tags not a list", "POST", "/release_memory_occupation", {"tags": {"weights": 1}}),
+    ("body not an object", "POST", "/abort_request", b"[1, 2]"),
+    *[
+        (f"deep JSON {path}", "POST", path, DEEP)
+        for path in (
+            "/generate",
+            "/update_weight_version",
+            "/abort_request",
+            "/pause_generation",
+            "/release_memory_occupation",
+            "/resume_memory_occupation",
+            "/update_weights_from_disk",
+            "/init_weights_update_group",
+            "/update_weights_from_distributed",
+            "/destroy_weights_update_group",
+        )
+    ],
+    ("JSON 40 levels deep", "POST", "/generate", {"text": "1", "rid": json.loads("[" * 40 + "]" * 40)}),
+]
+
+
+async def victim(client: httpx.AsyncClient, started: anyio.Event, out: list[Any]) -> None:
+    """Another client's long generation, streamed, so it is mid-batch while the hostile requests arrive."""
+    body = {
+        "text": "9 8 7=",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": VICTIM_TOKENS, "ignore_eos": True, "temperature": 0.7, "top_k": 5},
+    }
+    async with client.stream("POST", "/generate", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line.removeprefix("data: ")))
+                started.set()
+
+
+@pytest.mark.parametrize(("name", "method", "path", "body"), HOSTILE, ids=[h[0] for h in HOSTILE])
+async def test_hostile_request_is_4xx_and_others_keep_generating(
+    client: httpx.AsyncClient, name: str, method: str, path: str, body: Any
+) -> None:
+    started, chunks = anyio.Event(), []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(victim, client, started, chunks)
+        await started.wait()
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        response = await client.request(method, path, **kwargs)
+        assert 400 <= response.status_code < 500, (name, response.status_code, response.text[:300])
+        message = json.dumps(response.json())
+        assert len(message) < 2000  # bounded: the hostile value is never echoed whole
+        assert (await client.get("/health")).status_code == 200
+    final = chunks[-1]["meta_info"]
+    assert final["finish_reason"] == {"type": "length", "length": VICTIM_TOKENS}, (name, final)
+    assert (await client.get("/server_info")).json()["internal_states"][0]["memory_released"] == []
+
+
+async def test_top_k_beyond_the_vocabulary_joins_the_batch_harmlessly(client: httpx.AsyncClient) -> None:
+    """A top_k inside int64 but far past the vocabulary (it overflowed the sampler and aborted the whole batch)."""
+    started, chunks = anyio.Event(), []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(victim, client, started, chunks)
+        await started.wait()
+        odd = await client.post("/generate", json=text_body(top_k=2**62, temperature=1.0, max_new_tokens=20))
+        assert odd.status_code == 200 and odd.json()["meta_info"]["completion_tokens"] >= 1
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": VICTIM_TOKENS}
+
+
+async def test_body_over_the_limit_is_413_or_400(client: httpx.AsyncClient, engine: RunningEngine) -> None:
+    big = b'{"text": "' + b"1" * (9 << 20) + b'"}'
+    declared = await client.post("/generate", content=big)
+    assert declared.status_code == 413 and "--max-request-bytes" in declared.json()["error"]["message"]
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: cut off while reading
+        for start in range(0, len(big), 1 << 20):
+            yield big[start : start + (1 << 20)]
+
+    streamed = await client.post("/generate", content=chunked())
+    assert streamed.status_code == 400 and "--max-request-bytes" in streamed.json()["error"]["message"]
+
+
+async def test_health_answers_while_a_huge_prompt_is_tokenized(client: httpx.AsyncClient) -> None:
+    """13 characters per token (a special token) pass the cheap prefix check, so the whole 6 MB is tokenized —
+    off the event loop — before the prompt is refused."""
+    body = {"text": "<|endoftext|>" * 480_000, "sampling_params": {"max_new_tokens": 1}}
+    answers: list[int] = []
+
+    async def probe_until_done(done: anyio.Event) -> None:
+        while not done.is_set():
+            answers.append((await client.get("/health")).status_code)
+            await anyio.sleep(0.05)
+
+    done = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(probe_until_done, done)
+        refused = await client.post("/generate", json=body)
+        done.set()
+    assert refused.status_code == 400 and "context length" in refused.json()["error"]["message"]
+    assert answers and set(answers) == {200}
+
+
+def test_disconnect_mid_body_is_one_log_line(engine: RunningEngine) -> None:
+    host, port = engine.url.removeprefix("http://").split(":")
+    for _ in range(5):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n" + b'{"text": "1 2'
+            )
+    with httpx.Client(base_url=engine.url, timeout=30) as http:  # the engine still serves
+        assert http.post("/generate", json=text_body()).status_code == 200
+
+    def logged() -> list[str]:
+        text = engine.log_path.read_text()
+        return [line for line in text.splitlines() if "disconnected before sending the whole body" in line]
+
+    deadline = time.monotonic() + 20
+    while len(logged()) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the engine notices each closed socket on its own schedule
+    assert len(logged()) == 5
+    log = engine.log_path.read_text()
+    assert "Traceback" not in log and "ClientDisconnect" not in log
