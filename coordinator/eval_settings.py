@@ -43,6 +43,9 @@ class EvalSettings:
     label_key: str | None = None
     metadata_key: str | None = None
     reward: RewardChoice = field(default_factory=RewardChoice)  # for file datasets, resolved for --prompt-data
+    #: evaluate on the alive eval engines when not all came back (default: skip the eval as unhealthy);
+    #: no flag sets it yet (from_config leaves the default)
+    allow_partial_fleet: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> EvalSettings:
