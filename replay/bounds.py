@@ -53,6 +53,12 @@ class BoundError(ValueError):
     """Data that would nest too deep, expand too far or reference itself; the message says which bound."""
 
 
+class _OverLimit(Exception):
+    def __init__(self, cost: int) -> None:
+        super().__init__(cost)
+        self.cost = cost
+
+
 def _bound_for(size: int) -> int:
     return MAX_EXPANSION * size + RECORD_ALLOWANCE
 
@@ -65,11 +71,12 @@ _U8, _U16, _U32 = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">I")
 class _Scanner:
     """One pass over a msgpack buffer: depth, extension codes and the decoded-size estimate."""
 
-    def __init__(self, data: bytes | memoryview, allowed_ext: frozenset[int]) -> None:
+    def __init__(self, data: bytes | memoryview, allowed_ext: frozenset[int], limit: int) -> None:
         self.data = memoryview(data)
         self.pos = 0
         self.cost = 0
         self.allowed_ext = allowed_ext
+        self.limit = limit  # the scan stops as soon as the estimate passes it: the work stays bounded too
         self.top_items = 0  # items of the outermost container (a tuple's slots)
 
     def _take(self, n: int) -> memoryview:
@@ -94,12 +101,16 @@ class _Scanner:
                 continue
             pending[-1] -= 1
             count = self._value(base + len(pending) - 1)
+            if self.cost > self.limit:
+                raise _OverLimit(self.cost)
             if count is not None:
                 pending.append(count)
 
     def _open(self, depth: int, items: int, container: int, per_item: int) -> int:
         if depth + 1 > MAX_DEPTH:
             raise BoundError(f"containers nest deeper than {MAX_DEPTH} levels")
+        if items > len(self.data) - self.pos:  # every value takes at least one byte
+            raise BoundError(f"a container declares {items} values with {len(self.data) - self.pos} bytes left")
         if self.cost == 0:  # the first container opened is the outermost one
             self.top_items = items
         self.cost += container + per_item * items
@@ -138,7 +149,8 @@ class _Scanner:
         return self._open(depth, items, _LIST, _LIST_ITEM) or None
 
     def _map(self, depth: int, items: int) -> int | None:
-        return 2 * self._open(depth, items, _DICT, _DICT_ITEM) or None
+        # n pairs: 2n values to read, an entry's cost split over its key and value
+        return self._open(depth, 2 * items, _DICT, _DICT_ITEM // 2) or None
 
     def _ext(self, length: int, depth: int) -> None:
         (code,) = self._take(1)
@@ -151,7 +163,7 @@ class _Scanner:
                 raise BoundError("a tuple extension must hold an array")
             # The tuple's payload is one msgpack array of its own, the tuple's level: scan it there. Depth is
             # bounded, so this recursion is too.
-            inner = _Scanner(data, self.allowed_ext)
+            inner = _Scanner(data, self.allowed_ext, self.limit - self.cost)
             inner.scan(depth)
             if inner.pos != len(data):
                 raise BoundError(f"a tuple extension holds {len(data) - inner.pos} bytes after its array")
@@ -209,17 +221,18 @@ def check_msgpack(payload: bytes | memoryview, *, allowed_ext: frozenset[int]) -
     uses an extension code outside `allowed_ext`, or would decode to more than
     `MAX_EXPANSION * len(payload) + RECORD_ALLOWANCE` bytes of Python objects.
     """
-    scanner = _Scanner(payload, allowed_ext)
-    scanner.scan(0)
+    limit = _bound_for(len(payload))
+    scanner = _Scanner(payload, allowed_ext, limit)
+    try:
+        scanner.scan(0)
+    except _OverLimit as over:
+        raise BoundError(
+            f"the record would decode to more than {over.cost} bytes of Python objects, over the bound of "
+            f"{limit} ({MAX_EXPANSION}x its {len(payload)} bytes + {RECORD_ALLOWANCE}): it holds mostly empty "
+            "or tiny containers, which no dump writer produces"
+        ) from None
     if scanner.pos != len(scanner.data):
         raise BoundError(f"{len(scanner.data) - scanner.pos} bytes follow the record's msgpack value")
-    limit = _bound_for(len(scanner.data))
-    if scanner.cost > limit:
-        raise BoundError(
-            f"the record would decode to ~{scanner.cost} bytes of Python objects, over the bound of {limit} "
-            f"({MAX_EXPANSION}x its {len(scanner.data)} bytes + {RECORD_ALLOWANCE}): it holds mostly empty "
-            "or tiny containers, which no dump writer produces"
-        )
     return scanner.cost
 
 
