@@ -23,6 +23,9 @@ engine) and the same reward rule (`RewardChoice`: `rm_type` of a `builtin:` task
 Invariants:
 - Eval engines never receive training weight updates: only `pin()` loads weights into them, and only the
   snapshot of the evaluation being run; WeightSync never sees this fleet.
+- An evaluation runs on every eval engine: `pin()` waits for all of them and skips as `unhealthy` when they
+  do not all come back, unless `EvalSettings.allow_partial_fleet` says otherwise; each done eval records
+  `eval/engines` (pinned) and `eval/engines_total`.
 - `pin()` returns only when every engine it pinned reports the pinned version and answered a 1-token
   generate; otherwise it raises `EvalSkip("unhealthy" | "pin_violation")`. Every sample an evaluation keeps
   reports the pinned version (a mismatch is a `pin_violation` skip, never a silent metric).
@@ -106,7 +109,8 @@ class EvalFleet:
         metrics: the run's MetricsLog (None: records only).
         probe_before_pin: True when no HealthMonitor watches the eval engines.
         datasets: the eval datasets (None: loaded from `settings`).
-        pin_wait: seconds `pin()` waits for dead engines to come back before going on with the alive ones.
+        pin_wait: seconds `pin()` waits for dead engines to come back before skipping (or, with
+            `settings.allow_partial_fleet`, going on with the alive ones).
         timeout: bound on each engine call during a pin (load, version, 1-token generate).
     """
 
@@ -146,7 +150,7 @@ class EvalFleet:
             seed=EVAL_SEED,
         )
         self.pinning = EvalPin(fleet=fleet, client=client, probe_before_pin=probe_before_pin,
-                               pin_wait=pin_wait, timeout=timeout)
+                               pin_wait=pin_wait, timeout=timeout, allow_partial=settings.allow_partial_fleet)
         self.records: list[EvalRecord] = []
         self.latest_step = -1
         self._next_id = 0
@@ -264,7 +268,8 @@ class EvalFleet:
         duration = time.monotonic() - started
         lag = max(0, self.latest_step - job.pinned_step)
         flat: dict[str, Any] = {"eval/weight_version": job.weight_version, "eval/pinned_step": job.pinned_step,
-                                "eval/lag_steps": lag, "eval/duration_s": duration}
+                                "eval/lag_steps": lag, "eval/duration_s": duration,
+                                "eval/engines": len(pinned), "eval/engines_total": len(self.fleet.engines)}
         for name, values in per_dataset.items():
             values.update({"pinned_step": float(job.pinned_step), "lag_steps": float(lag), "duration_s": duration})
             flat.update({f"eval/{name}/{key}": value for key, value in values.items()})

@@ -5,6 +5,11 @@ engine and checks it; `PinnedPool` is the set of engines one evaluation may then
 dispatcher picks among them only).
 
 Invariants:
+- An evaluation runs on the whole eval fleet: `pin()` brings dead engines back (or waits for the monitor
+  to) and waits up to `pin_wait` for *every* eval engine to be alive; when they do not all come back it
+  raises `EvalSkip("unhealthy")` naming the missing ones, so a metric is never computed on part of the
+  fleet and reported as a normal eval. Only `allow_partial=True` (a flag, asked for explicitly) lets it go
+  on with the alive engines; the eval's record then says how many of how many it used.
 - `pin()` returns only when every engine it pinned reports the pinned version and answered a 1-token
   generate; otherwise it raises `EvalSkip("unhealthy" | "pin_violation")`.
 - `pin()` probes the engines itself exactly when no monitor watches them (`probe_before_pin`, from
@@ -75,17 +80,20 @@ class EvalPin:
         fleet: the EngineFleet of group "eval".
         client: the shared engine client.
         probe_before_pin: True when no HealthMonitor watches the eval engines.
-        pin_wait: seconds `pin()` waits for dead engines to come back before going on with the alive ones.
+        pin_wait: seconds `pin()` waits for dead engines to come back (recovering them itself, or the monitor).
         timeout: bound on each engine call during a pin (load, version, 1-token generate).
+        allow_partial: go on with the alive engines when not all came back within `pin_wait` (at least one);
+            otherwise such a pin is skipped as unhealthy.
     """
 
     def __init__(self, *, fleet: EngineFleet, client: EngineClient, probe_before_pin: bool, pin_wait: float,
-                 timeout: float) -> None:
+                 timeout: float, allow_partial: bool = False) -> None:
         self.fleet = fleet
         self.client = client
         self.probe_before_pin = probe_before_pin
         self.pin_wait = pin_wait
         self.timeout = timeout
+        self.allow_partial = allow_partial
         self.recovery = EngineRecovery(fleet=fleet)  # used only while no monitor watches these engines
         # Pausing protocol for the eval group's HealthMonitor: set = not pinning.
         self.updating = anyio.Event()
@@ -96,9 +104,9 @@ class EvalPin:
     async def pin(self, checkpoint_dir: str, weight_version: str) -> dict[str, int]:
         """Make the eval engines serve `checkpoint_dir` as `weight_version`; returns {engine: incarnation}.
 
-        Raises EvalSkip("unhealthy") when no engine is alive (after probing/recovering) or one does not answer
-        a 1-token generate, EvalSkip("pin_violation") when an engine does not report the version after a
-        second load.
+        Raises EvalSkip("unhealthy") when not every engine is alive after probing/recovering and `pin_wait`
+        (with `allow_partial`: when none is), or one does not answer a 1-token generate;
+        EvalSkip("pin_violation") when an engine does not report the version after a second load.
         """
         self.pins += 1
         if self.probe_before_pin:
@@ -135,14 +143,23 @@ class EvalPin:
                     tg.start_soon(recover, handle)
 
     async def _wait_alive(self) -> list[EngineHandle]:
-        """Every engine alive, or after `pin_wait` the alive ones; none → unhealthy."""
+        """Every engine alive (waiting up to `pin_wait` for the monitor when it recovers them), else
+        unhealthy — unless `allow_partial`, which goes on with the alive ones (none: unhealthy)."""
         with anyio.move_on_after(0 if self.probe_before_pin else self.pin_wait):
             while len(self.fleet.alive()) < len(self.fleet.engines):
                 await self.fleet.wait_changed()
         alive = self.fleet.alive()
-        if not alive:
-            states = {h.name: h.dead_reason or h.state.value for h in self.fleet.engines}
-            raise EvalSkip("unhealthy", f"no eval engine is alive: {states}")
+        total = len(self.fleet.engines)
+        if len(alive) == total:
+            return alive
+        missing = {h.name: h.dead_reason or h.state.value for h in self.fleet.engines if h not in alive}
+        detail = (f"{len(alive)} of {total} eval engines alive after waiting {self.pin_wait:g} s for the others; "
+                  f"not back: {missing}")
+        if not alive or not self.allow_partial:
+            if alive:
+                detail += "; a partial eval fleet is not allowed"
+            raise EvalSkip("unhealthy", detail)
+        log.warning("evaluating on part of the eval fleet (allowed): %s", detail)
         return alive
 
     async def _load(self, engines: list[EngineHandle], checkpoint_dir: str, version: str) -> None:

@@ -43,6 +43,7 @@ class EvalSettings:
     label_key: str | None = None
     metadata_key: str | None = None
     reward: RewardChoice = field(default_factory=RewardChoice)  # for file datasets, resolved for --prompt-data
+    allow_partial_fleet: bool = False  # --eval-allow-partial-fleet
 
     @classmethod
     def from_slices(cls, evaluation: EvalConfig, *, rollout: RolloutConfig, sglang: SglangConfig) -> EvalSettings:
@@ -63,6 +64,7 @@ class EvalSettings:
             label_key=rollout.label_key,
             metadata_key=rollout.metadata_key,
             reward=RewardChoice.from_rollout(rollout).resolved(rollout.prompt_data),
+            allow_partial_fleet=evaluation.eval_allow_partial_fleet,
         )
 
 

@@ -101,6 +101,9 @@ class TrainingLoop:
 
     async def run(self) -> LoopResult:
         result = LoopResult()
+        if self.start_rollout > 0:
+            # a resume redoes every step from start_rollout: an earlier run's rows for them are replaced
+            self.metrics.resume_at(self.start_rollout)
         if self.settings.async_rollout and self.trainer is not None:
             await self._run_async(result)
         else:

@@ -2,8 +2,11 @@
 
 Owns what a person watching the run sees (a live rich status line on a terminal, plain log lines otherwise or
 with `--no-progress`) and `metrics.jsonl` in the run directory: one JSON object per line, each with `step`
-(the rollout id) and a `time`. Invariant: every line of metrics.jsonl is a complete JSON object (written
-and flushed in one call), so a crash never leaves a torn line that breaks the reader.
+(the rollout id) and a `time`. Invariants: every line of metrics.jsonl is a complete JSON object (written
+and flushed in one call), so a crash never leaves a torn line that breaks the reader; and the file tells one
+history: a run resumed at rollout N (`--load`) redoes every step from N, so `resume_at(N)` first drops the
+rows of steps >= N that an earlier run wrote (they describe training the checkpoint no longer holds) and the
+resumed run's rows replace them — each step appears once. TensorBoard is told the same (`purge_step`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -75,10 +79,11 @@ class MetricsLog:
         self.history: list[dict[str, Any]] = []
         self._tensorboard: Any = None
         self._wandb: Any = None
+        self._tensorboard_dir = run_dir / "tensorboard"
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self._tensorboard = SummaryWriter(log_dir=str(self._tensorboard_dir))
         if wandb:
             import wandb as wandb_module
 
@@ -98,6 +103,32 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
 
+    def resume_at(self, rollout_id: int) -> int:
+        """The run resumes at `rollout_id`: drop every row of a step >= it (an earlier run's, about to be
+        redone) from the file — rewritten atomically — and from `history`. Returns how many were dropped."""
+        self._file.close()
+        kept: list[str] = []
+        dropped = 0
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            step = _step_of(line)
+            if step is not None and step >= rollout_id:
+                dropped += 1
+            else:
+                kept.append(line)
+        if dropped:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            os.replace(tmp, self.path)
+            log.info("metrics: dropped %d row(s) of steps >= %d written before the resume", dropped, rollout_id)
+        self._file = self.path.open("a", encoding="utf-8")
+        self.history = [row for row in self.history if row["step"] < rollout_id]
+        if self._tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard.close()
+            self._tensorboard = SummaryWriter(log_dir=str(self._tensorboard_dir), purge_step=rollout_id)
+        return dropped
+
     def close(self) -> None:
         self._file.close()
         if self._tensorboard is not None:
@@ -116,6 +147,15 @@ def missing_metric_backends(*, tensorboard: bool, wandb: bool) -> list[str]:
     if wandb and importlib.util.find_spec("wandb") is None:
         missing.append("--use-wandb needs the wandb package (pip install wandb)")
     return missing
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if type(step) is int else None
 
 
 def _plain(value: Any) -> Any:

@@ -11,6 +11,9 @@ Owns the on-disk layout of one rollout (or eval) dump. Invariants:
 - Nothing read from a dump is ever executed: the payload is msgpack (plain data only), never pickle. Every
   frame carries a CRC32 and the trailer carries the sample count plus a chained checksum, so truncation,
   flipped bytes, dropped or reordered records are all detected and reported as `DumpError`, naming the file.
+- Every fault of a file, checksums valid or not, is a `DumpError`, never another exception or a crash: each
+  record is checked against `replay.bounds` (nesting depth, decoded size, known extension codes) before
+  msgpack builds anything, and the writer refuses what those bounds would refuse.
 - Every `Sample` field round-trips exactly: token ids and masks are stored as packed little-endian integer
   arrays, rollout logprobs as packed float64 (bit-exact, NaN payloads and -0.0 included), tuples in metadata
   stay tuples, and a sample that `Sample.validate()` rejects is refused on write and on read.
@@ -47,6 +50,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
+from replay import bounds
 from replay.sample import Sample, SampleError, SampleStatus
 
 MAGIC = b"\x89RLDUMP\n"
@@ -69,6 +73,11 @@ _EXT_INT64 = 12
 _EXT_FLOAT64 = 13
 _EXT_TYPECODES = {_EXT_INT8: "b", _EXT_INT32: "i", _EXT_INT64: "q", _EXT_FLOAT64: "d"}
 _TYPECODE_EXT = {tc: code for code, tc in _EXT_TYPECODES.items()}
+#: the only extension codes a dump may hold (msgpack's own -1 timestamp included: it is refused)
+_EXT_CODES = frozenset({_EXT_TUPLE, *_EXT_TYPECODES})
+assert _EXT_TUPLE == bounds.EXT_TUPLE and {c: s for c, (s, _) in bounds.PACKED_ARRAYS.items()} == {
+    code: array(tc).itemsize for code, tc in _EXT_TYPECODES.items()
+}
 # array itemsizes for these typecodes are fixed on every platform CPython supports ('i' is 4, 'q' is 8).
 _BIG_ENDIAN = sys.byteorder == "big"
 
@@ -159,12 +168,39 @@ def _ext_hook(code: int, data: bytes) -> Any:
             values.byteswap()
         return values
     if code == _EXT_TUPLE:
-        return tuple(_unpackb(data))
+        value = _unpackb(data)
+        if type(value) is not list:
+            raise _SchemaError(f"a tuple extension must hold an array, got {type(value).__name__}")
+        return tuple(value)
     raise _SchemaError(f"unknown msgpack extension type {code}")
 
 
 def _unpackb(data: bytes) -> Any:
     return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True)
+
+
+def _decode_record(payload: bytes) -> Any:
+    """One record's msgpack payload → plain data, within `replay.bounds` (depth, decoded size, known
+    extension codes); any fault is a `_SchemaError`, never another exception."""
+    try:
+        bounds.check_msgpack(payload, allowed_ext=_EXT_CODES)
+    except bounds.BoundError as exc:
+        raise _SchemaError(str(exc)) from None
+    try:
+        return _unpackb(payload)
+    except _SchemaError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        # TypeError: a map key msgpack cannot hash (a list or map used as a key)
+        raise _SchemaError(f"not valid msgpack: {exc}") from None
+
+
+def _check_bounds(payload: bytes, where: str) -> None:
+    """Refuse on write a record the reader's bounds would refuse (too deep, too many tiny containers)."""
+    try:
+        bounds.check_msgpack(payload, allowed_ext=_EXT_CODES)
+    except bounds.BoundError as exc:
+        raise DumpError(f"{where}: {exc}") from None
 
 
 class _SchemaError(Exception):
@@ -281,6 +317,7 @@ def write_dump(
         header_bytes = packb(header)
     except (TypeError, OverflowError, ValueError) as exc:
         raise DumpError(f"{path}: config_facts cannot be stored: {exc}") from None
+    _check_bounds(header_bytes, f"{path}: config_facts")
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -298,6 +335,7 @@ def write_dump(
                     payload = encode_sample(sample)
                 except (TypeError, OverflowError, ValueError) as exc:
                     raise DumpError(f"{where}: {exc}") from None
+                _check_bounds(payload, where)
                 frame, crc = encode_frame(_TAG_SAMPLE, payload)
                 out.write(frame)
                 chain = zlib.crc32(_CRC.pack(crc), chain)
@@ -371,7 +409,10 @@ class _Reader:
     def read_exact(self, n: int, what: str) -> bytes:
         if n > self.remaining:
             raise self.error(f"truncated: {what} needs {n} bytes, only {self.remaining} left in the file")
-        data = self.stream.read(n)
+        try:
+            data = self.stream.read(n)
+        except OSError as exc:
+            raise self.error(f"cannot read {what}: {exc.strerror or exc}") from None
         if len(data) != n:
             raise self.error(f"truncated while reading {what}")
         self.remaining -= n
@@ -421,9 +462,9 @@ def _read_header(reader: _Reader) -> DumpHeader:
     if tag != _TAG_HEADER:
         raise reader.error(f"expected the header frame, found a frame tagged {tag!r}")
     try:
-        raw = _unpackb(payload)
-    except (_SchemaError, ValueError, msgpack.UnpackException) as exc:
-        raise reader.error(f"header is not valid msgpack: {exc}") from None
+        raw = _decode_record(payload)
+    except _SchemaError as exc:
+        raise reader.error(f"header: {exc}") from None
     if type(raw) is not dict:
         raise reader.error(f"header must be a map, got {type(raw).__name__}")
     expected = {"format_version": int, "rollout_id": int, "kind": str, "created_at": float,
@@ -441,7 +482,7 @@ def _read_header(reader: _Reader) -> DumpHeader:
         raise reader.error(f"header kind {raw['kind']!r} is not one of {KINDS}")
     if raw["sample_count"] < 0:
         raise reader.error(f"header sample_count {raw['sample_count']} is negative")
-    unknown = sorted(set(raw["sample_fields"]) - set(SAMPLE_FIELDS), key=str)
+    unknown = sorted((f for f in raw["sample_fields"] if f not in SAMPLE_FIELDS), key=repr)
     if unknown:
         raise reader.error(f"header lists sample fields this rayless does not know: {unknown}")
     return DumpHeader(
@@ -467,10 +508,7 @@ def _int_list(value: Any, name: str) -> list[int]:
 
 
 def _decode_sample(payload: bytes) -> Sample:
-    try:
-        record = _unpackb(payload)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise _SchemaError(f"not valid msgpack: {exc}") from None
+    record = _decode_record(payload)
     if type(record) is not dict:
         raise _SchemaError(f"a sample record must be a map, got {type(record).__name__}")
     if record.keys() != _REQUIRED:
@@ -550,9 +588,9 @@ def _iter_records(reader: _Reader, header: DumpHeader) -> Iterator[Sample]:
             f"expected the trailer after {header.sample_count} samples, found a frame tagged {tag!r}"
         )
     try:
-        trailer = _unpackb(payload)
-    except (_SchemaError, ValueError, msgpack.UnpackException) as exc:
-        raise reader.error(f"trailer is not valid msgpack: {exc}") from None
+        trailer = _decode_record(payload)
+    except _SchemaError as exc:
+        raise reader.error(f"trailer: {exc}") from None
     if type(trailer) is not dict or trailer.get("sample_count") != header.sample_count:
         raise reader.error(
             f"trailer {trailer!r:.80} disagrees with the header's sample_count {header.sample_count}"

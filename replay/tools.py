@@ -1,8 +1,10 @@
 """`rayless dump show | verify | convert`: inspect, check and import rollout dumps from the command line.
 
-Owns the dump subcommands; the lead's CLI calls `main(argv_after_dump)`. Invariants: `verify` exits 1 when
-any file is corrupt (and says what is wrong per file), 0 otherwise; `show` streams the file, so memory stays
-at one sample whatever the dump size; `convert` never executes the source file's content.
+Owns the dump subcommands; the lead's CLI calls `main(argv_after_dump)`. Invariants: `verify` checks every
+file it is given, says what is wrong with each, and exits 1 when any is corrupt, 0 otherwise; `show` streams
+the file, so memory stays at one sample whatever the dump size; `convert` never executes the source file's
+content. Everything read from a file is printed as text: the consoles interpret no rich markup and no
+emoji codes, so a header string such as "[/]" prints as itself instead of breaking the output.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from replay.format import DumpError, iter_samples, read_header
 from replay.sample import Sample
@@ -73,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    console = Console(soft_wrap=True, highlight=False)
+    console = _console()
     if args.command == "show":
         return _show(console, args.file, args.tokenizer, args.first)
     if args.command == "verify":
@@ -81,8 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _convert(console, args)
 
 
+def _console(*, stderr: bool = False) -> Console:
+    # markup and emoji off: dump contents (and file names) are data, never formatting instructions
+    return Console(stderr=stderr, soft_wrap=True, highlight=False, markup=False, emoji=False)
+
+
 def _error(console: Console, message: str) -> None:
-    Console(stderr=True, soft_wrap=True, highlight=False).print(f"[bold red]error:[/] {message}", markup=True)
+    _console(stderr=True).print(Text.assemble(("error:", "bold red"), " ", message))
 
 
 def _show(console: Console, path: Path, tokenizer_dir: Path | None, first: int) -> int:
@@ -147,11 +155,11 @@ def _show(console: Console, path: Path, tokenizer_dir: Path | None, first: int) 
         console.rule(f"sample {sample.group_index}/{sample.sample_index} · {sample.status.value}")
         console.print(f"reward: {sample.reward!r}  advantage: {sample.advantage:.4g}  "
                       f"weight_versions: {sample.weight_versions}  label: {sample.label!r}")  # fmt: skip
-        console.print(f"prompt ({sample.prompt_length} tokens): {_clip(sample.prompt)}", markup=False)
-        console.print(f"response ({sample.response_length} tokens): {_clip(sample.response)}", markup=False)
+        console.print(f"prompt ({sample.prompt_length} tokens): {_clip(sample.prompt)}")
+        console.print(f"response ({sample.response_length} tokens): {_clip(sample.response)}")
         if tokenizer is not None:
             decoded = tokenizer.decode(sample.response_tokens)
-            console.print(f"decoded response: {_clip(decoded)}", markup=False)
+            console.print(f"decoded response: {_clip(decoded)}")
     return 0
 
 
@@ -178,11 +186,11 @@ def _verify(console: Console, files: list[Path]) -> int:
             count = sum(1 for _ in iter_samples(path))
         except DumpError as exc:
             bad += 1
-            console.print(f"CORRUPT {exc}", markup=False)
+            console.print(f"CORRUPT {exc}")
             continue
-        console.print(f"ok {path} ({header.kind} {header.rollout_id}, {count} samples)", markup=False)
+        console.print(f"ok {path} ({header.kind} {header.rollout_id}, {count} samples)")
     if bad:
-        console.print(f"{bad} of {len(files)} file(s) corrupt", markup=False)
+        console.print(f"{bad} of {len(files)} file(s) corrupt")
     return 1 if bad else 0
 
 
@@ -201,7 +209,7 @@ def _convert(console: Console, args: argparse.Namespace) -> int:
     except DumpError as exc:
         _error(console, str(exc))
         return 1
-    console.print(f"wrote {out} (rollout {header.rollout_id}, {header.sample_count} samples)", markup=False)
+    console.print(f"wrote {out} (rollout {header.rollout_id}, {header.sample_count} samples)")
     return 0
 
 

@@ -7,6 +7,13 @@ own `_PlainUnpickler`, which resolves no global except `set`/`frozenset`/`Ordere
 id. Anything else (an object with a `__reduce__` payload, a class instance, a numpy array) is refused with a
 `DumpError` before the payload's callable is ever looked up, let alone called.
 
+Bounds (`replay.bounds`): a zip whose entries declare more than `MAX_EXPANSION` times the file's size
+(plus `IMPORT_ALLOWANCE`) is refused before anything is decompressed (torch.save never compresses, so only a
+bomb is far larger inside than outside); the loaded data is then measured before it is converted — shared
+references counted once per use, as the conversion copies them — and refused when its plain expansion
+would pass the same bound, when it references itself or when it nests deeper than `bounds.MAX_DEPTH`.
+So converting a file costs memory in proportion to its size, never to what a reference bomb promises.
+
 Conversion choices (documented for users of `rayless dump convert`):
 - tensors become Python lists/scalars; `status` may be the enum's value string ("completed", ...);
   slime's "failed" becomes ABORTED with the original kept in `metadata["slime_status"]`.
@@ -36,6 +43,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from replay import bounds
 from replay.format import DumpError, write_dump
 from replay.sample import Sample, SampleError, SampleStatus
 
@@ -57,6 +65,8 @@ _KNOWN_KEYS = {
     "advantage",
 }
 _STATUS_ALIASES = {s.value: s for s in SampleStatus} | {"failed": SampleStatus.ABORTED}
+#: bytes of Python objects an import may build beyond `bounds.MAX_EXPANSION` times the file's size
+IMPORT_ALLOWANCE = 64 * 1024 * 1024
 
 
 class _Refused(pickle.UnpicklingError):
@@ -92,20 +102,52 @@ class _PlainUnpickler(pickle.Unpickler):
         raise _Refused("refusing a persistent id (a legacy torch storage or custom object)")
 
 
+def import_budget(file_size: int) -> int:
+    """Bytes of Python objects (or of zip entries) an import of a `file_size`-byte file may reach."""
+    return bounds.MAX_EXPANSION * file_size + IMPORT_ALLOWANCE
+
+
 def load_plain(path: str | os.PathLike[str]) -> Any:
-    """Load a slime/miles dump (torch.save zip or bare pickle) as plain data, refusing anything executable."""
+    """Load a slime/miles dump (torch.save zip or bare pickle) as plain data, refusing anything executable
+    and anything whose plain expansion would pass `import_budget` (see the module's bounds)."""
     path = Path(path)
     if path.is_dir():
         raise DumpError(f"{path}: is a directory, not a .pt dump")
     if not path.exists():
         raise DumpError(f"{path}: no such file")
-    if path.stat().st_size == 0:
+    size = path.stat().st_size
+    if size == 0:
         raise DumpError(f"{path}: empty file (0 bytes)")
+    data = _load(path, size)
+    try:
+        bounds.measure_plain(data, import_budget(size))
+    except bounds.BoundError as exc:
+        raise DumpError(f"refused to import {path}: {exc}") from None
+    return data
+
+
+def _check_zip(path: Path, size: int) -> None:
+    """Refuse a zip whose entries unpack to far more than the file holds, before decompressing any."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            declared = sum(info.file_size for info in archive.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise DumpError(f"{path}: not a readable torch.save file: {exc}") from None
+    if declared > import_budget(size):
+        raise DumpError(
+            f"refused to import {path}: its zip entries unpack to {declared} bytes from a {size}-byte file, "
+            f"over the bound of {import_budget(size)} (torch.save does not compress; this is a zip bomb or "
+            "a re-compressed dump: unzip and re-save it uncompressed)"
+        )
+
+
+def _load(path: Path, size: int) -> Any:
     refusal = (
         "refused to load {path}: it holds something other than plain containers, numbers, strings and "
         "tensors ({detail}); it was not executed. If you trust the file, re-save its samples as plain dicts."
     )
     if zipfile.is_zipfile(path):
+        _check_zip(path, size)
         # Fast path: slime's Sample.to_dict() dumps hold lists, not tensors, so the pickle inside the zip
         # usually needs no torch global at all; our C-speed plain unpickler reads it ~10x faster than
         # torch's pure-Python weights-only unpickler. Tensors send us to torch's loader.

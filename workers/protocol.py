@@ -20,8 +20,13 @@ count); the coordinator checks the version and compares the token with `hmac.com
 `Welcome` or an `ErrorMessage` and closes. After that the coordinator sends `Request`s (request id +
 one command) and the rank answers each with exactly one `Response` carrying the same id.
 
-Invariant: a frame is never written or accepted beyond the limit — the sender refuses before writing,
-the receiver refuses after reading only the 4-byte header (and tells the peer why before closing).
+Invariants:
+- A frame is never written or accepted beyond the limit — the sender refuses before writing, the receiver
+  refuses after reading only the 4-byte header (and tells the peer why before closing).
+- Before the token is checked, nothing but a Hello of at most `MAX_HELLO_BYTES` is read, and it is decoded
+  by `decode_hello` alone: flat msgpack of bounded lengths, no extension type (so no tensor), exactly
+  Hello's fields with their exact types and ranges. An unauthenticated peer can make the coordinator read
+  4 KiB and decode a few dozen values, nothing more; the normal limit applies only once it is welcomed.
 """
 
 from __future__ import annotations
@@ -43,6 +48,13 @@ T = TypeVar("T")
 
 PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+#: the most a peer may send before its token is checked: one Hello (a real one is ~150 bytes)
+MAX_HELLO_BYTES = 4096
+#: a token longer than this is refused unread (the coordinator's own are 64 hex characters)
+MAX_TOKEN_CHARS = 1024
+#: tensors of more dimensions, or dimensions over this size, are refused before any arithmetic on them
+MAX_TENSOR_DIMS = 64
+MAX_TENSOR_DIM = 1 << 48
 TENSOR_EXT = 1
 HEADER = struct.Struct(">I")
 
@@ -57,6 +69,10 @@ class ProtocolError(RuntimeError):
 
 class FrameTooLarge(ProtocolError):
     """A frame is over the configured limit; raised by the sender before writing, by the receiver on read."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer's Hello names another protocol version (the message says both)."""
 
 
 class HandshakeRefused(ProtocolError):
@@ -92,7 +108,18 @@ def _decode_ext(code: int, data: bytes) -> Any:
         raise ProtocolError(f"malformed tensor payload: {exc}") from exc
     dtype = getattr(torch, str(dtype_name), None)
     if not isinstance(dtype, torch.dtype):
-        raise ProtocolError(f"unknown tensor dtype {dtype_name!r}")
+        raise ProtocolError(f"unknown tensor dtype {dtype_name!r:.80}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_TENSOR_DIMS
+        or not all(type(size) is int and 0 <= size <= MAX_TENSOR_DIM for size in shape)
+        or not isinstance(raw, bytes)
+    ):
+        # checked before multiplying: a product of 100,000 huge integers costs quadratic time
+        raise ProtocolError(
+            f"malformed tensor payload: the shape must be at most {MAX_TENSOR_DIMS} sizes in "
+            f"0..{MAX_TENSOR_DIM} and the data bytes"
+        )
     count = 1
     for size in shape:
         count *= int(size)
@@ -442,6 +469,58 @@ def decode_message(obj: Any) -> Message:
     return cls.from_fields({key: value for key, value in obj.items() if key != "kind"})
 
 
+_HELLO_INTS = {
+    "protocol_version": (0, 1 << 31),
+    "rank": (0, 1 << 31),
+    "world_size": (1, 1 << 31),
+    "local_rank": (0, 1 << 31),
+    "pid": (0, 1 << 31),
+    "restart_count": (0, 1 << 31),
+}
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError("a Hello holds no extension types")
+
+
+def decode_hello(body: bytes) -> Hello:
+    """The Hello of an unauthenticated peer, decoded strictly; ProtocolError for anything else.
+
+    Its cost is bounded by the body's length (at most `MAX_HELLO_BYTES`): msgpack is told the largest
+    lengths a Hello has, extension types are refused, and each field's type and range is checked before any
+    other code sees it. A peer speaking another protocol version gets the version message, whatever else
+    its Hello holds.
+    """
+    if len(body) > MAX_HELLO_BYTES:
+        raise FrameTooLarge(f"a Hello of {len(body)} bytes is over the {MAX_HELLO_BYTES}-byte handshake limit")
+    try:
+        obj = msgpack.unpackb(
+            body, raw=False, ext_hook=_no_ext, max_str_len=MAX_TOKEN_CHARS, max_bin_len=0, max_array_len=0,
+            max_map_len=len(_HELLO_INTS) + 2, max_ext_len=0,
+        )  # fmt: skip
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"malformed Hello: {exc}"[:300]) from None
+    if not isinstance(obj, dict) or obj.get("kind") != Hello.kind:
+        kind = obj.get("kind") if isinstance(obj, dict) else type(obj).__name__
+        raise ProtocolError(f"expected hello as the first message, got {kind!r:.40}")
+    version = obj.get("protocol_version")
+    if type(version) is int and version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"protocol version mismatch: rank speaks {version}, coordinator speaks {PROTOCOL_VERSION}; "
+            "run the same rayless version on both sides"
+        )
+    values = {key: value for key, value in obj.items() if key != "kind"}
+    for name, (low, high) in _HELLO_INTS.items():
+        value = values.get(name, 0 if name == "restart_count" else None)
+        if type(value) is not int or not low <= value < high:
+            raise ProtocolError(f"Hello field {name!r} must be an integer in {low}..{high - 1}, got {value!r:.40}")
+    if type(values.get("token")) is not str:
+        raise ProtocolError("Hello field 'token' must be a string")
+    return build(Hello, values, "message 'hello'")
+
+
 # ------------------------------------------------------------------------------------------ async side
 
 
@@ -456,6 +535,16 @@ async def receive_message(
     (length,) = HEADER.unpack(await stream.receive_exactly(HEADER.size))
     check_length(length, max_frame_bytes)
     return decode_message(unpack(await stream.receive_exactly(length)))
+
+
+async def receive_hello(stream: BufferedByteReceiveStream) -> Hello:
+    """Read an unauthenticated peer's first frame: at most `MAX_HELLO_BYTES`, decoded by `decode_hello`."""
+    (length,) = HEADER.unpack(await stream.receive_exactly(HEADER.size))
+    if length > MAX_HELLO_BYTES:
+        raise FrameTooLarge(
+            f"peer announced a first frame of {length} bytes; a Hello is at most {MAX_HELLO_BYTES} bytes"
+        )
+    return decode_hello(await stream.receive_exactly(length))
 
 
 # ----------------------------------------------------------------------------------------- blocking side

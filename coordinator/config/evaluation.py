@@ -26,6 +26,8 @@ class EvalConfig(Slice):
     eval_top_p: float | None = flag(None, help="eval top-p (default: rollout's)", above=0, maximum=1)
     eval_max_response_len: int | None = flag(None, help="eval max new tokens (default: rollout's)", minimum=1)
     eval_max_in_flight: int = flag(1, help="evals running at once; the oldest waiting one is skipped", minimum=1)
+    eval_allow_partial_fleet: bool = flag(False, help="evaluate on the eval engines that are alive when not all "
+                                                      "came back (default: skip the eval as unhealthy)")
 
     def check(self) -> None:
         if len(self.eval_prompt_data) % 2:

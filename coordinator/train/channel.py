@@ -1,10 +1,13 @@
 """The control-channel server: one authenticated connection per training rank, and the calls made over them.
 
-Owns the accepted connections, the handshake check (`Hello` → `Welcome` or a refusal with its reason), the
-replies still pending and the call / gather logic. It launches nothing: whoever started the ranks tells it
+Owns the accepted connections, the handshake check (`Hello` → `Welcome` or a refusal with its reason, logged
+with the peer's address), the replies still pending and the call / gather logic. It launches nothing: whoever started the ranks tells it
 when they are gone (`torchrun_exited`), and lends it `explain`, which adds the ranks' log to a failure.
 
 Invariants:
+- Until a peer's token is checked, only its Hello is read, through `protocol.receive_hello` (at most
+  `protocol.MAX_HELLO_BYTES`, strictly decoded): a peer without the token cannot make the coordinator read,
+  decode or hold more than that, nor stall its event loop. `max_frame_bytes` applies once it is welcomed.
 - Calls are serialised (one lock): every rank receives the same commands in the same order, so collectives
   inside a command are always entered by all ranks.
 - A call never hangs on a dead rank: a rank that disconnects, or torchrun exiting, fails every pending call at
@@ -98,6 +101,14 @@ class _Connection:
 
 async def _unchanged(failure: RankFailure) -> RankFailure:
     return failure
+
+
+def _peer(stream: anyio.abc.ByteStream) -> str:
+    """The remote `host:port` of a connection, for the log ("?" when the transport does not say)."""
+    address = stream.extra(anyio.abc.SocketAttribute.remote_address, None)
+    if isinstance(address, tuple) and len(address) >= 2:
+        return f"{address[0]}:{address[1]}"
+    return str(address) if address else "?"
 
 
 class ControlServer:
@@ -232,7 +243,7 @@ class ControlServer:
 
     async def _refuse(self, stream: anyio.abc.ByteStream, reason: str) -> None:
         self.refusals.append(reason)
-        logger.warning("control channel refused a connection: %s", reason)
+        logger.warning("control channel refused a connection from %s: %s", _peer(stream), reason)
         with contextlib.suppress(*STREAM_ERRORS, protocol.ProtocolError):
             with anyio.move_on_after(self.handshake_timeout_s):
                 await protocol.send_message(stream, protocol.ErrorMessage(reason), self.max_frame_bytes)
@@ -243,7 +254,10 @@ class ControlServer:
         buffered = BufferedByteReceiveStream(stream)
         try:
             with anyio.fail_after(self.handshake_timeout_s):
-                hello = await protocol.receive_message(buffered, self.max_frame_bytes)
+                hello = await protocol.receive_hello(buffered)
+        except protocol.VersionMismatch as exc:
+            await self._refuse(stream, str(exc))
+            return
         except protocol.ProtocolError as exc:
             await self._refuse(stream, f"bad handshake frame: {exc}")
             return
@@ -254,7 +268,6 @@ class ControlServer:
         if reason is not None:
             await self._refuse(stream, reason)
             return
-        assert isinstance(hello, protocol.Hello)
         info = RankInfo(hello.rank, hello.world_size, hello.local_rank, hello.pid, hello.restart_count)
         conn = _Connection(info=info, stream=stream)
         try:
@@ -271,14 +284,7 @@ class ControlServer:
         self._state.notify()
         await self._read_responses(conn, buffered)
 
-    def _check_hello(self, hello: protocol.Message) -> str | None:
-        if not isinstance(hello, protocol.Hello):
-            return f"expected hello as the first message, got {hello.kind!r}"
-        if hello.protocol_version != protocol.PROTOCOL_VERSION:
-            return (
-                f"protocol version mismatch: rank speaks {hello.protocol_version}, coordinator speaks "
-                f"{protocol.PROTOCOL_VERSION}; run the same rayless version on both sides"
-            )
+    def _check_hello(self, hello: protocol.Hello) -> str | None:
         if not hmac.compare_digest(str(hello.token).encode(), self.token.encode()):
             return f"wrong token from rank {hello.rank} (pid {hello.pid}): check {protocol.ENV_TOKEN}"
         if hello.world_size != self.world_size:

@@ -45,6 +45,8 @@ class CheckpointInfo:
     rollout_id: int
     extra: dict[str, Any]
     path: Path
+    #: set when the save dir's `latest` was broken and the newest complete checkpoint was loaded instead
+    warning: str = ""
 
 
 class TrainGroup:
@@ -284,11 +286,16 @@ class TrainGroup:
         return Path((await self.server.call_all(command))[0]["path"])
 
     async def load_checkpoint(self, path: str | Path) -> CheckpointInfo:
-        """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank."""
+        """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank. When
+        `latest` is broken the ranks load the newest complete checkpoint instead, and this logs why."""
         first = (await self.server.call_all(protocol.LoadCommand(str(path))))[0]
-        return CheckpointInfo(
-            rollout_id=int(first["rollout_id"]), extra=dict(first["extra"]), path=Path(first["path"])
+        info = CheckpointInfo(
+            rollout_id=int(first["rollout_id"]), extra=dict(first["extra"]), path=Path(first["path"]),
+            warning=str(first.get("warning") or ""),
         )
+        if info.warning:
+            logger.warning("checkpoint: %s", info.warning)
+        return info
 
     async def load(self, path: str | Path) -> int:
         """Restore a checkpoint; returns the rollout id it was saved at (resume at that id + 1)."""

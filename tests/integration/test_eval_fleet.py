@@ -3,6 +3,8 @@ beside training), and the skip rules (pin_violation, unhealthy, busy)."""
 
 from __future__ import annotations
 
+import dataclasses
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +16,13 @@ from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.eval_fleet import EvalFleet, EvalSkip
 from coordinator.eval_settings import EVAL_SEED, EvalSettings
+from coordinator.processes import terminate_process_group_blocking
 from coordinator.progress import MetricsLog, read_metrics
 from coordinator.rollout.data_source import PromptRecord
 from coordinator.rollout.requests import GenerateState, apply_response, new_sample
 from coordinator.run import Services, run_training
 from replay.sample import SampleStatus
+from tests.support.engine_proc import start_engine_process
 from tests.support.fake_engine import FakeEngine
 
 
@@ -133,6 +137,48 @@ async def test_a_stale_engine_is_a_pin_violation_and_a_dead_fleet_is_unhealthy(t
         rows = read_metrics(tmp_path / "metrics.jsonl")
         assert rows[-1]["eval/skip_reason"] == "unhealthy" and rows[-1]["step"] == 5
         group.cancel_scope.cancel()
+
+
+async def test_one_of_two_eval_engines_down_skips_the_eval_unless_a_partial_fleet_is_allowed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two real eval engines (attached), one killed for good: the seed's rule — the eval waits for every
+    engine and is skipped as unhealthy, nothing pinned on the survivor; allowed explicitly, it runs on the
+    survivor and its record says 1 of 2 engines."""
+    with ExitStack() as stack:
+        engines = [stack.enter_context(start_engine_process(tiny_model_dir)) for _ in range(2)]
+        async with EngineClient(max_connections=8) as client, anyio.create_task_group() as group:
+            fleet = EngineFleet(client=client, group="eval", external_urls=[e.url for e in engines], run_dir=tmp_path,
+                                probe_timeout=5, attach_timeout=1)
+            await group.start(fleet.run)
+            start_version = await client.engine(engines[0].url).get_weight_version()
+            terminate_process_group_blocking(engines[1].process, grace=5)
+            metrics = MetricsLog(tmp_path)
+            settings = fake_eval_settings(tmp_path)
+            for allow_partial in (False, True):
+                evals = EvalFleet(settings=dataclasses.replace(settings, allow_partial_fleet=allow_partial),
+                                  fleet=fleet, client=client, tokenizer=None, exporter=None,
+                                  snapshot_dir=tmp_path / "eval_weights", metrics=metrics, probe_before_pin=True,
+                                  pin_wait=1.0, datasets=[])
+                await group.start(evals.run)
+                evals.submit(3, "1", str(tiny_model_dir))
+                with anyio.fail_after(60):
+                    await evals.drain(timeout=60)
+                record = evals.records[0]
+                survivor = await client.engine(engines[0].url).get_weight_version()
+                if not allow_partial:
+                    assert (record.status, record.reason) == ("skipped", "unhealthy"), record
+                    assert "1 of 2 eval engines alive" in record.detail and "eval-ext-1" in record.detail
+                    assert survivor == start_version, "nothing was pinned on the one engine left"
+                else:
+                    assert record.status == "done", record
+                    assert record.metrics["eval/engines"] == 1 and record.metrics["eval/engines_total"] == 2
+                    assert survivor == "1"
+            metrics.close()
+            rows = read_metrics(tmp_path / "metrics.jsonl")
+            assert [(r.get("eval/skip_reason"), r.get("eval/engines")) for r in rows] == [("unhealthy", None),
+                                                                                         (None, 1)]
+            group.cancel_scope.cancel()
 
 
 async def test_over_the_bound_the_oldest_waiting_eval_is_skipped_as_busy(tmp_path: Path) -> None:

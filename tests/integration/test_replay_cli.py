@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from replay import format as fmt
+from tests.support import hostile_dumps
 from tests.support.replay_inputs import MarkerPayload, write_sample_dump
 
 
@@ -35,3 +37,32 @@ def test_cli_as_a_process(tmp_path: Path) -> None:
         [sys.executable, "-m", "replay.tools", "verify", str(good), str(bad)], capture_output=True, text=True
     )
     assert fail.returncode == 1 and f"CORRUPT {bad}: truncated" in fail.stdout
+
+
+def test_verify_reports_every_hostile_file_and_goes_on(tmp_path: Path) -> None:
+    """An extension nested 200 deep (was: SIGSEGV, exit 139) and a map keyed by a list (was: TypeError,
+    which stopped verify) are each reported, and the files after them are still checked."""
+    nested = hostile_dumps.nested_tuple_dump(tmp_path / "1.rld", 200)
+    good = write_sample_dump(tmp_path / "2.rld")
+    unhashable = hostile_dumps.framed_dump(tmp_path / "3.rld", fmt.packb(hostile_dumps.good_header()),
+                                           [hostile_dumps.sample_payload(b"\x81\x91\x00\x00")])
+    done = subprocess.run([sys.executable, "-m", "replay.tools", "verify", str(nested), str(good), str(unhashable)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"CORRUPT {nested}: sample #0 of 1: containers nest deeper than 32 levels")
+    assert lines[1].startswith(f"ok {good}")
+    assert lines[2].startswith(f"CORRUPT {unhashable}: sample #0 of 1: not valid msgpack: unhashable")
+    assert lines[3] == "2 of 3 file(s) corrupt"
+    assert "Traceback" not in done.stderr
+
+
+def test_show_prints_header_strings_as_text(tmp_path: Path) -> None:
+    strings = ["[/]", "[bold red]x[/bold red]", "[link=file:///etc]y[/link]", ":smile:", "[/oops"]
+    path = fmt.write_dump(tmp_path / "1.rld", 1, [hostile_dumps.good_sample()],
+                          config_facts={f"k{i}{s}": s for i, s in enumerate(strings)})
+    done = subprocess.run([sys.executable, "-m", "replay.tools", "show", str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for i, text in enumerate(strings):
+        assert f"config.k{i}{text}" in done.stdout and f"│ {text}" in done.stdout, text

@@ -8,6 +8,7 @@ with the same data order and losses. Runs are kept short: CI has 2 cores.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -110,19 +111,22 @@ async def test_resume_continues_with_the_same_data_order_and_losses(generated_ru
     checkpoint = generated_run / "ckpt" / "rollout_5"
     assert checkpoint.is_dir(), sorted(p.name for p in (generated_run / "ckpt").iterdir())
     run_dir = tmp_path / "resumed"
+    # the same run directory as the run that crashed: its metrics.jsonl holds steps 0..11 already
+    run_dir.mkdir()
+    shutil.copy(generated_run / "metrics.jsonl", run_dir / "metrics.jsonl")
     config = config_for(tiny_model_dir, run_dir, "--rollout-num-engines", "2", "--num-rollout", "8",
                         "--load", str(checkpoint),
                         "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld"))
     summary = await run_training(config)
     assert summary["rollouts"] == 2  # rollouts 6 and 7
     rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [6, 7]
+    assert [row["step"] for row in rows] == list(range(8)), "each step once: the resumed ones replaced"
     for rollout_id in (6, 7):
         original = read_dump(dump_path(str(generated_run / "dumps" / "{rollout_id}.rld"), rollout_id)).samples
         resumed = read_dump(dump_path(str(run_dir / "dumps" / "{rollout_id}.rld"), rollout_id)).samples
         assert [s.metadata["prompt_index"] for s in resumed] == [s.metadata["prompt_index"] for s in original]
         assert [s.tokens for s in resumed] == [s.tokens for s in original]
-    assert losses(run_dir) == pytest.approx(losses(generated_run)[6:8], abs=1e-6)
+    assert losses(run_dir)[6:] == pytest.approx(losses(generated_run)[6:8], abs=1e-6)
 
 
 async def test_distributed_sync_gives_engines_the_exact_weights(tiny_model_dir: Path, tmp_path: Path) -> None:

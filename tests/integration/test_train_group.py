@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +84,9 @@ async def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
                 record.metrics.append(await group.train(rollout_id, as_samples(raw)))
                 record.step_metrics.append(group.step_metrics)
                 if rollout_id == 0:
-                    record.checkpoint = await group.save(0, extra={"data_source": {"epoch": 0, "offset": 8}})
+                    extra = {"data_source": {"epoch": 0, "offset": 8}}
+                    await group.save(0, extra={"data_source": {"epoch": 0, "offset": 0}})
+                    record.checkpoint = await group.save(0, extra=extra)  # a re-save of the same rollout
                     record.export_after_0 = await group.export_weights(root / "weights", weight_version=1)
             record.export_after_2 = await group.export_weights(root / "weights", weight_version=3)
             record.manifest = await group.weight_manifest()
@@ -138,11 +141,17 @@ async def test_exported_snapshot_loads_and_equals_single_process_training(
 
 
 async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fails_the_call(
-    first_run: FirstRun, tiny_model_dir: Path, tmp_path: Path
+    first_run: FirstRun, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from safetensors.torch import load_file
 
     assert first_run.checkpoint is not None and first_run.export_after_2 is not None
+    save_dir = first_run.checkpoint.parent
+    assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "rollout_0"]  # the re-save left nothing
+    # `latest` broken (it names a checkpoint that is gone): the load falls back to rollout_0, saying so
+    broken = tmp_path / "broken"
+    shutil.copytree(save_dir, broken)
+    (broken / "latest").write_text('"rollout_2"')
     assert all(gone(pid) for pid in first_run.pids), "the first group left processes behind"
     pids: list[int] = []
     with anyio.fail_after(240):
@@ -150,8 +159,10 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
             pids = [info.pid for info in group.ranks.values()] + [group.torchrun_pid or 0]
             await group.init(config_for(tiny_model_dir, tmp_path / "ckpt"))
-            info = await group.load_checkpoint(first_run.checkpoint.parent)  # the save dir: follows `latest`
+            info = await group.load_checkpoint(broken)
             assert info.rollout_id == 0 and info.extra == {"data_source": {"epoch": 0, "offset": 8}}
+            assert info.path == broken / "rollout_0" and "names rollout_2" in info.warning
+            assert f"checkpoint: {info.warning}" in caplog.text
             for rollout_id in (1, 2):
                 metrics = await group.train(rollout_id, as_samples(first_run.rollouts[rollout_id]))
                 for key in ("loss", "pg_loss", "grad_norm", "kl", "entropy", "lr"):

@@ -195,3 +195,13 @@ def test_each_named_rule_fires_on_its_contradiction(rule: str) -> None:
     else:
         with pytest.raises(ConfigError, match=re.escape(expected)):
             parse_config([*argv, *flags])
+
+
+def test_eval_allow_partial_fleet_reaches_the_eval_settings() -> None:
+    from coordinator.eval_settings import EvalSettings
+
+    flags = ["--rollout-num-engines", "1", "--eval-num-engines", "2", "--eval-interval", "1", "--eval-prompt-data", "d", "builtin:first_digit"]
+    for extra, expected in (([], False), (["--eval-allow-partial-fleet"], True)):
+        config = parse_config([*BASE, *flags, *extra])
+        settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
+        assert settings.allow_partial_fleet is expected

@@ -15,11 +15,13 @@ import threading
 from collections.abc import Callable
 
 import anyio
+import msgpack
 import pytest
 import torch
 
 from coordinator.train.errors import RankCommandError, RankFailure
 from coordinator.train.group import TrainGroup
+from tests.support.memory import PeakMemory
 from workers import protocol
 
 
@@ -210,7 +212,8 @@ async def test_frame_over_the_limit_is_refused_by_the_receiver(tmp_path) -> None
         def send_huge_header() -> str:
             host, port = protocol.split_address(group.address or "")
             with socket.create_connection((host, port), timeout=10) as sock:
-                # Announce 1 MiB; the coordinator must refuse after the header, without reading a body.
+                # Announce 1 MiB before any Hello; the coordinator must refuse after the header, without
+                # reading a body, whatever its post-handshake limit.
                 sock.sendall(struct.pack(">I", 1 << 20))
                 channel = protocol.RankChannel(sock)
                 reply = channel.receive()
@@ -218,8 +221,19 @@ async def test_frame_over_the_limit_is_refused_by_the_receiver(tmp_path) -> None
                 return reply.message
 
         message = await anyio.to_thread.run_sync(send_huge_header)
-        assert "1048576 bytes" in message and "limit of 4096 bytes" in message
-        assert any("limit of 4096" in reason for reason in group.refusals)
+        assert "1048576 bytes" in message and f"a Hello is at most {protocol.MAX_HELLO_BYTES} bytes" in message
+        assert any("a Hello is at most" in reason for reason in group.refusals)
+
+        # Once welcomed, the group's own limit applies: a rank announcing 1 MiB fails the call, naming it.
+        channel = await anyio.to_thread.run_sync(protocol.RankChannel.connect, group.address, hello(group.token))
+
+        def answer_too_much(request: protocol.Request) -> None:
+            channel.sock.sendall(struct.pack(">I", 1 << 20))
+
+        thread = serve_in_thread(channel, answer_too_much)
+        with anyio.fail_after(10), pytest.raises(RankFailure, match="over the control-channel limit of 4096 bytes"):
+            await group.weight_manifest()
+        await anyio.to_thread.run_sync(thread.join, 10)
         tg.cancel_scope.cancel()
 
 
@@ -333,3 +347,96 @@ async def test_a_reconnected_rank_makes_the_group_usable_again(tmp_path) -> None
         await group.shutdown()
         for thread in (thread0, thread1):
             await anyio.to_thread.run_sync(thread.join, 10)
+
+
+# ------------------------------------------------------------------------------ before authentication
+
+
+def hostile_hellos() -> dict[str, bytes]:
+    """Frames a peer without the token might send first (each with its 4-byte header)."""
+
+    def framed(body: bytes) -> bytes:
+        return protocol.HEADER.pack(len(body)) + body
+
+    fields = {"kind": "hello", "protocol_version": protocol.PROTOCOL_VERSION, "token": "guess", "rank": 0,
+              "world_size": 1, "local_rank": 0, "pid": 1, "restart_count": 0}  # fmt: skip
+    # 0.9 MB: a tensor whose shape is 100,000 dimensions of 2**64 - 1 (was: 34.5 s of bigint products)
+    huge_shape = msgpack.ExtType(protocol.TENSOR_EXT, msgpack.packb(["float32", [2**64 - 1] * 100_000, b""]))
+    count = 8 * 1024 * 1024  # 8 MiB of empty arrays (was: ~600 MiB decoded before the token check)
+    return {
+        "tensor shape": framed(msgpack.packb({**fields, "token": huge_shape})),
+        "empty arrays": framed(b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count),
+        "small tensor": framed(msgpack.packb({**fields, "token": msgpack.ExtType(protocol.TENSOR_EXT, b"")})),
+        "huge rank": framed(msgpack.packb({**fields, "rank": 2**64 - 1})),
+        "bool rank": framed(msgpack.packb({**fields, "rank": True})),
+        "extra field": framed(msgpack.packb({**fields, "config": {"a": [1, 2]}})),
+        "token list": framed(msgpack.packb({**fields, "token": ["guess"]})),
+        "not a map": framed(msgpack.packb([fields])),
+        "request": framed(msgpack.packb({"kind": "request", "request_id": 1})),
+    }
+
+
+def test_decode_hello_accepts_a_hello_and_refuses_every_other_shape() -> None:
+    real = protocol.frame(protocol.encode_message(hello("t", rank=3, world_size=4)))
+    assert protocol.decode_hello(real[4:]) == hello("t", rank=3, world_size=4)
+    for name, data in hostile_hellos().items():
+        with pytest.raises(protocol.ProtocolError):
+            protocol.decode_hello(data[4:])
+            pytest.fail(f"the {name!r} Hello was accepted")
+
+
+async def test_a_peer_without_the_token_cannot_stall_or_inflate_the_coordinator(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Hostile first frames arrive while a welcomed rank answers calls: every call still answers within a
+    second, the coordinator's peak memory barely moves, and each peer is refused and logged by address."""
+    frames = hostile_hellos()
+    caplog.set_level("WARNING", logger="coordinator.train.channel")
+    async with anyio.create_task_group() as tg:
+        group = await start_listener(tg, run_dir=tmp_path)
+        channel = await anyio.to_thread.run_sync(protocol.RankChannel.connect, group.address, hello(group.token))
+        thread = serve_in_thread(channel, lambda r: protocol.Response(r.request_id, True, {"manifest": []}))
+        await group.ready.wait()
+        host, port = protocol.split_address(group.address or "")
+        peers: list[str] = []
+        replies: list[protocol.Message | None] = []
+
+        def attack(data: bytes) -> None:
+            with socket.create_connection((host, port), timeout=30) as sock:
+                local_host, local_port = sock.getsockname()[:2]
+                peers.append(f"{local_host}:{local_port}")
+                try:
+                    sock.sendall(data)
+                    replies.append(protocol.RankChannel(sock).receive())
+                except OSError:  # refused after the header: the rest of the frame meets a closed socket
+                    replies.append(None)
+
+        latencies: list[float] = []
+        memory = PeakMemory()
+        async with anyio.create_task_group() as attackers:
+            for data in frames.values():
+                attackers.start_soon(anyio.to_thread.run_sync, attack, data)
+            while len(replies) < len(frames) or len(latencies) < 20:
+                started = anyio.current_time()
+                with anyio.fail_after(30):
+                    assert await group.weight_manifest() == []
+                latencies.append(anyio.current_time() - started)
+                await anyio.sleep(0.01)
+        growth = memory.growth_mib
+        assert max(latencies) < 1.0, sorted(latencies)[-5:]
+        assert growth < 32, f"the coordinator's peak memory rose {growth:.0f} MiB"
+        assert len(group.refusals) == len(frames), group.refusals
+        assert all(isinstance(reply, protocol.ErrorMessage | None) for reply in replies)
+        for peer in peers:
+            assert f"refused a connection from {peer}: " in caplog.text, peer
+        assert sorted(group.ranks) == [0]  # the welcomed rank was never disturbed
+        await group.shutdown()
+        await anyio.to_thread.run_sync(thread.join, 10)
+
+
+def test_a_tensor_shape_is_checked_before_any_arithmetic_on_it() -> None:
+    # after the handshake too: 100,000 dimensions of 2**64 - 1 used to cost seconds of bigint products
+    for shape in ([2**64 - 1] * 100_000, [protocol.MAX_TENSOR_DIM + 1], [-1], ["2"], [1] * 65):
+        tensor = msgpack.ExtType(protocol.TENSOR_EXT, msgpack.packb(["float32", shape, b""]))
+        with pytest.raises(protocol.ProtocolError, match="the shape must be at most 64 sizes"):
+            protocol.unpack(msgpack.packb({"t": tensor}))

@@ -2,19 +2,33 @@
 
 Layout: `<save_dir>/rollout_<id>/` holds the DCP shards, `scheduler.json`, `extra.json` (rollout id and
 whatever the coordinator passes, e.g. the data-source position) and one `rng_rank<r>.json` per rank;
-`<save_dir>/latest` names the newest complete checkpoint.
+`<save_dir>/latest` names the newest complete checkpoint. `extra.json` is written last, by rank 0 after a
+barrier: a directory holding it and DCP's `.metadata` is complete.
 
-Invariant: a checkpoint directory named `rollout_<id>` is always complete. Every rank writes into
-`tmp-<id>`; only after a barrier does rank 0 rename it and then replace `latest` atomically, so a crash at
-any point leaves the previous checkpoint and pointer intact. No pickle is read here except DCP's own
-metadata, which this process wrote.
+Invariants:
+- A directory named `rollout_<id>` is always complete, and from the first save on, `latest` names a
+  complete checkpoint at every instant. Every rank writes into `tmp-<id>`; after a barrier rank 0 publishes
+  it (`publish_steps`). A first save of `<id>` renames it to `rollout_<id>`, then replaces `latest`. A re-save
+  of an `<id>` cannot rename over the old directory, so it goes in steps that each keep `latest` on a
+  complete directory: `latest` → `tmp-<id>`; the old `rollout_<id>` moves aside to `old-<id>`; a hard-linked
+  copy of `tmp-<id>` is renamed to `rollout_<id>`; `latest` → `rollout_<id>`; `tmp-<id>` and `old-<id>` go.
+  Every rename and every write of `latest` is atomic, so a crash between any two steps leaves `latest` on a
+  complete checkpoint of the newest saved rollout, and the next save first finishes that publish (`_settle`).
+- `resolve_checkpoint` follows `latest`; when `latest` is missing, unreadable or names no complete
+  checkpoint (a save dir written by an older rayless that crashed mid-save, a hand-edited one), it falls
+  back to the newest complete checkpoint of the save dir with a warning — on the rank, and in the answer
+  to the coordinator (`LoadedCheckpoint.warning`) — instead of failing.
+No pickle is read here except DCP's own metadata, which this process wrote.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +39,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 LATEST = "latest"
+#: rank 0's last file of a save, and DCP's own index: both present = complete
+COMPLETE_MARKERS = ("extra.json", ".metadata")
+_CHECKPOINT_NAME = re.compile(r"(rollout_|tmp-)(\d+)")
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -36,6 +55,8 @@ class LoadedCheckpoint:
     rollout_id: int
     extra: dict[str, Any]
     path: Path
+    #: why `latest` was not followed (an older complete checkpoint was loaded instead); "" when it was
+    warning: str = ""
 
 
 def _barrier() -> None:
@@ -66,6 +87,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
+# ----------------------------------------------------------------------------------------------- saving
+
+
 def save_checkpoint(
     save_dir: str | Path,
     rollout_id: int,
@@ -77,13 +101,26 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it with the same arguments. Returns the final directory."""
     save_dir = Path(save_dir)
+    write_tmp(save_dir, rollout_id, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra)
+    if _rank() == 0:
+        for step in publish_steps(save_dir, rollout_id):
+            step()
+    _barrier()
+    return save_dir / f"rollout_{rollout_id}"
+
+
+def write_tmp(
+    save_dir: Path, rollout_id: int, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
+    extra: dict[str, Any],
+) -> Path:
+    """Collective: the complete checkpoint in `tmp-<id>`, not yet published (rank 0 publishes it)."""
     rank = _rank()
     tmp = save_dir / f"tmp-{rollout_id}"
-    final = save_dir / f"rollout_{rollout_id}"
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        # An interrupted publish first: `latest` may name the tmp directory this save is about to reuse.
+        _settle(save_dir)
+        prepare_tmp(save_dir, rollout_id)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
@@ -91,34 +128,145 @@ def save_checkpoint(
     _barrier()
     if rank == 0:
         _write_json(tmp / "scheduler.json", scheduler.state_dict())
-        _write_json(tmp / "extra.json", {"rollout_id": rollout_id, "extra": extra})
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _write_json(save_dir / LATEST, final.name)
-    _barrier()
-    return final
+        _write_json(tmp / "extra.json", {"rollout_id": rollout_id, "extra": extra})  # last: now complete
+    return tmp
+
+
+def prepare_tmp(save_dir: Path, rollout_id: int) -> Path:
+    """Rank 0: an empty `tmp-<id>` for the ranks to write into."""
+    tmp = save_dir / f"tmp-{rollout_id}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def publish_steps(save_dir: Path, rollout_id: int) -> list[Callable[[], None]]:
+    """Rank 0's steps that make the complete `tmp-<id>` the checkpoint `latest` names, in order. Each is
+    atomic or touches only what `latest` does not name, so stopping after any of them leaves `latest` on a
+    complete checkpoint (the module's invariant; tests stop after each one)."""
+    tmp = save_dir / f"tmp-{rollout_id}"
+    final = save_dir / f"rollout_{rollout_id}"
+    old = save_dir / f"old-{rollout_id}"
+    staging = save_dir / f"staging-{rollout_id}"
+    if not final.exists():
+        return [lambda: os.rename(tmp, final), lambda: _point_latest(save_dir, final)]
+
+    def move_old_aside() -> None:
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+
+    def link_new_into_place() -> None:
+        # a copy, not a rename: `latest` names tmp until the next step
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(tmp, staging, copy_function=_link_or_copy)
+        os.rename(staging, final)
+
+    def remove_the_rest() -> None:
+        shutil.rmtree(tmp)
+        shutil.rmtree(old, ignore_errors=True)
+
+    return [
+        lambda: _point_latest(save_dir, tmp),
+        move_old_aside,
+        link_new_into_place,
+        lambda: _point_latest(save_dir, final),
+        remove_the_rest,
+    ]
+
+
+def _point_latest(save_dir: Path, target: Path) -> None:
+    _write_json(save_dir / LATEST, target.name)
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, destination)
+
+
+def _settle(save_dir: Path) -> None:
+    """Rank 0, before a save: finish a publish a crash interrupted, then drop the publish's leftovers."""
+    named = _latest_name(save_dir)
+    match = _CHECKPOINT_NAME.fullmatch(named or "")
+    if named is not None and match is not None and match.group(1) == "tmp-" and is_complete(save_dir / named):
+        rollout_id = int(match.group(2))
+        log.warning("finishing the interrupted save of rollout %d (%s names %s)", rollout_id, LATEST, named)
+        for step in publish_steps(save_dir, rollout_id):
+            step()
+    leftovers = [*save_dir.glob("old-*"), *save_dir.glob("staging-*")]
+    named = _latest_name(save_dir)
+    if named is not None and is_complete(save_dir / named):
+        # saves a crash abandoned before publishing; kept while `latest` is broken (the fallback may need them)
+        leftovers += [tmp for tmp in save_dir.glob("tmp-*") if tmp.name != named]
+    for leftover in leftovers:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def is_complete(directory: Path) -> bool:
+    return directory.is_dir() and all((directory / marker).is_file() for marker in COMPLETE_MARKERS)
+
+
+def _latest_name(save_dir: Path) -> str | None:
+    """The directory name `latest` holds; None when it is missing, unreadable or not a plain name."""
+    try:
+        name = json.loads((save_dir / LATEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+        return None
+    return name
+
+
+def _newest_complete(save_dir: Path) -> Path | None:
+    """The complete checkpoint of the highest rollout id in `save_dir` (`rollout_<id>` before `tmp-<id>`)."""
+    found = []
+    for child in save_dir.iterdir() if save_dir.is_dir() else ():
+        match = _CHECKPOINT_NAME.fullmatch(child.name)
+        if match is not None and is_complete(child):
+            found.append((int(match.group(2)), match.group(1) == "rollout_", child))
+    return max(found)[2] if found else None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A save dir (follows `latest`) or a `rollout_<id>` dir → the complete checkpoint directory."""
-    path = Path(path)
+    return _resolve(Path(path))[0]
+
+
+def _resolve(path: Path) -> tuple[Path, str]:
+    """(checkpoint directory, warning): the warning says why `latest` was not followed, when it was not."""
     if (path / "extra.json").is_file():
-        return path
+        return path, ""
     pointer = path / LATEST
-    if pointer.is_file():
-        target = path / json.loads(pointer.read_text())
-        if (target / "extra.json").is_file():
-            return target
-        raise CheckpointError(f"{pointer} names {target.name}, which is not a complete checkpoint")
-    raise CheckpointError(f"{path} is neither a checkpoint directory nor a save dir with a '{LATEST}' file")
+    named = _latest_name(path)
+    if named is not None and is_complete(path / named):
+        return path / named, ""
+    newest = _newest_complete(path)
+    if newest is None:
+        if pointer.exists():
+            raise CheckpointError(
+                f"{pointer} names {named!r}, which is not a complete checkpoint, and {path} holds no other"
+            )
+        raise CheckpointError(f"{path} is neither a checkpoint directory nor a save dir with a '{LATEST}' file")
+    if not pointer.exists():
+        why = f"{pointer} is missing"
+    elif named is None:
+        why = f"{pointer} is unreadable"
+    else:
+        why = f"{pointer} names {named}, which is not a complete checkpoint"
+    warning = f"{why}; loaded the newest complete checkpoint instead: {newest}"
+    log.warning("%s", warning)
+    return newest, warning
 
 
 def load_checkpoint(
     path: str | Path, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> LoadedCheckpoint:
     """Collective: restores model, optimizer, scheduler and this rank's RNG; returns the rollout id."""
-    directory = resolve_checkpoint(path)
+    directory, warning = _resolve(Path(path))
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(directory))
@@ -130,5 +278,5 @@ def load_checkpoint(
     meta = json.loads((directory / "extra.json").read_text())
     _barrier()
     return LoadedCheckpoint(
-        rollout_id=int(meta["rollout_id"]), extra=dict(meta.get("extra") or {}), path=directory
+        rollout_id=int(meta["rollout_id"]), extra=dict(meta.get("extra") or {}), path=directory, warning=warning
     )

@@ -165,7 +165,8 @@ class Trainer:
         loaded = checkpoint.load_checkpoint(
             command.path, model=model, optimizer=optimizer, scheduler=self.scheduler
         )
-        return {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "path": str(loaded.path)}
+        return {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "path": str(loaded.path),
+                "warning": loaded.warning}
 
     def export_weights(self, command: protocol.ExportWeightsCommand) -> dict[str, Any]:
         settings, model, _ = self._require()
