@@ -4,6 +4,9 @@ Layout: `<save_dir>/rollout_<id>/` holds the DCP shards, `scheduler.json`, `extr
 whatever the coordinator passes, e.g. the data-source position) and one `rng_rank<r>.json` per rank;
 `<save_dir>/latest` names the newest complete checkpoint.
 
+With a retain interval N (`--save-retain-interval`, Megatron's rule), saving a checkpoint deletes the one
+`latest` named before unless its rollout id is a multiple of N.
+
 Invariant: a checkpoint directory named `rollout_<id>` is always complete. Every rank writes into
 `tmp-<id>`; only after a barrier does rank 0 rename it and then replace `latest` atomically, so a crash at
 any point leaves the previous checkpoint and pointer intact. No pickle is read here except DCP's own
@@ -74,6 +77,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     extra: dict[str, Any],
+    retain_interval: int | None = None,
 ) -> Path:
     """Collective: every rank calls it with the same arguments. Returns the final directory."""
     save_dir = Path(save_dir)
@@ -92,12 +96,55 @@ def save_checkpoint(
     if rank == 0:
         _write_json(tmp / "scheduler.json", scheduler.state_dict())
         _write_json(tmp / "extra.json", {"rollout_id": rollout_id, "extra": extra})
+        previous = _latest_name(save_dir)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
         _write_json(save_dir / LATEST, final.name)
+        if retain_interval is not None and previous is not None and previous != final.name:
+            _prune(save_dir / previous, retain_interval)
     _barrier()
     return final
+
+
+def _latest_name(save_dir: Path) -> str | None:
+    pointer = save_dir / LATEST
+    try:
+        name = json.loads(pointer.read_text())
+    except (OSError, ValueError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _prune(directory: Path, retain_interval: int) -> None:
+    """Delete a superseded checkpoint unless its rollout id is a multiple of `retain_interval`."""
+    prefix = "rollout_"
+    if not directory.name.startswith(prefix) or directory.is_symlink():
+        return
+    try:
+        rollout_id = int(directory.name[len(prefix):])
+    except ValueError:
+        return
+    if rollout_id % retain_interval:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a rayless checkpoint: a `rollout_<id>` directory or a save dir with `latest`."""
+    try:
+        resolve_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def load_model_weights(path: str | Path, model: Any) -> Path:
+    """Load only the model weights of a rayless checkpoint into an unsharded `model` (the KL reference)."""
+    directory = resolve_checkpoint(path)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(directory))
+    model.load_state_dict(state["model"])
+    return directory
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
