@@ -150,7 +150,9 @@ def _field(name: str, kind: Any, category: str, choices: tuple[Any, ...] | None)
     if kind is bool:
         return name, bool, flag(False, help=help_text)
     metavar = "VALUE ..." if kind in (_T, tuple[float, ...]) else None
-    return name, kind | None, flag(None, help=help_text, choices=choices, secret=False, metavar=metavar)
+    # Megatron's sizes, rates and coefficients are never negative.
+    return name, kind | None, flag(None, help=help_text, choices=choices, secret=False, metavar=metavar,
+                                   minimum=0 if kind in (int, float, tuple[float, ...]) else None)
 
 
 def _build() -> type[Slice]:
