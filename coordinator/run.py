@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -109,7 +110,8 @@ async def run_training(config: Config, *, extra_hooks: Callable[[Services], list
     started = time.monotonic()
     run_dir = config.logging.resolved_run_dir
     metrics = MetricsLog(run_dir, tensorboard=config.logging.use_tensorboard, wandb=config.logging.use_wandb,
-                         wandb_key=config.logging.wandb_key)
+                         wandb_login=config.logging.wandb_login_kwargs(),
+                         wandb_init=config.logging.wandb_init_kwargs(suffix=secrets.token_hex(3)))
     progress = ProgressDisplay(enabled=not config.logging.no_progress)
     timings: dict[str, float] = {}
     try:

@@ -69,8 +69,8 @@ def test_equal_rewards_and_single_sample_groups_get_zero() -> None:
 def whitened(values: list[float], weights: list[int]) -> list[float]:
     """slime's distributed_masked_whiten written out: token-weighted mean and Bessel-corrected variance."""
     count = sum(weights)
-    mean = sum(w * v for w, v in zip(weights, values)) / count
-    variance = (sum(w * v * v for w, v in zip(weights, values)) / count - mean**2) * count / (count - 1)
+    mean = sum(w * v for w, v in zip(weights, values, strict=True)) / count
+    variance = (sum(w * v * v for w, v in zip(weights, values, strict=True)) / count - mean**2) * count / (count - 1)
     return [(v - mean) / math.sqrt(variance + 1e-8) for v in values]
 
 
@@ -82,13 +82,13 @@ def test_reinforce_plus_plus_baseline_is_group_centred_then_whitened_over_tokens
     # --normalize-advantages: a sample's value counts once per loss token (lengths 1, 3, 2, 1, 1 here).
     groups = make_groups([1.0, 0.0], [4.0, 0.0, 2.0])
     lengths = [1, 3, 2, 1, 1]
-    for sample, length in zip([s for g in groups for s in g], lengths):
+    for sample, length in zip([s for g in groups for s in g], lengths, strict=True):
         sample.tokens, sample.response_length = [1] * (length + 1), length
         sample.loss_mask, sample.rollout_log_probs = [1] * length, [0.0] * length
     compute_advantages(groups, estimator="reinforce_plus_plus_baseline", normalize_advantages=True)
     flat = [value for group in advantages(groups) for value in group]
     assert flat == pytest.approx(whitened(centred, lengths))
-    tokens = [v for v, n in zip(flat, lengths) for _ in range(n)]
+    tokens = [v for v, n in zip(flat, lengths, strict=True) for _ in range(n)]
     assert statistics.mean(tokens) == pytest.approx(0.0, abs=1e-9)
     assert statistics.stdev(tokens) == pytest.approx(1.0, rel=1e-6)
 

@@ -16,7 +16,7 @@ from workers import protocol
 from workers.train_rank import checkpoint, weight_export
 from workers.train_rank.batching import MicroBatch, make_micro_batches, token_entropy, token_log_probs
 from workers.train_rank.loss import LossConfig, policy_loss
-from workers.train_rank.model import load_causal_lm
+from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
 from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler, clip_gradients
 from workers.train_rank.parallel import apply_data_parallel
 from workers.train_rank.settings import TrainSettings
@@ -53,8 +53,7 @@ class Trainer:
             attn_implementation=settings.attn_implementation,
         )
         if settings.gradient_checkpointing:
-            # Non-reentrant: works whether or not the inputs require grad, on CPU and CUDA alike.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         if settings.needs_reference:
             self.reference = self._load_reference(settings, dtype)
         compute_dtype = getattr(torch, settings.compute_dtype) if settings.compute_dtype else None
