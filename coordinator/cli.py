@@ -59,8 +59,11 @@ def train_main(argv: Sequence[str]) -> int:
         except ConfigError as error:
             print(f"rayless train: error: {mask_text(str(error), secrets)}", file=sys.stderr)
             return 2
+    from coordinator.config.porting import PortingNotice
+
     for warning in caught:
-        print(f"rayless train: warning: {mask_text(str(warning.message), secrets)}", file=sys.stderr)
+        kind = "notice" if issubclass(warning.category, PortingNotice) else "warning"
+        print(f"rayless train: {kind}: {mask_text(str(warning.message), secrets)}", file=sys.stderr)
 
     from coordinator.run import run_training_sync
 

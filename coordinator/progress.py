@@ -72,7 +72,10 @@ class MetricsLog:
     memory for the end-of-run plot."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = False, wandb: bool = False,
-                 wandb_key: str | None = None) -> None:
+                 wandb_key: str | None = None, wandb_login: dict[str, Any] | None = None,
+                 wandb_init: dict[str, Any] | None = None) -> None:
+        """`wandb_login` / `wandb_init`: keyword arguments of `wandb.login` / `wandb.init` (the logging slice's
+        `wandb_login_kwargs` / `wandb_init_kwargs`: slime's project, team, group, run name, host, key)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._file: TextIO = self.path.open("a", encoding="utf-8")
@@ -87,9 +90,11 @@ class MetricsLog:
         if wandb:
             import wandb as wandb_module
 
-            if wandb_key:  # `--wandb-key`; otherwise wandb's own login (WANDB_API_KEY, ~/.netrc)
-                wandb_module.login(key=wandb_key)
-            self._wandb = wandb_module.init(dir=str(run_dir), config={"run_dir": str(run_dir)})
+            login = wandb_login if wandb_login is not None else ({"key": wandb_key} if wandb_key else None)
+            if login:  # `--wandb-key` / `--wandb-host`; otherwise wandb's own login (WANDB_API_KEY, ~/.netrc)
+                wandb_module.login(**login)
+            self._wandb = wandb_module.init(dir=str(run_dir), config={"run_dir": str(run_dir)},
+                                            **(wandb_init or {}))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}

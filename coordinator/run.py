@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -109,7 +110,8 @@ async def run_training(config: Config, *, extra_hooks: Callable[[Services], list
     started = time.monotonic()
     run_dir = config.logging.resolved_run_dir
     metrics = MetricsLog(run_dir, tensorboard=config.logging.use_tensorboard, wandb=config.logging.use_wandb,
-                         wandb_key=config.logging.wandb_key)
+                         wandb_login=config.logging.wandb_login_kwargs(),
+                         wandb_init=config.logging.wandb_init_kwargs(suffix=secrets.token_hex(3)))
     progress = ProgressDisplay(enabled=not config.logging.no_progress)
     timings: dict[str, float] = {}
     try:
@@ -187,11 +189,12 @@ async def _engine_starters(config: Config, run_dir: Path, task_group: TaskGroup,
     async def start_engines() -> None:
         await task_group.start(fleet.run)
         timings["engines_ready_s"] = time.monotonic() - t0
-        if sglang.use_sglang_router:
+        if sglang.use_sglang_router or sglang.router_address is not None:
             from coordinator.engines.router import RouterHandle
 
             router = services.router = RouterHandle(client=client, run_dir=run_dir,
-                                                    policy=sglang.sglang_router_policy)
+                                                    policy=sglang.sglang_router_policy,
+                                                    address=sglang.router_address)
             await task_group.start(router.run, [e.url for e in fleet.alive()])
 
     async def load_tokenizer() -> None:
@@ -228,8 +231,7 @@ def _rank_starter(config: Config, run_dir: Path, task_group: TaskGroup, services
         port=cluster.control_port,
         run_dir=run_dir,
     )
-    settings = config.train.rank_settings(model_path=str(config.rollout.hf_checkpoint),
-                                          save_dir=config.checkpoint.save)
+    settings = config.rank_settings()
 
     async def start_ranks() -> None:
         await task_group.start(group.run)
@@ -306,8 +308,11 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
 
 
 async def _resume(config: Config, services: Services, manager: Any, weight_sync: WeightSync | None) -> int:
-    """With `--load`: restore the ranks and the data order, push the restored weights; the first rollout id."""
-    load = config.checkpoint.load
+    """With `--load` of a checkpoint: restore the ranks and the data order, push the restored weights; the first
+    rollout id. A `--load` directory without a checkpoint yet starts fresh (slime's rule, `porting.resolve_load`)."""
+    from coordinator.config.porting import resolve_load
+
+    load = resolve_load(config).path
     if not load or services.train_group is None:
         return 0
     checkpoint = await services.train_group.load_checkpoint(Path(load))

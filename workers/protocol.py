@@ -284,6 +284,9 @@ class StepMetrics(Record):
     grad_norm: float
     lr: float
     step_time_s: float
+    # With --use-tis: the sum of the TIS weights over loss tokens, and the tokens whose weight was clamped.
+    tis_sum: float = 0.0
+    tis_clipped_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

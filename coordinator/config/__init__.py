@@ -1,4 +1,4 @@
-"""The run's configuration: slime/miles flag names, nine frozen slices, one frozen `Config`.
+"""The run's configuration: slime/miles flag names, ten frozen slices, one frozen `Config`.
 
 Reading a value: `config.<slice>.<flag name>` (`config.rollout.rollout_batch_size`); a derived fact:
 `config.replay_mode` (cross-slice) or `config.rollout.samples_per_rollout` (one slice). Components receive
@@ -6,9 +6,11 @@ their slice. Adding a flag: one `flag(...)` line in its slice (help, type, choic
 parser, the `--config` file keys, `--help`, the resolved `config.json` and the range checks follow from it.
 
 Modules: `fields` (flag declarations, the one value converter, the Slice base), one module per slice
-(`cluster`, `rollout`, `sglang`, `evaluation`, `fault_tolerance`, `debug`, `training`, `checkpoint`, `logs`),
+(`cluster`, `rollout`, `sglang`, `evaluation`, `fault_tolerance`, `debug`, `training`, `checkpoint`, `logs`,
+`megatron` — Megatron-LM flags of slime/miles scripts, accepted and not used, one table row per flag),
 `settings` (Config, derived facts), `rules` (named cross-slice rules), `parser` (command line and files),
-`unknown` (the unknown-flag report), `secrets` (masking), `preflight` (start-up checks on the machine).
+`unknown` (the unknown-flag report), `secrets` (masking), `porting` (slime/miles hook aliases, `--load` /
+`--ref-load` on disk, the grouped notice), `preflight` (start-up checks on the machine).
 Importing this package imports neither torch nor transformers.
 """
 

@@ -252,7 +252,7 @@ def check_value(spec: FlagSpec, value: Any, where: str) -> Any:
 # Slices
 # ----------------------------------------------------------------------------------------------------------
 class Slice:
-    """Base of the nine frozen slice dataclasses: their flags, a title for `--help`, and their own rules."""
+    """Base of the frozen slice dataclasses: their flags, a title for `--help`, and their own rules."""
 
     TITLE: ClassVar[str]
     DESCRIPTION: ClassVar[str]

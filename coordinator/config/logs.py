@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from coordinator.config.fields import Slice, flag
 
@@ -24,8 +25,36 @@ class LoggingConfig(Slice):
     use_tensorboard: bool = flag(False, help="also write TensorBoard events (when installed)")
     use_wandb: bool = flag(False, help="also log to wandb (when installed)")
     wandb_key: str | None = flag(None, help="wandb API key (default: wandb's own login)", secret=True, metavar="KEY")
+    wandb_host: str | None = flag(None, help="wandb server URL (wandb.login host)", metavar="URL")
+    wandb_project: str | None = flag(None, help="wandb project")
+    wandb_team: str | None = flag(None, help="wandb entity (team)")
+    wandb_group: str | None = flag(None, help="wandb group; also the run name, with a random suffix unless "
+                                   "--disable-wandb-random-suffix")
+    disable_wandb_random_suffix: bool = flag(False, help="wandb run name = --wandb-group, without a random suffix")
     no_progress: bool = flag(False, help="plain log lines instead of live progress")
     log_level: str = flag("INFO", help="logging level", choices=LOG_LEVELS)
+
+    def wandb_init_kwargs(self, *, suffix: str) -> dict[str, Any]:
+        """Keyword arguments of `wandb.init` (slime's: the run is named after the group, plus `suffix`
+        unless --disable-wandb-random-suffix)."""
+        kwargs: dict[str, Any] = {}
+        if self.wandb_project is not None:
+            kwargs["project"] = self.wandb_project
+        if self.wandb_team is not None:
+            kwargs["entity"] = self.wandb_team
+        if self.wandb_group is not None:
+            kwargs["group"] = self.wandb_group
+            kwargs["name"] = self.wandb_group if self.disable_wandb_random_suffix else f"{self.wandb_group}_{suffix}"
+        return kwargs
+
+    def wandb_login_kwargs(self) -> dict[str, Any] | None:
+        """Keyword arguments of `wandb.login`, or None to use wandb's own login (WANDB_API_KEY, ~/.netrc)."""
+        if self.wandb_key is None and self.wandb_host is None:
+            return None
+        kwargs: dict[str, Any] = {"key": self.wandb_key}
+        if self.wandb_host is not None:
+            kwargs["host"] = self.wandb_host
+        return kwargs
 
     @property
     def resolved_run_dir(self) -> Path:

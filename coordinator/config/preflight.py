@@ -1,23 +1,35 @@
 """Start-up checks against the machine: files that must exist, hooks that must import, backends installed.
 
 Owns `preflight(config)`, run by `rayless train` after the flags parse and before any process is launched or
-port opened. Invariant: every failure is a `ConfigError` naming the flag (exit status 2). Hooks are resolved
+port opened; it ends by warning the grouped `PortingNotice` about flags from slime/miles scripts. Invariant: every failure is a `ConfigError` naming the flag (exit status 2). Hooks are resolved
 here (their modules imported, the attribute found and callable), not when the rollout manager is built after
 engines and ranks started. Only what the run's mode uses is checked.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from coordinator.config.fields import ConfigError
+from coordinator.config.porting import LoadPlan, PortingNotice, porting_notice, resolve_load, resolve_ref_load
 from coordinator.config.settings import Config
 
 
 def preflight(config: Config) -> None:
     check_paths(config)
+    load = check_checkpoints(config)
     check_hooks(config)
     check_metric_backends(config)
+    notice = porting_notice(config, load=load)
+    if notice is not None:
+        warnings.warn(notice, PortingNotice, stacklevel=2)
+
+
+def check_checkpoints(config: Config) -> LoadPlan:
+    """What `--load` and `--ref-load` hold (slime's rules; a Megatron checkpoint is refused with what to pass)."""
+    resolve_ref_load(config)
+    return resolve_load(config)
 
 
 def check_paths(config: Config) -> None:
@@ -33,9 +45,6 @@ def check_paths(config: Config) -> None:
     for name, path in config.eval.eval_datasets:
         if not path.startswith("builtin:") and not Path(path).is_file():
             raise ConfigError(f"--eval-prompt-data {name} {path}: no such file")
-    load = config.checkpoint.load
-    if load and not Path(load).exists():
-        raise ConfigError(f"--load {load}: no such checkpoint directory")
 
 
 def hooks_in_use(config: Config) -> list[tuple[str, str]]:

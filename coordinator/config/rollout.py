@@ -24,9 +24,9 @@ def _rm_types() -> list[str]:
 
 
 def _estimators() -> tuple[str, ...]:
-    from coordinator.rollout.advantages import ESTIMATORS
+    from coordinator.rollout.advantages import ESTIMATORS, UNSUPPORTED_ESTIMATORS
 
-    return ESTIMATORS
+    return ESTIMATORS + tuple(UNSUPPORTED_ESTIMATORS)
 
 
 @dataclass(frozen=True)
@@ -68,17 +68,28 @@ class RolloutConfig(Slice):
     reward_key: str | None = flag(None, help="key of a dict reward used for advantages", secret=False)
     group_rm: bool = flag(False, help="the custom reward scores a whole group at once")
     advantage_estimator: str = flag("grpo", help="advantage estimator", choices=_estimators)
+    normalize_advantages: bool = flag(False, help="whiten advantages over every loss token of the rollout "
+                                      "(mean 0, std 1), as slime; required by reinforce_plus_plus(_baseline)")
     disable_grpo_std_normalization: bool = flag(False, help="GRPO advantages without dividing by the group std")
     dynamic_sampling_filter_path: str | None = flag(
         None, help="group filter module.path:fn, e.g. coordinator.rollout.filters:reward_std_positive",
         parse=values.hook_path, metavar="MODULE:NAME")
     partial_rollout: bool = flag(False, help="keep aborted stragglers' partial tokens for the next rollout")
     async_rollout: bool = flag(False, help="generate rollout k+1 while step k trains (one step off-policy)")
+    fully_async: bool = flag(False, help="miles' name for --async-rollout")
     max_weight_staleness: int = flag(1, help="max weight versions a trained sample may lag", minimum=0)
 
     def check(self) -> None:
         if self.hf_checkpoint is None:
             raise ConfigError("--hf-checkpoint is required (a local Hugging Face model directory)")
+        from coordinator.rollout.advantages import UNSUPPORTED_ESTIMATORS
+
+        if self.advantage_estimator in UNSUPPORTED_ESTIMATORS:
+            raise ConfigError(f"--advantage-estimator {self.advantage_estimator}: not supported: "
+                              f"{UNSUPPORTED_ESTIMATORS[self.advantage_estimator]}")
+        if self.advantage_estimator.startswith("reinforce_plus_plus") and not self.normalize_advantages:
+            raise ConfigError(f"--advantage-estimator {self.advantage_estimator} needs --normalize-advantages "
+                              "(as slime: its advantages are whitened over the rollout's tokens)")
         if self.rm_type is not None and self.custom_rm_path is not None:
             raise ConfigError("--rm-type and --custom-rm-path both choose the reward: give one")
         if self.group_rm and self.custom_rm_path is None:

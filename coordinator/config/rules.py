@@ -109,6 +109,27 @@ def global_batch_splits_over_ranks(config: Config) -> None:
         )
 
 
+def steps_per_rollout_agree(config: Config) -> None:
+    """slime: --num-steps-per-rollout N sets --global-batch-size to the rollout's samples / N; both must agree."""
+    steps, samples = config.train.num_steps_per_rollout, config.rollout.samples_per_rollout
+    if config.replay_mode or steps is None or not samples:
+        return
+    if samples % steps:
+        raise ConfigError(f"--num-steps-per-rollout {steps} does not divide --rollout-batch-size × "
+                          f"--n-samples-per-prompt = {samples}")
+    gbs = config.train.global_batch_size
+    if gbs is not None and gbs != samples // steps:
+        raise ConfigError(f"--global-batch-size {gbs} and --num-steps-per-rollout {steps} disagree: {steps} "
+                          f"steps of {samples} samples make a global batch of {samples // steps}")
+
+
+def kl_reward_shaping_is_supported(config: Config) -> None:
+    estimator = config.rollout.advantage_estimator
+    if config.train.kl_coef and estimator.startswith("reinforce_plus_plus"):
+        raise ConfigError(f"--kl-coef (reward shaping) with --advantage-estimator {estimator} needs per-token "
+                          "rewards, which rayless does not have yet: use --use-kl-loss --kl-loss-coef instead")
+
+
 def eval_fleet_needs_schedule(config: Config) -> None:
     if config.eval_fleet_enabled and (config.eval.eval_interval is None or not config.eval.eval_prompt_data):
         raise ConfigError("an eval fleet (--eval-num-engines/--eval-num-gpus) needs --eval-interval and "
@@ -135,7 +156,9 @@ RULES: tuple[Callable[[Config], None], ...] = (
     generation_needs_batch_size,
     default_rollout_needs_prompts,
     global_batch_divides_rollout,
+    steps_per_rollout_agree,
     global_batch_splits_over_ranks,
+    kl_reward_shaping_is_supported,
     eval_fleet_needs_schedule,
     async_rollout_needs_training,
 )

@@ -1,4 +1,4 @@
-"""`Config`: the nine slices composed, the facts derived across them, and the resolved config's JSON.
+"""`Config`: the slices composed, the facts derived across them, and the resolved config's JSON.
 
 Owns the list of slices (`SLICES`, in `--help` order), the flat index of every flag (`FLAGS`: flag names are
 unique across slices, so a flat slime/miles name finds its slice) and every *cross-slice* derived fact: the
@@ -24,6 +24,8 @@ from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
 from coordinator.config.fields import ConfigError, FlagSpec, Slice
 from coordinator.config.logs import LoggingConfig
+from coordinator.config.megatron import MegatronConfig
+from coordinator.config.porting import apply_hook_aliases
 from coordinator.config.rollout import RolloutConfig
 from coordinator.config.secrets import MASK, mask_argv
 from coordinator.config.sglang import SglangConfig
@@ -40,6 +42,7 @@ SLICES: tuple[tuple[str, type[Slice]], ...] = (
     ("train", TrainConfig),
     ("checkpoint", CheckpointConfig),
     ("logging", LoggingConfig),
+    ("megatron", MegatronConfig),
 )
 
 
@@ -68,10 +71,13 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # type: ignore[valid-type]
     #: `--config FILE`, when one supplied flags.
     config_file: str | None = None
     #: The flags the user gave (command line or file), by field name; rules use it to warn about no-ops.
     given: frozenset[str] = frozenset()
+    #: slime/miles built-in hook paths replaced by ours: (flag, their path, ours); see `porting.HOOK_ALIASES`.
+    hook_aliases: tuple[tuple[str, str, str], ...] = ()
 
     # --- the mode ---------------------------------------------------------------------------------------------
     @property
@@ -175,11 +181,34 @@ class Config:
 
     @property
     def effective_global_batch_size(self) -> int:
-        return self.train.global_batch_size or self.rollout.samples_per_rollout
+        """Samples per optimizer step: --global-batch-size, else the rollout's samples / --num-steps-per-rollout
+        (slime's rule), else the whole rollout."""
+        if self.train.global_batch_size:
+            return self.train.global_batch_size
+        if self.train.num_steps_per_rollout:
+            return max(self.rollout.samples_per_rollout // self.train.num_steps_per_rollout, 1)
+        return self.rollout.samples_per_rollout
+
+    @property
+    def total_train_steps(self) -> int | None:
+        """Optimizer steps of the whole run (the default span of the learning-rate decay), when known."""
+        if self.rollout.num_rollout is None or not self.rollout.samples_per_rollout:
+            return None
+        return self.rollout.num_rollout * self.train_steps_per_rollout
 
     @property
     def train_steps_per_rollout(self) -> int:
         return self.rollout.samples_per_rollout // self.effective_global_batch_size
+
+    def rank_settings(self) -> dict[str, Any]:
+        """The training ranks' settings: the train slice plus what other slices decide for them."""
+        from coordinator.config.porting import resolve_ref_load
+
+        return self.train.rank_settings(
+            model_path=str(self.rollout.hf_checkpoint), save_dir=self.checkpoint.save,
+            lr_decay_steps=self.total_train_steps, reference_path=resolve_ref_load(self),
+            save_retain_interval=self.checkpoint.save_retain_interval,
+            policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
 
     # --- validation and the resolved config ------------------------------------------------------------------
     def validate(self) -> None:
@@ -216,6 +245,8 @@ class Config:
 def build_config(values: dict[str, Any], *, config_file: str | None = None, given: frozenset[str] | None = None,
                  sglang_passthrough: tuple[str, ...] = ()) -> Config:
     """A Config from converted values by field name (each routed to its slice); not validated."""
+    given_names = frozenset(values) if given is None else given
+    values, hook_aliases = apply_hook_aliases(values)
     per_slice: dict[str, dict[str, Any]] = {attribute: {} for attribute, _ in SLICES}
     for name, value in values.items():
         attribute, _ = FLAGS[name]
@@ -223,8 +254,7 @@ def build_config(values: dict[str, Any], *, config_file: str | None = None, give
     if sglang_passthrough:
         per_slice["sglang"]["sglang_passthrough"] = tuple(sglang_passthrough)
     slices = {attribute: cls(**per_slice[attribute]) for attribute, cls in SLICES}
-    return Config(**slices, config_file=config_file,
-                  given=frozenset(values) if given is None else given)
+    return Config(**slices, config_file=config_file, given=given_names, hook_aliases=hook_aliases)
 
 
 

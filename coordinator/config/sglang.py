@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.config.fields import Slice, flag
+from coordinator.config import values
+from coordinator.config.fields import ConfigError, Slice, flag
 
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
-WEIGHT_TRANSFER_MODES = ("disk", "distributed")
+#: "broadcast" is miles' name for "distributed" (an NCCL/gloo broadcast group from rank 0 to the engines).
+WEIGHT_TRANSFER_MODES = ("disk", "distributed", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,10 @@ class SglangConfig(Slice):
 
     sglang_server_concurrency: int = flag(512, help="requests in flight per engine", minimum=1)
     use_sglang_router: bool = flag(False, help="route generate requests through sglang-router")
+    sglang_router_ip: str | None = flag(None, help="attach to a running sglang-router at this address (our engines "
+                                        "register with it; none is launched)", parse=values.host, metavar="HOST")
+    sglang_router_port: int | None = flag(None, help="port of the running sglang-router (with --sglang-router-ip)",
+                                          minimum=1, maximum=65535)
     sglang_router_policy: str = flag("cache_aware", help="sglang-router policy", choices=ROUTER_POLICIES)
     sglang_api_key: str | None = flag(None, help="API key of the engines (sent as Bearer; passed to launched "
                                       "engines)", secret=True, metavar="KEY")
@@ -30,3 +36,16 @@ class SglangConfig(Slice):
                                             choices=WEIGHT_TRANSFER_MODES)
     # Filled by the parser from unknown `--sglang-*` flags; not a flag itself.
     sglang_passthrough: tuple[str, ...] = field(default=())
+
+    def check(self) -> None:
+        if (self.sglang_router_ip is None) != (self.sglang_router_port is None):
+            raise ConfigError("--sglang-router-ip and --sglang-router-port name a running router together: give "
+                              "both")
+
+    @property
+    def router_address(self) -> str | None:
+        """HOST:PORT of a running router to attach to, or None."""
+        if self.sglang_router_ip is None:
+            return None
+        host = f"[{self.sglang_router_ip}]" if ":" in self.sglang_router_ip else self.sglang_router_ip
+        return f"{host}:{self.sglang_router_port}"

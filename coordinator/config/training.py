@@ -1,7 +1,11 @@
-"""The train slice: what the training ranks are told (optimizer, loss, batching, seed).
+"""The train slice: what the training ranks are told (optimizer, schedule, loss, batching, memory, seed).
 
 Owns these flags and `rank_settings`, the one mapping from them to the settings dict the ranks validate
-(`workers.train_rank.settings.TrainSettings`): the ranks never see the coordinator's Config.
+(`workers.train_rank.settings.TrainSettings`): the ranks never see the coordinator's Config. Flag names and
+meanings are slime's (Megatron's for the optimizer and schedule); the README's "Porting from slime / miles"
+lists where a default differs. Megatron flags with an equivalent here (`--micro-batch-size`,
+`--use-dynamic-batch-size`, `--bf16`/`--fp16`, `--recompute-*`, `--optimizer-cpu-offload`) are declared here
+too; the ones without one are in the `megatron` slice.
 """
 
 from __future__ import annotations
@@ -9,43 +13,146 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.config.fields import Slice, flag
+from coordinator.config.fields import ConfigError, Slice, flag
+
+KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
 class TrainConfig(Slice):
     TITLE = "training"
-    DESCRIPTION = "optimizer, loss and batching on the training ranks"
+    DESCRIPTION = "optimizer, schedule, loss and batching on the training ranks"
 
     seed: int = flag(1234, help="training seed", minimum=0)
-    lr: float = flag(1e-6, help="learning rate", minimum=0)
-    lr_warmup_iters: int = flag(0, help="linear warm-up steps", minimum=0)
+    # --- optimizer (Megatron's flags; torch AdamW = Megatron's adam with decoupled weight decay)
+    optimizer: str = flag("adam", help="optimizer: adam (torch AdamW, decoupled weight decay)", choices=("adam",))
+    lr: float = flag(1e-6, help="peak learning rate", minimum=0)
+    min_lr: float = flag(0.0, help="learning rate at the end of the decay", minimum=0)
+    lr_decay_style: str = flag("constant", help="learning-rate decay after warm-up (Megatron's formulas)",
+                               choices=LR_DECAY_STYLES)
+    lr_decay_iters: int | None = flag(None, help="optimizer steps the decay spans (default: every step of the "
+                                      "run, --num-rollout × steps per rollout)", minimum=1)
+    lr_warmup_iters: int = flag(0, help="linear warm-up steps from --lr-warmup-init", minimum=0)
+    lr_warmup_fraction: float | None = flag(None, help="warm-up as a fraction of the decay steps (instead of "
+                                            "--lr-warmup-iters)", minimum=0, maximum=1)
+    lr_warmup_init: float = flag(0.0, help="learning rate at the start of warm-up", minimum=0)
     weight_decay: float = flag(0.0, help="AdamW weight decay", minimum=0)
+    adam_beta1: float = flag(0.9, help="Adam beta1", minimum=0, maximum=1)
+    adam_beta2: float = flag(0.999, help="Adam beta2", minimum=0, maximum=1)
+    adam_eps: float = flag(1e-8, help="Adam epsilon", above=0)
     clip_grad: float = flag(1.0, help="gradient norm clip (0 = no clipping; the norm is still reported)", minimum=0)
-    eps_clip: float = flag(0.2, help="PPO ratio clip (low)", minimum=0)
-    eps_clip_high: float | None = flag(None, help="PPO ratio clip (high; default: --eps-clip)", minimum=0)
-    kl_coef: float = flag(0.0, help="KL penalty coefficient to the reference model", minimum=0)
-    use_kl_loss: bool = flag(False, help="add the KL to the reference as a loss term")
+    optimizer_cpu_offload: bool = flag(False, help="Megatron's CPU optimizer: accepted; the optimizer state stays "
+                                       "on the training device (not implemented yet)")
+    # --- policy loss
+    eps_clip: float = flag(0.2, help="PPO ratio clip: lower bound 1 - eps", minimum=0)
+    eps_clip_high: float | None = flag(None, help="PPO ratio clip: upper bound 1 + eps (default: --eps-clip)",
+                                       minimum=0)
+    use_kl_loss: bool = flag(False, help="load the reference model and add --kl-loss-coef × KL to the loss")
+    kl_loss_coef: float = flag(0.0, help="coefficient of the KL loss term (with --use-kl-loss)", minimum=0)
+    kl_loss_type: str = flag("k1", help="KL estimator: k1 = log r, k2 = (log r)²/2, k3 = exp(-log r) - 1 + log r, "
+                             "low_var_kl = k3 clamped to [-10, 10] (r = policy / reference)", choices=KL_LOSS_TYPES)
+    kl_coef: float = flag(0.0, help="reward-shaping KL coefficient, as slime: no effect on grpo/gspo "
+                          "advantages", minimum=0)
     entropy_coef: float = flag(0.0, help="entropy bonus coefficient", minimum=0)
-    max_tokens_per_gpu: int = flag(8192, help="token budget of one micro-batch", minimum=1)
+    use_rollout_logprobs: bool = flag(False, help="PPO ratio against the engine's logprobs instead of logprobs "
+                                      "recomputed by the trainer before the rollout's first step")
+    use_tis: bool = flag(False, help="truncated importance sampling: weight each token's loss by "
+                         "clamp(exp(train logprob - rollout logprob), --tis-clip-low, --tis-clip)")
+    tis_clip: float = flag(2.0, help="upper clamp of the TIS weight", minimum=0)
+    tis_clip_low: float = flag(0.0, help="lower clamp of the TIS weight", minimum=0)
+    # --- batching and memory
     global_batch_size: int | None = flag(None, help="samples per optimizer step (default: the whole rollout)",
                                          minimum=1)
+    num_steps_per_rollout: int | None = flag(None, help="optimizer steps per rollout (sets --global-batch-size "
+                                             "to the rollout's samples / this)", minimum=1)
+    balance_data: bool = flag(False, help="balance tokens across training ranks (always done here)")
+    use_dynamic_batch_size: bool = flag(False, help="micro-batches packed up to --max-tokens-per-gpu tokens "
+                                        "(the default here; --micro-batch-size is then ignored, as slime)")
+    max_tokens_per_gpu: int = flag(8192, help="token budget of one micro-batch", minimum=1)
+    micro_batch_size: int | None = flag(None, help="samples per micro-batch (without --use-dynamic-batch-size; "
+                                        "default: packing by --max-tokens-per-gpu)", minimum=1)
+    bf16: bool = flag(False, help="compute in bfloat16 (FSDP2 mixed precision on GPU; parameters and gradient "
+                      "reduction stay float32)")
+    fp16: bool = flag(False, help="compute in float16 (as --bf16)")
+    gradient_checkpointing: bool = flag(False, help="activation checkpointing of every decoder layer")
+    recompute_granularity: str | None = flag(None, help="Megatron's activation recompute: any value turns on "
+                                             "activation checkpointing of every decoder layer",
+                                             choices=("full", "selective"))
+    recompute_method: str | None = flag(None, help="Megatron's recompute method (with --recompute-granularity)",
+                                        choices=("uniform", "block"))
+    recompute_num_layers: int | None = flag(None, help="Megatron's layers per recompute unit (with "
+                                            "--recompute-granularity)", minimum=1)
 
-    def rank_settings(self, *, model_path: str, save_dir: str | None) -> dict[str, Any]:
-        """What the ranks need to know, and nothing else."""
+    def check(self) -> None:
+        if self.kl_coef and self.kl_loss_coef:
+            raise ConfigError("--kl-coef (reward shaping) and --kl-loss-coef (loss term) are both set: slime "
+                              "allows only one of them")
+        for name, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            if value >= 1:
+                raise ConfigError(f"{name}: must be < 1, got {value}")
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 both choose the compute dtype: give one")
+        if self.tis_clip_low > self.tis_clip:
+            raise ConfigError(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}")
+        if self.use_tis and self.use_rollout_logprobs:
+            raise ConfigError("--use-tis weights the loss by train/rollout logprob ratios; --use-rollout-logprobs "
+                              "uses the rollout logprobs as the train ones: slime allows only one of them")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: give one")
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.gradient_checkpointing or self.recompute_granularity is not None
+
+    @property
+    def compute_dtype(self) -> str | None:
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else None
+
+    def rank_settings(self, *, model_path: str, save_dir: str | None, lr_decay_steps: int | None = None,
+                      reference_path: str | None = None, save_retain_interval: int | None = None,
+                      policy_loss: str = "ppo") -> dict[str, Any]:
+        """What the ranks need to know, and nothing else.
+
+        lr_decay_steps: the optimizer steps of the whole run (the decay's default span); reference_path: where
+        the reference model comes from (`--ref-load`; default: `model_path`); policy_loss: "ppo" (per-token
+        ratio) or "gspo" (sequence ratio), from `--advantage-estimator`.
+        """
         return {
             "model_path": model_path,
+            "reference_path": reference_path,
             "seed": self.seed,
             "lr": self.lr,
+            "min_lr": self.min_lr,
+            "lr_decay_style": self.lr_decay_style,
+            "lr_decay_steps": self.lr_decay_iters or lr_decay_steps,
             "warmup_steps": self.lr_warmup_iters,
+            "warmup_fraction": self.lr_warmup_fraction,
+            "warmup_init_lr": self.lr_warmup_init,
             "weight_decay": self.weight_decay,
+            "adam_beta1": self.adam_beta1,
+            "adam_beta2": self.adam_beta2,
+            "adam_eps": self.adam_eps,
             "clip_grad": self.clip_grad,
             "eps_clip": self.eps_clip,
             "eps_clip_high": self.eps_clip_high if self.eps_clip_high is not None else self.eps_clip,
-            "kl_coef": self.kl_coef,
+            "policy_loss": policy_loss,
             "use_kl_loss": self.use_kl_loss,
+            "kl_loss_coef": self.kl_loss_coef,
+            "kl_loss_type": self.kl_loss_type,
             "entropy_coef": self.entropy_coef,
+            "use_rollout_logprobs": self.use_rollout_logprobs,
+            "use_tis": self.use_tis,
+            "tis_clip": self.tis_clip,
+            "tis_clip_low": self.tis_clip_low,
             "max_tokens_per_micro_batch": self.max_tokens_per_gpu,
+            "micro_batch_size": None if self.use_dynamic_batch_size else self.micro_batch_size,
+            "compute_dtype": self.compute_dtype,
+            "gradient_checkpointing": self.activation_checkpointing,
             "global_batch_size": self.global_batch_size,  # None: one optimizer step per rollout
+            "num_steps_per_rollout": self.num_steps_per_rollout if self.global_batch_size is None else None,
             "save_dir": save_dir,
+            "save_retain_interval": save_retain_interval,
         }

@@ -43,8 +43,8 @@ SLIME_FLAGS = frozenset({
     "--tis-clip", "--tis-clip-low", "--use-routing-replay", "--use-rollout-routing-replay", "--prefill-num-servers",
 })
 ORIGINS = (
-    ("Megatron-LM", "flags of slime/miles' Megatron trainer; rayless trains with FSDP2 and reads the "
-                    "architecture from --hf-checkpoint's config.json"),
+    ("Megatron-LM", "Megatron-LM flags rayless does not know; the ones slime/miles scripts use are accepted, "
+                    "see the Megatron-LM group of --help"),
     ("slime/miles", "slime/miles flags rayless does not support"),
     ("unknown", "not a flag of rayless, slime, miles or Megatron-LM"),
 )

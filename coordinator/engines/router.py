@@ -1,4 +1,5 @@
-"""`--use-sglang-router`: the sglang-router process in front of one engine group.
+"""`--use-sglang-router`: the sglang-router process in front of one engine group (or, with
+`--sglang-router-ip/-port`, a router already running that our engines join).
 
 Owns: the router child process (own process group, log file `<run_dir>/logs/router-<name>.log`) and the
 registration of workers with it.
@@ -49,8 +50,12 @@ class RouterHandle:
         change_timeout: float = 60.0,
         stop_grace: float = 5.0,
         python: str = sys.executable,
+        address: str | None = None,
     ) -> None:
+        """`address` (HOST:PORT): attach to a router already running there (`--sglang-router-ip/-port`, as
+        slime): nothing is launched or stopped; workers are registered with it."""
         self.client = client
+        self.address = address
         self.run_dir = Path(run_dir)
         self.name = name
         self.policy = policy
@@ -90,9 +95,33 @@ class RouterHandle:
             await anyio.sleep_forever()
         finally:
             with anyio.CancelScope(shield=True):
+                if self.address is not None:
+                    await self._leave(worker_urls)
                 await self._stop()
 
+    async def _leave(self, worker_urls: Sequence[str]) -> None:
+        """An attached router outlives the run: take our engines off it (best effort, bounded)."""
+        with anyio.move_on_after(self.change_timeout):
+            for url in worker_urls:
+                try:
+                    await self.remove_worker(url)
+                except (EngineError, RouterError):
+                    continue
+
+    async def _attach(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        self.host, self.port = host, int(port)
+        try:
+            await self.client.request(self.url, "GET", "/health", timeout=self.start_timeout, retry=NO_RETRY)
+        except EngineError as exc:
+            raise RouterError(f"no sglang-router answers at {address} (--sglang-router-ip/--sglang-router-port): "
+                              f"{exc}") from exc
+        self.api = await self._detect_api()
+
     async def _start(self) -> None:
+        if self.address is not None:
+            await self._attach(self.address)
+            return
         self.port = free_port(self.host)
         self.prometheus_port = free_port(self.host)
         cmd = [

@@ -7,13 +7,17 @@ Owns `sample.advantage`. Invariants kept by `compute_advantages`:
   do not, so that one aborted straggler cannot shift its group's baseline.) With 0.0 they add no policy
   gradient; the training loop may still drop them.
 
-Estimators (`--advantage-estimator`):
-- `grpo`: `r - mean(group)`, divided by `std(group) + 1e-6` when `normalize_std` (the default; slime's
-  `--disable-grpo-std-normalization` turns it off). The std is the sample (Bessel-corrected) std, as slime's
-  `torch.std`; a group of one has std 0.
-- `reinforce_plus_plus_baseline`: `r - mean(group)`, then whitened over the whole batch:
-  `(a - mean(batch)) / (std(batch) + 1e-6)`. The batch normalisation *is* this estimator (REINFORCE++), so
-  `normalize_std` does not apply. slime whitens over tokens; we whiten per sample (one value per response).
+Estimators (`--advantage-estimator`, slime's names and meanings; none needs a critic):
+- `grpo` and `gspo`: `r - mean(group)`, divided by `std(group) + 1e-6` when `normalize_std` (the default;
+  slime's `--disable-grpo-std-normalization` turns it off). The std is the sample (Bessel-corrected) std, as
+  slime's `torch.std`; a group of one has std 0. (gspo differs in the loss: a sequence-level ratio.)
+- `reinforce_plus_plus_baseline`: `r - mean(group)`.
+- `reinforce_plus_plus`: `r` itself (with `--kl-coef` 0 and gamma 1, slime's discounted token return is `r`
+  on every token).
+The last two need `normalize_advantages` (slime asserts it): advantages are then whitened over every loss token
+of the rollout, as slime's `distributed_masked_whiten`: a sample's value counts once per loss token, the
+variance is Bessel-corrected over tokens, `(a - mean) / sqrt(var + 1e-8)`.
+`UNSUPPORTED_ESTIMATORS` are slime's names we refuse, with the reason.
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ from replay.sample import Sample, SampleStatus
 from workers.errors import RaylessError
 
 EPSILON = 1e-6
-ESTIMATORS = ("grpo", "reinforce_plus_plus_baseline")
+WHITEN_EPSILON = 1e-8
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+#: Estimators slime has whose names we know, with why rayless refuses them.
+UNSUPPORTED_ESTIMATORS = {
+    "ppo": "needs a critic model, which rayless does not train",
+    "cispo": "its clipped-importance loss is not implemented",
+}
 
 
 class AdvantageError(RaylessError, ValueError):
@@ -60,12 +70,30 @@ def _centered(groups: Sequence[Sequence[Sample]], reward_key: str | None, *, nor
             sample.advantage = (reward - mean) / scale
 
 
+def whiten_over_tokens(samples: Sequence[Sample]) -> None:
+    """`(a - mean) / sqrt(var + 1e-8)` with token-weighted statistics (each sample's advantage counts once per
+    loss token), as slime's `--normalize-advantages`. Samples without loss tokens keep their value."""
+    weights = [sum(sample.loss_mask) for sample in samples]
+    count = sum(weights)
+    if count == 0:
+        return
+    mean = math.fsum(w * s.advantage for w, s in zip(weights, samples, strict=True)) / count
+    mean_square = math.fsum(w * s.advantage**2 for w, s in zip(weights, samples, strict=True)) / count
+    variance = max(mean_square - mean**2, 0.0)
+    if count >= 2:
+        variance *= count / (count - 1)
+    scale = 1.0 / math.sqrt(variance + WHITEN_EPSILON)
+    for sample in samples:
+        sample.advantage = (sample.advantage - mean) * scale
+
+
 def compute_advantages(
     groups: Sequence[Sequence[Sample]],
     *,
     estimator: str,
     normalize_std: bool = True,
     reward_key: str | None = None,
+    normalize_advantages: bool = False,
 ) -> None:
     """Set `advantage` on every sample of `groups` (see the module docstring for the estimators)."""
     if estimator not in ESTIMATORS:
@@ -78,16 +106,15 @@ def compute_advantages(
                 raise AdvantageError(
                     f"sample {sample.group_index}/{sample.sample_index} has no reward; score the group first"
                 )
-    if estimator == "grpo":
+    if estimator in ("grpo", "gspo"):
         _centered(groups, reward_key, normalize_std=normalize_std)
-        return
-    # reinforce_plus_plus_baseline: group baseline, then one normalisation over the whole batch.
-    _centered(groups, reward_key, normalize_std=False)
-    counted = [sample for group in groups for sample in group if sample.status is not SampleStatus.ABORTED]
-    if not counted:
-        return
-    values = [sample.advantage for sample in counted]
-    mean = _mean(values)
-    scale = _sample_std(values, mean) + EPSILON
-    for sample, value in zip(counted, values, strict=True):
-        sample.advantage = (value - mean) / scale
+    elif estimator == "reinforce_plus_plus_baseline":
+        _centered(groups, reward_key, normalize_std=False)
+    else:  # reinforce_plus_plus
+        for group in groups:
+            for sample in group:
+                aborted = sample.status is SampleStatus.ABORTED
+                sample.advantage = 0.0 if aborted else sample.scalar_reward(reward_key)
+    if normalize_advantages:
+        whiten_over_tokens([sample for group in groups for sample in group
+                            if sample.status is not SampleStatus.ABORTED])

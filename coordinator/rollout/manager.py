@@ -276,6 +276,7 @@ class RolloutManager:
             estimator=rollout.advantage_estimator,
             normalize_std=not rollout.disable_grpo_std_normalization,
             reward_key=rollout.reward_key,
+            normalize_advantages=rollout.normalize_advantages,
         )
         if self.config.debug.save_debug_rollout_data is not None and not self.config.replay_mode:
             await self._dump(batch)

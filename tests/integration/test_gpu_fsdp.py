@@ -25,7 +25,7 @@ pytestmark = [
 async def one_step(model_dir: Path, run_dir: Path, samples: list[Any], *, cuda: bool, compute_dtype: str | None):
     env = {} if cuda else {"CUDA_VISIBLE_DEVICES": ""}
     config = {**TRAIN_CONFIG, "model_path": str(model_dir), "global_batch_size": len(samples),
-              "use_kl_loss": False, "kl_coef": 0.0, "warmup_steps": 0}
+              "use_kl_loss": False, "kl_loss_coef": 0.0, "warmup_steps": 0}
     if compute_dtype:
         config["compute_dtype"] = compute_dtype
     async with anyio.create_task_group() as tg:

@@ -12,6 +12,7 @@ import anyio
 import pytest
 
 from coordinator.engines import NO_RETRY, EngineClient, EngineFleet, EngineLaunchSpec, RouterHandle
+from coordinator.engines.router import RouterError
 
 pytest.importorskip("sglang_router")
 
@@ -53,3 +54,33 @@ async def test_router_in_front_of_two_cpu_engines(tiny_model_dir: Path, tmp_path
             tg.cancel_scope.cancel()
         assert router.proc is not None and router.proc.returncode is not None
         assert (tmp_path / "logs" / "router-rollout.log").is_file()
+
+
+async def test_attaching_to_a_running_router_registers_and_leaves(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`--sglang-router-ip/-port`: our engines join a router someone else runs, and leave it at the end; the
+    router itself is neither launched nor stopped by us."""
+    spec = EngineLaunchSpec(kind="cpu", model_path=str(tiny_model_dir), env=ENGINE_ENV, start_timeout=120.0)
+    async with EngineClient(max_connections=16, retry=NO_RETRY) as client:
+        fleet = EngineFleet(client=client, launch=spec, num_engines=1, run_dir=tmp_path)
+        theirs = RouterHandle(client=client, run_dir=tmp_path, name="theirs")
+        async with anyio.create_task_group() as tg:
+            await tg.start(fleet.run)
+            url = fleet.engines[0].url
+            await tg.start(theirs.run, [])
+            host, port = theirs.url.removeprefix("http://").rsplit(":", 1)
+            ours = RouterHandle(client=client, run_dir=tmp_path, address=f"{host}:{port}")
+            async with anyio.create_task_group() as attached:
+                await attached.start(ours.run, [url])
+                assert ours.proc is None and ours.url == theirs.url
+                assert await theirs.list_workers() == [url]
+                out = await client.engine(ours.url).generate(
+                    {"text": "abc", "rid": "r-attached", "sampling_params": {"max_new_tokens": 2}})
+                assert isinstance(out["text"], str)
+                attached.cancel_scope.cancel()
+            assert await theirs.list_workers() == []
+            assert theirs.proc is not None and theirs.proc.returncode is None  # still running: not ours to stop
+            tg.cancel_scope.cancel()
+    with pytest.raises(RouterError, match="no sglang-router answers"):
+        async with EngineClient(max_connections=4, retry=NO_RETRY) as client:
+            await RouterHandle(client=client, run_dir=tmp_path, address="127.0.0.1:9",
+                               start_timeout=2.0)._start()

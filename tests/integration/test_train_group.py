@@ -101,8 +101,9 @@ async def test_training_reports_finite_metrics_per_step(first_run: FirstRun) -> 
             assert key in metrics and math.isfinite(metrics[key]), key
         assert metrics["num_steps"] == 2  # 8 samples, global batch of 4
     assert [len(steps) for steps in first_run.step_metrics] == [2, 2, 2]
-    # Warm-up over two optimizer steps: half the lr, then the full lr.
-    assert [step["lr"] for step in first_run.step_metrics[0]] == pytest.approx([5e-4, 1e-3])
+    # Megatron's warm-up over two optimizer steps: step s runs at lr·s/2, so 0, then half the lr.
+    assert [step["lr"] for step in first_run.step_metrics[0]] == pytest.approx([0.0, 5e-4])
+    assert [step["lr"] for step in first_run.step_metrics[1]] == pytest.approx([1e-3, 1e-3])
     # The reference is the initial model: zero KL at the first step, then the policy moves away.
     assert first_run.step_metrics[0][0]["kl"] == pytest.approx(0.0, abs=1e-9)
     assert first_run.step_metrics[2][-1]["kl"] > 0

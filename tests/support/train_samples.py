@@ -17,7 +17,7 @@ TRAIN_CONFIG: dict[str, Any] = {
     "warmup_steps": 2,
     "eps_clip": 0.2,
     "eps_clip_high": 0.28,
-    "kl_coef": 0.01,
+    "kl_loss_coef": 0.01,
     "use_kl_loss": True,
     "clip_grad": 1.0,
     "max_tokens_per_micro_batch": 48,

@@ -66,15 +66,45 @@ def test_equal_rewards_and_single_sample_groups_get_zero() -> None:
     assert advantages(groups) == [[0.0, 0.0, 0.0], [0.0]]
 
 
-def test_reinforce_plus_plus_baseline_whitens_over_batch() -> None:
+def whitened(values: list[float], weights: list[int]) -> list[float]:
+    """slime's distributed_masked_whiten written out: token-weighted mean and Bessel-corrected variance."""
+    count = sum(weights)
+    mean = sum(w * v for w, v in zip(weights, values, strict=True)) / count
+    variance = (sum(w * v * v for w, v in zip(weights, values, strict=True)) / count - mean**2) * count / (count - 1)
+    return [(v - mean) / math.sqrt(variance + 1e-8) for v in values]
+
+
+def test_reinforce_plus_plus_baseline_is_group_centred_then_whitened_over_tokens() -> None:
     groups = make_groups([1.0, 0.0], [4.0, 0.0, 2.0])
-    compute_advantages(groups, estimator="reinforce_plus_plus_baseline", normalize_std=False)
+    compute_advantages(groups, estimator="reinforce_plus_plus_baseline")
     centred = [0.5, -0.5, 2.0, -2.0, 0.0]
-    std = statistics.stdev(centred)
+    assert [value for group in advantages(groups) for value in group] == pytest.approx(centred)
+    # --normalize-advantages: a sample's value counts once per loss token (lengths 1, 3, 2, 1, 1 here).
+    groups = make_groups([1.0, 0.0], [4.0, 0.0, 2.0])
+    lengths = [1, 3, 2, 1, 1]
+    for sample, length in zip([s for g in groups for s in g], lengths, strict=True):
+        sample.tokens, sample.response_length = [1] * (length + 1), length
+        sample.loss_mask, sample.rollout_log_probs = [1] * length, [0.0] * length
+    compute_advantages(groups, estimator="reinforce_plus_plus_baseline", normalize_advantages=True)
     flat = [value for group in advantages(groups) for value in group]
-    assert flat == pytest.approx([value / (std + 1e-6) for value in centred])
-    assert statistics.mean(flat) == pytest.approx(0.0, abs=1e-12)
-    assert statistics.stdev(flat) == pytest.approx(1.0, rel=1e-5)
+    assert flat == pytest.approx(whitened(centred, lengths))
+    tokens = [v for v, n in zip(flat, lengths, strict=True) for _ in range(n)]
+    assert statistics.mean(tokens) == pytest.approx(0.0, abs=1e-9)
+    assert statistics.stdev(tokens) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_reinforce_plus_plus_whitens_the_raw_rewards() -> None:
+    groups = make_groups([1.0, 0.0], [4.0])
+    compute_advantages(groups, estimator="reinforce_plus_plus", normalize_advantages=True)
+    assert [value for group in advantages(groups) for value in group] == pytest.approx(
+        whitened([1.0, 0.0, 4.0], [1, 1, 1]))
+
+
+def test_gspo_advantages_are_grpos() -> None:
+    grpo, gspo = make_groups([1.0, 0.0, 0.5]), make_groups([1.0, 0.0, 0.5])
+    compute_advantages(grpo, estimator="grpo")
+    compute_advantages(gspo, estimator="gspo")
+    assert advantages(grpo) == advantages(gspo)
 
 
 def test_aborted_samples_get_zero_and_are_not_counted() -> None:
@@ -86,12 +116,12 @@ def test_aborted_samples_get_zero_and_are_not_counted() -> None:
 
     groups = make_groups([1.0, None], [0.0, 2.0])
     groups[0][1].status = SampleStatus.ABORTED  # an aborted sample may carry no reward at all
-    compute_advantages(groups, estimator="reinforce_plus_plus_baseline")
+    compute_advantages(groups, estimator="reinforce_plus_plus_baseline", normalize_advantages=True)
     assert groups[0][1].advantage == 0.0
     assert groups[0][0].advantage == 0.0  # alone in its group after exclusion
-    # The batch holds the lone sample (0) and ±1: sample std sqrt((0 + 1 + 1) / 2) = 1.
+    # The whitened set holds the lone sample (0) and ±1, one token each: variance (2/3)·(3/2) = 1.
     assert [groups[1][0].advantage, groups[1][1].advantage] == pytest.approx(
-        [-1 / (1 + 1e-6), 1 / (1 + 1e-6)]
+        [-1 / math.sqrt(1 + 1e-8), 1 / math.sqrt(1 + 1e-8)]
     )
 
 

@@ -23,9 +23,9 @@ from workers.train_rank.batching import (
     plan_micro_batches,
     token_log_probs,
 )
-from workers.train_rank.loss import LossConfig, policy_loss
+from workers.train_rank.loss import LossConfig, approx_kl, policy_loss
 from workers.train_rank.model import load_causal_lm
-from workers.train_rank.optim import WarmupFactor, build_optimizer, build_scheduler
+from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler
 from workers.train_rank.settings import SettingsError, TrainSettings
 from workers.train_rank.trainer import Trainer
 
@@ -71,7 +71,7 @@ def test_malformed_samples_are_rejected_with_the_field_named() -> None:
 
 
 def test_policy_loss_is_a_global_token_mean_with_ppo_clipping() -> None:
-    config = LossConfig(eps_clip=0.2, eps_clip_high=0.3, kl_coef=0.0, use_kl_loss=False, entropy_coef=0.0)
+    config = LossConfig(eps_clip=0.2, eps_clip_high=0.3)
     rollout = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
     advantages = torch.tensor([[1.0, 1.0, -1.0, 2.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
@@ -108,7 +108,7 @@ def test_policy_loss_is_a_global_token_mean_with_ppo_clipping() -> None:
 
 
 def test_k3_kl_is_zero_against_itself_and_positive_otherwise() -> None:
-    config = LossConfig(eps_clip=0.2, eps_clip_high=0.2, kl_coef=0.5, use_kl_loss=True, entropy_coef=0.0)
+    config = LossConfig(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3")
     base = dict(
         rollout_log_probs=torch.full((1, 3), -1.0),
         advantages=torch.zeros(1, 3),
@@ -126,22 +126,120 @@ def test_k3_kl_is_zero_against_itself_and_positive_otherwise() -> None:
     assert math.isclose(float(loss.detach()), 0.5 * expected, rel_tol=1e-6)
 
 
-def test_warmup_schedule_and_its_state_are_plain_data() -> None:
-    assert [WarmupFactor(4)(step) for step in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    assert WarmupFactor(0)(0) == 1.0
+def test_lr_schedule_is_megatrons_and_its_state_is_plain_data() -> None:
+    # Warm-up from init: step s (steps already taken) gets init + (lr - init)·s/warmup, so step 0 runs at init.
+    warm = LrSchedule(lr=1.0, warmup_steps=4)
+    assert [warm.lr_at(step) for step in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert LrSchedule(lr=1.0)(0) == 1.0
+    # Linear and cosine decay to min_lr over the decay span after warm-up, then min_lr.
+    linear = LrSchedule(lr=1.0, min_lr=0.1, style="linear", decay_steps=10, warmup_steps=0)
+    assert [round(linear.lr_at(step), 6) for step in (0, 5, 10, 11)] == [1.0, 0.55, 0.1, 0.1]
+    cosine = LrSchedule(lr=1.0, min_lr=0.0, style="cosine", decay_steps=12, warmup_steps=2, warmup_init_lr=0.5)
+    assert cosine.lr_at(1) == pytest.approx(0.75)
+    assert cosine.lr_at(2) == pytest.approx(1.0)
+    assert cosine.lr_at(7) == pytest.approx(0.5)  # half way through the decay: (1 + cos(π/2)) / 2
+    assert cosine.lr_at(12) == pytest.approx(0.0, abs=1e-12)
+    assert LrSchedule(lr=1.0, min_lr=0.2, style="constant", decay_steps=3).lr_at(100) == 1.0
     model = torch.nn.Linear(2, 2)
     optimizer = build_optimizer(model, lr=0.1, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
-    scheduler = build_scheduler(optimizer, warmup_steps=2)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    scheduler = build_scheduler(optimizer, LrSchedule(lr=0.1, warmup_steps=2, warmup_init_lr=0.02))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.02)
     optimizer.step()
     scheduler.step()
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.06)
     state = json.loads(json.dumps(scheduler.state_dict()))
     fresh = build_scheduler(
-        build_optimizer(model, lr=0.1, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8), warmup_steps=2
+        build_optimizer(model, lr=0.1, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8),
+        LrSchedule(lr=0.1, warmup_steps=2, warmup_init_lr=0.02),
     )
     fresh.load_state_dict(state)
     assert fresh.last_epoch == 1
+
+
+def test_kl_estimators_are_slimes() -> None:
+    policy = torch.tensor([-1.0, -2.0, -0.5])
+    reference = torch.tensor([-1.5, -1.0, -0.5])
+    x = policy - reference  # log(policy / reference)
+    assert torch.allclose(approx_kl(policy, reference, "k1"), x)
+    assert torch.allclose(approx_kl(policy, reference, "k2"), x.square() / 2)
+    k3 = torch.exp(-x) - 1 + x
+    assert torch.allclose(approx_kl(policy, reference, "k3"), k3)
+    assert bool((k3 >= 0).all()) and float(k3[2]) == 0.0
+    # low_var_kl is k3 clamped to [-10, 10]; k3 itself is not clamped.
+    far = approx_kl(torch.tensor([-20.0]), torch.tensor([-1.0]), "k3")
+    assert float(far) > 10 and float(approx_kl(torch.tensor([-20.0]), torch.tensor([-1.0]), "low_var_kl")) == 10.0
+
+
+def _loss(config: LossConfig, **overrides: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    base: dict = dict(
+        log_probs=torch.tensor([[-1.0, -1.2, -0.8]], requires_grad=True),
+        rollout_log_probs=torch.full((1, 3), -1.0),
+        advantages=torch.tensor([[1.0, 1.0, 1.0]]),
+        loss_mask=torch.ones(1, 3),
+        global_loss_tokens=3,
+        config=config,
+        entropy=torch.zeros(1, 3),
+    )
+    base.update(overrides)
+    loss, sums, _ = policy_loss(**base)
+    return loss.detach(), sums
+
+
+def test_kl_loss_coef_adds_the_kl_term_only_with_use_kl_loss() -> None:
+    reference = torch.full((1, 3), -1.5)
+    plain, _ = _loss(LossConfig(eps_clip=0.2, eps_clip_high=0.2))
+    for kl_type in ("k1", "k2", "k3", "low_var_kl"):
+        config = LossConfig(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.1,
+                            kl_loss_type=kl_type)
+        with_kl, sums = _loss(config, ref_log_probs=reference)
+        kl = approx_kl(torch.tensor([[-1.0, -1.2, -0.8]]), reference, kl_type)
+        assert math.isclose(float(with_kl - plain), 0.1 * float(kl.mean()), rel_tol=1e-5, abs_tol=1e-7)
+        assert math.isclose(sums["kl_sum"], float(kl.sum()), rel_tol=1e-5)
+    # slime's `--use-kl-loss --kl-loss-coef 0`: the KL is measured, the loss is unchanged.
+    zero, sums = _loss(LossConfig(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.0),
+                       ref_log_probs=reference)
+    assert float(zero) == float(plain) and sums["kl_sum"] != 0
+    # Without --use-kl-loss a coefficient does nothing.
+    off, _ = _loss(LossConfig(eps_clip=0.2, eps_clip_high=0.2, kl_loss_coef=0.1), ref_log_probs=reference)
+    assert float(off) == float(plain)
+
+
+def test_ratio_is_against_old_logprobs_and_tis_weights_by_old_over_rollout() -> None:
+    config = LossConfig(eps_clip=0.2, eps_clip_high=0.2)
+    log_probs = torch.tensor([[-1.0, -1.0, -1.0]])
+    # On-policy against the recomputed old logprobs: ratio 1, nothing clipped, although the engine disagrees.
+    _, sums = _loss(config, log_probs=log_probs, old_log_probs=log_probs.clone(),
+                    rollout_log_probs=torch.full((1, 3), -3.0))
+    assert sums["clipped_tokens"] == 0
+    # Against the engine's logprobs (--use-rollout-logprobs): ratio e² > 1.2, clipped.
+    _, sums = _loss(config, log_probs=log_probs, rollout_log_probs=torch.full((1, 3), -3.0))
+    assert sums["clipped_tokens"] == 3
+    # TIS: weight clamp(exp(old - rollout), 0, 2): exp(0.5) ≈ 1.65 kept, exp(2) clamped to 2, exp(-1) kept.
+    tis = LossConfig(eps_clip=0.2, eps_clip_high=0.2, use_tis=True, tis_clip=2.0, tis_clip_low=0.0)
+    rollout = torch.tensor([[-1.5, -3.0, 0.0]])
+    loss, sums = _loss(tis, log_probs=log_probs, old_log_probs=log_probs.clone(), rollout_log_probs=rollout)
+    weights = [math.exp(0.5), 2.0, math.exp(-1.0)]
+    assert math.isclose(float(loss), -sum(weights) / 3, rel_tol=1e-5)
+    assert math.isclose(sums["tis_sum"], sum(weights), rel_tol=1e-5) and sums["tis_clipped_tokens"] == 1
+
+
+def test_gspo_clips_the_sequence_ratio() -> None:
+    # Token log-ratios +0.3, -0.3, 0: per token one is clipped; the sequence's mean ratio is 1, nothing is.
+    log_probs = torch.tensor([[-0.7, -1.3, -1.0]], requires_grad=True)
+    _, per_token = _loss(LossConfig(eps_clip=0.2, eps_clip_high=0.2), log_probs=log_probs)
+    assert per_token["clipped_tokens"] == 1
+    loss, per_sequence = _loss(LossConfig(eps_clip=0.2, eps_clip_high=0.2, policy_loss="gspo"),
+                               log_probs=log_probs)
+    assert per_sequence["clipped_tokens"] == 0
+    assert math.isclose(float(loss), -1.0, rel_tol=1e-6)  # -A · exp(mean log-ratio) = -1
+
+
+def test_micro_batch_size_cuts_by_count() -> None:
+    samples = [protocol.WireSample(tokens=[1] * (3 + i), response_length=1, loss_mask=[1], rollout_log_probs=[0.0])
+               for i in range(5)]
+    assert [batch.input_ids.shape[0] for batch in make_micro_batches(samples, max_tokens=10**6, pad_token_id=0,
+                                                                     micro_batch_size=2)] == [2, 2, 1]
+    assert len(make_micro_batches(samples, max_tokens=10**6, pad_token_id=0)) == 1
 
 
 def test_settings_reject_unknown_keys_and_bad_values(tiny_model_dir: Path) -> None:
@@ -187,7 +285,10 @@ def run_single_process(
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
     trainer.init(
         protocol.InitCommand(
-            {"model_path": str(model_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 32, "seed": 3}
+            # Ratios against the fixed rollout logprobs, so the loss of the same data falls step after step
+            # (against recomputed old logprobs every train() call starts at ratio 1, the same loss).
+            {"model_path": str(model_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 32, "seed": 3,
+             "use_rollout_logprobs": True}
         )
     )
     results = []

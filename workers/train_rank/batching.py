@@ -1,4 +1,4 @@
-"""Packs a rank's samples into micro-batches by token budget and recomputes response logprobs.
+"""Packs a rank's samples into micro-batches (by token budget, or by count) and recomputes response logprobs.
 
 Invariant: logprobs come from `log_softmax(logits[:, :-1])` gathered at the next token, in float32 —
 the same quantity an engine reports at temperature 1 — and every per-token tensor is aligned to that
@@ -98,10 +98,17 @@ def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
     return MicroBatch(input_ids, attention_mask, loss_mask, rollout, advantages, num_tokens)
 
 
-def make_micro_batches(samples: list[WireSample], *, max_tokens: int, pad_token_id: int) -> list[MicroBatch]:
+def make_micro_batches(samples: list[WireSample], *, max_tokens: int, pad_token_id: int,
+                       micro_batch_size: int | None = None) -> list[MicroBatch]:
+    """Micro-batches of `micro_batch_size` consecutive samples (`--micro-batch-size`), or packed by the
+    `max_tokens` budget when it is None (`--use-dynamic-batch-size`, the default)."""
     for index, sample in enumerate(samples):
         check_sample(sample, index)
-    plan = plan_micro_batches([len(sample.tokens) for sample in samples], max_tokens)
+    if micro_batch_size is not None:
+        plan = [list(range(start, min(start + micro_batch_size, len(samples))))
+                for start in range(0, len(samples), micro_batch_size)]
+    else:
+        plan = plan_micro_batches([len(sample.tokens) for sample in samples], max_tokens)
     return [collate([samples[i] for i in group], pad_token_id) for group in plan]
 
 

@@ -19,6 +19,8 @@ Invariants:
   back to the newest complete checkpoint of the save dir with a warning — on the rank, and in the answer
   to the coordinator (`LoadedCheckpoint.warning`) — instead of failing.
 No pickle is read here except DCP's own metadata, which this process wrote.
+- With a retain interval N (`--save-retain-interval`, Megatron's rule), publishing a checkpoint deletes the
+  one `latest` named before unless its rollout id is a multiple of N.
 """
 
 from __future__ import annotations
@@ -98,13 +100,17 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     extra: dict[str, Any],
+    retain_interval: int | None = None,
 ) -> Path:
     """Collective: every rank calls it with the same arguments. Returns the final directory."""
     save_dir = Path(save_dir)
     write_tmp(save_dir, rollout_id, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra)
     if _rank() == 0:
+        previous = _latest_name(save_dir)
         for step in publish_steps(save_dir, rollout_id):
             step()
+        if retain_interval is not None and previous is not None and previous != f"rollout_{rollout_id}":
+            _prune(save_dir / previous, retain_interval)
     _barrier()
     return save_dir / f"rollout_{rollout_id}"
 
@@ -229,6 +235,37 @@ def _newest_complete(save_dir: Path) -> Path | None:
         if match is not None and is_complete(child):
             found.append((int(match.group(2)), match.group(1) == "rollout_", child))
     return max(found)[2] if found else None
+
+
+def _prune(directory: Path, retain_interval: int) -> None:
+    """Delete a superseded checkpoint unless its rollout id is a multiple of `retain_interval`."""
+    prefix = "rollout_"
+    if not directory.name.startswith(prefix) or directory.is_symlink():
+        return
+    try:
+        rollout_id = int(directory.name[len(prefix):])
+    except ValueError:
+        return
+    if rollout_id % retain_interval:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a rayless checkpoint: a `rollout_<id>` directory or a save dir with `latest`."""
+    try:
+        resolve_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def load_model_weights(path: str | Path, model: Any) -> Path:
+    """Load only the model weights of a rayless checkpoint into an unsharded `model` (the KL reference)."""
+    directory = resolve_checkpoint(path)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(directory))
+    model.load_state_dict(state["model"])
+    return directory
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -1,8 +1,16 @@
-"""The policy-gradient loss: PPO-style clipped ratio against the rollout logprobs, optional k3 KL, entropy.
+"""The policy-gradient loss, slime's: PPO-clipped ratio (per token, or per sequence for gspo), truncated
+importance sampling, the KL loss with slime's estimators, and the entropy bonus.
 
-Invariant: every term is a token sum over the loss mask divided by `global_loss_tokens`, the number of
-loss tokens of the whole optimizer step across all ranks, so summing the ranks' losses (and gradients)
-gives the token mean over the global batch whatever the split into ranks and micro-batches.
+With `log_ratio = logp - old` (old: logprobs the trainer recomputed before the rollout's first step, or the
+engine's with `--use-rollout-logprobs`), `pg = max(-A·r, -A·clip(r, 1 - eps, 1 + eps_high))` per token, where
+`r = exp(log_ratio)` (ppo) or `exp(masked mean of log_ratio over the sample)` (gspo). `--use-tis` multiplies
+`pg` by `clamp(exp(old - rollout), tis_clip_low, tis_clip)` (no gradient through the weight). The KL to the
+reference (`approx_kl`, estimator `--kl-loss-type`) is always measured when a reference is loaded and added as
+`kl_loss_coef · KL` with `--use-kl-loss`; `--entropy-coef` subtracts `coef · entropy`.
+
+Invariant: every term is a token sum over the loss mask divided by `global_loss_tokens`, the number of loss
+tokens of the whole optimizer step across all ranks, so summing the ranks' losses (and gradients) gives the
+token mean over the global batch whatever the split into ranks and micro-batches.
 """
 
 from __future__ import annotations
@@ -16,9 +24,33 @@ import torch
 class LossConfig:
     eps_clip: float
     eps_clip_high: float
-    kl_coef: float
-    use_kl_loss: bool
-    entropy_coef: float
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k1"
+    entropy_coef: float = 0.0
+    policy_loss: str = "ppo"
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+
+
+def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL(policy ‖ reference) estimate, slime's `compute_approx_kl`: with `x = logp - logp_ref`,
+    k1 = x; k2 = x²/2; k3 = exp(-x) - 1 + x (never negative); low_var_kl = k3 clamped to [-10, 10]."""
+    log_ratio = log_probs.float() - ref_log_probs.float()
+    if kl_type == "k1":
+        return log_ratio
+    if kl_type == "k2":
+        return log_ratio.square() / 2.0
+    if kl_type not in ("k3", "low_var_kl"):
+        raise ValueError(f"unknown kl_loss_type {kl_type!r}")
+    kl = torch.exp(-log_ratio) - 1.0 + log_ratio
+    return kl.clamp(-10.0, 10.0) if kl_type == "low_var_kl" else kl
+
+
+def _sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] → [B, 1]: each row's mean over its masked positions (0 for a row without any)."""
+    return (values * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
 
 
 def policy_loss(
@@ -30,36 +62,46 @@ def policy_loss(
     global_loss_tokens: int,
     config: LossConfig,
     entropy: torch.Tensor,
+    old_log_probs: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
-    """Returns (loss to backward, sums to add over ranks, maxima to max over ranks)."""
+    """Returns (loss to backward, sums to add over ranks, maxima to max over ranks).
+
+    `old_log_probs` None: the PPO ratio is taken against `rollout_log_probs` (`--use-rollout-logprobs`).
+    """
     denominator = float(max(global_loss_tokens, 1))
     mask = loss_mask
-    log_ratio = log_probs - rollout_log_probs
+    old = rollout_log_probs if old_log_probs is None else old_log_probs
+    log_ratio = log_probs - old
+    if config.policy_loss == "gspo":
+        log_ratio = _sequence_mean(log_ratio, mask).expand_as(log_probs)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - config.eps_clip, 1.0 + config.eps_clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    sums: dict[str, float] = {}
+    if config.use_tis:
+        raw_weight = torch.exp(old.detach() - rollout_log_probs)
+        weight = raw_weight.clamp(min=config.tis_clip_low, max=config.tis_clip)
+        per_token = per_token * weight
+        sums["tis_sum"] = float((weight * mask).sum())
+        sums["tis_clipped_tokens"] = float(((weight != raw_weight).float() * mask).sum())
     pg_loss = (per_token * mask).sum() / denominator
     loss = pg_loss
 
-    sums: dict[str, float] = {}
-    maxima: dict[str, float] = {}
     kl_sum = 0.0
     if ref_log_probs is not None:
-        # k3 estimator of KL(policy || reference): exp(r) - r - 1 with r = ref - policy; always >= 0.
-        ref_log_ratio = ref_log_probs - log_probs
-        kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
-        kl_term = (kl * mask).sum() / denominator
-        if config.use_kl_loss:
-            loss = loss + config.kl_coef * kl_term
+        kl = approx_kl(log_probs, ref_log_probs, config.kl_loss_type)
+        if config.use_kl_loss and config.kl_loss_coef:
+            loss = loss + config.kl_loss_coef * (kl * mask).sum() / denominator
         kl_sum = float((kl.detach() * mask).sum())
-    entropy_term = (entropy * mask).sum() / denominator
     if config.entropy_coef:
-        loss = loss - config.entropy_coef * entropy_term
+        loss = loss - config.entropy_coef * (entropy * mask).sum() / denominator
 
+    maxima: dict[str, float] = {}
     with torch.no_grad():
-        abs_diff = log_ratio.detach().abs() * mask
+        # How far training's logprobs are from the engine's: the train/inference mismatch, whatever `old` is.
+        abs_diff = (log_probs.detach() - rollout_log_probs).abs() * mask
         sums["loss"] = float(loss.detach())
         sums["pg_loss"] = float(pg_loss.detach())
         sums["loss_tokens"] = float(mask.sum())

@@ -40,6 +40,22 @@ def load_causal_lm(
     return model
 
 
+def enable_activation_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer's activations in backward (Megatron's `--recompute-*`, HF's gradient
+    checkpointing). Non-reentrant: works whether or not the inputs require grad, on CPU and CUDA alike."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name is deprecated)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def activation_checkpointing_on(model: Any) -> bool:
+    if hasattr(model, "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(model.is_gradient_checkpointing)
+
+
 def tied_parameter_names(model: Any) -> set[str]:
     """State-dict names that alias another tensor (e.g. lm_head.weight with tied embeddings)."""
     config = getattr(model, "config", None)

@@ -15,30 +15,57 @@ class SettingsError(ValueError):
     """The init config names an unknown key or holds a value the trainer cannot use."""
 
 
+KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+POLICY_LOSSES = ("ppo", "gspo")
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     model_path: str
+    # The reference model of the KL: a Hugging Face directory or a rayless checkpoint (None: model_path).
+    reference_path: str | None = None
     lr: float = 1e-6
+    # Megatron's schedule, in optimizer steps: warm-up from warmup_init_lr, then constant / linear / cosine
+    # decay to min_lr over lr_decay_steps (None: no decay span known, so constant).
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"
+    lr_decay_steps: int | None = None
+    warmup_steps: int = 0
+    warmup_fraction: float | None = None
+    warmup_init_lr: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    warmup_steps: int = 0
     eps_clip: float = 0.2
     # None: the same as eps_clip (symmetric clipping).
     eps_clip_high: float | None = None
-    kl_coef: float = 0.0
+    # "ppo": per-token ratio; "gspo": the sequence's mean log-ratio, broadcast to its tokens.
+    policy_loss: str = "ppo"
     use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k1"
     entropy_coef: float = 0.0
+    # False (slime's default): the PPO ratio is taken against logprobs the trainer recomputes before the
+    # rollout's first step; True: against the engine's logprobs.
+    use_rollout_logprobs: bool = False
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
     # <= 0 disables clipping; the norm is still reported.
     clip_grad: float = 1.0
     max_tokens_per_micro_batch: int = 8192
+    # Samples per micro-batch (None: pack by max_tokens_per_micro_batch).
+    micro_batch_size: int | None = None
     seed: int = 1234
     # Coordinator-side keys (how a rollout is cut into optimizer steps, where checkpoints go); accepted
     # here so one config dict serves both sides.
     global_batch_size: int | None = None
     num_steps_per_rollout: int | None = None
     save_dir: str | None = None
+    # When a checkpoint is saved, the previous one is deleted unless its rollout id is a multiple of this.
+    save_retain_interval: int | None = None
     # Parameter dtype: float32 keeps CPU logprobs within 1e-4 of a float32 engine.
     dtype: str = "float32"
     # Mixed-precision compute dtype under FSDP2 on CUDA (None: the parameter dtype).
@@ -52,7 +79,12 @@ class TrainSettings:
 
     @property
     def needs_reference(self) -> bool:
-        return self.use_kl_loss or self.kl_coef > 0
+        # As slime: --use-kl-loss loads the reference even with a zero coefficient (the KL is still logged).
+        return self.use_kl_loss
+
+    @property
+    def recomputes_old_log_probs(self) -> bool:
+        return not self.use_rollout_logprobs
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> TrainSettings:
@@ -81,3 +113,16 @@ class TrainSettings:
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise SettingsError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.compute_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise SettingsError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype!r}")
+        for name, value, choices in (("kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES),
+                                     ("lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES),
+                                     ("policy_loss", self.policy_loss, POLICY_LOSSES)):
+            if value not in choices:
+                raise SettingsError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise SettingsError(f"adam betas must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise SettingsError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.use_tis and self.use_rollout_logprobs:
+            raise SettingsError("use_tis needs recomputed logprobs; it contradicts use_rollout_logprobs")

@@ -14,10 +14,10 @@ import torch
 
 from workers import protocol
 from workers.train_rank import checkpoint, weight_export
-from workers.train_rank.batching import make_micro_batches, token_entropy, token_log_probs
+from workers.train_rank.batching import MicroBatch, make_micro_batches, token_entropy, token_log_probs
 from workers.train_rank.loss import LossConfig, policy_loss
-from workers.train_rank.model import load_causal_lm
-from workers.train_rank.optim import build_optimizer, build_scheduler, clip_gradients
+from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
+from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler, clip_gradients
 from workers.train_rank.parallel import apply_data_parallel
 from workers.train_rank.settings import TrainSettings
 
@@ -53,15 +53,9 @@ class Trainer:
             attn_implementation=settings.attn_implementation,
         )
         if settings.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_activation_checkpointing(model)
         if settings.needs_reference:
-            self.reference = load_causal_lm(
-                settings.model_path,
-                dtype=dtype,
-                device=self.device,
-                attn_implementation=settings.attn_implementation,
-                trainable=False,
-            )
+            self.reference = self._load_reference(settings, dtype)
         compute_dtype = getattr(torch, settings.compute_dtype) if settings.compute_dtype else None
         self.parallel = apply_data_parallel(model, device=self.device, compute_dtype=compute_dtype)
         self.model = model
@@ -72,11 +66,27 @@ class Trainer:
             betas=(settings.adam_beta1, settings.adam_beta2),
             eps=settings.adam_eps,
         )
-        self.scheduler = build_scheduler(self.optimizer, warmup_steps=settings.warmup_steps)
+        self.scheduler = build_scheduler(self.optimizer, lr_schedule(settings))
         pad = getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self.settings = settings
         return {"num_parameters": sum(p.numel() for p in model.parameters()), "device": str(self.device)}
+
+    def _load_reference(self, settings: TrainSettings, dtype: torch.dtype) -> Any:
+        """The frozen reference: `reference_path` when it is a Hugging Face directory; the policy's
+        architecture with a rayless checkpoint's weights when it is one; else the policy's own start."""
+        source = settings.reference_path or settings.model_path
+        from_checkpoint = checkpoint.is_checkpoint(source)
+        reference = load_causal_lm(
+            settings.model_path if from_checkpoint else source,
+            dtype=dtype,
+            device=self.device,
+            attn_implementation=settings.attn_implementation,
+            trainable=False,
+        )
+        if from_checkpoint:
+            checkpoint.load_model_weights(source, reference)
+        return reference
 
     def train(self, command: protocol.TrainCommand) -> dict[str, Any]:
         settings, _, _ = self._require()
@@ -87,28 +97,46 @@ class Trainer:
         loss_config = LossConfig(
             eps_clip=settings.eps_clip,
             eps_clip_high=settings.clip_high,
-            kl_coef=settings.kl_coef,
             use_kl_loss=settings.use_kl_loss,
+            kl_loss_coef=settings.kl_loss_coef,
+            kl_loss_type=settings.kl_loss_type,
             entropy_coef=settings.entropy_coef,
+            policy_loss=settings.policy_loss,
+            use_tis=settings.use_tis,
+            tis_clip=settings.tis_clip,
+            tis_clip_low=settings.tis_clip_low,
         )
+        batches = [self._micro_batches(samples) for samples in command.steps]
+        # slime's old logprobs: the policy before this rollout's first update, so the ratio of every step of
+        # the rollout is taken against the same policy.
+        old = ([[self._log_probs(batch) for batch in step] for step in batches]
+               if settings.recomputes_old_log_probs else [[None] * len(step) for step in batches])
         steps = []
-        for samples, global_tokens in zip(command.steps, command.step_loss_tokens, strict=True):
-            steps.append(self._train_step(samples, int(global_tokens), loss_config))
+        for step_batches, step_old, global_tokens in zip(batches, old, command.step_loss_tokens, strict=True):
+            steps.append(self._train_step(step_batches, step_old, int(global_tokens), loss_config))
         return protocol.TrainResult(steps).to_wire()
 
+    def _micro_batches(self, samples: list[protocol.WireSample]) -> list[MicroBatch]:
+        settings, _, _ = self._require()
+        return [batch.to(self.device) for batch in make_micro_batches(
+            samples, max_tokens=settings.max_tokens_per_micro_batch, pad_token_id=self.pad_token_id,
+            micro_batch_size=settings.micro_batch_size)]
+
+    @torch.no_grad()
+    def _log_probs(self, batch: MicroBatch, model: Any = None) -> torch.Tensor:
+        logits = (self.model if model is None else model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return token_log_probs(logits, batch.input_ids)
+
     def _train_step(
-        self, samples: list[protocol.WireSample], global_tokens: int, loss_config: LossConfig
+        self, micro_batches: list[MicroBatch], old_log_probs: list[torch.Tensor | None], global_tokens: int,
+        loss_config: LossConfig,
     ) -> protocol.StepMetrics:
         settings, model, optimizer = self._require()
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"num_tokens": 0.0}
         maxima: dict[str, float] = {}
-        micro_batches = make_micro_batches(
-            samples, max_tokens=settings.max_tokens_per_micro_batch, pad_token_id=self.pad_token_id
-        )
-        for micro_batch in micro_batches:
-            batch = micro_batch.to(self.device)
+        for batch, old in zip(micro_batches, old_log_probs, strict=True):
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             log_probs = token_log_probs(logits, batch.input_ids)
             if settings.entropy_coef:
@@ -116,13 +144,7 @@ class Trainer:
             else:
                 with torch.no_grad():
                     entropy = token_entropy(logits.detach())
-            ref_log_probs = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logits = self.reference(
-                        input_ids=batch.input_ids, attention_mask=batch.attention_mask
-                    ).logits
-                    ref_log_probs = token_log_probs(ref_logits, batch.input_ids)
+            ref_log_probs = self._log_probs(batch, self.reference) if self.reference is not None else None
             loss, batch_sums, batch_maxima = policy_loss(
                 log_probs=log_probs,
                 rollout_log_probs=batch.rollout_log_probs,
@@ -131,6 +153,7 @@ class Trainer:
                 global_loss_tokens=global_tokens,
                 config=loss_config,
                 entropy=entropy,
+                old_log_probs=old,
                 ref_log_probs=ref_log_probs,
             )
             loss.backward()
@@ -157,6 +180,7 @@ class Trainer:
             optimizer=optimizer,
             scheduler=self.scheduler,
             extra=command.extra,
+            retain_interval=self.settings.save_retain_interval if self.settings is not None else None,
         )
         return {"path": str(path)}
 
@@ -212,6 +236,14 @@ class Trainer:
         if self.settings is None or self.model is None or self.optimizer is None:
             raise NotInitialised("the trainer got a command before 'init'; call TrainGroup.init first")
         return self.settings, self.model, self.optimizer
+
+
+def lr_schedule(settings: TrainSettings) -> LrSchedule:
+    warmup = (settings.warmup_fraction * settings.lr_decay_steps
+              if settings.warmup_fraction is not None and settings.lr_decay_steps else settings.warmup_steps)
+    return LrSchedule(lr=settings.lr, min_lr=settings.min_lr, style=settings.lr_decay_style,
+                      decay_steps=settings.lr_decay_steps, warmup_steps=warmup,
+                      warmup_init_lr=settings.warmup_init_lr)
 
 
 def handle(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:

@@ -1,0 +1,291 @@
+"""What a slime or miles launch script means here: built-in hook paths, `--load` / `--ref-load` on disk, and the
+one grouped notice that says which of its flags are mapped, ignored (and why), or disagree with the model.
+
+Owns:
+- `HOOK_ALIASES`: slime/miles built-in hook paths → ours (applied by `apply_hook_aliases` when a Config is
+  built, so the rest of rayless only ever sees our paths; the notice names each replacement);
+- `resolve_load` / `resolve_ref_load`: what a `--load` / `--ref-load` directory holds (slime's rules: a
+  directory without a checkpoint starts fresh; a Megatron `torch_dist` directory gets a message saying what to
+  pass instead);
+- `porting_notice`: the notice text, one line per kind of fact, or None when the run used none of this.
+
+Invariant: every failure is a ConfigError naming the flag; reading `config.json` is the only I/O here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from coordinator.config.fields import ConfigError, ConfigWarning, flag_name
+from coordinator.config.megatron import CATEGORIES, CATEGORY_OF
+from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
+
+if TYPE_CHECKING:
+    from coordinator.config.settings import Config
+
+
+class PortingNotice(ConfigWarning):
+    """The grouped notice about flags from slime/miles launch scripts (printed once, before the run)."""
+
+
+_NONZERO_STD = "coordinator.rollout.filters:reward_std_positive"
+
+
+@dataclass(frozen=True)
+class HookAlias:
+    ours: str
+    #: The alias also turns on `--async-rollout` (slime's and miles' fully-async rollouts).
+    async_rollout: bool = False
+
+
+#: slime/miles built-in hook paths (flag field name, their path) → ours.
+HOOK_ALIASES: dict[tuple[str, str], HookAlias] = {
+    ("dynamic_sampling_filter_path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"):
+        HookAlias(_NONZERO_STD),
+    ("dynamic_sampling_filter_path", "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"):
+        HookAlias(_NONZERO_STD),
+    ("rollout_function_path", "slime.rollout.sglang_rollout.generate_rollout"): HookAlias(DEFAULT_ROLLOUT_FUNCTION),
+    ("rollout_function_path", "miles.rollout.sglang_rollout.generate_rollout"): HookAlias(DEFAULT_ROLLOUT_FUNCTION),
+    ("rollout_function_path", "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn"):
+        HookAlias(DEFAULT_ROLLOUT_FUNCTION),
+    ("rollout_function_path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async"):
+        HookAlias(DEFAULT_ROLLOUT_FUNCTION, async_rollout=True),
+    ("rollout_function_path", "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"):
+        HookAlias(DEFAULT_ROLLOUT_FUNCTION, async_rollout=True),
+}
+_HOOK_FIELDS = ("rollout_function_path", "eval_function_path", "custom_rm_path", "dynamic_sampling_filter_path")
+
+
+def apply_hook_aliases(values: dict[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, str, str], ...]]:
+    """Converted flag values with slime/miles built-in hook paths replaced by ours (and miles' `--fully-async`
+    folded into `--async-rollout`); returns them and the (flag, theirs, ours) replacements made."""
+    values = dict(values)
+    replaced: list[tuple[str, str, str]] = []
+    for name in _HOOK_FIELDS:
+        path = values.get(name)
+        alias = HOOK_ALIASES.get((name, path)) if isinstance(path, str) else None
+        if alias is None:
+            continue
+        values[name] = alias.ours
+        if alias.async_rollout:
+            values["async_rollout"] = True
+        replaced.append((flag_name(name), path, alias.ours + (" with --async-rollout" if alias.async_rollout else "")))
+    if values.get("fully_async"):
+        values["async_rollout"] = True
+    return values, tuple(replaced)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --load and --ref-load on disk
+# ---------------------------------------------------------------------------------------------------------
+def _is_megatron_checkpoint(path: Path) -> bool:
+    return ((path / "latest_checkpointed_iteration.txt").is_file() or (path / ".metadata").is_file()
+            or any(child.name.startswith("iter_") for child in path.iterdir() if child.is_dir()))
+
+
+def _megatron_message(flag: str, path: str) -> str:
+    return (f"{flag} {path}: a Megatron-LM checkpoint (torch_dist), which rayless cannot read: pass the Hugging "
+            "Face model directory it was converted from (the one --hf-checkpoint names) or a rayless checkpoint "
+            "directory; to continue a Megatron run, convert it to Hugging Face format first (slime's "
+            "tools/convert_torch_dist_to_hf.py)")
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def _is_rayless_checkpoint(path: Path) -> bool:
+    return (path / "extra.json").is_file() or (path / "latest").is_file()
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What `--load` means for this run: resume from `path`, or start fresh (with the reason)."""
+
+    resume: bool
+    path: str | None = None
+    fresh_reason: str | None = None
+
+
+def resolve_load(config: Config) -> LoadPlan:
+    """slime's rule: `--load` of a directory that does not exist yet, or holds no checkpoint, starts fresh (from
+    --hf-checkpoint here); our checkpoint resumes; the --hf-checkpoint directory itself starts fresh from it."""
+    load = config.checkpoint.load
+    if load is None:
+        return LoadPlan(resume=False)
+    path = Path(load)
+    if not path.exists():
+        return LoadPlan(resume=False, fresh_reason="does not exist yet")
+    if not path.is_dir():
+        raise ConfigError(f"--load {load}: not a directory")
+    if _is_rayless_checkpoint(path):
+        return LoadPlan(resume=True, path=load)
+    if _is_megatron_checkpoint(path):
+        raise ConfigError(_megatron_message("--load", load))
+    if _is_hf_dir(path):
+        hf = config.rollout.hf_checkpoint
+        if hf is not None and path.resolve() == Path(hf).resolve():
+            return LoadPlan(resume=False, fresh_reason="is the --hf-checkpoint model")
+        raise ConfigError(f"--load {load}: a Hugging Face model directory other than --hf-checkpoint {hf}: to "
+                          "start training from it, pass it as --hf-checkpoint")
+    return LoadPlan(resume=False, fresh_reason="holds no checkpoint yet")
+
+
+def resolve_ref_load(config: Config) -> str | None:
+    """The reference model's source for the ranks (None: --hf-checkpoint). Checked only when the run loads a
+    reference (`--use-kl-loss`), as slime."""
+    ref = config.checkpoint.ref_load
+    if ref is None or not config.train.use_kl_loss:
+        return None
+    path = Path(ref)
+    if not path.is_dir():
+        raise ConfigError(f"--ref-load {ref}: no such directory (the reference model of --use-kl-loss)")
+    if _is_hf_dir(path) or _is_rayless_checkpoint(path):
+        return ref
+    if _is_megatron_checkpoint(path):
+        raise ConfigError(_megatron_message("--ref-load", ref))
+    raise ConfigError(f"--ref-load {ref}: neither a Hugging Face model directory (config.json) nor a rayless "
+                      "checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The notice
+# ---------------------------------------------------------------------------------------------------------
+#: Megatron flag → config.json keys holding the same fact (first present wins).
+_SAME_FACT: dict[str, tuple[str, ...]] = {
+    "num_layers": ("num_hidden_layers",),
+    "hidden_size": ("hidden_size",),
+    "ffn_hidden_size": ("intermediate_size",),
+    "num_attention_heads": ("num_attention_heads",),
+    "num_query_groups": ("num_key_value_heads",),
+    "kv_channels": ("head_dim",),
+    "vocab_size": ("vocab_size",),
+    "max_position_embeddings": ("max_position_embeddings",),
+    "norm_epsilon": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
+    "rotary_base": ("rope_theta",),
+    "num_experts": ("num_experts", "n_routed_experts", "num_local_experts"),
+    "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "moe_router_topk": ("num_experts_per_tok",),
+    "q_lora_rank": ("q_lora_rank",),
+    "kv_lora_rank": ("kv_lora_rank",),
+    "qk_head_dim": ("qk_nope_head_dim",),
+    "qk_pos_emb_head_dim": ("qk_rope_head_dim",),
+    "v_head_dim": ("v_head_dim",),
+    "attention_dropout": ("attention_dropout",),
+    "hidden_dropout": ("hidden_dropout",),
+}
+
+
+def _model_config(config: Config) -> dict[str, Any]:
+    path = Path(config.rollout.hf_checkpoint or "") / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    text = data.get("text_config")
+    merged = {**data, **text} if isinstance(text, dict) else dict(data)
+    rope = merged.get("rope_parameters")
+    if "rope_theta" not in merged and isinstance(rope, dict) and "rope_theta" in rope:
+        merged["rope_theta"] = rope["rope_theta"]
+    return merged
+
+
+def _differs(ours: Any, theirs: Any) -> bool:
+    if isinstance(theirs, bool) or not isinstance(theirs, int | float):
+        return False
+    return not math.isclose(float(ours), float(theirs), rel_tol=1e-9, abs_tol=0.0)
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def architecture_disagreements(config: Config, given: dict[str, Any]) -> list[str]:
+    """`--flag VALUE ≠ key VALUE` for each given Megatron flag that states a fact config.json states otherwise
+    (and the untied/tied embeddings switch)."""
+    model = _model_config(config)
+    found = []
+    for name, keys in _SAME_FACT.items():
+        if name not in given:
+            continue
+        key = next((key for key in keys if key in model), None)
+        if key is not None and _differs(given[name], model[key]):
+            found.append(f"{flag_name(name)} {_number(given[name])} ≠ {key} {_number(model[key])}")
+    tied = model.get("tie_word_embeddings")
+    if given.get("untie_embeddings_and_output_weights") and tied is True:
+        found.append("--untie-embeddings-and-output-weights ≠ tie_word_embeddings true")
+    seq_length = given.get("seq_length")
+    context = config.sglang.sglang_context_length or model.get("max_position_embeddings")
+    if isinstance(seq_length, int) and isinstance(context, int) and seq_length > context:
+        found.append(f"--seq-length {seq_length} > the context length {context}")
+    return found
+
+
+def _mapped(config: Config) -> list[str]:
+    train, given = config.train, config.given
+    mapped = []
+    if train.bf16 or train.fp16:
+        dtype = train.compute_dtype
+        mapped.append(f"--{'bf16' if train.bf16 else 'fp16'} → compute dtype {dtype} (FSDP2 mixed precision on "
+                      "GPU; float32 on CPU)")
+    recompute = [flag_name(n) for n in ("recompute_granularity", "recompute_method", "recompute_num_layers")
+                 if n in given]
+    if recompute:
+        mapped.append(f"{' '.join(recompute)} → activation checkpointing of every decoder layer")
+    if train.use_dynamic_batch_size:
+        extra = " (--micro-batch-size ignored, as slime)" if "micro_batch_size" in given else ""
+        mapped.append(f"--use-dynamic-batch-size → micro-batches of ≤ {train.max_tokens_per_gpu} tokens{extra}")
+    elif "micro_batch_size" in given:
+        mapped.append(f"--micro-batch-size → {train.micro_batch_size} samples per micro-batch")
+    if train.optimizer_cpu_offload:
+        mapped.append("--optimizer-cpu-offload: not implemented yet, the optimizer state stays on the device")
+    if train.balance_data:
+        mapped.append("--balance-data: always on (tokens balanced across ranks)")
+    return mapped
+
+
+def _rl_facts(config: Config) -> list[str]:
+    facts = []
+    estimator = config.rollout.advantage_estimator
+    if config.train.kl_coef and estimator in ("grpo", "gspo"):
+        facts.append(f"--kl-coef {config.train.kl_coef:g} has no effect on {estimator} advantages (as slime)")
+    if config.checkpoint.ref_load is not None and not config.train.use_kl_loss:
+        facts.append("--ref-load is not used without --use-kl-loss")
+    return facts
+
+
+def porting_notice(config: Config, *, load: LoadPlan | None = None) -> str | None:
+    """The grouped notice, a few lines, or None when nothing of a slime/miles script needs saying."""
+    from coordinator.config.megatron import given_megatron_flags
+
+    given = given_megatron_flags(config)
+    lines = []
+    mapped = _mapped(config)
+    if mapped:
+        lines.append("mapped: " + "; ".join(mapped))
+    for flag, theirs, ours in config.hook_aliases:
+        lines.append(f"{flag} {theirs} → {ours}")
+    if load is not None and load.fresh_reason is not None:
+        lines.append(f"--load {config.checkpoint.load} {load.fresh_reason}: training starts fresh from "
+                     "--hf-checkpoint (as slime)")
+    lines += _rl_facts(config)
+    if given:
+        by_category: dict[str, list[str]] = {}
+        for name in given:
+            by_category.setdefault(CATEGORY_OF[name], []).append(flag_name(name))
+        disagreements = architecture_disagreements(config, given)
+        lines.append(f"Megatron-LM flags ignored ({len(given)}), by why:")
+        for category, flags in by_category.items():
+            lines.append(f"  {CATEGORIES[category]}: {' '.join(flags)}")
+        if disagreements:
+            lines.append(f"  they disagree with {config.rollout.hf_checkpoint}/config.json, which is used: "
+                         + ", ".join(disagreements))
+    if not lines:
+        return None
+    return "flags from a slime/miles launch script (README: 'Porting from slime / miles'):\n  " + "\n  ".join(lines)
