@@ -33,7 +33,7 @@ PROMPT = {"text": "ab", "sampling_params": {"max_new_tokens": 2, "temperature": 
 
 def cpu_spec(model_dir: Path, *, start_timeout: float = 120.0) -> EngineLaunchSpec:
     return EngineLaunchSpec(
-        kind="cpu", model_path=str(model_dir), env=ENGINE_ENV, start_timeout=start_timeout
+        kind="rayless", model_path=str(model_dir), env=ENGINE_ENV, start_timeout=start_timeout
     )
 
 
