@@ -159,6 +159,7 @@ class RouterSlot:
     log: Path
     python: str = field(default=sys.executable)
     name: str = "router-rollout"
+    gpus: tuple[int, ...] = ()  # the router runs on the CPU
 
     def command(self) -> list[str]:
         return router_command(python=self.python, host=self.host, port=self.port,
