@@ -74,6 +74,7 @@ def check_tokenizer(config: Config) -> list[str]:
     if rollout.apply_chat_template and rollout.prompt_data and config.builds_rollout_fn:
         prompt = _first_prompt(config, tokenizer)
         shown = prompt if len(prompt) <= PROMPT_CHARS else prompt[:PROMPT_CHARS] + "..."
+        shown = shown.rstrip("\n") + ("⏎" if shown.endswith("\n") else "")  # a trailing newline, visible
         notes.append(f"--apply-chat-template: the first prompt renders as:\n{shown}")
     return notes
 
