@@ -16,7 +16,7 @@ USAGE = """usage: rayless COMMAND [ARGS]
 
 commands:
   train             run RL post-training (rollouts on engines, training on torchrun ranks); --help for flags
-  engine            serve a Hugging Face model with the SGLang HTTP API on the CPU
+  engine            serve a Hugging Face model with the SGLang HTTP API (on the CPU, or --device cuda)
   make-tiny-model   write a tiny local Hugging Face model directory (nothing fetched from a hub)
   dump              show | verify | convert rollout dumps
 """

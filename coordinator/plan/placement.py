@@ -289,6 +289,9 @@ def _ranks_slot(config: Config, node_rank: int, units: tuple[tuple[int, ...], ..
                 run_dir: Path, python: str) -> RanksSlot:
     cluster = config.cluster
     positions = tuple(unit[0] for unit in units)
+    if cluster.actor_num_nodes > 1 and not cluster.rdzv_endpoint:
+        raise ConfigError(f"--actor-num-nodes {cluster.actor_num_nodes} needs --rdzv-endpoint HOST:PORT (torchrun's "
+                          "rendezvous, reachable from every node)")
     spec = TorchrunSpec(nproc_per_node=cluster.actor_num_gpus_per_node, nnodes=cluster.actor_num_nodes,
                         node_rank=node_rank, rdzv_endpoint=cluster.rdzv_endpoint,
                         max_restarts=config.fault_tolerance.max_restarts if config.train_ft_enabled else 0,

@@ -199,3 +199,12 @@ def test_cuda_visible_devices_is_read_as_cuda_reads_it() -> None:
     assert _narrow("GPU-bbbb,3", physical) == ("GPU-bbbb", "3")
     assert _narrow("", physical) == () and _narrow("-1", physical) == ()
     assert _narrow("4,5", None) == ("4", "5")  # no driver tool to check against: taken as given
+
+
+def test_multi_node_training_without_a_rendezvous_is_refused_naming_both_flags() -> None:
+    with pytest.raises(ConfigError, match="--actor-num-nodes 2 needs --rdzv-endpoint"):
+        plan("--rollout-num-engines", "1", "--actor-num-nodes", "2", gpus=0)
+    node = plan("--rollout-num-engines", "1", "--actor-num-nodes", "2", "--actor-node-rank", "1",
+                "--rdzv-endpoint", "10.0.0.1:29400", gpus=0).local
+    assert node.node_rank == 1 and node.ranks.spec.node_rank == 1
+    assert "--node-rank 1" in " ".join(node.ranks.command())
