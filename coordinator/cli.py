@@ -16,7 +16,7 @@ USAGE = """usage: rayless COMMAND [ARGS]
 
 commands:
   train             run RL post-training (rollouts on engines, training on torchrun ranks); --help for flags
-  engine            serve a Hugging Face model with the SGLang HTTP API on the CPU
+  engine            serve a Hugging Face model with the SGLang HTTP API (on the CPU, or --device cuda)
   make-tiny-model   write a tiny local Hugging Face model directory (nothing fetched from a hub)
   dump              show | verify | convert rollout dumps
 """
@@ -45,17 +45,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train_main(argv: Sequence[str]) -> int:
-    """Parse, check against the machine (files, hooks, backends), then run. Exit 2 before any launch on bad
-    flags; secrets given on the command line are masked in everything printed here."""
+    """Parse, check against the machine (files, hooks, backends), plan the placement, then run. Exit 2 before
+    any launch on bad flags or a plan this node cannot hold; `--dry-run` reports the checks and the plan and
+    launches nothing. Secrets given on the command line are masked in everything printed here."""
     from coordinator.config import ConfigError, ConfigWarning, parse_config, preflight
-    from coordinator.config.secrets import mask_text, secret_values_in_argv
+    from coordinator.config.secrets import config_secrets, mask_text, secret_values_in_argv
 
     secrets = secret_values_in_argv(argv)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         try:
             config = parse_config(argv)
-            preflight(config)
+            if not config.debug.dry_run:
+                preflight(config)
+                from coordinator.plan import plan_for_launch
+
+                plan = plan_for_launch(config)
         except ConfigError as error:
             print(f"rayless train: error: {mask_text(str(error), secrets)}", file=sys.stderr)
             return 2
@@ -64,10 +69,15 @@ def train_main(argv: Sequence[str]) -> int:
     for warning in caught:
         kind = "notice" if issubclass(warning.category, PortingNotice) else "warning"
         print(f"rayless train: {kind}: {mask_text(str(warning.message), secrets)}", file=sys.stderr)
+    if config.debug.dry_run:
+        from coordinator.dry_run import dry_run
+
+        secrets |= config_secrets(config)
+        return dry_run(config, mask=lambda text: mask_text(text, secrets))
 
     from coordinator.run import run_training_sync
 
-    return run_training_sync(config)
+    return run_training_sync(config, plan)
 
 
 def make_tiny_model_main(argv: Sequence[str]) -> int:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import anyio
 
 from coordinator.config import CheckpointConfig, RolloutConfig
-from coordinator.progress import MetricsLog
+from coordinator.progress import MetricsLog, RunProgress
 from replay.sample import RolloutBatch
 
 log = logging.getLogger("rayless")
@@ -78,6 +78,7 @@ class TrainingLoop:
         start_rollout: int = 0,
         num_rollout: int,
         hooks: list[StepHook] | None = None,
+        progress: RunProgress | None = None,
     ) -> None:
         self.settings = rollout
         self.checkpoint = checkpoint
@@ -88,6 +89,8 @@ class TrainingLoop:
         self.start_rollout = start_rollout
         self.num_rollout = num_rollout
         self.hooks = hooks or []
+        #: rollouts done and the ETA, for the run-level bar (`coordinator.progress`)
+        self.progress = progress or RunProgress()
         self.version = start_rollout  # optimizer updates applied so far
         self._version_changed = anyio.Event()
 
@@ -104,6 +107,7 @@ class TrainingLoop:
         if self.start_rollout > 0:
             # a resume redoes every step from start_rollout: an earlier run's rows for them are replaced
             self.metrics.resume_at(self.start_rollout)
+        self.progress.begin(self.start_rollout, self.num_rollout)
         if self.settings.async_rollout and self.trainer is not None:
             await self._run_async(result)
         else:
@@ -166,7 +170,8 @@ class TrainingLoop:
         record["step/time_s"] = time.monotonic() - started
         self.metrics.log(rollout_id, record)
         result.history.append({"step": rollout_id, **record})
-        log.info(_summary(rollout_id, self.num_rollout, record))
+        self.progress.rollout_done(rollout_id)
+        log.info("%s  %s", _summary(rollout_id, self.num_rollout, record), self.progress.timing_text())
         for hook in self.hooks:
             await hook.after_step(rollout_id, self.weight_version)
 

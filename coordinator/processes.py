@@ -2,8 +2,8 @@
 
 Owns, written once for every launcher: starting a child as the leader of its own process group with its
 output in a log file, seeing that it exited without reaping it, ending its whole group (SIGTERM, SIGKILL after
-a grace period, sweep, reap), reading the tail of its log for an error message, and flattening the exception
-groups that concurrent starts raise.
+a grace period, sweep, reap), reading the tail of its log for an error message (`with_log_tail`: one format
+for every launcher), and flattening the exception groups that concurrent starts raise.
 
 Invariants:
   * A child started here leads its own session / process group (`start_new_session=True`), so one `killpg`
@@ -132,6 +132,14 @@ def read_tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
     except OSError:
         return ""
     return "\n".join(data.splitlines()[-lines:])
+
+
+def with_log_tail(message: str, log_path: Path | None, tail: str) -> str:
+    """A failure's message followed by the last lines of the failed process's log, the same way for every
+    launched process (engines, ranks, the router)."""
+    if not tail:
+        return message
+    return f"{message}\n--- last lines of {log_path} ---\n{tail}"
 
 
 def leaf_exceptions(error: BaseException) -> list[BaseException]:

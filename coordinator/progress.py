@@ -1,16 +1,20 @@
 """Terminal progress and the run's metrics file.
 
-Owns what a person watching the run sees (a live rich status line on a terminal, plain log lines otherwise or
-with `--no-progress`) and `metrics.jsonl` in the run directory: one JSON object per line, each with `step`
-(the rollout id) and a `time`. Invariants: every line of metrics.jsonl is a complete JSON object (written
-and flushed in one call), so a crash never leaves a torn line that breaks the reader; and the file tells one
-history: a run resumed at rollout N (`--load`) redoes every step from N, so `resume_at(N)` first drops the
-rows of steps >= N that an earlier run wrote (they describe training the checkpoint no longer holds) and the
-resumed run's rows replace them — each step appears once. TensorBoard is told the same (`purge_step`).
+Owns what a person watching the run sees — the start-up board (each launched process's phase), a run-level
+bar (rollout n/N, elapsed, ETA) and the current rollout's line — live with rich on a terminal, or as plain
+log lines otherwise and with `--no-progress` — and `metrics.jsonl` in the run directory: one JSON object per
+line, each with `step` (the rollout id) and a `time`. Invariant: every line of metrics.jsonl is a complete
+JSON object (written and flushed in one call), so a crash never leaves a torn line that breaks the reader;
+and the file tells one history: a run resumed at rollout N (`--load`) redoes every step from N, so
+`resume_at(N)` first drops the rows of steps >= N that an earlier run wrote (they describe training the
+checkpoint no longer holds) and the resumed run's rows replace them — each step appears once. TensorBoard is
+told the same (`purge_step`).
+Rich's live view and the log handler share one console (`stderr_console`), so log lines print above it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -22,6 +26,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+import anyio
+
+from coordinator.startup import StartupBoard
+
 log = logging.getLogger("rayless")
 
 
@@ -29,31 +37,123 @@ class HasLine(Protocol):
     def line(self) -> str: ...
 
 
+@functools.cache
+def stderr_console() -> Any:
+    """The one rich console on stderr (the live view and the log handler must share it)."""
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def clock(seconds: float) -> str:
+    """0:00:42 style."""
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class RunProgress:
+    """Rollouts done of this run, elapsed time and the ETA from the mean wall time per rollout so far."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.first = 0
+        self.total = 0
+        self.done = 0
+        self.loop_started: float | None = None
+
+    def begin(self, first: int, total: int) -> None:
+        """The loop runs rollouts `first`..`total - 1` (a resumed run starts past 0)."""
+        self.first, self.total, self.done = first, total, 0
+        self.loop_started = time.monotonic()
+
+    def rollout_done(self, rollout_id: int) -> None:
+        self.done = max(self.done, rollout_id + 1 - self.first)
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.total - self.first - self.done)
+
+    def eta(self) -> float | None:
+        if self.loop_started is None or self.done == 0:
+            return None
+        return (time.monotonic() - self.loop_started) / self.done * self.remaining
+
+    def timing_text(self) -> str:
+        """`elapsed 0:00:31  ETA 0:00:29` (ETA `?` before the first rollout is done)."""
+        eta = self.eta()
+        return f"elapsed {clock(time.monotonic() - self.started)}  ETA {clock(eta) if eta is not None else '?'}"
+
+    def text(self, width: int = 20) -> str:
+        """`━━━━━━────── 6/12 rollouts  elapsed 0:00:31  ETA 0:00:29`."""
+        finished = self.first + self.done
+        filled = round(width * finished / self.total) if self.total else 0
+        return f"{'━' * filled}{'─' * (width - filled)} {finished}/{self.total} rollouts  {self.timing_text()}"
+
+
 class ProgressDisplay:
-    def __init__(self, *, enabled: bool, min_interval: float = 0.25, log_interval: float = 10.0) -> None:
+    """The run's terminal view: `run_view` (a service for the whole run), the start-up `board` launchers
+    report to, `run` (rollouts done, ETA) the loop updates, and `__call__(title, source)` for the current
+    rollout's line."""
+
+    def __init__(self, *, enabled: bool, min_interval: float = 0.25, log_interval: float = 10.0,
+                 mask: Callable[[str], str] | None = None) -> None:
         self.live = enabled and sys.stderr.isatty()
         self.min_interval = min_interval
         self.log_interval = log_interval
+        self.board = StartupBoard(mask=mask)
+        self.run = RunProgress()
+        self._current: tuple[str, HasLine] | None = None
+
+    async def run_view(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled: the live view on a terminal; otherwise, while start-up waits, one line every
+        `log_interval` naming who is still being waited for."""
+        if self.live:
+            from rich.live import Live
+
+            with Live(get_renderable=self.render, console=stderr_console(), refresh_per_second=4,
+                      transient=True):
+                task_status.started()
+                await anyio.sleep_forever()
+        task_status.started()
+        while True:
+            await anyio.sleep(self.log_interval)
+            if self.board.waiting():
+                log.info("%s", self.board.waiting_line())
+
+    def render(self) -> Any:
+        """The live view: processes not yet serving, the run bar, the current rollout's line."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        parts: list[Any] = []
+        waiting = self.board.waiting()
+        if waiting:
+            table = Table(box=None, show_header=False, pad_edge=False, title_justify="left")
+            now = time.monotonic()
+            for row in waiting:
+                style = "red" if row.phase == "failed" else "yellow"
+                table.add_row(Text(row.name, style="bold"), Text(row.where, style="dim"),
+                              Text(row.phase, style=style), f"{row.elapsed(now):.0f}s",
+                              Text(row.detail, style="dim", overflow="ellipsis", no_wrap=True))
+            parts.append(table)
+        if self.run.total:
+            parts.append(Text(self.run.text(), style="cyan"))
+        current = self._current
+        if current is not None:
+            parts.append(Text.from_markup(f"[bold]{current[0]}[/]  ") + Text(current[1].line()))
+        return Group(*parts)
 
     @contextmanager
     def __call__(self, title: str, source: HasLine) -> Iterator[Callable[[], None]]:
+        """The current rollout's line while it generates; yields `refresh` (a no-op for the live view, which
+        redraws by itself; a log line every `log_interval` otherwise)."""
         if self.live:
-            from rich.console import Console
-            from rich.live import Live
-
-            console = Console(stderr=True)
-            last = 0.0
-            with Live(console=console, refresh_per_second=4, transient=True) as live:
-
-                def refresh() -> None:
-                    nonlocal last
-                    now = time.monotonic()
-                    if now - last >= self.min_interval:
-                        last = now
-                        live.update(f"[bold]{title}[/]  {source.line()}")
-
-                refresh()
-                yield refresh
+            self._current = (title, source)
+            try:
+                yield lambda: None
+            finally:
+                self._current = None
             return
         last_logged = time.monotonic()
 
@@ -62,7 +162,8 @@ class ProgressDisplay:
             now = time.monotonic()
             if now - last_logged >= self.log_interval:
                 last_logged = now
-                log.info("%s  %s", title, source.line())
+                run = f"  | {self.run.text()}" if self.run.total else ""
+                log.info("%s  %s%s", title, source.line(), run)
 
         yield log_refresh
 

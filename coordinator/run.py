@@ -1,7 +1,10 @@
 """`rayless train`: wires the run's services in one anyio task group and runs the training loop.
 
-Owns the wiring order and the run directory. Services start concurrently (engines, router, training ranks),
-each through `task_group.start(service.run)`, so the loop begins only once everything it uses is ready;
+Owns the wiring order and the run directory. Every process launched comes from the placement plan
+(`coordinator.plan`, computed once at start-up; written to `<run_dir>/plan.txt`): engines from its engine
+slots, torchrun from its ranks slot, the router from its router slot. Services start concurrently (engines,
+router, training ranks), each through `task_group.start(service.run)`, reporting their phases to the
+progress display's start-up board, so the loop begins only once everything it uses is ready;
 leaving the block — normally, on error or on Ctrl-C — cancels the group, and each service ends the processes
 it launched. Only what the mode needs is started: replay starts no engine, router, health monitor, eval fleet
 or HTTP client; `--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
@@ -14,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import secrets
+import secrets as token_source
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -33,7 +36,7 @@ from workers.errors import RaylessError
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
-from coordinator.progress import MetricsLog, ProgressDisplay, plot_rewards
+from coordinator.progress import MetricsLog, ProgressDisplay, plot_rewards, stderr_console
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     from coordinator.eval_fleet import EvalFleet
     from coordinator.health import FaultInjector, HealthMonitor
     from coordinator.loop import StepHook
+    from coordinator.plan import PlacementPlan
     from coordinator.train.group import TrainGroup
     from coordinator.weight_sync import WeightSync
 
@@ -68,7 +72,7 @@ def setup_logging(config: Config, run_dir: Path) -> None:
     if sys.stderr.isatty() and not config.logging.no_progress:
         from rich.logging import RichHandler
 
-        handlers.append(RichHandler(show_path=False, log_time_format="%H:%M:%S"))
+        handlers.append(RichHandler(console=stderr_console(), show_path=False, log_time_format="%H:%M:%S"))
     else:
         stream = logging.StreamHandler(sys.stderr)
         stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
@@ -81,12 +85,12 @@ def setup_logging(config: Config, run_dir: Path) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def run_training_sync(config: Config) -> int:
+def run_training_sync(config: Config, plan: PlacementPlan | None = None) -> int:
     run_dir = config.logging.resolved_run_dir
     setup_logging(config, run_dir)
     write_resolved_config(config, run_dir)
     try:
-        anyio.run(run_training, config)
+        anyio.run(lambda: run_training(config, plan=plan))
     except KeyboardInterrupt:
         log.error("interrupted; every launched process was stopped")
         return 130
@@ -100,24 +104,38 @@ def run_training_sync(config: Config) -> int:
     return 0
 
 
-async def run_training(config: Config, *, extra_hooks: Callable[[Services], list[StepHook]] | None = None
-                       ) -> dict[str, Any]:
+async def run_training(config: Config, *, plan: PlacementPlan | None = None,
+                       extra_hooks: Callable[[Services], list[StepHook]] | None = None) -> dict[str, Any]:
     """Run the job; returns a summary (also written to <run_dir>/summary.json).
 
-    `extra_hooks(services)` returns more training-loop hooks (`after_step(rollout_id, weight_version)`); tests
-    use it to act on the running services (kill a rank mid-run).
+    `plan`: the placement plan computed at start-up (`rayless train` computes it before anything launches);
+    computed here when not given. `extra_hooks(services)` returns more training-loop hooks
+    (`after_step(rollout_id, weight_version)`); tests use it to act on the running services (kill a rank).
     """
+    from coordinator.config.secrets import mask_text
+    from coordinator.plan import describe_plan, plan_for_launch, where_text
+
     started = time.monotonic()
     run_dir = config.logging.resolved_run_dir
+    plan = plan or plan_for_launch(config)
+    secret_values = config_secrets(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "plan.txt").write_text(describe_plan(plan) + "\n")
+    log.info("%s\n(full command lines and environments: %s)", describe_plan(plan, detail=False),
+             run_dir / "plan.txt")
     metrics = MetricsLog(run_dir, tensorboard=config.logging.use_tensorboard, wandb=config.logging.use_wandb,
                          wandb_login=config.logging.wandb_login_kwargs(),
-                         wandb_init=config.logging.wandb_init_kwargs(suffix=secrets.token_hex(3)))
-    progress = ProgressDisplay(enabled=not config.logging.no_progress)
+                         wandb_init=config.logging.wandb_init_kwargs(suffix=token_source.token_hex(3)))
+    progress = ProgressDisplay(enabled=not config.logging.no_progress,
+                               mask=lambda text: mask_text(text, secret_values))
+    for slot in plan.local.processes():
+        progress.board.expect(slot.name, where_text(slot))
     timings: dict[str, float] = {}
     try:
         async with AsyncExitStack() as stack:
             task_group = await stack.enter_async_context(anyio.create_task_group())
-            services = await _start_services(config, run_dir, task_group, stack, timings)
+            await task_group.start(progress.run_view)
+            services = await _start_services(config, plan, run_dir, task_group, stack, timings, progress)
             timings["services_ready_s"] = time.monotonic() - started
             summary = await _train(config, run_dir, services, metrics, progress, timings, task_group,
                                    extra_hooks)
@@ -153,48 +171,54 @@ class Services:
     weight_sync: WeightSync | None = None
 
 
-async def _start_services(config: Config, run_dir: Path, task_group: TaskGroup, stack: AsyncExitStack,
-                          timings: dict[str, float]) -> Services:
+async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, task_group: TaskGroup,
+                          stack: AsyncExitStack, timings: dict[str, float], progress: ProgressDisplay) -> Services:
     services = Services()
     starters: list[Callable[[], Awaitable[None]]] = []
     if config.needs_engines:
-        starters += await _engine_starters(config, run_dir, task_group, stack, services, timings)
+        starters += await _engine_starters(config, plan, run_dir, task_group, stack, services, timings,
+                                           progress)
     if config.needs_train_ranks:
-        starters.append(_rank_starter(config, run_dir, task_group, services, timings))
+        starters.append(_rank_starter(config, plan, run_dir, task_group, services, timings, progress))
     async with anyio.create_task_group() as starting:
         for starter in starters:
             starting.start_soon(starter)
     return services
 
 
-async def _engine_starters(config: Config, run_dir: Path, task_group: TaskGroup, stack: AsyncExitStack,
-                           services: Services, timings: dict[str, float]) -> list[Callable[[], Awaitable[None]]]:
-    """Open the engine client and build the fleets; return the tasks that start engines, router, tokenizer."""
+async def _engine_starters(config: Config, plan: PlacementPlan, run_dir: Path, task_group: TaskGroup,
+                           stack: AsyncExitStack, services: Services, timings: dict[str, float],
+                           progress: ProgressDisplay) -> list[Callable[[], Awaitable[None]]]:
+    """Open the engine client and build the fleets from the plan's engine slots; return the tasks that start
+    engines, router, tokenizer."""
     from coordinator.engines.client import EngineClient
     from coordinator.engines.fleet import EngineFleet
-    from coordinator.engines.launch import engine_launch_spec
 
     t0 = time.monotonic()
-    cluster, sglang, ft = config.cluster, config.sglang, config.fault_tolerance
+    node, sglang, ft = plan.local, config.sglang, config.fault_tolerance
     client = services.client = await stack.enter_async_context(
         EngineClient(max_connections=min(config.generate_concurrency, 1024), api_key=sglang.sglang_api_key)
     )
-    spec = engine_launch_spec(model_path=str(config.rollout.hf_checkpoint), sglang=sglang, cluster=cluster,
-                              seed=config.rollout.rollout_seed, enable_metrics=config.health_monitor_enabled)
     fleet = services.fleet = EngineFleet(
-        client=client, group="rollout", launch=spec if config.num_launched_rollout_engines else None,
-        num_engines=config.num_launched_rollout_engines, external_urls=cluster.rollout_external_engine_addrs,
-        run_dir=run_dir, probe_timeout=ft.rollout_health_check_timeout)
+        client=client, group="rollout", launch=[slot.spec for slot in node.rollout_engines],
+        external_urls=plan.external_engines, run_dir=run_dir, probe_timeout=ft.rollout_health_check_timeout,
+        observer=progress.board)
 
     async def start_engines() -> None:
         await task_group.start(fleet.run)
         timings["engines_ready_s"] = time.monotonic() - t0
-        if sglang.use_sglang_router or sglang.router_address is not None:
+        if sglang.router_address is not None:
             from coordinator.engines.router import RouterHandle
 
-            router = services.router = RouterHandle(client=client, run_dir=run_dir,
-                                                    policy=sglang.sglang_router_policy,
-                                                    address=sglang.router_address)
+            router = services.router = RouterHandle(client=client, run_dir=run_dir, policy=sglang.sglang_router_policy,
+                                                    address=sglang.router_address, observer=progress.board)
+        elif node.router is not None:
+            from coordinator.engines.router import RouterHandle
+
+            slot = node.router
+            router = services.router = RouterHandle(
+                client=client, run_dir=run_dir, name="rollout", policy=slot.policy, host=slot.host,
+                port=slot.port, prometheus_port=slot.prometheus_port, python=slot.python, observer=progress.board)
             await task_group.start(router.run, [e.url for e in fleet.alive()])
 
     async def load_tokenizer() -> None:
@@ -202,10 +226,10 @@ async def _engine_starters(config: Config, run_dir: Path, task_group: TaskGroup,
 
     starters = [start_engines, load_tokenizer]
     if config.eval_fleet_enabled:
-        # Dedicated eval engines: same launch spec, their own group; never given training weights.
+        # Dedicated eval engines: their own group and GPUs; never given training weights.
         eval_engines = services.eval_engines = EngineFleet(
-            client=client, group="eval", launch=spec, num_engines=config.num_eval_engines, run_dir=run_dir,
-            probe_timeout=ft.rollout_health_check_timeout)
+            client=client, group="eval", launch=[slot.spec for slot in node.eval_engines], run_dir=run_dir,
+            probe_timeout=ft.rollout_health_check_timeout, observer=progress.board)
 
         async def start_eval_engines() -> None:
             await task_group.start(eval_engines.run)
@@ -215,22 +239,16 @@ async def _engine_starters(config: Config, run_dir: Path, task_group: TaskGroup,
     return starters
 
 
-def _rank_starter(config: Config, run_dir: Path, task_group: TaskGroup, services: Services,
-                  timings: dict[str, float]) -> Callable[[], Awaitable[None]]:
+def _rank_starter(config: Config, plan: PlacementPlan, run_dir: Path, task_group: TaskGroup, services: Services,
+                  timings: dict[str, float], progress: ProgressDisplay) -> Callable[[], Awaitable[None]]:
     from coordinator.train.group import TrainGroup
 
     t0 = time.monotonic()
-    cluster = config.cluster
-    group = services.train_group = TrainGroup(
-        nproc_per_node=cluster.actor_num_gpus_per_node,
-        nnodes=cluster.actor_num_nodes,
-        node_rank=cluster.actor_node_rank,
-        rdzv_endpoint=cluster.rdzv_endpoint,
-        max_restarts=config.fault_tolerance.max_restarts if config.train_ft_enabled else 0,
-        host=cluster.control_host,
-        port=cluster.control_port,
-        run_dir=run_dir,
-    )
+    slot = plan.local.ranks
+    assert slot is not None, "the plan places training ranks whenever the run trains"
+    group = services.train_group = TrainGroup.from_spec(
+        slot.spec, host=slot.control_host, port=slot.control_port, port_fixed=slot.control_port_fixed,
+        extra_env=dict(slot.env), run_dir=run_dir, log_name=slot.log.name, observer=progress.board)
     settings = config.rank_settings()
 
     async def start_ranks() -> None:
@@ -288,7 +306,7 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         rollouts = FaultInjectingSource(manager, ft.injector)
     loop = TrainingLoop(rollout=config.rollout, checkpoint=config.checkpoint, rollouts=rollouts,
                         trainer=services.train_group, weight_sync=weight_sync, metrics=metrics,
-                        start_rollout=start_rollout, num_rollout=num_rollout, hooks=hooks)
+                        start_rollout=start_rollout, num_rollout=num_rollout, hooks=hooks, progress=progress.run)
     timings["loop_start_s"] = 0.0
     result = await loop.run()
     if ft.eval_fleet is not None:

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from coordinator.config import values
 from coordinator.config.fields import ConfigError, Slice, flag
 
-ENGINE_BACKENDS = ("auto", "cpu", "sglang")
+#: auto: SGLang on GPUs where installed, else our engine on CUDA; fleets sized in engines run ours on the CPU.
+#: rayless: our engine on the device the plan gives it. sglang: SGLang on GPUs. cpu: our engine on the CPU.
+#: (`coordinator.plan.backend` resolves them.)
+ENGINE_BACKENDS = ("auto", "rayless", "sglang", "cpu")
 
 
 @dataclass(frozen=True)
@@ -26,12 +29,16 @@ class ClusterConfig(Slice):
     actor_node_rank: int = flag(0, help="this node's rank for multi-node torchrun", minimum=0)
     rdzv_endpoint: str | None = flag(None, help="torchrun rendezvous endpoint HOST:PORT for multi-node training",
                                      parse=values.host_port, metavar="HOST:PORT")
-    rollout_num_gpus: int | None = flag(None, help="GPUs for rollout engines (SGLang)", minimum=0)
+    rollout_num_gpus: int | None = flag(None, help="GPUs for rollout engines (SGLang, or our engine on CUDA)",
+                                        minimum=0)
     rollout_num_gpus_per_engine: int = flag(1, help="GPUs per rollout engine (tensor parallel size)", minimum=1)
     rollout_num_engines: int | None = flag(None, help="CPU rollout engines to launch", minimum=0)
     rollout_external_engine_addrs: tuple[str, ...] = flag(
         (), help="attach to running engines at these HOST:PORT addresses", parse=values.engine_address, metavar="HOST:PORT")
-    engine_backend: str = flag("auto", help="engine implementation", choices=ENGINE_BACKENDS)
+    engine_backend: str = flag("auto", help="engine implementation: auto (SGLang on GPUs where it is installed, "
+                               "else our engine on CUDA; our engine on the CPU for --rollout-num-engines), "
+                               "rayless (our engine, on the GPUs the plan gives it or the CPU), sglang, cpu "
+                               "(our engine on the CPU)", choices=ENGINE_BACKENDS)
     control_host: str = flag("127.0.0.1", help="address the control channel listens on (127.0.0.1 unless "
                              "multi-node)", parse=values.host, metavar="HOST")
     control_port: int = flag(0, help="control channel port (0 = any free port)", minimum=0, maximum=65535)
@@ -48,9 +55,3 @@ class ClusterConfig(Slice):
         if self.actor_node_rank >= self.actor_num_nodes:
             raise ConfigError(f"--actor-node-rank {self.actor_node_rank} must be below --actor-num-nodes "
                               f"{self.actor_num_nodes}")
-
-    def resolved_engine_backend(self, *, cuda_available: bool) -> str:
-        """`--engine-backend`, with `auto` resolved: SGLang where CUDA is available, else the CPU engine."""
-        if self.engine_backend != "auto":
-            return self.engine_backend
-        return "sglang" if cuda_available else "cpu"

@@ -26,6 +26,9 @@ class DebugConfig(Slice):
                                                            "rollout", above=0, maximum=1)
     debug_train_only: bool = flag(False, help="start no engines")
     debug_rollout_only: bool = flag(False, help="start no training ranks")
+    dry_run: bool = flag(False, help="check flags, data files and keys, tokenizer, hooks and checkpoint paths, "
+                         "print the placement plan (every process: GPUs, ports, environment, command line) and "
+                         "exit without launching anything")
     ci_test: bool = flag(False, help="CI mode: with rollout FT, kill one rollout engine at rollout 1 to exercise "
                          "recovery")
 

@@ -1,50 +1,114 @@
-"""Start-up checks against the machine: files that must exist, hooks that must import, backends installed.
+"""Start-up checks against the machine: files that must exist, data that must hold the keys asked for, hooks
+that must import and accept the calls they will get, checkpoint directories, backends installed.
 
 Owns `preflight(config)`, run by `rayless train` after the flags parse and before any process is launched or
-port opened; it ends by warning the grouped `PortingNotice` about flags from slime/miles scripts. Invariant: every failure is a `ConfigError` naming the flag (exit status 2). Hooks are resolved
-here (their modules imported, the attribute found and callable), not when the rollout manager is built after
-engines and ranks started. Only what the run's mode uses is checked.
+port opened (and by `--dry-run`, which reports every check's outcome). Invariant: every failure is a
+`ConfigError` naming the flag (exit status 2). Hooks are resolved here (their modules imported, the attribute
+found, callable with the arguments rayless passes), not when the rollout manager is built after engines and
+ranks started. Only what the run's mode uses is checked. Each check returns short notes of what it found,
+for `--dry-run` to print; the last step warns the grouped `PortingNotice` about flags from slime/miles scripts.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 from coordinator.config.fields import ConfigError
 from coordinator.config.porting import LoadPlan, PortingNotice, porting_notice, resolve_load, resolve_ref_load
 from coordinator.config.settings import Config
 
+#: Records of each data file read at start-up: enough to find a wrong key, never the whole file.
+PEEK_RECORDS = 3
 
-def preflight(config: Config) -> None:
-    check_paths(config)
-    load = check_checkpoints(config)
-    check_hooks(config)
-    check_metric_backends(config)
+
+def preflight(config: Config) -> list[str]:
+    """Every check; the notes of what was found (`--dry-run` prints them)."""
+    notes = [*check_paths(config)]
+    load_notes, load = check_checkpoints(config)
+    notes += [*load_notes, *check_data(config), *check_hooks(config), *check_metric_backends(config)]
     notice = porting_notice(config, load=load)
     if notice is not None:
         warnings.warn(notice, PortingNotice, stacklevel=2)
+    return notes
 
 
-def check_checkpoints(config: Config) -> LoadPlan:
-    """What `--load` and `--ref-load` hold (slime's rules; a Megatron checkpoint is refused with what to pass)."""
-    resolve_ref_load(config)
-    return resolve_load(config)
+def check_checkpoints(config: Config) -> tuple[list[str], LoadPlan]:
+    """What `--load` and `--ref-load` hold (slime's rules: a `--load` that does not exist yet starts fresh; a
+    Megatron checkpoint is refused with what to pass), and that `--save` can be written."""
+    notes = []
+    ref = resolve_ref_load(config)
+    if ref is not None:
+        notes.append(f"--ref-load {ref}: the reference model")
+    load = resolve_load(config)
+    if load.resume:
+        notes.append(f"--load {load.path}: resumes from this checkpoint")
+    elif load.fresh_reason is not None:
+        notes.append(f"--load {config.checkpoint.load}: {load.fresh_reason}; training starts fresh")
+    save = config.checkpoint.save
+    if save and config.needs_train_ranks:
+        notes.append(_check_writable("--save", Path(save)))
+    return notes, load
 
 
-def check_paths(config: Config) -> None:
-    """The model directory, prompt and eval files, and the checkpoint to resume from exist."""
+def check_paths(config: Config) -> list[str]:
+    """The model directory, prompt and eval files exist."""
     rollout = config.rollout
     checkpoint = Path(rollout.hf_checkpoint or "")
     if not (checkpoint / "config.json").is_file():
         raise ConfigError(f"--hf-checkpoint {rollout.hf_checkpoint}: not a Hugging Face model directory "
                           "(no config.json); build one with `rayless make-tiny-model DIR`")
+    notes = [f"--hf-checkpoint {rollout.hf_checkpoint}: a Hugging Face model directory"]
     if rollout.prompt_data and not rollout.prompt_data.startswith("builtin:") and not config.replay_mode:
         if not Path(rollout.prompt_data).is_file():
             raise ConfigError(f"--prompt-data {rollout.prompt_data}: no such file")
     for name, path in config.eval.eval_datasets:
         if not path.startswith("builtin:") and not Path(path).is_file():
             raise ConfigError(f"--eval-prompt-data {name} {path}: no such file")
+    return notes
+
+
+def _check_writable(flag: str, directory: Path) -> str:
+    """A directory that is (or can be created) writable: it, or its nearest existing parent, is writable."""
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{flag} {directory}: exists and is not a directory")
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "it" if existing == directory else f"its parent {existing}"
+        raise ConfigError(f"{flag} {directory}: cannot be written ({where} is not writable by this user)")
+    return f"{flag} {directory}: writable" + ("" if existing == directory else f" (will be created in {existing})")
+
+
+def check_data(config: Config) -> list[str]:
+    """The first records of `--prompt-data` and of each eval dataset hold `--input-key` (and `--label-key`,
+    `--metadata-key` when given), with values of the right kinds."""
+    if config.replay_mode:
+        return []
+    from coordinator.rollout.data_source import DataSourceError, read_prompt_file
+
+    rollout = config.rollout
+    sources = [("--prompt-data", rollout.prompt_data)] if rollout.prompt_data else []
+    sources += [(f"--eval-prompt-data {name}", path) for name, path in config.eval.eval_datasets]
+    keys = [f"--input-key {rollout.input_key!r}"]
+    keys += [f"--label-key {rollout.label_key!r}"] if rollout.label_key else []
+    keys += [f"--metadata-key {rollout.metadata_key!r}"] if rollout.metadata_key else []
+    notes = []
+    for flag, path in sources:
+        if path.startswith("builtin:"):
+            notes.append(f"{flag} {path}: a built-in task")
+            continue
+        try:
+            records = read_prompt_file(path, input_key=rollout.input_key, label_key=rollout.label_key,
+                                       metadata_key=rollout.metadata_key, limit=PEEK_RECORDS)
+        except DataSourceError as error:
+            raise ConfigError(f"{flag}: {error}") from None
+        notes.append(f"{flag} {path}: the first {len(records)} record(s) hold {', '.join(keys)}")
+    return notes
 
 
 def hooks_in_use(config: Config) -> list[tuple[str, str]]:
@@ -62,10 +126,12 @@ def hooks_in_use(config: Config) -> list[tuple[str, str]]:
     return hooks
 
 
-def check_hooks(config: Config) -> None:
-    """Each hook path imports and names a callable (a class counts: rollout fns may be classes)."""
+def check_hooks(config: Config) -> list[str]:
+    """Each hook path imports, names a callable (a class counts: rollout fns may be classes), and accepts the
+    positional arguments rayless calls it with."""
     from coordinator.rollout.loading import HookLoadError, load_object
 
+    notes = []
     for flag, path in hooks_in_use(config):
         try:
             target = load_object(path, what=flag)
@@ -73,11 +139,60 @@ def check_hooks(config: Config) -> None:
             raise ConfigError(str(error)) from None
         if not callable(target):
             raise ConfigError(f"{flag} {path!r} names a {type(target).__name__}, not a function or class")
+        notes.append(f"{flag} {path}: " + check_hook_signature(flag, path, target, group_rm=config.rollout.group_rm))
+    return notes
 
 
-def check_metric_backends(config: Config) -> None:
+#: The positional arguments each kind of hook is called with (`coordinator.rollout.manager`, `rewards`,
+#: `filters`): a rollout fn class is built with the context and its instances called per rollout.
+HOOK_CALLS: dict[str, tuple[str, ...]] = {
+    "--rollout-function-path": ("context", "rollout_id", "weight_version"),
+    "--eval-function-path": ("context", "rollout_id", "weight_version"),
+    "--custom-rm-path": ("sample",),
+    "--dynamic-sampling-filter-path": ("group",),
+}
+
+
+def check_hook_signature(flag: str, path: str, target: Any, *, group_rm: bool = False) -> str:
+    """How the hook will be called, checked against its signature; ConfigError when it cannot be."""
+    arguments = HOOK_CALLS[flag]
+    if flag == "--custom-rm-path" and group_rm:
+        arguments = ("samples",)
+    if inspect.isclass(target) and flag in ("--rollout-function-path", "--eval-function-path"):
+        _bind(flag, path, target, arguments[:1], f"{target.__name__}(context)")
+        # The instances' __call__ as the class defines it (getattr on a class would give type.__call__).
+        call = next((klass.__dict__["__call__"] for klass in target.__mro__[:-1] if "__call__" in klass.__dict__),
+                    None)
+        if call is None:
+            raise ConfigError(f"{flag} {path!r}: instances of class {target.__name__} are not callable: define "
+                              "__call__(self, rollout_id, weight_version)")
+        _bind(flag, path, call, ("self", *arguments[1:]),
+              f"{target.__name__}.__call__(self, rollout_id, weight_version)")
+        return f"class, built as {target.__name__}(context), called as instance(rollout_id, weight_version)"
+    name = getattr(target, "__name__", type(target).__name__)
+    shown = f"{name}({', '.join(arguments)})"
+    _bind(flag, path, target, arguments, shown)
+    if flag == "--dynamic-sampling-filter-path":
+        shown += " (reward_key= too, when it accepts it)"
+    return f"called as {shown}"
+
+
+def _bind(flag: str, path: str, target: Any, arguments: tuple[str, ...], shown: str) -> None:
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: nothing to check against
+    try:
+        signature.bind(*arguments)
+    except TypeError as error:
+        raise ConfigError(f"{flag} {path!r}: rayless calls it as {shown}, but its signature is "
+                          f"{signature}: {error}") from None
+
+
+def check_metric_backends(config: Config) -> list[str]:
     from coordinator.progress import missing_metric_backends
 
     missing = missing_metric_backends(tensorboard=config.logging.use_tensorboard, wandb=config.logging.use_wandb)
     if missing:
         raise ConfigError("; ".join(missing))
+    return []

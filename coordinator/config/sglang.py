@@ -34,6 +34,8 @@ class SglangConfig(Slice):
     sglang_context_length: int | None = flag(None, help="engine context length", minimum=1)
     update_weight_transfer_mode: str = flag("disk", help="how trained weights reach the engines",
                                             choices=WEIGHT_TRANSFER_MODES)
+    update_weight_buffer_size: int = flag(512 * 1024**2, help="bytes of parameters per weight-update bucket "
+                                          "(slime's flag)", minimum=1)
     # Filled by the parser from unknown `--sglang-*` flags; not a flag itself.
     sglang_passthrough: tuple[str, ...] = field(default=())
 

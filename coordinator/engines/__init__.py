@@ -2,7 +2,8 @@
 
 Owns nothing itself; re-exports the public API of its modules:
   client.py  EngineClient / EngineAPI and the typed EngineError family (one pool for all engines)
-  launch.py  EngineLaunchSpec / EngineProcess: starting engines and ending their process groups
+  launch.py  EngineLaunchSpec / EngineProcess: starting engines (on their planned port, or another with a
+             warning; reporting start-up phases) and ending their process groups
   fleet.py   EngineFleet / EngineHandle / EngineState: the only owner of engine states
   router.py  RouterHandle: sglang-router as a child process and its worker registration
 """
@@ -23,6 +24,7 @@ from coordinator.engines.launch import (
     EngineLaunchError,
     EngineLaunchSpec,
     EngineProcess,
+    claim_port,
     free_port,
     launch_engine,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "RetryPolicy",
     "RouterError",
     "RouterHandle",
+    "claim_port",
     "free_port",
     "launch_engine",
 ]

@@ -1,14 +1,16 @@
 """The engine fleet: the state of every engine in one group (rollout or eval).
 
-Owns: the `EngineHandle`s of one group, the group's launch spec, the process of each launched engine (one
+Owns: the `EngineHandle`s of one group, each launched engine's spec (one for the whole group, or one per
+engine as the placement plan gives them: own GPUs, own port), the process of each launched engine (one
 `EngineProcess` per incarnation, built here) and the change event.
 
 Invariants:
   * This object alone changes an engine's state (STARTING / ALIVE / DEAD) and its process; the rollout path,
     the health monitor, the eval fleet and weight sync read them and ask for changes through `mark_dead` /
     `relaunch` (recovery goes through `coordinator.engines.recovery.EngineRecovery`, which calls `relaunch`).
-  * The launch spec is never changed: a relaunch with other weights (`model_path`, `weight_version`) gets a
-    spec derived for that incarnation alone, so the next relaunch starts from the group's own spec again.
+  * An engine's launch spec is never changed: a relaunch with other weights (`model_path`, `weight_version`)
+    gets a spec derived for that incarnation alone, so the next relaunch starts from the engine's own spec
+    again (same GPUs, same environment).
   * Every state change sets the change event, so a dispatcher waiting for an engine wakes up.
   * Launched engines are stopped when `run()` ends, however it ends; external engines (attached by
     address) are probed, never launched or killed.
@@ -33,6 +35,7 @@ import anyio
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineUnreachable
 from coordinator.engines.launch import EngineLaunchError, EngineLaunchSpec, EngineProcess, engine_log_path
 from coordinator.processes import leaf_exceptions
+from coordinator.startup import NO_OBSERVER, PhaseObserver
 
 T = TypeVar("T")
 
@@ -72,12 +75,14 @@ class EngineFleet:
     Args:
         client: the shared engine client (its pool serves every engine of every group).
         group: "rollout", "eval", ...; engine names are `<group>-<i>`.
-        launch: how to start local engines (None when only external engines are used).
-        num_engines: how many local engines to launch.
+        launch: how to start local engines: one spec for all of them, or one per engine (the plan's slots,
+            each with its GPUs and planned port); None when only external engines are used.
+        num_engines: how many local engines to launch (default with a list of specs: one per spec).
         external_urls: addresses of engines started elsewhere; probed, never launched or killed.
         run_dir: logs go to `<run_dir>/logs/engine-<name>.log`.
         probe_timeout: read timeout of one `/health_generate` probe.
         attach_timeout: how long to wait for an external engine to answer.
+        observer: told each launched engine's start-up phases (the run's start-up board).
     """
 
     def __init__(
@@ -85,33 +90,33 @@ class EngineFleet:
         *,
         client: EngineClient,
         group: str = "rollout",
-        launch: EngineLaunchSpec | None = None,
-        num_engines: int = 0,
+        launch: EngineLaunchSpec | Sequence[EngineLaunchSpec] | None = None,
+        num_engines: int | None = None,
         external_urls: Sequence[str] = (),
         run_dir: Path,
         probe_timeout: float = 30.0,
         attach_timeout: float = 300.0,
+        observer: PhaseObserver = NO_OBSERVER,
     ) -> None:
-        if num_engines < 0:
-            raise ValueError(f"num_engines must be >= 0, got {num_engines}")
-        if num_engines and launch is None:
-            raise ValueError(f"{group}: {num_engines} local engines requested but no launch spec given")
-        if not num_engines and not external_urls:
+        specs = _per_engine(launch, num_engines, group)
+        if not specs and not external_urls:
             raise ValueError(f"{group}: no engines: give num_engines > 0 or external_urls")
         self.client = client
         self.group = group
         self.launch = launch
+        self.observer = observer
         self.run_dir = Path(run_dir)
         self.probe_timeout = probe_timeout
         self.attach_timeout = attach_timeout
         self._changed = anyio.Event()
         self._running = False
         self.engines: list[EngineHandle] = []
-        for i in range(num_engines):
+        #: each launched engine's own spec, by name
+        self.specs: dict[str, EngineLaunchSpec] = {}
+        for i, spec in enumerate(specs):
             name = f"{group}-{i}"
-            assert launch is not None
-            process = self._process(name, launch)
-            self.engines.append(EngineHandle(name=name, url="", launched=True, process=process))
+            self.specs[name] = spec
+            self.engines.append(EngineHandle(name=name, url="", launched=True, process=self._process(name, spec)))
         for j, url in enumerate(external_urls):
             url = url if url.startswith(("http://", "https://")) else f"http://{url}"
             self.engines.append(EngineHandle(name=f"{group}-ext-{j}", url=url.rstrip("/"), launched=False))
@@ -157,12 +162,12 @@ class EngineFleet:
                 self._set(h, EngineState.DEAD, "fleet stopped")
 
     def _process(self, name: str, spec: EngineLaunchSpec) -> EngineProcess:
-        return EngineProcess(spec, name=name, log_path=engine_log_path(self.run_dir, name), client=self.client)
+        return EngineProcess(spec, name=name, log_path=engine_log_path(self.run_dir, name), client=self.client,
+                             observer=self.observer)
 
-    def _spec_for(self, model_path: str | None, weight_version: str | None) -> EngineLaunchSpec:
-        """The group's spec with one incarnation's weights: a new frozen spec, the group's own untouched."""
-        assert self.launch is not None
-        spec = self.launch
+    def _spec_for(self, name: str, model_path: str | None, weight_version: str | None) -> EngineLaunchSpec:
+        """The engine's spec with one incarnation's weights: a new frozen spec, the engine's own untouched."""
+        spec = self.specs[name]
         if model_path is not None:
             spec = dataclasses.replace(spec, model_path=model_path)
         if weight_version is not None:
@@ -299,7 +304,8 @@ class EngineFleet:
                 return False  # someone else relaunched it while we waited for the lock
             try:
                 if handle.launched:
-                    await self._restart(handle, self._spec_for(model_path, weight_version), timeout, admit)
+                    await self._restart(handle, self._spec_for(handle.name, model_path, weight_version), timeout,
+                                        admit)
                 else:
                     await self._bring_up(handle, timeout if timeout is not None else self.attach_timeout,
                                          admit=admit)
@@ -344,6 +350,22 @@ class EngineFleet:
             for h in self.alive():
                 tg.start_soon(one, h)
         return results
+
+
+def _per_engine(launch: EngineLaunchSpec | Sequence[EngineLaunchSpec] | None, num_engines: int | None,
+                group: str) -> list[EngineLaunchSpec]:
+    """One spec per launched engine: the list given, or the one spec repeated `num_engines` times."""
+    if launch is None or isinstance(launch, EngineLaunchSpec):
+        count = num_engines or 0
+        if count < 0:
+            raise ValueError(f"num_engines must be >= 0, got {count}")
+        if count and launch is None:
+            raise ValueError(f"{group}: {count} local engines requested but no launch spec given")
+        return [launch] * count if launch is not None else []
+    specs = list(launch)
+    if num_engines is not None and num_engines != len(specs):
+        raise ValueError(f"{group}: num_engines {num_engines} does not match the {len(specs)} launch specs given")
+    return specs
 
 
 def _with_flag(args: Sequence[str], flag: str, value: str) -> tuple[str, ...]:

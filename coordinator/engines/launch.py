@@ -17,7 +17,9 @@ Processes are started, watched and ended with `coordinator.processes` (its docst
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -38,15 +40,22 @@ from coordinator.processes import (
     spawn_group_leader,
     terminate_process_group,
     wait_exited,
+    with_log_tail,
 )
+from coordinator.startup import NO_OBSERVER, PhaseObserver
 from workers.errors import RaylessError
 
 if TYPE_CHECKING:
     from coordinator.config import ClusterConfig, SglangConfig
 
+log = logging.getLogger("rayless")
+
 #: Ports handed out by this process recently; a second launch in the same moment must not get the same one.
 _RESERVED: dict[int, float] = {}
 _RESERVE_SECONDS = 60.0
+
+#: A log line's leading timestamp (ours: `2025-01-01 12:00:00,123`; SGLang's: `[2025-01-01 12:00:00]`).
+_TIMESTAMP = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T][\d:.,]+\]?\s*")
 
 _ADDRESS_IN_USE = ("address already in use", "errno 98", "eaddrinuse", "address in use")
 
@@ -57,12 +66,33 @@ class EngineLaunchError(RaylessError, RuntimeError):
     def __init__(
         self, message: str, *, name: str, log_path: Path | None, log_tail: str, returncode: int | None
     ) -> None:
-        tail = f"\n--- last lines of {log_path} ---\n{log_tail}" if log_tail else ""
-        super().__init__(f"engine {name}: {message}{tail}")
+        super().__init__(with_log_tail(f"engine {name}: {message}", log_path, log_tail))
         self.name = name
         self.log_path = log_path
         self.log_tail = log_tail
         self.returncode = returncode
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could bind `host:port` now (as servers bind: with SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def claim_port(host: str, planned: int | None, *, what: str) -> int:
+    """The planned port when it is free, else another free one — and a warning saying so."""
+    if planned is None:
+        return free_port(host)
+    if port_is_free(host, planned):
+        return planned
+    port = free_port(host)
+    log.warning("%s: planned port %d on %s is in use; using port %d instead", what, planned, host, port)
+    return port
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,12 +114,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError("could not find a free port")
 
 
+#: "rayless": our engine (`workers.engine`, CPU or CUDA); "sglang": `sglang.launch_server`.
+ENGINE_KINDS = ("rayless", "sglang")
+
+
 @dataclass(frozen=True)
 class EngineLaunchSpec:
-    """How to start one kind of local engine.
+    """How to start one local engine (the placement plan builds one per engine; tests build their own).
 
-    kind: "cpu" runs `python -m workers.engine`; "sglang" runs `python -m sglang.launch_server`.
-    extra_args: appended verbatim (the `--sglang-*` passthrough for SGLang, engine flags for the CPU engine).
+    kind: "rayless" runs our engine (`python -m workers.engine`; its device is in `extra_args`), "sglang" runs
+    `python -m sglang.launch_server`. extra_args: appended verbatim (the `--sglang-*` passthrough for SGLang,
+    engine flags for ours). env: set on top of the coordinator's environment (CUDA_VISIBLE_DEVICES).
+    port: the planned port, tried first (another is taken, and said so, when it is in use).
     """
 
     kind: str
@@ -98,16 +134,17 @@ class EngineLaunchSpec:
     api_key: str | None = None
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    port: int | None = None
     start_timeout: float = 300.0
     stop_grace: float = 10.0
     python: str = field(default=sys.executable)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("cpu", "sglang"):
-            raise ValueError(f"engine kind must be 'cpu' or 'sglang', got {self.kind!r}")
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
 
     def command(self, port: int) -> list[str]:
-        module = "workers.engine" if self.kind == "cpu" else "sglang.launch_server"
+        module = "workers.engine" if self.kind == "rayless" else "sglang.launch_server"
         cmd = [
             self.python,
             "-m",
@@ -125,48 +162,59 @@ class EngineLaunchSpec:
 
 
 def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: ClusterConfig, seed: int,
-                       enable_metrics: bool, cuda_available: bool | None = None) -> EngineLaunchSpec:
-    """How the run launches its engines (rollout and eval alike), from the sglang and cluster slices.
+                       enable_metrics: bool, backend: str = "rayless", device: str = "cpu",
+                       gpus: Sequence[int] = (), visible_devices: str | None = None,
+                       port: int | None = None) -> EngineLaunchSpec:
+    """How the run launches one engine (rollout or eval), from the sglang and cluster slices and its placement.
 
-    The CPU engine gets our flags (seed, request slots); SGLang gets its tensor-parallel size and the
-    `--sglang-*` passthrough. `enable_metrics`: the health monitor tells slow from hung by /metrics progress.
-    `cuda_available` is probed (importing torch) only when `--engine-backend auto` needs it.
+    `backend`/`device`: the plan's choice (`coordinator.plan.backend`). `gpus`: the engine's GPU positions
+    among those the coordinator sees. SGLang gets `--tp-size`, `--base-gpu-id` (its first GPU; it inherits the
+    coordinator's CUDA_VISIBLE_DEVICES) and the `--sglang-*` passthrough; our engine gets our flags (seed,
+    request slots) and `--device`: on CUDA it sees only its GPU (`visible_devices` as CUDA_VISIBLE_DEVICES)
+    and runs on `--base-gpu-id 0`. `enable_metrics`: the health monitor tells slow from hung by /metrics.
     """
-    if cuda_available is None and cluster.engine_backend == "auto":
-        cuda_available = _cuda_available()
-    backend = cluster.resolved_engine_backend(cuda_available=bool(cuda_available))
     extra: list[str] = ["--weight-version", "0"]
+    env: tuple[tuple[str, str], ...] = ()
     if sglang.sglang_context_length:
         extra += ["--context-length", str(sglang.sglang_context_length)]
     if enable_metrics:
         extra.append("--enable-metrics")
     if backend == "sglang":
-        extra += ["--tp-size", str(cluster.rollout_num_gpus_per_engine), *sglang.sglang_passthrough]
+        extra += ["--tp-size", str(cluster.rollout_num_gpus_per_engine)]
+        if gpus:
+            extra += ["--base-gpu-id", str(gpus[0])]
+        extra += sglang.sglang_passthrough
     else:
         extra += ["--random-seed", str(seed), "--max-running-requests", str(sglang.sglang_server_concurrency)]
+        if device == "cuda":
+            if len(gpus) != 1 or not visible_devices:
+                raise ValueError(f"our engine on CUDA runs on exactly one GPU, got positions {list(gpus)}")
+            extra += ["--device", "cuda", "--base-gpu-id", "0"]
+            env = (("CUDA_VISIBLE_DEVICES", visible_devices),)
+        else:
+            extra += ["--device", "cpu"]
     return EngineLaunchSpec(kind=backend, model_path=model_path, api_key=sglang.sglang_api_key,
-                            extra_args=tuple(extra))
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+                            extra_args=tuple(extra), env=env, port=port)
 
 
 class EngineProcess:
-    """One launched engine. `start()` → healthy or EngineLaunchError; `stop()` ends its process group."""
+    """One launched engine. `start()` → healthy or EngineLaunchError; `stop()` ends its process group.
 
-    def __init__(self, spec: EngineLaunchSpec, *, name: str, log_path: Path, client: EngineClient) -> None:
+    `observer` is told its start-up phases: starting (spawned), loading (it has written to its log but does
+    not serve yet; the detail is its latest log line), healthy (/health_generate answered), failed.
+    """
+
+    def __init__(self, spec: EngineLaunchSpec, *, name: str, log_path: Path, client: EngineClient,
+                 observer: PhaseObserver = NO_OBSERVER) -> None:
         self.spec = spec
         self.name = name
         self.log_path = log_path
         self.client = client
+        self.observer = observer
         self.port: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._log_start = 0  # the log's size once this incarnation's header is written
 
     @property
     def url(self) -> str:
@@ -188,20 +236,26 @@ class EngineProcess:
     async def start(self, *, port: int | None = None, attempts: int = 3) -> str:
         """Spawn the engine and wait until `/health_generate` answers; return its base URL.
 
-        `port`: try this one first (a relaunch keeps its URL when it can); a fresh free port is taken when
-        it is None or when the engine reports the address in use.
+        `port`: try this one first (a relaunch keeps its URL when it can), else the spec's planned port; a
+        fresh free port is taken, with a warning, when that one is in use or the engine reports the address
+        in use.
         """
         if self.running():
             raise RuntimeError(f"engine {self.name} is already running (pid {self.pid})")
+        planned = port if port is not None else self.spec.port
+        self.port = claim_port(self.spec.host, planned, what=f"engine {self.name}")
         for attempt in range(1, attempts + 1):
-            self.port = port if (port is not None and attempt == 1) else free_port(self.spec.host)
             try:
                 await self._start_once()
                 return self.url
             except EngineLaunchError as exc:
                 in_use = any(s in exc.log_tail.lower() for s in _ADDRESS_IN_USE)
                 if not in_use or attempt == attempts:
+                    self.observer.phase(self.name, "failed", str(exc).splitlines()[0])
                     raise
+                taken, self.port = self.port, free_port(self.spec.host)
+                log.warning("engine %s: port %s was taken while it started; retrying on port %d", self.name,
+                            taken, self.port)
         raise AssertionError("unreachable")
 
     async def _start_once(self) -> None:
@@ -211,7 +265,11 @@ class EngineProcess:
         shown = " ".join(mask_argv(cmd))  # the API key (and any other secret flag) never reaches the log
         self._log.write(f"\n=== rayless: starting engine {self.name}: {shown}\n".encode())
         self._log.flush()
+        self._log_start = self._log.tell()
         self.proc = spawn_group_leader(cmd, log=self._log, env={**os.environ, **dict(self.spec.env)})
+        gpus = dict(self.spec.env).get("CUDA_VISIBLE_DEVICES")
+        self.observer.phase(self.name, "starting",
+                            f"pid {self.proc.pid}, port {self.port}" + (f", GPU {gpus}" if gpus else ""))
         ok = False
         try:
             with anyio.fail_after(self.spec.start_timeout):
@@ -248,8 +306,26 @@ class EngineProcess:
 
             tg.start_soon(watch)
             tg.start_soon(probe)
+            tg.start_soon(self._report_loading)
         if exited is not None:  # raised out here, not from the task, so callers get it unwrapped
             raise self._launch_error(f"exited with status {exited} while starting")
+        self._note_loading()  # output written between two looks is still a loading phase that happened
+        self.observer.phase(self.name, "healthy")
+
+    async def _report_loading(self) -> None:
+        """While the engine starts: once it writes to its log it is loading; its latest line is the detail."""
+        while True:
+            self._note_loading()
+            await anyio.sleep(0.5)
+
+    def _note_loading(self) -> None:
+        try:
+            grown = self.log_path.stat().st_size > self._log_start
+        except OSError:
+            return
+        if grown:
+            line = _TIMESTAMP.sub("", read_tail(self.log_path, lines=1, max_bytes=4096))
+            self.observer.phase(self.name, "loading", line)
 
     def _launch_error(self, message: str) -> EngineLaunchError:
         if self._log is not None:

@@ -25,8 +25,15 @@ from typing import IO, Any
 import anyio
 
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineHTTPError
-from coordinator.engines.launch import free_port
-from coordinator.processes import exit_status, read_tail, spawn_group_leader, terminate_process_group
+from coordinator.engines.launch import claim_port
+from coordinator.processes import (
+    exit_status,
+    read_tail,
+    spawn_group_leader,
+    terminate_process_group,
+    with_log_tail,
+)
+from coordinator.startup import NO_OBSERVER, PhaseObserver
 from workers.errors import RaylessError
 
 
@@ -34,8 +41,28 @@ class RouterError(RaylessError, RuntimeError):
     """The router failed to start, or did not take a worker change."""
 
 
+def router_command(*, python: str, host: str, port: int, prometheus_port: int, policy: str,
+                   extra_args: Sequence[str] = ()) -> list[str]:
+    """The sglang-router command line (both ports always given: their defaults collide)."""
+    return [
+        python, "-m", "sglang_router.launch_router",
+        "--host", host, "--port", str(port),
+        "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
+        "--policy", policy,
+        *extra_args,
+    ]  # fmt: skip
+
+
+def router_log_path(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / "logs" / f"router-{name}.log"
+
+
 class RouterHandle:
-    """A running sglang-router. Send generate traffic to `url`; change workers with add/remove."""
+    """A running sglang-router. Send generate traffic to `url`; change workers with add/remove.
+
+    `port` / `prometheus_port`: the planned ports, taken unless in use (then others, and a warning); free
+    ports when None. `observer`: told the router's start-up phases.
+    """
 
     def __init__(
         self,
@@ -51,11 +78,16 @@ class RouterHandle:
         stop_grace: float = 5.0,
         python: str = sys.executable,
         address: str | None = None,
+        port: int | None = None,
+        prometheus_port: int | None = None,
+        observer: PhaseObserver | None = None,
     ) -> None:
         """`address` (HOST:PORT): attach to a router already running there (`--sglang-router-ip/-port`, as
         slime): nothing is launched or stopped; workers are registered with it."""
         self.client = client
         self.address = address
+        self.planned_ports = (port, prometheus_port)
+        self.observer = observer or NO_OBSERVER
         self.run_dir = Path(run_dir)
         self.name = name
         self.policy = policy
@@ -68,7 +100,7 @@ class RouterHandle:
         self.port: int | None = None
         self.prometheus_port: int | None = None
         self.api: str | None = None  # "workers" (0.3.x) or "legacy" (≤ 0.2)
-        self.log_path = self.run_dir / "logs" / f"router-{name}.log"
+        self.log_path = router_log_path(self.run_dir, name)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -122,15 +154,12 @@ class RouterHandle:
         if self.address is not None:
             await self._attach(self.address)
             return
-        self.port = free_port(self.host)
-        self.prometheus_port = free_port(self.host)
-        cmd = [
-            self.python, "-m", "sglang_router.launch_router",
-            "--host", self.host, "--port", str(self.port),
-            "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port),
-            "--policy", self.policy,
-            *self.extra_args,
-        ]  # fmt: skip
+        what = f"router-{self.name}"
+        self.port = claim_port(self.host, self.planned_ports[0], what=what)
+        self.prometheus_port = claim_port(self.host, self.planned_ports[1], what=f"{what} (prometheus)")
+        cmd = router_command(python=self.python, host=self.host, port=self.port,
+                             prometheus_port=self.prometheus_port, policy=self.policy, extra_args=self.extra_args)
+        self.observer.phase(what, "starting", f"port {self.port}")
         # Workers are registered through the API once the router is up (one path for startup and changes).
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: ASYNC230 - local append-only log, closed in _stop()
@@ -149,9 +178,14 @@ class RouterHandle:
                         await anyio.sleep(0.1)
             self.api = await self._detect_api()
         except TimeoutError:
+            self.observer.phase(what, "failed", f"not answering /health within {self.start_timeout:.0f}s")
             raise RouterError(
                 self._with_tail(f"router not answering /health within {self.start_timeout:.0f}s")
             ) from None
+        except RouterError as error:
+            self.observer.phase(what, "failed", str(error).splitlines()[0])
+            raise
+        self.observer.phase(what, "healthy")
 
     async def _detect_api(self) -> str:
         try:
@@ -166,7 +200,7 @@ class RouterHandle:
     def _with_tail(self, message: str) -> str:
         if self._log is not None:
             self._log.flush()
-        return f"{message}\n--- last lines of {self.log_path} ---\n{read_tail(self.log_path)}"
+        return with_log_tail(message, self.log_path, read_tail(self.log_path))
 
     async def _stop(self) -> None:
         proc = self.proc

@@ -115,14 +115,18 @@ def _rows_from_jsonl(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
             yield where, row
 
 
-def _rows_from_parquet(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
+def _rows_from_parquet(path: Path, limit: int | None = None) -> Iterable[tuple[str, dict[str, Any]]]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        if limit is None:
+            rows = pq.read_table(path).to_pylist()
+        else:  # the first batch only: a start-up check must not read a large file whole
+            batch = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
+            rows = batch.to_pylist() if batch is not None else []
     except Exception as error:  # pyarrow raises several types for unreadable files
         raise DataSourceError(f"{path}: cannot read as Parquet: {error}") from error
-    for row_number, row in enumerate(table.to_pylist(), start=1):
+    for row_number, row in enumerate(rows, start=1):
         yield f"{path}: row {row_number}", row
 
 
@@ -132,37 +136,42 @@ def read_prompt_file(
     input_key: str = "prompt",
     label_key: str | None = None,
     metadata_key: str | None = None,
+    limit: int | None = None,
 ) -> list[PromptRecord]:
-    """Read every record of a `.parquet` file or a JSONL file (any other suffix), checking the keys."""
+    """Read the records of a `.parquet` file or a JSONL file (any other suffix), checking the keys: every
+    record, or the first `limit` (start-up checks and `--dry-run` read a few)."""
     path = Path(path)
     if not path.is_file():
         raise DataSourceError(f"--prompt-data {str(path)!r}: no such file")
-    rows = _rows_from_parquet(path) if path.suffix.lower() in {".parquet", ".pq"} else _rows_from_jsonl(path)
+    parquet = path.suffix.lower() in {".parquet", ".pq"}
+    rows = _rows_from_parquet(path, limit) if parquet else _rows_from_jsonl(path)
     records: list[PromptRecord] = []
     for where, row in rows:
-        keys = [("--input-key", input_key)]
-        keys += [("--label-key", label_key)] if label_key is not None else []
-        keys += [("--metadata-key", metadata_key)] if metadata_key is not None else []
-        for flag, key in keys:
-            if key not in row:
-                raise DataSourceError(
-                    f"{where}: key {key!r} ({flag}) is missing; the record has {sorted(row)}"
-                )
-        records.append(
-            PromptRecord(
-                prompt=_check_prompt(row[input_key], where=where, key=input_key),
-                label=_label_text(row[label_key], where=where, key=label_key)
-                if label_key is not None
-                else None,
-                metadata=_check_metadata(row[metadata_key], where=where, key=metadata_key)
-                if metadata_key is not None
-                else {},
-                index=len(records),
-            )
-        )
+        if limit is not None and len(records) >= limit:
+            break
+        records.append(_record(where, row, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
+                               index=len(records)))
     if not records:
         raise DataSourceError(f"--prompt-data {str(path)!r}: the file holds no records")
     return records
+
+
+def _record(where: str, row: dict[str, Any], *, input_key: str, label_key: str | None, metadata_key: str | None,
+            index: int) -> PromptRecord:
+    keys = [("--input-key", input_key)]
+    keys += [("--label-key", label_key)] if label_key is not None else []
+    keys += [("--metadata-key", metadata_key)] if metadata_key is not None else []
+    for flag, key in keys:
+        if key not in row:
+            raise DataSourceError(f"{where}: key {key!r} ({flag}) is missing; the record has {sorted(row)}")
+    return PromptRecord(
+        prompt=_check_prompt(row[input_key], where=where, key=input_key),
+        label=_label_text(row[label_key], where=where, key=label_key) if label_key is not None else None,
+        metadata=_check_metadata(row[metadata_key], where=where, key=metadata_key)
+        if metadata_key is not None
+        else {},
+        index=index,
+    )
 
 
 class PromptDataSource:

@@ -124,6 +124,7 @@ class ControlServer:
         error_window_s: float = 2.0,
         grace_s: float = 5.0,
         explain: Callable[[RankFailure], Awaitable[RankFailure]] | None = None,
+        on_connected: Callable[[int], None] | None = None,
     ) -> None:
         self.world_size = world_size
         self.token = token
@@ -133,6 +134,8 @@ class ControlServer:
         self.grace_s = grace_s
         #: adds the ranks' log to a failure (the launcher's); failures pass unchanged without one
         self.explain = explain or _unchanged
+        #: told how many ranks are connected whenever one says Hello (start-up progress)
+        self.on_connected = on_connected
         #: why connections were refused, in order (wrong token, wrong version, bad frame...)
         self.refusals: list[str] = []
         #: torchrun's exit status once it has exited, else None
@@ -277,6 +280,8 @@ class ControlServer:
                 await stream.aclose()
             return
         self._connections[hello.rank] = conn
+        if self.on_connected is not None:
+            self.on_connected(len(self.ranks))
         if len(self.ranks) == self.world_size and (self._failure is not None or self._broken is not None):
             # Every rank is back (torchrun restarted the group): calls may go through again.
             self._failure = None

@@ -24,6 +24,7 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
 
+from coordinator.startup import NO_OBSERVER, PhaseObserver
 from coordinator.train.channel import ControlServer, RankInfo
 from coordinator.train.errors import RankFailure
 from coordinator.train.planning import (
@@ -38,6 +39,18 @@ from coordinator.train.torchrun import TorchrunProcess, TorchrunSpec
 from workers import protocol
 
 logger = logging.getLogger(__name__)
+
+
+def rank_environment(address: str, token: str, *, max_frame_bytes: int = protocol.MAX_FRAME_BYTES,
+                     torch_threads: int = 1) -> dict[str, str]:
+    """What each rank needs in its environment to dial the control channel (the placement plan prints it
+    with the token masked)."""
+    return {
+        protocol.ENV_ADDR: address,
+        protocol.ENV_TOKEN: token,
+        protocol.ENV_MAX_FRAME: str(max_frame_bytes),
+        "RAYLESS_TORCH_THREADS": str(torch_threads),
+    }
 
 
 @dataclass
@@ -55,6 +68,10 @@ class TrainGroup:
     `launch=False` launches nothing and waits for ranks started elsewhere (`environment()` says what they
     need). `max_restarts > 0` is train FT: torchrun restarts dead ranks, and `train()` brings them back to the
     last checkpoint before sending a step again, at most `max_restarts` times (`recoveries` counts them).
+    `port`: the control channel's port (0: any); unless `port_fixed`, another is taken, with a warning, when
+    it is in use. `observer` is told the phases of "train-ranks": starting (torchrun spawned), connected n/N
+    (as ranks say Hello), loading (`init`: model and optimizer), ready. `from_spec` builds one from the
+    placement plan's TorchrunSpec.
     """
 
     def __init__(
@@ -69,6 +86,7 @@ class TrainGroup:
         max_restarts: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
+        port_fixed: bool = True,
         advertise_host: str | None = None,
         launch: bool = True,
         token: str | None = None,
@@ -80,6 +98,8 @@ class TrainGroup:
         torch_threads: int = 1,
         extra_env: dict[str, str] | None = None,
         log_name: str = "train_ranks.log",
+        python: str | None = None,
+        observer: PhaseObserver = NO_OBSERVER,
     ) -> None:
         self.spec = TorchrunSpec(
             nproc_per_node=nproc_per_node,
@@ -88,8 +108,11 @@ class TrainGroup:
             rdzv_backend=rdzv_backend,
             rdzv_endpoint=rdzv_endpoint,
             max_restarts=max_restarts,
+            **({"python": python} if python is not None else {}),
         )
         self.world_size = self.spec.world_size
+        self.observer = observer
+        self.port_fixed = port_fixed
         self.run_dir = Path(run_dir)
         self.log_path = self.run_dir / log_name
         self.host, self.port, self.advertise_host = host, port, advertise_host
@@ -116,6 +139,7 @@ class TrainGroup:
             error_window_s=error_window_s,
             grace_s=grace_s,
             explain=self.torchrun.explain if self.torchrun is not None else None,
+            on_connected=self._connected,
         )
         self.recovery = RankRecovery(self, max_recoveries=max_restarts) if max_restarts > 0 else None
         self.address: str | None = None
@@ -126,6 +150,13 @@ class TrainGroup:
         self.listening = anyio.Event()
         self.ready = anyio.Event()
         self._stop = anyio.Event()
+
+    @classmethod
+    def from_spec(cls, spec: TorchrunSpec, **kwargs: Any) -> TrainGroup:
+        """A group launching exactly `spec` (the plan's torchrun command)."""
+        return cls(nproc_per_node=spec.nproc_per_node, nnodes=spec.nnodes, node_rank=spec.node_rank,
+                   rdzv_backend=spec.rdzv_backend, rdzv_endpoint=spec.rdzv_endpoint,
+                   max_restarts=spec.max_restarts, python=spec.python, **kwargs)
 
     # ------------------------------------------------------------------------------------------ lifetime
 
@@ -150,7 +181,7 @@ class TrainGroup:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[TrainGroup] = anyio.TASK_STATUS_IGNORED) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        listener = await anyio.create_tcp_listener(local_host=self.host, local_port=self.port)
+        listener = await self._listen()
         async with listener:
             self.address = f"{self.advertise_host or self.host}:{listener.extra(SocketAttribute.local_port)}"
             self.listening.set()
@@ -165,6 +196,7 @@ class TrainGroup:
                         # Raised below, outside the task group, so the caller of tg.start() gets a
                         # RankFailure rather than an ExceptionGroup around it.
                         startup_failure = exc
+                        self.observer.phase(self.NAME, "failed", exc.reason)
                     else:
                         self.ready.set()
                         task_status.started(self)
@@ -176,6 +208,27 @@ class TrainGroup:
         if startup_failure is not None:
             raise startup_failure
 
+    NAME = "train-ranks"
+
+    async def _listen(self) -> anyio.abc.SocketListener:
+        """The control channel's listener on the planned port, or (not fixed, in use) on another."""
+        try:
+            return await anyio.create_tcp_listener(local_host=self.host, local_port=self.port)
+        except OSError as error:
+            if self.port_fixed or self.port == 0:
+                raise
+            listener = await anyio.create_tcp_listener(local_host=self.host, local_port=0)
+            logger.warning("control channel: planned port %d on %s is in use (%s); listening on port %d instead",
+                           self.port, self.host, error.strerror or error,
+                           listener.extra(SocketAttribute.local_port))
+            return listener
+
+    def _connected(self, connected: int) -> None:
+        if connected == self.world_size and self.train_config is not None:
+            self.observer.phase(self.NAME, "ready", "every rank is back")  # after a restart (train FT)
+        else:
+            self.observer.phase(self.NAME, f"connected {connected}/{self.world_size}")
+
     async def _launch(self, tg: anyio.abc.TaskGroup) -> None:
         if self.torchrun is None:
             logger.info(
@@ -186,6 +239,7 @@ class TrainGroup:
             )
             return
         await self.torchrun.start(self.environment())
+        self.observer.phase(self.NAME, "starting", f"torchrun pid {self.torchrun.pid}, {self.world_size} rank(s)")
         tg.start_soon(self._watch_torchrun, self.torchrun)
 
     async def _watch_torchrun(self, torchrun: TorchrunProcess) -> None:
@@ -195,12 +249,8 @@ class TrainGroup:
         """What each rank needs in its environment (also for ranks started by an external launcher)."""
         if self.address is None:
             raise RuntimeError("TrainGroup.environment() is known only after run() bound the listener")
-        return {
-            protocol.ENV_ADDR: self.address,
-            protocol.ENV_TOKEN: self.token,
-            protocol.ENV_MAX_FRAME: str(self.max_frame_bytes),
-            "RAYLESS_TORCH_THREADS": str(self.torch_threads),
-        }
+        return rank_environment(self.address, self.token, max_frame_bytes=self.max_frame_bytes,
+                                torch_threads=self.torch_threads)
 
     def torchrun_command(self) -> list[str]:
         return self.spec.command()
@@ -227,8 +277,10 @@ class TrainGroup:
     async def init(self, train_config: dict[str, Any]) -> dict[str, Any]:
         """Load the model on every rank and build the optimizer. Returns rank 0's summary."""
         steps_config(train_config)  # reject contradictory batch settings before any rank loads a model
+        self.observer.phase(self.NAME, "loading", "model and optimizer on every rank")
         results = await self.server.call_all(protocol.InitCommand(dict(train_config)))
         self.train_config = dict(train_config)
+        self.observer.phase(self.NAME, "ready")
         if self.recovery is not None:
             self.recovery.initialised()
         return results[0]

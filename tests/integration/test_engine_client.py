@@ -33,7 +33,7 @@ ENGINE_ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))
 
 
 def cpu_spec(model_dir: Path, **kw: object) -> EngineLaunchSpec:
-    return EngineLaunchSpec(kind="cpu", model_path=str(model_dir), env=ENGINE_ENV, start_timeout=120.0, **kw)  # type: ignore[arg-type]
+    return EngineLaunchSpec(kind="rayless", model_path=str(model_dir), env=ENGINE_ENV, start_timeout=120.0, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ it exits; external engines are attached and never killed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -33,7 +34,7 @@ PROMPT = {"text": "ab", "sampling_params": {"max_new_tokens": 2, "temperature": 
 
 def cpu_spec(model_dir: Path, *, start_timeout: float = 120.0) -> EngineLaunchSpec:
     return EngineLaunchSpec(
-        kind="cpu", model_path=str(model_dir), env=ENGINE_ENV, start_timeout=start_timeout
+        kind="rayless", model_path=str(model_dir), env=ENGINE_ENV, start_timeout=start_timeout
     )
 
 
@@ -179,3 +180,40 @@ async def test_external_engines_are_attached_not_killed(tiny_model_dir: Path, tm
             await client.engine(url).health_generate()
         finally:
             await outside.stop()
+
+
+async def test_each_engine_keeps_its_own_spec_and_a_taken_planned_port_is_replaced(
+        tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The plan gives every engine its own spec (its GPUs' environment, its port): the engine starts from it,
+    is relaunched from it, and a planned port found in use is replaced by another, with a warning."""
+    import socket
+
+    specs = [dataclasses.replace(cpu_spec(tiny_model_dir), env=(*ENGINE_ENV, ("RAYLESS_TEST_PLACED", str(i))))
+             for i in range(2)]
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        specs[0] = dataclasses.replace(specs[0], port=taken)
+        async with EngineClient(max_connections=8, retry=NO_RETRY) as client:
+            fleet = EngineFleet(client=client, launch=specs, run_dir=tmp_path)
+            assert [h.name for h in fleet.engines] == ["rollout-0", "rollout-1"]
+            async with anyio.create_task_group() as tg:
+                await tg.start(fleet.run)
+                first, second = fleet.engines
+                assert not first.url.endswith(f":{taken}")
+                assert f"engine rollout-0: planned port {taken} on 127.0.0.1 is in use" in caplog.text
+
+                def placed(handle: EngineHandle) -> str:
+                    assert handle.process is not None and handle.process.pid is not None
+                    return psutil.Process(handle.process.pid).environ()["RAYLESS_TEST_PLACED"]
+
+                assert [placed(first), placed(second)] == ["0", "1"]
+                assert second.process is not None and second.process.pid is not None
+                os.killpg(second.process.pid, signal.SIGKILL)
+                with anyio.fail_after(30):
+                    while await fleet.check(second):  # noqa: ASYNC110 - polling the real process
+                        await anyio.sleep(0.05)
+                await fleet.relaunch(second)
+                assert placed(second) == "1"  # relaunched from its own spec, not the group's first
+                tg.cancel_scope.cancel()

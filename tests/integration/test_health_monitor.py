@@ -25,7 +25,7 @@ async def test_sigstopped_engine_is_marked_dead_within_the_bound_and_the_rollout
         tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    spec = EngineLaunchSpec(kind="cpu", model_path=str(tiny_model_dir), stop_grace=1.0,
+    spec = EngineLaunchSpec(kind="rayless", model_path=str(tiny_model_dir), stop_grace=1.0,
                             extra_args=("--weight-version", "0", "--random-seed", "0"),
                             env=(("RAYLESS_ENGINE_THREADS", "1"),))
     async with EngineClient(max_connections=64) as client, anyio.create_task_group() as group:

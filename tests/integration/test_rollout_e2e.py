@@ -23,7 +23,7 @@ from replay.sample import RolloutBatch, SampleStatus
 
 @asynccontextmanager
 async def running_fleet(model_dir: Path, run_dir: Path, engines: int = 2) -> AsyncIterator[tuple[EngineClient, EngineFleet]]:
-    spec = EngineLaunchSpec(kind="cpu", model_path=str(model_dir),
+    spec = EngineLaunchSpec(kind="rayless", model_path=str(model_dir),
                             extra_args=("--weight-version", "0", "--random-seed", "0"),
                             env=(("RAYLESS_ENGINE_THREADS", "1"),))
     async with EngineClient(max_connections=64) as client, anyio.create_task_group() as group:

@@ -20,7 +20,7 @@ ENGINE_ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))
 
 
 async def test_router_in_front_of_two_cpu_engines(tiny_model_dir: Path, tmp_path: Path) -> None:
-    spec = EngineLaunchSpec(kind="cpu", model_path=str(tiny_model_dir), env=ENGINE_ENV, start_timeout=120.0)
+    spec = EngineLaunchSpec(kind="rayless", model_path=str(tiny_model_dir), env=ENGINE_ENV, start_timeout=120.0)
     async with EngineClient(max_connections=16, retry=NO_RETRY) as client:
         fleet = EngineFleet(client=client, launch=spec, num_engines=2, run_dir=tmp_path)
         router = RouterHandle(client=client, run_dir=tmp_path)

@@ -796,6 +796,8 @@ def serve(args: EngineArgs) -> int:
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     started = time.perf_counter()
+    # The first line of the log: the launcher reads "the engine writes its log" as "it is loading".
+    log.info("loading the model from %s on %s (%s)", args.model_path, args.device, args.dtype)
     try:
         runner = ModelRunner(
             args.model_path,

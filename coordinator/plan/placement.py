@@ -1,0 +1,374 @@
+"""The placement plan: every process the run launches, its GPUs, ports, environment and command line.
+
+Owns `build_plan` (computed once at start-up from the config and the GPUs the node shows) and the frozen
+plan it returns. The run launches exactly what the plan says — each engine from its slot's
+`EngineLaunchSpec`, the torchrun child from the ranks' slot, the router from its slot — and `--dry-run`
+prints the same objects, so what is shown is what would run.
+
+How GPUs are placed:
+- GPU positions are indices among the GPUs the coordinator sees (`GpuInventory`); a child that must see a
+  subset gets `CUDA_VISIBLE_DEVICES` built from the inventory's ids (the training ranks: their GPUs, in
+  LOCAL_RANK order; our engine on CUDA: its one GPU), SGLang gets `--base-gpu-id` and `--tp-size`.
+- Demands are placed in slime's order — training ranks first, then rollout engines, then eval engines — by
+  a placement policy (`POLICIES`). `separate` gives each demand its own consecutive GPUs. Colocation (engines
+  on the ranks' GPUs) is another policy: a function from the demands to GPU positions per unit, nothing else.
+- The plan is per node (`PlacementPlan.nodes`); today it holds the coordinator's node (training ranks of
+  `--actor-node-rank`, and every launched engine). A multi-node run adds one `NodePlan` per node from the
+  same `plan_node`, with the node's share of the engines.
+
+Invariants: GPUs of different processes are disjoint under `separate`; a plan that needs more GPUs than the
+node shows raises `ConfigError` naming the flags and the numbers (exit 2, before anything launches), except
+in a lenient (`--dry-run`) plan, which warns and places on the GPUs the plan needs; secrets never appear in
+`describe()` output (commands and environments are masked).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coordinator.config.fields import ConfigError
+from coordinator.config.settings import Config
+from coordinator.engines.launch import EngineLaunchSpec, engine_launch_spec, engine_log_path, free_port
+from coordinator.engines.router import router_command, router_log_path
+from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
+from coordinator.plan.gpus import PLAN_GPU_COUNT_ENV, GpuInventory, detect_gpus
+from coordinator.train.group import rank_environment
+from coordinator.train.torchrun import TorchrunSpec
+
+ENGINE_HOST = "127.0.0.1"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU demands and the policies that place them
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuDemand:
+    """GPUs one kind of process asks for on a node: `units` processes (ranks or engines) of `per_unit` each."""
+
+    group: str  # "train", "rollout", "eval"
+    what: str  # "training ranks", "rollout engines", "eval engines"
+    flags: str  # the flags that asked, as the user wrote them: "--rollout-num-gpus 4"
+    units: int
+    per_unit: int
+
+    @property
+    def total(self) -> int:
+        return self.units * self.per_unit
+
+
+#: A policy places demands: for each demand's group, the GPU positions of each of its units.
+Policy = Callable[[Sequence[GpuDemand]], dict[str, tuple[tuple[int, ...], ...]]]
+
+
+def place_separately(demands: Sequence[GpuDemand]) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Each demand on its own consecutive GPUs, in the order given: nothing shares a GPU."""
+    placed: dict[str, tuple[tuple[int, ...], ...]] = {}
+    position = 0
+    for demand in demands:
+        units = []
+        for _ in range(demand.units):
+            units.append(tuple(range(position, position + demand.per_unit)))
+            position += demand.per_unit
+        placed[demand.group] = tuple(units)
+    return placed
+
+
+POLICIES: dict[str, Policy] = {"separate": place_separately}
+
+
+def gpu_demands(config: Config, rollout: EngineChoice | None, eval_: EngineChoice | None, *,
+                ranks_on_gpu: bool, engines_here: bool) -> list[GpuDemand]:
+    """What the processes launched on one node ask for, in placement order (ranks, rollout, eval).
+
+    Every node runs `--actor-num-gpus-per-node` ranks; engines run where `engines_here` (the coordinator's
+    node today; a multi-node plan gives each node its share of the engines here)."""
+    cluster = config.cluster
+    demands: list[GpuDemand] = []
+    if config.needs_train_ranks and ranks_on_gpu:
+        demands.append(GpuDemand("train", "training ranks",
+                                 f"--actor-num-gpus-per-node {cluster.actor_num_gpus_per_node}",
+                                 cluster.actor_num_gpus_per_node, 1))
+    if not engines_here:
+        return demands
+    per_engine = cluster.rollout_num_gpus_per_engine
+    if rollout is not None and rollout.on_gpu:
+        demands.append(GpuDemand("rollout", "rollout engines", f"--rollout-num-gpus {cluster.rollout_num_gpus}",
+                                 config.num_launched_rollout_engines, per_engine))
+    if eval_ is not None and eval_.on_gpu:
+        demands.append(GpuDemand("eval", "eval engines", f"--eval-num-gpus {config.eval.eval_num_gpus}",
+                                 config.num_eval_engines, per_engine))
+    return demands
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The plan
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineSlot:
+    """One launched engine: its GPUs and the spec (command, port, environment) it is launched from."""
+
+    name: str
+    group: str
+    gpus: tuple[int, ...]
+    choice: EngineChoice
+    spec: EngineLaunchSpec
+    log: Path
+
+    @property
+    def port(self) -> int:
+        assert self.spec.port is not None
+        return self.spec.port
+
+    def command(self) -> list[str]:
+        return self.spec.command(self.port)
+
+
+@dataclass(frozen=True)
+class RanksSlot:
+    """The torchrun child and the ranks it starts on this node (LOCAL_RANK i on the i-th of `gpus`)."""
+
+    gpus: tuple[int, ...]
+    device: str  # "cuda" (NCCL) or "cpu" (gloo)
+    spec: TorchrunSpec
+    #: set on top of the coordinator's environment (CUDA_VISIBLE_DEVICES); the control variables come on top
+    env: tuple[tuple[str, str], ...]
+    control_host: str
+    control_port: int
+    #: --control-port was given: never replaced by another port at launch
+    control_port_fixed: bool
+    log: Path
+    name: str = "train-ranks"
+
+    def command(self) -> list[str]:
+        return self.spec.command()
+
+    def environment(self, token: str = "***") -> dict[str, str]:
+        """Everything the plan sets in the torchrun child's environment (the token masked unless given)."""
+        return {**dict(self.env), **rank_environment(f"{self.control_host}:{self.control_port}", token)}
+
+
+@dataclass(frozen=True)
+class RouterSlot:
+    host: str
+    port: int
+    prometheus_port: int
+    policy: str
+    log: Path
+    python: str = field(default=sys.executable)
+    name: str = "router-rollout"
+    gpus: tuple[int, ...] = ()  # the router runs on the CPU
+
+    def command(self) -> list[str]:
+        return router_command(python=self.python, host=self.host, port=self.port,
+                              prometheus_port=self.prometheus_port, policy=self.policy)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What one node launches, and on which of its GPUs."""
+
+    node_rank: int
+    gpus: GpuInventory
+    demands: tuple[GpuDemand, ...]
+    ranks: RanksSlot | None
+    rollout_engines: tuple[EngineSlot, ...]
+    eval_engines: tuple[EngineSlot, ...]
+    router: RouterSlot | None
+
+    @property
+    def gpus_needed(self) -> int:
+        used = [gpu for slot in self.processes() for gpu in slot.gpus]
+        return max(used) + 1 if used else 0
+
+    def processes(self) -> Iterator[RanksSlot | EngineSlot | RouterSlot]:
+        if self.ranks is not None:
+            yield self.ranks
+        yield from self.rollout_engines
+        yield from self.eval_engines
+        if self.router is not None:
+            yield self.router
+
+
+@dataclass(frozen=True)
+class WeightSyncPlan:
+    mode: str  # --update-weight-transfer-mode
+    bucket_bytes: int  # --update-weight-buffer-size
+    detail: str
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    policy: str
+    nodes: tuple[NodePlan, ...]
+    #: this node's rank: the node the coordinator runs on
+    node_rank: int
+    rollout_choice: EngineChoice | None
+    eval_choice: EngineChoice | None
+    external_engines: tuple[str, ...]
+    weight_sync: WeightSyncPlan | None
+    warnings: tuple[str, ...] = ()
+    #: a --dry-run plan: built despite what this machine lacks (see warnings)
+    lenient: bool = False
+
+    @property
+    def local(self) -> NodePlan:
+        return next(node for node in self.nodes if node.node_rank == self.node_rank)
+
+
+def build_plan(config: Config, gpus: GpuInventory, *, has_sglang: bool | None = None, lenient: bool = False,
+               python: str = sys.executable) -> PlacementPlan:
+    """The plan for this node. Raises ConfigError (exit 2) for a plan that cannot run here, unless `lenient`
+    (`--dry-run`), which records a warning instead and plans as a node with enough GPUs would run."""
+    has_sglang = sglang_installed() if has_sglang is None else has_sglang
+    rollout, eval_, warnings = choose_engines(config, has_sglang=has_sglang, lenient=lenient)
+    policy = "separate"
+    node = plan_node(config, config.cluster.actor_node_rank, gpus, rollout, eval_, policy=policy,
+                     lenient=lenient, warnings=warnings, python=python)
+    return PlacementPlan(policy=policy, nodes=(node,), node_rank=node.node_rank, rollout_choice=rollout,
+                         eval_choice=eval_, external_engines=_external(config), weight_sync=_weight_sync(config),
+                         warnings=tuple(warnings), lenient=lenient)
+
+
+def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: EngineChoice | None,
+              eval_: EngineChoice | None, *, policy: str, lenient: bool, warnings: list[str],
+              python: str = sys.executable) -> NodePlan:
+    """One node's share: its ranks, and the engines and router when it is the coordinator's node."""
+    engines_here = node_rank == config.cluster.actor_node_rank
+    if not engines_here:
+        rollout = eval_ = None
+    any_engine_on_gpu = any(choice is not None and choice.on_gpu for choice in (rollout, eval_))
+    ranks_on_gpu = gpus.count > 0 or any_engine_on_gpu
+    demands = tuple(gpu_demands(config, rollout, eval_, ranks_on_gpu=ranks_on_gpu, engines_here=engines_here))
+    placed = POLICIES[policy](demands)
+    needed = max((gpu for units in placed.values() for unit in units for gpu in unit), default=-1) + 1
+    if needed > gpus.count:
+        message = oversubscribed_message(demands, needed, gpus)
+        if not lenient:
+            raise ConfigError(message)
+        warnings.append(message)
+        gpus = GpuInventory.of_count(needed, f"{needed} assumed for this plan; this machine shows "
+                                     f"{gpus.describe()}")
+    run_dir = config.logging.resolved_run_dir
+    ranks = _ranks_slot(config, node_rank, placed.get("train", ()), gpus, run_dir, python) \
+        if config.needs_train_ranks else None
+    rollout_slots = _engine_slots(config, "rollout", config.num_launched_rollout_engines, rollout,
+                                  placed.get("rollout", ()), gpus, python) if rollout is not None else ()
+    eval_slots = _engine_slots(config, "eval", config.num_eval_engines, eval_, placed.get("eval", ()), gpus,
+                               python) if eval_ is not None else ()
+    router = None
+    # --sglang-router-ip/-port attach to a running router: nothing to launch for it
+    if engines_here and config.sglang.use_sglang_router and config.sglang.router_address is None \
+            and config.needs_engines:
+        router = RouterSlot(host=ENGINE_HOST, port=free_port(ENGINE_HOST), prometheus_port=free_port(ENGINE_HOST),
+                            policy=config.sglang.sglang_router_policy, log=router_log_path(run_dir, "rollout"),
+                            python=python)
+    return NodePlan(node_rank=node_rank, gpus=gpus, demands=demands, ranks=ranks, rollout_engines=rollout_slots,
+                    eval_engines=eval_slots, router=router)
+
+
+def oversubscribed_message(demands: Sequence[GpuDemand], needed: int, gpus: GpuInventory) -> str:
+    parts = []
+    for demand in demands:
+        what = demand.what if demand.units != 1 else demand.what.removesuffix("s")
+        if demand.per_unit > 1:
+            part = f"{demand.flags} ({demand.units} {what} × --rollout-num-gpus-per-engine {demand.per_unit})"
+        else:
+            part = f"{demand.flags} ({demand.units} {what})"
+        parts.append(part)
+    shows = f"{gpus.count}" if gpus.count else "none"
+    message = (f"the placement plan needs {needed} GPUs on this node but it shows {shows} ({gpus.source}): "
+               f"{' + '.join(parts)} = {needed}; lower one of them, or make more GPUs visible "
+               "(CUDA_VISIBLE_DEVICES)")
+    if gpus.count == 0 and any(d.group != "train" for d in demands):
+        message += "; without GPUs, give --rollout-num-engines N for CPU engines instead of --rollout-num-gpus"
+    return message
+
+
+def _ranks_slot(config: Config, node_rank: int, units: tuple[tuple[int, ...], ...], gpus: GpuInventory,
+                run_dir: Path, python: str) -> RanksSlot:
+    cluster = config.cluster
+    positions = tuple(unit[0] for unit in units)
+    if cluster.actor_num_nodes > 1 and not cluster.rdzv_endpoint:
+        raise ConfigError(f"--actor-num-nodes {cluster.actor_num_nodes} needs --rdzv-endpoint HOST:PORT (torchrun's "
+                          "rendezvous, reachable from every node)")
+    spec = TorchrunSpec(nproc_per_node=cluster.actor_num_gpus_per_node, nnodes=cluster.actor_num_nodes,
+                        node_rank=node_rank, rdzv_endpoint=cluster.rdzv_endpoint,
+                        max_restarts=config.fault_tolerance.max_restarts if config.train_ft_enabled else 0,
+                        python=python)
+    env = (("CUDA_VISIBLE_DEVICES", gpus.visible_devices(positions)),) if positions else ()
+    fixed = cluster.control_port != 0
+    port = cluster.control_port if fixed else free_port(cluster.control_host)
+    return RanksSlot(gpus=positions, device="cuda" if positions else "cpu", spec=spec, env=env,
+                     control_host=cluster.control_host, control_port=port, control_port_fixed=fixed,
+                     log=run_dir / "train_ranks.log")
+
+
+def _engine_slots(config: Config, group: str, count: int, choice: EngineChoice,
+                  units: tuple[tuple[int, ...], ...], gpus: GpuInventory, python: str) -> tuple[EngineSlot, ...]:
+    run_dir = config.logging.resolved_run_dir
+    slots = []
+    for index in range(count):
+        name = f"{group}-{index}"
+        positions = units[index] if choice.on_gpu else ()
+        spec = engine_launch_spec(
+            model_path=str(config.rollout.hf_checkpoint), sglang=config.sglang, cluster=config.cluster,
+            seed=config.rollout.rollout_seed, enable_metrics=config.health_monitor_enabled,
+            backend=choice.backend, device=choice.device, gpus=positions,
+            visible_devices=gpus.visible_devices(positions) if positions else None, port=free_port(ENGINE_HOST))
+        if python != spec.python:
+            spec = _with_python(spec, python)
+        slots.append(EngineSlot(name=name, group=group, gpus=positions, choice=choice, spec=spec,
+                                log=engine_log_path(run_dir, name)))
+    return tuple(slots)
+
+
+def _with_python(spec: EngineLaunchSpec, python: str) -> EngineLaunchSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, python=python)
+
+
+def _external(config: Config) -> tuple[str, ...]:
+    return config.cluster.rollout_external_engine_addrs if config.needs_engines else ()
+
+
+def _weight_sync(config: Config) -> WeightSyncPlan | None:
+    if not (config.needs_engines and config.needs_train_ranks):
+        return None
+    sglang = config.sglang
+    mode = sglang.update_weight_transfer_mode
+    if mode == "disk":
+        detail = (f"rank 0 writes a safetensors snapshot under {config.logging.resolved_run_dir / 'weights'}; "
+                  "every engine loads it (/update_weights_from_disk)")
+    else:
+        detail = ("rank 0 sends the weights over a process group the engines join "
+                  "(/init_weights_update_group, /update_weights_from_distributed); a fresh group on a free "
+                  "port per update")
+    return WeightSyncPlan(mode=mode, bucket_bytes=sglang.update_weight_buffer_size, detail=detail)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entry points: a launch, a dry run
+# ----------------------------------------------------------------------------------------------------------
+def needs_gpu_probe(config: Config) -> bool:
+    """Whether the flags put engines on GPUs (then torch may be asked for the count when no driver tool is)."""
+    if config.cluster.engine_backend == "cpu" or not config.needs_engines:
+        return False
+    return config.cluster.rollout_num_gpus is not None or config.eval.eval_num_gpus > 0
+
+
+def plan_for_launch(config: Config) -> PlacementPlan:
+    """The plan a run launches from; ConfigError (exit 2) when it cannot run on this node."""
+    gpus = detect_gpus(probe_torch=needs_gpu_probe(config))
+    if gpus.injected:
+        raise ConfigError(f"{PLAN_GPU_COUNT_ENV} is set: it injects a GPU count for planning tests and "
+                          "--dry-run only; unset it to launch")
+    return build_plan(config, gpus)
+
+
+def plan_for_dry_run(config: Config) -> PlacementPlan:
+    """The plan `--dry-run` prints: what this node lacks is a warning, not an error."""
+    return build_plan(config, detect_gpus(probe_torch=False), lenient=True)

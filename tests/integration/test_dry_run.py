@@ -1,0 +1,117 @@
+"""`rayless train --dry-run` through the real CLI, as a subprocess: the checks, the printed plan, the exit
+status, and that nothing is launched (no child process, no run directory, the launcher never imported)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PROBE = textwrap.dedent(
+    """
+    import contextlib, io, json, sys, psutil
+    from coordinator.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(sys.argv[1:])
+    print(json.dumps({
+        "status": status, "stdout": out.getvalue(), "stderr": err.getvalue(),
+        "children": len(psutil.Process().children(recursive=True)),
+        "launcher_imported": "coordinator.run" in sys.modules,
+    }))
+    """
+)
+
+
+def run_cli(*args: str, gpus: int | None = None, pythonpath: Path | None = None) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "RAYLESS_PLAN_GPU_COUNT"}
+    if gpus is not None:
+        env["RAYLESS_PLAN_GPU_COUNT"] = str(gpus)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", PROBE, "train", *args], capture_output=True, text=True,
+                            timeout=120, check=False, env=env)
+    assert result.stdout.strip(), result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def job(tiny_model_dir: Path, tmp_path: Path) -> list[str]:
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} 7 1=", "answer": str(i)}) + "\n" for i in range(5)))
+    return ["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--input-key", "question",
+            "--label-key", "answer", "--apply-chat-template", "--rm-type", "first_digit",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
+            "--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ckpt"), "--dry-run"]
+
+
+def test_a_dry_run_of_an_8_gpu_plan_checks_everything_prints_the_plan_and_launches_nothing(
+        job: list[str], tmp_path: Path) -> None:
+    outcome = run_cli(*job, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2",
+                      "--actor-num-gpus-per-node", "4", "--engine-backend", "sglang", "--sglang-api-key", "SENTINEL",
+                      gpus=8)
+    assert outcome["status"] == 0, outcome["stderr"]
+    assert outcome["children"] == 0 and not outcome["launcher_imported"]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ckpt").exists()
+    out = outcome["stdout"]
+    assert "the first 3 record(s) hold --input-key 'question', --label-key 'answer'" in out
+    assert "--apply-chat-template: the first prompt renders as:" in out and "0 7 1=" in out
+    assert "tokenizer: " in out and f"--save {tmp_path / 'ckpt'}: writable" in out
+    assert "--rollout-function-path coordinator.rollout.generate:DefaultRollout: class" in out
+    assert "node 0: 8 GPUs (RAYLESS_PLAN_GPU_COUNT=8, injected for planning); this plan uses 8" in out
+    assert "train-ranks  0-3" in out and "CUDA_VISIBLE_DEVICES=0,1,2,3" in out
+    assert "--tp-size 2 --base-gpu-id 4" in out and "--tp-size 2 --base-gpu-id 6" in out
+    assert "weight sync: disk" in out and "bucket size 512 MiB" in out
+    assert "SENTINEL" not in out + outcome["stderr"] and "--api-key '***'" in out
+    assert "every check passed; nothing was launched" in out
+
+
+def test_what_this_machine_lacks_is_a_warning_in_a_dry_run(job: list[str]) -> None:
+    # 2 GPUs shown, 8 planned; and no sglang package here (the auto backend then plans our engine on CUDA).
+    outcome = run_cli(*job, "--rollout-num-gpus", "4", "--actor-num-gpus-per-node", "4", gpus=2)
+    assert outcome["status"] == 0, outcome["stderr"]
+    assert "rayless train: warning: the placement plan needs 8 GPUs on this node but it shows 2" in outcome["stderr"]
+    out = outcome["stdout"]
+    assert "8 assumed for this plan" in out and "rollout-3" in out
+    if "sglang is installed" not in out:
+        assert "our engine on CUDA" in out and "--device cuda --base-gpu-id 0" in out
+        assert "CUDA_VISIBLE_DEVICES=7" in out
+    assert outcome["children"] == 0
+
+
+def test_a_dry_run_reports_every_problem_it_finds_and_exits_2(job: list[str], tmp_path: Path) -> None:
+    hooks = tmp_path / "hooks_dry_run.py"
+    hooks.write_text("def reward(sample, extra):\n    return 0.0\n")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    flags = [flag for flag in job if flag != "--rm-type" and flag != "first_digit"]
+    flags = [str(locked / "ckpt") if flag == str(tmp_path / "ckpt") else flag for flag in flags]
+    flags[flags.index("answer")] = "solution"
+    outcome = run_cli(*flags, "--rollout-num-engines", "1", "--custom-rm-path", "hooks_dry_run:reward",
+                      pythonpath=tmp_path)
+    assert outcome["status"] == 2 and outcome["children"] == 0
+    err = outcome["stderr"]
+    assert "key 'solution' (--label-key) is missing" in err
+    assert "--custom-rm-path 'hooks_dry_run:reward': rayless calls it as reward(sample)" in err
+    assert "missing a required argument: 'extra'" in err
+    if os.geteuid() != 0:  # root writes anywhere
+        assert f"--save {locked / 'ckpt'}: cannot be written" in err
+    assert "problem(s), see above; nothing was launched" in outcome["stdout"]
+
+
+def test_a_launch_that_needs_more_gpus_than_the_node_shows_exits_2_before_launching(job: list[str]) -> None:
+    flags = [flag for flag in job if flag != "--dry-run"]
+    # More GPUs than any node has, so this holds on a GPU machine too.
+    outcome = run_cli(*flags, "--rollout-num-gpus", "64", "--actor-num-gpus-per-node", "64",
+                      "--global-batch-size", "64", "--rollout-batch-size", "32")
+    assert outcome["status"] == 2 and outcome["children"] == 0 and not outcome["launcher_imported"]
+    assert "rayless train: error: the placement plan needs 128 GPUs on this node but it shows" in outcome["stderr"]
+    assert "--actor-num-gpus-per-node 64 (64 training ranks) + --rollout-num-gpus 64 (64 rollout engines) = 128" \
+        in outcome["stderr"]
+    injected = run_cli(*flags, "--rollout-num-engines", "1", gpus=8)
+    assert injected["status"] == 2 and "unset it to launch" in injected["stderr"] and injected["children"] == 0

@@ -1,0 +1,58 @@
+"""What a person sees while a run starts, in plain lines (`--no-progress`, or no terminal): every launched
+process's phases in order, the run-level ETA beside each rollout's line, and the log tail of a process that
+fails to start. Real `rayless train` subprocesses on the CPU."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "coordinator.cli", "train", *args, "--no-progress"],
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def phases(stderr: str, name: str) -> list[str]:
+    """The phases `name` went through, in the order the start-up lines report them."""
+    pattern = re.compile(rf"start-up: {re.escape(name)} \[[^\]]*\] (.+?) \(\d+\.\d s\)")
+    return [match.group(1) for match in pattern.finditer(stderr)]
+
+
+def test_a_cpu_run_shows_each_process_phases_in_order_and_an_eta(tiny_model_dir: Path, tmp_path: Path) -> None:
+    result = train("--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "builtin:first_digit",
+                   "--rm-type", "first_digit", "--rollout-num-engines", "1", "--actor-num-gpus-per-node", "1",
+                   "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
+                   "--rollout-max-response-len", "4", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    err = result.stderr
+    assert phases(err, "rollout-0") == ["starting", "loading", "healthy"], err
+    assert phases(err, "train-ranks") == ["starting", "connected 1/1", "loading", "ready"], err
+    assert "start-up: rollout-0 [CPU · port " in err and "start-up: train-ranks [CPU · 1 rank(s)]" in err
+    # The plan comes first, then the processes start, then the rollouts, each with the run's elapsed and ETA.
+    assert err.index("placement plan") < err.index("start-up: rollout-0") < err.index("rollout 1/3")
+    rollout_lines = [line for line in err.splitlines() if re.search(r"rollout \d/3 ", line)]
+    assert len(rollout_lines) == 3, err
+    assert all(re.search(r"elapsed \d+:\d\d:\d\d  ETA \d+:\d\d:\d\d$", line) for line in rollout_lines), rollout_lines
+    plan_text = (tmp_path / "run" / "plan.txt").read_text()
+    assert "-m workers.engine" in plan_text and "-m torch.distributed.run" in plan_text
+
+
+def test_an_engine_that_fails_to_start_is_shown_failed_with_its_log_tail(tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    broken = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").unlink()  # the tokenizer loads; the engine cannot load the model
+    result = train("--hf-checkpoint", str(broken), "--prompt-data", "builtin:first_digit", "--rm-type",
+                   "first_digit", "--rollout-num-engines", "1", "--debug-rollout-only", "--rollout-batch-size", "2",
+                   "--num-rollout", "1", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    err = result.stderr
+    assert phases(err, "rollout-0")[0] == "starting" and phases(err, "rollout-0")[-1] == "failed", err
+    assert "run failed: EngineLaunchError: engine rollout-0: exited with status" in err
+    log_path = tmp_path / "run" / "logs" / "engine-rollout-0.log"
+    assert f"--- last lines of {log_path} ---" in err and "cannot load the model" in err
+    assert "Traceback" not in err
