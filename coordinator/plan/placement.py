@@ -252,7 +252,8 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
         gpus = GpuInventory.of_count(needed, f"{needed} assumed for this plan; this machine shows "
                                      f"{gpus.describe()}")
     run_dir = config.logging.resolved_run_dir
-    ranks = _ranks_slot(config, node_rank, placed.get("train", ()), gpus, run_dir, python) \
+    ranks = _ranks_slot(config, node_rank, placed.get("train", ()), gpus, run_dir, python, lenient=lenient,
+                        warnings=warnings) \
         if config.needs_train_ranks else None
     rollout_slots = _engine_slots(config, "rollout", config.num_launched_rollout_engines, rollout,
                                   placed.get("rollout", ()), gpus, python) if rollout is not None else ()
@@ -288,14 +289,19 @@ def oversubscribed_message(demands: Sequence[GpuDemand], needed: int, gpus: GpuI
 
 
 def _ranks_slot(config: Config, node_rank: int, units: tuple[tuple[int, ...], ...], gpus: GpuInventory,
-                run_dir: Path, python: str) -> RanksSlot:
+                run_dir: Path, python: str, *, lenient: bool, warnings: list[str]) -> RanksSlot:
     cluster = config.cluster
     positions = tuple(unit[0] for unit in units)
-    if cluster.actor_num_nodes > 1 and not cluster.rdzv_endpoint:
-        raise ConfigError(f"--actor-num-nodes {cluster.actor_num_nodes} needs --rdzv-endpoint HOST:PORT (torchrun's "
-                          "rendezvous, reachable from every node)")
+    rdzv_endpoint = cluster.rdzv_endpoint
+    if cluster.actor_num_nodes > 1 and not rdzv_endpoint:
+        message = (f"--actor-num-nodes {cluster.actor_num_nodes} needs --rdzv-endpoint HOST:PORT (torchrun's "
+                   "rendezvous, reachable from every node)")
+        if not lenient:
+            raise ConfigError(message)
+        warnings.append(message)  # a login node's dry run: the launcher's node knows the address
+        rdzv_endpoint = "<--rdzv-endpoint>"
     spec = TorchrunSpec(nproc_per_node=cluster.actor_num_gpus_per_node, nnodes=cluster.actor_num_nodes,
-                        node_rank=node_rank, rdzv_endpoint=cluster.rdzv_endpoint,
+                        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                         max_restarts=config.fault_tolerance.max_restarts if config.train_ft_enabled else 0,
                         python=python)
     env = (("CUDA_VISIBLE_DEVICES", gpus.visible_devices(positions)),) if positions else ()

@@ -59,7 +59,7 @@ async def test_router_in_front_of_two_cpu_engines(tiny_model_dir: Path, tmp_path
 async def test_attaching_to_a_running_router_registers_and_leaves(tiny_model_dir: Path, tmp_path: Path) -> None:
     """`--sglang-router-ip/-port`: our engines join a router someone else runs, and leave it at the end; the
     router itself is neither launched nor stopped by us."""
-    spec = EngineLaunchSpec(kind="cpu", model_path=str(tiny_model_dir), env=ENGINE_ENV, start_timeout=120.0)
+    spec = EngineLaunchSpec(kind="rayless", model_path=str(tiny_model_dir), env=ENGINE_ENV, start_timeout=120.0)
     async with EngineClient(max_connections=16, retry=NO_RETRY) as client:
         fleet = EngineFleet(client=client, launch=spec, num_engines=1, run_dir=tmp_path)
         theirs = RouterHandle(client=client, run_dir=tmp_path, name="theirs")

@@ -105,7 +105,7 @@ def test_kl_flags_are_slimes(tiny_model_dir: Path) -> None:
 # --- --load, --ref-load, --save-retain-interval ----------------------------------------------------------------
 def test_load_of_a_missing_or_empty_directory_starts_fresh(tiny_model_dir: Path, tmp_path: Path) -> None:
     missing = parse_config(argv(tiny_model_dir, "--load", str(tmp_path / "run"), "--save", str(tmp_path / "run")))
-    plan = check_checkpoints(missing)
+    _, plan = check_checkpoints(missing)
     assert not plan.resume and plan.fresh_reason == "does not exist yet"
     (tmp_path / "empty").mkdir()
     assert resolve_load(parse_config(argv(tiny_model_dir, "--load", str(tmp_path / "empty")))).fresh_reason == \
