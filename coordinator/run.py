@@ -277,6 +277,12 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
                             "dump file")
         num_rollout = max(ids) + 1
     hooks: list[StepHook] = [ft.eval_fleet] if ft.eval_fleet is not None else []
+    rollout_eval = None
+    if config.rollout_engine_eval_enabled:  # slime's default: evaluate on the rollout engines
+        from coordinator.rollout_eval import RolloutEngineEval
+
+        rollout_eval = RolloutEngineEval.from_run(config, manager, metrics)
+        hooks.append(rollout_eval)
     if extra_hooks is not None:
         hooks += extra_hooks(services)
     rollouts: Any = manager
@@ -288,6 +294,8 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
                         trainer=services.train_group, weight_sync=weight_sync, metrics=metrics,
                         start_rollout=start_rollout, num_rollout=num_rollout, hooks=hooks)
     timings["loop_start_s"] = 0.0
+    if rollout_eval is not None:
+        await rollout_eval.before_training(start_rollout, loop.weight_version)
     result = await loop.run()
     if ft.eval_fleet is not None:
         await ft.eval_fleet.drain(timeout=300)
@@ -302,6 +310,7 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         "reward_last": rewards[-3:],
         "train_recoveries": loop.train_recoveries,
         "ft": ft.summary(weight_sync),
+        "rollout_engine_evals": rollout_eval.records if rollout_eval is not None else [],
     }
 
 

@@ -17,6 +17,7 @@ from coordinator.config.settings import Config
 def preflight(config: Config) -> None:
     check_paths(config)
     check_hooks(config)
+    check_rewards(config)
     check_metric_backends(config)
 
 
@@ -30,9 +31,17 @@ def check_paths(config: Config) -> None:
     if rollout.prompt_data and not rollout.prompt_data.startswith("builtin:") and not config.replay_mode:
         if not Path(rollout.prompt_data).is_file():
             raise ConfigError(f"--prompt-data {rollout.prompt_data}: no such file")
+    where = "--eval-config" if config.eval.eval_config is not None else "--eval-prompt-data"
     for name, path in config.eval.eval_datasets:
-        if not path.startswith("builtin:") and not Path(path).is_file():
-            raise ConfigError(f"--eval-prompt-data {name} {path}: no such file")
+        if path.startswith("builtin:"):
+            from coordinator.rollout.tasks import builtin_task_name
+
+            try:
+                builtin_task_name(path)
+            except (KeyError, ValueError) as error:
+                raise ConfigError(f"{where} {name} {path}: {error}") from None
+        elif not Path(path).is_file():
+            raise ConfigError(f"{where} {name} {path}: no such file")
     load = config.checkpoint.load
     if load and not Path(load).exists():
         raise ConfigError(f"--load {load}: no such checkpoint directory")
@@ -64,6 +73,29 @@ def check_hooks(config: Config) -> None:
             raise ConfigError(str(error)) from None
         if not callable(target):
             raise ConfigError(f"{flag} {path!r} names a {type(target).__name__}, not a function or class")
+
+
+def check_rewards(config: Config) -> None:
+    """The rollout's reward type and each eval dataset's can score (IFBench installed for `ifbench`; every
+    dataset has a reward, a key for a dict-valued one, `--rm-url` for `remote_rm`)."""
+    from coordinator.rollout.reward_rules import RewardError, base_rule, ifbench_library
+
+    if config.builds_rollout_fn and config.rollout.rm_type is not None:
+        if base_rule(config.rollout.rm_type)[0].name == "ifbench":
+            try:
+                ifbench_library()
+            except RewardError as error:
+                raise ConfigError(f"--rm-type {config.rollout.rm_type}: {error}") from None
+    if not (config.eval_fleet_enabled or config.rollout_engine_eval_enabled):
+        return
+    from coordinator.eval_settings import EvalSettings
+
+    settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
+    for dataset in settings.datasets:
+        try:
+            dataset.check()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def check_metric_backends(config: Config) -> None:
