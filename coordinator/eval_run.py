@@ -13,7 +13,8 @@ Metric names, for a dataset `<name>` (slime's where slime has one):
 - `eval/<name>/truncated_ratio` and `eval/<name>-truncated_ratio` (slime logs both): samples cut by the length
   limit;
 - `eval/<name>/response_len/{mean,median,max,min}`: response tokens;
-- `eval/<name>/samples`, `eval/<name>/generate_s`.
+- `eval/<name>/samples`, `eval/<name>/aborted` (samples still aborted after the restarts: scored 0),
+  `eval/<name>/generate_s`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.requests import GenerateState, RequestSlots, generate_group, new_sample
 from replay.sample import Sample, SampleStatus
 
+MAX_ABORT_RESTARTS = 8
+
 
 def generate_state(dataset: EvalDataset, *, tokenizer: object, context_length: int, concurrency: int,
                    request_slots: RequestSlots | None = None) -> GenerateState:
@@ -40,16 +43,38 @@ def generate_state(dataset: EvalDataset, *, tokenizer: object, context_length: i
                          concurrency=concurrency, seed=EVAL_SEED, request_slots=request_slots)
 
 
+def _restart(sample: Sample) -> None:
+    """An aborted sample generates again from its prompt (its partial tokens are dropped); counted in its
+    metadata (`eval_restarts`)."""
+    sample.metadata["eval_restarts"] = sample.metadata.get("eval_restarts", 0) + 1
+    sample.tokens = sample.tokens[: sample.prompt_length]
+    sample.response_length = 0
+    sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [], [], []
+    sample.response = ""
+    sample.status = SampleStatus.PENDING
+
+
 async def generate_and_score(dataset: EvalDataset, state: GenerateState, dispatcher: Dispatcher,
                              eval_id: int) -> list[list[Sample]]:
-    """Every prompt of `dataset` sampled `n_samples` times and scored; groups in prompt order."""
+    """Every prompt of `dataset` sampled `n_samples` times and scored; groups in prompt order.
+
+    A sample aborted by the engine (on the rollout engines, with `--async-rollout`, the rollout being
+    generated meanwhile aborts every straggler once its batch is full) is generated again, up to
+    `MAX_ABORT_RESTARTS` times; one still aborted then is scored 0 and counted in `eval/<name>/aborted`.
+    """
     groups = []
     for index, record in enumerate(dataset.records):
         prompt_ids = state.encode(str(record.prompt))
         groups.append([new_sample(record, prompt_ids, index, k) for k in range(dataset.settings.n_samples)])
 
     async def run_group(samples: list[Sample]) -> None:
-        await generate_group(state, dispatcher, samples, eval_id, logprobs=False)
+        for attempt in range(MAX_ABORT_RESTARTS + 1):
+            await generate_group(state, dispatcher, samples, eval_id, logprobs=False)
+            aborted = [sample for sample in samples if sample.status is SampleStatus.ABORTED]
+            if not aborted or attempt == MAX_ABORT_RESTARTS:
+                break
+            for sample in aborted:
+                _restart(sample)
         await dataset.reward_model.score_group(samples)
 
     async with anyio.create_task_group() as task_group:
@@ -87,6 +112,7 @@ def dataset_metrics(name: str, groups: list[list[Sample]], reward_key: str | Non
         f"{prefix}/response_len/max": float(max(lengths)),
         f"{prefix}/response_len/min": float(min(lengths)),
         f"{prefix}/samples": float(len(samples)),
+        f"{prefix}/aborted": float(sum(sample.status is SampleStatus.ABORTED for sample in samples)),
         f"{prefix}/generate_s": seconds,
     }
     n = min((len(group) for group in groups), default=0)

@@ -11,6 +11,7 @@ from typing import Any
 from coordinator.config import parse_config
 from coordinator.progress import read_metrics
 from coordinator.run import Services, run_training
+from replay.sample import SampleStatus
 
 
 def run_argv(model_dir: Path, run_dir: Path, *flags: str) -> list[str]:
@@ -89,3 +90,54 @@ async def test_eval_config_in_base64_with_per_dataset_settings(tiny_model_dir: P
         assert "eval/copies-pass@1" not in row, "pass@k only where n > 1"
         # boxed_exact_match: 1-token responses hold no \boxed{}, so nothing is right
         assert row["eval/copies"] == 0.0
+
+
+async def test_samples_aborted_under_an_evaluation_are_generated_again(tiny_model_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    """With --async-rollout a rollout that fills its batch aborts every request on the engines, the eval's
+    too: a real engine aborts them mid-generation here, and the evaluation generates them again."""
+    import anyio
+    from transformers import AutoTokenizer
+
+    from coordinator.engines.client import EngineClient
+    from coordinator.engines.fleet import EngineFleet
+    from coordinator.eval_run import evaluate_dataset, generate_state
+    from coordinator.eval_settings import EvalSettings, load_eval_datasets
+    from coordinator.rollout.dispatch import Dispatcher
+    from tests.support.engine_proc import start_engine_process
+
+    config = parse_config(run_argv(tiny_model_dir, tmp_path / "run", "--num-rollout", "1", "--eval-interval", "1",
+                                   "--eval-prompt-data", "digits", "builtin:first_digit",
+                                   "--n-samples-per-eval-prompt", "2", "--eval-max-response-len", "48"))
+    settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (dataset,) = load_eval_datasets(settings, tokenizer)
+    with start_engine_process(tiny_model_dir) as engine:
+        async with EngineClient(max_connections=8) as client, anyio.create_task_group() as group:
+            fleet = EngineFleet(client=client, group="rollout", external_urls=[engine.url], run_dir=tmp_path)
+            await group.start(fleet.run)
+            dispatcher = Dispatcher(client=client, pool=fleet)
+            state = generate_state(dataset, tokenizer=tokenizer, context_length=1 << 20,
+                                   concurrency=64)
+            aborted_at = anyio.Event()
+
+            async def abort_once_generation_runs() -> None:
+                with anyio.fail_after(60):
+                    # the dispatcher signals no event when a request starts: poll its counter (test only)
+                    while not dispatcher.in_flight[engine.url]:  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+                await anyio.sleep(0.2)  # the requests are being generated now
+                await client.engine(engine.url).abort_request(abort_all=True)
+                aborted_at.set()
+
+            group.start_soon(abort_once_generation_runs)
+            groups, metrics = await evaluate_dataset(dataset, state, dispatcher, eval_id=0)
+            assert aborted_at.is_set()
+            group.cancel_scope.cancel()
+    samples = [sample for g in groups for sample in g]
+    restarted = [sample for sample in samples if sample.metadata.get("eval_restarts")]
+    assert restarted, "the abort hit requests in flight"
+    assert metrics["eval/digits/aborted"] == 0 and metrics["eval/digits/samples"] == 64
+    assert all(sample.status is not SampleStatus.ABORTED and sample.reward is not None for sample in samples)
+    assert all(sample.response_length > 0 for sample in restarted), "generated again from the prompt"
+
