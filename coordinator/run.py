@@ -6,7 +6,9 @@ leaving the block — normally, on error or on Ctrl-C — cancels the group, and
 it launched. Only what the mode needs is started: replay starts no engine, router, health monitor, eval fleet
 or HTTP client; `--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
 `build_fault_tolerance` from the config's derived gates only (health monitors, the fault injector, the eval
-fleet's own probing), and `build_weight_sync` gives WeightSync its `recover_engines` gate.
+fleet's own probing), and `build_weight_sync` gives WeightSync its `recover_engines` gate. Without an eval
+fleet, `--eval-interval` evaluates on the rollout engines (`coordinator.rollout_eval`, slime's default): once
+before the loop when it starts at rollout 0, then as a step hook.
 """
 
 from __future__ import annotations
