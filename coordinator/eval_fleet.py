@@ -17,8 +17,7 @@ Why not the manager's eval fn: `RolloutManager.eval_fn` is bound to the rollout 
 rollout prompt source; an eval on those engines would be aborted and re-weighted by training updates. The eval
 fleet therefore drives its own dispatcher over the pinned engines, but through the generate path's own
 request/response code (`coordinator.rollout.requests`: one finish-reason map, one seed formula, one group per
-engine) and the same reward rule (`RewardChoice`: `rm_type` of a `builtin:` task, else `--rm-type` /
-`--custom-rm-path`). The fleet reads its flags from `EvalSettings`, never from the run's whole Config.
+engine) and the same reward rules (`coordinator.eval_settings`). The fleet reads its flags from `EvalSettings`, never from the run's whole Config.
 
 Invariants:
 - Eval engines never receive training weight updates: only `pin()` loads weights into them, and only the
@@ -54,11 +53,10 @@ import anyio.abc
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.eval_pin import EvalPin, EvalSkip, PinnedPool
-from coordinator.eval_settings import EVAL_SEED, EvalDataset, EvalSettings, load_eval_datasets
-from coordinator.rollout.data_source import PromptRecord
+from coordinator.eval_run import evaluate_dataset, generate_state
+from coordinator.eval_settings import EvalDataset, EvalSettings, load_eval_datasets
 from coordinator.rollout.dispatch import Dispatcher
-from coordinator.rollout.requests import GenerateState, generate_group, new_sample
-from replay.sample import Sample, SampleStatus
+from coordinator.rollout.requests import GenerateState, RequestSlots
 
 if TYPE_CHECKING:
     from coordinator.progress import MetricsLog
@@ -136,19 +134,17 @@ class EvalFleet:
         self.exporter = exporter
         self.snapshot_dir = Path(snapshot_dir)
         self.metrics = metrics
-        self.datasets = list(datasets) if datasets is not None else load_eval_datasets(settings)
+        self.datasets = list(datasets) if datasets is not None else load_eval_datasets(settings, tokenizer)
         self.pin_wait = pin_wait
         self.interval = settings.interval
         self.max_in_flight = settings.max_in_flight
-        self.n_samples = settings.n_samples
-        self.generate_state = GenerateState(
-            tokenizer=tokenizer,
-            sampling_params={"temperature": settings.temperature, "top_p": settings.top_p},
-            max_response_len=settings.max_response_len,
-            context_length=_UNBOUNDED_CONTEXT,
-            concurrency=max(1, settings.server_concurrency * len(fleet.engines)),
-            seed=EVAL_SEED,
-        )
+        concurrency = max(1, settings.server_concurrency * len(fleet.engines))
+        slots = RequestSlots(concurrency)  # datasets run one after another: one bound for all of them
+        self.generate_states: dict[str, GenerateState] = {
+            dataset.name: generate_state(dataset, tokenizer=tokenizer, context_length=_UNBOUNDED_CONTEXT,
+                                         concurrency=concurrency, request_slots=slots)
+            for dataset in self.datasets
+        }
         self.pinning = EvalPin(fleet=fleet, client=client, probe_before_pin=probe_before_pin,
                                pin_wait=pin_wait, timeout=timeout, allow_partial=settings.allow_partial_fleet)
         self.records: list[EvalRecord] = []
@@ -271,16 +267,16 @@ class EvalFleet:
                                 "eval/lag_steps": lag, "eval/duration_s": duration,
                                 "eval/engines": len(pinned), "eval/engines_total": len(self.fleet.engines)}
         for name, values in per_dataset.items():
-            values.update({"pinned_step": float(job.pinned_step), "lag_steps": float(lag), "duration_s": duration})
-            flat.update({f"eval/{name}/{key}": value for key, value in values.items()})
+            flat.update(values)
+            flat.update({f"eval/{name}/pinned_step": float(job.pinned_step), f"eval/{name}/lag_steps": float(lag),
+                         f"eval/{name}/duration_s": duration})
         record = EvalRecord(job.eval_id, job.pinned_step, job.weight_version, "done", metrics=flat,
                             lag_steps=lag, duration_s=duration)
         self.records.append(record)
         if self.metrics is not None:
             self.metrics.log(job.pinned_step, flat)
         log.info("eval %d of step %d (weights %s): %s", job.eval_id, job.pinned_step, job.weight_version,
-                 "  ".join(f"{name} reward {v['reward_mean']:.3f} pass@{self.n_samples} {v['pass_at_k']:.3f}"
-                           for name, v in per_dataset.items()))
+                 "  ".join(f"{name} reward {v[f'eval/{name}']:.3f}" for name, v in per_dataset.items()))
 
     def _record_skip(self, job: EvalJob, skip: EvalSkip, duration: float = 0.0) -> None:
         log.warning("eval %d of step %d skipped: %s", job.eval_id, job.pinned_step, skip)
@@ -293,45 +289,18 @@ class EvalFleet:
     # -- generate and score --------------------------------------------------------------------------
 
     async def _evaluate(self, job: EvalJob, pinned: dict[str, int]) -> dict[str, dict[str, float]]:
-        """Generate and score every dataset on the pinned engines, through the generate path's own request
-        code (one group per engine, the eval id in place of the rollout id in the sampling seeds)."""
+        """Generate and score every dataset on the pinned engines (`eval_run`, the eval id in place of the
+        rollout id in the sampling seeds)."""
         dispatcher = Dispatcher(client=self.client, pool=PinnedPool(self.fleet, pinned),
                                 engine_wait=self.pin_wait)
         results: dict[str, dict[str, float]] = {}
         for dataset in self.datasets:
-            started = time.monotonic()
-            groups = [self._new_group(record, index) for index, record in enumerate(dataset.records)]
-
-            async def run_group(samples: list[Sample], dataset: EvalDataset = dataset) -> None:
-                await generate_group(self.generate_state, dispatcher, samples, job.eval_id, logprobs=False)
-                await dataset.reward_model.score_group(samples)
-
-            async with anyio.create_task_group() as tg:
-                for samples in groups:
-                    tg.start_soon(run_group, samples)
+            groups, metrics = await evaluate_dataset(dataset, self.generate_states[dataset.name], dispatcher,
+                                                     job.eval_id)
             wrong = {s.metadata["engine"]: s.weight_versions[0] for g in groups for s in g
                      if s.weight_versions != [job.weight_version]}
             if wrong:
                 raise EvalSkip("pin_violation", f"samples answered with weight versions {wrong}, pinned "
                                                 f"{job.weight_version!r}")
-            results[dataset.name] = _dataset_metrics(groups, self.settings.reward.reward_key,
-                                                     time.monotonic() - started)
+            results[dataset.name] = metrics
         return results
-
-    def _new_group(self, record: PromptRecord, index: int) -> list[Sample]:
-        prompt_ids = self.generate_state.encode(str(record.prompt))
-        return [new_sample(record, prompt_ids, index, k) for k in range(self.n_samples)]
-
-
-def _dataset_metrics(groups: list[list[Sample]], reward_key: str | None, seconds: float) -> dict[str, float]:
-    samples = [s for g in groups for s in g]
-    rewards = [s.scalar_reward(reward_key) for s in samples]
-    # pass@k: a prompt passes when any of its k samples earned the full reward
-    passed = sum(any(s.scalar_reward(reward_key) >= 1.0 for s in g) for g in groups)
-    return {
-        "reward_mean": sum(rewards) / max(len(rewards), 1),
-        "pass_at_k": passed / max(len(groups), 1),
-        "truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples) / max(len(samples), 1),
-        "samples": float(len(samples)),
-        "generate_s": seconds,
-    }

@@ -9,7 +9,9 @@ leaving the block — normally, on error or on Ctrl-C — cancels the group, and
 it launched. Only what the mode needs is started: replay starts no engine, router, health monitor, eval fleet
 or HTTP client; `--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
 `build_fault_tolerance` from the config's derived gates only (health monitors, the fault injector, the eval
-fleet's own probing), and `build_weight_sync` gives WeightSync its `recover_engines` gate.
+fleet's own probing), and `build_weight_sync` gives WeightSync its `recover_engines` gate. Without an eval
+fleet, `--eval-interval` evaluates on the rollout engines (`coordinator.rollout_eval`, slime's default): once
+before the loop when it starts at rollout 0, then as a step hook.
 """
 
 from __future__ import annotations
@@ -297,6 +299,12 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
                             "dump file")
         num_rollout = max(ids) + 1
     hooks: list[StepHook] = [ft.eval_fleet] if ft.eval_fleet is not None else []
+    rollout_eval = None
+    if config.rollout_engine_eval_enabled:  # slime's default: evaluate on the rollout engines
+        from coordinator.rollout_eval import RolloutEngineEval
+
+        rollout_eval = RolloutEngineEval.from_run(config, manager, metrics)
+        hooks.append(rollout_eval)
     if extra_hooks is not None:
         hooks += extra_hooks(services)
     rollouts: Any = manager
@@ -308,6 +316,8 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
                         trainer=services.train_group, weight_sync=weight_sync, metrics=metrics,
                         start_rollout=start_rollout, num_rollout=num_rollout, hooks=hooks, progress=progress.run)
     timings["loop_start_s"] = 0.0
+    if rollout_eval is not None:
+        await rollout_eval.before_training(start_rollout, loop.weight_version)
     result = await loop.run()
     if ft.eval_fleet is not None:
         await ft.eval_fleet.drain(timeout=300)
@@ -322,6 +332,7 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         "reward_last": rewards[-3:],
         "train_recoveries": loop.train_recoveries,
         "ft": ft.summary(weight_sync),
+        "rollout_engine_evals": rollout_eval.records if rollout_eval is not None else [],
     }
 
 

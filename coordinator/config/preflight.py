@@ -29,7 +29,8 @@ def preflight(config: Config) -> list[str]:
     """Every check; the notes of what was found (`--dry-run` prints them)."""
     notes = [*check_paths(config)]
     load_notes, load = check_checkpoints(config)
-    notes += [*load_notes, *check_data(config), *check_hooks(config), *check_metric_backends(config)]
+    notes += [*load_notes, *check_data(config), *check_hooks(config), *check_rewards(config),
+              *check_metric_backends(config)]
     notice = porting_notice(config, load=load)
     if notice is not None:
         warnings.warn(notice, PortingNotice, stacklevel=2)
@@ -65,9 +66,17 @@ def check_paths(config: Config) -> list[str]:
     if rollout.prompt_data and not rollout.prompt_data.startswith("builtin:") and not config.replay_mode:
         if not Path(rollout.prompt_data).is_file():
             raise ConfigError(f"--prompt-data {rollout.prompt_data}: no such file")
+    where = "--eval-config" if config.eval.eval_config is not None else "--eval-prompt-data"
     for name, path in config.eval.eval_datasets:
-        if not path.startswith("builtin:") and not Path(path).is_file():
-            raise ConfigError(f"--eval-prompt-data {name} {path}: no such file")
+        if path.startswith("builtin:"):
+            from coordinator.rollout.tasks import builtin_task_name
+
+            try:
+                builtin_task_name(path)
+            except (KeyError, ValueError) as error:
+                raise ConfigError(f"{where} {name} {path}: {error}") from None
+        elif not Path(path).is_file():
+            raise ConfigError(f"{where} {name} {path}: no such file")
     return notes
 
 
@@ -85,30 +94,39 @@ def _check_writable(flag: str, directory: Path) -> str:
 
 
 def check_data(config: Config) -> list[str]:
-    """The first records of `--prompt-data` and of each eval dataset hold `--input-key` (and `--label-key`,
-    `--metadata-key` when given), with values of the right kinds."""
+    """The first records of `--prompt-data` and of each eval dataset hold their input key (and label and
+    metadata keys when given), with values of the right kinds. Eval datasets are read with their own keys
+    (`--eval-input-key`, `--eval-config`), falling back to the rollout's."""
     if config.replay_mode:
         return []
+    rollout = config.rollout
+    sources: list[tuple[str, str, str, str | None, str | None]] = []
+    if rollout.prompt_data:
+        sources.append(("--prompt-data", rollout.prompt_data, rollout.input_key, rollout.label_key,
+                        rollout.metadata_key))
+    if config.eval.eval_datasets:
+        from coordinator.eval_settings import EvalSettings
+
+        where = "--eval-config" if config.eval.eval_config is not None else "--eval-prompt-data"
+        settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
+        sources += [(f"{where} {d.name}", d.path, d.input_key, d.label_key, d.metadata_key)
+                    for d in settings.datasets]
+    return [_peek(*source) for source in sources]
+
+
+def _peek(flag: str, path: str, input_key: str, label_key: str | None, metadata_key: str | None) -> str:
     from coordinator.rollout.data_source import DataSourceError, read_prompt_file
 
-    rollout = config.rollout
-    sources = [("--prompt-data", rollout.prompt_data)] if rollout.prompt_data else []
-    sources += [(f"--eval-prompt-data {name}", path) for name, path in config.eval.eval_datasets]
-    keys = [f"--input-key {rollout.input_key!r}"]
-    keys += [f"--label-key {rollout.label_key!r}"] if rollout.label_key else []
-    keys += [f"--metadata-key {rollout.metadata_key!r}"] if rollout.metadata_key else []
-    notes = []
-    for flag, path in sources:
-        if path.startswith("builtin:"):
-            notes.append(f"{flag} {path}: a built-in task")
-            continue
-        try:
-            records = read_prompt_file(path, input_key=rollout.input_key, label_key=rollout.label_key,
-                                       metadata_key=rollout.metadata_key, limit=PEEK_RECORDS)
-        except DataSourceError as error:
-            raise ConfigError(f"{flag}: {error}") from None
-        notes.append(f"{flag} {path}: the first {len(records)} record(s) hold {', '.join(keys)}")
-    return notes
+    if path.startswith("builtin:"):
+        return f"{flag} {path}: a built-in task"
+    try:
+        records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
+                                   limit=PEEK_RECORDS)
+    except DataSourceError as error:
+        raise ConfigError(f"{flag}: {error}") from None
+    keys = [f"input key {input_key!r}"] + [f"label key {label_key!r}"] * bool(label_key)
+    keys += [f"metadata key {metadata_key!r}"] * bool(metadata_key)
+    return f"{flag} {path}: the first {len(records)} record(s) hold {', '.join(keys)}"
 
 
 def hooks_in_use(config: Config) -> list[tuple[str, str]]:
@@ -187,6 +205,31 @@ def _bind(flag: str, path: str, target: Any, arguments: tuple[str, ...], shown: 
     except TypeError as error:
         raise ConfigError(f"{flag} {path!r}: rayless calls it as {shown}, but its signature is "
                           f"{signature}: {error}") from None
+
+
+def check_rewards(config: Config) -> list[str]:
+    """The rollout's reward type and each eval dataset's can score (IFBench installed for `ifbench`; every
+    dataset has a reward, a key for a dict-valued one, `--rm-url` for `remote_rm`)."""
+    from coordinator.rollout.reward_rules import RewardError, base_rule, ifbench_library
+
+    if config.builds_rollout_fn and config.rollout.rm_type is not None:
+        if base_rule(config.rollout.rm_type)[0].name == "ifbench":
+            try:
+                ifbench_library()
+            except RewardError as error:
+                raise ConfigError(f"--rm-type {config.rollout.rm_type}: {error}") from None
+    if not (config.eval_fleet_enabled or config.rollout_engine_eval_enabled):
+        return []
+    from coordinator.eval_settings import EvalSettings
+
+    settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
+    for dataset in settings.datasets:
+        try:
+            dataset.check()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    return [f"eval dataset {dataset.name}: scored by "
+            f"{dataset.reward.custom_rm_path or f'--rm-type {dataset.reward.rm_type}'}" for dataset in settings.datasets]
 
 
 def check_metric_backends(config: Config) -> list[str]:

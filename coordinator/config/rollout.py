@@ -18,9 +18,9 @@ DEFAULT_ROLLOUT_FUNCTION = "coordinator.rollout.generate:DefaultRollout"
 
 
 def _rm_types() -> list[str]:
-    from coordinator.rollout.rewards import BUILTIN_RM_TYPES
+    from coordinator.rollout.reward_rules import rm_type_names
 
-    return sorted(BUILTIN_RM_TYPES)
+    return rm_type_names()
 
 
 def _estimators() -> tuple[str, ...]:
@@ -64,7 +64,9 @@ class RolloutConfig(Slice):
                                           "instance)", parse=values.hook_path, metavar="MODULE:NAME")
     custom_rm_path: str | None = flag(None, help="custom reward: module.path:fn (sync or async)",
                                       parse=values.hook_path, metavar="MODULE:NAME")
-    rm_type: str | None = flag(None, help="built-in reward", choices=_rm_types)
+    rm_type: str | None = flag(None, help="built-in reward (README: reward types)", choices=_rm_types)
+    rm_url: str | None = flag(None, help="reward service of --rm-type remote_rm (POST {prompt, response, label})",
+                              parse=values.http_url, metavar="URL")
     reward_key: str | None = flag(None, help="key of a dict reward used for advantages", secret=False)
     group_rm: bool = flag(False, help="the custom reward scores a whole group at once")
     advantage_estimator: str = flag("grpo", help="advantage estimator", choices=_estimators)
@@ -92,6 +94,7 @@ class RolloutConfig(Slice):
                               "(as slime: its advantages are whitened over the rollout's tokens)")
         if self.rm_type is not None and self.custom_rm_path is not None:
             raise ConfigError("--rm-type and --custom-rm-path both choose the reward: give one")
+        self._check_rm_type()
         if self.group_rm and self.custom_rm_path is None:
             raise ConfigError("--group-rm applies to --custom-rm-path, which is not set")
         if (self.over_sampling_batch_size is not None and self.rollout_batch_size is not None
@@ -100,6 +103,18 @@ class RolloutConfig(Slice):
                 f"--over-sampling-batch-size {self.over_sampling_batch_size} is smaller than "
                 f"--rollout-batch-size {self.rollout_batch_size}"
             )
+
+    def _check_rm_type(self) -> None:
+        if self.rm_type is None:
+            return
+        from coordinator.rollout.reward_rules import REMOTE_RM, base_rule
+
+        rule, _ = base_rule(self.rm_type)
+        if rule.returns_dict and self.reward_key is None:
+            raise ConfigError(f"--rm-type {self.rm_type} returns a dict reward (score, acc): pass --reward-key "
+                              "score (as slime's scripts do) to choose the entry advantages use")
+        if rule.name == REMOTE_RM and self.rm_url is None:
+            raise ConfigError("--rm-type remote_rm needs --rm-url (the reward service to POST to)")
 
     @property
     def effective_over_sampling_batch_size(self) -> int:

@@ -131,9 +131,29 @@ def kl_reward_shaping_is_supported(config: Config) -> None:
 
 
 def eval_fleet_needs_schedule(config: Config) -> None:
-    if config.eval_fleet_enabled and (config.eval.eval_interval is None or not config.eval.eval_prompt_data):
+    if config.eval_fleet_enabled and (config.eval.eval_interval is None or not config.eval.dataset_specs):
         raise ConfigError("an eval fleet (--eval-num-engines/--eval-num-gpus) needs --eval-interval and "
-                          "--eval-prompt-data")
+                          "--eval-prompt-data (or --eval-config)")
+
+
+def eval_interval_needs_datasets(config: Config) -> None:
+    if config.eval.eval_interval is not None and not config.eval.dataset_specs:
+        raise ConfigError("--eval-interval needs something to evaluate: --eval-prompt-data NAME PATH ... or "
+                          "--eval-config FILE")
+
+
+def eval_datasets_need_interval(config: Config) -> None:
+    if config.eval.dataset_specs and config.eval.eval_interval is None:
+        warnings.warn("eval datasets are given but no --eval-interval: they are never evaluated (as in slime)",
+                      ConfigWarning, stacklevel=3)
+
+
+def eval_needs_engines(config: Config) -> None:
+    """Eval on the rollout engines needs them; replay and --debug-train-only start none (slime would fail)."""
+    if config.eval.eval_interval is not None and not config.needs_engines:
+        mode = ("--load-debug-rollout-data" if config.replay_mode else "--debug-train-only")
+        warnings.warn(f"{mode} starts no engines: --eval-interval is ignored and nothing is evaluated",
+                      ConfigWarning, stacklevel=3)
 
 
 def async_rollout_needs_training(config: Config) -> None:
@@ -160,5 +180,8 @@ RULES: tuple[Callable[[Config], None], ...] = (
     global_batch_splits_over_ranks,
     kl_reward_shaping_is_supported,
     eval_fleet_needs_schedule,
+    eval_interval_needs_datasets,
+    eval_datasets_need_interval,
+    eval_needs_engines,
     async_rollout_needs_training,
 )

@@ -174,6 +174,12 @@ class Config:
         return self.num_eval_engines > 0
 
     @property
+    def rollout_engine_eval_enabled(self) -> bool:
+        """slime's default: with `--eval-interval` and no eval fleet, evaluate on the rollout engines."""
+        return (self.needs_engines and not self.eval_fleet_enabled and self.eval.eval_interval is not None
+                and bool(self.eval.dataset_specs))
+
+    @property
     def num_train_ranks(self) -> int:
         if not self.needs_train_ranks:
             return 0

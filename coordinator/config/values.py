@@ -58,6 +58,22 @@ def _split_url(url: str, original: str) -> None:
     host(parts.hostname)
 
 
+def http_url(text: str) -> str:
+    """http(s)://HOST[:PORT][/PATH] of a service (a reward model)."""
+    reason = "is not a URL: expected http://HOST[:PORT][/PATH]"
+    if any(character.isspace() for character in text):
+        raise ValueError(reason)
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        raise ValueError(reason) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or parts.username:
+        raise ValueError(reason)
+    host(parts.hostname)
+    return text
+
+
 def hook_path(text: str) -> str:
     """`package.module:Name` or `package.module.Name` (resolved at start-up, before any process starts)."""
     stripped = text.strip()

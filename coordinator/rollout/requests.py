@@ -11,15 +11,16 @@ Invariants:
 - a sample's seed depends only on (base seed, rollout or eval id, group, index, tokens generated so far), so a
   rerun with the same weights draws the same tokens, and a resumed partial sample draws new ones;
 - with logprobs requested, a response's tokens and logprobs agree in number, or it is an error;
-- at most `GenerateState.concurrency` requests are in flight, taken a group at a time (`slots`).
+- at most `GenerateState.concurrency` requests are in flight, taken a group at a time (`slots`); states that
+  share one `RequestSlots` (rollout and eval on the same engines) share that bound.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -37,9 +38,42 @@ FINISH_STATUS = {
 _SEED_MODULUS = 2**31 - 1
 
 
+class RequestSlots:
+    """The bound on requests in flight, shared by every GenerateState that drives the same engines (the
+    rollout's, and the eval's on the rollout engines)."""
+
+    def __init__(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self.free = concurrency
+        self._queue = anyio.Lock()  # FIFO: groups take their slots in arrival order
+        self._freed = anyio.Event()
+
+    @asynccontextmanager
+    async def hold(self, count: int) -> AsyncIterator[None]:
+        """Hold `count` request slots (clipped to the concurrency), all at once: a group never holds part of
+        what it needs while waiting for the rest, so groups cannot starve each other into a deadlock. Only
+        the group at the head of the queue waits for slots to free up; the others wait their turn in the
+        lock, so a release wakes one task, not every waiting group."""
+        count = min(count, self.concurrency)
+        async with self._queue:
+            while self.free < count:
+                await self._freed.wait()
+            self.free -= count
+        try:
+            yield
+        finally:
+            self.free += count
+            self._freed.set()
+            self._freed = anyio.Event()
+
+
 @dataclass
 class GenerateState:
-    """What generation needs besides engines: tokenizer, sampling defaults, and the concurrency bound."""
+    """What generation needs besides engines: tokenizer, sampling defaults, and the concurrency bound.
+
+    `request_slots`: the bound to share (eval on the rollout engines shares the rollout's); by default a new
+    one of `concurrency` slots.
+    """
 
     tokenizer: Any
     sampling_params: dict[str, Any]
@@ -47,30 +81,21 @@ class GenerateState:
     context_length: int
     concurrency: int
     seed: int
-    free_slots: int = field(init=False)
+    request_slots: RequestSlots | None = None
 
     def __post_init__(self) -> None:
-        self.free_slots = self.concurrency
-        self._queue = anyio.Lock()  # FIFO: groups take their slots in arrival order
-        self._freed = anyio.Event()
+        if self.request_slots is None:
+            self.request_slots = RequestSlots(self.concurrency)
 
-    @asynccontextmanager
-    async def slots(self, count: int) -> AsyncIterator[None]:
-        """Hold `count` request slots (clipped to the concurrency), all at once: a group never holds part of
-        what it needs while waiting for the rest, so groups cannot starve each other into a deadlock. Only
-        the group at the head of the queue waits for slots to free up; the others wait their turn in the
-        lock, so a release wakes one task, not every waiting group."""
-        count = min(count, self.concurrency)
-        async with self._queue:
-            while self.free_slots < count:
-                await self._freed.wait()
-            self.free_slots -= count
-        try:
-            yield
-        finally:
-            self.free_slots += count
-            self._freed.set()
-            self._freed = anyio.Event()
+    @property
+    def free_slots(self) -> int:
+        assert self.request_slots is not None
+        return self.request_slots.free
+
+    def slots(self, count: int) -> AbstractAsyncContextManager[None]:
+        """Hold `count` request slots of the shared bound (`RequestSlots.hold`)."""
+        assert self.request_slots is not None
+        return self.request_slots.hold(count)
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])

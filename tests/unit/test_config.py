@@ -179,6 +179,14 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                               "--normalize-advantages"], "needs per-token rewards"),
     "eval_fleet_needs_schedule": (None, ["--rollout-num-engines", "1", "--eval-num-engines", "1"],
                                   "needs --eval-interval and --eval-prompt-data"),
+    "eval_interval_needs_datasets": (None, ["--rollout-num-engines", "1", "--eval-interval", "2"],
+                                     "--eval-interval needs something to evaluate"),
+    "eval_datasets_need_interval": (None, ["--rollout-num-engines", "1", "--eval-prompt-data", "d",
+                                           "builtin:first_digit"], "warning: eval datasets are given but no "
+                                                                   "--eval-interval"),
+    "eval_needs_engines": (None, ["--debug-train-only", "--eval-interval", "1", "--eval-prompt-data", "d",
+                                  "builtin:first_digit"], "warning: --debug-train-only starts no engines: "
+                                                          "--eval-interval is ignored"),
     "async_rollout_needs_training": (None, ["--rollout-num-engines", "1", "--debug-rollout-only",
                                             "--async-rollout"], "--debug-rollout-only has no training"),
 }

@@ -32,7 +32,8 @@ def error_of(*flags: str) -> str:
 
 # --- the slices and the generated parser ----------------------------------------------------------------
 def test_every_flag_is_read_through_its_slice_under_its_flag_name() -> None:
-    config = parse_config([*BASE, "--lr", "0.5", "--eval-interval", "3", "--control-port", "9000"])
+    config = parse_config([*BASE, "--lr", "0.5", "--eval-interval", "3", "--eval-prompt-data", "d",
+                           "builtin:first_digit", "--control-port", "9000"])
     assert config.rollout.rollout_batch_size == 4 and config.train.lr == 0.5
     assert config.eval.eval_interval == 3 and config.cluster.control_port == 9000
     for name, (attribute, spec) in FLAGS.items():

@@ -1,4 +1,5 @@
-"""Built-in rewards (incl. the math checker), the reward router with custom rms, and hook loading."""
+"""The reward router (built-in types, per-sample rm_type, custom rms) and hook loading. The rules of the
+built-in types are tested in test_reward_rules.py."""
 
 from __future__ import annotations
 
@@ -12,16 +13,7 @@ import anyio.lowlevel
 import pytest
 
 from coordinator.rollout.loading import HookLoadError, load_object
-from coordinator.rollout.rewards import (
-    RewardError,
-    RewardModel,
-    char_match_reward,
-    exact_match_reward,
-    extract_boxed,
-    extract_math_answer,
-    first_digit_reward,
-    math_reward,
-)
+from coordinator.rollout.rewards import RewardError, RewardModel
 from replay.sample import Sample, SampleStatus
 
 
@@ -59,96 +51,6 @@ def write_module(directory: Path, name: str, source: str) -> None:
     (directory / f"{name}.py").write_text(textwrap.dedent(source), encoding="utf-8")
 
 
-# ---------------------------------------------------------------------------------------------- built-ins
-
-
-def test_exact_match() -> None:
-    assert exact_match_reward("  42\n", "42") == 1.0
-    assert exact_match_reward("42.", "42") == 0.0
-    assert exact_match_reward("", " ") == 1.0
-
-
-@pytest.mark.parametrize(
-    ("response", "reward"),
-    [("3333", 1.0), ("3333333", 1.0), ("3x3y", 0.5), ("3", 0.25), ("", 0.0), ("1333", 0.75), (" 333", 0.75)],
-)
-def test_first_digit(response: str, reward: float) -> None:
-    assert first_digit_reward(response, "3") == reward
-
-
-def test_first_digit_needs_one_char_label() -> None:
-    with pytest.raises(RewardError, match="one-character label"):
-        first_digit_reward("3333", "33")
-
-
-def test_char_match() -> None:
-    assert char_match_reward("371=", "371") == 1.0
-    assert char_match_reward("3", "371") == pytest.approx(1 / 3)
-    assert char_match_reward("173", "371") == pytest.approx(1 / 3)
-    assert char_match_reward("", "371") == 0.0
-
-
-@pytest.mark.parametrize(
-    ("text", "content"),
-    [
-        (r"so \boxed{42}.", "42"),
-        (r"\boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),
-        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
-        (r"\boxed{a_{i}^{2}}", "a_{i}^{2}"),
-        (r"\fbox{7}", "7"),
-        (r"$\boxed 5$", "5"),
-        (r"\boxed{12", None),
-        ("no box", None),
-    ],
-)
-def test_extract_boxed(text: str, content: str | None) -> None:
-    assert extract_boxed(text) == content
-
-
-def test_extract_math_answer_prefers_boxed_then_last_number() -> None:
-    assert extract_math_answer(r"we get 3, then \boxed{17} and 99") == "17"
-    assert extract_math_answer("first 12 then 1,234.5 apples") == "1,234.5"
-    assert extract_math_answer("The answer is -7.") == "-7"
-    assert extract_math_answer("nothing numeric") is None
-
-
-@pytest.mark.parametrize(
-    ("response", "label", "reward"),
-    [
-        (r"The answer is \boxed{42}.", "42", 1.0),
-        (r"\boxed{42}", "41", 0.0),
-        (r"... \boxed{\frac{1}{2}}", "0.5", 1.0),
-        (r"\boxed{\dfrac{3}{4}}", "3/4", 1.0),
-        (r"\boxed{\frac12}", "1/2", 1.0),
-        (r"\boxed{-\frac{2}{4}}", "-0.5", 1.0),
-        (r"\boxed{1,000}", "1000", 1.0),
-        ("So the total is 1,234,567 dollars.", "1234567", 1.0),
-        (r"\boxed{50\%}", "0.5", 1.0),
-        ("about 50%", "50", 1.0),
-        (r"\boxed{x = 7}", "7", 1.0),
-        (r"\boxed{7.0}", "7", 1.0),
-        (r"\boxed{3.14}", "3.15", 0.0),
-        (r"\boxed{0.3333333}", "1/3", 1.0),
-        (r"\boxed{0.33}", "1/3", 0.0),
-        (r"\boxed{2}", r"\boxed{2}", 1.0),
-        (r"\boxed{$12$}", "12", 1.0),
-        (r"\boxed{90^\circ}", "90", 1.0),
-        (r"\boxed{\text{(B)}}", "(B)", 1.0),
-        (r"\boxed{\sqrt{2}}", r"\sqrt{2}", 1.0),
-        (r"\boxed{\sqrt{3}}", r"\sqrt{2}", 0.0),
-        ("we tried 3 and then 5", "5", 1.0),
-        ("we tried 5 and then 3", "5", 0.0),
-        (r"first \boxed{5} then \boxed{6}", "6", 1.0),
-        ("no answer at all", "5", 0.0),
-        (r"\boxed{}", "5", 0.0),
-        (r"\boxed{1/0}", "1/0", 1.0),  # not a number on either side: compared as text
-        ("2e3", "2000", 1.0),
-    ],
-)
-def test_math_reward(response: str, label: str, reward: float) -> None:
-    assert math_reward(response, label) == reward
-
-
 # ------------------------------------------------------------------------------------------------- router
 
 
@@ -168,9 +70,11 @@ async def test_builtin_needs_label() -> None:
 
 def test_unknown_rm_type_and_no_reward_fail_clearly() -> None:
     with pytest.raises(
-        RewardError, match=r"--rm-type 'f1' is not a built-in reward; known: char_match, exact_match"
+        RewardError, match=r"--rm-type: rm-type 'f2' is not a built-in reward; known: char_match, dapo"
     ):
-        RewardModel(rm_type="f1")
+        RewardModel(rm_type="f2")
+    with pytest.raises(RewardError, match=r"rm-type remote_rm needs --rm-url"):
+        RewardModel(rm_type="remote_rm")
     with pytest.raises(RewardError, match=r"set --rm-type or --custom-rm-path"):
         RewardModel()
 
@@ -334,11 +238,89 @@ def test_custom_rm_path_errors_surface_from_reward_model(hook_dir: Path) -> None
         RewardModel(custom_rm_path="rm_hooks_value:NOT_CALLABLE")
 
 
-def test_math_reward_survives_hostile_responses() -> None:
-    # Beyond int()'s digit limit and float range: not numbers, so compared as text (and no exception).
-    assert math_reward("1" * 100_000, "1") == 0.0
-    assert math_reward(r"\boxed{1e999999}", "1") == 0.0
-    assert math_reward(r"\boxed{1e999999}", "1e999999") == 1.0
-    # Thousands of unclosed boxes: the innermost closed one is the answer (found in one pass over the text).
-    assert math_reward("\\boxed{" * 5_000 + "5}", "5") == 1.0
-    assert math_reward("\\boxed{" * 5_000, "5") == 0.0
+# ------------------------------------------------------------------------------- per-sample type, dicts
+
+
+async def test_a_samples_own_rm_type_wins_over_the_flag() -> None:
+    """slime's order: metadata["rm_type"] (an eval dataset's, or a data row's) before --rm-type."""
+    samples = group(r"<think>x</think> \boxed{3}", r"\boxed{3}")
+    samples[1].metadata["rm_type"] = "math"
+    await RewardModel(rm_type="deepscaler").score_group(samples)
+    assert [sample.reward for sample in samples] == [1.0, 1.0]
+    samples[0].metadata["rm_type"] = "no_such_type"
+    with pytest.raises(RewardError, match=r"metadata rm_type of sample 0/0: rm-type 'no_such_type' is not"):
+        await RewardModel(rm_type="math").score_group(samples)
+
+
+async def test_dapo_dict_reward_and_a_bad_label_name_the_sample() -> None:
+    samples = group("Answer: 3", "Answer: 4")
+    await RewardModel(rm_type="dapo", reward_key="score").score_group(samples)
+    assert [sample.scalar_reward("score") for sample in samples] == [1.0, -1.0]
+    assert samples[0].reward == {"score": 1.0, "acc": 1.0}
+    with pytest.raises(RewardError, match=r"--rm-type dapo returned a dict reward .*pass --reward-key"):
+        await RewardModel(rm_type="dapo").score_group(group("Answer: 3"))
+    with pytest.raises(RewardError, match=r"needs an integer label .*'three'.* \(sample 0/0\)"):
+        await RewardModel(rm_type="dapo", reward_key="score").score_group(group("Answer: 3", label="three"))
+
+
+# ---------------------------------------------------------------------------------------------- remote_rm
+
+
+async def test_remote_rm_posts_each_sample_and_reads_the_answer() -> None:
+    from tests.support.reward_server import serve
+
+    with serve() as service:
+        samples = group("3", "4", label="3")
+        await RewardModel(rm_type="remote_rm", rm_url=service.url).score_group(samples)
+        assert [sample.reward for sample in samples] == [1.0, 0.0]
+        assert sorted(body["response"] for body in service.bodies) == ["3", "4"]
+        assert service.bodies[0].keys() == {"prompt", "response", "label"}
+        assert service.bodies[0]["prompt"] == "3 7 1=" and service.bodies[0]["label"] == "3"
+        assert all("Authorization" not in headers for headers in service.headers)
+
+        samples = group("7", "8", label="dict:7")
+        await RewardModel(rm_type="remote_rm", rm_url=service.url, reward_key="score").score_group(samples)
+        assert [sample.scalar_reward("score") for sample in samples] == [1.0, -1.0]
+
+
+async def test_remote_rm_retries_5xx_and_refuses_4xx_at_once() -> None:
+    from coordinator.engines.client import RetryPolicy
+    from coordinator.rollout.remote_rm import RemoteReward
+    from tests.support.reward_server import serve
+
+    quick = RetryPolicy(attempts=5, backoff=0.01, backoff_max=0.05, budget=5.0)
+    with serve() as service:
+        remote = RemoteReward(service.url, timeout=5.0, retry=quick)
+        samples = group("3", label="flaky:2:3")
+        await RewardModel(rm_type="remote_rm", rm_url=service.url, remote=remote).score_group(samples)
+        assert samples[0].reward == 1.0 and service.per_label["flaky:2:3"] == 3, "two 503s, then the answer"
+
+        with pytest.raises(RewardError, match=r"--rm-url .*/score refused sample 0/0: HTTP 400: label refused by "
+                                              r"the reward service"):
+            await RewardModel(rm_type="remote_rm", rm_url=service.url, remote=remote).score_group(
+                group("3", label="refuse"))
+        assert service.per_label["refuse"] == 1, "a 4xx is not retried"
+
+        with pytest.raises(RewardError, match=r"--rm-url .* failed sample 0/0: .*HTTP 503"):
+            await RewardModel(rm_type="remote_rm", rm_url=service.url, remote=remote).score_group(
+                group("3", label="flaky:99:3"))
+        assert service.per_label["flaky:99:3"] == 5, "retried within the policy's attempts"
+        closed_url = service.url
+    with pytest.raises(RewardError, match=r"--rm-url .*: no answer for sample 0/0 within the retry budget"):
+        await RemoteReward(closed_url, timeout=1.0, retry=RetryPolicy(attempts=2, backoff=0.01,
+                                                                      budget=2.0)).score(group("3"))
+
+
+def test_remote_rm_flags_are_checked_at_start_up() -> None:
+    from coordinator.config import ConfigError, parse_config
+
+    base = ["--hf-checkpoint", "/m", "--rollout-num-engines", "1", "--prompt-data", "builtin:first_digit",
+            "--num-rollout", "1", "--rollout-batch-size", "1"]
+    with pytest.raises(ConfigError, match=r"--rm-type remote_rm needs --rm-url"):
+        parse_config([*base, "--rm-type", "remote_rm"])
+    with pytest.raises(ConfigError, match=r"--rm-url: 'ftp://x/score' is not a URL"):
+        parse_config([*base, "--rm-type", "remote_rm", "--rm-url", "ftp://x/score"])
+    with pytest.raises(ConfigError, match=r"--rm-type dapo returns a dict reward .*--reward-key score"):
+        parse_config([*base, "--rm-type", "dapo"])
+    config = parse_config([*base, "--rm-type", "remote_rm", "--rm-url", "http://127.0.0.1:8000/score"])
+    assert config.rollout.rm_url == "http://127.0.0.1:8000/score"
