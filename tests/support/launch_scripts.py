@@ -227,6 +227,29 @@ def write_prompts(path: Path, *, input_key: str, label_key: str | None, rows: in
     return path
 
 
+def write_eval_config(workdir: Path, hooks: Path, yaml_text: str, *, input_key: str, label_key: str | None) -> Path:
+    """The script's `--eval-config` YAML with each dataset's `path` replaced by a small local JSONL holding the
+    dataset's keys (its own `input_key`/`label_key` when it names them); an `ifbench` dataset also gets the
+    stand-in `evaluation_lib` on the hooks path (start-up checks that IFBench is importable)."""
+    import yaml
+
+    config = yaml.safe_load(yaml_text) or {}
+    datasets = (config.get("eval") or {}).get("datasets") or []
+    entries = datasets.values() if isinstance(datasets, dict) else datasets
+    for index, dataset in enumerate(entries):
+        name = str(dataset.get("name") or index)
+        dataset["path"] = str(write_prompts(workdir / f"eval_{name}.jsonl",
+                                            input_key=dataset.get("input_key") or input_key,
+                                            label_key=dataset.get("label_key") or label_key or "label"))
+        if dataset.get("rm_type") == "ifbench":
+            (hooks / "evaluation_lib.py").write_text(
+                '"""Stand-in for IFBench\'s evaluation_lib: the scripts test only needs start-up\'s import check '
+                'to pass; a dry run never scores."""\n')
+    path = workdir / "eval_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def materialize(script: LaunchScript, workdir: Path, model_dir: Path) -> tuple[list[str], Path]:
     """The script's argv with every placeholder replaced by a local stand-in; returns it and the directory of
     stub modules to put on PYTHONPATH."""
@@ -249,7 +272,11 @@ def materialize(script: LaunchScript, workdir: Path, model_dir: Path) -> tuple[l
             suffix = ".parquet" if original.endswith(".parquet") else ".jsonl"
             name = "train" if token == "PROMPT_DATA" else token.split(":", 1)[1]
             value = str(write_prompts(workdir / f"{name}{suffix}", input_key=input_key, label_key=label_key))
-        elif token in ("EVAL_CONFIG", "CUSTOM_CONFIG"):
+        elif token == "EVAL_CONFIG":
+            value = str(write_eval_config(workdir, hooks, info.get("yaml_text") or "{}\n",
+                                          input_key=script.value("--eval-input-key") or input_key,
+                                          label_key=script.value("--eval-label-key") or label_key))
+        elif token == "CUSTOM_CONFIG":
             path = workdir / f"{token.lower()}.yaml"
             path.write_text(info.get("yaml_text") or "{}\n")
             value = str(path)
