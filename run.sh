@@ -41,6 +41,34 @@ install() {
     printf '%s' "$want" > "$STAMP"
 }
 
+# The real sglang wheel for the tests that run SGLang's own weight-sync code against ours
+# (tests/support/sglang_parts.py). Recipe B of the research note: the wheel alone, --no-deps, into its own
+# directory that is NOT on sys.path (223 MB, ~11 s): the tests compile single files from it, because
+# `import sglang` pulls in triton (1 GB) and more. A test that needs the frontend (`import sglang`) appends
+# the frontend's own dependencies to SGLANG_PARTS (recipe A) and puts "$SGLANG_SITE" on its PYTHONPATH itself.
+# sglang 0.5.22+ needs Python >= 3.11; 0.5.21 is the newest for 3.10 (its weight-sync code is the same, and it
+# has the begin/end weight-update session too). Its wheels are manylinux_2_34 (glibc >= 2.34).
+SGLANG_SITE="$VENV/sglang-site"
+if "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    SGLANG_PARTS=("sglang==0.5.23")
+else
+    SGLANG_PARTS=("sglang==0.5.21")
+fi
+
+install_sglang_parts() {
+    local want="${SGLANG_PARTS[*]}" stamp="$SGLANG_SITE/.rayless-install-stamp"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        return
+    fi
+    log "installing for the tests, without dependencies, into $SGLANG_SITE: $want"
+    rm -rf "$SGLANG_SITE"
+    if ! "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+            --target "$SGLANG_SITE" "${SGLANG_PARTS[@]}"; then
+        log "could not install $want (the tests that run SGLang's own code need it)"; exit 1
+    fi
+    printf '%s' "$want" > "$stamp"
+}
+
 install 2>&1 | grep -v '^WARNING: Location' >&2 || true
 [ -x "$VENV/bin/rayless" ] || { log "installation failed"; exit 1; }
 export PATH="$PWD/$VENV/bin:$PATH"
@@ -49,6 +77,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 case "${1:-}" in
     test)
         shift
+        install_sglang_parts
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
     "")

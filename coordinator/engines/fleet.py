@@ -58,6 +58,9 @@ class EngineHandle:
     dead_reason: str | None = None
     #: bumped on every (re)start, so a caller can tell a relaunched engine from the one it last used
     incarnation: int = 0
+    #: tensor-parallel ranks (GPUs) of the engine: each is one rank of a weight-update group; None for an
+    #: external engine (the weight sync asks its /server_info)
+    tp_size: int | None = None
     process: EngineProcess | None = field(default=None, repr=False)
     _lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
 
@@ -78,6 +81,7 @@ class EngineFleet:
         run_dir: logs go to `<run_dir>/logs/engine-<name>.log`.
         probe_timeout: read timeout of one `/health_generate` probe.
         attach_timeout: how long to wait for an external engine to answer.
+        tp_size: tensor-parallel size of each launched engine (`--rollout-num-gpus-per-engine` for SGLang).
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class EngineFleet:
         run_dir: Path,
         probe_timeout: float = 30.0,
         attach_timeout: float = 300.0,
+        tp_size: int = 1,
     ) -> None:
         if num_engines < 0:
             raise ValueError(f"num_engines must be >= 0, got {num_engines}")
@@ -98,6 +103,8 @@ class EngineFleet:
             raise ValueError(f"{group}: {num_engines} local engines requested but no launch spec given")
         if not num_engines and not external_urls:
             raise ValueError(f"{group}: no engines: give num_engines > 0 or external_urls")
+        if tp_size < 1:
+            raise ValueError(f"{group}: tp_size must be >= 1, got {tp_size}")
         self.client = client
         self.group = group
         self.launch = launch
@@ -111,7 +118,7 @@ class EngineFleet:
             name = f"{group}-{i}"
             assert launch is not None
             process = self._process(name, launch)
-            self.engines.append(EngineHandle(name=name, url="", launched=True, process=process))
+            self.engines.append(EngineHandle(name=name, url="", launched=True, process=process, tp_size=tp_size))
         for j, url in enumerate(external_urls):
             url = url if url.startswith(("http://", "https://")) else f"http://{url}"
             self.engines.append(EngineHandle(name=f"{group}-ext-{j}", url=url.rstrip("/"), launched=False))
