@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.engines.client import EngineClient, EngineError, EngineTimeout
+from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineTimeout
 from coordinator.engines.launch import free_port
 
 log = logging.getLogger(__name__)
@@ -110,19 +110,27 @@ class DistributedUpdate:
         self.load_format = load_format
         self.join_timeout_s = join_timeout_s
         self.request_timeout_s = request_timeout_s
+        self._asked_tp: dict[tuple[str, int], int] = {}  # (engine, incarnation) → what its /server_info said
 
     async def tp_sizes(self, engines: Sequence[Any]) -> list[int]:
-        """Each engine's tp size: the fleet's for launched engines, `/server_info`'s for external ones."""
+        """Each engine's tp size: the fleet's for launched engines, `/server_info`'s for external ones (asked
+        once per incarnation, within the join timeout)."""
         sizes = []
         for engine in engines:
             size = getattr(engine, "tp_size", None)
+            key = (engine.name, getattr(engine, "incarnation", 0))
+            if size is None:
+                size = self._asked_tp.get(key)
             if size is None:
                 try:
-                    size = (await self.client.engine(engine.url).server_info()).get("tp_size", 1)
+                    info = await self.client.engine(engine.url).server_info(timeout=self.join_timeout_s,
+                                                                             retry=NO_RETRY)
                 except EngineError as exc:
                     raise WeightSyncError(f"cannot read the tp size of {engine.name}: {exc}") from None
-            if not isinstance(size, int) or size < 1:
+                size = info.get("tp_size", 1)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise WeightSyncError(f"{engine.name} reports tp_size {size!r}; expected an integer >= 1")
+            self._asked_tp[key] = size
             sizes.append(size)
         return sizes
 
