@@ -148,12 +148,18 @@ def bucket_layout(
     return layout
 
 
-def flatten_bucket(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """The sender's bucket: every tensor's bytes concatenated, in order, with no padding (one copy)."""
+def flatten_bucket(
+    tensors: Sequence[torch.Tensor], device: torch.device | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The sender's bucket: every tensor's bytes concatenated, in order, with no padding (one copy), written
+    into the front of `out` (a uint8 buffer at least that large) when given."""
     names = [str(index) for index in range(len(tensors))]
     layout = bucket_layout(names, [t.dtype for t in tensors], [t.shape for t in tensors])
     total = layout[-1][0] + layout[-1][1]
-    flat = torch.empty(total, dtype=torch.uint8, device=device or tensors[0].device)
+    if out is not None:
+        flat = out[:total]
+    else:
+        flat = torch.empty(total, dtype=torch.uint8, device=device or tensors[0].device)
     for tensor, (offset, size) in zip(tensors, layout, strict=True):
         flat[offset : offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
     return flat

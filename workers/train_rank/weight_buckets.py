@@ -103,6 +103,10 @@ class WeightSender:
         return True
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _agree(ok: bool, collective: bool, device: torch.device) -> bool:
     """Rank 0's `ok` on every rank (one tiny broadcast on the training group when ranks gather together)."""
     if not collective:
@@ -113,9 +117,9 @@ def _agree(ok: bool, collective: bool, device: torch.device) -> bool:
 
 
 def _gather(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    # An FSDP2 DTensor gathers its shards (collective); the attribute test spares importing DTensor's module
+    # (tens of MiB) where there is none.
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
     return full.to(device).contiguous()  # no copy for a CPU parameter sent over gloo
 
 
@@ -169,13 +173,22 @@ def broadcast_weights(
         device = group.device if group is not None else train_device
         pending: list[Any] = []
         in_flight: list[torch.Tensor] = []  # alive until their sends finish
-        for bucket in plan:
+        # Two flat buffers, reused: one on the wire while the other is filled. Allocated once per sync, they
+        # keep the allocator from growing the heap by a bucket per bucket.
+        buffers: list[torch.Tensor | None] = [None, None]
+        largest = max((sum(_nbytes(tensors[i][1]) for i in bucket) for bucket in plan), default=0)
+        for number, bucket in enumerate(plan):
             if not _agree(not error, collective, train_device):
                 break
             gathered = [_gather(tensors[index][1], device) for index in bucket]
             if group is None:
                 continue  # ranks > 0 only take part in the gather
-            payload = [flatten_bucket(gathered, device)] if load_format == FLATTENED_BUCKET else gathered
+            if load_format == FLATTENED_BUCKET:
+                if buffers[number % 2] is None:
+                    buffers[number % 2] = torch.empty(largest, dtype=torch.uint8, device=device)
+                payload = [flatten_bucket(gathered, out=buffers[number % 2])]
+            else:
+                payload = gathered
             del gathered
             error = _finish(pending, device)  # the previous bucket, sent while this one was gathered
             pending, in_flight = [], []
@@ -185,7 +198,7 @@ def broadcast_weights(
             sent_buckets += 1
             sent_bytes += sum(t.numel() * t.element_size() for t in payload)
         error = error or _finish(pending, device)
-        del in_flight
+        del in_flight, buffers
     if rank != 0:
         return {}
     return {"ok": not error, "joined": group is not None, "error": error, "buckets": sent_buckets,
