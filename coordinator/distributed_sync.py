@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineTimeout
+from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineHTTPError, EngineTimeout
 from coordinator.engines.launch import free_port
 
 log = logging.getLogger(__name__)
@@ -193,17 +193,27 @@ class DistributedUpdate:
             side.session = await self._begin(api, side)
             for index, bucket in enumerate(buckets):
                 last = index == len(buckets) - 1
-                side.stage = f"/update_weights_from_distributed (bucket {index + 1} of {len(buckets)})"
-                await api.update_weights_from_distributed(
-                    names=[name for name, _, _ in bucket], dtypes=[dtype for _, dtype, _ in bucket],
-                    shapes=[shape for _, _, shape in bucket], group_name=group_name, load_format=self.load_format,
-                    flush_cache=last, weight_version=version if last else None, timeout=self.request_timeout_s)
+                stage = f"/update_weights_from_distributed (bucket {index + 1} of {len(buckets)})"
+                side.stage = stage if side.error is None else side.stage
+                try:
+                    await api.update_weights_from_distributed(
+                        names=[name for name, _, _ in bucket], dtypes=[dtype for _, dtype, _ in bucket],
+                        shapes=[shape for _, _, shape in bucket], group_name=group_name,
+                        load_format=self.load_format, flush_cache=last,
+                        weight_version=version if last and side.error is None else None,
+                        timeout=self.request_timeout_s)
+                except EngineHTTPError as exc:
+                    # The engine answered: it received the bucket, then failed to load it. Keep it receiving
+                    # the rest, so rank 0 and the other engines finish instead of waiting out the timeout.
+                    side.error = side.error or f"{stage} failed: {exc}"
+                    continue
                 side.buckets += 1
-            side.stage = "done"
+            if side.error is None:
+                side.stage = "done"
         except EngineTimeout as exc:
-            side.error = f"no answer to {side.stage} within {exc.timeout:g} s"
+            side.error = side.error or f"no answer to {side.stage} within {exc.timeout:g} s"
         except EngineError as exc:
-            side.error = f"{side.stage} failed: {exc}"
+            side.error = side.error or f"{side.stage} failed: {exc}"
 
     async def _begin(self, api: Any, side: _Engine) -> bool:
         """Open the session SGLang 0.5.21+ requires (False: an older server without one). A session left open

@@ -96,9 +96,10 @@ async def test_sglangs_receive_code_gets_our_trainers_weights_by_bucket_and_per_
 async def test_tensor_parallel_engines_count_every_tp_rank_in_the_group(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """One SGLang-side engine with tp 2 (two processes, ranks 1 and 2) and our CPU engine (rank 3): world 4."""
+    """One SGLang-side engine with tp 2 (two processes, ranks 1 and 2) and our CPU engine (rank 3): world 4.
+    The tp-2 engine answers as SGLang 0.5.20 and older (no begin/end session endpoints: 404, tolerated)."""
     samples = synthetic_samples(tiny_model_dir, 8, seed=22)
-    with start_engine_process(tiny_model_dir, module="tests.support.sglang_receiver", extra_args=["--tp-size", "2"],
+    with start_engine_process(tiny_model_dir, module="tests.support.sglang_receiver", extra_args=["--tp-size", "2", "--before-sessions"],
                               log_path=tmp_path / "receiver.log") as tp2, \
             start_engine_process(tiny_model_dir, log_path=tmp_path / "engine.log") as ours:
         with anyio.fail_after(240):

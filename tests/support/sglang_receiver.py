@@ -13,6 +13,9 @@ worker (they receive the full tensors too). Written here, restating SGLang 0.5.2
 weight-update session (an update outside one is refused before anything is received), the weight version
 recorded after a successful load, and the `{success, message}` bodies with 200/400.
 
+`--before-sessions` answers as SGLang 0.5.20 and older: no `/begin_weight_update` or `/end_weight_update`
+(404), and no session needed.
+
 Tp rank 0 loads what it received into a Hugging Face model; `POST /logprobs` (test-only) answers the
 log-probabilities of given token sequences under the weights it holds, and `GET /stats` what it was asked.
 """
@@ -75,7 +78,7 @@ def worker_main(tp_rank: int) -> None:
 
 
 class Receiver:
-    def __init__(self, model_path: str, tp_size: int) -> None:
+    def __init__(self, model_path: str, tp_size: int, sessions: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -86,6 +89,7 @@ class Receiver:
             for rank in range(1, tp_size)
         ]
         self.tp_size = tp_size
+        self.sessions = sessions
         self.session = False
         self.weight_version = "default"
         self.stats: dict[str, Any] = {"updates": [], "inits": []}
@@ -112,7 +116,7 @@ class Receiver:
         return ok, message, result
 
     def update(self, body: dict[str, Any]) -> tuple[bool, str]:
-        if not self.session:
+        if self.sessions and not self.session:
             return False, ("update_weights_from_distributed must run between begin_weight_update() and "
                            "end_weight_update()")
         ok, message, weights = self.all_ranks("update", body)
@@ -199,13 +203,13 @@ def app(receiver: Receiver) -> Any:
         return JSONResponse(receiver.stats)
 
     get, post = ["GET"], ["POST"]
-    return Starlette(routes=[
+    sessions = [Route("/begin_weight_update", begin, methods=post), Route("/end_weight_update", end, methods=post)]
+    return Starlette(routes=(sessions if receiver.sessions else []) + [
         Route("/health", ok, methods=get), Route("/health_generate", ok, methods=get),
         Route("/get_server_info", server_info, methods=get), Route("/server_info", server_info, methods=get),
         Route("/get_weight_version", weight_version, methods=get),
         Route("/pause_generation", ok, methods=post), Route("/continue_generation", ok, methods=post),
         Route("/init_weights_update_group", init, methods=post),
-        Route("/begin_weight_update", begin, methods=post), Route("/end_weight_update", end, methods=post),
         Route("/update_weights_from_distributed", update, methods=post),
         Route("/destroy_weights_update_group", destroy, methods=post),
         Route("/logprobs", logprobs, methods=post), Route("/stats", stats, methods=get),
@@ -218,6 +222,7 @@ def main() -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--tp-worker", type=int, default=None)
+    parser.add_argument("--before-sessions", action="store_true")
     args, _ = parser.parse_known_args()  # the engine's other flags (seed, log level) mean nothing here
     torch.set_num_threads(1)
     if args.tp_worker is not None:
@@ -225,7 +230,7 @@ def main() -> None:
         return
     import uvicorn
 
-    receiver = Receiver(args.model_path, args.tp_size)
+    receiver = Receiver(args.model_path, args.tp_size, sessions=not args.before_sessions)
     try:
         uvicorn.run(app(receiver), host="127.0.0.1", port=args.port, log_level="warning")
     finally:
