@@ -46,6 +46,9 @@ class WeightUpdateGroup:
     world_size: int
     backend: str
     group: dist.ProcessGroup
+    #: the flattened-bucket receive buffer, reused from one request to the next (an engine loads a bucket
+    #: before it receives the next): fresh pages for every bucket cost more than the copy itself
+    receive_buffer: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -54,6 +57,7 @@ class WeightUpdateGroup:
 
     def close(self) -> None:
         """Destroy the group: frees its name for reuse and, on rank 0, stops hosting the store."""
+        self.receive_buffer = None
         try:
             dist.destroy_process_group(self.group)
         except (RuntimeError, KeyError, ValueError):
@@ -182,11 +186,16 @@ def receive(
 ) -> list[tuple[str, torch.Tensor]]:
     """An engine's side of one `/update_weights_from_distributed`: SGLang's receive loop.
 
-    Any `load_format` but "flattened_bucket" receives tensor by tensor, as SGLang does.
+    Any `load_format` but "flattened_bucket" receives tensor by tensor, as SGLang does. A flattened bucket's
+    tensors are views of `group.receive_buffer`: valid until the next receive on the group.
     """
     if load_format == FLATTENED_BUCKET:
         layout = bucket_layout(names, dtypes, shapes)  # before the broadcast: a bad layout receives nothing
-        flat = torch.empty(layout[-1][0] + layout[-1][1], dtype=torch.uint8, device=device)
+        total = layout[-1][0] + layout[-1][1]
+        buffer = group.receive_buffer
+        if buffer is None or buffer.numel() < total or buffer.device != torch.device(device):
+            buffer = group.receive_buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        flat = buffer[:total]
         dist.broadcast(flat, src=0, group=group.group)
         return [
             (name, flat[offset : offset + size].view(dtype).reshape([int(d) for d in shape]))
