@@ -266,14 +266,17 @@ class DistributedUpdate:
         """One line: what failed, where, and what to look at."""
         error = str(report.get("error") or "")
         if not report.get("joined"):
-            silent = [side for side in sides if side.error is None or side.error.startswith("no answer")]
-            failed = [f"{side.label}: {side.error}" for side in sides if side not in silent]
+            asked = [side for side in sides if side.stage == "/init_weights_update_group"]
+            silent = [side for side in asked if side.error is None or side.error.startswith("no answer")]
+            failed = [f"{side.label}: {side.error}" for side in asked if side not in silent]
             parts = [f"weight update to version {version!r}: the weight-update group {where} did not form within "
                      f"{self.join_timeout_s:g} s"]
             if silent:
                 parts.append(f"never answered /init_weights_update_group: {', '.join(s.label for s in silent)}")
             if failed:
                 parts.append("; ".join(failed))
+            if error:
+                parts.append(f"rank 0: {error.rpartition(' s: ')[2] or error}")
             parts.append("check that every engine can reach the store address and port (--update-weight-join-"
                          "timeout bounds this wait)")
             return "; ".join(parts)
