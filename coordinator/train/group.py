@@ -303,14 +303,15 @@ class TrainGroup:
 
     async def weight_manifest(self) -> list[tuple[str, str, list[int]]]:
         """(name, dtype, shape) of every tensor a distributed update sends (parameter metadata, no gather)."""
-        return [entry for bucket in await self.weight_buckets() for entry in bucket]
+        results = await self.server.call_all(protocol.WeightManifestCommand())
+        return [(name, dtype, list(shape)) for name, dtype, shape in results[0]["manifest"]]
 
     async def weight_buckets(
         self, bucket_bytes: int = protocol.BroadcastWeightsCommand.bucket_bytes
     ) -> list[list[tuple[str, str, list[int]]]]:
         """Per bucket of at most `bucket_bytes`, (name, dtype, shape) of each tensor in send order: what
         `broadcast_weights` with the same `bucket_bytes` sends, one request's worth per bucket."""
-        results = await self.server.call({0: protocol.WeightManifestCommand(bucket_bytes=int(bucket_bytes))})
+        results = await self.server.call_all(protocol.WeightManifestCommand(bucket_bytes=int(bucket_bytes)))
         return [[(name, dtype, list(shape)) for name, dtype, shape in bucket] for bucket in results[0]["buckets"]]
 
     async def broadcast_weights(
