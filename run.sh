@@ -41,26 +41,30 @@ install() {
     printf '%s' "$want" > "$STAMP"
 }
 
-# SGLang's own frontend (the real `sglang` wheel: RuntimeEndpoint, gen, select, run_batch), for the test that
-# drives `rayless engine` with it (tests/integration/test_engine_sglang_frontend.py). `import sglang` needs the
-# wheel plus triton and a few pure packages beyond ours; they go into a --target directory that only that test
-# puts on a child process's PYTHONPATH, never into the venv's site-packages. ~1.3 GB (triton ~1 GB).
-SGLANG_FRONTEND_SITE="$VENV/sglang-frontend"
-install_sglang_frontend() {
+# The real sglang wheel for the tests that run SGLang's own code against ours: its weight-sync code
+# (tests/support/sglang_parts.py compiles single files from the installed wheel) and its frontend
+# (RuntimeEndpoint, gen, select, run_batch driving `rayless engine`: tests/integration/test_engine_sglang_frontend.py).
+# `import sglang` needs the wheel plus triton and a few pure packages beyond ours; all go --no-deps into one
+# --target directory that only those tests put on a child's PYTHONPATH, never into the venv's site-packages
+# (~1.3 GB, triton ~1 GB; ~60-80 s once). sglang 0.5.22+ ships cp311+ wheels only (manylinux_2_34, glibc >= 2.34);
+# 0.5.21, the newest for Python 3.10, has the same weight-sync code and the begin/end weight-update session.
+SGLANG_SITE="$VENV/sglang-site"
+install_sglang_for_tests() {
     local sglang=sglang==0.5.23
-    # 0.5.22+ ships cp311+ wheels only; 0.5.21 is the newest for Python 3.10.
     "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || sglang=sglang==0.5.21
     local want="$sglang triton==3.9.0 pybase64==1.5.1 msgspec==0.23.0 pyzmq==27.3.0 requests==2.34.2"
     want="$want urllib3==2.8.0 charset-normalizer==3.5.3 ipython==9.18.1 traitlets==5.16.1"
-    local stamp="$SGLANG_FRONTEND_SITE/.rayless-install-stamp"
+    local stamp="$SGLANG_SITE/.rayless-install-stamp"
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         return
     fi
-    log "installing SGLang's frontend for the tests into $SGLANG_FRONTEND_SITE (~1.3 GB, once)"
-    rm -rf "$SGLANG_FRONTEND_SITE"
+    log "installing the real sglang wheel for the tests, without dependencies, into $SGLANG_SITE (~1.3 GB, once)"
+    rm -rf "$SGLANG_SITE"
     # shellcheck disable=SC2086 # $want is a list of requirement specifiers
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
-        --target "$SGLANG_FRONTEND_SITE" $want
+    if ! "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+            --target "$SGLANG_SITE" $want; then
+        log "could not install $want (the tests that run SGLang's own code need it)"; exit 1
+    fi
     printf '%s' "$want" > "$stamp"
 }
 
@@ -72,10 +76,11 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 case "${1:-}" in
     test)
         shift
-        install_sglang_frontend 2>&1 | grep -v '^WARNING: Location' >&2 || true
-        [ -f "$SGLANG_FRONTEND_SITE/.rayless-install-stamp" ] || { log "installing SGLang's frontend failed"; exit 1; }
-        RAYLESS_SGLANG_FRONTEND_SITE="$(cd "$SGLANG_FRONTEND_SITE" && pwd)"
-        export RAYLESS_SGLANG_FRONTEND_SITE
+        install_sglang_for_tests 2>&1 | grep -v '^WARNING: Location' >&2 || true
+        [ -f "$SGLANG_SITE/.rayless-install-stamp" ] || { log "installing the sglang wheel for the tests failed"; exit 1; }
+        RAYLESS_SGLANG_SITE="$(cd "$SGLANG_SITE" && pwd)"
+        RAYLESS_SGLANG_FRONTEND_SITE="$RAYLESS_SGLANG_SITE"
+        export RAYLESS_SGLANG_SITE RAYLESS_SGLANG_FRONTEND_SITE
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
     "")

@@ -140,7 +140,7 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
             services = await _start_services(config, plan, run_dir, task_group, stack, timings, progress)
             timings["services_ready_s"] = time.monotonic() - started
             summary = await _train(config, run_dir, services, metrics, progress, timings, task_group,
-                                   extra_hooks)
+                                   extra_hooks, plan)
             task_group.cancel_scope.cancel()
     finally:
         metrics.close()
@@ -273,7 +273,8 @@ def _load_tokenizer(config: Config) -> tuple[Any, int | None]:
 
 async def _train(config: Config, run_dir: Path, services: Services, metrics: MetricsLog,
                  progress: ProgressDisplay, timings: dict[str, float], task_group: TaskGroup,
-                 extra_hooks: Callable[[Services], list[StepHook]] | None = None) -> dict[str, Any]:
+                 extra_hooks: Callable[[Services], list[StepHook]] | None = None,
+                 plan: PlacementPlan | None = None) -> dict[str, Any]:
     from coordinator.loop import TrainingLoop
     from coordinator.rollout.manager import RolloutManager
 
@@ -282,7 +283,7 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         router_url=services.router.url if services.router is not None else None,
         context_length=services.context_length, progress=progress,
     )
-    weight_sync = services.weight_sync = build_weight_sync(config, services, run_dir)
+    weight_sync = services.weight_sync = build_weight_sync(config, services, run_dir, plan)
     ft = services.ft = build_fault_tolerance(config, services=services, weight_sync=weight_sync,
                                              run_dir=run_dir, metrics=metrics)
     if ft.eval_fleet is not None:
@@ -353,18 +354,31 @@ async def _resume(config: Config, services: Services, manager: Any, weight_sync:
     return start_rollout
 
 
-def build_weight_sync(config: Config, services: Services, run_dir: Path) -> WeightSync | None:
-    """WeightSync for the rollout engines; it recovers dead engines only with rollout FT (the config's gate)."""
+def build_weight_sync(config: Config, services: Services, run_dir: Path,
+                      plan: PlacementPlan | None = None) -> WeightSync | None:
+    """WeightSync for the rollout engines; it recovers dead engines only with rollout FT (the config's gate).
+    A distributed sync uses NCCL when the plan puts the ranks and every launched engine on CUDA (and no engine
+    is attached from elsewhere, whose device is unknown), gloo otherwise."""
     if services.fleet is None or services.train_group is None or services.client is None:
         return None
     from coordinator.weight_sync import WeightSync
 
+    sglang = config.sglang
     return WeightSync(
-        mode=config.sglang.update_weight_transfer_mode, fleet=services.fleet, client=services.client,
+        mode=sglang.update_weight_transfer_mode, fleet=services.fleet, client=services.client,
         trainer=services.train_group, snapshot_dir=run_dir / "weights",
         keep_snapshots=config.checkpoint.keep_weight_snapshots, recover_engines=config.rollout_ft_enabled,
-        router=services.router,
+        router=services.router, bucket_bytes=sglang.update_weight_buffer_size,
+        join_timeout_s=sglang.update_weight_join_timeout, backend=weight_backend(plan),
     )
+
+
+def weight_backend(plan: PlacementPlan | None) -> str:
+    node = plan.local if plan is not None else None
+    if node is None or node.ranks is None or node.ranks.device != "cuda" or plan.external_engines:
+        return "gloo"
+    engines = node.rollout_engines
+    return "nccl" if engines and all(slot.choice.on_gpu for slot in engines) else "gloo"
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 Owns one weight update end to end: pause generation (in place: requests are kept, not aborted), move the
 weights by `disk` (rank 0 writes a safetensors snapshot; every engine loads it concurrently) or `distributed`
-(rank 0 broadcasts over a fresh gloo/NCCL group that the engines join), check that every engine reports the
-new weight version, and continue generation — on every exit path. Owns too the current weights (version and
+(miles: `broadcast`; rank 0 sends buckets over a fresh gloo/NCCL group that the engines join, see
+`distributed_sync`), check that every engine reports the new weight version, and continue generation — on
+every exit path. Owns too the current weights (version and
 snapshot: the only place rollout snapshots are exported) and the rollout group's `EngineRecovery`, which the
 health monitor shares: a recovering engine gets the current weights from here (`current_weights`, `admit`).
 
@@ -27,28 +28,22 @@ from typing import Any, Protocol
 
 import anyio
 
+from coordinator.distributed_sync import FLATTENED_BUCKET, BucketSender, DistributedUpdate, WeightSyncError
 from coordinator.engines.client import EngineClient, EngineError
 from coordinator.engines.fleet import EngineFleet, EngineHandle
-from coordinator.engines.launch import free_port
 from coordinator.engines.recovery import EngineRecovery, RouterLike
-from workers.errors import RaylessError
 
 log = logging.getLogger(__name__)
 
+__all__ = ["TRANSFER_MODES", "TrainWeights", "WeightSync", "WeightSyncError"]
 
-class WeightSyncError(RaylessError, RuntimeError):
-    """Engines did not take the new weights."""
+#: --update-weight-transfer-mode: "broadcast" is miles' name for "distributed"
+TRANSFER_MODES = {"disk": "disk", "distributed": "distributed", "broadcast": "distributed"}
+DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size
 
 
-class TrainWeights(Protocol):
+class TrainWeights(BucketSender, Protocol):
     async def export_weights(self, directory: Path, weight_version: str, keep: int = 2) -> Path: ...
-
-    async def weight_manifest(self) -> list[tuple[str, str, list[int]]]: ...
-
-    async def broadcast_weights(self, *, master_address: str, master_port: int, world_size: int,
-                                group_name: str) -> Any: ...
-
-    async def destroy_weight_group(self, group_name: str) -> bool: ...
 
 
 class WeightSync:
@@ -69,10 +64,17 @@ class WeightSync:
         host: str = "127.0.0.1",
         backend: str = "gloo",
         router: RouterLike | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        load_format: str | None = FLATTENED_BUCKET,
+        join_timeout_s: float = 120.0,
     ) -> None:
-        if mode not in ("disk", "distributed"):
-            raise ValueError(f"--update-weight-transfer-mode {mode!r}: choose disk or distributed")
-        self.mode = mode
+        if mode not in TRANSFER_MODES:
+            raise ValueError(f"--update-weight-transfer-mode {mode!r}: choose {', '.join(TRANSFER_MODES)}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"--update-weight-buffer-size must be > 0 bytes, got {bucket_bytes}")
+        if not join_timeout_s > 0:
+            raise ValueError(f"the weight-update group join timeout must be > 0 s, got {join_timeout_s}")
+        self.mode = TRANSFER_MODES[mode]
         self.fleet = fleet
         self.client = client
         self.trainer = trainer
@@ -82,6 +84,10 @@ class WeightSync:
         self.pause_mode = pause_mode
         self.host = host
         self.backend = backend
+        self.distributed = DistributedUpdate(
+            client=client, trainer=trainer, host=host, backend=backend, bucket_bytes=bucket_bytes,
+            load_format=load_format, join_timeout_s=join_timeout_s,
+        )
         self.current_version: str | None = None
         self._snapshot: tuple[Path, str] | None = None  # the last export and the version it holds
         self._export_lock = anyio.Lock()
@@ -128,31 +134,8 @@ class WeightSync:
         )
 
     async def _by_distributed(self, engines: list[Any], version: str) -> None:
-        manifest = await self.trainer.weight_manifest()
-        names = [name for name, _, _ in manifest]
-        dtypes = [dtype for _, dtype, _ in manifest]
-        shapes = [list(shape) for _, _, shape in manifest]
-        port = free_port(self.host)
-        world_size = 1 + len(engines)
-        group_name = f"rayless_weights_{version}"
-
-        async def engine_side(index: int, engine: Any) -> None:
-            api = self.client.engine(engine.url)
-            await api.init_weights_update_group(master_address=self.host, master_port=port, rank_offset=1 + index,
-                                                world_size=world_size, group_name=group_name, backend=self.backend)
-            await api.update_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
-                                                      group_name=group_name, weight_version=version)
-
-        async with anyio.create_task_group() as group:
-            group.start_soon(lambda: self.trainer.broadcast_weights(
-                master_address=self.host, master_port=port, world_size=world_size, group_name=group_name))
-            for index, engine in enumerate(engines):
-                group.start_soon(engine_side, index, engine)
         # A fresh group per update: an engine relaunched since the last update can always join.
-        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-            await self.trainer.destroy_weight_group(group_name)
-            await self._for_each(engines, lambda e: self.client.engine(e.url).destroy_weights_update_group(group_name),
-                                 what="destroy_weights_update_group", raise_errors=False)
+        await self.distributed.run(engines, version)
 
     async def _verify(self, engines: list[Any], version: str) -> None:
         reported: dict[str, str] = {}

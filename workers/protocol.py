@@ -404,17 +404,27 @@ class ExportWeightsCommand(Command):
 
 @dataclass
 class WeightManifestCommand(Command):
+    """Answered with `buckets`: per bucket of at most `bucket_bytes`, the [name, dtype, shape] of each tensor
+    in send order (parameter metadata only, no gather)."""
+
     kind: ClassVar[str] = "weight_manifest"
+    bucket_bytes: int = 512 * 1024**2
 
 
 @dataclass
 class BroadcastWeightsCommand(Command):
+    """Rank 0 joins the weight-update group (within `timeout_s`) and sends the manifest's buckets, one
+    broadcast per bucket when `load_format` is "flattened_bucket", one per tensor otherwise."""
+
     kind: ClassVar[str] = "broadcast_weights"
     master_address: str
     master_port: int
     world_size: int
     group_name: str = "weight_update_group"
     timeout_s: float = 120.0
+    backend: str = "gloo"
+    bucket_bytes: int = 512 * 1024**2
+    load_format: str = ""
 
 
 @dataclass

@@ -36,6 +36,8 @@ class SglangConfig(Slice):
                                             choices=WEIGHT_TRANSFER_MODES)
     update_weight_buffer_size: int = flag(512 * 1024**2, help="bytes of parameters per weight-update bucket "
                                           "(slime's flag)", minimum=1)
+    update_weight_join_timeout: float = flag(120.0, help="seconds the engines get to join a distributed weight "
+                                             "update's group before the update fails naming them", above=0)
     # Filled by the parser from unknown `--sglang-*` flags; not a flag itself.
     sglang_passthrough: tuple[str, ...] = field(default=())
 

@@ -496,9 +496,12 @@ class EngineAPI:
         flush_cache: bool = True,
         abort_all_requests: bool | None = None,
         weight_version: str | None = None,
+        load_format: str | None = None,
         timeout: float | None = 600.0,
     ) -> dict[str, Any]:
-        """Receives the broadcasts of `names` in order from rank 0; never retried (it is a collective)."""
+        """Receives the broadcasts of `names` in order from rank 0 (one flattened broadcast with
+        `load_format="flattened_bucket"`); never retried (it is a collective). From SGLang 0.5.21 on it must
+        run inside `begin_weight_update` / `end_weight_update`."""
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
         body = _drop_none(
@@ -510,10 +513,28 @@ class EngineAPI:
                 "flush_cache": flush_cache,
                 "abort_all_requests": abort_all_requests,
                 "weight_version": weight_version,
+                "load_format": load_format,
             }
         )
         out = await self._post("/update_weights_from_distributed", body, timeout=timeout, retry=_COLLECTIVE)
         return _check_success(out, self.url)
+
+    async def begin_weight_update(self, selector: str = "all", **kw: Any) -> bool:
+        """Open a weight-update session (SGLang 0.5.21+). False when the server has no such endpoint (404:
+        older servers need no session); EngineHTTPError when it refuses (e.g. a session is already open)."""
+        try:
+            kw.setdefault("retry", _COLLECTIVE)  # a repeated begin would find its own session open
+            _check_success(await self._post("/begin_weight_update", {"selector": selector}, **kw), self.url)
+        except EngineHTTPError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def end_weight_update(self, **kw: Any) -> dict[str, Any]:
+        """Close the session `begin_weight_update` opened."""
+        kw.setdefault("retry", _COLLECTIVE)
+        return _check_success(await self._post("/end_weight_update", {}, **kw), self.url)
 
     async def destroy_weights_update_group(
         self, group_name: str = "weight_update_group", **kw: Any

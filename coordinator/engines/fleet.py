@@ -61,6 +61,9 @@ class EngineHandle:
     dead_reason: str | None = None
     #: bumped on every (re)start, so a caller can tell a relaunched engine from the one it last used
     incarnation: int = 0
+    #: tensor-parallel ranks (GPUs) of the engine: each is one rank of a weight-update group; None for an
+    #: external engine (the weight sync asks its /server_info)
+    tp_size: int | None = None
     process: EngineProcess | None = field(default=None, repr=False)
     _lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
 
@@ -116,7 +119,8 @@ class EngineFleet:
         for i, spec in enumerate(specs):
             name = f"{group}-{i}"
             self.specs[name] = spec
-            self.engines.append(EngineHandle(name=name, url="", launched=True, process=self._process(name, spec)))
+            self.engines.append(EngineHandle(name=name, url="", launched=True, process=self._process(name, spec),
+                                             tp_size=spec.tp_size))
         for j, url in enumerate(external_urls):
             url = url if url.startswith(("http://", "https://")) else f"http://{url}"
             self.engines.append(EngineHandle(name=f"{group}-ext-{j}", url=url.rstrip("/"), launched=False))

@@ -126,6 +126,7 @@ class EngineLaunchSpec:
     `python -m sglang.launch_server`. extra_args: appended verbatim (the `--sglang-*` passthrough for SGLang,
     engine flags for ours). env: set on top of the coordinator's environment (CUDA_VISIBLE_DEVICES).
     port: the planned port, tried first (another is taken, and said so, when it is in use).
+    tp_size: the engine's tensor-parallel ranks (SGLang's `--tp-size`): each joins a weight-update group.
     """
 
     kind: str
@@ -135,11 +136,14 @@ class EngineLaunchSpec:
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     port: int | None = None
+    tp_size: int = 1
     start_timeout: float = 300.0
     stop_grace: float = 10.0
     python: str = field(default=sys.executable)
 
     def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"an engine's tp_size must be >= 1, got {self.tp_size}")
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
 
@@ -179,8 +183,10 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
         extra += ["--context-length", str(sglang.sglang_context_length)]
     if enable_metrics:
         extra.append("--enable-metrics")
+    tp_size = 1
     if backend == "sglang":
-        extra += ["--tp-size", str(cluster.rollout_num_gpus_per_engine)]
+        tp_size = cluster.rollout_num_gpus_per_engine
+        extra += ["--tp-size", str(tp_size)]
         if gpus:
             extra += ["--base-gpu-id", str(gpus[0])]
         extra += sglang.sglang_passthrough
@@ -194,7 +200,7 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
         else:
             extra += ["--device", "cpu"]
     return EngineLaunchSpec(kind=backend, model_path=model_path, api_key=sglang.sglang_api_key,
-                            extra_args=tuple(extra), env=env, port=port)
+                            extra_args=tuple(extra), env=env, port=port, tp_size=tp_size)
 
 
 class EngineProcess:

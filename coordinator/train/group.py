@@ -361,9 +361,17 @@ class TrainGroup:
         return Path((await self.server.call_all(command))[0]["path"])
 
     async def weight_manifest(self) -> list[tuple[str, str, list[int]]]:
-        """(name, dtype, shape) of every tensor a broadcast sends, in broadcast order."""
+        """(name, dtype, shape) of every tensor a distributed update sends (parameter metadata, no gather)."""
         results = await self.server.call_all(protocol.WeightManifestCommand())
         return [(name, dtype, list(shape)) for name, dtype, shape in results[0]["manifest"]]
+
+    async def weight_buckets(
+        self, bucket_bytes: int = protocol.BroadcastWeightsCommand.bucket_bytes
+    ) -> list[list[tuple[str, str, list[int]]]]:
+        """Per bucket of at most `bucket_bytes`, (name, dtype, shape) of each tensor in send order: what
+        `broadcast_weights` with the same `bucket_bytes` sends, one request's worth per bucket."""
+        results = await self.server.call_all(protocol.WeightManifestCommand(bucket_bytes=int(bucket_bytes)))
+        return [[(name, dtype, list(shape)) for name, dtype, shape in bucket] for bucket in results[0]["buckets"]]
 
     async def broadcast_weights(
         self,
@@ -372,12 +380,18 @@ class TrainGroup:
         world_size: int,
         group_name: str = "weight_update_group",
         timeout_s: float = 120.0,
-    ) -> list[tuple[str, str, list[int]]]:
-        """Rank 0 joins (or reuses) the weight-update group as rank 0 and broadcasts every tensor.
+        *,
+        backend: str = "gloo",
+        bucket_bytes: int = protocol.BroadcastWeightsCommand.bucket_bytes,
+        load_format: str | None = None,
+    ) -> dict[str, Any]:
+        """Rank 0 joins the weight-update group as rank 0 (within `timeout_s`) and sends `weight_buckets(
+        bucket_bytes)` bucket by bucket; under FSDP every rank gathers each bucket with it.
 
-        Returns when rank 0 has sent everything. Meanwhile the caller posts
-        `/init_weights_update_group` (first time for this group) and `/update_weights_from_distributed`
-        with `weight_manifest()`'s names/dtypes/shapes to the engines.
+        Returns rank 0's report {"ok", "joined", "error", "buckets", "bytes", "seconds"}: a group that did not
+        form or a
+        send that failed is reported there (the training group stays usable), not raised. Meanwhile the caller
+        posts `/init_weights_update_group`, then per bucket `/update_weights_from_distributed`, to the engines.
         """
         command = protocol.BroadcastWeightsCommand(
             master_address=master_address,
@@ -385,9 +399,11 @@ class TrainGroup:
             world_size=int(world_size),
             group_name=group_name,
             timeout_s=float(timeout_s),
+            backend=backend,
+            bucket_bytes=int(bucket_bytes),
+            load_format=load_format or "",
         )
-        results = await self.server.call_all(command)
-        return [(name, dtype, list(shape)) for name, dtype, shape in results[0]["manifest"]]
+        return (await self.server.call_all(command))[0]
 
     async def destroy_weight_group(self, group_name: str = "weight_update_group") -> bool:
         results = await self.server.call({0: protocol.DestroyWeightGroupCommand(group_name)})

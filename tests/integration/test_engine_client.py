@@ -241,13 +241,13 @@ async def test_killed_engine_raises_unreachable_and_nothing_hangs(
 async def test_distributed_weight_update_methods(
     client: EngineClient, keyed_engine: str, tiny_model_dir: Path
 ) -> None:
-    """init / update_weights_from_distributed / destroy through the typed methods; this process plays the
-    trainer's rank 0 over gloo (the engine's own helper is the other side's contract)."""
+    """init / begin / update_weights_from_distributed (flattened) / end / destroy through the typed methods;
+    this process plays the trainer's rank 0 over gloo with the rank side's group and bucket helpers."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from coordinator.engines import free_port
-    from workers.engine.weight_group import broadcast_tensors, join_weight_update_group
+    from workers.engine.weight_group import flatten_bucket, join_weight_update_group, send
 
     e = client.engine(keyed_engine)
     greedy = {
@@ -288,6 +288,9 @@ async def test_distributed_weight_update_methods(
         )
     try:
         assert results["init"]["success"] is True
+        assert await e.begin_weight_update() is True
+        with pytest.raises(EngineHTTPError, match="already open"):
+            await e.begin_weight_update()
 
         async def update() -> None:
             results["update"] = await e.update_weights_from_distributed(
@@ -296,11 +299,17 @@ async def test_distributed_weight_update_methods(
                 shapes=[list(t.shape) for _, t in named],
                 group_name="g1",
                 weight_version="dist-1",
+                load_format="flattened_bucket",
             )
+
+        def send_bucket() -> None:
+            for work in send(group, [flatten_bucket([t for _, t in named])]):
+                work.wait()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(update)
-            await anyio.to_thread.run_sync(broadcast_tensors, group, [t for _, t in named])
+            await anyio.to_thread.run_sync(send_bucket)
+        assert (await e.end_weight_update())["success"] is True
     finally:
         group.close()
     assert results["update"]["success"] is True

@@ -1,4 +1,5 @@
-"""Weight updates of a real CPU engine: from a safetensors directory, and over a gloo group from this process.
+"""Weight updates of a real CPU engine: from a safetensors directory, and over a gloo group that SGLang's own
+`init_custom_process_group` (from the real sglang wheel) forms in this process, as a trainer built for SGLang does.
 
 Each update must change what the engine computes to exactly what the new weights give (checked against
 transformers in this process), report the new weight_version, and a rejected update must keep the old
@@ -19,7 +20,6 @@ import pytest
 import torch
 
 from tests.support.engine_proc import free_port, start_engine
-from workers.engine.weight_group import broadcast_tensors, join_weight_update_group
 
 PROMPT = "1 2 3="
 PROMPT_IDS: list[int] = []  # filled by the `prompt_ids` fixture with the model's tokenizer
@@ -192,7 +192,16 @@ async def test_update_from_disk_waits_for_running_requests_or_aborts_them(
         assert events == order
 
 
-async def test_update_from_distributed_gloo_group(client: httpx.AsyncClient, tiny_model_dir: Path) -> None:
+async def test_a_trainer_built_for_sglang_updates_the_engine_per_tensor_and_by_flattened_bucket(
+    client: httpx.AsyncClient, tiny_model_dir: Path
+) -> None:
+    """SGLang's own `init_custom_process_group` (from the real wheel) is rank 0 here, as in a trainer written
+    for SGLang: the engine joins its group, then takes weights inside a begin/end session, per tensor and as
+    one flattened bucket (SGLang's `FlattenedTensorBucket` layout), and computes exactly what they give."""
+    import torch.distributed as dist
+
+    from tests.support import sglang_parts
+
     base = load_model(tiny_model_dir)
     await assert_engine_computes(client, base, "default")
     port = free_port()
@@ -201,30 +210,31 @@ async def test_update_from_distributed_gloo_group(client: httpx.AsyncClient, tin
         "master_port": port,
         "rank_offset": 1,
         "world_size": 2,
-        "group_name": "test_group",
-        "backend": "nccl",
+        "group_name": "sglang_trainer_group",
+        "backend": "gloo",
     }
     responses: dict[str, httpx.Response] = {}
 
     async def post(key: str, path: str, body: dict[str, Any]) -> None:
         responses[key] = await client.post(path, json=body)
 
-    # This process is the trainer's rank 0: it hosts the store; the engine joins as rank 1.
+    nccl = await client.post("/init_weights_update_group", json={**init_body, "backend": "nccl"})
+    assert nccl.status_code == 400 and "nccl" in nccl.json()["message"]  # a CPU engine cannot join NCCL
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(post, "init", "/init_weights_update_group", init_body)
-        group = await anyio.to_thread.run_sync(
-            lambda: join_weight_update_group(
-                master_address="127.0.0.1",
-                master_port=port,
-                rank=0,
+        pg = await anyio.to_thread.run_sync(
+            lambda: sglang_parts.init_custom_process_group()(
+                backend="gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
                 world_size=2,
-                group_name="test_group",
-                timeout_s=60,
+                rank=0,
+                group_name="sglang_trainer_group",
             )
         )
     try:
         assert responses["init"].status_code == 200, responses["init"].text
-        assert responses["init"].json()["success"] is True and "gloo" in responses["init"].json()["message"]
+        assert responses["init"].json()["success"] is True
 
         new_model = perturbed_model(tiny_model_dir, seed=2)
         named = [(name, p.detach()) for name, p in new_model.named_parameters()]
@@ -232,16 +242,38 @@ async def test_update_from_distributed_gloo_group(client: httpx.AsyncClient, tin
             "names": [name for name, _ in named],
             "dtypes": ["float32"] * len(named),
             "shapes": [list(t.shape) for _, t in named],
-            "group_name": "test_group",
+            "group_name": "sglang_trainer_group",
             "weight_version": "dist-1",
             "flush_cache": True,
         }
+        # SGLang 0.5.21+: no update outside a session (refused before anything is received).
+        outside = await client.post("/update_weights_from_distributed", json=update_body)
+        assert outside.status_code == 400 and "begin_weight_update" in outside.json()["message"]
+        assert (await client.post("/end_weight_update", json={})).status_code == 400  # nothing to end
+        begun = await client.post("/begin_weight_update", json={"selector": "all"})
+        assert begun.status_code == 200 and begun.json()["success"] is True
+        again = await client.post("/begin_weight_update", json={})
+        assert again.status_code == 400 and "already open" in again.json()["message"]
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(post, "update", "/update_weights_from_distributed", update_body)
-            await anyio.to_thread.run_sync(broadcast_tensors, group, [t for _, t in named])
+            for _, tensor in named:  # a trainer's per-tensor loop, in announced order
+                await anyio.to_thread.run_sync(lambda t=tensor: dist.broadcast(t, src=0, group=pg))
         assert responses["update"].status_code == 200, responses["update"].text
-        assert responses["update"].json()["success"] is True
         await assert_engine_computes(client, new_model, "dist-1")
+
+        # One flattened bucket: SGLang's sender-side class builds the bytes, the engine splits them.
+        newer = perturbed_model(tiny_model_dir, seed=3)
+        named = [(name, p.detach()) for name, p in newer.named_parameters()]
+        bucket = sglang_parts.tensor_bucket_module().FlattenedTensorBucket(named_tensors=named)
+        flat_body = {**update_body, "load_format": "flattened_bucket", "weight_version": "dist-2"}
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(post, "flat", "/update_weights_from_distributed", flat_body)
+            await anyio.to_thread.run_sync(
+                lambda: dist.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
+            )
+        assert responses["flat"].status_code == 200, responses["flat"].text
+        await assert_engine_computes(client, newer, "dist-2")
 
         # Names the model does not have: the tensors are still received (rank 0 must not block), then refused.
         bad_body = {
@@ -253,19 +285,22 @@ async def test_update_from_distributed_gloo_group(client: httpx.AsyncClient, tin
         }
         async with anyio.create_task_group() as tg:
             tg.start_soon(post, "bad", "/update_weights_from_distributed", bad_body)
-            await anyio.to_thread.run_sync(broadcast_tensors, group, [torch.ones(4)])
+            await anyio.to_thread.run_sync(lambda: dist.broadcast(torch.ones(4), src=0, group=pg))
         assert responses["bad"].status_code == 400 and responses["bad"].json()["success"] is False
         assert "model.nope" in responses["bad"].json()["message"]
-        await assert_engine_computes(client, new_model, "dist-1")
+        await assert_engine_computes(client, newer, "dist-2")
+        assert (await client.post("/end_weight_update", json={})).status_code == 200
 
-        destroyed = await client.post("/destroy_weights_update_group", json={"group_name": "test_group"})
+        destroyed = await client.post("/destroy_weights_update_group", json={"group_name": "sglang_trainer_group"})
         assert destroyed.status_code == 200 and destroyed.json()["success"] is True
-        again = await client.post("/destroy_weights_update_group", json={"group_name": "test_group"})
+        again = await client.post("/destroy_weights_update_group", json={"group_name": "sglang_trainer_group"})
         assert again.status_code == 400
+        await client.post("/begin_weight_update", json={})
         missing = await client.post("/update_weights_from_distributed", json=update_body)
         assert missing.status_code == 400 and "init_weights_update_group" in missing.json()["message"]
+        await client.post("/end_weight_update", json={})
     finally:
-        group.close()
+        dist.destroy_process_group(pg)
         await client.post(
             "/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": "default"}
         )

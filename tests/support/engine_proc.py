@@ -54,15 +54,17 @@ def start_engine_process(
     threads: int = 1,
     startup_timeout_s: float = 90.0,
     log_path: str | Path | None = None,
+    module: str = "workers.engine",
 ) -> Iterator[RunningEngine]:
-    """Launch an engine on a free 127.0.0.1 port; yield once /health answers 200."""
+    """Launch an engine on a free 127.0.0.1 port; yield once /health answers 200. `module`: another server
+    that takes the engine's flags (e.g. `tests.support.sglang_receiver`)."""
     port = free_port()
     if log_path is None:
         handle, name = tempfile.mkstemp(prefix="rayless-engine-", suffix=".log")
         os.close(handle)
         log_path = Path(name)
     log_path = Path(log_path)
-    command = [sys.executable, "-m", "workers.engine", "--model-path", str(model_dir), "--port", str(port)]
+    command = [sys.executable, "-m", module, "--model-path", str(model_dir), "--port", str(port)]
     command += ["--random-seed", "0", "--log-level", "warning"]
     if api_key:
         command += ["--api-key", api_key]

@@ -33,7 +33,6 @@ PENDING = {
     "--colocate": "issue 12 (--colocate)",
     "--num-gpus-per-node": "issue 12 (placement under --colocate)",
     "--train-memory-margin-bytes": "issue 12 (miles' colocate memory margin)",
-    "--update-weight-buffer-size": "issue 11 (bucketed weight transfer)",
     "--pause-generation-mode": "issue 11 (weight sync; miles' pause mode)",
     "--eval-config": "issue 13 item 4 (eval on the rollout engines)",
     "--eval-top-k": "issue 13 item 4",

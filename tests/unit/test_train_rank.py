@@ -3,11 +3,8 @@ schedule, settings validation, the HF snapshot, and one-process training determi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import socket
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -309,58 +306,6 @@ def test_training_in_one_process_is_deterministic_and_moves_the_loss(tiny_model_
     # Descending the loss: later steps see a lower loss on the same data.
     assert first[-1].loss < first[0].loss
     assert all(math.isfinite(step.entropy_sum) for step in first)
-
-
-def test_broadcast_reaches_an_engine_side_receiver_in_manifest_order(tiny_model_dir: Path) -> None:
-    import threading
-
-    from workers.engine.weight_group import join_weight_update_group, parse_dtype, receive_tensors
-
-    model = load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device=torch.device("cpu"))
-    state = weight_export.full_state_dict(model, sharded=False)
-    entries = weight_export.manifest(state)
-    with socket_port() as port:
-        pass
-    received: list[torch.Tensor] = []
-    errors: list[BaseException] = []
-
-    def engine_side() -> None:
-        try:
-            group = join_weight_update_group(
-                master_address="127.0.0.1",
-                master_port=port,
-                rank=1,
-                world_size=2,
-                group_name="g",
-                timeout_s=30,
-            )
-            received.extend(
-                receive_tensors(group, [parse_dtype(d) for _, d, _ in entries], [s for _, _, s in entries])
-            )
-            group.close()
-        except BaseException as exc:  # reported to the test thread below
-            errors.append(exc)
-
-    thread = threading.Thread(target=engine_side, daemon=True)
-    thread.start()
-    broadcaster = weight_export.WeightBroadcaster()
-    group = broadcaster.group(
-        master_address="127.0.0.1", master_port=port, world_size=2, group_name="g", timeout_s=30
-    )
-    broadcaster.broadcast(state, group)
-    thread.join(30)
-    assert not errors, errors
-    assert broadcaster.destroy("g") and not broadcaster.destroy("g")
-    assert len(received) == len(state)
-    for tensor, (name, original) in zip(received, state.items(), strict=True):
-        assert torch.equal(tensor, original), name
-
-
-@contextlib.contextmanager
-def socket_port() -> Iterator[int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield sock.getsockname()[1]
 
 
 def test_snapshot_writer_round_trips_every_dtype_and_layout(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ Owns nothing itself; it wires the modules below. The HTTP contract is ../shared/
 - `scheduler`: sequence states and the continuous-batching step loop (event loop side)
 - `http_input`: bounded request bodies (size, JSON depth) and clients that disconnect mid-body
 - `server`: Starlette routes, auth, release/resume, weight-update endpoints; uvicorn
-- `weight_group`: the stand-alone gloo group a trainer uses to broadcast weights to engines
+- `weight_group`: weight-update groups formed as SGLang's `init_custom_process_group` forms them, SGLang's
+  receive loop, and the flattened-bucket layout (shared with the trainer's sender)
 
 Importing this package does not import torch; `main` does.
 """

@@ -15,9 +15,14 @@ A released engine (`/release_memory_occupation`) answers `/generate` and `/healt
 `rayless:requests_refused_while_released_total`, /server_info `internal_states[0]`); `/health` stays 200
 (the process is alive).
 
+Weight updates follow SGLang 0.5.23: `/init_weights_update_group` forms the group as its
+`init_custom_process_group` does (`weight_group`), `/update_weights_from_distributed` must run inside a
+session opened by `/begin_weight_update` and closed by `/end_weight_update`, and receives per tensor or as one
+flattened bucket. `backend: "nccl"` on an engine whose model is not on CUDA is refused with a 400 (joining with
+gloo instead would leave the trainer waiting on a group nobody forms).
+
 Choices where SGLang's behaviour is not worth copying: an unknown sampling key is a 400 naming the key (SGLang
-answers a plain-text 500); `backend: "nccl"` for `/init_weights_update_group` joins a gloo group (the only
-backend on CPU) and says so in the message; /metrics is always on.
+answers a plain-text 500); /metrics is always on.
 """
 
 from __future__ import annotations
@@ -48,10 +53,11 @@ from workers.engine.sampling import RequestError, SamplingParams, parse_sampling
 from workers.engine.sampling_params import INT64_MAX, show
 from workers.engine.scheduler import MEMORY_TAGS, MemoryReleasedError, Scheduler, Seq
 from workers.engine.weight_group import (
+    WeightGroupError,
     WeightUpdateGroup,
     join_weight_update_group,
     parse_dtype,
-    receive_tensors,
+    receive,
 )
 
 log = logging.getLogger("rayless.engine")
@@ -106,6 +112,7 @@ class EngineServer:
             seed=args.random_seed,
         )
         self.groups: dict[str, WeightUpdateGroup] = {}
+        self.weight_session: str | None = None  # the selector of the open weight-update session
         self.serving = False
         self._probe_ids = runner.tokenizer.encode("1", add_special_tokens=False) or [0]
 
@@ -139,6 +146,8 @@ class EngineServer:
             Route("/init_weights_update_group", self.init_weights_update_group, methods=post),
             Route("/update_weights_from_distributed", self.update_weights_from_distributed, methods=post),
             Route("/destroy_weights_update_group", self.destroy_weights_update_group, methods=post),
+            Route("/begin_weight_update", self.begin_weight_update, methods=post),
+            Route("/end_weight_update", self.end_weight_update, methods=post),
         ]
         app: ASGIApp = Starlette(routes=routes, lifespan=self.lifespan)
         app = BodyLimitMiddleware(app, self.args.max_request_bytes)
@@ -677,6 +686,9 @@ class EngineServer:
         log.info("loaded %d tensors from %s (weight_version %s)", count, model_path, self.weight_version)
         return self._weights_result(True, f"Succeeded to update model weights ({count} tensors).")
 
+    def _model_device(self) -> torch.device:
+        return next(self.runner.model.parameters()).device
+
     async def init_weights_update_group(self, request: Request) -> Response:
         try:
             body = await self._json(request)
@@ -694,12 +706,19 @@ class EngineServer:
                 isinstance(v, int) and not isinstance(v, bool) for v in (port, rank_offset, world_size)
             ):
                 raise RequestError("'master_port', 'rank_offset' and 'world_size' must be integers")
-            if not 0 < rank_offset < world_size:
+            if not 0 < port < 2**16:
+                raise RequestError(f"'master_port' {port} is outside 1-65535")
+            if not 0 < rank_offset < world_size:  # this engine's one tp rank: rank_offset + 0
                 raise RequestError(f"rank_offset {rank_offset} must be in [1, world_size={world_size})")
             if group_name in self.groups:
                 raise RequestError(f"weight update group {group_name!r} already exists; destroy it first")
             if backend not in ("gloo", "nccl"):
-                raise RequestError(f"backend {backend!r} is not supported; the CPU engine speaks gloo")
+                raise RequestError(f"backend {backend!r} is not supported: use 'gloo' or 'nccl'")
+            if backend == "nccl" and self._model_device().type != "cuda":
+                raise RequestError(
+                    f"backend 'nccl' needs CUDA tensors but this engine's model is on {self._model_device()}: "
+                    "form the group with backend 'gloo'"
+                )
         except RequestError as exc:
             return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
         join = partial(
@@ -709,57 +728,97 @@ class EngineServer:
             rank=rank_offset,
             world_size=world_size,
             group_name=group_name,
+            backend=backend,
             timeout_s=GROUP_JOIN_TIMEOUT_S,
         )
         try:
             # Blocks until the trainer's rank 0 (and every other engine) joins: off the event loop.
             self.groups[group_name] = await anyio.to_thread.run_sync(join)
-        except (RuntimeError, ValueError, OSError) as exc:
-            return JSONResponse({"success": False, "message": f"joining {group_name!r} failed: {exc}"}, 400)
-        note = " (backend nccl requested; the CPU engine joined with gloo)" if backend == "nccl" else ""
+        except (WeightGroupError, ValueError) as exc:
+            return JSONResponse({"success": False, "message": f"Failed to initialize custom process group: {exc}."}, 400)
         return JSONResponse(
             {
                 "success": True,
-                "message": f"Joined weight update group {group_name!r} as rank {rank_offset}{note}.",
+                "message": f"Succeeded to initialize custom process group {group_name!r} as rank {rank_offset} "
+                f"of {world_size} ({backend}).",
             }
         )
+
+    async def begin_weight_update(self, request: Request) -> Response:
+        """Open the weight-update session `/update_weights_from_distributed` needs (SGLang 0.5.21+)."""
+        try:
+            selector = (await self._json(request)).get("selector", "all")
+            if selector not in ("all", "target", "draft"):
+                raise RequestError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
+        except RequestError as exc:
+            return self._session_result(False, str(exc))
+        if self.weight_session is not None:
+            return self._session_result(
+                False, "a weight-update session is already open; call end_weight_update() first"
+            )
+        self.weight_session = selector
+        return self._session_result(True, "Success")
+
+    async def end_weight_update(self, request: Request) -> Response:
+        if self.weight_session is None:
+            return self._session_result(
+                False, "no weight-update session is open; call begin_weight_update() first"
+            )
+        self.weight_session = None
+        return self._session_result(True, "Success")
+
+    @staticmethod
+    def _session_result(success: bool, message: str) -> JSONResponse:
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    def _distributed_request(self, body: dict[str, Any]) -> tuple[WeightUpdateGroup, list[torch.dtype]]:
+        """The group and dtypes of a valid `/update_weights_from_distributed` body; RequestError otherwise."""
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        group_name = str(body.get("group_name") or "weight_update_group")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise RequestError("'names', 'dtypes' and 'shapes' must be lists")
+        if not len(names) == len(dtypes) == len(shapes) or not names:
+            raise RequestError("'names', 'dtypes' and 'shapes' must be non-empty and of equal length")
+        try:
+            torch_dtypes = [parse_dtype(d) for d in dtypes]
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+        if not all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes):
+            raise RequestError("each of 'shapes' must be a list of non-negative integers")
+        if body.get("selector", "all") not in ("all", "target", "draft"):
+            raise RequestError(f"invalid selector {body.get('selector')!r}; expected 'target', 'draft', or 'all'")
+        if self.weight_session is None:
+            raise RequestError(
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
+        group = self.groups.get(group_name)
+        if group is None:
+            raise RequestError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+        return group, torch_dtypes
 
     async def update_weights_from_distributed(self, request: Request) -> Response:
         try:
             body = await self._json(request)
-            names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-            group_name = str(body.get("group_name") or "weight_update_group")
-            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-                raise RequestError("'names', 'dtypes' and 'shapes' must be lists")
-            if not len(names) == len(dtypes) == len(shapes) or not names:
-                raise RequestError("'names', 'dtypes' and 'shapes' must be non-empty and of equal length")
-            try:
-                torch_dtypes = [parse_dtype(d) for d in dtypes]
-            except ValueError as exc:
-                raise RequestError(str(exc)) from exc
-            if not all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes):
-                raise RequestError("each of 'shapes' must be a list of non-negative integers")
-            group = self.groups.get(group_name)
-            if group is None:
-                raise RequestError(
-                    f"no weight update group {group_name!r}; call /init_weights_update_group first"
-                )
+            group, torch_dtypes = self._distributed_request(body)
         except RequestError as exc:
             return self._weights_result(False, str(exc))
+        names, shapes = body["names"], body["shapes"]
         if body.get("abort_all_requests", False):
             self.scheduler.abort(abort_all=True, message="Abort by update_weights_from_distributed")
+        device = self._model_device() if group.backend == "nccl" else torch.device("cpu")
+        receive_one = partial(
+            receive, group, names, torch_dtypes, shapes, load_format=body.get("load_format"), device=device
+        )
         async with self.scheduler.exclusive_update():
             try:
                 # Receive every announced tensor even when the names turn out to be wrong: the trainer's
                 # broadcasts must all be matched or rank 0 would block.
-                tensors = await anyio.to_thread.run_sync(receive_tensors, group, torch_dtypes, shapes)
-            except RuntimeError as exc:
-                return self._weights_result(False, f"receiving from {group_name!r} failed: {exc}")
+                tensors = await anyio.to_thread.run_sync(receive_one)
+            except (RuntimeError, ValueError) as exc:
+                return self._weights_result(False, f"Failed to receive weights: {exc}")
             try:
                 count = await anyio.to_thread.run_sync(
-                    partial(
-                        self.runner.load_tensors, dict(zip(names, tensors, strict=True)), require_all=False
-                    )
+                    partial(self.runner.load_tensors, dict(tensors), require_all=False)
                 )
             except WeightUpdateError as exc:
                 return self._weights_result(False, str(exc))
@@ -776,9 +835,9 @@ class EngineServer:
         group_name = str(body.get("group_name") or "weight_update_group")
         group = self.groups.pop(group_name, None)
         if group is None:
-            return JSONResponse({"success": False, "message": f"no weight update group {group_name!r}"}, 400)
+            return JSONResponse({"success": False, "message": "The group to be destroyed does not exist."}, 400)
         await anyio.to_thread.run_sync(group.close)
-        return JSONResponse({"success": True, "message": f"Destroyed weight update group {group_name!r}."})
+        return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
 
 
 def _configure_threads() -> None:

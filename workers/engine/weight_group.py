@@ -1,12 +1,24 @@
-"""A stand-alone gloo group for broadcasting weights from the trainer's rank 0 to CPU engines.
+"""Weight-update groups as SGLang 0.5.x forms them, and the byte layout of a flattened bucket.
 
-Both sides call `join_weight_update_group` with the same address, port, world size and group name: the trainer's
-rank 0 as group rank 0 (it hosts the TCPStore), engine i as rank `rank_offset`. No default process group is
-created or needed, so it sits beside a torchrun world without touching it (measured in ../shared/MEASURED.md).
+A weight-update group joins the trainer's rank 0 (group rank 0, the store's host) with every tensor-parallel
+rank of every engine (`rank_offset + tp_rank`). SGLang builds it in `init_custom_process_group`
+(`sglang/srt/utils/common.py`): the `tcp://` rendezvous store (a multi-tenant `TCPStore` hosted by rank 0),
+then `PrefixStore(group_name, store)`, then torch's `_new_process_group_helper(..., group_name=...)` (which
+prefixes again per group and device), then `pg_group_ranks` registered as the identity, so
+`dist.broadcast(t, src=0, group=pg)` works with no default process group. `join_weight_update_group` does the
+same steps, so our trainer meets a real SGLang server and a trainer built for SGLang meets our engine. It
+builds the store itself instead of calling `rendezvous`: under torchrun `TORCHELASTIC_USE_AGENT_STORE` makes
+`rendezvous` open every rank as a store client, so nobody would host it (see ../shared/SGLANG_CONTRACT.md).
 
-Invariant: tensors travel in the order of `names`, one broadcast per tensor from group rank 0, each received
-into a buffer of exactly the announced dtype and shape — the same order and shapes on both sides, or gloo
-reports a size mismatch instead of mixing up weights.
+The receive side follows SGLang's `WeightUpdater.receive_weights_from_distributed`: per tensor, a fresh buffer
+and an async broadcast each, all posted before any wait; `load_format: "flattened_bucket"`, one uint8 buffer
+of the tensors' bytes concatenated in `names` order with no padding, one broadcast (SGLang's
+`FlattenedTensorBucket`). `bucket_layout` is that layout, with its alignment rule: every tensor must start at a
+byte offset that is a multiple of its itemsize (one dtype per bucket, or larger itemsizes first).
+
+Invariant: tensors travel in the order of `names`, from group rank 0, each received into a buffer of exactly
+the announced dtype and shape: the same order and shapes on both sides, or gloo reports a size mismatch
+instead of mixing weights up.
 """
 
 from __future__ import annotations
@@ -14,9 +26,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+FLATTENED_BUCKET = "flattened_bucket"
+BACKENDS = ("gloo", "nccl")
+
+
+class WeightGroupError(RuntimeError):
+    """A weight-update group could not be formed, or a transfer over it failed."""
 
 
 @dataclass
@@ -24,16 +44,24 @@ class WeightUpdateGroup:
     name: str
     rank: int
     world_size: int
-    store: dist.Store
+    backend: str
     group: dist.ProcessGroup
+    #: the flattened-bucket receive buffer, reused from one request to the next (an engine loads a bucket
+    #: before it receives the next): fresh pages for every bucket cost more than the copy itself
+    receive_buffer: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where tensors that travel over this group live: NCCL moves CUDA tensors, gloo CPU ones."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
-        shutdown = getattr(self.group, "shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except RuntimeError:
-                pass  # an already-broken group has nothing left to release
+        """Destroy the group: frees its name for reuse and, on rank 0, stops hosting the store."""
+        self.receive_buffer = None
+        try:
+            dist.destroy_process_group(self.group)
+        except (RuntimeError, KeyError, ValueError):
+            pass  # an already-broken or already-destroyed group has nothing left to release
 
 
 def join_weight_update_group(
@@ -43,55 +71,141 @@ def join_weight_update_group(
     rank: int,
     world_size: int,
     group_name: str,
+    backend: str = "gloo",
     timeout_s: float = 300.0,
 ) -> WeightUpdateGroup:
-    """Blocks until all `world_size` ranks joined (or `timeout_s` passed: RuntimeError/DistStoreError)."""
+    """Blocks until all `world_size` ranks joined; WeightGroupError when they do not within `timeout_s`.
+
+    Rank 0 hosts the store on `master_address:master_port`; the other ranks connect to it. `timeout_s` also
+    bounds every later transfer over the group (as SGLang's group timeout does).
+    """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group of world_size {world_size}")
+    if not group_name:
+        raise ValueError("the group name cannot be empty")
+    if not 0 < int(master_port) < 2**16:
+        raise ValueError(f"master_port {master_port} is outside 1-65535")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address,
-        int(master_port),
-        world_size,
-        is_master=(rank == 0),
-        timeout=timeout,
-        wait_for_workers=False,
-    )
-    # The prefix lets several groups share one store without their keys colliding.
-    prefixed = dist.PrefixStore(f"{group_name}/", store)
-    group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    return WeightUpdateGroup(name=group_name, rank=rank, world_size=world_size, store=store, group=group)
+    try:
+        # What torch's tcp:// rendezvous builds for this rank when no torchelastic agent store is in play.
+        store = dist.TCPStore(
+            master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout,
+            multi_tenant=True,
+        )
+        store.set_timeout(timeout)
+        prefixed = PrefixStore(group_name, store)
+        group, _ = _new_process_group_helper(
+            world_size, rank, [], Backend(backend), prefixed, group_name=group_name, backend_options=None,
+            timeout=timeout,
+        )
+    except (RuntimeError, OSError, ValueError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors
+        raise WeightGroupError(
+            f"weight-update group {group_name!r} (rank {rank} of {world_size}, store {master_address}:"
+            f"{master_port}, {backend}) did not form within {timeout_s:g} s: {_first_line(exc)}"
+        ) from exc
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return WeightUpdateGroup(name=group_name, rank=rank, world_size=world_size, backend=backend, group=group)
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """ "bfloat16" / "torch.bfloat16" → torch.bfloat16; ValueError names the bad string."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def parse_dtype(name: Any) -> torch.dtype:
+    """ "bfloat16" / "torch.bfloat16" / torch.bfloat16 → torch.bfloat16; ValueError names the bad value."""
+    if isinstance(name, torch.dtype):
+        return name
     value = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(value, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return value
 
 
-def _from_rank_0() -> dist.BroadcastOptions:
-    # The options form of ProcessGroup.broadcast is the one every torch 2.x accepts.
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    options.rootTensor = 0
-    return options
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def broadcast_tensors(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor]) -> None:
-    """Rank 0's side: send each tensor, in order."""
-    for tensor in tensors:
-        group.group.broadcast([tensor.detach().contiguous().cpu()], _from_rank_0()).wait()
+def bucket_layout(
+    names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> list[tuple[int, int]]:
+    """(byte offset, byte size) of each tensor in a flattened bucket; ValueError on a misaligned tensor.
+
+    The same layout and checks as SGLang 0.5.23's `FlattenedTensorBucket.empty`.
+    """
+    layout = []
+    offset = 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if any(int(dim) < 0 for dim in shape):
+            raise ValueError(f"Negative dimension in received tensor {name}: {list(shape)}")
+        if offset % dtype.itemsize:
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+        size = torch.Size([int(dim) for dim in shape]).numel() * dtype.itemsize
+        layout.append((offset, size))
+        offset += size
+    if not layout:
+        raise ValueError("Cannot create empty tensor bucket")
+    return layout
 
 
-def receive_tensors(
-    group: WeightUpdateGroup, dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
-) -> list[torch.Tensor]:
-    """An engine's side: one buffer per announced tensor, filled by rank 0's broadcasts in order."""
-    received = []
-    for dtype, shape in zip(dtypes, shapes, strict=True):
-        buffer = torch.empty(tuple(int(s) for s in shape), dtype=dtype)
-        group.group.broadcast([buffer], _from_rank_0()).wait()
-        received.append(buffer)
+def flatten_bucket(
+    tensors: Sequence[torch.Tensor], device: torch.device | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The sender's bucket: every tensor's bytes concatenated, in order, with no padding (one copy), written
+    into the front of `out` (a uint8 buffer at least that large) when given."""
+    names = [str(index) for index in range(len(tensors))]
+    layout = bucket_layout(names, [t.dtype for t in tensors], [t.shape for t in tensors])
+    total = layout[-1][0] + layout[-1][1]
+    if out is not None:
+        flat = out[:total]
+    else:
+        flat = torch.empty(total, dtype=torch.uint8, device=device or tensors[0].device)
+    for tensor, (offset, size) in zip(tensors, layout, strict=True):
+        flat[offset : offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    return flat
+
+
+def send(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Rank 0's side of one request: an async broadcast per tensor (a flattened bucket is one tensor).
+    Keep the tensors alive until every returned work is waited on."""
+    return [dist.broadcast(tensor, src=0, group=group.group, async_op=True) for tensor in tensors]
+
+
+def receive(
+    group: WeightUpdateGroup,
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[Sequence[int]],
+    *,
+    load_format: str | None = None,
+    device: torch.device | str = "cpu",
+) -> list[tuple[str, torch.Tensor]]:
+    """An engine's side of one `/update_weights_from_distributed`: SGLang's receive loop.
+
+    Any `load_format` but "flattened_bucket" receives tensor by tensor, as SGLang does. A flattened bucket's
+    tensors are views of `group.receive_buffer`: valid until the next receive on the group.
+    """
+    if load_format == FLATTENED_BUCKET:
+        layout = bucket_layout(names, dtypes, shapes)  # before the broadcast: a bad layout receives nothing
+        total = layout[-1][0] + layout[-1][1]
+        buffer = group.receive_buffer
+        if buffer is None or buffer.numel() < total or buffer.device != torch.device(device):
+            buffer = group.receive_buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        flat = buffer[:total]
+        dist.broadcast(flat, src=0, group=group.group)
+        return [
+            (name, flat[offset : offset + size].view(dtype).reshape([int(d) for d in shape]))
+            for name, dtype, shape, (offset, size) in zip(names, dtypes, shapes, layout, strict=True)
+        ]
+    received = [
+        (name, torch.empty([int(d) for d in shape], dtype=dtype, device=device))
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True)
+    ]
+    works = [dist.broadcast(tensor, src=0, group=group.group, async_op=True) for _, tensor in received]
+    for work in works:
+        work.wait()
     return received

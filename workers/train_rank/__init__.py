@@ -5,7 +5,8 @@ command loop); `settings` validates the coordinator's init config; `model` loads
 (no torch.distributed); `parallel` applies data parallelism (FSDP2 on CUDA, gloo replicas on CPU);
 `batching` packs samples into micro-batches and recomputes logprobs; `loss` is the policy-gradient loss;
 `optim` the optimizer, scheduler and clipping; `checkpoint` the resumable state; `weight_export` the HF
-snapshot and the weight broadcast to engines; `trainer` holds the state and runs each command.
+snapshot for disk sync; `weight_buckets` the bucketed broadcast to engines over a weight-update group;
+`trainer` holds the state and runs each command.
 
 Nothing here imports `coordinator`.
 """

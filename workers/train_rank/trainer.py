@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from workers import protocol
-from workers.train_rank import checkpoint, weight_export
+from workers.train_rank import checkpoint, weight_buckets, weight_export
 from workers.train_rank.batching import MicroBatch, make_micro_batches, token_entropy, token_log_probs
 from workers.train_rank.loss import LossConfig, policy_loss
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
@@ -38,7 +38,7 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.pad_token_id = 0
-        self.broadcaster = weight_export.WeightBroadcaster()
+        self.sender = weight_buckets.WeightSender()
 
     # ------------------------------------------------------------------------------------------ commands
 
@@ -208,27 +208,30 @@ class Trainer:
 
     def weight_manifest(self, command: protocol.WeightManifestCommand) -> dict[str, Any]:
         _, model, _ = self._require()
-        state = weight_export.full_state_dict(model, sharded=self.parallel.sharded)
-        return {"manifest": weight_export.manifest(state)}
+        buckets = weight_buckets.bucket_manifest(model, command.bucket_bytes)
+        return {"buckets": buckets, "manifest": [entry for bucket in buckets for entry in bucket]}
 
     def broadcast_weights(self, command: protocol.BroadcastWeightsCommand) -> dict[str, Any]:
         _, model, _ = self._require()
-        state = weight_export.full_state_dict(model, sharded=self.parallel.sharded)
-        if self.rank != 0:
-            return {}
-        group = self.broadcaster.group(
+        return weight_buckets.broadcast_weights(
+            model,
+            self.sender,
+            rank=self.rank,
+            train_device=self.device,
+            # FSDP shards are gathered by every rank together; replicas need only rank 0.
+            collective=bool(self.parallel.sharded) and self.world_size > 1,
             master_address=command.master_address,
             master_port=command.master_port,
             world_size=command.world_size,
             group_name=command.group_name,
+            backend=command.backend,
             timeout_s=command.timeout_s,
+            bucket_bytes=command.bucket_bytes,
+            load_format=command.load_format or None,
         )
-        started = time.perf_counter()
-        self.broadcaster.broadcast(state, group)
-        return {"manifest": weight_export.manifest(state), "seconds": time.perf_counter() - started}
 
     def destroy_weight_group(self, command: protocol.DestroyWeightGroupCommand) -> dict[str, Any]:
-        return {"destroyed": self.broadcaster.destroy(command.group_name) if self.rank == 0 else False}
+        return {"destroyed": self.sender.destroy(command.group_name) if self.rank == 0 else False}
 
     # ------------------------------------------------------------------------------------------- helpers
 

@@ -1,12 +1,11 @@
-"""Hands the trained weights to engines: an HF safetensors snapshot on disk, or a gloo/NCCL broadcast.
+"""Hands the trained weights to engines through disk: an HF safetensors snapshot they load.
 
-Both paths send the same tensors under the same names: the full (unsharded) Hugging Face state dict minus
-tied aliases (lm_head.weight when embeddings are tied), in state-dict order. `manifest` describes them
-so the coordinator can tell engines what to expect before a broadcast starts.
+The snapshot holds the full (unsharded) Hugging Face state dict minus tied aliases (lm_head.weight when
+embeddings are tied), the same tensors under the same names as a distributed update (`weight_buckets`).
 
 Invariants: a snapshot directory `weights-<version>` appears only complete (written under a tmp name,
-then renamed); old snapshots are pruned to the newest `keep`; only rank 0 writes or broadcasts, but every
-rank calls `full_state_dict` because gathering FSDP shards is collective.
+then renamed); old snapshots are pruned to the newest `keep`; only rank 0 writes, but every rank calls
+`full_state_dict` because gathering FSDP shards is collective.
 """
 
 from __future__ import annotations
@@ -101,59 +100,3 @@ def prune_snapshots(directory: Path, *, keep: int, protect: Path) -> None:
     for path in snapshots[: max(excess, 0)]:
         if path != protect:
             shutil.rmtree(path, ignore_errors=True)
-
-
-class WeightBroadcaster:
-    """Rank 0's side of standalone weight-update groups with engines (rank 0 in each, hosting the store).
-
-    The group is built by `workers.engine.weight_group.join_weight_update_group`, the same function the CPU
-    engine calls, so store layout and prefix agree by construction; engines join as ranks
-    `rank_offset .. world_size-1`. A group is kept for the next update when called again with the same
-    address/port/world size, so engines call `init_weights_update_group` once per group.
-    """
-
-    def __init__(self) -> None:
-        self.groups: dict[str, tuple[tuple[str, int, int], Any]] = {}
-
-    def group(
-        self, *, master_address: str, master_port: int, world_size: int, group_name: str, timeout_s: float
-    ) -> Any:
-        from workers.engine.weight_group import join_weight_update_group
-
-        key = (master_address, int(master_port), int(world_size))
-        existing = self.groups.get(group_name)
-        if existing is not None and existing[0] == key:
-            return existing[1]
-        if existing is not None:
-            self.destroy(group_name)
-        # Blocks until every engine rank has joined (the coordinator tells them to meanwhile).
-        group = join_weight_update_group(
-            master_address=master_address,
-            master_port=int(master_port),
-            rank=0,
-            world_size=int(world_size),
-            group_name=group_name,
-            timeout_s=timeout_s,
-        )
-        self.groups[group_name] = (key, group)
-        return group
-
-    def broadcast(self, state: dict[str, torch.Tensor], group: Any) -> None:
-        # All broadcasts are queued before waiting: gloo runs them in order, and queuing overlaps
-        # the next tensor's send with the engines' copy of the previous one.
-        import torch.distributed as dist
-
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        options.rootTensor = 0
-        # The options form of ProcessGroup.broadcast is the one every torch 2.x accepts.
-        works = [group.group.broadcast([tensor], options) for tensor in state.values()]
-        for work in works:
-            work.wait()
-
-    def destroy(self, group_name: str) -> bool:
-        entry = self.groups.pop(group_name, None)
-        if entry is None:
-            return False
-        entry[1].close()
-        return True
