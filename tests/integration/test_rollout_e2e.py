@@ -132,8 +132,11 @@ async def test_dynamic_filter_drops_constant_reward_groups_and_replaces_them(tin
     for group in batch.groups:
         assert group[0].metadata["prompt_index"] % 2 == 1
         assert len({s.reward for s in group}) > 1
-    assert batch.metrics["rollout/filter_drop/zero_std"] >= 4
-    assert batch.metrics["rollout/filtered_groups"] >= 4
+    # Four odd prompts accepted means prompts 0..7 were dispatched; an even group still in flight when the
+    # fourth odd one lands is aborted, not filtered, so only "some dropped, every drop counted" is certain.
+    dropped = batch.metrics["rollout/filter_drop/zero_std"]
+    assert dropped >= 1
+    assert batch.metrics["rollout/filtered_groups"] == dropped
 
 
 async def test_stragglers_are_aborted_and_partial_rollout_continues_them_next_time(tiny_model_dir: Path,
