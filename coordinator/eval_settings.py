@@ -179,12 +179,14 @@ def _records(dataset: EvalDatasetSettings, *, seed: int, tokenizer: Any) -> list
     return records
 
 
-def load_eval_datasets(settings: EvalSettings, tokenizer: Any = None) -> list[EvalDataset]:
-    """Every eval dataset: its records (a `builtin:<task>`: 32 prompts drawn with seed + 1) and reward."""
+def load_eval_datasets(settings: EvalSettings, tokenizer: Any = None, *, hook_args: Any = None
+                       ) -> list[EvalDataset]:
+    """Every eval dataset: its records (a `builtin:<task>`: 32 prompts drawn with seed + 1) and reward
+    (`hook_args`: what a slime-style custom rm gets first)."""
     datasets = []
     for dataset in settings.datasets:
         dataset.check()
-        reward_model = dataset.reward.model()
+        reward_model = dataset.reward.model(args=hook_args)
         assert reward_model is not None  # check() refuses a dataset without a reward
         records = _records(dataset, seed=settings.builtin_prompt_seed, tokenizer=tokenizer)
         datasets.append(EvalDataset(name=dataset.name, records=records, reward_model=reward_model,
