@@ -5,7 +5,8 @@ Owns `HookEndpoint`: a listener on 127.0.0.1 (port chosen by the OS unless given
 (h11 over anyio streams), two routes — `POST /generate` (the body forwarded to an engine exactly as the
 default generate path sends its requests: least-in-flight, the prompt group kept on one engine, retried on
 another when its engine dies; engines paused for a weight update hold it until they resume) and
-`GET /health` — and nothing else. A request carrying a hook call's route (`X-Rayless-Route`, set by `post`)
+`GET /health` — and nothing else; each answer names the engine that served it (`X-Rayless-Engine`). A request
+carrying a hook call's route (`X-Rayless-Route`, set by `post`)
 goes to its group's engine (picked again if that engine died) and, when its sampling params name no seed,
 gets a deterministic one from (the rollout seed, rollout, group, sample, context length), as our own requests.
 
@@ -31,6 +32,8 @@ from coordinator.engines.client import EngineError, EngineHTTPError
 from coordinator.hooks.runtime import ROUTE_HEADER, HookRoutes
 from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from coordinator.rollout.requests import seed_for
+
+ENGINE_HEADER = "X-Rayless-Engine"
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +131,9 @@ class HookEndpoint:
                 raise _Reply(400, "expected an HTTP request", close=True)
             with anyio.fail_after(REQUEST_DEADLINE_S):
                 body = await self._read_body(connection, stream, event)
-            status, data = await self._respond(event, body)
+            status, data, served_by = await self._respond(event, body)
         except _Reply as reply:
-            status, data = reply.status, _error_body(str(reply))
+            status, data, served_by = reply.status, _error_body(str(reply)), None
             if reply.close or connection.their_state not in (h11.DONE, h11.MUST_CLOSE):
                 await self._send(connection, stream, status, data, close=True)
                 return False
@@ -138,7 +141,8 @@ class HookEndpoint:
             if connection.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 await self._send(connection, stream, error.error_status_hint, _error_body(str(error)), close=True)
             return False
-        await self._send(connection, stream, status, data)
+        extra = [(ENGINE_HEADER.lower(), served_by)] if served_by else []
+        await self._send(connection, stream, status, data, extra=extra)
         return connection.our_state is h11.DONE and connection.their_state is h11.DONE
 
     async def _next_event(self, connection: h11.Connection, stream: anyio.abc.SocketStream) -> Any:
@@ -175,8 +179,8 @@ class HookEndpoint:
                 raise _Reply(400, "the request ended before its body", close=True)
 
     async def _send(self, connection: h11.Connection, stream: anyio.abc.SocketStream, status: int, data: bytes,
-                    *, close: bool = False) -> None:
-        headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
+                    *, close: bool = False, extra: list[tuple[str, str]] | None = None) -> None:
+        headers = [("content-type", "application/json"), ("content-length", str(len(data))), *(extra or [])]
         if close:
             headers.append(("connection", "close"))
         await stream.send(connection.send(h11.Response(status_code=status, headers=headers)))
@@ -184,14 +188,14 @@ class HookEndpoint:
         await stream.send(connection.send(h11.EndOfMessage()))
 
     # --- routes ----------------------------------------------------------------------------------------------
-    async def _respond(self, request: h11.Request, body: bytes) -> tuple[int, bytes]:
+    async def _respond(self, request: h11.Request, body: bytes) -> tuple[int, bytes, str | None]:
         self.requests += 1
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in request.headers}
         self._authorise(headers)
         path = request.target.decode("latin-1").split("?", 1)[0]
         method = request.method.decode("latin-1")
         if path == "/health":
-            return 200, b"{}"
+            return 200, b"{}", None
         if path != "/generate":
             raise _Reply(404, f"{path}: this endpoint serves POST /generate (and GET /health) for hooks")
         if method != "POST":
@@ -203,7 +207,8 @@ class HookEndpoint:
         if not isinstance(payload, dict):
             raise _Reply(400, f"the body must be a JSON object (SGLang's /generate request), got "
                               f"{type(payload).__name__}")
-        return 200, _json(await self._generate(payload, headers.get(ROUTE_HEADER.lower())))
+        response, url = await self._generate(payload, headers.get(ROUTE_HEADER.lower()))
+        return 200, _json(response), url
 
     def _authorise(self, headers: dict[str, str]) -> None:
         if not self.api_key:
@@ -212,7 +217,7 @@ class HookEndpoint:
         if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise _Reply(401, "missing or wrong API key (Authorization: Bearer, as --sglang-api-key)")
 
-    async def _generate(self, payload: dict[str, Any], token: str | None) -> Any:
+    async def _generate(self, payload: dict[str, Any], token: str | None) -> tuple[Any, str]:
         route = self.routes.get(token)
         engine = None
         if route is not None and self.dispatcher.router_url is None:
@@ -226,11 +231,15 @@ class HookEndpoint:
                 payload["sampling_params"] = {**params, "sampling_seed": seed_for(
                     self.seed, group.rollout_id, group.group_index, route.sample_index, progress)}
         try:
-            response, _ = await self.dispatcher.generate(payload, engine=engine)
+            response, url = await self.dispatcher.generate(payload, engine=engine)
+            if route is not None and engine is not None and url != engine.url:
+                # Its engine died and another answered: the group sticks to that one from now on.
+                pool = self.dispatcher.pool
+                route.group.engine = next((h for h in (pool.alive() if pool else ()) if h.url == url), None)
+            return response, url
         except EngineHTTPError as error:
             raise _Reply(error.status if 400 <= error.status < 500 else 502, error.server_message) from None
         except NoEngineAvailable as error:
             raise _Reply(503, str(error)) from None
         except EngineError as error:
             raise _Reply(502, str(error)) from None
-        return response
