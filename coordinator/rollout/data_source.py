@@ -39,14 +39,16 @@ class PromptRecord:
     """One prompt: its text (or chat messages when no template is applied), label and metadata."""
 
     prompt: str | ChatMessages
-    label: str | None = None
+    #: Text (numbers become their decimal text), or a structured JSON value (a dict of accepted answers, ...).
+    label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     # Position in the data (row / non-blank line order); stable across epochs and resumes.
     index: int = -1
 
 
-def _label_text(value: Any, *, where: str, key: str) -> str | None:
-    """Labels are text; numbers (common in math sets) become their decimal text."""
+def _label_text(value: Any, *, where: str, key: str) -> Any:
+    """Labels are text; numbers (common in math sets) become their decimal text; lists and dicts (several
+    accepted answers, test cases, Search-R1's `reward_model`) stay as they are, as slime keeps them."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, bool):
@@ -56,8 +58,7 @@ def _label_text(value: Any, *, where: str, key: str) -> str | None:
     if isinstance(value, (int, float)):
         return str(value)
     if isinstance(value, (list, dict)):
-        # Structured labels (several accepted answers, test cases) travel as JSON text to custom rms.
-        return json.dumps(value, ensure_ascii=False)
+        return value
     raise DataSourceError(
         f"{where}: label key {key!r} holds {type(value).__name__}; expected text or a number"
     )

@@ -1,9 +1,14 @@
-"""Writes tests/data/dumps/v1_multi_turn.rld with the format-1 writer (commit 0c6461c)."""
-from replay.format import write_dump, FORMAT_VERSION
+"""How `v1_multi_turn.rld` was made: run at commit 0c6461c (dump format 1) from the repository root,
+`PYTHONPATH=. python tests/data/dumps/write_v1_multi_turn.py`. Kept to document the file; the format-1 writer
+is gone, so it no longer runs (`tests/unit/test_replay_versions.py` holds the same samples as expectations)."""
+
+from replay.format import FORMAT_VERSION, write_dump
 from replay.sample import Sample, SampleStatus
+
 assert FORMAT_VERSION == 1
 
-def v1_samples():
+
+def v1_samples() -> list[Sample]:
     samples = []
     for group in range(2):
         for k in range(2):
@@ -22,4 +27,6 @@ def v1_samples():
                 advantage=0.5 if group == k else -0.5, metadata={"tool_calls": 1, "turns": (1, 2)}))
     return samples
 
-write_dump("tests/data/dumps/v1_multi_turn.rld", 7, v1_samples(), config_facts={"n_samples_per_prompt": 2, "writer_commit": "0c6461c"})
+
+write_dump("tests/data/dumps/v1_multi_turn.rld", 7, v1_samples(),
+           config_facts={"n_samples_per_prompt": 2, "writer_commit": "0c6461c"})
