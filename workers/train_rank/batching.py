@@ -4,6 +4,11 @@ Invariant: logprobs come from `log_softmax(logits[:, :-1])` gathered at the next
 the same quantity an engine reports at temperature 1 — and every per-token tensor is aligned to that
 shifted index: position t scores token t + 1, so sample i's response occupies shifted positions
 `prompt_length - 1 .. len(tokens) - 2`. Right padding keeps real positions 0..n-1 under a causal mask.
+
+Multi-turn samples: a tool's tokens are response tokens with loss mask 0. Their recorded rollout logprob (slime
+writes 0.0; anything a hook wrote) is replaced by 0.0 here, so no value there can reach the loss or its
+gradient (a NaN times a zero mask would still be NaN); every loss term and metric is then multiplied by the
+mask, so those tokens count nowhere — not in the loss, the KL, the entropy, nor the logprob comparison.
 """
 
 from __future__ import annotations
@@ -92,7 +97,9 @@ def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
         start = count - response_length - 1
         if response_length:
             loss_mask[row, start : count - 1] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-            rollout[row, start : count - 1] = torch.tensor(sample.rollout_log_probs, dtype=torch.float32)
+            rollout[row, start : count - 1] = torch.tensor(
+                [value if mask else 0.0 for value, mask in zip(sample.rollout_log_probs, sample.loss_mask,
+                                                               strict=True)], dtype=torch.float32)
             advantages[row, start : count - 1] = float(sample.advantage)
         num_tokens += count
     return MicroBatch(input_ids, attention_mask, loss_mask, rollout, advantages, num_tokens)
