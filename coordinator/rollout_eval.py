@@ -75,7 +75,8 @@ class RolloutEngineEval:
         settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
         runtime = manager.context.hook_runtime
         datasets = load_eval_datasets(settings, manager.context.tokenizer,
-                                      hook_args=runtime.args if runtime is not None else None)
+                                      hook_args=runtime.args if runtime is not None else None,
+                                      raw_prompts=manager.context.custom_generate is not None)
         return cls(settings=settings, datasets=datasets, rollout_state=manager.context.generate_state,
                    dispatcher=manager.context.dispatcher, metrics=metrics,
                    custom_generate=manager.context.custom_generate)

@@ -101,6 +101,8 @@ def check_data(config: Config) -> list[str]:
         return []
     rollout = config.rollout
     sources: list[tuple[str, str, str, str | None, str | None]] = []
+    # The custom generate function reads any prompt value (evaluation on the rollout engines uses it too).
+    custom = config.hooks.custom_generate_function_path is not None
     if rollout.prompt_data:
         sources.append(("--prompt-data", rollout.prompt_data, rollout.input_key, rollout.label_key,
                         rollout.metadata_key))
@@ -111,17 +113,19 @@ def check_data(config: Config) -> list[str]:
         settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
         sources += [(f"{where} {d.name}", d.path, d.input_key, d.label_key, d.metadata_key)
                     for d in settings.datasets]
-    return [_peek(*source) for source in sources]
+    return [_peek(*source, raw_prompts=custom and (source[0] == "--prompt-data" or not config.eval_fleet_enabled))
+            for source in sources]
 
 
-def _peek(flag: str, path: str, input_key: str, label_key: str | None, metadata_key: str | None) -> str:
+def _peek(flag: str, path: str, input_key: str, label_key: str | None, metadata_key: str | None, *,
+          raw_prompts: bool = False) -> str:
     from coordinator.rollout.data_source import DataSourceError, read_prompt_file
 
     if path.startswith("builtin:"):
         return f"{flag} {path}: a built-in task"
     try:
         records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-                                   limit=PEEK_RECORDS)
+                                   limit=PEEK_RECORDS, raw_prompts=raw_prompts)
     except DataSourceError as error:
         raise ConfigError(f"{flag}: {error}") from None
     keys = [f"input key {input_key!r}"] + [f"label key {label_key!r}"] * bool(label_key)

@@ -232,7 +232,9 @@ class RolloutManager:
         if config.hooks.custom_generate_function_path is not None and dispatcher is not None:
             custom_generate = CustomGenerate.load(config.hooks.custom_generate_function_path, runtime=runtime,
                                                   dispatcher=dispatcher)
-        data_source = build_data_source(rollout, tokenizer) if rollout.prompt_data else None
+        data_source = (build_data_source(rollout, tokenizer,
+                                         raw_prompts=config.hooks.custom_generate_function_path is not None)
+                       if rollout.prompt_data else None)
         if data_source is not None:
             manager.counts.data_sources += 1
         reward_model = build_reward_model(rollout, args=runtime.args)
@@ -381,7 +383,8 @@ def sampling_params(rollout: RolloutConfig) -> dict[str, Any]:
     return params
 
 
-def build_data_source(rollout: RolloutConfig, tokenizer: Any) -> PromptDataSource:
+def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bool = False) -> PromptDataSource:
+    """`raw_prompts`: prompts may be any JSON value (a custom generate function reads them)."""
     from coordinator.rollout.tasks import open_prompt_source
 
     return open_prompt_source(
@@ -393,6 +396,7 @@ def build_data_source(rollout: RolloutConfig, tokenizer: Any) -> PromptDataSourc
         tokenizer=tokenizer,
         shuffle=rollout.rollout_shuffle,
         seed=rollout.rollout_seed,
+        raw_prompts=raw_prompts,
     )
 
 
