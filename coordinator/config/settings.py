@@ -215,11 +215,17 @@ class Config:
         """The training ranks' settings: the train slice plus what other slices decide for them."""
         from coordinator.config.porting import resolve_ref_load
 
-        return self.train.rank_settings(
+        settings = self.train.rank_settings(
             model_path=str(self.rollout.hf_checkpoint), save_dir=self.checkpoint.save,
             lr_decay_steps=self.total_train_steps, reference_path=resolve_ref_load(self),
             save_retain_interval=self.checkpoint.save_retain_interval,
             policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
+        if self.train.custom_tis_function_path is not None:
+            from coordinator.hooks.args import build_hook_args, plain_args
+
+            settings["tis_function_path"] = self.train.custom_tis_function_path
+            settings["hook_args"] = plain_args(build_hook_args(self))  # the TIS hook's `args`, on the ranks
+        return settings
 
     # --- validation and the resolved config ------------------------------------------------------------------
     def validate(self) -> None:

@@ -64,6 +64,18 @@ def build_hook_args(config: Config) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
+def plain_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The attributes of `args` that travel as plain data (to the training ranks, for a TIS hook)."""
+    def plain(value: Any) -> bool:
+        if value is None or isinstance(value, bool | int | float | str):
+            return True
+        if isinstance(value, list):
+            return all(plain(item) for item in value)
+        return isinstance(value, dict) and all(isinstance(k, str) and plain(v) for k, v in value.items())
+
+    return {name: value for name, value in vars(args).items() if not name.startswith("_") and plain(value)}
+
+
 def hook_sampling_params(config: Config) -> dict[str, Any]:
     """slime's `GenerateState.sampling_params` (each hook call gets its own copy)."""
     rollout = config.rollout

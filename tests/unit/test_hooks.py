@@ -307,3 +307,18 @@ def test_multi_turn_metrics_are_slimes() -> None:
     assert metrics["multi_turn/wo_obs_response_length/response_length_max"] == 2.0
     assert metrics["multi_turn/multi_turn_metric/round_number_max"] == 2.0
     assert metrics["multi_turn/raw_response_length/response_length_clip_ratio"] == 0.5
+
+
+def test_a_tis_hook_and_its_args_travel_to_the_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from workers.train_rank.settings import TrainSettings
+
+    path = tmp_path / "mis.yaml"
+    path.write_text("use_tis: true\ntis_level: token\n")
+    config = parse_config(["--hf-checkpoint", str(tiny_model_dir), *BASE, "--custom-config-path", str(path),
+                           "--custom-tis-function-path", "tests.support.tis_hooks:vanilla", "--sglang-api-key", "k"])
+    settings = TrainSettings.from_dict(config.rank_settings())
+    assert settings.use_tis and settings.tis_function_path == "tests.support.tis_hooks:vanilla"
+    assert settings.hook_args is not None and settings.hook_args["tis_level"] == "token"
+    assert settings.hook_args["tis_clip"] == 2.0 and settings.hook_args["sglang_api_key"] is None
+    assert check_hook_signature("--custom-tis-function-path", "tests.support.tis_hooks:vanilla",
+                                __import__("tests.support.tis_hooks", fromlist=["vanilla"]).vanilla)

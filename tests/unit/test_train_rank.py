@@ -461,3 +461,25 @@ def test_the_loss_at_a_masked_token_is_zero_and_has_no_gradient() -> None:
                                        ref_log_probs=torch.tensor([[-1.5, -2.5]]))
     assert float(loss.detach()) == pytest.approx(float(alone), abs=1e-7)
     assert sums["loss_tokens"] == 2 and sums["kl_sum"] == pytest.approx(alone_sums["kl_sum"])
+
+
+def test_a_slime_tis_hook_replaces_the_built_in_weight(tiny_model_dir: Path) -> None:
+    samples = multi_turn_samples(tiny_model_dir, 6, seed=5, tool_log_prob=0.0)
+    for sample in samples:  # engine logprobs a little off, so the weights are not all 1
+        sample.rollout_log_probs = [lp - 0.3 * m for lp, m in zip(sample.rollout_log_probs, sample.loss_mask,
+                                                                 strict=True)]
+    args = {"tis_clip": 1.2, "tis_clip_low": 0.0}
+    built_in = train_steps(tiny_model_dir, samples, 1, use_tis=True, tis_clip=1.2)[0]
+    hooked = train_steps(tiny_model_dir, samples, 1, use_tis=True, tis_clip=1.2,
+                         tis_function_path="tests.support.tis_hooks:vanilla", hook_args=args)[0]
+    assert hooked.loss == pytest.approx(built_in.loss, abs=1e-6)
+    assert hooked.grad_norm == pytest.approx(built_in.grad_norm, rel=1e-5)
+    # its metrics are summed over the loss tokens: clipped tokens counted as the built-in counts them
+    assert hooked.extra["tis_hook/tis_clipfrac"] == built_in.tis_clipped_tokens > 0
+    assert set(hooked.extra) == {"tis_hook/tis", "tis_hook/tis_clipfrac"}
+    # A hook's rejected tokens leave the loss; the logprob comparison still covers every model token.
+    rejected = train_steps(tiny_model_dir, samples, 1, use_tis=True,
+                           tis_function_path="tests.support.tis_hooks:reject_first", hook_args={})[0]
+    plain = train_steps(tiny_model_dir, samples, 1, use_tis=True, tis_clip=1e9)[0]
+    assert rejected.loss != plain.loss and rejected.loss_tokens == plain.loss_tokens
+    assert rejected.logprob_abs_diff_max == plain.logprob_abs_diff_max

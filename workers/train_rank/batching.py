@@ -32,6 +32,10 @@ class MicroBatch:
     rollout_log_probs: torch.Tensor  # [B, L-1]
     advantages: torch.Tensor  # [B, L-1]
     num_tokens: int  # non-pad tokens
+    #: Each row's response as shifted positions [start, end) (a TIS hook gets per-sample slices).
+    spans: tuple[tuple[int, int], ...] = ()
+    #: Each row's prompt + response length.
+    total_lengths: tuple[int, ...] = ()
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
@@ -41,6 +45,8 @@ class MicroBatch:
             rollout_log_probs=self.rollout_log_probs.to(device),
             advantages=self.advantages.to(device),
             num_tokens=self.num_tokens,
+            spans=self.spans,
+            total_lengths=self.total_lengths,
         )
 
 
@@ -88,6 +94,7 @@ def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
     rollout = torch.zeros((size, longest - 1), dtype=torch.float32)
     advantages = torch.zeros((size, longest - 1), dtype=torch.float32)
     num_tokens = 0
+    spans: list[tuple[int, int]] = []
     for row, sample in enumerate(samples):
         tokens = sample.tokens
         count = len(tokens)
@@ -101,8 +108,10 @@ def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
                 [value if mask else 0.0 for value, mask in zip(sample.rollout_log_probs, sample.loss_mask,
                                                                strict=True)], dtype=torch.float32)
             advantages[row, start : count - 1] = float(sample.advantage)
+        spans.append((start, count - 1))
         num_tokens += count
-    return MicroBatch(input_ids, attention_mask, loss_mask, rollout, advantages, num_tokens)
+    return MicroBatch(input_ids, attention_mask, loss_mask, rollout, advantages, num_tokens, tuple(spans),
+                      tuple(len(sample.tokens) for sample in samples))
 
 
 def make_micro_batches(samples: list[WireSample], *, max_tokens: int, pad_token_id: int,
