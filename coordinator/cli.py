@@ -93,6 +93,8 @@ def make_tiny_model_main(argv: Sequence[str]) -> int:
     parser.add_argument("--num-attention-heads", type=int, default=defaults.num_attention_heads)
     parser.add_argument("--num-key-value-heads", type=int, default=defaults.num_key_value_heads)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--words", nargs="+", default=[], metavar="WORD",
+                        help="whole words that are one token each (tool tags such as '<search>')")
     options = parser.parse_args(list(argv))
 
     from workers.tiny_model import build_tiny_model, count_parameters
@@ -104,6 +106,7 @@ def make_tiny_model_main(argv: Sequence[str]) -> int:
         num_attention_heads=options.num_attention_heads,
         num_key_value_heads=options.num_key_value_heads,
         seed=options.seed,
+        words=tuple(options.words),
     )
     directory = build_tiny_model(options.directory, spec)
     print(f"wrote {directory} ({count_parameters(directory):,} parameters)")

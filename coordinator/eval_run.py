@@ -2,8 +2,9 @@
 
 Owns the part both evaluators share (the rollout engines' `coordinator.rollout_eval` and the dedicated
 `coordinator.eval_fleet`): each prompt sampled `n_samples` times through the generate path's own request code
-(`requests.generate_group`: one group per engine, the eval id in place of the rollout id in the seeds), each
-group scored by the dataset's reward, and the dataset's metrics.
+(`requests.generate_group`: one group per engine, the eval id in place of the rollout id in the seeds) — or, on
+the rollout engines, through `--custom-generate-function-path` with `evaluation=True`, as slime — each group
+scored by the dataset's reward, and the dataset's metrics.
 
 Metric names, for a dataset `<name>` (slime's where slime has one):
 - `eval/<name>`: mean reward (the scalar, or the `--eval-reward-key` entry); also `eval/<name>/reward_mean`;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -29,6 +31,9 @@ from coordinator.eval_settings import EVAL_SEED, EvalDataset
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.requests import GenerateState, RequestSlots, generate_group, new_sample
 from replay.sample import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from coordinator.rollout.hook_generate import CustomGenerate
 
 MAX_ABORT_RESTARTS = 8
 
@@ -52,10 +57,17 @@ def _restart(sample: Sample) -> None:
     sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [], [], []
     sample.response = ""
     sample.status = SampleStatus.PENDING
+    sample.reward = None
+
+
+def hook_params(state: GenerateState) -> dict[str, object]:
+    """A dataset's sampling params as a custom generate function gets them (slime's eval params)."""
+    return {"skip_special_tokens": False, "no_stop_trim": True, "spaces_between_special_tokens": False,
+            **state.sampling_params, "max_new_tokens": state.max_response_len}
 
 
 async def generate_and_score(dataset: EvalDataset, state: GenerateState, dispatcher: Dispatcher,
-                             eval_id: int) -> list[list[Sample]]:
+                             eval_id: int, *, custom: CustomGenerate | None = None) -> list[list[Sample]]:
     """Every prompt of `dataset` sampled `n_samples` times and scored; groups in prompt order.
 
     A sample aborted by the engine (on the rollout engines, with `--async-rollout`, the rollout being
@@ -63,19 +75,24 @@ async def generate_and_score(dataset: EvalDataset, state: GenerateState, dispatc
     `MAX_ABORT_RESTARTS` times; one still aborted then is scored 0 and counted in `eval/<name>/aborted`.
     """
     groups = []
+    n = dataset.settings.n_samples
     for index, record in enumerate(dataset.records):
-        prompt_ids = state.encode(str(record.prompt))
-        groups.append([new_sample(record, prompt_ids, index, k) for k in range(dataset.settings.n_samples)])
+        prompt_ids = [] if custom is not None else state.encode(str(record.prompt))
+        groups.append([new_sample(record, prompt_ids, index, k, n_samples=n) for k in range(n)])
 
     async def run_group(samples: list[Sample]) -> None:
         for attempt in range(MAX_ABORT_RESTARTS + 1):
-            await generate_group(state, dispatcher, samples, eval_id, logprobs=False)
+            if custom is not None:
+                samples[:] = await custom.generate_group(samples, eval_id, state=state,
+                                                         sampling_params=hook_params(state), evaluation=True)
+            else:
+                await generate_group(state, dispatcher, samples, eval_id, logprobs=False)
             aborted = [sample for sample in samples if sample.status is SampleStatus.ABORTED]
             if not aborted or attempt == MAX_ABORT_RESTARTS:
                 break
             for sample in aborted:
                 _restart(sample)
-        await dataset.reward_model.score_group(samples)
+        await dataset.reward_model.score_group(samples, keep_given=custom is not None)
 
     async with anyio.create_task_group() as task_group:
         for samples in groups:
@@ -125,8 +142,9 @@ def dataset_metrics(name: str, groups: list[list[Sample]], reward_key: str | Non
 
 
 async def evaluate_dataset(dataset: EvalDataset, state: GenerateState, dispatcher: Dispatcher,
-                           eval_id: int) -> tuple[list[list[Sample]], dict[str, float]]:
+                           eval_id: int, *, custom: CustomGenerate | None = None
+                           ) -> tuple[list[list[Sample]], dict[str, float]]:
     """Generate, score and measure one dataset: (the groups, their metrics)."""
     started = time.monotonic()
-    groups = await generate_and_score(dataset, state, dispatcher, eval_id)
+    groups = await generate_and_score(dataset, state, dispatcher, eval_id, custom=custom)
     return groups, dataset_metrics(dataset.name, groups, dataset.settings.reward_key, time.monotonic() - started)

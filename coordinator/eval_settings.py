@@ -158,8 +158,10 @@ class EvalDataset:
     settings: EvalDatasetSettings
 
 
-def _records(dataset: EvalDatasetSettings, *, seed: int, tokenizer: Any) -> list[PromptRecord]:
-    """Every record of the dataset in file order, chat template applied when asked, metadata merged."""
+def _records(dataset: EvalDatasetSettings, *, seed: int, tokenizer: Any, raw_prompts: bool = False
+             ) -> list[PromptRecord]:
+    """Every record of the dataset in file order, chat template applied when asked, metadata merged.
+    `raw_prompts`: a prompt may be any JSON value (a custom generate function reads it)."""
     task = builtin_task_name(dataset.path)
     if task is not None:
         source = PromptDataSource.from_records(
@@ -168,10 +170,10 @@ def _records(dataset: EvalDatasetSettings, *, seed: int, tokenizer: Any) -> list
     else:
         source = PromptDataSource(dataset.path, input_key=dataset.input_key, label_key=dataset.label_key,
                                   metadata_key=dataset.metadata_key, apply_chat_template=dataset.apply_chat_template,
-                                  tokenizer=tokenizer, shuffle=False, seed=seed)
+                                  tokenizer=tokenizer, shuffle=False, seed=seed, raw_prompts=raw_prompts)
     records = source.take(len(source))
     for record in records:
-        if not isinstance(record.prompt, str):
+        if not isinstance(record.prompt, str) and not raw_prompts:
             raise ValueError(f"eval dataset {dataset.name!r} ({dataset.path}) holds chat messages but no chat "
                              "template is applied; set --apply-chat-template (or apply_chat_template in "
                              "--eval-config)")
@@ -179,14 +181,17 @@ def _records(dataset: EvalDatasetSettings, *, seed: int, tokenizer: Any) -> list
     return records
 
 
-def load_eval_datasets(settings: EvalSettings, tokenizer: Any = None) -> list[EvalDataset]:
-    """Every eval dataset: its records (a `builtin:<task>`: 32 prompts drawn with seed + 1) and reward."""
+def load_eval_datasets(settings: EvalSettings, tokenizer: Any = None, *, hook_args: Any = None,
+                       raw_prompts: bool = False) -> list[EvalDataset]:
+    """Every eval dataset: its records (a `builtin:<task>`: 32 prompts drawn with seed + 1) and reward
+    (`hook_args`: what a slime-style custom rm gets first; `raw_prompts`: prompts of any JSON value, for a
+    custom generate function)."""
     datasets = []
     for dataset in settings.datasets:
         dataset.check()
-        reward_model = dataset.reward.model()
+        reward_model = dataset.reward.model(args=hook_args)
         assert reward_model is not None  # check() refuses a dataset without a reward
-        records = _records(dataset, seed=settings.builtin_prompt_seed, tokenizer=tokenizer)
+        records = _records(dataset, seed=settings.builtin_prompt_seed, tokenizer=tokenizer, raw_prompts=raw_prompts)
         datasets.append(EvalDataset(name=dataset.name, records=records, reward_model=reward_model,
                                     settings=dataset))
     return datasets

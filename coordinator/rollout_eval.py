@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from coordinator.config import Config
     from coordinator.progress import MetricsLog
     from coordinator.rollout.dispatch import Dispatcher
+    from coordinator.rollout.hook_generate import CustomGenerate
     from coordinator.rollout.manager import RolloutManager
     from coordinator.rollout.requests import GenerateState
 
@@ -50,8 +51,10 @@ class RolloutEngineEval:
     """
 
     def __init__(self, *, settings: EvalSettings, datasets: Sequence[EvalDataset], rollout_state: GenerateState,
-                 dispatcher: Dispatcher, metrics: MetricsLog | None = None) -> None:
+                 dispatcher: Dispatcher, metrics: MetricsLog | None = None,
+                 custom_generate: CustomGenerate | None = None) -> None:
         self.settings = settings
+        self.custom_generate = custom_generate
         self.datasets = list(datasets)
         self.dispatcher = dispatcher
         self.metrics = metrics
@@ -70,9 +73,13 @@ class RolloutEngineEval:
         """Built from the run's config and its rollout manager (after the engines and tokenizer are up)."""
         assert manager.context is not None
         settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
-        datasets = load_eval_datasets(settings, manager.context.tokenizer)
+        runtime = manager.context.hook_runtime
+        datasets = load_eval_datasets(settings, manager.context.tokenizer,
+                                      hook_args=runtime.args if runtime is not None else None,
+                                      raw_prompts=manager.context.custom_generate is not None)
         return cls(settings=settings, datasets=datasets, rollout_state=manager.context.generate_state,
-                   dispatcher=manager.context.dispatcher, metrics=metrics)
+                   dispatcher=manager.context.dispatcher, metrics=metrics,
+                   custom_generate=manager.context.custom_generate)
 
     def due(self, rollout_id: int) -> bool:
         interval = self.settings.interval
@@ -95,7 +102,8 @@ class RolloutEngineEval:
         row: dict[str, Any] = {"eval/step": step, "eval/weight_version": weight_version}
         off_version = 0
         for dataset in self.datasets:
-            groups, metrics = await evaluate_dataset(dataset, self.states[dataset.name], self.dispatcher, eval_id)
+            groups, metrics = await evaluate_dataset(dataset, self.states[dataset.name], self.dispatcher, eval_id,
+                                                     custom=self.custom_generate)
             row.update(metrics)
             off_version += sum(sample.weight_versions != [weight_version] for group in groups for sample in group)
         row["eval/off_version_samples"] = float(off_version)

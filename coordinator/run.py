@@ -283,6 +283,11 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         router_url=services.router.url if services.router is not None else None,
         context_length=services.context_length, progress=progress,
     )
+    from coordinator.hooks.service import start_hook_services
+
+    await start_hook_services(manager, task_group=task_group, seed=config.rollout.rollout_seed,
+                              router_url=services.router.url if services.router is not None else None,
+                              api_key=config.sglang.sglang_api_key)
     weight_sync = services.weight_sync = build_weight_sync(config, services, run_dir, plan)
     ft = services.ft = build_fault_tolerance(config, services=services, weight_sync=weight_sync,
                                              run_dir=run_dir, metrics=metrics)

@@ -18,6 +18,11 @@ Owns the on-disk layout of one rollout (or eval) dump. Invariants:
   arrays, rollout logprobs as packed float64 (bit-exact, NaN payloads and -0.0 included), tuples in metadata
   stay tuples, and a sample that `Sample.validate()` rejects is refused on write and on read.
 
+Format versions: 2 (written now) adds slime's `index`, and lets `prompt` and `label` be any plain value (chat
+messages, a task index, a dict of accepted answers) besides text, as custom generate functions' samples carry;
+`status` may be `failed`. Multi-turn samples need nothing else: their tool tokens are the `loss_mask` 0 entries.
+Version 1 dumps (no `index`; text prompt and label) are still read, their `index` None.
+
 Layout (all integers little-endian):
 
     MAGIC (8 bytes) | format version (u16)
@@ -54,8 +59,8 @@ from replay import bounds
 from replay.sample import Sample, SampleError, SampleStatus
 
 MAGIC = b"\x89RLDUMP\n"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({FORMAT_VERSION})
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, FORMAT_VERSION})
 KINDS = ("rollout", "eval")
 ROLLOUT_ID_FIELD = "{rollout_id}"
 
@@ -82,6 +87,8 @@ assert _EXT_TUPLE == bounds.EXT_TUPLE and {c: s for c, (s, _) in bounds.PACKED_A
 _BIG_ENDIAN = sys.byteorder == "big"
 
 SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Sample))
+#: The fields a format-1 record holds (every field but slime's `index`).
+SAMPLE_FIELDS_V1: tuple[str, ...] = tuple(name for name in SAMPLE_FIELDS if name != "index")
 
 
 class DumpError(ValueError):
@@ -225,6 +232,7 @@ def encode_sample(sample: Sample) -> bytes:
         "response": sample.response,
         "advantage": sample.advantage,
         "metadata": sample.metadata,
+        "index": sample.index,
     }
     return packb(record)
 
@@ -247,11 +255,10 @@ def _check_write(sample: Sample, where: str) -> None:
     for name in ("group_index", "sample_index", "response_length"):
         if not _is_int(getattr(sample, name)):
             problems.append(f"{name} must be an int, got {getattr(sample, name)!r:.60}")
-    for name in ("prompt", "response"):
-        if type(getattr(sample, name)) is not str:
-            problems.append(f"{name} must be a str, got {type(getattr(sample, name)).__name__}")
-    if sample.label is not None and type(sample.label) is not str:
-        problems.append(f"label must be a str or None, got {type(sample.label).__name__}")
+    if type(sample.response) is not str:
+        problems.append(f"response must be a str, got {type(sample.response).__name__}")
+    if sample.index is not None and not _is_int(sample.index):
+        problems.append(f"index must be an int or None, got {sample.index!r:.60}")
     if not _is_number(sample.advantage):
         problems.append(f"advantage must be a float, got {sample.advantage!r:.60}")
     if not _reward_ok(sample.reward):
@@ -498,7 +505,7 @@ def _read_header(reader: _Reader) -> DumpHeader:
 
 
 _STATUS = {status.value: status for status in SampleStatus}
-_REQUIRED = frozenset(SAMPLE_FIELDS)
+_REQUIRED = {1: frozenset(SAMPLE_FIELDS_V1), 2: frozenset(SAMPLE_FIELDS)}
 
 
 def _int_list(value: Any, name: str) -> list[int]:
@@ -507,13 +514,14 @@ def _int_list(value: Any, name: str) -> list[int]:
     raise _SchemaError(f"{name} must be a packed integer array, got {type(value).__name__}")
 
 
-def _decode_sample(payload: bytes) -> Sample:
+def _decode_sample(payload: bytes, version: int) -> Sample:
     record = _decode_record(payload)
     if type(record) is not dict:
         raise _SchemaError(f"a sample record must be a map, got {type(record).__name__}")
-    if record.keys() != _REQUIRED:
-        missing = sorted(_REQUIRED - record.keys())
-        unknown = sorted(str(k) for k in record.keys() - _REQUIRED)
+    required = _REQUIRED[version]
+    if record.keys() != required:
+        missing = sorted(required - record.keys())
+        unknown = sorted(str(k) for k in record.keys() - required)
         parts = [f"missing {missing}"] if missing else []
         parts += [f"unknown {unknown}"] if unknown else []
         raise _SchemaError(f"fields do not match the schema ({', '.join(parts)})")
@@ -521,12 +529,17 @@ def _decode_sample(payload: bytes) -> Sample:
     for name in ("group_index", "sample_index", "response_length"):
         if type(record[name]) is not int:
             problems.append(f"{name} must be an int, got {record[name]!r:.60}")
-    for name in ("prompt", "response"):
+    # Format 1 held text prompts and labels only; format 2 any plain value (chat messages, a dict label).
+    names = ("prompt", "response") if version == 1 else ("response",)
+    for name in names:
         if type(record[name]) is not str:
             problems.append(f"{name} must be a str, got {type(record[name]).__name__}")
     label = record["label"]
-    if label is not None and type(label) is not str:
+    if version == 1 and label is not None and type(label) is not str:
         problems.append(f"label must be a str or None, got {type(label).__name__}")
+    index = record.get("index")
+    if index is not None and type(index) is not int:
+        problems.append(f"index must be an int or None, got {index!r:.60}")
     if not _is_number(record["advantage"]):
         problems.append(f"advantage must be a float, got {record['advantage']!r:.60}")
     if not _reward_ok(record["reward"]):
@@ -561,6 +574,7 @@ def _decode_sample(payload: bytes) -> Sample:
         response=record["response"],
         advantage=record["advantage"],
         metadata=record["metadata"],
+        index=index,
     )
     try:
         sample.validate()
@@ -577,7 +591,7 @@ def _iter_records(reader: _Reader, header: DumpHeader) -> Iterator[Sample]:
         if tag != _TAG_SAMPLE:
             raise reader.error(f"expected {what}, found a frame tagged {tag!r}")
         try:
-            sample = _decode_sample(payload)
+            sample = _decode_sample(payload, header.format_version)
         except _SchemaError as exc:
             raise reader.error(f"{what}: {exc}") from None
         chain = zlib.crc32(_CRC.pack(crc), chain)

@@ -157,14 +157,19 @@ def _show(console: Console, path: Path, tokenizer_dir: Path | None, first: int) 
                       f"weight_versions: {sample.weight_versions}  label: {sample.label!r}")  # fmt: skip
         console.print(f"prompt ({sample.prompt_length} tokens): {_clip(sample.prompt)}")
         console.print(f"response ({sample.response_length} tokens): {_clip(sample.response)}")
+        if sample.is_multi_turn:
+            spans = sum(1 for i, m in enumerate(sample.loss_mask) if m == 0 and (i == 0 or sample.loss_mask[i - 1]))
+            console.print(f"multi-turn: {sample.effective_response_length} of {sample.response_length} response "
+                          f"tokens trained; {spans} tool span(s) with loss mask 0")
         if tokenizer is not None:
             decoded = tokenizer.decode(sample.response_tokens)
             console.print(f"decoded response: {_clip(decoded)}")
     return 0
 
 
-def _clip(text: str, limit: int = 400) -> str:
-    text = text.replace("\n", "⏎")
+def _clip(value: Any, limit: int = 400) -> str:
+    """Text on one line, clipped; a non-text prompt (chat messages, a task index) shown as its repr."""
+    text = (value if isinstance(value, str) else repr(value)).replace("\n", "⏎")
     return text if len(text) <= limit else text[:limit] + f"… (+{len(text) - limit} chars)"
 
 

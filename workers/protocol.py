@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 #: the most a peer may send before its token is checked: one Hello (a real one is ~150 bytes)
 MAX_HELLO_BYTES = 4096
@@ -287,11 +287,18 @@ class StepMetrics(Record):
     # With --use-tis: the sum of the TIS weights over loss tokens, and the tokens whose weight was clamped.
     tis_sum: float = 0.0
     tis_clipped_tokens: float = 0.0
+    # Sums over loss tokens of the metrics a `--custom-tis-function-path` hook returned, by its names.
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if f.name == "extra":
+                if not isinstance(value, dict) or not all(
+                        isinstance(k, str) and not isinstance(v, bool) and isinstance(v, int | float)
+                        for k, v in value.items()):
+                    raise ValueError(f"StepMetrics.extra must map names to numbers, got {value!r:.100}")
+            elif isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"StepMetrics.{f.name} must be a number, got {value!r}")
 
 

@@ -5,6 +5,9 @@ vocabulary (digits, letters, a little punctuation, and the chat/eos specials). T
 config.json, model.safetensors, generation_config.json and tokenizer files written with `tokenizers`, so
 `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load it offline.
 
+`TinyModelSpec.words` adds whole words as single tokens after the characters (tool tags such as `<search>`, so a
+random tiny model writes a tool call now and then); without them the vocabulary and weights are unchanged.
+
 Invariant: the same seed and sizes give byte-identical weights, so runs and tests are reproducible.
 """
 
@@ -40,30 +43,35 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     seed: int = 0
+    #: Whole words that are one token each (after the characters).
+    words: tuple[str, ...] = ()
 
 
-def vocabulary() -> dict[str, int]:
-    tokens = SPECIAL_TOKENS + list(dict.fromkeys(CHARACTERS))
+def vocabulary(words: tuple[str, ...] = ()) -> dict[str, int]:
+    tokens = list(dict.fromkeys(SPECIAL_TOKENS + list(CHARACTERS) + list(words)))
     return {token: index for index, token in enumerate(tokens)}
 
 
-def build_tokenizer_files(directory: Path) -> None:
+def build_tokenizer_files(directory: Path, words: tuple[str, ...] = (),
+                          max_length: int = TinyModelSpec.max_position_embeddings) -> None:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = vocabulary()
+    vocab = vocabulary(words)
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # One token per character: split every character off, keep it, and join them back when decoding.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    if words:  # matched whole before the per-character split
+        backend.add_tokens([AddedToken(word, special=False, normalized=False) for word in words])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
         eos_token=EOS_TOKEN,
         bos_token=None,
-        model_max_length=TinyModelSpec.max_position_embeddings,
+        model_max_length=max_length,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -78,7 +86,7 @@ def build_tiny_model(directory: str | Path, spec: TinyModelSpec | None = None) -
     spec = spec or TinyModelSpec()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    vocab = vocabulary()
+    vocab = vocabulary(spec.words)
     vocab_size = len(vocab)
     config = Qwen3Config(
         vocab_size=vocab_size,
@@ -104,7 +112,7 @@ def build_tiny_model(directory: str | Path, spec: TinyModelSpec | None = None) -
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(str(directory), safe_serialization=True)
     GenerationConfig(eos_token_id=vocab[EOS_TOKEN], pad_token_id=vocab[PAD_TOKEN]).save_pretrained(str(directory))
-    build_tokenizer_files(directory)
+    build_tokenizer_files(directory, spec.words, spec.max_position_embeddings)
     (directory / "rayless_tiny_model.json").write_text(json.dumps(spec.__dict__, indent=2) + "\n")
     return directory
 

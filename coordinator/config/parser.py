@@ -85,9 +85,47 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
         values.update(read_config_file(config_file))
     for name, raw in given.items():
         values[name] = convert(FLAGS[name][1], raw, FLAGS[name][1].flag)
-    config = build_config(values, config_file=config_file, sglang_passthrough=tuple(passthrough))
+    names = frozenset(values)
+    attributes: dict[str, Any] = {}
+    if values.get("custom_config_path") is not None:
+        values, attributes = apply_custom_config(values, values["custom_config_path"])
+    config = build_config(values, config_file=config_file, sglang_passthrough=tuple(passthrough), given=names,
+                          custom_attributes=tuple(attributes.items()))
     config.validate()
     return config
+
+
+def apply_custom_config(values: dict[str, Any], path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """slime's `--custom-config-path`: a YAML mapping whose keys are set on `args` after the flags. A key naming
+    one of our flags sets that flag (its value meets the flag's checks; a warning says when it overrides a value
+    given on the command line or in `--config`); any other key is returned as an attribute for hooks' args."""
+    import warnings
+
+    from coordinator.config.fields import ConfigWarning
+
+    origin = f"--custom-config-path {path}"
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{origin}: no such file")
+    try:
+        data = _load_yaml(file.read_text(encoding="utf-8"), path)
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{origin}: cannot be read: {error}") from None
+    if not isinstance(data, dict) or not all(isinstance(key, str) and key.isidentifier() for key in data):
+        raise ConfigError(f"{origin}: the top level must be a mapping of argument names (identifiers) to values")
+    values = dict(values)
+    attributes: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name in FLAGS and name != "custom_config_path":
+            converted = convert(FLAGS[name][1], value, f"{origin}: key {key!r}")
+            if name in values and values[name] != converted:
+                warnings.warn(f"{origin}: {key} = {value!r} overrides {FLAGS[name][1].flag} (as slime, the file "
+                              "wins)", ConfigWarning, stacklevel=2)
+            values[name] = converted
+        else:
+            attributes[name] = value
+    return values, attributes
 
 
 def parse_config_mapping(data: Mapping[Any, Any], *, origin: str = "config") -> Config:

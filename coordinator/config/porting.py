@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coordinator.config.fields import ConfigError, ConfigWarning, flag_name
+from coordinator.config.hooks import MULTI_TURN_GENERATE
 from coordinator.config.megatron import CATEGORIES, CATEGORY_OF
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 
@@ -56,8 +57,11 @@ HOOK_ALIASES: dict[tuple[str, str], HookAlias] = {
         HookAlias(DEFAULT_ROLLOUT_FUNCTION, async_rollout=True),
     ("rollout_function_path", "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"):
         HookAlias(DEFAULT_ROLLOUT_FUNCTION, async_rollout=True),
+    ("custom_generate_function_path", "miles.rollout.generate_hub.multi_turn.generate"):
+        HookAlias(MULTI_TURN_GENERATE),
 }
-_HOOK_FIELDS = ("rollout_function_path", "eval_function_path", "custom_rm_path", "dynamic_sampling_filter_path")
+_HOOK_FIELDS = ("rollout_function_path", "eval_function_path", "custom_rm_path", "dynamic_sampling_filter_path",
+                "custom_generate_function_path")
 
 
 def apply_hook_aliases(values: dict[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, str, str], ...]]:

@@ -101,6 +101,8 @@ def check_data(config: Config) -> list[str]:
         return []
     rollout = config.rollout
     sources: list[tuple[str, str, str, str | None, str | None]] = []
+    # The custom generate function reads any prompt value (evaluation on the rollout engines uses it too).
+    custom = config.hooks.custom_generate_function_path is not None
     if rollout.prompt_data:
         sources.append(("--prompt-data", rollout.prompt_data, rollout.input_key, rollout.label_key,
                         rollout.metadata_key))
@@ -111,17 +113,19 @@ def check_data(config: Config) -> list[str]:
         settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
         sources += [(f"{where} {d.name}", d.path, d.input_key, d.label_key, d.metadata_key)
                     for d in settings.datasets]
-    return [_peek(*source) for source in sources]
+    return [_peek(*source, raw_prompts=custom and (source[0] == "--prompt-data" or not config.eval_fleet_enabled))
+            for source in sources]
 
 
-def _peek(flag: str, path: str, input_key: str, label_key: str | None, metadata_key: str | None) -> str:
+def _peek(flag: str, path: str, input_key: str, label_key: str | None, metadata_key: str | None, *,
+          raw_prompts: bool = False) -> str:
     from coordinator.rollout.data_source import DataSourceError, read_prompt_file
 
     if path.startswith("builtin:"):
         return f"{flag} {path}: a built-in task"
     try:
         records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-                                   limit=PEEK_RECORDS)
+                                   limit=PEEK_RECORDS, raw_prompts=raw_prompts)
     except DataSourceError as error:
         raise ConfigError(f"{flag}: {error}") from None
     keys = [f"input key {input_key!r}"] + [f"label key {label_key!r}"] * bool(label_key)
@@ -131,22 +135,26 @@ def _peek(flag: str, path: str, input_key: str, label_key: str | None, metadata_
 
 def hooks_in_use(config: Config) -> list[tuple[str, str]]:
     """(flag, path) of every hook this run's mode will load."""
-    if not config.builds_rollout_fn:
-        return []  # replay loads no rollout fn, reward or filter
-    rollout = config.rollout
-    hooks = [("--rollout-function-path", rollout.rollout_function_path)]
-    if rollout.eval_function_path is not None:
-        hooks.append(("--eval-function-path", rollout.eval_function_path))
-    if rollout.custom_rm_path is not None:
-        hooks.append(("--custom-rm-path", rollout.custom_rm_path))
-    if rollout.dynamic_sampling_filter_path is not None:
-        hooks.append(("--dynamic-sampling-filter-path", rollout.dynamic_sampling_filter_path))
+    hooks: list[tuple[str, str]] = []
+    if config.builds_rollout_fn:  # replay loads no rollout fn, generate function, reward or filter
+        rollout, extra = config.rollout, config.hooks
+        hooks.append(("--rollout-function-path", rollout.rollout_function_path))
+        optional = [("--eval-function-path", rollout.eval_function_path),
+                    ("--custom-rm-path", rollout.custom_rm_path),
+                    ("--dynamic-sampling-filter-path", rollout.dynamic_sampling_filter_path),
+                    ("--custom-generate-function-path", extra.custom_generate_function_path),
+                    ("--generate-tool-specs-path", extra.generate_tool_specs_path),
+                    ("--generate-execute-tool-function-path", extra.generate_execute_tool_function_path)]
+        hooks += [(flag, path) for flag, path in optional if path is not None]
+    if config.needs_train_ranks and config.train.custom_tis_function_path is not None:
+        hooks.append(("--custom-tis-function-path", config.train.custom_tis_function_path))
     return hooks
 
 
 def check_hooks(config: Config) -> list[str]:
-    """Each hook path imports, names a callable (a class counts: rollout fns may be classes), and accepts the
-    positional arguments rayless calls it with."""
+    """Each hook path imports, names a callable (a class counts: rollout fns may be classes; miles' tool specs
+    are a list), and accepts the call rayless makes for its flag, in rayless' form or slime's
+    (`coordinator.hooks.forms`)."""
     from coordinator.rollout.loading import HookLoadError, load_object
 
     notes = []
@@ -155,44 +163,52 @@ def check_hooks(config: Config) -> list[str]:
             target = load_object(path, what=flag)
         except HookLoadError as error:
             raise ConfigError(str(error)) from None
-        if not callable(target):
+        if flag != "--generate-tool-specs-path" and not callable(target):
             raise ConfigError(f"{flag} {path!r} names a {type(target).__name__}, not a function or class")
         notes.append(f"{flag} {path}: " + check_hook_signature(flag, path, target, group_rm=config.rollout.group_rm))
     return notes
 
 
-#: The positional arguments each kind of hook is called with (`coordinator.rollout.manager`, `rewards`,
-#: `filters`): a rollout fn class is built with the context and its instances called per rollout.
-HOOK_CALLS: dict[str, tuple[str, ...]] = {
-    "--rollout-function-path": ("context", "rollout_id", "weight_version"),
-    "--eval-function-path": ("context", "rollout_id", "weight_version"),
-    "--custom-rm-path": ("sample",),
-    "--dynamic-sampling-filter-path": ("group",),
-}
-
-
 def check_hook_signature(flag: str, path: str, target: Any, *, group_rm: bool = False) -> str:
     """How the hook will be called, checked against its signature; ConfigError when it cannot be."""
-    arguments = HOOK_CALLS[flag]
-    if flag == "--custom-rm-path" and group_rm:
-        arguments = ("samples",)
-    if inspect.isclass(target) and flag in ("--rollout-function-path", "--eval-function-path"):
-        _bind(flag, path, target, arguments[:1], f"{target.__name__}(context)")
-        # The instances' __call__ as the class defines it (getattr on a class would give type.__call__).
-        call = next((klass.__dict__["__call__"] for klass in target.__mro__[:-1] if "__call__" in klass.__dict__),
-                    None)
-        if call is None:
-            raise ConfigError(f"{flag} {path!r}: instances of class {target.__name__} are not callable: define "
-                              "__call__(self, rollout_id, weight_version)")
-        _bind(flag, path, call, ("self", *arguments[1:]),
-              f"{target.__name__}.__call__(self, rollout_id, weight_version)")
-        return f"class, built as {target.__name__}(context), called as instance(rollout_id, weight_version)"
-    name = getattr(target, "__name__", type(target).__name__)
-    shown = f"{name}({', '.join(arguments)})"
-    _bind(flag, path, target, arguments, shown)
-    if flag == "--dynamic-sampling-filter-path":
-        shown += " (reward_key= too, when it accepts it)"
-    return f"called as {shown}"
+    from coordinator.hooks import forms
+
+    try:
+        if flag in ("--rollout-function-path", "--eval-function-path"):
+            if inspect.isclass(target):
+                return _check_rollout_class(flag, path, target)
+            reading = forms.read_rollout_fn(flag, path, target)
+        elif flag == "--custom-rm-path":
+            reading = forms.read_reward(flag, path, target, group_rm=group_rm)
+        elif flag == "--dynamic-sampling-filter-path":
+            reading = forms.read_filter(flag, path, target)
+        elif flag == "--custom-generate-function-path":
+            reading = forms.read_generate(flag, path, target)
+        elif flag == "--generate-execute-tool-function-path":
+            reading = forms.read_execute_tool(flag, path, target)
+        elif flag == "--custom-tis-function-path":
+            reading = forms.read_tis(flag, path, target)
+        elif flag == "--generate-tool-specs-path":
+            return forms.check_tool_specs(flag, path, target)
+        else:
+            raise KeyError(f"no signature rule for {flag}")
+    except forms.HookSignatureError as error:
+        raise ConfigError(str(error)) from None
+    return f"called as {reading.shown}"
+
+
+def _check_rollout_class(flag: str, path: str, target: type) -> str:
+    """rayless' class form: built as `C(context)`, its instances called with `(rollout_id, weight_version)`."""
+    _bind(flag, path, target, ("context",), f"{target.__name__}(context)")
+    # The instances' __call__ as the class defines it (getattr on a class would give type.__call__).
+    call = next((klass.__dict__["__call__"] for klass in target.__mro__[:-1] if "__call__" in klass.__dict__),
+                None)
+    if call is None:
+        raise ConfigError(f"{flag} {path!r}: instances of class {target.__name__} are not callable: define "
+                          "__call__(self, rollout_id, weight_version)")
+    _bind(flag, path, call, ("self", "rollout_id", "weight_version"),
+          f"{target.__name__}.__call__(self, rollout_id, weight_version)")
+    return f"class, built as {target.__name__}(context), called as instance(rollout_id, weight_version)"
 
 
 def _bind(flag: str, path: str, target: Any, arguments: tuple[str, ...], shown: str) -> None:

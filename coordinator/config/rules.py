@@ -163,6 +163,20 @@ def async_rollout_needs_training(config: Config) -> None:
 
 
 #: Run in this order by `Config.validate()`; the first that raises names the contradiction the user sees.
+def eval_fleet_generates_without_hooks(config: Config) -> None:
+    if config.eval_fleet_enabled and config.hooks.custom_generate_function_path is not None:
+        warnings.warn("--custom-generate-function-path generates on the rollout engines; the dedicated eval fleet "
+                      "(--eval-num-engines/--eval-num-gpus) evaluates with the built-in single-turn request code",
+                      ConfigWarning, stacklevel=3)
+
+
+def tis_hook_needs_tis(config: Config) -> None:
+    if config.train.custom_tis_function_path is not None and not config.train.use_tis:
+        warnings.warn("--custom-tis-function-path replaces the TIS weight of --use-tis, which is off: it is not "
+                      "called (slime reads use_tis from --custom-config-path files too)", ConfigWarning,
+                      stacklevel=3)
+
+
 RULES: tuple[Callable[[Config], None], ...] = (
     replay_has_no_eval_fleet,
     replay_is_not_async,
@@ -184,4 +198,6 @@ RULES: tuple[Callable[[Config], None], ...] = (
     eval_datasets_need_interval,
     eval_needs_engines,
     async_rollout_needs_training,
+    eval_fleet_generates_without_hooks,
+    tis_hook_needs_tis,
 )

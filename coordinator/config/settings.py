@@ -23,6 +23,7 @@ from coordinator.config.debug import DebugConfig
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
 from coordinator.config.fields import ConfigError, FlagSpec, Slice
+from coordinator.config.hooks import HooksConfig
 from coordinator.config.logs import LoggingConfig
 from coordinator.config.megatron import MegatronConfig
 from coordinator.config.porting import apply_hook_aliases
@@ -35,6 +36,7 @@ from coordinator.config.training import TrainConfig
 SLICES: tuple[tuple[str, type[Slice]], ...] = (
     ("cluster", ClusterConfig),
     ("rollout", RolloutConfig),
+    ("hooks", HooksConfig),
     ("sglang", SglangConfig),
     ("eval", EvalConfig),
     ("fault_tolerance", FaultToleranceConfig),
@@ -64,6 +66,7 @@ FLAGS: dict[str, tuple[str, FlagSpec]] = _index()
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    hooks: HooksConfig = field(default_factory=HooksConfig)
     sglang: SglangConfig = field(default_factory=SglangConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
@@ -78,6 +81,8 @@ class Config:
     given: frozenset[str] = frozenset()
     #: slime/miles built-in hook paths replaced by ours: (flag, their path, ours); see `porting.HOOK_ALIASES`.
     hook_aliases: tuple[tuple[str, str, str], ...] = ()
+    #: `--custom-config-path` keys that name no flag: attributes of the `args` hooks get (slime's setattr).
+    custom_attributes: tuple[tuple[str, Any], ...] = ()
 
     # --- the mode ---------------------------------------------------------------------------------------------
     @property
@@ -210,11 +215,17 @@ class Config:
         """The training ranks' settings: the train slice plus what other slices decide for them."""
         from coordinator.config.porting import resolve_ref_load
 
-        return self.train.rank_settings(
+        settings = self.train.rank_settings(
             model_path=str(self.rollout.hf_checkpoint), save_dir=self.checkpoint.save,
             lr_decay_steps=self.total_train_steps, reference_path=resolve_ref_load(self),
             save_retain_interval=self.checkpoint.save_retain_interval,
             policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
+        if self.train.custom_tis_function_path is not None:
+            from coordinator.hooks.args import build_hook_args, plain_args
+
+            settings["tis_function_path"] = self.train.custom_tis_function_path
+            settings["hook_args"] = plain_args(build_hook_args(self))  # the TIS hook's `args`, on the ranks
+        return settings
 
     # --- validation and the resolved config ------------------------------------------------------------------
     def validate(self) -> None:
@@ -249,7 +260,8 @@ class Config:
 
 
 def build_config(values: dict[str, Any], *, config_file: str | None = None, given: frozenset[str] | None = None,
-                 sglang_passthrough: tuple[str, ...] = ()) -> Config:
+                 sglang_passthrough: tuple[str, ...] = (),
+                 custom_attributes: tuple[tuple[str, Any], ...] = ()) -> Config:
     """A Config from converted values by field name (each routed to its slice); not validated."""
     given_names = frozenset(values) if given is None else given
     values, hook_aliases = apply_hook_aliases(values)
@@ -260,7 +272,8 @@ def build_config(values: dict[str, Any], *, config_file: str | None = None, give
     if sglang_passthrough:
         per_slice["sglang"]["sglang_passthrough"] = tuple(sglang_passthrough)
     slices = {attribute: cls(**per_slice[attribute]) for attribute, cls in SLICES}
-    return Config(**slices, config_file=config_file, given=given_names, hook_aliases=hook_aliases)
+    return Config(**slices, config_file=config_file, given=given_names, hook_aliases=hook_aliases,
+                  custom_attributes=custom_attributes)
 
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.config import values
 from coordinator.config.fields import ConfigError, Slice, flag
 
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -61,6 +62,10 @@ class TrainConfig(Slice):
                          "clamp(exp(train logprob - rollout logprob), --tis-clip-low, --tis-clip)")
     tis_clip: float = flag(2.0, help="upper clamp of the TIS weight", minimum=0)
     tis_clip_low: float = flag(0.0, help="lower clamp of the TIS weight", minimum=0)
+    custom_tis_function_path: str | None = flag(
+        None, help="slime's TIS hook, run on the training ranks in place of the built-in weight (with --use-tis): "
+        "fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths) "
+        "-> (pg_loss, loss_masks, metrics)", parse=values.hook_path, metavar="MODULE:NAME")
     # --- batching and memory
     global_batch_size: int | None = flag(None, help="samples per optimizer step (default: the whole rollout)",
                                          minimum=1)

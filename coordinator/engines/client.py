@@ -231,14 +231,16 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         params: Mapping[str, str] | None = None,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
-        """Send one request with retries; return the 2xx response or raise an `EngineError`."""
+        """Send one request with retries; return the 2xx response or raise an `EngineError`. `headers` are
+        added to this request only (the client's own, e.g. the API key, are sent as well)."""
         url = base_url.rstrip("/") + path
         policy = retry or self.retry
         read = timeout if timeout is not None else self.read_timeout
         req_timeout = httpx.Timeout(connect=self.connect_timeout, read=read, write=30.0, pool=None)
         content = None if json_body is None else json.dumps(json_body).encode()
-        headers = {"Content-Type": "application/json"} if content is not None else None
+        headers = {**({"Content-Type": "application/json"} if content is not None else {}), **(headers or {})}
         start = time.monotonic()
         attempt = 0
         while True:

@@ -39,14 +39,16 @@ class PromptRecord:
     """One prompt: its text (or chat messages when no template is applied), label and metadata."""
 
     prompt: str | ChatMessages
-    label: str | None = None
+    #: Text (numbers become their decimal text), or a structured JSON value (a dict of accepted answers, ...).
+    label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     # Position in the data (row / non-blank line order); stable across epochs and resumes.
     index: int = -1
 
 
-def _label_text(value: Any, *, where: str, key: str) -> str | None:
-    """Labels are text; numbers (common in math sets) become their decimal text."""
+def _label_text(value: Any, *, where: str, key: str) -> Any:
+    """Labels are text; numbers (common in math sets) become their decimal text; lists and dicts (several
+    accepted answers, test cases, Search-R1's `reward_model`) stay as they are, as slime keeps them."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, bool):
@@ -56,8 +58,7 @@ def _label_text(value: Any, *, where: str, key: str) -> str | None:
     if isinstance(value, (int, float)):
         return str(value)
     if isinstance(value, (list, dict)):
-        # Structured labels (several accepted answers, test cases) travel as JSON text to custom rms.
-        return json.dumps(value, ensure_ascii=False)
+        return value
     raise DataSourceError(
         f"{where}: label key {key!r} holds {type(value).__name__}; expected text or a number"
     )
@@ -137,9 +138,11 @@ def read_prompt_file(
     label_key: str | None = None,
     metadata_key: str | None = None,
     limit: int | None = None,
+    raw_prompts: bool = False,
 ) -> list[PromptRecord]:
     """Read the records of a `.parquet` file or a JSONL file (any other suffix), checking the keys: every
-    record, or the first `limit` (start-up checks and `--dry-run` read a few)."""
+    record, or the first `limit` (start-up checks and `--dry-run` read a few). `raw_prompts`: a prompt may be
+    any JSON value (a custom generate function reads it: tau-bench's task index), as slime keeps it."""
     path = Path(path)
     if not path.is_file():
         raise DataSourceError(f"--prompt-data {str(path)!r}: no such file")
@@ -150,22 +153,24 @@ def read_prompt_file(
         if limit is not None and len(records) >= limit:
             break
         records.append(_record(where, row, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-                               index=len(records)))
+                               index=len(records), raw_prompts=raw_prompts))
     if not records:
         raise DataSourceError(f"--prompt-data {str(path)!r}: the file holds no records")
     return records
 
 
 def _record(where: str, row: dict[str, Any], *, input_key: str, label_key: str | None, metadata_key: str | None,
-            index: int) -> PromptRecord:
+            index: int, raw_prompts: bool = False) -> PromptRecord:
     keys = [("--input-key", input_key)]
     keys += [("--label-key", label_key)] if label_key is not None else []
     keys += [("--metadata-key", metadata_key)] if metadata_key is not None else []
     for flag, key in keys:
         if key not in row:
             raise DataSourceError(f"{where}: key {key!r} ({flag}) is missing; the record has {sorted(row)}")
+    value = row[input_key]
+    raw = raw_prompts and not isinstance(value, str | list) and value is not None
     return PromptRecord(
-        prompt=_check_prompt(row[input_key], where=where, key=input_key),
+        prompt=value if raw else _check_prompt(value, where=where, key=input_key),
         label=_label_text(row[label_key], where=where, key=label_key) if label_key is not None else None,
         metadata=_check_metadata(row[metadata_key], where=where, key=metadata_key)
         if metadata_key is not None
@@ -188,8 +193,10 @@ class PromptDataSource:
         tokenizer: ChatTokenizer | None = None,
         shuffle: bool,
         seed: int,
+        raw_prompts: bool = False,
     ) -> None:
-        records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key)
+        records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
+                                   raw_prompts=raw_prompts)
         self._setup(
             records,
             apply_chat_template=apply_chat_template,

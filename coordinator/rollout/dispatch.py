@@ -196,7 +196,7 @@ class Dispatcher:
         finally:
             self.in_flight[url] -= 1
         # A batched request (input_ids is a list of prompts) answers one result per prompt, in order.
-        expected = len(payload["input_ids"]) if _is_batched(payload) else 1
+        expected = len(payload.get("input_ids") or payload["text"]) if _is_batched(payload) else 1
         results = response if isinstance(response, list) else [response]
         if len(results) != expected:
             raise EngineHTTPError(200, f"expected {expected} generate result(s), got {len(results)}", url)
@@ -222,5 +222,7 @@ class Dispatcher:
 
 
 def _is_batched(payload: dict[str, Any]) -> bool:
+    """A request of several prompts: `input_ids` a list of lists, or `text` a list of strings."""
     ids = payload.get("input_ids")
-    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    text = payload.get("text")
+    return (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)) or (isinstance(text, list) and bool(text))

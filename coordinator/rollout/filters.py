@@ -1,9 +1,11 @@
 """Dynamic-sampling filters: decide whether a scored prompt group is kept for training.
 
-Owns the filter protocol and its loading. A filter is `fn(group: list[Sample]) -> FilterResult` (a plain
-`bool` is accepted too: `False` is dropped with reason "filtered"), sync or async, loaded from
-`--dynamic-sampling-filter-path`; a filter whose signature has a `reward_key` parameter gets `--reward-key`
-passed as a keyword. Invariant: `DynamicFilter.__call__` always returns a `FilterResult` whose `reason` is
+Owns the filter protocol and its loading. A filter is `fn(group: list[Sample]) -> FilterResult`, or slime's
+`fn(args, samples, **kwargs)` (`coordinator.hooks.forms.read_filter`), sync or async, loaded from
+`--dynamic-sampling-filter-path`; it returns a `FilterResult`, a plain `bool` (`False` is dropped with reason
+"filtered"), or any object with `keep` and `reason` (slime's `DynamicFilterOutput`; its
+`keep_when_insufficient` is not used: rayless over-samples until enough groups are kept). A filter of our form
+whose signature has a `reward_key` parameter gets `--reward-key` passed as a keyword. Invariant: `DynamicFilter.__call__` always returns a `FilterResult` whose `reason` is
 a non-empty string exactly when `keep` is false, so drop reasons can be counted as metrics; anything else
 a filter returns is an error naming the flag.
 
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.hooks.forms import HookForm, HookSignatureError, read_filter
 from coordinator.rollout.loading import load_object
 from replay.sample import Sample, SampleStatus
 from workers.errors import RaylessError
@@ -57,25 +60,35 @@ def _accepts_reward_key(fn: Callable[..., Any]) -> bool:
 class DynamicFilter:
     """A loaded filter with its contract checked; also counts drop reasons for the rollout metrics."""
 
-    def __init__(self, fn: Callable[..., Any], *, name: str, reward_key: str | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], *, name: str, reward_key: str | None = None,
+                 args: Any = None) -> None:
         if not callable(fn):
             raise FilterError(f"{FILTER_FLAG} {name!r} is not callable")
+        try:
+            self._slime_form = read_filter(FILTER_FLAG, name, fn).form is HookForm.SLIME
+        except HookSignatureError as error:
+            raise FilterError(str(error)) from None
         self._fn = fn
         self.name = name
-        self._kwargs: dict[str, Any] = {"reward_key": reward_key} if _accepts_reward_key(fn) else {}
+        self._args = args
+        self._kwargs: dict[str, Any] = (
+            {"reward_key": reward_key} if _accepts_reward_key(fn) and not self._slime_form else {})
         self.drops: Counter[str] = Counter()
         self.kept = 0
 
     @classmethod
-    def load(cls, path: str, *, reward_key: str | None = None) -> DynamicFilter:
-        return cls(load_object(path, what=FILTER_FLAG), name=path, reward_key=reward_key)
+    def load(cls, path: str, *, reward_key: str | None = None, args: Any = None) -> DynamicFilter:
+        """`args`: what a slime-style filter gets as its first argument (the hooks' args)."""
+        return cls(load_object(path, what=FILTER_FLAG), name=path, reward_key=reward_key, args=args)
 
     async def __call__(self, group: list[Sample]) -> FilterResult:
-        result = self._fn(group, **self._kwargs)
+        result = self._fn(self._args, group) if self._slime_form else self._fn(group, **self._kwargs)
         if inspect.isawaitable(result):
             result = await result
         if isinstance(result, bool):
             result = FilterResult(keep=result, reason=None if result else "filtered")
+        elif not isinstance(result, FilterResult) and isinstance(getattr(result, "keep", None), bool):
+            result = FilterResult(keep=result.keep, reason=getattr(result, "reason", None))
         if not isinstance(result, FilterResult):
             raise FilterError(
                 f"{FILTER_FLAG} {self.name!r} returned {type(result).__name__}; expected FilterResult(keep, reason)"

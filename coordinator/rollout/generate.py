@@ -6,8 +6,16 @@ request/response code the eval fleet uses too), within the GenerateState request
 filtered and accepted until `rollout_batch_size` groups are in; then every straggler is aborted at once
 (and, with `--partial-rollout`, its partial tokens are kept in a buffer and continued in the next rollout).
 
+With `--custom-generate-function-path` the samples of each group go through that function instead of our
+request code (`coordinator.rollout.hook_generate`); everything else — over-sampling, rewards (a reward the
+function set is kept), the filter, the straggler abort — is the same. A sample the abort catches mid-way is
+generated again from its prompt, or, with `--partial-rollout`, handed back to the function as it stands in the
+next rollout (slime's contract: the function continues it, or refuses partial rollouts, as slime's examples
+do); rayless never appends to a multi-turn sample itself.
+
 Invariants:
-- a rollout returns exactly `rollout_batch_size` groups of exactly `n_samples_per_prompt` samples each;
+- a rollout returns exactly `rollout_batch_size` groups of exactly `n_samples_per_prompt` samples each (a
+  custom generate function that returns several samples for one makes its group larger);
 - every accepted sample was answered exactly once (the dispatcher retries only requests whose engine died);
 - at most `generate concurrency` requests are in flight (the request slots), never an unbounded number.
 """
@@ -25,6 +33,7 @@ import anyio
 from coordinator.rollout.data_source import PromptRecord
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
+from coordinator.rollout.hook_generate import CustomGenerate
 from coordinator.rollout.requests import GenerateState, generate_group, new_sample
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch, Sample, SampleStatus
@@ -94,6 +103,10 @@ class DefaultRollout:
     @property
     def filter(self) -> DynamicFilter | None:
         return self.context.dynamic_filter
+
+    @property
+    def custom_generate(self) -> CustomGenerate | None:
+        return self.context.custom_generate
 
     async def __call__(self, rollout_id: int, weight_version: str) -> RolloutBatch:
         settings = self.settings
@@ -180,7 +193,7 @@ class DefaultRollout:
 
     async def _keep(self, samples: list[Sample], progress: RolloutProgress) -> bool:
         """Score a finished group; False when the dynamic filter drops it."""
-        await self.reward_model.score_group(samples)
+        await self.reward_model.score_group(samples, keep_given=self.custom_generate is not None)
         if self.filter is None:
             return True
         keep = (await self.filter(samples)).keep
@@ -192,23 +205,34 @@ class DefaultRollout:
         if count <= 0:
             return []
         groups = []
+        n = self.settings.n_samples_per_prompt
         for offset, record in enumerate(self.data_source.take(count)):
-            if not isinstance(record.prompt, str):
+            if self.custom_generate is not None:
+                prompt_ids: list[int] = []  # the function tokenizes the prompt (any value) itself, as slime's
+            elif not isinstance(record.prompt, str):
                 raise TypeError(
                     "prompt records hold chat messages but --apply-chat-template is not set; set it, or give "
                     "plain-text prompts"
                 )
-            prompt_ids = self.state.encode(record.prompt)
-            samples = [new_sample(record, prompt_ids, first_index + offset, k)
-                       for k in range(self.settings.n_samples_per_prompt)]
+            else:
+                prompt_ids = self.state.encode(record.prompt)
+            samples = [new_sample(record, prompt_ids, first_index + offset, k, n_samples=n) for k in range(n)]
             groups.append(PartialGroup(record, prompt_ids, samples))
         return groups
 
     def _resume(self, group: PartialGroup) -> PartialGroup:
-        """Make aborted samples generate again: from their partial tokens with --partial-rollout, else anew."""
+        """Make aborted samples generate again: anew, or with --partial-rollout from where they stopped (our
+        request code continues the tokens; a custom generate function gets the sample as it stands)."""
         for sample in group.samples:
             if sample.status is not SampleStatus.ABORTED:
                 continue
+            sample.reward = None
+            if self.settings.partial_rollout and self.custom_generate is not None:
+                continue  # still ABORTED: the function sees what happened and decides (slime's contract)
+            if self.settings.partial_rollout and sample.is_multi_turn:
+                raise RuntimeError(f"sample {sample.group_index}/{sample.sample_index} holds tool output (loss "
+                                   "mask 0) but no custom generate function continues it; rayless appends only "
+                                   "to single-turn samples")
             sample.status = SampleStatus.PENDING
             if not self.settings.partial_rollout:
                 sample.tokens = sample.tokens[: sample.prompt_length]
@@ -218,7 +242,14 @@ class DefaultRollout:
         return group
 
     async def _generate_group(self, group: PartialGroup, rollout_id: int) -> list[Sample]:
-        """Generate the unfinished samples of one group on one engine (`requests.generate_group`)."""
+        """Generate the unfinished samples of one group on one engine (`requests.generate_group`, or the
+        custom generate function)."""
+        if self.custom_generate is not None:
+            runtime = self.custom_generate.runtime
+            group.samples = await self.custom_generate.generate_group(
+                group.samples, rollout_id, state=self.state,
+                sampling_params=runtime.generate_state.sampling_params, progress=self.progress)
+            return group.samples
         return await generate_group(self.state, self.dispatcher, group.samples, rollout_id,
                                     progress=self.progress)
 
@@ -245,13 +276,43 @@ class DefaultRollout:
         }
         if self.filter is not None:
             metrics.update(self.filter.metrics())
+        if self.context.config.hooks.log_multi_turn:
+            metrics.update(multi_turn_metrics(samples, self.settings.rollout_max_response_len))
         return metrics
+
+
+def model_turns(sample: Sample) -> int:
+    """The model's turns in a sample: its runs of loss-mask-1 response tokens (tool output separates them)."""
+    mask = sample.loss_mask
+    return sum(1 for i, value in enumerate(mask) if value and (i == 0 or not mask[i - 1]))
+
+
+def multi_turn_metrics(samples: list[Sample], max_response_len: int) -> dict[str, float]:
+    """slime's `--log-multi-turn` metrics: response lengths with tool output (raw) and without (the loss
+    mask's sum), and the model's turns per sample (`round_number`)."""
+    if not samples:
+        return {}
+    raw = [float(sample.response_length) for sample in samples]
+    trained = [float(sum(sample.loss_mask)) for sample in samples]
+    turns = [float(model_turns(sample)) for sample in samples]
+    metrics = {"multi_turn/raw_response_length/response_length_clip_ratio":
+               sum(length >= max_response_len for length in raw) / len(raw)}
+    for name, values in (("raw_response_length/response_length", raw),
+                         ("wo_obs_response_length/response_length", trained),
+                         ("multi_turn_metric/round_number", turns)):
+        metrics[f"multi_turn/{name}_mean"] = sum(values) / len(values)
+        metrics[f"multi_turn/{name}_max"] = max(values)
+        metrics[f"multi_turn/{name}_min"] = min(values)
+    return metrics
 
 
 def _in_submission_order(groups: list[list[Sample]]) -> None:
     """Groups finish in an order set by timing; hand them over in submission order (renumbered) so a rerun
     (or a resumed run) with the same data and seeds yields the same batch."""
     groups.sort(key=lambda group: group[0].group_index)
+    index = 0
     for new_index, group in enumerate(groups):
         for sample in group:
             sample.group_index = new_index
+            sample.index = index  # slime's: the sample's position in the rollout
+            index += 1

@@ -8,6 +8,9 @@ Owns the construction gates of the mode table (ARCHITECTURE.md), reading only `C
 | --debug-train-only              | yes        | yes     | no                         | no            |
 | otherwise                       | yes        | yes (shared when the paths are equal) | yes          | no            |
 
+Hooks in slime's form get the run's `HookRuntime` (their `args`, slime's `GenerateState`, the address they post
+to), built here once; `--custom-generate-function-path` is loaded here and used by the default rollout fn.
+
 Invariant: a piece that this mode did not build is never `None`-called: reaching it raises `NotBuiltError`,
 which names the mode and the flag that turned it off. Every batch handed to the training loop has its
 advantages computed here (one place, for generated and replayed rollouts alike) and, with
@@ -26,11 +29,15 @@ from typing import Any
 import anyio
 
 from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config, RolloutConfig
+from coordinator.hooks.args import build_hook_args, hook_sampling_params
+from coordinator.hooks.forms import HookForm, read_rollout_fn
+from coordinator.hooks.runtime import HookRuntime
 from coordinator.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
 from coordinator.rollout.data_source import PromptDataSource
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
+from coordinator.rollout.hook_generate import CustomGenerate
 from coordinator.rollout.loading import load_object
 from coordinator.rollout.requests import GenerateState
 from coordinator.rollout.reward_choice import RewardChoice
@@ -69,9 +76,13 @@ class RolloutContext:
         reward_model: RewardModel | None,
         dynamic_filter: DynamicFilter | None,
         progress_display: Callable[..., AbstractContextManager[Callable[[], None]]] | None = None,
+        hook_runtime: HookRuntime | None = None,
+        custom_generate: CustomGenerate | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.hook_runtime = hook_runtime
+        self.custom_generate = custom_generate
         self._data_source = data_source
         self._generate_state = generate_state
         self._dispatcher = dispatcher
@@ -113,8 +124,13 @@ RolloutCallable = Callable[[int, str], Awaitable[RolloutBatch]]
 
 
 def instantiate_rollout_fn(path: str, context: RolloutContext, *, what: str) -> RolloutCallable:
-    """A class is constructed once with the context; a function is called as fn(context, rollout_id, version)."""
+    """A class is constructed once with the context; a function is called as fn(context, rollout_id, version),
+    or in slime's form fn(args, rollout_id, data_source, evaluation=False) (`coordinator.hooks.slime_rollout`)."""
     target = load_object(path, what=what)
+    if not inspect.isclass(target) and callable(target) and read_rollout_fn(what, path, target).form is HookForm.SLIME:
+        from coordinator.hooks.slime_rollout import SlimeRolloutFn
+
+        return SlimeRolloutFn(target, path=path, context=context, what=what)
     if inspect.isclass(target):
         instance = target(context)
         if not callable(instance):
@@ -192,6 +208,7 @@ class RolloutManager:
             manager.counts.replay_loaders += 1
             return manager
 
+        runtime = HookRuntime(args=build_hook_args(config), api_key=config.sglang.sglang_api_key)
         generate_state = dispatcher = None
         if config.needs_engines:
             if client is None or (pool is None and router_url is None):
@@ -208,12 +225,22 @@ class RolloutManager:
             dispatcher = Dispatcher(client=client, pool=pool, router_url=router_url,
                                     watch_engine_state=config.health_monitor_enabled)
             manager.counts.dispatchers += 1
-        data_source = build_data_source(rollout, tokenizer) if rollout.prompt_data else None
+            assert generate_state.request_slots is not None
+            runtime.attach_generate_state(tokenizer=tokenizer, sampling_params=hook_sampling_params(config),
+                                          slots=generate_state.request_slots)
+        custom_generate = None
+        if config.hooks.custom_generate_function_path is not None and dispatcher is not None:
+            custom_generate = CustomGenerate.load(config.hooks.custom_generate_function_path, runtime=runtime,
+                                                  dispatcher=dispatcher)
+        data_source = (build_data_source(rollout, tokenizer,
+                                         raw_prompts=config.hooks.custom_generate_function_path is not None)
+                       if rollout.prompt_data else None)
         if data_source is not None:
             manager.counts.data_sources += 1
-        reward_model = build_reward_model(rollout)
+        reward_model = build_reward_model(rollout, args=runtime.args)
         dynamic_filter = (
-            DynamicFilter.load(rollout.dynamic_sampling_filter_path, reward_key=rollout.reward_key)
+            DynamicFilter.load(rollout.dynamic_sampling_filter_path, reward_key=rollout.reward_key,
+                               args=runtime.args)
             if rollout.dynamic_sampling_filter_path
             else None
         )
@@ -226,6 +253,8 @@ class RolloutManager:
             reward_model=reward_model,
             dynamic_filter=dynamic_filter,
             progress_display=progress,
+            hook_runtime=runtime,
+            custom_generate=custom_generate,
         )
         manager._rollout_fn = instantiate_rollout_fn(
             rollout.rollout_function_path, manager.context, what="--rollout-function-path"
@@ -263,6 +292,20 @@ class RolloutManager:
     def built_generate_state(self) -> GenerateState | None:
         return None if self.context is None else self.context._generate_state
 
+    @property
+    def hook_runtime(self) -> HookRuntime | None:
+        return None if self.context is None else self.context.hook_runtime
+
+    @property
+    def needs_hook_endpoint(self) -> bool:
+        """Hooks post to an address: the coordinator serves one when the run generates without a router and a
+        custom generate function (or a slime-style rollout function) is in use."""
+        context = self.context
+        if context is None or context._dispatcher is None or context._dispatcher.router_url is not None:
+            return False
+        slime_rollout = any(getattr(fn, "posts_to_engines", False) for fn in (self._rollout_fn, self._eval_fn))
+        return context.custom_generate is not None or slime_rollout
+
     # --- the interface the training loop uses ----------------------------------------------------------------
     async def get_rollout(self, rollout_id: int, weight_version: str) -> RolloutBatch:
         if self.config.replay_mode:
@@ -288,7 +331,9 @@ class RolloutManager:
             return  # a custom rollout fn may return any shape (e.g. SFT data); the default one is checked
         want_groups, want_n = rollout.rollout_batch_size, rollout.n_samples_per_prompt
         sizes = [len(group) for group in batch.groups]
-        if len(sizes) != want_groups or any(size != want_n for size in sizes):
+        # A custom generate function may return several samples for one (slime's list return).
+        custom = self.config.hooks.custom_generate_function_path is not None
+        if len(sizes) != want_groups or any(size < want_n if custom else size != want_n for size in sizes):
             raise RuntimeError(
                 f"rollout {batch.rollout_id} returned groups of sizes {sizes}; expected "
                 f"{want_groups} groups of {want_n}"
@@ -338,7 +383,8 @@ def sampling_params(rollout: RolloutConfig) -> dict[str, Any]:
     return params
 
 
-def build_data_source(rollout: RolloutConfig, tokenizer: Any) -> PromptDataSource:
+def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bool = False) -> PromptDataSource:
+    """`raw_prompts`: prompts may be any JSON value (a custom generate function reads them)."""
     from coordinator.rollout.tasks import open_prompt_source
 
     return open_prompt_source(
@@ -350,8 +396,10 @@ def build_data_source(rollout: RolloutConfig, tokenizer: Any) -> PromptDataSourc
         tokenizer=tokenizer,
         shuffle=rollout.rollout_shuffle,
         seed=rollout.rollout_seed,
+        raw_prompts=raw_prompts,
     )
 
 
-def build_reward_model(rollout: RolloutConfig) -> RewardModel | None:
-    return RewardChoice.from_rollout(rollout).resolved(rollout.prompt_data).model()
+def build_reward_model(rollout: RolloutConfig, *, args: Any = None) -> RewardModel | None:
+    """The rollout's reward; `args`: what a slime-style `--custom-rm-path` gets as its first argument."""
+    return RewardChoice.from_rollout(rollout).resolved(rollout.prompt_data).model(args=args)

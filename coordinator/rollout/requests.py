@@ -27,13 +27,7 @@ import anyio
 
 from coordinator.rollout.data_source import PromptRecord
 from coordinator.rollout.dispatch import Dispatcher
-from replay.sample import Sample, SampleStatus
-
-FINISH_STATUS = {
-    "stop": SampleStatus.COMPLETED,
-    "length": SampleStatus.TRUNCATED,
-    "abort": SampleStatus.ABORTED,
-}
+from replay.sample import FINISH_STATUS, Sample, SampleStatus
 
 _SEED_MODULUS = 2**31 - 1
 
@@ -116,18 +110,27 @@ class GenerateProgress(Protocol):
     generated_tokens: int
 
 
+def seed_for(seed: int, rollout_id: int, group_index: int, sample_index: int, progress: int) -> int:
+    """Deterministic seed of one request: (base seed, rollout or eval id, group, index, how far the sample has
+    got — response tokens so far, or the request's context length for a hook's multi-turn request)."""
+    value = (seed * 1_000_003 + rollout_id) * 1_000_003 + group_index * 1_009 + sample_index
+    return (value + progress * 7_919) % _SEED_MODULUS
+
+
 def sampling_seed(seed: int, rollout_id: int, sample: Sample) -> int:
     """Deterministic per-sample seed, so a rerun with the same weights draws the same tokens."""
-    value = (seed * 1_000_003 + rollout_id) * 1_000_003 + sample.group_index * 1_009 + sample.sample_index
-    return (value + sample.response_length * 7_919) % _SEED_MODULUS
+    return seed_for(seed, rollout_id, sample.group_index, sample.sample_index, sample.response_length)
 
 
-def new_sample(record: PromptRecord, prompt_ids: list[int], group: int, index: int) -> Sample:
-    """Sample `index` of prompt group `group`, before anything was generated."""
+def new_sample(record: PromptRecord, prompt_ids: list[int], group: int, index: int, *,
+               n_samples: int | None = None) -> Sample:
+    """Sample `index` of prompt group `group`, before anything was generated. The prompt stays what the data
+    holds (text, or chat messages / any value a custom generate function reads); `index` is slime's (the
+    position in the rollout) when the group size is known."""
     return Sample(
         group_index=group,
         sample_index=index,
-        prompt=str(record.prompt),
+        prompt=record.prompt,
         tokens=list(prompt_ids),
         response_length=0,
         loss_mask=[],
@@ -135,6 +138,7 @@ def new_sample(record: PromptRecord, prompt_ids: list[int], group: int, index: i
         status=SampleStatus.PENDING,
         label=record.label,
         metadata={**record.metadata, "prompt_index": record.index},
+        index=None if n_samples is None else group * n_samples + index,
     )
 
 

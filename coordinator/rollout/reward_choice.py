@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from coordinator.rollout.rewards import RewardModel
 from coordinator.rollout.tasks import builtin_task_name, get_task
@@ -39,9 +39,10 @@ class RewardChoice:
             return dataclasses.replace(self, rm_type=get_task(task).rm_type)
         return self
 
-    def model(self) -> RewardModel | None:
-        """The RewardModel of this choice; None when it names no reward."""
+    def model(self, *, args: Any = None) -> RewardModel | None:
+        """The RewardModel of this choice; None when it names no reward. `args`: the hooks' args, which a
+        slime-style custom rm gets first."""
         if self.rm_type is None and self.custom_rm_path is None:
             return None
         return RewardModel(rm_type=self.rm_type, custom_rm_path=self.custom_rm_path, group_rm=self.group_rm,
-                           reward_key=self.reward_key, rm_url=self.rm_url)
+                           reward_key=self.reward_key, rm_url=self.rm_url, args=args)

@@ -13,9 +13,14 @@ else `--rm-type`. The built-in types are `coordinator.rollout.reward_rules` (`re
 `coordinator.rollout.remote_rm`); all but `gpqa`, `ifbench`, `random`, `deterministic_random` and `remote_rm`
 need a label (`--label-key`).
 
-Custom rms (`--custom-rm-path`):
-- per sample: `fn(sample) -> float | dict[str, float]`, sync or async;
-- whole group (`--group-rm`): `fn(samples) -> list[float | dict[str, float]]`, one per sample, in order.
+Custom rms (`--custom-rm-path`), in our form or slime's (`coordinator.hooks.forms.read_reward`):
+- per sample: `fn(sample)`, or slime's `fn(args, sample, **kwargs)` -> float | dict, sync or async;
+- whole group (`--group-rm`): `fn(samples)`, or slime's `fn(args, samples, **kwargs)` -> a list, one reward per
+  sample, in order.
+A dict reward keeps its numeric entries (booleans as 0/1); slime's rms also return text (retool's `pred`),
+which is kept in the sample's `metadata["reward_info"]`. With a custom generate function, a reward it set is kept
+(`keep_given`: slime skips the rm for such samples); a failed sample (slime's `FAILED`) is not scored and gets
+0.0, as an aborted one.
 Async functions are awaited directly; the per-sample ones of a group run concurrently in a task group (a
 remote reward service is not serialised). Sync functions run inline on the event loop: the built-ins are
 microseconds; a slow sync rm (a big model, a sandbox) should be written `async` and offload its own work
@@ -32,6 +37,7 @@ from typing import Any
 
 import anyio
 
+from coordinator.hooks.forms import HookForm, HookSignatureError, read_reward
 from coordinator.rollout.loading import load_object
 from coordinator.rollout.math_grading import extract_boxed, extract_last_number
 from coordinator.rollout.remote_rm import RemoteReward
@@ -85,8 +91,11 @@ class RewardModel:
         custom_rm: Callable[..., Any] | None = None,
         rm_url: str | None = None,
         remote: RemoteReward | None = None,
+        args: Any = None,
     ) -> None:
         self.rm_type = rm_type
+        self.args = args
+        self._slime_form = False
         self.group_rm = group_rm
         self.reward_key = reward_key
         self.rm_url = rm_url
@@ -100,6 +109,11 @@ class RewardModel:
             if not callable(self._custom):
                 raise RewardError(f"--custom-rm-path {self._custom_name!r} is not callable")
             self._custom_is_async = _is_async_callable(self._custom)
+            try:
+                reading = read_reward("--custom-rm-path", self._custom_name, self._custom, group_rm=group_rm)
+            except HookSignatureError as error:
+                raise RewardError(str(error)) from None
+            self._slime_form = reading.form is HookForm.SLIME
         elif rm_type:
             self._rule_of(rm_type, "--rm-type")
         else:
@@ -144,6 +158,14 @@ class RewardModel:
 
     def _check_dict(self, value: dict[Any, Any], sample: Sample, source: str) -> dict[str, float]:
         checked: dict[str, float] = {}
+        if self._slime_form and source.startswith("--custom-rm-path"):
+            # slime's rms return extras beside the score (retool: `acc` a bool, `pred` the answer text).
+            info = {key: item for key, item in value.items() if isinstance(key, str)
+                    and not isinstance(item, numbers.Real) and key != self.reward_key}
+            if info:
+                sample.metadata["reward_info"] = info
+            value = {key: float(item) if isinstance(item, bool) else item for key, item in value.items()
+                     if key not in info}
         for key, item in value.items():
             if not isinstance(key, str) or isinstance(item, bool) or not isinstance(item, numbers.Real):
                 raise RewardError(
@@ -190,14 +212,14 @@ class RewardModel:
 
     async def _score_custom_one(self, sample: Sample) -> None:
         assert self._custom is not None
-        value = self._custom(sample)
+        value = self._custom(self.args, sample) if self._slime_form else self._custom(sample)
         if inspect.isawaitable(value):
             value = await value
         sample.reward = self._check(value, sample)
 
     async def _score_custom_group(self, samples: Sequence[Sample]) -> None:
         assert self._custom is not None
-        values = self._custom(list(samples))
+        values = self._custom(self.args, list(samples)) if self._slime_form else self._custom(list(samples))
         if inspect.isawaitable(values):
             values = await values
         if not isinstance(values, (list, tuple)):
@@ -214,12 +236,19 @@ class RewardModel:
         for sample, reward in zip(samples, checked, strict=True):
             sample.reward = reward
 
-    async def score_group(self, samples: list[Sample]) -> None:
-        """Set `reward` on every sample of one prompt group (aborted samples get 0.0 unscored)."""
-        scored = [sample for sample in samples if sample.status is not SampleStatus.ABORTED]
+    async def score_group(self, samples: list[Sample], *, keep_given: bool = False) -> None:
+        """Set `reward` on every sample of one prompt group (aborted and failed samples get 0.0 unscored).
+        `keep_given`: a sample that already has a reward keeps it, checked (a custom generate function set it,
+        as slime allows)."""
+        unscored = (SampleStatus.ABORTED, SampleStatus.FAILED)
+        scored = []
         for sample in samples:
-            if sample.status is SampleStatus.ABORTED:
+            if keep_given and sample.reward is not None:
+                sample.reward = self._check(sample.reward, sample, "the custom generate function")
+            elif sample.status in unscored:
                 sample.reward = 0.0
+            else:
+                scored.append(sample)
         if not scored:
             return
         if self._custom is None:

@@ -124,10 +124,12 @@ def open_prompt_source(
     tokenizer: ChatTokenizer | None = None,
     shuffle: bool,
     seed: int,
+    raw_prompts: bool = False,
 ) -> PromptDataSource:
     """The data source for a `--prompt-data` value: a built-in task (`builtin:NAME`) or a JSONL/Parquet file.
 
     A built-in task's prompts are drawn from `seed`, so the same `--rollout-seed` gives the same data.
+    `raw_prompts`: a file's prompts may be any JSON value (read by a custom generate function).
     """
     task = builtin_task_name(prompt_data)
     if task is None:
@@ -140,6 +142,7 @@ def open_prompt_source(
             tokenizer=tokenizer,
             shuffle=shuffle,
             seed=seed,
+            raw_prompts=raw_prompts,
         )
     return PromptDataSource.from_records(
         make_task_prompts(task, BUILTIN_TASK_SIZE, seed),

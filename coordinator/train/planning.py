@@ -119,6 +119,9 @@ def reduce_step_metrics(rank_steps: Sequence[StepMetrics]) -> dict[str, float]:
         "train_rollout_logprob_abs_diff_max": max(
             [0.0, *(float(step.logprob_abs_diff_max) for step in rank_steps)]
         ),
+        # A TIS hook's metrics: token means over the step's loss tokens, under the hook's own names.
+        **{key: sum(float(step.extra.get(key, 0.0)) for step in rank_steps) / per_token
+           for key in sorted({key for step in rank_steps for key in step.extra})},
     }
 
 
@@ -144,4 +147,8 @@ def reduce_rollout_metrics(steps: Sequence[dict[str, float]]) -> dict[str, float
             "train_rollout_logprob_abs_diff_max": steps[0]["train_rollout_logprob_abs_diff_max"],
         }
     )
+    known = {"loss", "pg_loss", "pg_clipfrac", "kl", "entropy", "grad_norm", "lr", "num_tokens", "loss_tokens",
+             "step_time_s", "tokens_per_s", "train_rollout_logprob_abs_diff_mean", "train_rollout_logprob_abs_diff_max"}
+    for key in sorted({key for step in steps for key in step} - known):  # a TIS hook's metrics: step means
+        result[key] = sum(step.get(key, 0.0) for step in steps) / count
     return result

@@ -33,7 +33,7 @@ def good_sample() -> Sample:
 
 
 def good_header(sample_count: int = 1) -> dict[str, Any]:
-    return {"format_version": 1, "rollout_id": 1, "kind": "rollout", "created_at": 1.0, "created_at_iso": "x",
+    return {"format_version": fmt.FORMAT_VERSION, "rollout_id": 1, "kind": "rollout", "created_at": 1.0, "created_at_iso": "x",
             "writer": "test", "sample_count": sample_count, "sample_fields": list(fmt.SAMPLE_FIELDS),
             "config": {"n_samples_per_prompt": 1}}
 

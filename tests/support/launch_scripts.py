@@ -40,14 +40,6 @@ PENDING = {
     "--eval-hf-dir": "issue 13 item 4 (miles' dedicated eval fleet)",
     "--eval-keep-snapshots": "issue 13 item 4 (miles' dedicated eval fleet)",
     "--log-passrate": "issue 13 item 4 (pass@k metrics)",
-    "--custom-generate-function-path": "issue 14 (slime-style custom generate)",
-    "--generate-max-turns": "issue 14 (miles' multi-turn generate)",
-    "--generate-tool-specs-path": "issue 14",
-    "--generate-tool-call-parser": "issue 14",
-    "--generate-execute-tool-function-path": "issue 14",
-    "--log-multi-turn": "issue 14",
-    "--custom-config-path": "issue 14 (slime's args-override YAML)",
-    "--custom-tis-function-path": "issue 14 (slime's TIS hook)",
     "--dump-details": "not yet: miles' debug dump directory (--save-debug-rollout-data covers rollouts)",
 }
 #: `--rm-type` values that the reward-types issue adds (issue 13 item 3).
@@ -112,28 +104,7 @@ def blockers(argv: list[str] | tuple[str, ...]) -> dict[str, str]:
         key = f"--advantage-estimator {argv[argv.index('--advantage-estimator') + 1]}"
         if key in UNSUPPORTED:
             found[key] = UNSUPPORTED[key]
-    if "--custom-rm-path" in argv and not accepts_slime_reward_signature():
-        found["--custom-rm-path"] = PENDING_SLIME_HOOKS
     return found
-
-
-#: slime-shaped hooks (`reward_func(args, sample, **kwargs)`) that the hooks issue makes rayless call.
-PENDING_SLIME_HOOKS = "issue 14 (slime's hook signatures)"
-
-
-def accepts_slime_reward_signature() -> bool:
-    """Whether this tree's start-up check takes a reward hook in slime's form `(args, sample, **kwargs)`."""
-    from coordinator.config.fields import ConfigError
-    from coordinator.config.preflight import check_hook_signature
-
-    async def reward_func(args: Any, sample: Any, **kwargs: Any) -> float:
-        return 0.0
-
-    try:
-        check_hook_signature("--custom-rm-path", "probe:reward_func", reward_func)
-    except ConfigError:
-        return False
-    return True
 
 
 def without_pending(argv: list[str]) -> list[str]:
@@ -205,12 +176,10 @@ def write_hook_stub(root: Path, module: str, attribute: str) -> None:
 def write_prompts(path: Path, *, input_key: str, label_key: str | None, rows: int = 4) -> Path:
     """A few prompts with the script's keys: chat messages (or a task index for an `index` key) and a label.
 
-    tau-bench's `index` prompts are ints read by its custom generate function; until slime-style custom
-    generate functions land (issue 14; PENDING strips the flag, leaving our default rollout, which needs text),
-    the stand-in writes them as text."""
+    tau-bench's `index` prompts are ints, read by its custom generate function (slime keeps the raw value)."""
     records = []
     for index in range(rows):
-        record: dict[str, Any] = {input_key: str(index) if input_key == "index" else
+        record: dict[str, Any] = {input_key: index if input_key == "index" else
                                   [{"role": "user", "content": f"What is {index} + {index}?"}]}
         if label_key is not None:
             record[label_key] = str(2 * index)

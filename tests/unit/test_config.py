@@ -189,6 +189,14 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                                           "--eval-interval is ignored"),
     "async_rollout_needs_training": (None, ["--rollout-num-engines", "1", "--debug-rollout-only",
                                             "--async-rollout"], "--debug-rollout-only has no training"),
+    "eval_fleet_generates_without_hooks": (None, ["--rollout-num-engines", "1", "--eval-num-engines", "1",
+                                                  "--eval-interval", "1", "--eval-prompt-data", "d",
+                                                  "builtin:first_digit", "--custom-generate-function-path",
+                                                  "m:generate"],
+                                           "warning: the dedicated eval fleet (--eval-num-engines/--eval-num-gpus) "
+                                           "evaluates with the built-in"),
+    "tis_hook_needs_tis": (None, ["--rollout-num-engines", "1", "--custom-tis-function-path", "m:tis"],
+                           "warning: --custom-tis-function-path replaces the TIS weight of --use-tis, which is off"),
 }
 
 

@@ -226,9 +226,14 @@ def test_disagreements_with_config_json_are_named(tiny_model_dir: Path) -> None:
 
 
 def test_slime_and_miles_hook_paths_resolve_to_ours(tiny_model_dir: Path) -> None:
+    # miles' multi-turn generate needs its settings (each a module path; validation does not import them)
+    multi_turn = ["--generate-tool-specs-path", "m.specs", "--generate-execute-tool-function-path", "m.run",
+                  "--generate-tool-call-parser", "qwen25"]
     for (field, theirs), alias in HOOK_ALIASES.items():
-        config = parse_config(argv(tiny_model_dir, "--" + field.replace("_", "-"), theirs))
-        assert getattr(config.rollout, field) == alias.ours
+        extra = multi_turn if field == "custom_generate_function_path" else []
+        config = parse_config(argv(tiny_model_dir, "--" + field.replace("_", "-"), theirs, *extra))
+        slice_ = config.hooks if field == "custom_generate_function_path" else config.rollout
+        assert getattr(slice_, field) == alias.ours
         assert config.rollout.async_rollout is alias.async_rollout
         assert f"{theirs} → {alias.ours}" in (porting_notice(config) or "")
     assert parse_config(argv(tiny_model_dir, "--fully-async")).rollout.async_rollout

@@ -38,7 +38,7 @@ def samples(draw: st.DrawFn) -> Sample:
     return Sample(
         group_index=draw(INT64),
         sample_index=draw(INT64),
-        prompt=draw(st.text(max_size=20)),
+        prompt=draw(st.text(max_size=20) | plain),
         tokens=prompt_tokens + draw(st.lists(INT64, min_size=response_length, max_size=response_length)),
         response_length=response_length,
         loss_mask=draw(
@@ -48,10 +48,11 @@ def samples(draw: st.DrawFn) -> Sample:
         reward=draw(st.none() | FLOATS | st.dictionaries(st.text(max_size=6), FLOATS, max_size=3)),
         status=draw(st.sampled_from(list(SampleStatus))),
         weight_versions=draw(st.lists(st.text(max_size=6), max_size=3)),
-        label=draw(st.none() | st.text(max_size=10)),
+        label=draw(st.none() | st.text(max_size=10) | plain),
         response=draw(st.text(max_size=20)),
         advantage=draw(FLOATS),
         metadata=draw(st.dictionaries(st.text(max_size=6), plain, max_size=4)),
+        index=draw(st.none() | INT64),
     )
 
 
@@ -125,7 +126,7 @@ def test_special_floats_keep_their_bits(tmp_path: Path) -> None:
 def test_header_records_what_the_dump_is(dump_file: Path) -> None:
     header = read_header(dump_file)
     assert (header.format_version, header.rollout_id, header.kind, header.sample_count) == (
-        1,
+        fmt.FORMAT_VERSION,
         7,
         "rollout",
         4,
@@ -213,8 +214,8 @@ def test_flipped_byte_in_a_sample_says_checksum_mismatch(dump_file: Path) -> Non
 
 def test_wrong_version_and_wrong_magic(dump_file: Path) -> None:
     data = dump_file.read_bytes()
-    dump_file.write_bytes(data[:8] + struct.pack("<H", 2) + data[10:])
-    with pytest.raises(DumpError, match=r"unsupported dump format version 2; this rayless reads \[1\]"):
+    dump_file.write_bytes(data[:8] + struct.pack("<H", 3) + data[10:])
+    with pytest.raises(DumpError, match=r"unsupported dump format version 3; this rayless reads \[1, 2\]"):
         read_all_ways(dump_file)
     dump_file.write_bytes(b"PK\x03\x04" + data[4:])
     with pytest.raises(DumpError, match=r"wrong magic bytes.*rayless dump convert"):
@@ -235,10 +236,10 @@ def test_empty_file_directory_and_missing_file(tmp_path: Path) -> None:
 def handmade_dump(path: Path, records: list[dict[str, Any]], *, fields: list[str] | None = None) -> Path:
     """A dump with valid framing and checksums around arbitrary records, to reach the schema checks."""
     header = {
-        "format_version": 1, "rollout_id": 1, "kind": "rollout", "created_at": 1.0,
+        "format_version": fmt.FORMAT_VERSION, "rollout_id": 1, "kind": "rollout", "created_at": 1.0,
         "sample_count": len(records), "sample_fields": fields or list(fmt.SAMPLE_FIELDS), "config": {},
     }  # fmt: skip
-    out = bytearray(fmt.MAGIC + struct.pack("<H", 1))
+    out = bytearray(fmt.MAGIC + struct.pack("<H", fmt.FORMAT_VERSION))
     out += fmt.encode_frame(b"H", fmt.packb(header))[0]
     chain = 0
     for record in records:

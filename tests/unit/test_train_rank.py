@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -327,3 +328,103 @@ def test_snapshot_writer_round_trips_every_dtype_and_layout(tmp_path: Path) -> N
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
     with safe_open(str(path), framework="pt") as handle:
         assert handle.metadata() == {"format": "pt"}
+
+
+# --- multi-turn samples: a tool's tokens are response tokens with loss mask 0 ---------------------------------
+def multi_turn_samples(model_dir: Path, count: int, seed: int, tool_log_prob: float) -> list[protocol.WireSample]:
+    """prompt, a model turn, a tool's output, a model turn: the model's tokens carry the logprobs an engine
+    reports, the tool's `tool_log_prob` (slime writes 0.0) and loss mask 0."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.support.train_samples import reference_log_probs
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(count):
+        parts = [f"{rng.randrange(10)}+{rng.randrange(10)}", "=", str(rng.randrange(100)), "ab"[: rng.randrange(1, 3)]]
+        ids = [tokenizer(part, add_special_tokens=False)["input_ids"] for part in parts]
+        tokens = [token for part in ids for token in part]
+        mask = [1] * len(ids[1]) + [0] * len(ids[2]) + [1] * len(ids[3])
+        engine = reference_log_probs(model, tokens, len(mask))
+        samples.append(protocol.WireSample(
+            tokens=tokens, response_length=len(mask), loss_mask=mask,
+            rollout_log_probs=[lp if m else tool_log_prob for lp, m in zip(engine, mask, strict=True)],
+            advantage=rng.gauss(0.0, 1.0)))
+    return samples
+
+
+def train_steps(model_dir: Path, samples: list[protocol.WireSample], steps: int,
+                **settings: object) -> list[protocol.StepMetrics]:
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(protocol.InitCommand({"model_path": str(model_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 32,
+                                       "seed": 3, **settings}))
+    loss_tokens = sum(sum(s.loss_mask) for s in samples)  # the coordinator's count: the mask's sum
+    return [protocol.TrainResult.from_wire(trainer.train(protocol.TrainCommand(0, [samples], [loss_tokens]))).steps[0]
+            for _ in range(steps)]
+
+
+def test_tool_tokens_count_nowhere_in_the_loss_and_not_in_the_logprob_comparison(tiny_model_dir: Path) -> None:
+    slime_way = multi_turn_samples(tiny_model_dir, 6, seed=4, tool_log_prob=0.0)
+    steps = train_steps(tiny_model_dir, slime_way, 2, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01,
+                        use_tis=True)
+    # Only the model's tokens are compared with the engine's: within 1e-4 (a tool token's own logprob under the
+    # model is far from the 0.0 recorded for it, so comparing it would show).
+    assert steps[0].logprob_abs_diff_max <= 1e-4
+    assert steps[0].loss_tokens == sum(sum(s.loss_mask) for s in slime_way)
+    # Whatever a hook wrote at a tool token — any value, NaN included — the loss and the gradients are the same.
+    for value in (-50.0, 3.0, float("nan")):
+        other = multi_turn_samples(tiny_model_dir, 6, seed=4, tool_log_prob=value)
+        again = train_steps(tiny_model_dir, other, 2, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01,
+                            use_tis=True)
+        for ours, theirs in zip(steps, again, strict=True):
+            assert (theirs.loss, theirs.grad_norm, theirs.logprob_abs_diff_max, theirs.tis_sum) == (
+                ours.loss, ours.grad_norm, ours.logprob_abs_diff_max, ours.tis_sum)
+
+
+def test_the_loss_at_a_masked_token_is_zero_and_has_no_gradient() -> None:
+    config = LossConfig(eps_clip=0.2, eps_clip_high=0.28, use_kl_loss=True, kl_loss_coef=0.5, entropy_coef=0.1,
+                        use_tis=True)
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    log_probs = torch.tensor([[-1.0, -7.0, -9.0, -2.0]], requires_grad=True)
+    entropy = torch.tensor([[1.0, 5.0, 5.0, 1.0]], requires_grad=True)
+    kwargs = dict(advantages=torch.tensor([[1.0, 1.0, 1.0, 1.0]]), loss_mask=mask, global_loss_tokens=2,
+                  config=config, ref_log_probs=torch.tensor([[-1.5, -1.0, -1.0, -2.5]]))
+    loss, sums, _ = policy_loss(log_probs=log_probs, rollout_log_probs=torch.tensor([[-1.1, 0.0, 0.0, -2.1]]),
+                                entropy=entropy, **kwargs)
+    loss.backward()
+    assert log_probs.grad is not None and entropy.grad is not None
+    assert log_probs.grad[0, 1:3].abs().sum() == 0 and entropy.grad[0, 1:3].abs().sum() == 0
+    assert log_probs.grad[0, 0] != 0 and log_probs.grad[0, 3] != 0
+    # The same loss as the two model tokens alone.
+    alone, alone_sums, _ = policy_loss(log_probs=log_probs.detach()[:, [0, 3]],
+                                       rollout_log_probs=torch.tensor([[-1.1, -2.1]]),
+                                       entropy=entropy.detach()[:, [0, 3]],
+                                       advantages=torch.tensor([[1.0, 1.0]]), loss_mask=torch.ones(1, 2),
+                                       global_loss_tokens=2, config=config,
+                                       ref_log_probs=torch.tensor([[-1.5, -2.5]]))
+    assert float(loss.detach()) == pytest.approx(float(alone), abs=1e-7)
+    assert sums["loss_tokens"] == 2 and sums["kl_sum"] == pytest.approx(alone_sums["kl_sum"])
+
+
+def test_a_slime_tis_hook_replaces_the_built_in_weight(tiny_model_dir: Path) -> None:
+    samples = multi_turn_samples(tiny_model_dir, 6, seed=5, tool_log_prob=0.0)
+    for sample in samples:  # engine logprobs a little off, so the weights are not all 1
+        sample.rollout_log_probs = [lp - 0.3 * m for lp, m in zip(sample.rollout_log_probs, sample.loss_mask,
+                                                                 strict=True)]
+    args = {"tis_clip": 1.2, "tis_clip_low": 0.0}
+    built_in = train_steps(tiny_model_dir, samples, 1, use_tis=True, tis_clip=1.2)[0]
+    hooked = train_steps(tiny_model_dir, samples, 1, use_tis=True, tis_clip=1.2,
+                         tis_function_path="tests.support.tis_hooks:vanilla", hook_args=args)[0]
+    assert hooked.loss == pytest.approx(built_in.loss, abs=1e-6)
+    assert hooked.grad_norm == pytest.approx(built_in.grad_norm, rel=1e-5)
+    # its metrics are summed over the loss tokens: clipped tokens counted as the built-in counts them
+    assert hooked.extra["tis_hook/tis_clipfrac"] == built_in.tis_clipped_tokens > 0
+    assert set(hooked.extra) == {"tis_hook/tis", "tis_hook/tis_clipfrac"}
+    # A hook's rejected tokens leave the loss; the logprob comparison still covers every model token.
+    rejected = train_steps(tiny_model_dir, samples, 1, use_tis=True,
+                           tis_function_path="tests.support.tis_hooks:reject_first", hook_args={})[0]
+    plain = train_steps(tiny_model_dir, samples, 1, use_tis=True, tis_clip=1e9)[0]
+    assert rejected.loss != plain.loss and rejected.loss_tokens == plain.loss_tokens
+    assert rejected.logprob_abs_diff_max == plain.logprob_abs_diff_max

@@ -4,6 +4,11 @@ Invariant: logprobs come from `log_softmax(logits[:, :-1])` gathered at the next
 the same quantity an engine reports at temperature 1 — and every per-token tensor is aligned to that
 shifted index: position t scores token t + 1, so sample i's response occupies shifted positions
 `prompt_length - 1 .. len(tokens) - 2`. Right padding keeps real positions 0..n-1 under a causal mask.
+
+Multi-turn samples: a tool's tokens are response tokens with loss mask 0. Their recorded rollout logprob (slime
+writes 0.0; anything a hook wrote) is replaced by 0.0 here, so no value there can reach the loss or its
+gradient (a NaN times a zero mask would still be NaN); every loss term and metric is then multiplied by the
+mask, so those tokens count nowhere — not in the loss, the KL, the entropy, nor the logprob comparison.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ class MicroBatch:
     rollout_log_probs: torch.Tensor  # [B, L-1]
     advantages: torch.Tensor  # [B, L-1]
     num_tokens: int  # non-pad tokens
+    #: Each row's response as shifted positions [start, end) (a TIS hook gets per-sample slices).
+    spans: tuple[tuple[int, int], ...] = ()
+    #: Each row's prompt + response length.
+    total_lengths: tuple[int, ...] = ()
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
@@ -36,6 +45,8 @@ class MicroBatch:
             rollout_log_probs=self.rollout_log_probs.to(device),
             advantages=self.advantages.to(device),
             num_tokens=self.num_tokens,
+            spans=self.spans,
+            total_lengths=self.total_lengths,
         )
 
 
@@ -83,6 +94,7 @@ def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
     rollout = torch.zeros((size, longest - 1), dtype=torch.float32)
     advantages = torch.zeros((size, longest - 1), dtype=torch.float32)
     num_tokens = 0
+    spans: list[tuple[int, int]] = []
     for row, sample in enumerate(samples):
         tokens = sample.tokens
         count = len(tokens)
@@ -92,10 +104,14 @@ def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
         start = count - response_length - 1
         if response_length:
             loss_mask[row, start : count - 1] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-            rollout[row, start : count - 1] = torch.tensor(sample.rollout_log_probs, dtype=torch.float32)
+            rollout[row, start : count - 1] = torch.tensor(
+                [value if mask else 0.0 for value, mask in zip(sample.rollout_log_probs, sample.loss_mask,
+                                                               strict=True)], dtype=torch.float32)
             advantages[row, start : count - 1] = float(sample.advantage)
+        spans.append((start, count - 1))
         num_tokens += count
-    return MicroBatch(input_ids, attention_mask, loss_mask, rollout, advantages, num_tokens)
+    return MicroBatch(input_ids, attention_mask, loss_mask, rollout, advantages, num_tokens, tuple(spans),
+                      tuple(len(sample.tokens) for sample in samples))
 
 
 def make_micro_batches(samples: list[WireSample], *, max_tokens: int, pad_token_id: int,

@@ -15,7 +15,9 @@ token mean over the global batch whatever the split into ranks and micro-batches
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,10 +66,14 @@ def policy_loss(
     entropy: torch.Tensor,
     old_log_probs: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
+    tis_hook: Callable[..., Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
     """Returns (loss to backward, sums to add over ranks, maxima to max over ranks).
 
     `old_log_probs` None: the PPO ratio is taken against `rollout_log_probs` (`--use-rollout-logprobs`).
+    `tis_hook`: with `--use-tis`, called in place of the built-in weight with (pg_loss, train_log_probs,
+    rollout_log_probs, loss_mask) as keywords; returns the weighted per-token loss, the mask it keeps and its
+    metric sums (`workers.train_rank.tis_hook`, which the caller binds to the micro-batch's spans).
     """
     denominator = float(max(global_loss_tokens, 1))
     mask = loss_mask
@@ -80,7 +86,11 @@ def policy_loss(
     clipped = -advantages * torch.clamp(ratio, 1.0 - config.eps_clip, 1.0 + config.eps_clip_high)
     per_token = torch.maximum(unclipped, clipped)
     sums: dict[str, float] = {}
-    if config.use_tis:
+    if config.use_tis and tis_hook is not None:
+        per_token, mask, hook_sums = tis_hook(pg_loss=per_token, train_log_probs=old.detach(),
+                                              rollout_log_probs=rollout_log_probs, loss_mask=mask)
+        sums.update(hook_sums)
+    elif config.use_tis:
         raw_weight = torch.exp(old.detach() - rollout_log_probs)
         weight = raw_weight.clamp(min=config.tis_clip_low, max=config.tis_clip)
         per_token = per_token * weight
@@ -101,10 +111,11 @@ def policy_loss(
     maxima: dict[str, float] = {}
     with torch.no_grad():
         # How far training's logprobs are from the engine's: the train/inference mismatch, whatever `old` is.
-        abs_diff = (log_probs.detach() - rollout_log_probs).abs() * mask
+        # Over the original loss tokens (as slime measures the mismatch before a TIS hook's rejections).
+        abs_diff = (log_probs.detach() - rollout_log_probs).abs() * loss_mask
         sums["loss"] = float(loss.detach())
         sums["pg_loss"] = float(pg_loss.detach())
-        sums["loss_tokens"] = float(mask.sum())
+        sums["loss_tokens"] = float(loss_mask.sum())
         sums["clipped_tokens"] = float(((clipped > unclipped).float() * mask).sum())
         sums["entropy_sum"] = float((entropy.detach() * mask).sum())
         sums["kl_sum"] = kl_sum

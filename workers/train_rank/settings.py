@@ -53,6 +53,9 @@ class TrainSettings:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    # slime's TIS hook (`--custom-tis-function-path`, with use_tis) and the hooks' args it gets (plain values).
+    tis_function_path: str | None = None
+    hook_args: dict[str, Any] | None = None
     # <= 0 disables clipping; the norm is still reported.
     clip_grad: float = 1.0
     max_tokens_per_micro_batch: int = 8192

@@ -7,6 +7,7 @@ entered by all ranks; a rank's shard may differ but never its number of optimize
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ from workers.train_rank.model import enable_activation_checkpointing, load_causa
 from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler, clip_gradients
 from workers.train_rank.parallel import apply_data_parallel
 from workers.train_rank.settings import TrainSettings
+from workers.train_rank.tis_hook import TisHook
 
 
 class NotInitialised(RuntimeError):
@@ -39,6 +41,7 @@ class Trainer:
         self.scheduler: Any = None
         self.pad_token_id = 0
         self.sender = weight_buckets.WeightSender()
+        self.tis_hook: TisHook | None = None
 
     # ------------------------------------------------------------------------------------------ commands
 
@@ -69,6 +72,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, lr_schedule(settings))
         pad = getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
+        if settings.tis_function_path is not None and settings.use_tis:
+            self.tis_hook = TisHook.load(settings.tis_function_path, settings.hook_args)
         self.settings = settings
         return {"num_parameters": sum(p.numel() for p in model.parameters()), "device": str(self.device)}
 
@@ -155,6 +160,8 @@ class Trainer:
                 entropy=entropy,
                 old_log_probs=old,
                 ref_log_probs=ref_log_probs,
+                tis_hook=None if self.tis_hook is None else functools.partial(
+                    self.tis_hook, spans=batch.spans, total_lengths=batch.total_lengths),
             )
             loss.backward()
             for key, value in batch_sums.items():
@@ -162,13 +169,14 @@ class Trainer:
             for key, value in batch_maxima.items():
                 maxima[key] = max(maxima.get(key, 0.0), value)
             sums["num_tokens"] += batch.num_tokens
+        extra = {key: sums.pop(key) for key in [key for key in sums if key.startswith("tis_hook/")]}
         self.parallel.reduce_gradients()
         grad_norm = clip_gradients(model, settings.clip_grad)
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
         self.scheduler.step()
         return protocol.StepMetrics(
-            **sums, **maxima, grad_norm=grad_norm, lr=lr, step_time_s=time.perf_counter() - started
+            **sums, **maxima, grad_norm=grad_norm, lr=lr, step_time_s=time.perf_counter() - started, extra=extra
         )
 
     def save(self, command: protocol.SaveCommand) -> dict[str, Any]:

@@ -1,0 +1,82 @@
+"""slime's `post` / `get` HTTP helpers for hooks, on our engine client.
+
+Owns how a hook's HTTP request goes out: through the run's hook client (`HookRuntime`; one pool, deadlines,
+retries of transport errors and 5xx only with backoff inside a budget, a 4xx raised at once with the server's
+message — slime's helper retries every error 60 times), with the route of the hook call and the engines' API
+key added when the URL is the run's own address (the coordinator's endpoint or the router). Outside a run (a
+hook tested on its own) each call opens a short-lived client.
+
+Invariant: a hook sees the parsed JSON body (or the text when the body is not JSON), or an `EngineError`
+subclass naming the URL; never an httpx or aiohttp exception.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from coordinator.engines.client import EngineClient, EngineHTTPError, RetryPolicy
+from coordinator.hooks.runtime import ROUTE_HEADER, current_call
+
+#: Read deadline of one hook request: a generate call can take long (slime's router waits up to 4 hours).
+REQUEST_TIMEOUT_S = 3600.0
+
+
+def _split(url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"post/get need an http(s) URL, got {url!r}")
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    return f"{parts.scheme}://{parts.netloc}", path
+
+
+def _headers(url: str, headers: Mapping[str, str] | None) -> dict[str, str]:
+    merged = dict(headers or {})
+    call = current_call()
+    if call is not None and call.runtime.is_own_address(url):
+        if call.route_token is not None:
+            merged.setdefault(ROUTE_HEADER, call.route_token)
+        if call.runtime.api_key:
+            merged.setdefault("Authorization", f"Bearer {call.runtime.api_key}")
+    return merged
+
+
+async def _send(client: EngineClient, method: str, url: str, payload: Any, retry: RetryPolicy,
+                headers: dict[str, str]) -> Any:
+    base, path = _split(url)
+    response = await client.request(base, method, path, json_body=payload, timeout=REQUEST_TIMEOUT_S,
+                                    retry=retry, headers=headers)
+    text = response.text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+async def _request(method: str, url: str, payload: Any, max_retries: int, headers: Mapping[str, str] | None
+                   ) -> Any:
+    retry = RetryPolicy(attempts=max(1, int(max_retries)), backoff=0.5, backoff_max=5.0, budget=300.0)
+    sent = _headers(url, headers)
+    call = current_call()
+    client = call.runtime.http if call is not None else None
+    if client is not None:
+        return await _send(client, method, url, payload, retry, sent)
+    async with EngineClient(max_connections=4) as own:
+        return await _send(own, method, url, payload, retry, sent)
+
+
+async def post(url: str, payload: Any, max_retries: int = 60, headers: Mapping[str, str] | None = None) -> Any:
+    """slime's `post(url, payload, max_retries=60, headers=None)`: POST JSON, return the parsed response.
+    `max_retries` bounds the attempts on transport errors and 5xx (within 300 s); a 4xx raises at once."""
+    if payload is None:
+        raise EngineHTTPError(0, "post needs a JSON payload", url)
+    return await _request("POST", url, payload, max_retries, headers)
+
+
+async def get(url: str, max_retries: int = 60, headers: Mapping[str, str] | None = None) -> Any:
+    """slime's `get(url)`: GET, return the parsed response."""
+    return await _request("GET", url, None, max_retries, headers)

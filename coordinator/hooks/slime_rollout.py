@@ -1,0 +1,141 @@
+"""slime's rollout-function form: `generate_rollout(args, rollout_id, data_source, evaluation=False)`.
+
+Owns the call of a slime-style `--rollout-function-path` (or `--eval-function-path`): the function gets the
+hooks' `args`, the rollout id and `SlimeDataSource` (slime's `get_samples(n)` / `add_samples(groups)` over our
+prompt source), and returns groups of samples (`list[list[Sample]]`, or an object with `samples` and
+`metrics`: slime's `RolloutFnTrainOutput`). An `async def` function is awaited on the event loop; a plain
+function (slime's are: they drive their own event loop) runs in a worker thread, where `run(coro)` runs a
+coroutine on the run's loop (slime's `slime.utils.async_utils.run`), so its `post` calls go through our client.
+
+Invariants: every sample the function returns is settled into our invariant (`settle_hook_fields`) and
+renumbered in order (`group_index`, `sample_index`, `index`); the data source hands each prompt out once per
+epoch, groups given back with `add_samples` first.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+
+from coordinator.hooks.runtime import HookError, hook_call
+from replay.sample import RolloutBatch, Sample, SampleError, SampleStatus, settle_hook_fields
+
+if TYPE_CHECKING:
+    from coordinator.rollout.manager import RolloutContext
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """slime's `run(coro)`: run a coroutine from synchronous hook code. In a slime-style rollout function
+    (a worker thread of the run) it runs on the run's event loop; elsewhere on a new loop."""
+
+    async def wait() -> T:
+        return await coro
+
+    try:
+        return anyio.from_thread.run(wait)
+    except RuntimeError as error:
+        if "worker thread" not in str(error) and "event loop" not in str(error):
+            raise
+    return anyio.run(wait)
+
+
+class SlimeDataSource:
+    """slime's data source seen by a slime-style rollout function: groups of fresh samples of our prompts."""
+
+    def __init__(self, context: RolloutContext) -> None:
+        self._context = context
+        self._returned: list[list[Sample]] = []
+        self._next_group = 0
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        """`num_samples` groups, each `--n-samples-per-prompt` samples of one prompt (given-back groups first)."""
+        n = self._context.config.rollout.n_samples_per_prompt
+        groups = self._returned[:num_samples]
+        self._returned = self._returned[num_samples:]
+        for record in self._context.data_source.take(num_samples - len(groups)):
+            group_index = self._next_group
+            self._next_group += 1
+            groups.append([Sample(group_index=group_index, sample_index=k, index=group_index * n + k,
+                                  prompt=copy.deepcopy(record.prompt), label=copy.deepcopy(record.label),
+                                  metadata={**copy.deepcopy(record.metadata), "prompt_index": record.index})
+                           for k in range(n)])
+        return groups
+
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        """Groups given back (e.g. aborted ones): handed out again first."""
+        self._returned.extend(samples)
+
+    def __len__(self) -> int:
+        return len(self._context.data_source) + len(self._returned)
+
+
+class SlimeRolloutFn:
+    """A slime-style rollout function as rayless calls rollout functions: `await fn(rollout_id, version)`."""
+
+    #: Its generate calls need an address to post to (the run serves one when no router is used).
+    posts_to_engines = True
+
+    def __init__(self, fn: Callable[..., Any], *, path: str, context: RolloutContext, what: str) -> None:
+        self.fn = fn
+        self.path = path
+        self.what = what
+        self.context = context
+        self.target = fn
+        self._data_source: SlimeDataSource | None = None
+
+    @property
+    def data_source(self) -> SlimeDataSource:
+        if self._data_source is None:
+            self._data_source = SlimeDataSource(self.context)
+        return self._data_source
+
+    async def __call__(self, rollout_id: int, weight_version: str) -> RolloutBatch:
+        runtime = self.context.hook_runtime
+        if runtime is None:
+            raise HookError(f"{self.what} {self.path!r}: slime-style rollout functions need the run's hook "
+                            "runtime")
+        call = functools.partial(self.fn, runtime.args, rollout_id, self.data_source, evaluation=False)
+        with hook_call(runtime):
+            if inspect.iscoroutinefunction(self.fn):
+                result = await call()
+            else:
+                result = await anyio.to_thread.run_sync(call)
+                if inspect.isawaitable(result):
+                    result = await result
+        return self._batch(result, rollout_id)
+
+    def _batch(self, result: Any, rollout_id: int) -> RolloutBatch:
+        groups = getattr(result, "samples", result)
+        metrics = getattr(result, "metrics", None) or {}
+        where = f"{self.what} {self.path!r}"
+        if not isinstance(groups, list) or not all(isinstance(group, list) for group in groups):
+            raise HookError(f"{where} returned {type(groups).__name__}; expected a list of sample groups "
+                            "(list[list[Sample]]) or an object with `samples` (slime's RolloutFnTrainOutput)")
+        index = 0
+        for group_index, group in enumerate(groups):
+            for sample_index, sample in enumerate(group):
+                if not isinstance(sample, Sample):
+                    raise HookError(f"{where} returned a {type(sample).__name__} in group {group_index}; "
+                                    "expected coordinator.hooks.Sample")
+                sample.group_index, sample.sample_index, sample.index = group_index, sample_index, index
+                index += 1
+                try:
+                    settle_hook_fields(sample, where=where)
+                except SampleError as error:
+                    raise HookError(str(error)) from None
+                if sample.reward is None and sample.status in (SampleStatus.ABORTED, SampleStatus.FAILED):
+                    sample.reward = 0.0  # as the default rollout: not scored
+                elif sample.reward is None:
+                    raise HookError(f"{where}: sample {group_index}/{sample_index} has no reward; a slime-style "
+                                    "rollout function scores its samples (slime's generate_and_rm)")
+        return RolloutBatch(rollout_id=rollout_id, groups=groups,
+                            metrics={str(k): float(v) for k, v in dict(metrics).items()})
