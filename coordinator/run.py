@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import secrets as token_source
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,7 @@ import anyio
 
 from coordinator.config import Config, write_resolved_config
 from coordinator.config.secrets import SecretMaskFilter, config_secrets
-from coordinator.failures import log_failure
+from coordinator.failures import failure_line, log_failure
 from coordinator.processes import leaf_exceptions
 from workers.errors import RaylessError
 
@@ -41,7 +42,7 @@ if sys.version_info < (3, 11):
 from coordinator.progress import MetricsLog, ProgressDisplay, plot_rewards, stderr_console
 
 if TYPE_CHECKING:
-    from anyio.abc import TaskGroup
+    from anyio.abc import TaskGroup, TaskStatus
     from transformers import PreTrainedTokenizerBase
 
     from coordinator.engines.client import EngineClient
@@ -87,23 +88,59 @@ def setup_logging(config: Config, run_dir: Path) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+#: Signals that stop a run the way Ctrl-C does: every launched process is stopped, the exit status is
+#: 128 + the signal's number (SLURM, Kubernetes and `timeout` send SIGTERM; a closed terminal SIGHUP).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def run_training_sync(config: Config, plan: PlacementPlan | None = None) -> int:
+    """`rayless train`'s exit status: 0, 1 after a failure (one line each when known), 128 + signal."""
     run_dir = config.logging.resolved_run_dir
     setup_logging(config, run_dir)
     write_resolved_config(config, run_dir)
+    stopped_by: list[signal.Signals] = []
+    failures: list[BaseException] = []
     try:
-        anyio.run(lambda: run_training(config, plan=plan))
-    except KeyboardInterrupt:
-        log.error("interrupted; every launched process was stopped")
-        return 130
+        anyio.run(_run_until_signalled, config, plan, stopped_by)
+    except KeyboardInterrupt:  # a Ctrl-C in the instant before the signal receiver is up
+        stopped_by.append(signal.SIGINT)
     except BaseExceptionGroup as group:
-        for error in leaf_exceptions(group):
-            log_failure(log, error)
-        return 1
+        failures = leaf_exceptions(group)
     except Exception as error:
+        failures = [error]
+    if stopped_by:
+        for error in failures:  # raised while stopping: said, but the signal is why the run ended
+            log.warning("while stopping: %s", failure_line(error))
+        log.error("%s received; every launched process was stopped", stopped_by[0].name)
+        return 128 + stopped_by[0]
+    for error in failures:
         log_failure(log, error)
-        return 1
-    return 0
+    return 1 if failures else 0
+
+
+async def _run_until_signalled(config: Config, plan: PlacementPlan | None, stopped_by: list[signal.Signals]) -> None:
+    """`run_training`, cancelled by the first of `STOP_SIGNALS` (recorded in `stopped_by`); the receiver stays
+    up until the services have stopped their processes, so a second signal cannot cut that short."""
+    run_scope = anyio.CancelScope()
+    async with anyio.create_task_group() as group:
+        await group.start(_stop_on_signal, run_scope, stopped_by)
+        with run_scope:
+            await run_training(config, plan=plan)
+        group.cancel_scope.cancel()
+
+
+async def _stop_on_signal(run_scope: anyio.CancelScope, stopped_by: list[signal.Signals], *,
+                          task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    with anyio.open_signal_receiver(*STOP_SIGNALS) as received:
+        task_status.started()
+        async for number in received:
+            name = signal.Signals(number).name
+            if stopped_by:
+                log.warning("%s received again: already stopping every launched process", name)
+                continue
+            stopped_by.append(signal.Signals(number))
+            log.warning("%s received: stopping every launched process", name)
+            run_scope.cancel()
 
 
 async def run_training(config: Config, *, plan: PlacementPlan | None = None,
