@@ -33,7 +33,7 @@ import anyio
 
 from coordinator.config import Config, write_resolved_config
 from coordinator.config.secrets import SecretMaskFilter, config_secrets
-from coordinator.failures import failure_line, log_failure
+from coordinator.failures import ToFileOnly, failure_line, log_failure
 from coordinator.processes import leaf_exceptions
 from workers.errors import RaylessError
 
@@ -80,6 +80,7 @@ def setup_logging(config: Config, run_dir: Path) -> None:
         stream = logging.StreamHandler(sys.stderr)
         stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
         handlers.append(stream)
+    handlers[1].addFilter(ToFileOnly())  # the terminal: a user's traceback goes to the file alone
     mask = SecretMaskFilter(config_secrets(config))
     for handler in handlers:
         handler.addFilter(mask)
@@ -171,10 +172,11 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
         progress.board.expect(slot.name, where_text(slot))
     timings: dict[str, float] = {}
     try:
-        async with AsyncExitStack() as stack:
-            task_group = await stack.enter_async_context(anyio.create_task_group())
+        # The HTTP client (in `resources`) closes only after every service's task has ended: an attached
+        # router's workers are taken off it with that client as the run stops.
+        async with AsyncExitStack() as resources, anyio.create_task_group() as task_group:
             await task_group.start(progress.run_view)
-            services = await _start_services(config, plan, run_dir, task_group, stack, timings, progress)
+            services = await _start_services(config, plan, run_dir, task_group, resources, timings, progress)
             timings["services_ready_s"] = time.monotonic() - started
             summary = await _train(config, run_dir, services, metrics, progress, timings, task_group,
                                    extra_hooks)
@@ -246,19 +248,22 @@ async def _engine_starters(config: Config, plan: PlacementPlan, run_dir: Path, t
     async def start_engines() -> None:
         await task_group.start(fleet.run)
         timings["engines_ready_s"] = time.monotonic() - t0
-        if sglang.router_address is not None:
+        router: RouterHandle | None = None
+        if sglang.router_address is not None:  # attached: our engines join it, and leave it when the run ends
             from coordinator.engines.router import RouterHandle
 
-            router = services.router = RouterHandle(client=client, run_dir=run_dir, policy=sglang.sglang_router_policy,
-                                                    address=sglang.router_address, observer=progress.board)
+            router = RouterHandle(client=client, run_dir=run_dir, policy=sglang.sglang_router_policy,
+                                  address=sglang.router_address, observer=progress.board)
         elif node.router is not None:
             from coordinator.engines.router import RouterHandle
 
             slot = node.router
-            router = services.router = RouterHandle(
+            router = RouterHandle(
                 client=client, run_dir=run_dir, name="rollout", policy=slot.policy, host=slot.host,
                 port=slot.port, prometheus_port=slot.prometheus_port, python=slot.python, observer=progress.board)
+        if router is not None:
             await task_group.start(router.run, [e.url for e in fleet.alive()])
+            services.router = router
 
     async def load_tokenizer() -> None:
         services.tokenizer, services.context_length = await anyio.to_thread.run_sync(_load_tokenizer, config)

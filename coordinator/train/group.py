@@ -26,7 +26,7 @@ from anyio.abc import SocketAttribute
 
 from coordinator.startup import NO_OBSERVER, PhaseObserver
 from coordinator.train.channel import ControlServer, RankInfo
-from coordinator.train.errors import RankFailure
+from coordinator.train.errors import ControlPortError, RankFailure
 from coordinator.train.planning import (
     StepPlan,
     plan_steps,
@@ -227,7 +227,9 @@ class TrainGroup:
             return await anyio.create_tcp_listener(local_host=self.host, local_port=self.port)
         except OSError as error:
             if self.port_fixed or self.port == 0:
-                raise
+                raise ControlPortError(
+                    f"the control channel cannot listen on {self.host}:{self.port} ({error.strerror or error}): "
+                    "pass another --control-port, or 0 for any free port") from error
             listener = await anyio.create_tcp_listener(local_host=self.host, local_port=0)
             logger.warning("control channel: planned port %d on %s is in use (%s); listening on port %d instead",
                            self.port, self.host, error.strerror or error,
