@@ -5,9 +5,10 @@ Owns the wiring order and the run directory. Every process launched comes from t
 slots, torchrun from its ranks slot, the router from its router slot. Services start concurrently (engines,
 router, training ranks), each through `task_group.start(service.run)`, reporting their phases to the
 progress display's start-up board, so the loop begins only once everything it uses is ready;
-leaving the block — normally, on error or on Ctrl-C — cancels the group, and each service ends the processes
-it launched. Only what the mode needs is started: replay starts no engine, router, health monitor, eval fleet
-or HTTP client; `--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
+leaving the block — normally, on error or on a stop signal — cancels the group, and each service ends the
+processes it launched (a stop signal cancels it through `coordinator.stop_signals`; the exit status is then
+128 + the signal). Only what the mode needs is started: replay starts no engine, router, health monitor,
+eval fleet or HTTP client; `--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
 `build_fault_tolerance` from the config's derived gates only (health monitors, the fault injector, the eval
 fleet's own probing), and `build_weight_sync` gives WeightSync its `recover_engines` gate. Without an eval
 fleet, `--eval-interval` evaluates on the rollout engines (`coordinator.rollout_eval`, slime's default): once
@@ -40,9 +41,10 @@ from workers.errors import RaylessError
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 from coordinator.progress import MetricsLog, ProgressDisplay, plot_rewards, stderr_console
+from coordinator.stop_signals import run_until_signalled
 
 if TYPE_CHECKING:
-    from anyio.abc import TaskGroup, TaskStatus
+    from anyio.abc import TaskGroup
     from transformers import PreTrainedTokenizerBase
 
     from coordinator.engines.client import EngineClient
@@ -89,11 +91,6 @@ def setup_logging(config: Config, run_dir: Path) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-#: Signals that stop a run the way Ctrl-C does: every launched process is stopped, the exit status is
-#: 128 + the signal's number (SLURM, Kubernetes and `timeout` send SIGTERM; a closed terminal SIGHUP).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 def run_training_sync(config: Config, plan: PlacementPlan | None = None) -> int:
     """`rayless train`'s exit status: 0, 1 after a failure (one line each when known), 128 + signal."""
     run_dir = config.logging.resolved_run_dir
@@ -102,7 +99,7 @@ def run_training_sync(config: Config, plan: PlacementPlan | None = None) -> int:
     stopped_by: list[signal.Signals] = []
     failures: list[BaseException] = []
     try:
-        anyio.run(_run_until_signalled, config, plan, stopped_by)
+        anyio.run(run_until_signalled, lambda: run_training(config, plan=plan), stopped_by)
     except KeyboardInterrupt:  # a Ctrl-C in the instant before the signal receiver is up
         stopped_by.append(signal.SIGINT)
     except BaseExceptionGroup as group:
@@ -117,31 +114,6 @@ def run_training_sync(config: Config, plan: PlacementPlan | None = None) -> int:
     for error in failures:
         log_failure(log, error)
     return 1 if failures else 0
-
-
-async def _run_until_signalled(config: Config, plan: PlacementPlan | None, stopped_by: list[signal.Signals]) -> None:
-    """`run_training`, cancelled by the first of `STOP_SIGNALS` (recorded in `stopped_by`); the receiver stays
-    up until the services have stopped their processes, so a second signal cannot cut that short."""
-    run_scope = anyio.CancelScope()
-    async with anyio.create_task_group() as group:
-        await group.start(_stop_on_signal, run_scope, stopped_by)
-        with run_scope:
-            await run_training(config, plan=plan)
-        group.cancel_scope.cancel()
-
-
-async def _stop_on_signal(run_scope: anyio.CancelScope, stopped_by: list[signal.Signals], *,
-                          task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-    with anyio.open_signal_receiver(*STOP_SIGNALS) as received:
-        task_status.started()
-        async for number in received:
-            name = signal.Signals(number).name
-            if stopped_by:
-                log.warning("%s received again: already stopping every launched process", name)
-                continue
-            stopped_by.append(signal.Signals(number))
-            log.warning("%s received: stopping every launched process", name)
-            run_scope.cancel()
 
 
 async def run_training(config: Config, *, plan: PlacementPlan | None = None,
@@ -365,7 +337,7 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         await ft.eval_fleet.drain(timeout=300)
     if config.checkpoint.save and services.train_group is not None and result.train_steps:
         await loop.save(num_rollout - 1)
-    rewards = [row.get("rollout/reward_mean") for row in result.history if "rollout/reward_mean" in row]
+    rewards = [row["rollout/reward_mean"] for row in metrics.history if "rollout/reward_mean" in row]
     return {
         "rollouts": result.rollouts,
         "train_steps": result.train_steps,
