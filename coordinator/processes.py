@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import anyio
 
@@ -40,6 +40,8 @@ from workers import lifeline
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
+if TYPE_CHECKING:
+    import psutil
 
 
 #: `workers/lifeline.py`, run by path with `-I` so that it needs nothing of the child's environment.
@@ -143,8 +145,37 @@ def _terminate_steps(proc: subprocess.Popen[bytes], grace: float) -> Iterator[fl
             child.kill()
         except psutil.Error:
             pass
+    # A SIGKILLed process takes a moment to die: "stopped" means that none runs any more (the lifeline's
+    # watcher included), so wait for that, briefly, before reaping the leader (which frees its pgid).
+    deadline = time.monotonic() + _SWEEP_WAIT_S
+    while _still_running(proc.pid, descendants) and time.monotonic() < deadline:
+        yield 0.02
     while proc.poll() is None:  # SIGKILLed: reaped within milliseconds
         yield 0.02
+
+
+#: How long `terminate_process_group` waits for SIGKILLed processes to be gone (they die in milliseconds).
+_SWEEP_WAIT_S = 5.0
+
+
+def _still_running(pgid: int, descendants: list[psutil.Process]) -> bool:
+    """Whether a process of group `pgid`, or one of `descendants`, is still running (zombies are not)."""
+    import psutil
+
+    candidates = list(descendants)
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) == pgid:
+                candidates.append(psutil.Process(pid))
+        except (OSError, psutil.Error):
+            continue
+    for process in candidates:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -288,12 +288,14 @@ def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
         TrainGroup(nproc_per_node=1, nnodes=2, run_dir=tmp_path)
 
 
-async def test_a_cancelled_group_shuts_its_ranks_down_and_torchrun_exits_0(tmp_path: Path) -> None:
+async def test_a_cancelled_group_shuts_its_ranks_down_and_torchrun_exits_0(tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
     """Cancelling run() (how a run ends, on success or on a signal) still reaches the ranks with their shutdown
     command before the connections close: every rank returns, torchrun exits 0, its log holds no failure."""
     with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path).run)
+            await group.init(config_for(tiny_model_dir, tmp_path / "ckpt"))
             tg.cancel_scope.cancel()
     assert group.torchrun is not None and group.torchrun.proc is not None
     assert group.torchrun.proc.returncode == 0, group.log_path.read_text()[-3000:]

@@ -97,6 +97,10 @@ def main() -> None:
     except ImportError:
         pass
 
+    # The trainer's imports (transformers, the model code) before Hello: once connected, a rank answers its
+    # commands — a shutdown included — without seconds of importing first.
+    from workers.train_rank.trainer import Trainer
+
     channel = _connect()
     try:
         if torch.cuda.is_available():
@@ -109,8 +113,6 @@ def main() -> None:
             backend = "gloo"
         timeout = datetime.timedelta(seconds=_env_int("RAYLESS_PG_TIMEOUT_S", 600))
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-        from workers.train_rank.trainer import Trainer
-
         trainer = Trainer(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
         try:
             serve(channel, trainer)
