@@ -1,16 +1,33 @@
-"""How a failed run is reported: a known failure as one line of its own message, anything else with its
-traceback.
+"""How a failed run is reported: a known failure as one line of its own message; an exception raised by the
+user's own code (a reward function, a rollout function, any hook) as one line naming the file and line that
+raised it, its traceback going to the run's log file only; anything else, a bug of ours, with its traceback.
 
-Owns `is_user_facing`, the one rule, and `log_failure`, which applies it. Known failures are `workers.errors.RaylessError` subclasses whose class
+Owns `is_user_facing`, the rule for known failures, `user_code_frame`, the rule for the user's code, and
+`log_failure`, which applies both. Known failures are `workers.errors.RaylessError` subclasses whose class
 says `user_facing`, and `replay`'s `DumpError` family: `replay` imports no package of ours (so it cannot
 subclass the base), and the coordinator, which may import `replay`, lists it here by type.
+
+The user's code is found by where it lives, so every hook kind is covered without wrapping each call: walking
+a traceback from where it was raised outwards, a frame in a file that is neither ours (the `coordinator`,
+`workers` and `replay` packages) nor an installed library (the standard library, site-packages) is theirs;
+reaching a frame of ours first means our code (or a library it called) raised. Records meant for the log file
+only carry `FILE_ONLY`; `ToFileOnly` keeps them off the terminal.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import sysconfig
+import traceback
+from pathlib import Path
 
+import replay
+import workers
 from workers.errors import RaylessError
+
+#: Set (True) on a log record that belongs in the run's log file but not on the terminal.
+FILE_ONLY = "rayless_file_only"
 
 
 def is_user_facing(error: BaseException) -> bool:
@@ -27,6 +44,56 @@ def failure_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _roots(paths: list[str]) -> tuple[str, ...]:
+    resolved = (str(Path(path).resolve()) for path in paths if path)
+    return tuple(root + "/" for root in resolved if root != "/")
+
+
+_OURS = _roots([str(Path(__file__).resolve().parent), *workers.__path__, *replay.__path__])
+_LIBRARIES = _roots([sysconfig.get_paths().get(key, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+                    + [sys.base_prefix, sys.prefix])
+
+
+def _origin(filename: str) -> str:
+    """"ours", "library" or "user" for a traceback frame's file."""
+    if filename.startswith("<"):  # <frozen runpy>, <string>: the interpreter's own
+        return "library"
+    path = str(Path(filename).resolve())
+    if path.startswith(_OURS):
+        return "ours"
+    if path.startswith(_LIBRARIES) or "/site-packages/" in path or "/dist-packages/" in path:
+        return "library"
+    return "user"
+
+
+def user_code_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The frame of the user's code that raised `error` (directly, or through a library it called), else None."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        origin = _origin(frame.filename)
+        if origin == "user":
+            return frame
+        if origin == "ours":
+            return None
+    return None
+
+
 def log_failure(log: logging.Logger, error: BaseException) -> None:
-    """One error record per failure; its traceback only when it is not a known failure."""
-    log.error("run failed: %s", failure_line(error), exc_info=None if is_user_facing(error) else error)
+    """One error record per failure; its traceback only when it is a bug of ours (in the log file only when it
+    is the user's code's)."""
+    if is_user_facing(error):
+        log.error("run failed: %s", failure_line(error))
+        return
+    frame = user_code_frame(error)
+    if frame is None:
+        log.error("run failed: %s", failure_line(error), exc_info=error)
+        return
+    log.error("run failed: %s, raised by your code at %s:%s (in %s); fix it there (the traceback is in the run's "
+              "coordinator.log)", failure_line(error), frame.filename, frame.lineno, frame.name)
+    log.error("traceback of the failure above", exc_info=error, extra={FILE_ONLY: True})
+
+
+class ToFileOnly(logging.Filter):
+    """On a terminal handler: drops the records marked `FILE_ONLY`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, FILE_ONLY, False)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -62,7 +62,6 @@ class StepHook(Protocol):
 class LoopResult:
     rollouts: int = 0
     train_steps: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 class TrainingLoop:
@@ -169,7 +168,6 @@ class TrainingLoop:
         record["weight_version"] = self.weight_version
         record["step/time_s"] = time.monotonic() - started
         self.metrics.log(rollout_id, record)
-        result.history.append({"step": rollout_id, **record})
         self.progress.rollout_done(rollout_id)
         log.info("%s  %s", _summary(rollout_id, self.num_rollout, record), self.progress.timing_text())
         for hook in self.hooks:

@@ -7,7 +7,13 @@ for every launcher), and flattening the exception groups that concurrent starts 
 
 Invariants:
   * A child started here leads its own session / process group (`start_new_session=True`), so one `killpg`
-    reaches it and every helper it forked (SGLang's scheduler, torchrun's ranks).
+    reaches it and every helper it forked that stayed in its group (SGLang's scheduler); torchrun's ranks
+    start sessions of their own, so `terminate_process_group` also ends the leader's descendants.
+  * A child started here ends by itself when the coordinator's process is gone, however it went (SIGKILL
+    included): it is started through `workers/lifeline.py`, whose watcher stops the child's group and
+    descendants once the lifeline pipe (its write end held only here, never written, never closed) reads
+    end-of-file. The coordinator must therefore never fork without exec (multiprocessing's "fork"): a forked
+    copy would hold the write end open.
   * Exit checks use `waitid(WNOWAIT)`, which sees the exit without reaping: a child is reaped only by
     `terminate_process_group`, after the last `killpg` of its group, so the OS cannot hand its group id to an
     unrelated process while we may still signal it.
@@ -26,28 +32,57 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import anyio
 
+from workers import lifeline
+
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
+if TYPE_CHECKING:
+    import psutil
+
+
+#: `workers/lifeline.py`, run by path with `-I` so that it needs nothing of the child's environment.
+LIFELINE_SCRIPT = lifeline.__file__
+
+#: Seconds a child's watcher gives its group to exit on SIGTERM, once the coordinator is gone, before SIGKILL.
+ORPHAN_GRACE_S = 3.0
+
+_lifeline: tuple[int, int] | None = None  # (read end, write end), made once per coordinator process
+
+
+def lifeline_fd() -> int:
+    """The read end of this process's lifeline pipe (see the module's invariants), made on first use."""
+    global _lifeline
+    if _lifeline is None:
+        _lifeline = os.pipe()  # both ends close-on-exec; `pass_fds` hands the read end to each child
+    return _lifeline[0]
+
+
+def lifeline_command(command: Sequence[str]) -> list[str]:
+    """`command` run through the lifeline (the pid stays `command`'s: the wrapper execs it)."""
+    return [sys.executable, "-I", LIFELINE_SCRIPT, str(lifeline_fd()), str(ORPHAN_GRACE_S), "--", *command]
 
 
 def spawn_group_leader(
     command: Sequence[str], *, log: IO[bytes], env: Mapping[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """Start `command` leading its own process group, stdout and stderr into `log`, no stdin.
+    """Start `command` leading its own process group, stdout and stderr into `log`, no stdin, on the
+    lifeline (it ends by itself once this process is gone). A command that cannot be run exits with 127 and
+    says why in `log`.
 
     Blocking only until the child has exec'd, so async callers call it directly.
     """
     return subprocess.Popen(
-        list(command),
+        lifeline_command(command),
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
         env=dict(env) if env is not None else None,
         start_new_session=True,
+        pass_fds=(lifeline_fd(),),
     )
 
 
@@ -110,8 +145,37 @@ def _terminate_steps(proc: subprocess.Popen[bytes], grace: float) -> Iterator[fl
             child.kill()
         except psutil.Error:
             pass
+    # A SIGKILLed process takes a moment to die: "stopped" means that none runs any more (the lifeline's
+    # watcher included), so wait for that, briefly, before reaping the leader (which frees its pgid).
+    deadline = time.monotonic() + _SWEEP_WAIT_S
+    while _still_running(proc.pid, descendants) and time.monotonic() < deadline:
+        yield 0.02
     while proc.poll() is None:  # SIGKILLed: reaped within milliseconds
         yield 0.02
+
+
+#: How long `terminate_process_group` waits for SIGKILLed processes to be gone (they die in milliseconds).
+_SWEEP_WAIT_S = 5.0
+
+
+def _still_running(pgid: int, descendants: list[psutil.Process]) -> bool:
+    """Whether a process of group `pgid`, or one of `descendants`, is still running (zombies are not)."""
+    import psutil
+
+    candidates = list(descendants)
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) == pgid:
+                candidates.append(psutil.Process(pid))
+        except (OSError, psutil.Error):
+            continue
+    for process in candidates:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def _killpg(pgid: int, sig: int) -> None:

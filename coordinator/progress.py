@@ -168,9 +168,15 @@ class ProgressDisplay:
         yield log_refresh
 
 
+#: The keys of a metrics row that `MetricsLog.history` keeps: what `plot_rewards` draws and the summary reads.
+_KEPT = ("step", "rollout/reward_mean", "rollout/response_len_mean", "rollout/time_s", "train/time_s",
+         "sync/time_s")
+
+
 class MetricsLog:
-    """Appends metrics to `<run_dir>/metrics.jsonl` (and to TensorBoard / wandb when asked); keeps them in
-    memory for the end-of-run plot."""
+    """Appends metrics to `<run_dir>/metrics.jsonl` (and to TensorBoard / wandb when asked). `history` keeps,
+    per step, only what the end-of-run plot and summary read (`_KEPT`): a long run holds ~0.5 KB per rollout
+    in memory, not its every metric (~2.4 KB)."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = False, wandb: bool = False,
                  wandb_key: str | None = None, wandb_login: dict[str, Any] | None = None,
@@ -199,7 +205,7 @@ class MetricsLog:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
-        self.history.append(record)
+        self.history.append({key: record[key] for key in _KEPT if key in record})
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and k not in ("step", "time")}

@@ -5,9 +5,10 @@ Owns the wiring order and the run directory. Every process launched comes from t
 slots, torchrun from its ranks slot, the router from its router slot. Services start concurrently (engines,
 router, training ranks), each through `task_group.start(service.run)`, reporting their phases to the
 progress display's start-up board, so the loop begins only once everything it uses is ready;
-leaving the block — normally, on error or on Ctrl-C — cancels the group, and each service ends the processes
-it launched. Only what the mode needs is started: replay starts no engine, router, health monitor, eval fleet
-or HTTP client; `--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
+leaving the block — normally, on error or on a stop signal — cancels the group, and each service ends the
+processes it launched (a stop signal cancels it through `coordinator.stop_signals`; the exit status is then
+128 + the signal). Only what the mode needs is started: replay starts no engine, router, health monitor,
+eval fleet or HTTP client; `--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
 `build_fault_tolerance` from the config's derived gates only (health monitors, the fault injector, the eval
 fleet's own probing), and `build_weight_sync` gives WeightSync its `recover_engines` gate. Without an eval
 fleet, `--eval-interval` evaluates on the rollout engines (`coordinator.rollout_eval`, slime's default): once
@@ -20,6 +21,7 @@ import dataclasses
 import json
 import logging
 import secrets as token_source
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -32,13 +34,14 @@ import anyio
 
 from coordinator.config import Config, write_resolved_config
 from coordinator.config.secrets import SecretMaskFilter, config_secrets
-from coordinator.failures import log_failure
+from coordinator.failures import ToFileOnly, failure_line, log_failure
 from coordinator.processes import leaf_exceptions
 from workers.errors import RaylessError
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 from coordinator.progress import MetricsLog, ProgressDisplay, plot_rewards, stderr_console
+from coordinator.stop_signals import run_until_signalled
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -79,6 +82,7 @@ def setup_logging(config: Config, run_dir: Path) -> None:
         stream = logging.StreamHandler(sys.stderr)
         stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
         handlers.append(stream)
+    handlers[1].addFilter(ToFileOnly())  # the terminal: a user's traceback goes to the file alone
     mask = SecretMaskFilter(config_secrets(config))
     for handler in handlers:
         handler.addFilter(mask)
@@ -88,22 +92,28 @@ def setup_logging(config: Config, run_dir: Path) -> None:
 
 
 def run_training_sync(config: Config, plan: PlacementPlan | None = None) -> int:
+    """`rayless train`'s exit status: 0, 1 after a failure (one line each when known), 128 + signal."""
     run_dir = config.logging.resolved_run_dir
     setup_logging(config, run_dir)
     write_resolved_config(config, run_dir)
+    stopped_by: list[signal.Signals] = []
+    failures: list[BaseException] = []
     try:
-        anyio.run(lambda: run_training(config, plan=plan))
-    except KeyboardInterrupt:
-        log.error("interrupted; every launched process was stopped")
-        return 130
+        anyio.run(run_until_signalled, lambda: run_training(config, plan=plan), stopped_by)
+    except KeyboardInterrupt:  # a Ctrl-C in the instant before the signal receiver is up
+        stopped_by.append(signal.SIGINT)
     except BaseExceptionGroup as group:
-        for error in leaf_exceptions(group):
-            log_failure(log, error)
-        return 1
+        failures = leaf_exceptions(group)
     except Exception as error:
+        failures = [error]
+    if stopped_by:
+        for error in failures:  # raised while stopping: said, but the signal is why the run ended
+            log.warning("while stopping: %s", failure_line(error))
+        log.error("%s received; every launched process was stopped", stopped_by[0].name)
+        return 128 + stopped_by[0]
+    for error in failures:
         log_failure(log, error)
-        return 1
-    return 0
+    return 1 if failures else 0
 
 
 async def run_training(config: Config, *, plan: PlacementPlan | None = None,
@@ -134,10 +144,11 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
         progress.board.expect(slot.name, where_text(slot))
     timings: dict[str, float] = {}
     try:
-        async with AsyncExitStack() as stack:
-            task_group = await stack.enter_async_context(anyio.create_task_group())
+        # The HTTP client (in `resources`) closes only after every service's task has ended: an attached
+        # router's workers are taken off it with that client as the run stops.
+        async with AsyncExitStack() as resources, anyio.create_task_group() as task_group:
             await task_group.start(progress.run_view)
-            services = await _start_services(config, plan, run_dir, task_group, stack, timings, progress)
+            services = await _start_services(config, plan, run_dir, task_group, resources, timings, progress)
             timings["services_ready_s"] = time.monotonic() - started
             summary = await _train(config, run_dir, services, metrics, progress, timings, task_group,
                                    extra_hooks, plan)
@@ -209,19 +220,22 @@ async def _engine_starters(config: Config, plan: PlacementPlan, run_dir: Path, t
     async def start_engines() -> None:
         await task_group.start(fleet.run)
         timings["engines_ready_s"] = time.monotonic() - t0
-        if sglang.router_address is not None:
+        router: RouterHandle | None = None
+        if sglang.router_address is not None:  # attached: our engines join it, and leave it when the run ends
             from coordinator.engines.router import RouterHandle
 
-            router = services.router = RouterHandle(client=client, run_dir=run_dir, policy=sglang.sglang_router_policy,
-                                                    address=sglang.router_address, observer=progress.board)
+            router = RouterHandle(client=client, run_dir=run_dir, policy=sglang.sglang_router_policy,
+                                  address=sglang.router_address, observer=progress.board)
         elif node.router is not None:
             from coordinator.engines.router import RouterHandle
 
             slot = node.router
-            router = services.router = RouterHandle(
+            router = RouterHandle(
                 client=client, run_dir=run_dir, name="rollout", policy=slot.policy, host=slot.host,
                 port=slot.port, prometheus_port=slot.prometheus_port, python=slot.python, observer=progress.board)
+        if router is not None:
             await task_group.start(router.run, [e.url for e in fleet.alive()])
+            services.router = router
 
     async def load_tokenizer() -> None:
         services.tokenizer, services.context_length = await anyio.to_thread.run_sync(_load_tokenizer, config)
@@ -329,7 +343,7 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         await ft.eval_fleet.drain(timeout=300)
     if config.checkpoint.save and services.train_group is not None and result.train_steps:
         await loop.save(num_rollout - 1)
-    rewards = [row.get("rollout/reward_mean") for row in result.history if "rollout/reward_mean" in row]
+    rewards = [row["rollout/reward_mean"] for row in metrics.history if "rollout/reward_mean" in row]
     return {
         "rollouts": result.rollouts,
         "train_steps": result.train_steps,

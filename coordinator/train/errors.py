@@ -1,8 +1,8 @@
 """What a training-rank call raises: `RankFailure` (a rank or torchrun died) and `RankCommandError` (a rank
-answered with an error).
+answered with an error); and `ControlPortError`, when the control channel cannot listen where it must.
 
-Owns the two error types callers catch (the loop, train FT recovery, the run's error report). Invariant: both
-name the ranks involved, and a failure with a log tail says which log it came from.
+Owns the error types callers catch (the loop, train FT recovery, the run's error report). Invariant: the rank
+errors name the ranks involved, and a failure with a log tail says which log it came from.
 """
 
 from __future__ import annotations
@@ -40,7 +40,13 @@ class RankCommandError(RaylessError, RuntimeError):
         first_rank = min(errors)
         first = errors[first_rank]
         ranks = ", ".join(str(rank) for rank in sorted(errors))
-        super().__init__(
-            f"command {command!r} failed on rank(s) {ranks}: {first.error}\n--- rank {first_rank} traceback ---\n"
-            f"{first.traceback}"
-        )
+        message = f"command {command!r} failed on rank(s) {ranks}: {first.error}"
+        if first.traceback:
+            message += f"\n--- rank {first_rank} traceback ---\n{first.traceback}"
+        else:  # the environment's failure (an OSError): the rank logged its traceback
+            message += " (the rank's traceback is in its log, train_ranks.log)"
+        super().__init__(message)
+
+
+class ControlPortError(RaylessError, OSError):
+    """The control channel cannot listen on its fixed port (`--control-port`)."""

@@ -26,7 +26,7 @@ from anyio.abc import SocketAttribute
 
 from coordinator.startup import NO_OBSERVER, PhaseObserver
 from coordinator.train.channel import ControlServer, RankInfo
-from coordinator.train.errors import RankFailure
+from coordinator.train.errors import ControlPortError, RankFailure
 from coordinator.train.planning import (
     StepPlan,
     plan_steps,
@@ -186,8 +186,12 @@ class TrainGroup:
             self.address = f"{self.advertise_host or self.host}:{listener.extra(SocketAttribute.local_port)}"
             self.listening.set()
             startup_failure: RankFailure | None = None
+            # The connections outlive a cancellation of run() until the teardown has sent the ranks their
+            # shutdown command and torchrun has exited: cancelled with the rest, they would close first, and
+            # every rank would end on "lost the control channel" (a ChildFailedError in train_ranks.log).
+            connections = anyio.CancelScope(shield=True)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self.server.serve, listener, tg)
+                tg.start_soon(self._serve, listener, connections)
                 try:
                     await self._launch(tg)
                     try:
@@ -204,9 +208,16 @@ class TrainGroup:
                 finally:
                     with anyio.CancelScope(shield=True):
                         await self._teardown()
+                    connections.cancel()
                     tg.cancel_scope.cancel()
         if startup_failure is not None:
             raise startup_failure
+
+    async def _serve(self, listener: anyio.abc.SocketListener, scope: anyio.CancelScope) -> None:
+        """Accept and serve the ranks' connections inside `scope` (shielded; run()'s teardown cancels it)."""
+        with scope:
+            async with anyio.create_task_group() as handlers:
+                await self.server.serve(listener, handlers)
 
     NAME = "train-ranks"
 
@@ -216,7 +227,9 @@ class TrainGroup:
             return await anyio.create_tcp_listener(local_host=self.host, local_port=self.port)
         except OSError as error:
             if self.port_fixed or self.port == 0:
-                raise
+                raise ControlPortError(
+                    f"the control channel cannot listen on {self.host}:{self.port} ({error.strerror or error}): "
+                    "pass another --control-port, or 0 for any free port") from error
             listener = await anyio.create_tcp_listener(local_host=self.host, local_port=0)
             logger.warning("control channel: planned port %d on %s is in use (%s); listening on port %d instead",
                            self.port, self.host, error.strerror or error,

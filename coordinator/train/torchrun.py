@@ -76,6 +76,22 @@ class TorchrunSpec:
         return command
 
 
+#: The rule torchrun draws around its failure report (`ChildFailedError`), above and below.
+_RULE = "=" * 20
+
+
+def torchrun_summary(log_tail: str, max_lines: int = 40) -> str:
+    """torchrun's own report of failed ranks (which rank, exit code or signal, the rank's traceback) from the
+    end of its log, without the traceback of torchrun itself that precedes it; "" when the log has none."""
+    lines = log_tail.splitlines()
+    ends = [index for index, line in enumerate(lines) if line.startswith(_RULE)]
+    for end in reversed(ends):  # the last report: a rule, a title ending in FAILED, ..., a rule
+        starts = [index for index in ends if index < end and lines[index + 1].rstrip().endswith("FAILED")]
+        if starts:
+            return "\n".join(lines[starts[-1]:end + 1][-max_lines:])
+    return ""
+
+
 class TorchrunProcess:
     """One launch of torchrun. `start()` → running; `stop()` ends its process group; `explain()` adds its log."""
 
@@ -128,9 +144,8 @@ class TorchrunProcess:
         if self.proc is not None and exit_status(self.proc) is None:
             with anyio.move_on_after(min(self.grace_s, 3.0)):
                 await wait_exited(self.proc)
-        return RankFailure(
-            failure.ranks, failure.reason, log_path=self.log_path, log_tail=read_tail(self.log_path)
-        )
+        tail = torchrun_summary(read_tail(self.log_path, lines=400)) or read_tail(self.log_path)
+        return RankFailure(failure.ranks, failure.reason, log_path=self.log_path, log_tail=tail)
 
     async def stop(self) -> None:
         """Let torchrun exit by itself for `grace_s` (its ranks were asked to shut down), then end its whole

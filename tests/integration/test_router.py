@@ -84,3 +84,26 @@ async def test_attaching_to_a_running_router_registers_and_leaves(tiny_model_dir
         async with EngineClient(max_connections=4, retry=NO_RETRY) as client:
             await RouterHandle(client=client, run_dir=tmp_path, address="127.0.0.1:9",
                                start_timeout=2.0)._start()
+
+
+async def test_a_run_attached_to_a_running_router_generates_through_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`rayless train --sglang-router-ip/-port`: the run's engine joins the router (every request goes through
+    it, so a run whose engine was never registered fails), and leaves it when the run ends."""
+    from coordinator.config import parse_config
+    from coordinator.run import run_training
+
+    async with EngineClient(max_connections=4, retry=NO_RETRY) as client:
+        theirs = RouterHandle(client=client, run_dir=tmp_path, name="theirs")
+        async with anyio.create_task_group() as tg:
+            await tg.start(theirs.run, [])
+            host, port = theirs.url.removeprefix("http://").rsplit(":", 1)
+            config = parse_config([
+                "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "builtin:first_digit", "--rm-type",
+                "first_digit", "--rollout-num-engines", "1", "--debug-rollout-only", "--rollout-batch-size", "2",
+                "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rollout-max-response-len", "4",
+                "--use-sglang-router", "--sglang-router-ip", host, "--sglang-router-port", port,
+                "--run-dir", str(tmp_path / "run"), "--no-progress"])
+            summary = await run_training(config)
+            assert summary["rollouts"] == 1
+            assert await theirs.list_workers() == []
+            tg.cancel_scope.cancel()

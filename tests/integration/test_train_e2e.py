@@ -68,6 +68,13 @@ def generated_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     return run_dir
 
 
+def test_the_ranks_end_on_their_shutdown_command(generated_run: Path) -> None:
+    """Told to shut down, every rank returns and torchrun exits 0: no rank failure in the ranks' log."""
+    ranks_log = (generated_run / "train_ranks.log").read_text()
+    assert "-m workers.train_rank" in ranks_log.splitlines()[0]
+    assert "ChildFailedError" not in ranks_log and "Traceback" not in ranks_log, ranks_log[-3000:]
+
+
 def losses(run_dir: Path) -> list[float]:
     return [row["train/loss"] for row in read_metrics(run_dir / "metrics.jsonl")]
 

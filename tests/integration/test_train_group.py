@@ -288,6 +288,21 @@ def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
         TrainGroup(nproc_per_node=1, nnodes=2, run_dir=tmp_path)
 
 
+async def test_a_cancelled_group_shuts_its_ranks_down_and_torchrun_exits_0(tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """Cancelling run() (how a run ends, on success or on a signal) still reaches the ranks with their shutdown
+    command before the connections close: every rank returns, torchrun exits 0, its log holds no failure."""
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path).run)
+            await group.init(config_for(tiny_model_dir, tmp_path / "ckpt"))
+            tg.cancel_scope.cancel()
+    assert group.torchrun is not None and group.torchrun.proc is not None
+    assert group.torchrun.proc.returncode == 0, group.log_path.read_text()[-3000:]
+    log = group.log_path.read_text()
+    assert "ChildFailedError" not in log and "lost the control channel" not in log, log[-3000:]
+
+
 async def test_ranks_that_die_before_connecting_fail_start_with_the_log(tmp_path: Path) -> None:
     group = TrainGroup(nproc_per_node=2, run_dir=tmp_path, extra_env={"RAYLESS_TORCH_THREADS": "many"})
     with anyio.fail_after(120):

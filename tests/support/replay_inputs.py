@@ -25,7 +25,7 @@ class MarkerPayload:
         return (builtins.open, (str(self.marker), "w"))
 
 
-def write_sample_dump(path: Path, *, response_tokens: list[int] | None = None) -> Path:
+def write_sample_dump(path: Path, *, response_tokens: list[int] | None = None, rollout_id: int = 11) -> Path:
     response_tokens = response_tokens or [7, 8]
     samples = [
         Sample(
@@ -45,5 +45,5 @@ def write_sample_dump(path: Path, *, response_tokens: list[int] | None = None) -
         for i in range(2)
     ]
     return write_dump(
-        path, 11, samples, config_facts={"hf_checkpoint": "/models/tiny", "n_samples_per_prompt": 2}
+        path, rollout_id, samples, config_facts={"hf_checkpoint": "/models/tiny", "n_samples_per_prompt": 2}
     )

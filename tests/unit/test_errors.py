@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -10,7 +11,7 @@ from coordinator.config import ConfigError
 from coordinator.engines.client import EngineHTTPError, EngineStreamError, EngineTimeout, EngineUnreachable
 from coordinator.engines.launch import EngineLaunchError
 from coordinator.engines.router import RouterError
-from coordinator.failures import is_user_facing, log_failure
+from coordinator.failures import FILE_ONLY, ToFileOnly, is_user_facing, log_failure, user_code_frame
 from coordinator.rollout.advantages import AdvantageError
 from coordinator.rollout.data_source import DataSourceError
 from coordinator.rollout.dispatch import NoEngineAvailable
@@ -57,15 +58,50 @@ def test_a_subclass_can_declare_itself_a_bug() -> None:
 
 def test_known_failures_are_logged_as_one_line_and_others_with_their_traceback(
         caplog: pytest.LogCaptureFixture) -> None:
+    from coordinator.engines.launch import EngineLaunchSpec
+
     log = logging.getLogger("rayless.test")
     with caplog.at_level(logging.ERROR, logger="rayless.test"):
         log_failure(log, NoEngineAvailable("every rollout engine is dead; see runs/x/logs"))
         try:
-            raise KeyError("surprise")
-        except KeyError as error:
+            EngineLaunchSpec(kind="bogus", model_path="m")  # raised by our own code: a bug's report
+        except ValueError as error:
             log_failure(log, error)
     known, unknown = caplog.records
     assert known.getMessage() == "run failed: NoEngineAvailable: every rollout engine is dead; see runs/x/logs"
     formatter = logging.Formatter()
     assert known.exc_info is None and "\n" not in formatter.format(known)
     assert unknown.exc_info is not None and "Traceback" in formatter.format(unknown)
+    assert not getattr(unknown, FILE_ONLY, False)
+
+
+def _users_helper() -> None:
+    raise KeyError("surprise")
+
+
+def test_the_users_code_raising_is_one_line_naming_it_with_the_traceback_for_the_file_only(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """This test module is not in our packages nor a library: to the rule, it is the user's code (a hook)."""
+    log = logging.getLogger("rayless.test")
+    with caplog.at_level(logging.ERROR, logger="rayless.test"):
+        try:
+            _users_helper()
+        except KeyError as error:
+            log_failure(log, error)
+    line, trace = caplog.records
+    assert line.exc_info is None and line.getMessage().startswith(
+        f"run failed: KeyError: 'surprise', raised by your code at {__file__}:")
+    assert "(in _users_helper); fix it there" in line.getMessage()
+    assert trace.exc_info is not None and getattr(trace, FILE_ONLY) is True
+    assert not ToFileOnly().filter(trace) and ToFileOnly().filter(line)
+
+
+def test_a_library_raising_inside_the_users_code_names_the_users_line() -> None:
+    def users_hook() -> None:
+        json.loads("{")  # the standard library raises; the user's line is where to look
+
+    try:
+        users_hook()
+    except ValueError as error:
+        frame = user_code_frame(error)
+    assert frame is not None and frame.name == "users_hook" and frame.filename == __file__

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -67,14 +68,19 @@ def serve(channel: protocol.RankChannel, trainer: object) -> None:
             response = protocol.Response(request_id=message.request_id, ok=True, result=result)
             channel.send(response)
         except Exception as exc:
-            channel.send(
-                protocol.Response(
-                    request_id=message.request_id,
-                    ok=False,
-                    error=f"{type(exc).__name__}: {exc}",
-                    traceback=traceback.format_exc(),
-                )
-            )
+            channel.send(_error_response(message.request_id, exc))
+
+
+def _error_response(request_id: int, error: Exception) -> protocol.Response:
+    """A failed command's answer. An OSError (a missing directory, a full disk, a refused connection) is the
+    environment's failure, not a bug: its traceback goes to this rank's log, and the answer carries the
+    message alone, so the coordinator reports it in one line."""
+    trace = traceback.format_exc()
+    environment = isinstance(error, OSError)
+    if environment:
+        print(trace, file=sys.stderr, flush=True)
+    return protocol.Response(request_id=request_id, ok=False, error=f"{type(error).__name__}: {error}",
+                             traceback="" if environment else trace)
 
 
 @record
@@ -91,6 +97,10 @@ def main() -> None:
     except ImportError:
         pass
 
+    # The trainer's imports (transformers, the model code) before Hello: once connected, a rank answers its
+    # commands — a shutdown included — without seconds of importing first.
+    from workers.train_rank.trainer import Trainer
+
     channel = _connect()
     try:
         if torch.cuda.is_available():
@@ -103,8 +113,6 @@ def main() -> None:
             backend = "gloo"
         timeout = datetime.timedelta(seconds=_env_int("RAYLESS_PG_TIMEOUT_S", 600))
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-        from workers.train_rank.trainer import Trainer
-
         trainer = Trainer(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
         try:
             serve(channel, trainer)

@@ -1,0 +1,155 @@
+"""Known failures, provoked for real in `rayless train` subprocesses, each reported as one line (what failed,
+where, what to do) with exit status 1 and no traceback on the terminal.
+
+The user's own code raising (a reward function, a rollout function) is named by file and line, its traceback
+kept in the run's coordinator.log; a rank command failing for the environment's sake (an unwritable save
+directory) keeps its traceback in train_ranks.log; a rank killed mid-run is explained by torchrun's own
+report of which rank died of what, not by torchrun's traceback; an attached router that is not there and a
+taken control port are named with the flag to change. (An engine that fails to start: test_startup_progress;
+bad flags and data files, exit 2: test_config_cli.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from coordinator.processes import terminate_process_group_blocking
+from tests.support.replay_inputs import write_sample_dump
+
+FAILING_HOOKS = '''
+def reward(sample):
+    return _score(sample)
+
+
+def _score(sample):
+    raise ValueError("the grader cannot parse this answer")
+
+
+class Rollout:
+    def __init__(self, context):
+        self.context = context
+
+    async def __call__(self, rollout_id, weight_version):
+        raise KeyError("expected_field")
+'''
+
+
+def train_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "coordinator.cli", "train", *args, "--no-progress"]
+
+
+def train(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
+    return subprocess.run(train_command(*args), capture_output=True, text=True, timeout=300, check=False, env=env)
+
+
+def failure_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The one `run failed:` line of a run that exited 1 with no traceback on the terminal."""
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "run failed:" in line]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return lines[0]
+
+
+def rollout_only(model: Path, run_dir: Path, *flags: str) -> list[str]:
+    return ["--hf-checkpoint", str(model), "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1",
+            "--debug-rollout-only", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+            "--rollout-max-response-len", "4", "--run-dir", str(run_dir), *flags]
+
+
+def replay(model: Path, tmp_path: Path, rollouts: int, *flags: str) -> list[str]:
+    """Replay of `rollouts` small dumps on one rank: no engine is started."""
+    for rollout_id in range(rollouts):
+        write_sample_dump(tmp_path / "dumps" / f"{rollout_id}.rld", rollout_id=rollout_id)
+    return ["--hf-checkpoint", str(model), "--actor-num-gpus-per-node", "1", "--rollout-batch-size", "3",
+            "--n-samples-per-prompt", "2", "--load-debug-rollout-data", str(tmp_path / "dumps" / "{rollout_id}.rld"),
+            "--num-rollout", str(rollouts), "--run-dir", str(tmp_path / "run"), *flags]
+
+
+def test_a_reward_function_that_raises_is_named_by_its_file_and_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "my_hooks.py").write_text(FAILING_HOOKS)
+    result = train(*rollout_only(tiny_model_dir, tmp_path / "run", "--custom-rm-path", "my_hooks:reward"),
+                   pythonpath=tmp_path)
+    line = failure_line(result)
+    assert "ValueError: the grader cannot parse this answer" in line
+    assert f"raised by your code at {tmp_path / 'my_hooks.py'}:7 (in _score)" in line
+    log = (tmp_path / "run" / "coordinator.log").read_text()
+    assert "Traceback" in log and 'raise ValueError("the grader cannot parse this answer")' in log
+
+
+def test_a_rollout_function_that_raises_is_named_by_its_file_and_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "my_hooks.py").write_text(FAILING_HOOKS)
+    result = train(*rollout_only(tiny_model_dir, tmp_path / "run", "--rm-type", "first_digit",
+                                 "--rollout-function-path", "my_hooks:Rollout"), pythonpath=tmp_path)
+    line = failure_line(result)
+    assert "KeyError: 'expected_field'" in line and f"{tmp_path / 'my_hooks.py'}:15 (in __call__)" in line
+
+
+def test_an_attached_router_that_is_not_there(tiny_model_dir: Path, tmp_path: Path) -> None:
+    result = train(*rollout_only(tiny_model_dir, tmp_path / "run", "--rm-type", "first_digit",
+                                 "--use-sglang-router", "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "9"))
+    line = failure_line(result)
+    assert "RouterError: no sglang-router answers at 127.0.0.1:9 (--sglang-router-ip/--sglang-router-port)" in line
+
+
+def test_a_rank_command_failing_for_the_environment_keeps_its_traceback_in_the_ranks_log(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    blocked = save / "tmp-0"  # where the save of rollout 0 writes first: a file, so it cannot be a directory
+    blocked.write_text("not a directory")
+    result = train(*replay(tiny_model_dir, tmp_path, 1, "--save", str(save)))
+    line = failure_line(result)
+    assert "RankCommandError: command 'save' failed on rank(s) 0: FileExistsError" in line and str(blocked) in line
+    assert "(the rank's traceback is in its log, train_ranks.log)" in line
+    assert "Traceback" in (tmp_path / "run" / "train_ranks.log").read_text()
+
+
+def test_a_taken_control_port_names_the_flag(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = train(*replay(tiny_model_dir, tmp_path, 1, "--control-port", str(port)))
+    line = failure_line(result)
+    assert f"ControlPortError: the control channel cannot listen on 127.0.0.1:{port}" in line
+    assert "pass another --control-port, or 0 for any free port" in line
+    assert not (tmp_path / "run" / "train_ranks.log").exists()  # refused before torchrun was started
+
+
+def test_a_rank_killed_mid_run_is_explained_by_torchruns_report(tiny_model_dir: Path, tmp_path: Path) -> None:
+    stderr = tmp_path / "stderr"
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(train_command(*replay(tiny_model_dir, tmp_path, 400)), stderr=err, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+            time.sleep(0.1)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if p.cmdline()[-2:] == ["-m", "workers.train_rank"] and "torch.distributed.run" not in p.cmdline()
+                 and "lifeline" not in " ".join(p.cmdline())]
+        assert len(ranks) == 1, [p.cmdline() for p in ranks]
+        ranks[0].kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            terminate_process_group_blocking(proc, grace=1.0)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr.read_text())
+    line = failure_line(result)
+    assert "RankFailure: training rank(s) 0 failed: " in line
+    report = result.stderr[result.stderr.index(line):]
+    assert "workers.train_rank FAILED" in report and "(SIGKILL)" in report
