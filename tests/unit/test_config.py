@@ -189,6 +189,10 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                                           "--eval-interval is ignored"),
     "async_rollout_needs_training": (None, ["--rollout-num-engines", "1", "--debug-rollout-only",
                                             "--async-rollout"], "--debug-rollout-only has no training"),
+    "colocation_is_not_async": (None, ["--colocate", "--async-rollout"],
+                                "--colocate and --async-rollout: colocated engines and ranks take turns"),
+    "colocation_needs_both_halves": (None, ["--rollout-num-engines", "1", "--colocate", "--debug-rollout-only"],
+                                     "warning: --colocate has no effect with --debug-rollout-only"),
 }
 
 

@@ -59,6 +59,7 @@ from workers.engine.weight_group import (
     parse_dtype,
     receive,
 )
+from workers.host_memory import resident_bytes
 
 log = logging.getLogger("rayless.engine")
 
@@ -519,6 +520,7 @@ class EngineServer:
     def _memory_figures(self) -> dict[str, Any]:
         figures: dict[str, Any] = {
             "device": str(self.runner.device),
+            "rss_bytes": resident_bytes(),
             "weight_bytes_resident": self.runner.stash.parameter_bytes(),
             "kv_cache_tokens": self.runner.cached_tokens(),
         }
