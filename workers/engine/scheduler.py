@@ -292,6 +292,10 @@ class Scheduler:
             if "weights" in tags:
                 freed["weight_bytes"] = await anyio.to_thread.run_sync(self.runner.release_weights)
             self.released |= tags
+            # A health probe that slipped in while the memory was being released cannot run now: it ends at once
+            # (its handler answers "released") instead of waiting out its timeout.
+            for seq in [seq for seq in self.waiting if seq.bypass_pause]:
+                self._finish(seq, {"type": "abort", "message": "memory released"})
         self._signal()
         return freed
 

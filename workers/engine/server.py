@@ -469,6 +469,8 @@ class EngineServer:
             await group.wait_finished()
         if not seq.finished or (seq.finish_reason or {}).get("type") == "abort":
             self.scheduler.abort_group(group, "health check timed out")
+            if self.scheduler.released:  # released while the probe waited: alive, say so
+                return released_error(MemoryReleasedError(self.scheduler.released))
             return error("health check generation did not finish", 503)
         return Response(status_code=200)
 

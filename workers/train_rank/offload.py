@@ -118,7 +118,7 @@ class StateOffload:
             self._spill_to_file()
         self.offloaded = True
         figures = {"seconds": time.perf_counter() - started, "state_bytes": self._state_bytes,
-                   **{f"{k}_before": v for k, v in before.items()}, **self._memory(),
+                   **{f"before_{k}": v for k, v in before.items()}, **self._memory(),
                    **self._peaks(previous_peak)}
         return figures | ({"digest": digest} if digest is not None else {})
 
@@ -136,7 +136,7 @@ class StateOffload:
             self._read_back()
         self.offloaded = False
         figures = {"seconds": time.perf_counter() - started, "state_bytes": self._state_bytes,
-                   **{f"{k}_before": v for k, v in before.items()}, **self._memory(),
+                   **{f"before_{k}": v for k, v in before.items()}, **self._memory(),
                    **self._peaks(previous_peak)}
         return figures | ({"digest": self.digest()} if verify else {})
 
