@@ -14,8 +14,12 @@ Invariants:
   so with failure threshold N a hung engine is marked dead at most N·interval + timeout after it hung
   (threshold 2: interval + timeout + one interval). Probes of different engines never wait for each other,
   so detection time does not grow with the number of engines.
-- A probe that overlapped a weight update (or an eval pin) counts neither as a success nor as a failure:
-  an engine paused for an update may not answer a 1-token generate, and that is not a fault.
+- A probe that overlapped a weight update, an eval pin or a colocation swap (engines releasing or taking back
+  their memory; `coordinator.colocate`) counts neither as a success nor as a failure: an engine paused for an
+  update, or released, may not answer a 1-token generate, and that is not a fault. No probe starts during
+  one: the swap, like an update, pauses probing.
+- An engine that answers a probe "released" (503, error type MemoryReleased: its memory was released with
+  /release_memory_occupation) is alive; the probe is counted as `released`, never as a failure.
 - Slow is not hung: a probe that timed out while the engine's `/metrics` counters (requests and tokens
   generated) kept moving since the previous probe counts as slow, not failed. An engine whose `/metrics` does
   not answer, or whose counters stand still, is hung.
@@ -40,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import anyio.abc
 
-from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineTimeout
+from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineHTTPError, EngineTimeout
 from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
 from coordinator.engines.recovery import EngineRecovery, RouterLike
 
@@ -57,7 +61,8 @@ _METRIC_LINE = re.compile(r"^(sglang:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfa]+)\
 class Pausing(Protocol):
     """Something that must not be disturbed by probes while it works: `updating` is set when idle.
 
-    WeightSync (training weight updates) and EvalFleet (pinning a snapshot) provide it.
+    WeightSync (training weight updates), EvalFleet (pinning a snapshot) and Colocation (engines released or
+    taking their memory back) provide it.
     """
 
     @property
@@ -72,6 +77,8 @@ class MonitorStats:
     probe_failures: int = 0
     slow: int = 0
     discarded: int = 0
+    #: probes answered "memory released": alive, neither a success nor a failure
+    released: int = 0
     deaths: int = 0
     recoveries: int = 0
     recovery_errors: int = 0
@@ -247,6 +254,9 @@ class HealthMonitor:
         if health_error is None:
             watch.failures = 0
             return
+        if isinstance(health_error, EngineHTTPError) and health_error.released:
+            self.stats.released += 1  # alive with its memory released (not by us: we pause during a swap)
+            return
         if (isinstance(health_error, EngineTimeout) and progress is not None and previous is not None
                 and progress > previous):
             # Requests kept finishing while the probe waited: overloaded, not hung.
@@ -325,11 +335,13 @@ def build_health_monitors(
     router: RouterLike | None = None,
     eval_fleet: EngineFleet | None = None,
     eval_pauses: Sequence[Pausing] = (),
+    rollout_pauses: Sequence[Pausing] = (),
 ) -> list[HealthMonitor]:
     """One monitor per engine group, only when `enabled` (`Config.health_monitor_enabled`); [] otherwise.
 
     The rollout monitor recovers through `weight_sync.recovery` (the one WeightSync uses; built with the
-    router) or, in a run without training, a recovery of its own that keeps the router up to date."""
+    router) or, in a run without training, a recovery of its own that keeps the router up to date; it pauses
+    for `rollout_pauses` too (the colocation swap)."""
     if not enabled:
         return []
     probing = dict(
@@ -343,7 +355,7 @@ def build_health_monitors(
     if rollout_fleet is not None:
         recovery = (weight_sync.recovery if weight_sync is not None
                     else EngineRecovery(fleet=rollout_fleet, router=router))
-        monitors.append(HealthMonitor(fleet=rollout_fleet, recovery=recovery, **probing))
+        monitors.append(HealthMonitor(fleet=rollout_fleet, recovery=recovery, pauses=rollout_pauses, **probing))
     if eval_fleet is not None:
         # Eval engines never receive training weights: a recovered one is re-pinned by the next eval.
         monitors.append(HealthMonitor(fleet=eval_fleet, pauses=eval_pauses, **probing))

@@ -7,6 +7,10 @@ the loop cannot tell), train on it, push the new weights to the engines, save on
 - one-step-off-policy (`--async-rollout`): a producer task generates rollout k+1 while step k trains. The
   producer may start rollout r only once the policy version is ≥ r - max_weight_staleness, and hands batches
   over a zero-buffer stream, so staleness is bounded by structure, not filtered afterwards.
+- colocated (`--colocate`; synchronous): the same steps with the memory hand-over around them
+  (`coordinator.colocate`): generate k → engines release → ranks onload → train k → [save] → export →
+  ranks offload → engines take their weights back → sync → engines take their KV cache back → generate k+1.
+  A checkpoint due at step k is saved before the ranks offload.
 
 Invariant: the weight version names the number of optimizer updates applied to the policy, as a string
 ("0" = `--hf-checkpoint`); after the sync of step k every engine reports str(k + 1).
@@ -54,6 +58,18 @@ class Syncer(Protocol):
     async def update(self, version: str) -> dict[str, float]: ...
 
 
+class Swap(Protocol):
+    """The memory hand-over of a colocated step (`coordinator.colocate.Colocation`)."""
+
+    async def before_train(self, rollout_id: int, generate_s: float) -> dict[str, float]: ...
+
+    async def during_train(self) -> None: ...
+
+    async def after_train(self, rollout_id: int, version: str, train_s: float) -> dict[str, float]: ...
+
+    async def after_update(self) -> dict[str, float]: ...
+
+
 class StepHook(Protocol):
     async def after_step(self, rollout_id: int, weight_version: str) -> None: ...
 
@@ -78,6 +94,7 @@ class TrainingLoop:
         num_rollout: int,
         hooks: list[StepHook] | None = None,
         progress: RunProgress | None = None,
+        colocation: Swap | None = None,
     ) -> None:
         self.settings = rollout
         self.checkpoint = checkpoint
@@ -90,6 +107,7 @@ class TrainingLoop:
         self.hooks = hooks or []
         #: rollouts done and the ETA, for the run-level bar (`coordinator.progress`)
         self.progress = progress or RunProgress()
+        self.colocation = colocation
         self.version = start_rollout  # optimizer updates applied so far
         self._version_changed = anyio.Event()
 
@@ -151,8 +169,14 @@ class TrainingLoop:
             record["rollout/reward_mean"] = sum(rewards) / len(rewards)
         result.rollouts += 1
         if self.trainer is not None:
+            swap = self.colocation
+            if swap is not None:
+                record.update(await swap.before_train(rollout_id, time.monotonic() - started))
             train_started = time.monotonic()
-            train_metrics = await self.trainer.train(rollout_id, batch.samples)
+            async with anyio.create_task_group() as beside:
+                if swap is not None:
+                    beside.start_soon(swap.during_train)
+                train_metrics = await self.trainer.train(rollout_id, batch.samples)
             record.update({key if key.startswith("train/") else f"train/{key}": value
                            for key, value in train_metrics.items()})
             record["train/time_s"] = time.monotonic() - train_started
@@ -160,10 +184,18 @@ class TrainingLoop:
             self.version += 1
             self._version_changed.set()
             self._version_changed = anyio.Event()
+            interval = self.checkpoint.save_interval
+            save_due = bool(self.checkpoint.save and interval and (rollout_id + 1) % interval == 0)
+            if swap is not None:
+                if save_due:  # while the ranks still hold their state on the device
+                    await self.save(rollout_id)
+                    save_due = False
+                record.update(await swap.after_train(rollout_id, self.weight_version, record["train/time_s"]))
             if self.weight_sync is not None:
                 record.update(await self.weight_sync.update(self.weight_version))
-            interval = self.checkpoint.save_interval
-            if self.checkpoint.save and interval and (rollout_id + 1) % interval == 0:
+            if swap is not None:
+                record.update(await swap.after_update())
+            if save_due:
                 await self.save(rollout_id)
         record["weight_version"] = self.weight_version
         record["step/time_s"] = time.monotonic() - started
@@ -186,7 +218,7 @@ def _summary(rollout_id: int, total: int, record: dict[str, Any]) -> str:
     for key, label, fmt in (("rollout/reward_mean", "reward", "{:.3f}"), ("train/loss", "loss", "{:.4f}"),
                             ("train/train_rollout_logprob_abs_diff_max", "logp diff", "{:.1e}"),
                             ("rollout/time_s", "gen", "{:.1f}s"), ("train/time_s", "train", "{:.1f}s"),
-                            ("sync/time_s", "sync", "{:.2f}s")):
+                            ("sync/time_s", "sync", "{:.2f}s"), ("colocate/swap_s", "swap", "{:.2f}s")):
         if key in record:
             parts.append(f"{label} {fmt.format(record[key])}")
     return "  ".join(parts)

@@ -60,6 +60,12 @@ class RunProgress:
         self.total = 0
         self.done = 0
         self.loop_started: float | None = None
+        #: what the current step is doing, when someone says (the colocation swap's phases)
+        self.phase = ""
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        log.debug("phase: %s", phase)
 
     def begin(self, first: int, total: int) -> None:
         """The loop runs rollouts `first`..`total - 1` (a resumed run starts past 0)."""
@@ -87,7 +93,9 @@ class RunProgress:
         """`━━━━━━────── 6/12 rollouts  elapsed 0:00:31  ETA 0:00:29`."""
         finished = self.first + self.done
         filled = round(width * finished / self.total) if self.total else 0
-        return f"{'━' * filled}{'─' * (width - filled)} {finished}/{self.total} rollouts  {self.timing_text()}"
+        phase = f"  · {self.phase}" if self.phase else ""
+        return (f"{'━' * filled}{'─' * (width - filled)} {finished}/{self.total} rollouts  {self.timing_text()}"
+                f"{phase}")
 
 
 class ProgressDisplay:

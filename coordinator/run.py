@@ -7,8 +7,11 @@ router, training ranks), each through `task_group.start(service.run)`, reporting
 progress display's start-up board, so the loop begins only once everything it uses is ready;
 leaving the block — normally, on error or on a stop signal — cancels the group, and each service ends the
 processes it launched (a stop signal cancels it through `coordinator.stop_signals`; the exit status is then
-128 + the signal). Only what the mode needs is started: replay starts no engine, router, health monitor,
-eval fleet or HTTP client; `--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
+128 + the signal). A swapping run (`--colocate`, `coordinator.colocate`) starts in a fixed order instead: engines
+up, their memory released, then the ranks load the model, offload it, and the engines take their memory back; its
+weight snapshots go where the plan says (a private /dev/shm directory, removed when the run ends). Only what the
+mode needs is started: replay starts no engine, router, health monitor, eval fleet or HTTP client;
+`--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
 `build_fault_tolerance` from the config's derived gates only (health monitors, the fault injector, the eval
 fleet's own probing), and `build_weight_sync` gives WeightSync its `recover_engines` gate. Without an eval
 fleet, `--eval-interval` evaluates on the rollout engines (`coordinator.rollout_eval`, slime's default): once
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from transformers import PreTrainedTokenizerBase
 
+    from coordinator.colocate import Colocation
     from coordinator.engines.client import EngineClient
     from coordinator.engines.fleet import EngineFleet
     from coordinator.engines.router import RouterHandle
@@ -143,6 +147,9 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
     for slot in plan.local.processes():
         progress.board.expect(slot.name, where_text(slot))
     timings: dict[str, float] = {}
+    if plan.weight_sync is not None and plan.weight_sync.snapshots.tmpfs:
+        log.info("weight snapshots for the engines go to %s (%s)", plan.weight_sync.snapshots.directory,
+                 plan.weight_sync.snapshots.why)
     try:
         # The HTTP client (in `resources`) closes only after every service's task has ended: an attached
         # router's workers are taken off it with that client as the run stops.
@@ -155,6 +162,10 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
             task_group.cancel_scope.cancel()
     finally:
         metrics.close()
+        if plan.weight_sync is not None:
+            from coordinator.plan import remove_tmpfs_snapshots
+
+            remove_tmpfs_snapshots(plan.weight_sync.snapshots)
     summary["wall_s"] = time.monotonic() - started
     summary.update(timings)
     plot = plot_rewards(metrics.history, run_dir / "rewards.png")
@@ -182,6 +193,7 @@ class Services:
     eval_engines: EngineFleet | None = None  # the EngineFleet of group "eval"
     ft: FaultTolerance | None = None
     weight_sync: WeightSync | None = None
+    colocation: Colocation | None = None  # the memory hand-over of a swapping run (--colocate)
 
 
 async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, task_group: TaskGroup,
@@ -193,9 +205,20 @@ async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, ta
                                            progress)
     if config.needs_train_ranks:
         starters.append(_rank_starter(config, plan, run_dir, task_group, services, timings, progress))
+    if config.swaps_memory and services.fleet is not None and services.train_group is not None:
+        from coordinator.colocate import Colocation
+
+        services.colocation = Colocation(
+            fleet=services.fleet, client=services.client, trainer=services.train_group, weight_sync=None,
+            offload_train=config.offloads_train, offload_rollout=config.offloads_rollout,
+            recovers_engines=config.rollout_ft_enabled, on_phase=progress.run.set_phase)
     async with anyio.create_task_group() as starting:
         for starter in starters:
             starting.start_soon(starter)
+    if services.colocation is not None:
+        t0 = time.monotonic()
+        await services.colocation.settle_at_startup()
+        timings["colocation_settled_s"] = time.monotonic() - t0
     return services
 
 
@@ -236,6 +259,8 @@ async def _engine_starters(config: Config, plan: PlacementPlan, run_dir: Path, t
         if router is not None:
             await task_group.start(router.run, [e.url for e in fleet.alive()])
             services.router = router
+        if services.colocation is not None:
+            await services.colocation.release_at_startup()  # the ranks load the model into the memory freed
 
     async def load_tokenizer() -> None:
         services.tokenizer, services.context_length = await anyio.to_thread.run_sync(_load_tokenizer, config)
@@ -270,6 +295,8 @@ def _rank_starter(config: Config, plan: PlacementPlan, run_dir: Path, task_group
     async def start_ranks() -> None:
         await task_group.start(group.run)
         timings["ranks_ready_s"] = time.monotonic() - t0
+        if services.colocation is not None:
+            await services.colocation.startup_released.wait()
         await group.init(settings)
         timings["ranks_initialised_s"] = time.monotonic() - t0
 
@@ -303,6 +330,8 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
                               router_url=services.router.url if services.router is not None else None,
                               api_key=config.sglang.sglang_api_key)
     weight_sync = services.weight_sync = build_weight_sync(config, services, run_dir, plan)
+    if services.colocation is not None:
+        services.colocation.weight_sync = weight_sync  # exports each step's snapshot before the ranks offload
     ft = services.ft = build_fault_tolerance(config, services=services, weight_sync=weight_sync,
                                              run_dir=run_dir, metrics=metrics)
     if ft.eval_fleet is not None:
@@ -334,7 +363,8 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         rollouts = FaultInjectingSource(manager, ft.injector)
     loop = TrainingLoop(rollout=config.rollout, checkpoint=config.checkpoint, rollouts=rollouts,
                         trainer=services.train_group, weight_sync=weight_sync, metrics=metrics,
-                        start_rollout=start_rollout, num_rollout=num_rollout, hooks=hooks, progress=progress.run)
+                        start_rollout=start_rollout, num_rollout=num_rollout, hooks=hooks, progress=progress.run,
+                        colocation=services.colocation)
     timings["loop_start_s"] = 0.0
     if rollout_eval is not None:
         await rollout_eval.before_training(start_rollout, loop.weight_version)
@@ -353,6 +383,7 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         "train_recoveries": loop.train_recoveries,
         "ft": ft.summary(weight_sync),
         "rollout_engine_evals": rollout_eval.records if rollout_eval is not None else [],
+        "colocation_engine_deaths": list(services.colocation.deaths) if services.colocation is not None else [],
     }
 
 
@@ -383,9 +414,11 @@ def build_weight_sync(config: Config, services: Services, run_dir: Path,
     from coordinator.weight_sync import WeightSync
 
     sglang = config.sglang
+    snapshot_dir = plan.weight_sync.snapshots.directory if plan is not None and plan.weight_sync is not None \
+        else run_dir / "weights"
     return WeightSync(
         mode=sglang.update_weight_transfer_mode, fleet=services.fleet, client=services.client,
-        trainer=services.train_group, snapshot_dir=run_dir / "weights",
+        trainer=services.train_group, snapshot_dir=snapshot_dir,
         keep_snapshots=config.checkpoint.keep_weight_snapshots, recover_engines=config.rollout_ft_enabled,
         router=services.router, bucket_bytes=sglang.update_weight_buffer_size,
         join_timeout_s=sglang.update_weight_join_timeout, backend=weight_backend(plan),
@@ -396,6 +429,8 @@ def weight_backend(plan: PlacementPlan | None) -> str:
     node = plan.local if plan is not None else None
     if node is None or node.ranks is None or node.ranks.device != "cuda" or plan.external_engines:
         return "gloo"
+    if plan.policy == "colocate":
+        return "gloo"  # NCCL refuses two processes on one GPU (the plan refuses distributed sync there anyway)
     engines = node.rollout_engines
     return "nccl" if engines and all(slot.choice.on_gpu for slot in engines) else "gloo"
 
@@ -445,5 +480,6 @@ def build_fault_tolerance(config: Config, *, services: Services, weight_sync: We
         config.fault_tolerance, enabled=config.health_monitor_enabled, client=services.client,
         rollout_fleet=services.fleet, weight_sync=weight_sync, router=services.router,
         eval_fleet=services.eval_engines, eval_pauses=[ft.eval_fleet] if ft.eval_fleet is not None else [],
+        rollout_pauses=[services.colocation] if services.colocation is not None else [],
     )
     return ft

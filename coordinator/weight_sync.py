@@ -16,7 +16,10 @@ Invariants:
 - `admit()` returns only at a moment when the engine reports the current version and no update runs, so an
   engine the fleet marks ALIVE right after it never misses an update;
 - dead rollout engines are recovered before an update only when rollout fault tolerance is on
-  (`recover_engines`); with train-only FT or FT off this object never touches an engine's lifecycle.
+  (`recover_engines`); with train-only FT or FT off this object never touches an engine's lifecycle;
+- a snapshot exported ahead (`prepare`, colocation: written while the ranks still hold their state on the
+  device, before they offload) is what `update()` of that version loads, and what an engine recovered by that
+  update starts from: it holds exactly that version's weights.
 """
 
 from __future__ import annotations
@@ -90,14 +93,38 @@ class WeightSync:
         )
         self.current_version: str | None = None
         self._snapshot: tuple[Path, str] | None = None  # the last export and the version it holds
+        self._prepared: tuple[Path, str] | None = None  # exported ahead by prepare(), not yet pushed
         self._export_lock = anyio.Lock()
         self.recoveries = 0
         self.updating = anyio.Event()
         self.updating.set()  # set = not updating; the health monitor waits on it before probing
         self.recovery = EngineRecovery(fleet=fleet, weights=self, router=router)
 
+    async def prepare(self, version: str) -> dict[str, float]:
+        """Export the snapshot of `version` now, for the `update(version)` that follows (disk mode; a no-op for
+        distributed). Colocation calls it before the ranks offload, so the update needs nothing from them."""
+        if self.mode != "disk":
+            return {}
+        started = time.monotonic()
+        async with self._export_lock:
+            path = await self.trainer.export_weights(self.snapshot_dir, version, keep=self.keep_snapshots)
+        self._prepared = (Path(path), version)
+        return {"sync/export_s": time.monotonic() - started}
+
+    def discard_prepared(self) -> None:
+        """Forget a snapshot exported ahead (the ranks' state changed since: train FT restored a checkpoint)."""
+        self._prepared = None
+
     async def update(self, version: str) -> dict[str, float]:
         started = time.monotonic()
+        prepared = self._prepared
+        if prepared is not None and prepared[1] == version and await anyio.Path(prepared[0]).exists():
+            # The ranks already hold `version` and wrote it: it is the current policy an engine recovered now
+            # must start from (and the snapshot the update below loads).
+            async with self._export_lock:
+                self._snapshot = prepared
+                self.current_version = version
+        self._prepared = None
         if self.recover_engines:
             await self._recover_dead_engines()
         engines = list(self.fleet.alive())
@@ -125,7 +152,11 @@ class WeightSync:
 
     async def _by_disk(self, engines: list[Any], version: str) -> None:
         async with self._export_lock:
-            path, _ = await self._export(version)
+            snapshot = self._snapshot
+            if snapshot is not None and snapshot[1] == version and await anyio.Path(snapshot[0]).exists():
+                path = snapshot[0]  # exported ahead (`prepare`)
+            else:
+                path, _ = await self._export(version)
         await self._for_each(
             engines,
             lambda e: self.client.engine(e.url).update_weights_from_disk(str(path), weight_version=version,

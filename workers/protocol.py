@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation)
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 #: the most a peer may send before its token is checked: one Hello (a real one is ~150 bytes)
 MAX_HELLO_BYTES = 4096
@@ -438,6 +438,23 @@ class BroadcastWeightsCommand(Command):
 class DestroyWeightGroupCommand(Command):
     kind: ClassVar[str] = "destroy_weight_group"
     group_name: str = "weight_update_group"
+
+
+@dataclass
+class OffloadCommand(Command):
+    """Move the rank's training state (parameters, gradients, optimizer state, reference model) off the device
+    until `onload` (colocation). `verify`: answer a digest of the state's bytes too (tests, benches)."""
+
+    kind: ClassVar[str] = "offload"
+    verify: bool = False
+
+
+@dataclass
+class OnloadCommand(Command):
+    """Bring the state `offload` moved back, bit-identical; answered with the same figures as `offload`."""
+
+    kind: ClassVar[str] = "onload"
+    verify: bool = False
 
 
 @dataclass

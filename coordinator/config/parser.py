@@ -60,7 +60,9 @@ def build_parser(prog: str = "rayless train") -> argparse.ArgumentParser:
         group = parser.add_argument_group(cls.TITLE, cls.DESCRIPTION)
         for spec in cls.specs():
             if spec.kind is bool and spec.container is None:
-                group.add_argument(spec.flag, dest=spec.name, action="store_true", default=argparse.SUPPRESS,
+                # `bool | None` (unset: a default decided by other flags) also takes slime's `--no-<flag>`
+                action = argparse.BooleanOptionalAction if spec.optional else "store_true"
+                group.add_argument(spec.flag, dest=spec.name, action=action, default=argparse.SUPPRESS,
                                    help=_help_text(spec))
                 continue
             choices = spec.choices()
@@ -146,7 +148,9 @@ def config_from_mapping(values: Mapping[str, Any]) -> Config:
 
 
 def known_flags() -> list[str]:
-    return ["--config", *(spec.flag for _, spec in FLAGS.values())]
+    negated = ["--no-" + spec.flag[2:] for _, spec in FLAGS.values()
+               if spec.kind is bool and spec.optional and spec.container is None]
+    return ["--config", *(spec.flag for _, spec in FLAGS.values()), *negated]
 
 
 def read_config_file(path: str) -> dict[str, Any]:

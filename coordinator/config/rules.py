@@ -162,6 +162,26 @@ def async_rollout_needs_training(config: Config) -> None:
                           "training: drop one")
 
 
+def colocation_is_not_async(config: Config) -> None:
+    if config.cluster.colocate and config.rollout.async_rollout:
+        raise ConfigError("--colocate and --async-rollout: colocated engines and ranks take turns on the same "
+                          "GPUs, so generation cannot overlap training: drop one")
+
+
+def colocation_needs_both_halves(config: Config) -> None:
+    """slime turns --colocate off with --debug-rollout-only; with nothing to share the GPUs with, it is a no-op."""
+    if config.cluster.colocate and not config.colocated:
+        mode = ("--debug-rollout-only (no training ranks)" if not config.needs_train_ranks
+                else "--load-debug-rollout-data / --debug-train-only (no engines)")
+        warnings.warn(f"--colocate has no effect with {mode}: nothing shares the GPUs", ConfigWarning,
+                      stacklevel=3)
+    given = [flag for flag, name in (("--offload-train", "offload_train"), ("--offload-rollout", "offload_rollout"))
+             if getattr(config.cluster, name) and not (config.needs_engines and config.needs_train_ranks)]
+    if given:
+        warnings.warn(f"{' / '.join(given)}: no effect in a run that does not both generate and train",
+                      ConfigWarning, stacklevel=3)
+
+
 #: Run in this order by `Config.validate()`; the first that raises names the contradiction the user sees.
 def eval_fleet_generates_without_hooks(config: Config) -> None:
     if config.eval_fleet_enabled and config.hooks.custom_generate_function_path is not None:
@@ -200,4 +220,6 @@ RULES: tuple[Callable[[Config], None], ...] = (
     async_rollout_needs_training,
     eval_fleet_generates_without_hooks,
     tis_hook_needs_tis,
+    colocation_is_not_async,
+    colocation_needs_both_halves,
 )

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config.checkpoint import CheckpointConfig
-from coordinator.config.cluster import ClusterConfig
+from coordinator.config.cluster import ClusterConfig, resolve_colocation
 from coordinator.config.debug import DebugConfig
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
@@ -137,6 +137,32 @@ class Config:
     def fault_injection_armed(self) -> bool:
         return self.fault_injection_rollout is not None and self.health_monitor_enabled
 
+    # --- colocation ---------------------------------------------------------------------------------------------
+    @property
+    def colocated(self) -> bool:
+        """`--colocate` in a run that both generates and trains (slime turns it off with --debug-rollout-only;
+        with no engines or no ranks there is nothing to share a GPU with)."""
+        return self.cluster.colocate and self.needs_engines and self.needs_train_ranks
+
+    @property
+    def offloads_train(self) -> bool:
+        """The ranks' state leaves the device between steps: `--offload-train`, default on with `--colocate`;
+        only in a run whose engines could use the memory (one that generates and trains)."""
+        asked = self.cluster.offload_train
+        return (self.colocated if asked is None else asked) and self.needs_engines and self.needs_train_ranks
+
+    @property
+    def offloads_rollout(self) -> bool:
+        """The engines release their memory while the ranks train: `--offload-rollout`, default on with
+        `--colocate`; only in a run that both generates and trains."""
+        asked = self.cluster.offload_rollout
+        return (self.colocated if asked is None else asked) and self.needs_engines and self.needs_train_ranks
+
+    @property
+    def swaps_memory(self) -> bool:
+        """Each step hands memory between the engines and the ranks (`coordinator.colocate`)."""
+        return self.offloads_train or self.offloads_rollout
+
     # --- sizes ------------------------------------------------------------------------------------------------
     @property
     def num_launched_rollout_engines(self) -> int:
@@ -225,6 +251,10 @@ class Config:
 
             settings["tis_function_path"] = self.train.custom_tis_function_path
             settings["hook_args"] = plain_args(build_hook_args(self))  # the TIS hook's `args`, on the ranks
+        if self.offloads_train:
+            # CPU ranks spill their state to a file here (a real disk, so the memory is freed, not moved)
+            settings["offload_dir"] = str(self.logging.resolved_run_dir / "train-offload")
+            settings["train_memory_margin_bytes"] = self.cluster.train_memory_margin_bytes
         return settings
 
     # --- validation and the resolved config ------------------------------------------------------------------
@@ -265,6 +295,7 @@ def build_config(values: dict[str, Any], *, config_file: str | None = None, give
     """A Config from converted values by field name (each routed to its slice); not validated."""
     given_names = frozenset(values) if given is None else given
     values, hook_aliases = apply_hook_aliases(values)
+    values = resolve_colocation(values)
     per_slice: dict[str, dict[str, Any]] = {attribute: {} for attribute, _ in SLICES}
     for name, value in values.items():
         attribute, _ = FLAGS[name]

@@ -56,12 +56,21 @@ class EngineError(RaylessError):
 
 
 class EngineHTTPError(EngineError):
-    """The engine answered with an error status (4xx at once, 5xx after the retries ran out)."""
+    """The engine answered with an error status (4xx at once, 5xx after the retries ran out).
 
-    def __init__(self, status: int, message: str, url: str) -> None:
+    `error_type`: the `type` of the server's `{"error": {...}}` body when it names one — our engine says
+    "MemoryReleased" while its memory is released (`released`), so a caller can tell that from a failure."""
+
+    def __init__(self, status: int, message: str, url: str, error_type: str | None = None) -> None:
         super().__init__(f"{url} answered HTTP {status}: {message}", url)
         self.status = status
         self.server_message = message
+        self.error_type = error_type
+
+    @property
+    def released(self) -> bool:
+        """The engine refused because its memory is released (`/release_memory_occupation`): alive, not dead."""
+        return self.error_type == MEMORY_RELEASED
 
 
 class EngineStreamError(EngineHTTPError):
@@ -112,6 +121,21 @@ NO_RETRY = RetryPolicy(attempts=1)
 
 # Calls that must not be repeated: the server joins a collective / consumes broadcasts in order.
 _COLLECTIVE = NO_RETRY
+
+
+#: the error type our engine answers with while its memory is released (503)
+MEMORY_RELEASED = "MemoryReleased"
+
+
+def _server_error_type(resp: httpx.Response) -> str | None:
+    """`error.type` of a `{"error": {"type": ...}}` body, else None."""
+    try:
+        body = json.loads(resp.text)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _server_message(resp: httpx.Response) -> str:
@@ -255,9 +279,9 @@ class EngineClient(anyio.AsyncContextManagerMixin):
             else:
                 if resp.status_code < 400:
                     return resp
-                error = EngineHTTPError(resp.status_code, _server_message(resp), url)
-                if resp.status_code < 500:
-                    raise error  # 4xx: the request is wrong; repeating it cannot help
+                error = EngineHTTPError(resp.status_code, _server_message(resp), url, _server_error_type(resp))
+                if resp.status_code < 500 or error.released:
+                    raise error  # 4xx: the request is wrong; released: repeating it cannot help either
             wait = policy.delay(attempt)
             if attempt >= policy.attempts or time.monotonic() - start + wait > policy.budget:
                 raise error
@@ -334,7 +358,7 @@ class EngineAPI:
             async with self.client.http.stream("POST", url, json=body, timeout=req_timeout) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
-                    raise EngineHTTPError(resp.status_code, _server_message(resp), url)
+                    raise EngineHTTPError(resp.status_code, _server_message(resp), url, _server_error_type(resp))
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue

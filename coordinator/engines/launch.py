@@ -168,7 +168,8 @@ class EngineLaunchSpec:
 def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: ClusterConfig, seed: int,
                        enable_metrics: bool, backend: str = "rayless", device: str = "cpu",
                        gpus: Sequence[int] = (), visible_devices: str | None = None,
-                       port: int | None = None) -> EngineLaunchSpec:
+                       port: int | None = None, release_memory: bool = False,
+                       spill_dir: str | None = None) -> EngineLaunchSpec:
     """How the run launches one engine (rollout or eval), from the sglang and cluster slices and its placement.
 
     `backend`/`device`: the plan's choice (`coordinator.plan.backend`). `gpus`: the engine's GPU positions
@@ -176,6 +177,8 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
     coordinator's CUDA_VISIBLE_DEVICES) and the `--sglang-*` passthrough; our engine gets our flags (seed,
     request slots) and `--device`: on CUDA it sees only its GPU (`visible_devices` as CUDA_VISIBLE_DEVICES)
     and runs on `--base-gpu-id 0`. `enable_metrics`: the health monitor tells slow from hung by /metrics.
+    `release_memory`: the run releases the engine's memory each step (`--offload-rollout`), which SGLang allows
+    only with `--enable-memory-saver`; `spill_dir`: where our CPU engine writes released weights.
     """
     extra: list[str] = ["--weight-version", "0"]
     env: tuple[tuple[str, str], ...] = ()
@@ -190,6 +193,8 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
         if gpus:
             extra += ["--base-gpu-id", str(gpus[0])]
         extra += sglang.sglang_passthrough
+        if release_memory and "--enable-memory-saver" not in sglang.sglang_passthrough:
+            extra.append("--enable-memory-saver")
     else:
         extra += ["--random-seed", str(seed), "--max-running-requests", str(sglang.sglang_server_concurrency)]
         if device == "cuda":
@@ -199,6 +204,8 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
             env = (("CUDA_VISIBLE_DEVICES", visible_devices),)
         else:
             extra += ["--device", "cpu"]
+        if spill_dir is not None:
+            extra += ["--weight-spill-dir", spill_dir]
     return EngineLaunchSpec(kind=backend, model_path=model_path, api_key=sglang.sglang_api_key,
                             extra_args=tuple(extra), env=env, port=port, tp_size=tp_size)
 

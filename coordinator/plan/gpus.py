@@ -52,6 +52,13 @@ class GpuInventory:
         """CUDA_VISIBLE_DEVICES for a child that must see exactly these positions (in this order)."""
         return ",".join(self.ids[p] for p in positions)
 
+    def at_most(self, limit: int | None) -> GpuInventory:
+        """The first `limit` GPUs (miles' `--num-gpus-per-node`), as CUDA_VISIBLE_DEVICES would narrow them."""
+        if limit is None or limit >= self.count:
+            return self
+        return GpuInventory(ids=self.ids[:limit], source=f"{self.source}, the first {limit} by --num-gpus-per-node",
+                            injected=self.injected)
+
     def describe(self) -> str:
         shown = "no GPU" if not self.ids else f"{self.count} GPU" + ("s" if self.count > 1 else "")
         return f"{shown} ({self.source})"

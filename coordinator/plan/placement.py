@@ -10,13 +10,17 @@ How GPUs are placed:
   subset gets `CUDA_VISIBLE_DEVICES` built from the inventory's ids (the training ranks: their GPUs, in
   LOCAL_RANK order; our engine on CUDA: its one GPU), SGLang gets `--base-gpu-id` and `--tp-size`.
 - Demands are placed in slime's order — training ranks first, then rollout engines, then eval engines — by
-  a placement policy (`POLICIES`). `separate` gives each demand its own consecutive GPUs. Colocation (engines
-  on the ranks' GPUs) is another policy: a function from the demands to GPU positions per unit, nothing else.
+  a placement policy (`POLICIES`), a function from the demands to GPU positions per unit, nothing else.
+  `separate` gives each demand its own consecutive GPUs; `colocate` (`--colocate`) puts the rollout engines
+  on the training ranks' GPUs (engine i on the ranks' GPUs i·tp .. i·tp + tp − 1) and the eval engines after.
+- `--num-gpus-per-node` (miles) caps the GPUs a node is planned with, as CUDA_VISIBLE_DEVICES would.
 - The plan is per node (`PlacementPlan.nodes`); today it holds the coordinator's node (training ranks of
   `--actor-node-rank`, and every launched engine). A multi-node run adds one `NodePlan` per node from the
   same `plan_node`, with the node's share of the engines.
 
-Invariants: GPUs of different processes are disjoint under `separate`; a plan that needs more GPUs than the
+Invariants: GPUs of different processes are disjoint under `separate`, and under `colocate` only a rank and
+the rollout engine placed on its GPU share one (a colocated weight update never uses NCCL between them:
+NCCL refuses two processes on one GPU, "Duplicate GPU detected"); a plan that needs more GPUs than the
 node shows raises `ConfigError` naming the flags and the numbers (exit 2, before anything launches), except
 in a lenient (`--dry-run`) plan, which warns and places on the GPUs the plan needs; secrets never appear in
 `describe()` output (commands and environments are masked).
@@ -35,6 +39,7 @@ from coordinator.engines.launch import EngineLaunchSpec, engine_launch_spec, eng
 from coordinator.engines.router import router_command, router_log_path
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
 from coordinator.plan.gpus import PLAN_GPU_COUNT_ENV, GpuInventory, detect_gpus
+from coordinator.plan.snapshots import SnapshotPlace, snapshot_place
 from coordinator.train.group import rank_environment
 from coordinator.train.torchrun import TorchrunSpec
 
@@ -76,7 +81,20 @@ def place_separately(demands: Sequence[GpuDemand]) -> dict[str, tuple[tuple[int,
     return placed
 
 
-POLICIES: dict[str, Policy] = {"separate": place_separately}
+def place_colocated(demands: Sequence[GpuDemand]) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Training ranks and rollout engines both from GPU 0 (the engines on the ranks' GPUs); eval engines after
+    every GPU either uses."""
+    placed: dict[str, tuple[tuple[int, ...], ...]] = {}
+    position = 0
+    for demand in demands:
+        start = 0 if demand.group in ("train", "rollout") else position
+        placed[demand.group] = tuple(tuple(range(start + unit * demand.per_unit, start + (unit + 1) * demand.per_unit))
+                                     for unit in range(demand.units))
+        position = max(position, start + demand.total)
+    return placed
+
+
+POLICIES: dict[str, Policy] = {"separate": place_separately, "colocate": place_colocated}
 
 
 def gpu_demands(config: Config, rollout: EngineChoice | None, eval_: EngineChoice | None, *,
@@ -197,6 +215,17 @@ class WeightSyncPlan:
     mode: str  # --update-weight-transfer-mode
     bucket_bytes: int  # --update-weight-buffer-size
     detail: str
+    #: where disk snapshots go (`coordinator.plan.snapshots`): a tmpfs directory in colocation, else the run dir
+    snapshots: SnapshotPlace
+
+
+@dataclass(frozen=True)
+class SwapPlan:
+    """The memory hand-over of each step (`coordinator.colocate`): who gives memory back while the other works."""
+
+    offload_train: bool  # --offload-train: the ranks' state leaves the device between steps
+    offload_rollout: bool  # --offload-rollout: the engines release weights and KV cache while the ranks train
+    train_memory_margin_bytes: int
 
 
 @dataclass(frozen=True)
@@ -210,6 +239,8 @@ class PlacementPlan:
     external_engines: tuple[str, ...]
     weight_sync: WeightSyncPlan | None
     warnings: tuple[str, ...] = ()
+    #: the per-step memory hand-over; None when nothing is swapped
+    swap: SwapPlan | None = None
     #: a --dry-run plan: built despite what this machine lacks (see warnings)
     lenient: bool = False
 
@@ -224,12 +255,17 @@ def build_plan(config: Config, gpus: GpuInventory, *, has_sglang: bool | None = 
     (`--dry-run`), which records a warning instead and plans as a node with enough GPUs would run."""
     has_sglang = sglang_installed() if has_sglang is None else has_sglang
     rollout, eval_, warnings = choose_engines(config, has_sglang=has_sglang, lenient=lenient)
-    policy = "separate"
+    policy = "colocate" if config.colocated else "separate"
+    gpus = gpus.at_most(config.cluster.num_gpus_per_node)
     node = plan_node(config, config.cluster.actor_node_rank, gpus, rollout, eval_, policy=policy,
                      lenient=lenient, warnings=warnings, python=python)
+    _check_colocated_transfer(config, node, lenient=lenient, warnings=warnings)
+    swap = SwapPlan(offload_train=config.offloads_train, offload_rollout=config.offloads_rollout,
+                    train_memory_margin_bytes=config.cluster.train_memory_margin_bytes) \
+        if config.swaps_memory else None
     return PlacementPlan(policy=policy, nodes=(node,), node_rank=node.node_rank, rollout_choice=rollout,
                          eval_choice=eval_, external_engines=_external(config), weight_sync=_weight_sync(config),
-                         warnings=tuple(warnings), lenient=lenient)
+                         warnings=tuple(warnings), lenient=lenient, swap=swap)
 
 
 def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: EngineChoice | None,
@@ -245,7 +281,7 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
     placed = POLICIES[policy](demands)
     needed = max((gpu for units in placed.values() for unit in units for gpu in unit), default=-1) + 1
     if needed > gpus.count:
-        message = oversubscribed_message(demands, needed, gpus)
+        message = oversubscribed_message(demands, needed, gpus, colocated=policy == "colocate")
         if not lenient:
             raise ConfigError(message)
         warnings.append(message)
@@ -270,19 +306,25 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
                     eval_engines=eval_slots, router=router)
 
 
-def oversubscribed_message(demands: Sequence[GpuDemand], needed: int, gpus: GpuInventory) -> str:
-    parts = []
+def oversubscribed_message(demands: Sequence[GpuDemand], needed: int, gpus: GpuInventory, *,
+                           colocated: bool = False) -> str:
+    parts = {}
     for demand in demands:
         what = demand.what if demand.units != 1 else demand.what.removesuffix("s")
         if demand.per_unit > 1:
             part = f"{demand.flags} ({demand.units} {what} × --rollout-num-gpus-per-engine {demand.per_unit})"
         else:
             part = f"{demand.flags} ({demand.units} {what})"
-        parts.append(part)
+        parts[demand.group] = part
+    if colocated and "train" in parts and "rollout" in parts:
+        shared = max(d.total for d in demands if d.group in ("train", "rollout"))
+        parts = {"shared": f"{parts.pop('train')} and {parts.pop('rollout')} sharing GPUs under --colocate "
+                           f"({shared})", **parts}
     shows = f"{gpus.count}" if gpus.count else "none"
     message = (f"the placement plan needs {needed} GPUs on this node but it shows {shows} ({gpus.source}): "
-               f"{' + '.join(parts)} = {needed}; lower one of them, or make more GPUs visible "
-               "(CUDA_VISIBLE_DEVICES)")
+               f"{' + '.join(parts.values())} = {needed}; lower one of them, or make more GPUs visible "
+               "(CUDA_VISIBLE_DEVICES" + (", --num-gpus-per-node" if "--num-gpus-per-node" in gpus.source else "")
+               + ")")
     if gpus.count == 0 and any(d.group != "train" for d in demands):
         message += "; without GPUs, give --rollout-num-engines N for CPU engines instead of --rollout-num-gpus"
     return message
@@ -319,11 +361,15 @@ def _engine_slots(config: Config, group: str, count: int, choice: EngineChoice,
     for index in range(count):
         name = f"{group}-{index}"
         positions = units[index] if choice.on_gpu else ()
+        releases = group == "rollout" and config.offloads_rollout
         spec = engine_launch_spec(
             model_path=str(config.rollout.hf_checkpoint), sglang=config.sglang, cluster=config.cluster,
             seed=config.rollout.rollout_seed, enable_metrics=config.health_monitor_enabled,
             backend=choice.backend, device=choice.device, gpus=positions,
-            visible_devices=gpus.visible_devices(positions) if positions else None, port=free_port(ENGINE_HOST))
+            visible_devices=gpus.visible_devices(positions) if positions else None, port=free_port(ENGINE_HOST),
+            release_memory=releases,
+            # released weights of our CPU engine go to a file on disk, so the memory is freed, not moved to tmpfs
+            spill_dir=str(run_dir / "engine-spill" / name) if releases and choice.device == "cpu" else None)
         if python != spec.python:
             spec = _with_python(spec, python)
         slots.append(EngineSlot(name=name, group=group, gpus=positions, choice=choice, spec=spec,
@@ -346,14 +392,38 @@ def _weight_sync(config: Config) -> WeightSyncPlan | None:
         return None
     sglang = config.sglang
     mode = sglang.update_weight_transfer_mode
+    snapshots = snapshot_place(run_dir=config.logging.resolved_run_dir, model_path=config.rollout.hf_checkpoint,
+                               keep=config.checkpoint.keep_weight_snapshots,
+                               colocated=config.colocated and mode == "disk")
     if mode == "disk":
-        detail = (f"rank 0 writes a safetensors snapshot under {config.logging.resolved_run_dir / 'weights'}; "
+        detail = (f"rank 0 writes a safetensors snapshot under {snapshots.directory} ({snapshots.why}); "
                   "every engine loads it (/update_weights_from_disk)")
+        if config.colocated:
+            detail += ("; colocated, so the snapshot is written before the ranks offload and read once the "
+                       "engines have their weights back")
     else:
         detail = ("rank 0 sends the weights over a process group the engines join "
                   "(/init_weights_update_group, /update_weights_from_distributed); a fresh group on a free "
                   "port per update")
-    return WeightSyncPlan(mode=mode, bucket_bytes=sglang.update_weight_buffer_size, detail=detail)
+    return WeightSyncPlan(mode=mode, bucket_bytes=sglang.update_weight_buffer_size, detail=detail,
+                          snapshots=snapshots)
+
+
+def _check_colocated_transfer(config: Config, node: NodePlan, *, lenient: bool, warnings: list[str]) -> None:
+    """A distributed update between a rank and an engine on the same GPU would need NCCL between two processes
+    on one device, which NCCL refuses ("Duplicate GPU detected"); colocated CPU processes use gloo."""
+    if not config.colocated or config.sglang.update_weight_transfer_mode not in ("distributed", "broadcast"):
+        return
+    on_gpu = (node.ranks is not None and node.ranks.device == "cuda") or any(s.gpus for s in node.rollout_engines)
+    if not on_gpu:
+        return
+    message = (f"--colocate with --update-weight-transfer-mode {config.sglang.update_weight_transfer_mode}: a "
+               "rank and the engine on its GPU cannot form an NCCL group (NCCL refuses two processes on one GPU), "
+               "so colocated weights move by disk: drop --update-weight-transfer-mode (disk is the default; "
+               "snapshots go through /dev/shm)")
+    if not lenient:
+        raise ConfigError(message)
+    warnings.append(message)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -50,6 +50,8 @@ def describe_plan(plan: PlacementPlan, *, detail: bool = True) -> str:
             lines.append(f"{group} engines: {choice.backend} on {choice.device} ({choice.reason})")
     for address in plan.external_engines:
         lines.append(f"attached rollout engine (not launched): {address}")
+    if plan.swap is not None:
+        lines.append(swap_text(plan))
     sync = plan.weight_sync
     if sync is not None:
         lines.append(f"weight sync: {sync.mode} (--update-weight-transfer-mode), bucket size "
@@ -61,7 +63,35 @@ def describe_plan(plan: PlacementPlan, *, detail: bool = True) -> str:
 
 
 def _policy_text(policy: str) -> str:
-    return {"separate": "no two processes share a GPU"}.get(policy, policy)
+    return {"separate": "no two processes share a GPU",
+            "colocate": "--colocate: the rollout engines run on the training ranks' GPUs and take turns with "
+                        "them each step"}.get(
+        policy, policy)
+
+
+def swap_text(plan: PlacementPlan) -> str:
+    """The per-step schedule of the memory hand-over (`coordinator.colocate`), as the run follows it."""
+    swap = plan.swap
+    assert swap is not None
+    phases = ["generate"]
+    if swap.offload_rollout:
+        phases.append("engines release memory (weights, kv_cache, cuda_graph)")
+    if swap.offload_train:
+        phases.append("ranks bring parameters, gradients and optimizer state back")
+    phases.append("train")
+    if swap.offload_train:
+        phases.append("ranks offload (to host memory on CUDA; on CPU ranks, to a file under the run "
+                      "directory's train-offload/)")
+    if swap.offload_rollout:
+        phases.append("engines take their weights back")
+    phases.append("weight update")
+    if swap.offload_rollout:
+        phases.append("engines take their KV cache back")
+    margin = (f"; --train-memory-margin-bytes {swap.train_memory_margin_bytes} must stay free on CUDA when the "
+              "ranks bring their state back" if swap.offload_train else "")
+    return ("memory hand-over each step (--offload-train " + ("on" if swap.offload_train else "off")
+            + ", --offload-rollout " + ("on" if swap.offload_rollout else "off") + "): "
+            + " → ".join(phases) + margin)
 
 
 def _node_lines(node: NodePlan, *, detail: bool) -> list[str]:
@@ -84,6 +114,9 @@ def _gpus_column(node: NodePlan, slot: RanksSlot | EngineSlot | RouterSlot) -> s
     ids = node.gpus.visible_devices(slot.gpus)
     if ids != ",".join(map(str, slot.gpus)):
         shown += f" (CUDA ids {ids})"
+    others = {gpu for other in node.processes() if other is not slot for gpu in other.gpus}
+    if others.intersection(slot.gpus):
+        shown += " shared"
     return shown
 
 

@@ -53,6 +53,18 @@ def rank_environment(address: str, token: str, *, max_frame_bytes: int = protoco
     }
 
 
+def state_moves(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One offload/onload over the ranks: the slowest rank's seconds, the state's bytes summed, every memory
+    figure (bytes) as the largest rank's, and each rank's digest when asked (`digests`)."""
+    summary: dict[str, Any] = {"seconds": max(float(r.get("seconds", 0.0)) for r in per_rank),
+                               "state_bytes": sum(int(r.get("state_bytes", 0)) for r in per_rank)}
+    for key in sorted({k for r in per_rank for k in r if k.endswith("_bytes") and k != "state_bytes"}):
+        summary[key] = max(int(r.get(key, 0)) for r in per_rank)
+    if any("digest" in r for r in per_rank):
+        summary["digests"] = [r.get("digest") for r in per_rank]
+    return summary
+
+
 @dataclass
 class CheckpointInfo:
     rollout_id: int
@@ -417,6 +429,25 @@ class TrainGroup:
             load_format=load_format or "",
         )
         return (await self.server.call_all(command))[0]
+
+    async def offload(self, rollout_id: int = -1, *, verify: bool = False) -> dict[str, Any]:
+        """Every rank moves its training state off the device (colocation: `workers.train_rank.offload`).
+        Returns `state_moves`' summary; with train FT, ranks lost meanwhile are recovered first (train FT's
+        rules: restarted, initialised, the last checkpoint loaded) and the command is sent again."""
+        return await self._move_state(protocol.OffloadCommand(verify=verify), rollout_id)
+
+    async def onload(self, rollout_id: int = -1, *, verify: bool = False) -> dict[str, Any]:
+        """Every rank brings its state back onto the device, bit-identical; as `offload` otherwise."""
+        return await self._move_state(protocol.OnloadCommand(verify=verify), rollout_id)
+
+    async def _move_state(self, command: protocol.Command, rollout_id: int) -> dict[str, Any]:
+        async def once() -> dict[str, Any]:
+            results = await self.server.call_all(command)
+            return state_moves([results[rank] for rank in range(self.world_size)])
+
+        if self.recovery is None:
+            return await once()
+        return await self.recovery.run_step(rollout_id, once)
 
     async def destroy_weight_group(self, group_name: str = "weight_update_group") -> bool:
         results = await self.server.call({0: protocol.DestroyWeightGroupCommand(group_name)})

@@ -115,3 +115,29 @@ def test_a_launch_that_needs_more_gpus_than_the_node_shows_exits_2_before_launch
         in outcome["stderr"]
     injected = run_cli(*flags, "--rollout-num-engines", "1", gpus=8)
     assert injected["status"] == 2 and "unset it to launch" in injected["stderr"] and injected["children"] == 0
+
+
+def test_a_dry_run_of_a_colocated_8_gpu_plan(job: list[str], tmp_path: Path) -> None:
+    """Issue 12: engines on the ranks' GPUs (tp 1, then tp 2), the hand-over, and where snapshots go."""
+    flags = [*job, "--colocate", "--actor-num-gpus-per-node", "8", "--rollout-batch-size", "8"]
+    outcome = run_cli(*flags, "--rollout-num-gpus-per-engine", "1", "--engine-backend", "rayless", gpus=8)
+    assert outcome["status"] == 0, outcome["stderr"]
+    assert outcome["children"] == 0 and not (tmp_path / "run").exists()
+    out = outcome["stdout"]
+    print(out)
+    assert "placement plan (policy colocate" in out and "this plan uses 8" in out
+    assert "train-ranks  0-7 shared" in out
+    for gpu in range(8):
+        assert f"rollout-{gpu}    {gpu} shared" in out
+    assert "engines release memory (weights, kv_cache, cuda_graph) → ranks bring parameters" in out
+    assert "weight sync: disk" in out
+    if Path("/dev/shm").is_dir():
+        assert "snapshot under /dev/shm/rayless-" in out and "removed when the run ends" in out
+    tp2 = run_cli(*flags, "--rollout-num-gpus-per-engine", "2", "--engine-backend", "sglang", gpus=8)
+    assert tp2["status"] == 0, tp2["stderr"]
+    out = tp2["stdout"]
+    print(out)
+    assert "--tp-size 2 --base-gpu-id 0" in out and "--tp-size 2 --base-gpu-id 6" in out
+    assert out.count("--enable-memory-saver") == 4
+    refused = run_cli(*flags, "--async-rollout", gpus=8)
+    assert refused["status"] == 2 and "--colocate and --async-rollout" in refused["stderr"]

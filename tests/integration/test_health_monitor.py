@@ -192,3 +192,61 @@ async def test_one_recovery_for_two_callers_loads_the_current_weights_before_dis
         assert fake.requests["/update_weights_from_disk"] == 2, "the update, then one load by the recovery"
         assert exporter.exports == ["3"], "the snapshot of the current version is reused, not exported again"
         group.cancel_scope.cancel()
+
+
+class NoRanks:
+    """FAKE training side of a colocation swap that only releases engines (`offload_train` off): it is asked
+    for nothing but its recovery count."""
+
+    recoveries = 0
+
+
+async def test_a_released_engine_is_alive_and_the_swap_pauses_probing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A real CPU engine whose memory is released answers probes 503 MemoryReleased: counted as `released`,
+    never as a failure; while a colocation swap has it released, no probe starts at all."""
+    from coordinator.colocate import Colocation
+
+    spec = EngineLaunchSpec(kind="rayless", model_path=str(tiny_model_dir), stop_grace=1.0,
+                            extra_args=("--weight-version", "0", "--random-seed", "0",
+                                        "--weight-spill-dir", str(tmp_path / "spill")),
+                            env=(("RAYLESS_ENGINE_THREADS", "1"),))
+    async with EngineClient(max_connections=16) as client, anyio.create_task_group() as group:
+        fleet = EngineFleet(client=client, launch=spec, num_engines=1, run_dir=tmp_path, probe_timeout=2)
+        await group.start(fleet.run)
+        swap = Colocation(fleet=fleet, client=client, trainer=NoRanks(), weight_sync=None, offload_train=False,
+                          offload_rollout=True, recovers_engines=True)
+        monitor = HealthMonitor(fleet=fleet, client=client, interval=0.2, timeout=1.0, failure_threshold=2,
+                                pauses=[swap])
+        await group.start(monitor.run)
+        engine = fleet.engines[0]
+        api = client.engine(engine.url)
+
+        # released by someone else (not a swap the monitor knows of): alive, said so, never dead
+        await api.release_memory_occupation(None)
+        failures = monitor.stats.probe_failures  # (a first probe of a cold engine on a loaded box may time out)
+        with anyio.fail_after(20):
+            while monitor.stats.released < 3:  # noqa: ASYNC110 - polls the monitor's counters
+                await anyio.sleep(0.05)
+        assert monitor.stats.probe_failures == failures and monitor.stats.deaths == 0 and engine.alive
+        await api.resume_memory_occupation(None)
+
+        # released by the swap: probing stops from the release to the last resume
+        with anyio.fail_after(20):
+            while monitor.watches.get(engine.name) is None:  # noqa: ASYNC110 - polls the monitor's state
+                await anyio.sleep(0.05)
+        released_before = monitor.stats.released
+        await swap.before_train(0, generate_s=0.0)
+        paused_at = time.monotonic()
+        await swap.during_train()  # what the engines hold while the ranks would train
+        await anyio.sleep(1.0)
+        await swap.after_train(0, "1", train_s=1.0)
+        record = await swap.after_update()
+        resumed_at = time.monotonic()
+        starts = monitor.watches[engine.name].probe_starts
+        assert not [t for t in starts if paused_at < t < resumed_at], "no probe starts during the swap"
+        assert monitor.stats.released == released_before and monitor.stats.deaths == 0
+        assert record["colocate/engine_weight_train_bytes"] == 0 and record["colocate/engine_weight_generate_bytes"] > 0
+        assert record["colocate/engine_requests_refused_while_released"] == 0
+        out = await api.generate({"text": "1 2=", "sampling_params": {"max_new_tokens": 2}})
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        group.cancel_scope.cancel()

@@ -30,9 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Flags other issues add (refused today with exit 2 naming them).
 PENDING = {
-    "--colocate": "issue 12 (--colocate)",
-    "--num-gpus-per-node": "issue 12 (placement under --colocate)",
-    "--train-memory-margin-bytes": "issue 12 (miles' colocate memory margin)",
     "--pause-generation-mode": "issue 11 (weight sync; miles' pause mode)",
     "--eval-config": "issue 13 item 4 (eval on the rollout engines)",
     "--eval-top-k": "issue 13 item 4",
@@ -110,9 +107,7 @@ def blockers(argv: list[str] | tuple[str, ...]) -> dict[str, str]:
 def without_pending(argv: list[str]) -> list[str]:
     """`argv` with the pending flags (and their values) removed, so everything else in it can be checked today.
 
-    Two pending items change meaning when dropped, so they are replaced by what they stand for: `--colocate`
-    by its sizing rule (`--rollout-num-gpus` = the training GPUs, as slime) and a pending `--rm-type` by
-    `math` (a reward this tree has).
+    A pending `--rm-type` changes meaning when dropped, so it is replaced by `math` (a reward this tree has).
     """
     from coordinator.rollout.rewards import BUILTIN_RM_TYPES
 
@@ -122,19 +117,11 @@ def without_pending(argv: list[str]) -> list[str]:
     for token in argv:
         if token.startswith("--") and not token[2:3].isdigit():
             skipping = token in pending
-            if token == "--colocate" and "--rollout-num-gpus" not in argv:
-                nodes = int(_value(argv, "--actor-num-nodes") or 1)
-                per_node = int(_value(argv, "--actor-num-gpus-per-node") or 1)
-                result += ["--rollout-num-gpus", str(nodes * per_node)]
         if not skipping:
             result.append(token)
     if "--rm-type" in result and result[result.index("--rm-type") + 1] not in BUILTIN_RM_TYPES:
         result[result.index("--rm-type") + 1] = "math"
     return result
-
-
-def _value(argv: list[str], flag: str) -> str | None:
-    return argv[argv.index(flag) + 1] if flag in argv else None
 
 
 # ---------------------------------------------------------------------------------------------------------

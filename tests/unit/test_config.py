@@ -197,6 +197,10 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                            "evaluates with the built-in"),
     "tis_hook_needs_tis": (None, ["--rollout-num-engines", "1", "--custom-tis-function-path", "m:tis"],
                            "warning: --custom-tis-function-path replaces the TIS weight of --use-tis, which is off"),
+    "colocation_is_not_async": (None, ["--colocate", "--async-rollout"],
+                                "--colocate and --async-rollout: colocated engines and ranks take turns"),
+    "colocation_needs_both_halves": (None, ["--rollout-num-engines", "1", "--colocate", "--debug-rollout-only"],
+                                     "warning: --colocate has no effect with --debug-rollout-only"),
 }
 
 

@@ -76,6 +76,8 @@ def test_every_message_kind_round_trips() -> None:
         protocol.Request(13, protocol.BroadcastWeightsCommand("127.0.0.1", 29500, 3, "g", 5.0)),
         protocol.Request(14, protocol.DestroyWeightGroupCommand("g")),
         protocol.Request(15, protocol.ShutdownCommand()),
+        protocol.Request(16, protocol.OffloadCommand(verify=True)),
+        protocol.Request(17, protocol.OnloadCommand()),
         protocol.Response(15, True, {"metrics": {"loss": 0.25}}),
         protocol.Response(16, True, protocol.TrainResult([step_metrics(0.25)]).to_wire()),
         protocol.Response(16, False, {}, "ValueError: bad", "Traceback ..."),

@@ -20,9 +20,6 @@ weights.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import logging
 import os
 import tempfile
@@ -31,25 +28,22 @@ from pathlib import Path
 
 import torch
 
+from workers.host_memory import trim_host_heap
+
 log = logging.getLogger("rayless.engine.memory")
 
 
 def return_freed_memory(device: torch.device) -> None:
-    """Hand memory freed by dropped tensors back to the system (not only to the allocator's free lists)."""
-    gc.collect()
+    """Hand memory freed by dropped tensors back to the system (not only to the allocator's free lists).
+
+    The released tensors are dropped by reference count (nothing holds them in a cycle), so no garbage
+    collection is needed to free them; on a loaded host one costs ~0.3 s of every release (colocation pays it
+    each step)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         return
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): the allocator returns memory its own way
-        return
-    trim(0)
+    trim_host_heap()
 
 
 @dataclass
@@ -138,6 +132,8 @@ class WeightStash:
     def _spill(self, tensors: dict[str, torch.Tensor]) -> Path:
         from safetensors.torch import save_file
 
+        if self.spill_dir is not None:
+            os.makedirs(self.spill_dir, exist_ok=True)
         handle, name = tempfile.mkstemp(prefix="rayless-released-weights-", suffix=".safetensors", dir=self.spill_dir)
         os.close(handle)
         path = Path(name)

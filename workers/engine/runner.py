@@ -263,10 +263,12 @@ class ModelRunner:
         self.rows, self._kv, self._last_token = [], [], {}
         self._pad = torch.zeros(0, dtype=torch.long, device=self.device)
 
-    def release_kv_cache(self) -> None:
-        """Drop the cache and hand its memory back to the system (release_memory_occupation: kv_cache)."""
+    def release_kv_cache(self, *, return_memory: bool = True) -> None:
+        """Drop the cache and hand its memory back to the system (release_memory_occupation: kv_cache);
+        `return_memory=False` when the weights are released next, which returns both at once."""
         self.reset()
-        return_freed_memory(self.device)
+        if return_memory:
+            return_freed_memory(self.device)
 
     def release_weights(self) -> int:
         """Free the weights (see `memory.WeightStash`); returns the bytes freed."""

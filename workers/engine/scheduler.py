@@ -287,10 +287,15 @@ class Scheduler:
         async with self.model_lock:
             if "kv_cache" in tags or "weights" in tags:
                 freed["kv_cache_tokens"] = self.runner.cached_tokens()
-                await anyio.to_thread.run_sync(self.runner.release_kv_cache)
+                await anyio.to_thread.run_sync(
+                    lambda: self.runner.release_kv_cache(return_memory="weights" not in tags))
             if "weights" in tags:
                 freed["weight_bytes"] = await anyio.to_thread.run_sync(self.runner.release_weights)
             self.released |= tags
+            # A health probe that slipped in while the memory was being released cannot run now: it ends at once
+            # (its handler answers "released") instead of waiting out its timeout.
+            for seq in [seq for seq in self.waiting if seq.bypass_pause]:
+                self._finish(seq, {"type": "abort", "message": "memory released"})
         self._signal()
         return freed
 

@@ -59,6 +59,7 @@ from workers.engine.weight_group import (
     parse_dtype,
     receive,
 )
+from workers.host_memory import resident_bytes
 
 log = logging.getLogger("rayless.engine")
 
@@ -468,6 +469,8 @@ class EngineServer:
             await group.wait_finished()
         if not seq.finished or (seq.finish_reason or {}).get("type") == "abort":
             self.scheduler.abort_group(group, "health check timed out")
+            if self.scheduler.released:  # released while the probe waited: alive, say so
+                return released_error(MemoryReleasedError(self.scheduler.released))
             return error("health check generation did not finish", 503)
         return Response(status_code=200)
 
@@ -519,6 +522,7 @@ class EngineServer:
     def _memory_figures(self) -> dict[str, Any]:
         figures: dict[str, Any] = {
             "device": str(self.runner.device),
+            "rss_bytes": resident_bytes(),
             "weight_bytes_resident": self.runner.stash.parameter_bytes(),
             "kv_cache_tokens": self.runner.cached_tokens(),
         }

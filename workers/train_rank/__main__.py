@@ -117,6 +117,8 @@ def main() -> None:
         try:
             serve(channel, trainer)
         finally:
+            if trainer.state is not None:
+                trainer.state.discard()  # a spill file of a state offloaded at exit
             dist.destroy_process_group()
     finally:
         channel.close()

@@ -75,6 +75,10 @@ class TrainSettings:
     compute_dtype: str | None = None
     attn_implementation: str | None = None
     gradient_checkpointing: bool = False
+    # Colocation (`offload` / `onload` commands): where CPU ranks spill their state (None: the temp dir), and
+    # the device memory that must stay free beyond the state when CUDA ranks bring it back.
+    offload_dir: str | None = None
+    train_memory_margin_bytes: int = 0
 
     @property
     def clip_high(self) -> float:
@@ -127,5 +131,7 @@ class TrainSettings:
             raise SettingsError(f"adam betas must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise SettingsError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.train_memory_margin_bytes < 0:
+            raise SettingsError(f"train_memory_margin_bytes must be >= 0, got {self.train_memory_margin_bytes}")
         if self.use_tis and self.use_rollout_logprobs:
             raise SettingsError("use_tis needs recomputed logprobs; it contradicts use_rollout_logprobs")

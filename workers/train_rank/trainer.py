@@ -1,8 +1,11 @@
 """The rank's training state and one method per control-channel command.
 
-Owns the model, its reference copy, the optimizer and scheduler between commands. Invariant: every rank
-runs the same commands in the same order (the coordinator serialises them), so each collective here is
-entered by all ranks; a rank's shard may differ but never its number of optimizer steps.
+Owns the model, its reference copy, the optimizer and scheduler between commands, and where they are
+(`offload`: off the device between steps in colocation). Invariants: every rank runs the same commands in the
+same order (the coordinator serialises them), so each collective here is entered by all ranks; a rank's shard
+may differ but never its number of optimizer steps. A command that reads the state finds it on the device: one
+that arrives while it is offloaded (a checkpoint save, a weight export for an engine's recovery) brings it
+back for the command and offloads it again after (`handle`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from workers.train_rank import checkpoint, weight_buckets, weight_export
 from workers.train_rank.batching import MicroBatch, make_micro_batches, token_entropy, token_log_probs
 from workers.train_rank.loss import LossConfig, policy_loss
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
+from workers.train_rank.offload import StateOffload
 from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler, clip_gradients
 from workers.train_rank.parallel import apply_data_parallel
 from workers.train_rank.settings import TrainSettings
@@ -42,6 +46,7 @@ class Trainer:
         self.pad_token_id = 0
         self.sender = weight_buckets.WeightSender()
         self.tis_hook: TisHook | None = None
+        self.state: StateOffload | None = None
 
     # ------------------------------------------------------------------------------------------ commands
 
@@ -74,6 +79,11 @@ class Trainer:
         self.pad_token_id = int(pad) if pad is not None else 0
         if settings.tis_function_path is not None and settings.use_tis:
             self.tis_hook = TisHook.load(settings.tis_function_path, settings.hook_args)
+        if self.state is not None:
+            self.state.discard()  # a re-init (train FT) replaces a state offloaded before it
+        self.state = StateOffload(model=model, optimizer=self.optimizer, reference=self.reference,
+                                  device=self.device, offload_dir=settings.offload_dir,
+                                  memory_margin_bytes=settings.train_memory_margin_bytes)
         self.settings = settings
         return {"num_parameters": sum(p.numel() for p in model.parameters()), "device": str(self.device)}
 
@@ -241,6 +251,16 @@ class Trainer:
     def destroy_weight_group(self, command: protocol.DestroyWeightGroupCommand) -> dict[str, Any]:
         return {"destroyed": self.sender.destroy(command.group_name) if self.rank == 0 else False}
 
+    def offload(self, command: protocol.OffloadCommand) -> dict[str, Any]:
+        self._require()
+        assert self.state is not None
+        return self.state.offload(verify=command.verify)
+
+    def onload(self, command: protocol.OnloadCommand) -> dict[str, Any]:
+        self._require()
+        assert self.state is not None
+        return self.state.onload(verify=command.verify)
+
     # ------------------------------------------------------------------------------------------- helpers
 
     def _require(self) -> tuple[TrainSettings, Any, torch.optim.Optimizer]:
@@ -257,7 +277,23 @@ def lr_schedule(settings: TrainSettings) -> LrSchedule:
                       warmup_init_lr=settings.warmup_init_lr)
 
 
+#: commands that read or write the training state: run with the state on the device
+_NEEDS_STATE = (protocol.TrainCommand, protocol.SaveCommand, protocol.LoadCommand, protocol.ExportWeightsCommand,
+                protocol.WeightManifestCommand, protocol.BroadcastWeightsCommand)
+
+
 def handle(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:
+    state = trainer.state
+    if state is not None and state.offloaded and isinstance(command, _NEEDS_STATE):
+        state.onload()  # e.g. a checkpoint save, or an export for an engine's recovery, between steps
+        try:
+            return _dispatch(trainer, command)
+        finally:
+            state.offload()
+    return _dispatch(trainer, command)
+
+
+def _dispatch(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:
     handlers = {
         protocol.InitCommand: trainer.init,
         protocol.TrainCommand: trainer.train,
@@ -267,6 +303,8 @@ def handle(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:
         protocol.WeightManifestCommand: trainer.weight_manifest,
         protocol.BroadcastWeightsCommand: trainer.broadcast_weights,
         protocol.DestroyWeightGroupCommand: trainer.destroy_weight_group,
+        protocol.OffloadCommand: trainer.offload,
+        protocol.OnloadCommand: trainer.onload,
     }
     handler = handlers.get(type(command))
     if handler is None:

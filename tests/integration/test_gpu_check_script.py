@@ -1,0 +1,28 @@
+"""`bench/gpu_check.sh --cpu`: the prepared GPU check runs its steps at tiny sizes on the CPU, so the script the
+lead runs on a lent GPU cannot rot (issue 11 item 10, issue 12)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_check_passes_in_its_cpu_mode(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert [line.split()[0] for line in summary] == ["[env]", "[gpu-tests]", "[colocate]", "[weight-sync]"]
+    assert all(" PASS " in line for line in summary), summary
+    for step in ("env", "gpu-tests", "colocate", "weight-sync"):
+        assert f"================ [{step}] PASS" in done.stdout
+        assert (tmp_path / f"{step}.log").stat().st_size > 0
+    colocate = (tmp_path / "colocate.log").read_text()
+    assert "colocated phases, median seconds per step" in colocate and "resume_kv" in colocate
+    assert (tmp_path / "colocate-runs" / "colocated" / "metrics.jsonl").is_file()
+    assert "colocated sync: export + engine load" in (tmp_path / "weight-sync.log").read_text()
