@@ -13,18 +13,24 @@ the exit status is 0 when every check passed (warnings allowed) and 2 otherwise;
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
+
+if TYPE_CHECKING:
+    from coordinator.nodes.layout import NodeLayout
 
 PROMPT_CHARS = 400
 
 
 def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = None,
-            err: TextIO | None = None) -> int:
+            err: TextIO | None = None, layout: NodeLayout | None = None,
+            layout_warnings: Sequence[str] = ()) -> int:
+    """The report; `layout` / `layout_warnings`: a multi-node run's node layout, as `resolve_layout` found it
+    (the plan printed is this node's share)."""
     from coordinator.config.porting import porting_notice
     from coordinator.config.preflight import (
         check_checkpoints,
@@ -57,7 +63,7 @@ def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = 
             print(mask(f"rayless train: notice: {notice}"), file=err)
     plan = None
     try:
-        plan = plan_for_dry_run(config)
+        plan = plan_for_dry_run(config, layout, layout_warnings)
     except ConfigError as error:
         errors.append(str(error))
     print("rayless train --dry-run: checks (nothing is launched)", file=out)
