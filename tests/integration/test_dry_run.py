@@ -28,8 +28,10 @@ PROBE = textwrap.dedent(
 )
 
 
-def run_cli(*args: str, gpus: int | None = None, pythonpath: Path | None = None) -> dict:
+def run_cli(*args: str, gpus: int | None = None, pythonpath: Path | None = None,
+            extra_env: dict[str, str] | None = None) -> dict:
     env = {key: value for key, value in os.environ.items() if key != "RAYLESS_PLAN_GPU_COUNT"}
+    env.update(extra_env or {})
     if gpus is not None:
         env["RAYLESS_PLAN_GPU_COUNT"] = str(gpus)
     if pythonpath is not None:
@@ -115,3 +117,32 @@ def test_a_launch_that_needs_more_gpus_than_the_node_shows_exits_2_before_launch
         in outcome["stderr"]
     injected = run_cli(*flags, "--rollout-num-engines", "1", gpus=8)
     assert injected["status"] == 2 and "unset it to launch" in injected["stderr"] and injected["children"] == 0
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_dry_run_of_a_2_node_8_gpu_plan_shows_each_nodes_share(job: list[str], tmp_path: Path, node: int) -> None:
+    token = "SENTINEL-token-0123456789abcdef"
+    slurm = {"SLURM_NODEID": str(node), "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu-node[07-08]",
+             "RAYLESS_CONTROL_TOKEN": token}
+    outcome = run_cli(*job, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "8",
+                      "--rollout-num-gpus-per-engine", "2", "--engine-backend", "sglang", gpus=8, extra_env=slurm)
+    assert outcome["status"] == 0, outcome["stderr"]
+    assert outcome["children"] == 0 and not outcome["launcher_imported"] and not (tmp_path / "run").exists()
+    out = outcome["stdout"]
+    role = "the coordinator (node 0)" if node == 0 else "node 1, not the coordinator"
+    assert f"nodes: 2; this is {role} (SLURM_NODEID={node}; node 0 from the first host of " \
+           "SLURM_JOB_NODELIST=gpu-node[07-08], port 29500)" in out
+    assert "rendezvous  torchrun c10d at gpu-node07:29500" in out
+    assert "control     ranks dial gpu-node07:29501 (node 0 listens on 0.0.0.0:29501)" in out
+    assert "registry    node 1 reports its engines to gpu-node07:29502" in out
+    assert f"node {node} (this node): 4 training rank(s), 2 rollout engine(s)" in out
+    assert f"node {node}: 8 GPUs (RAYLESS_PLAN_GPU_COUNT=8, injected for planning); this plan uses 8" in out
+    engines = ("rollout-0", "rollout-1") if node == 0 else ("rollout-2", "rollout-3")
+    assert f"{engines[0]}    4,5   cuda (sglang, tp 2)" in out and f"{engines[1]}    6,7   cuda (sglang, tp 2)" in out
+    assert "train-ranks  0-3" in out and f"RAYLESS_NODE_RANK={node} TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in out
+    assert f"--nnodes 2 --node-rank {node} --rdzv-backend c10d --rdzv-endpoint gpu-node07:29500 " \
+           f"--rdzv-conf is_host={1 if node == 0 else 0}" in out
+    assert f"train_ranks-node{node}.log" in out and "RAYLESS_CONTROL_TOKEN=***" in out
+    assert token not in out + outcome["stderr"]
+    if node == 1:  # its engines listen where node 0 reaches it; a login node has no route to gpu-node07
+        assert "there is no route from here to node 0 (gpu-node07)" in outcome["stderr"]
