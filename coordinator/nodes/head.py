@@ -67,7 +67,13 @@ class Head:
             if group is not None:
                 await group.listening.wait()
 
+        async def drop_its_ranks(node: int, reason: str) -> None:
+            group = train_group()
+            if group is not None:  # a node that lost power sends no FIN: its ranks' connections would linger
+                await group.server.drop_node(node, reason)
+
         self.registry.before_welcome = control_channel_listening
+        self.registry.on_node_lost = drop_its_ranks
         await task_group.start(self.registry.run)
 
     def rank_kwargs(self) -> dict[str, Any]:

@@ -60,6 +60,10 @@ class _Session:
     peer: str
     stream: anyio.abc.ByteStream
     send_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    #: set when a newer connection of the same node replaced it: why
+    replaced: str | None = None
+    ended: anyio.Event = field(default_factory=anyio.Event)
 
     async def send(self, message: wire.NodeMessage) -> None:
         async with self.send_lock:
@@ -76,11 +80,13 @@ class NodeRegistry:
         shared_dirs: directories every node should see (markers are written there); `disk_sync_dir`, if
             given, is one of them that must be shared (the disk weight sync's snapshots).
         before_welcome: awaited before any node is welcomed (node 0's control channel is listening).
+        on_node_lost: awaited with (node, reason) when a node is lost (node 0 drops its ranks' connections).
     """
 
     def __init__(self, *, layout: NodeLayout, token: str, engine_nodes: Mapping[str, int],
                  shared_dirs: list[Path], disk_sync_dir: Path | None = None, save_dir: Path | None = None,
                  before_welcome: Callable[[], Awaitable[None]] | None = None,
+                 on_node_lost: Callable[[int, str], Awaitable[None]] | None = None,
                  handshake_timeout_s: float = 30.0) -> None:
         self.layout = layout
         self.token = token
@@ -89,6 +95,7 @@ class NodeRegistry:
         self.disk_sync_dir = disk_sync_dir
         self.save_dir = save_dir
         self.before_welcome = before_welcome
+        self.on_node_lost = on_node_lost
         self.handshake_timeout_s = handshake_timeout_s
         #: connected nodes now, by node rank
         self.nodes: dict[int, _Session] = {}
@@ -194,9 +201,6 @@ class NodeRegistry:
             return f"{who} was started with --actor-num-nodes {hello.num_nodes}, node 0 with {self.layout.num_nodes}"
         if not 0 < hello.node_rank < self.layout.num_nodes:
             return f"{who}: node ranks 1..{self.layout.num_nodes - 1} connect here (node 0 is the coordinator)"
-        if hello.node_rank in self.nodes:
-            other = self.nodes[hello.node_rank]
-            return f"{who}: node {hello.node_rank} is already connected (pid {other.pid}, host {other.host})"
         return None
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
@@ -218,6 +222,11 @@ class NodeRegistry:
             return
         if self.before_welcome is not None:
             await self.before_welcome()
+        old = self.nodes.get(hello.node_rank)
+        if old is not None:  # the node's process was started again before its old connection was seen to end
+            old.replaced = f"replaced by a new process (pid {hello.pid}) from {peer}"
+            old.scope.cancel()
+            await old.ended.wait()
         session = _Session(node=hello.node_rank, pid=hello.pid, host=hello.host, peer=peer, stream=stream)
         try:
             await session.send(wire.NodeWelcome(markers=self._markers))
@@ -237,22 +246,25 @@ class NodeRegistry:
                  session.host, session.pid)
         lost: str | None = None  # stays None when the registry stops (this task is cancelled)
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._ping, session)
-                lost = await self._read(session, buffered)
-                tg.cancel_scope.cancel()
+            with session.scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._ping, session)
+                    lost = await self._read(session, buffered)
+                    tg.cancel_scope.cancel()
+            lost = lost or session.replaced
         finally:
             del self.nodes[node]
-            if lost is not None:
-                self._lose(session, lost)
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
-                if lost is None:  # the run is over: tell the node how it ended
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10.0):
+                if lost is not None:
+                    await self._lose(session, lost)
+                else:  # the run is over: tell the node how it ended
                     with contextlib.suppress(*STREAM_ERRORS, wire.WireError):
                         await session.send(self._outcome)
                 with contextlib.suppress(*STREAM_ERRORS):
                     await session.stream.aclose()
+            session.ended.set()
 
-    def _lose(self, session: _Session, reason: str) -> None:
+    async def _lose(self, session: _Session, reason: str) -> None:
         node = session.node
         self.events.append((node, "lost", reason))
         engines = [name for name, where in self.engine_nodes.items() if where == node]
@@ -262,6 +274,8 @@ class NodeRegistry:
         for name in engines:
             self._engine_dead(name, f"node {node} lost: {reason}")
         self._notify()
+        if self.on_node_lost is not None:
+            await self.on_node_lost(node, f"node {node} lost: {reason}")
 
     def _engine_dead(self, name: str, reason: str) -> None:
         for fleet in self._fleets:

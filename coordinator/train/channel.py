@@ -108,6 +108,8 @@ class _Connection:
     send_lock: anyio.Lock = field(default_factory=anyio.Lock)
     pending: dict[int, _Pending] = field(default_factory=dict)
     alive: bool = True
+    #: why the coordinator dropped it (its node was lost), when it did
+    dropped: str | None = None
 
 
 async def _unchanged(failure: RankFailure) -> RankFailure:
@@ -252,6 +254,18 @@ class ControlServer:
                             request = protocol.Request(next(self._request_ids), protocol.ShutdownCommand())
                             await protocol.send_message(conn.stream, request, self.max_frame_bytes)
 
+    async def drop_node(self, node_rank: int, reason: str) -> list[int]:
+        """Close the connections of the ranks on `node_rank` (the node was lost: a rank on a machine that lost
+        power sends no FIN); their failure names `reason`. The ranks dropped."""
+        dropped = []
+        for conn in list(self._connections.values()):
+            if conn.alive and conn.info.node_rank == node_rank:
+                conn.dropped = reason
+                dropped.append(conn.info.rank)
+                with contextlib.suppress(*STREAM_ERRORS):
+                    await conn.stream.aclose()
+        return dropped
+
     async def disconnect_all(self) -> None:
         """Close every connection (after the ranks' processes have ended)."""
         for conn in self._connections.values():
@@ -335,6 +349,8 @@ class ControlServer:
         except protocol.ProtocolError as exc:
             reason = f"sent an invalid message: {exc}"
         finally:
+            if conn.dropped is not None:
+                reason = f"is gone: {conn.dropped}"
             was_alive = conn.alive
             conn.alive = False
             with contextlib.suppress(*STREAM_ERRORS):

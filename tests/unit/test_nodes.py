@@ -15,6 +15,7 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.config import ConfigError, parse_config
+from coordinator.engines.client import EngineError
 from coordinator.nodes import shared, wire
 from coordinator.nodes.layout import expand_nodelist, is_loopback, resolve_layout
 from coordinator.nodes.registry import NodeRegistry
@@ -292,6 +293,56 @@ async def test_the_registry_refuses_hostile_or_wrong_peers_and_names_them(tmp_pa
                for m in logged)
     assert TOKEN not in "\n".join(logged) and "w" * 32 not in "\n".join(logged)
     assert not [p async for p in anyio.Path(tmp_path).glob(".rayless-shared-*")], "node 0 removed its marker"
+
+
+async def test_a_welcomed_node_reports_engines_and_a_restarted_node_replaces_its_old_connection(
+        tmp_path: Path) -> None:
+    port = free_port()
+    reg = registry(tmp_path, port)
+    lost: list[tuple[int, str]] = []
+    first_lost = anyio.Event()
+    directory = str(await anyio.Path(tmp_path).resolve())
+
+    async def on_lost(node: int, reason: str) -> None:
+        lost.append((node, reason))
+        first_lost.set()
+
+    reg.on_node_lost = on_lost
+
+    async def join(pid: int) -> tuple[anyio.abc.SocketStream, BufferedByteReceiveStream]:
+        stream = await anyio.connect_tcp("127.0.0.1", port)
+        body = hello_body(pid=pid)
+        await stream.send(protocol.HEADER.pack(len(body)) + body)
+        buffered = BufferedByteReceiveStream(stream)
+        welcome = await wire.receive(buffered)
+        assert isinstance(welcome, wire.NodeWelcome) and welcome.markers[0][0] == directory
+        assert shared.unseen(welcome.markers) == []
+        return stream, buffered
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(reg.run)
+        first, first_in = await join(100)
+        await wire.send(first, wire.EngineUp(name="rollout-2", url="http://127.0.0.1:1234", pid=5))
+        with anyio.fail_after(5):
+            url, serial = await reg.wait_up("rollout-2", newer_than=0, timeout=5)
+        assert url == "http://127.0.0.1:1234" and reg.node_host(1) == "127.0.0.1"
+        with pytest.raises(EngineError, match=r"node 1 did not report it within 0 s .*node 1 is connected"):
+            await reg.wait_up("rollout-2", newer_than=serial, timeout=0.3)
+        await wire.send(first, wire.EngineUp(name="rollout-0", url="http://x:1", pid=5))  # not node 1's engine
+        with anyio.fail_after(5):
+            await first_lost.wait()
+        assert "sent an invalid message: node 1 reports engine 'rollout-0'" in lost[0][1]
+        second, _ = await join(200)  # the node's process started again
+        third, _ = await join(300)  # and again, before node 0 saw the second one end
+        with pytest.raises((anyio.EndOfStream, anyio.IncompleteRead)):
+            with anyio.fail_after(5):
+                while True:
+                    await wire.receive(first_in)  # node 0 closed the old connection
+        tg.cancel_scope.cancel()
+    assert [(e[0], e[1]) for e in reg.events] == [(1, "joined"), (1, "lost"), (1, "back"), (1, "lost"), (1, "back")]
+    assert "replaced by a new process (pid 300)" in lost[1][1]
+    for stream in (first, second, third):
+        await stream.aclose()
 
 
 # -- engines over nodes, shared directories -----------------------------------------------------------------
