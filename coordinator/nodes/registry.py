@@ -126,8 +126,14 @@ class NodeRegistry:
     async def run(self, *, task_status: anyio.abc.TaskStatus[NodeRegistry] = anyio.TASK_STATUS_IGNORED) -> None:
         self._markers = await anyio.to_thread.run_sync(shared.write_markers, self.shared_dirs)
         try:
-            listener = await anyio.create_tcp_listener(local_host=self.layout.control_bind,
-                                                       local_port=self.layout.registry_port)
+            try:
+                listener = await anyio.create_tcp_listener(local_host=self.layout.control_bind,
+                                                           local_port=self.layout.registry_port)
+            except OSError as error:
+                raise NodeSetupError(
+                    f"the node registry cannot listen on {self.layout.control_bind}:{self.layout.registry_port} "
+                    f"({error.strerror or error}): every node dials that port; choose another MASTER_PORT or "
+                    "--control-port (the registry takes the port after the control channel's)") from None
             async with listener, anyio.create_task_group() as tg:
                 tg.start_soon(listener.serve, self._handle, tg)
                 log.info("node registry listening on %s:%d for nodes 1..%d", self.layout.control_bind,
