@@ -47,20 +47,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 def train_main(argv: Sequence[str]) -> int:
     """Parse, check against the machine (files, hooks, backends), plan the placement, then run. Exit 2 before
     any launch on bad flags or a plan this node cannot hold; `--dry-run` reports the checks and the plan and
-    launches nothing. Secrets given on the command line are masked in everything printed here."""
+    launches nothing. Secrets given on the command line are masked in everything printed here.
+
+    Multi-node (`--actor-num-nodes N`): the same command runs on every node; the launcher's environment says
+    which node this is (`coordinator.nodes.layout`). Node 0 runs the coordinator; any other node runs only its
+    share of the plan (`coordinator.nodes.agent`), connected back to node 0."""
     from coordinator.config import ConfigError, ConfigWarning, parse_config, preflight
     from coordinator.config.secrets import config_secrets, mask_text, secret_values_in_argv
+    from coordinator.nodes.layout import resolve_layout
 
     secrets = secret_values_in_argv(argv)
+    layout_warnings: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         try:
             config = parse_config(argv)
+            config, layout, layout_warnings = resolve_layout(config, lenient=config.debug.dry_run)
+            if layout is not None and layout.token.value is not None:
+                secrets.add(layout.token.value)
             if not config.debug.dry_run:
                 preflight(config)
                 from coordinator.plan import plan_for_launch
 
-                plan = plan_for_launch(config)
+                plan = plan_for_launch(config, layout)
         except ConfigError as error:
             print(f"rayless train: error: {mask_text(str(error), secrets)}", file=sys.stderr)
             return 2
@@ -73,7 +82,12 @@ def train_main(argv: Sequence[str]) -> int:
         from coordinator.dry_run import dry_run
 
         secrets |= config_secrets(config)
-        return dry_run(config, mask=lambda text: mask_text(text, secrets))
+        return dry_run(config, mask=lambda text: mask_text(text, secrets), layout=layout,
+                       layout_warnings=layout_warnings)
+    if layout is not None and not layout.is_coordinator:
+        from coordinator.nodes.agent import run_node_sync
+
+        return run_node_sync(config, plan)
 
     from coordinator.run import run_training_sync
 

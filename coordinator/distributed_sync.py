@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -96,7 +96,7 @@ class DistributedUpdate:
         *,
         client: EngineClient,
         trainer: BucketSender,
-        host: str,
+        host: str | Callable[[], str],
         backend: str,
         bucket_bytes: int,
         load_format: str | None,
@@ -135,13 +135,22 @@ class DistributedUpdate:
             sizes.append(size)
         return sizes
 
+    def master_host(self) -> str:
+        """The group's store address: where rank 0 runs (`host`, or asked of `host()` per update: on several
+        nodes rank 0 is wherever torchrun's rendezvous put it)."""
+        return self.host() if callable(self.host) else self.host
+
     async def run(self, engines: Sequence[Any], version: str) -> None:
         layout = group_layout(await self.tp_sizes(engines))
         buckets = await self.trainer.weight_buckets(self.bucket_bytes)
-        port = free_port(self.host)
+        host = self.master_host()
+        try:
+            port = free_port(host)
+        except OSError:  # rank 0 is on another node: a port free here is the best guess for there
+            port = free_port("0.0.0.0")
         group_name = f"rayless_weights_{version}_{secrets.token_hex(3)}"
         sides = [_Engine(handle=e, rank_offset=offset) for e, offset in zip(engines, layout.rank_offsets, strict=True)]
-        where = f"{group_name!r} (world size {layout.world_size}, store {self.host}:{port}, {self.backend})"
+        where = f"{group_name!r} (world size {layout.world_size}, store {host}:{port}, {self.backend})"
         report: dict[str, Any] = {}
         trainer_failure: BaseException | None = None
         engines_scope = anyio.CancelScope()
@@ -150,7 +159,7 @@ class DistributedUpdate:
             nonlocal trainer_failure
             try:
                 report.update(await self.trainer.broadcast_weights(
-                    self.host, port, layout.world_size, group_name, self.join_timeout_s, backend=self.backend,
+                    host, port, layout.world_size, group_name, self.join_timeout_s, backend=self.backend,
                     bucket_bytes=self.bucket_bytes, load_format=self.load_format))
             except Exception as exc:  # RankFailure / RankCommandError: re-raised below, outside the task group
                 trainer_failure = exc
@@ -162,10 +171,11 @@ class DistributedUpdate:
 
         async def engines_side() -> None:
             with engines_scope:
-                await self._store_listening(port)
+                await self._store_listening(host, port)
                 async with anyio.create_task_group() as group:
                     for side in sides:
-                        group.start_soon(self._engine, side, layout.world_size, port, group_name, buckets, version)
+                        group.start_soon(self._engine, side, layout.world_size, host, port, group_name, buckets,
+                                         version)
 
         try:
             async with anyio.create_task_group() as group:
@@ -181,7 +191,7 @@ class DistributedUpdate:
             return
         raise WeightSyncError(self._explain(version, where, report, sides, len(buckets)))
 
-    async def _store_listening(self, port: int) -> None:
+    async def _store_listening(self, host: str, port: int) -> None:
         """Wait (within the join timeout) until rank 0's store accepts connections. An engine that dials it
         earlier is refused and backs off for 0.3-5 s before it tries again (measured with torch 2.13): asking
         the engines only now keeps that out of every update."""
@@ -189,20 +199,20 @@ class DistributedUpdate:
             while True:
                 try:
                     with anyio.fail_after(1.0):
-                        stream = await anyio.connect_tcp(self.host, port)
+                        stream = await anyio.connect_tcp(host, port)
                     await stream.aclose()
                     return
                 except (OSError, TimeoutError):
                     await anyio.sleep(0.005)
 
-    async def _engine(self, side: _Engine, world_size: int, port: int, group_name: str,
+    async def _engine(self, side: _Engine, world_size: int, host: str, port: int, group_name: str,
                       buckets: list[list[tuple[str, str, list[int]]]], version: str) -> None:
         api = self.client.engine(side.handle.url)
         try:
             side.stage = "/init_weights_update_group"
             # Answered once every rank joined: rank 0 waits join_timeout_s, so that long and a margin.
             await api.init_weights_update_group(
-                master_address=self.host, master_port=port, rank_offset=side.rank_offset, world_size=world_size,
+                master_address=host, master_port=port, rank_offset=side.rank_offset, world_size=world_size,
                 group_name=group_name, backend=self.backend, timeout=self.join_timeout_s + 10.0)
             side.joined = True
             side.stage = "/begin_weight_update"

@@ -13,18 +13,24 @@ the exit status is 0 when every check passed (warnings allowed) and 2 otherwise;
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
+
+if TYPE_CHECKING:
+    from coordinator.nodes.layout import NodeLayout
 
 PROMPT_CHARS = 400
 
 
 def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = None,
-            err: TextIO | None = None) -> int:
+            err: TextIO | None = None, layout: NodeLayout | None = None,
+            layout_warnings: Sequence[str] = ()) -> int:
+    """The report; `layout` / `layout_warnings`: a multi-node run's node layout, as `resolve_layout` found it
+    (the plan printed is this node's share)."""
     from coordinator.config.porting import porting_notice
     from coordinator.config.preflight import (
         check_checkpoints,
@@ -57,7 +63,7 @@ def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = 
             print(mask(f"rayless train: notice: {notice}"), file=err)
     plan = None
     try:
-        plan = plan_for_dry_run(config)
+        plan = plan_for_dry_run(config, layout, layout_warnings)
     except ConfigError as error:
         errors.append(str(error))
     print("rayless train --dry-run: checks (nothing is launched)", file=out)
@@ -91,13 +97,15 @@ def check_tokenizer(config: Config) -> list[str]:
     rollout = config.rollout
     if rollout.apply_chat_template and rollout.prompt_data and config.builds_rollout_fn:
         prompt = _first_prompt(config, tokenizer)
+        if prompt is None:
+            return notes  # check_data reports what is wrong with the file
         shown = prompt if len(prompt) <= PROMPT_CHARS else prompt[:PROMPT_CHARS] + "..."
         shown = shown.rstrip("\n") + ("⏎" if shown.endswith("\n") else "")  # a trailing newline, visible
         notes.append(f"--apply-chat-template: the first prompt renders as:\n{shown}")
     return notes
 
 
-def _first_prompt(config: Config, tokenizer: object) -> str:
+def _first_prompt(config: Config, tokenizer: object) -> str | None:
     from coordinator.rollout.data_source import DataSourceError, PromptDataSource, read_prompt_file
     from coordinator.rollout.tasks import builtin_task_name, make_task_prompts
 
@@ -108,6 +116,9 @@ def _first_prompt(config: Config, tokenizer: object) -> str:
         records = (make_task_prompts(task, 1, rollout.rollout_seed) if task is not None else
                    read_prompt_file(prompt_data, input_key=rollout.input_key, label_key=rollout.label_key,
                                     metadata_key=rollout.metadata_key, limit=1))
+    except DataSourceError:
+        return None
+    try:
         source = PromptDataSource.from_records(records, apply_chat_template=True, tokenizer=tokenizer,  # type: ignore[arg-type]
                                                shuffle=False, seed=0, source=prompt_data)
         prompt = source.take(1)[0].prompt

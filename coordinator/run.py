@@ -38,6 +38,7 @@ import anyio
 from coordinator.config import Config, write_resolved_config
 from coordinator.config.secrets import SecretMaskFilter, config_secrets
 from coordinator.failures import ToFileOnly, failure_line, log_failure
+from coordinator.nodes.head import reporting_outcome
 from coordinator.processes import leaf_exceptions
 from workers.errors import RaylessError
 
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from coordinator.eval_fleet import EvalFleet
     from coordinator.health import FaultInjector, HealthMonitor
     from coordinator.loop import StepHook
+    from coordinator.nodes.head import Head
     from coordinator.plan import PlacementPlan
     from coordinator.train.group import TrainGroup
     from coordinator.weight_sync import WeightSync
@@ -68,14 +70,14 @@ class RunFailed(RaylessError, RuntimeError):
     """A failure a person can act on; printed without a traceback."""
 
 
-def setup_logging(config: Config, run_dir: Path) -> None:
-    """Log to `<run_dir>/coordinator.log` and stderr, the run's secrets masked in every record."""
+def setup_logging(config: Config, run_dir: Path, *, log_name: str = "coordinator.log") -> None:
+    """Log to `<run_dir>/<log_name>` and stderr, the run's secrets masked in every record."""
     run_dir.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     root.setLevel(config.logging.log_level)
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    file_handler = logging.FileHandler(run_dir / "coordinator.log")
+    file_handler = logging.FileHandler(run_dir / log_name)
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handlers: list[logging.Handler] = [file_handler]
     if sys.stderr.isatty() and not config.logging.no_progress:
@@ -157,8 +159,11 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
             await task_group.start(progress.run_view)
             services = await _start_services(config, plan, run_dir, task_group, resources, timings, progress)
             timings["services_ready_s"] = time.monotonic() - started
-            summary = await _train(config, run_dir, services, metrics, progress, timings, task_group,
-                                   extra_hooks, plan)
+            with reporting_outcome(services.nodes):  # multi-node: the other nodes learn how the run ended
+                summary = await _train(config, run_dir, services, metrics, progress, timings, task_group,
+                                       extra_hooks, plan)
+            if services.nodes is not None:
+                summary["nodes"] = services.nodes.summary()
             task_group.cancel_scope.cancel()
     finally:
         metrics.close()
@@ -194,17 +199,25 @@ class Services:
     ft: FaultTolerance | None = None
     weight_sync: WeightSync | None = None
     colocation: Colocation | None = None  # the memory hand-over of a swapping run (--colocate)
+    #: node 0 of a multi-node run: the token, the node registry and what the services take from them
+    nodes: Head | None = None
 
 
 async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, task_group: TaskGroup,
                           stack: AsyncExitStack, timings: dict[str, float], progress: ProgressDisplay) -> Services:
     services = Services()
+    if plan.layout is not None:  # node 0 of several: the other nodes' processes report to its registry
+        from coordinator.nodes.head import Head
+
+        services.nodes = await Head.prepare(config, plan, run_dir)
     starters: list[Callable[[], Awaitable[None]]] = []
     if config.needs_engines:
         starters += await _engine_starters(config, plan, run_dir, task_group, stack, services, timings,
                                            progress)
     if config.needs_train_ranks:
         starters.append(_rank_starter(config, plan, run_dir, task_group, services, timings, progress))
+    if services.nodes is not None:
+        await services.nodes.start(task_group, lambda: services.train_group)
     if config.swaps_memory and services.fleet is not None and services.train_group is not None:
         from coordinator.colocate import Colocation
 
@@ -235,10 +248,13 @@ async def _engine_starters(config: Config, plan: PlacementPlan, run_dir: Path, t
     client = services.client = await stack.enter_async_context(
         EngineClient(max_connections=min(config.generate_concurrency, 1024), api_key=sglang.sglang_api_key)
     )
+    nodes = services.nodes
     fleet = services.fleet = EngineFleet(
         client=client, group="rollout", launch=[slot.spec for slot in node.rollout_engines],
         external_urls=plan.external_engines, run_dir=run_dir, probe_timeout=ft.rollout_health_check_timeout,
-        observer=progress.board)
+        observer=progress.board, **(nodes.fleet_kwargs("rollout") if nodes is not None else {}))
+    if nodes is not None:
+        nodes.watch(fleet)
 
     async def start_engines() -> None:
         await task_group.start(fleet.run)
@@ -270,7 +286,10 @@ async def _engine_starters(config: Config, plan: PlacementPlan, run_dir: Path, t
         # Dedicated eval engines: their own group and GPUs; never given training weights.
         eval_engines = services.eval_engines = EngineFleet(
             client=client, group="eval", launch=[slot.spec for slot in node.eval_engines], run_dir=run_dir,
-            probe_timeout=ft.rollout_health_check_timeout, observer=progress.board)
+            probe_timeout=ft.rollout_health_check_timeout, observer=progress.board,
+            **(nodes.fleet_kwargs("eval") if nodes is not None else {}))
+        if nodes is not None:
+            nodes.watch(eval_engines)
 
         async def start_eval_engines() -> None:
             await task_group.start(eval_engines.run)
@@ -289,7 +308,8 @@ def _rank_starter(config: Config, plan: PlacementPlan, run_dir: Path, task_group
     assert slot is not None, "the plan places training ranks whenever the run trains"
     group = services.train_group = TrainGroup.from_spec(
         slot.spec, host=slot.control_host, port=slot.control_port, port_fixed=slot.control_port_fixed,
-        extra_env=dict(slot.env), run_dir=run_dir, log_name=slot.log.name, observer=progress.board)
+        extra_env=dict(slot.env), run_dir=run_dir, log_name=slot.log.name, observer=progress.board,
+        **(services.nodes.rank_kwargs() if services.nodes is not None else {}))
     settings = config.rank_settings()
 
     async def start_ranks() -> None:
@@ -422,6 +442,7 @@ def build_weight_sync(config: Config, services: Services, run_dir: Path,
         keep_snapshots=config.checkpoint.keep_weight_snapshots, recover_engines=config.rollout_ft_enabled,
         router=services.router, bucket_bytes=sglang.update_weight_buffer_size,
         join_timeout_s=sglang.update_weight_join_timeout, backend=weight_backend(plan),
+        host=services.nodes.weight_host if services.nodes is not None else "127.0.0.1",
     )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,7 +65,7 @@ class WeightSync:
         keep_snapshots: int = 2,
         recover_engines: bool = False,
         pause_mode: str = "in_place",
-        host: str = "127.0.0.1",
+        host: str | Callable[[], str] = "127.0.0.1",
         backend: str = "gloo",
         router: RouterLike | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,

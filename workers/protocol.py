@@ -16,7 +16,7 @@ same way: unknown or missing fields are refused. Changing any of them changes `P
 the handshake compares, so ranks and coordinator never read each other's records under different shapes.
 
 Handshake: the rank sends `Hello` (protocol version, token, rank, world size, local rank, pid, restart
-count); the coordinator checks the version and compares the token with `hmac.compare_digest`, then answers
+count, node rank); the coordinator checks the version and compares the token with `hmac.compare_digest`, then answers
 `Welcome` or an `ErrorMessage` and closes. After that the coordinator sends `Request`s (request id +
 one command) and the rank answers each with exactly one `Response` carrying the same id.
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-PROTOCOL_VERSION = 4  # 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation)
+PROTOCOL_VERSION = 5  # 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 #: the most a peer may send before its token is checked: one Hello (a real one is ~150 bytes)
 MAX_HELLO_BYTES = 4096
@@ -61,6 +61,8 @@ HEADER = struct.Struct(">I")
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
 ENV_ADDR = "RAYLESS_CONTROL_ADDR"
 ENV_MAX_FRAME = "RAYLESS_CONTROL_MAX_FRAME_BYTES"
+#: the node (of a multi-node run) whose torchrun started the rank; reported in Hello
+ENV_NODE_RANK = "RAYLESS_NODE_RANK"
 
 
 class ProtocolError(RuntimeError):
@@ -329,6 +331,8 @@ class Hello(Message):
     local_rank: int
     pid: int
     restart_count: int = 0
+    #: the node whose torchrun started this rank (0 on a single node)
+    node_rank: int = 0
 
 
 @dataclass
@@ -513,6 +517,7 @@ _HELLO_INTS = {
     "local_rank": (0, 1 << 31),
     "pid": (0, 1 << 31),
     "restart_count": (0, 1 << 31),
+    "node_rank": (0, 1 << 31),
 }
 
 
@@ -550,7 +555,7 @@ def decode_hello(body: bytes) -> Hello:
         )
     values = {key: value for key, value in obj.items() if key != "kind"}
     for name, (low, high) in _HELLO_INTS.items():
-        value = values.get(name, 0 if name == "restart_count" else None)
+        value = values.get(name, 0 if name in ("restart_count", "node_rank") else None)
         if type(value) is not int or not low <= value < high:
             raise ProtocolError(f"Hello field {name!r} must be an integer in {low}..{high - 1}, got {value!r:.40}")
     if type(values.get("token")) is not str:

@@ -63,7 +63,12 @@ class ClusterConfig(Slice):
                                           minimum=0)
     control_host: str = flag("127.0.0.1", help="address the control channel listens on (127.0.0.1 unless "
                              "multi-node)", parse=values.host, metavar="HOST")
-    control_port: int = flag(0, help="control channel port (0 = any free port)", minimum=0, maximum=65535)
+    control_port: int = flag(0, help="control channel port (0 = any free port; multi-node: the rendezvous port "
+                             "+ 1, and the node registry listens on the next port)", minimum=0, maximum=65535)
+    control_token_file: str | None = flag(None, help="multi-node: the control token in a file on a filesystem "
+                                          "every node shares (node 0 creates it, mode 0600, when absent; the "
+                                          "others read it). Default: RAYLESS_CONTROL_TOKEN from the launcher's "
+                                          "environment", metavar="PATH", secret=False)
 
     def check(self) -> None:
         if self.rollout_num_gpus is not None and self.rollout_num_gpus % self.rollout_num_gpus_per_engine:

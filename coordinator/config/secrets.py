@@ -3,7 +3,8 @@
 Owns the masking rules: a value is secret when it belongs to a flag declared `secret` (`--sglang-api-key`,
 `--wandb-key`) or to any flag whose name looks secret (`*-key`, `*-token`, `*secret*`, `*password*`; see
 `fields.looks_secret`), whether the flag is ours, passed through to SGLang, or unknown. Invariant: such a value
-appears in no message we print or log and in no file we write; `MASK` stands in for it.
+appears in no message we print or log and in no file we write; `MASK` stands in for it. A secret learnt at
+run time (a multi-node control token) joins the log filters through `mask_in_logs`.
 """
 
 from __future__ import annotations
@@ -95,3 +96,12 @@ class SecretMaskFilter(logging.Filter):
                 record.exc_text = mask_text(logging.Formatter().formatException(record.exc_info), self.secrets)
         return True
 
+
+
+def mask_in_logs(secret: str) -> None:
+    """Mask `secret` from now on in every record the root logger's handlers pass (a secret learnt at run time,
+    such as a control token read from a file)."""
+    for handler in logging.getLogger().handlers:
+        for existing in handler.filters:
+            if isinstance(existing, SecretMaskFilter) and secret and secret not in existing.secrets:
+                existing.secrets = sorted({*existing.secrets, secret}, key=len, reverse=True)

@@ -14,6 +14,9 @@ Invariants:
   * Every state change sets the change event, so a dispatcher waiting for an engine wakes up.
   * Launched engines are stopped when `run()` ends, however it ends; external engines (attached by
     address) are probed, never launched or killed.
+  * A remote engine (launched by another node's `rayless train`, multi-node) is brought up and relaunched
+    through `RemoteEngines`: its URL is the one its node last reported, newer than the one the handle had, and
+    its process belongs to that node; otherwise it is an engine like the others (probes, weight sync, recovery).
   * At most one relaunch of a handle runs at a time; a second caller waits for it and returns False when it
     finds the engine brought back meanwhile.
   * An engine is marked ALIVE right after `relaunch`'s `admit` callback returns, with no await in between, so
@@ -28,7 +31,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -41,6 +44,21 @@ T = TypeVar("T")
 
 #: Called with an engine that answers but is not yet ALIVE; raising keeps it out of dispatch (DEAD).
 Admit = Callable[["EngineHandle"], Awaitable[None]]
+
+
+class RemoteEngines(Protocol):
+    """Engines other nodes launch and report (multi-node; `coordinator.nodes.registry.NodeRegistry`)."""
+
+    async def wait_up(self, name: str, *, newer_than: int, timeout: float) -> tuple[str, int]:
+        """(URL, report serial) of the engine's latest report with a serial above `newer_than`; EngineError
+        when its node reports it failed, or nothing comes within `timeout`."""
+        ...
+
+    async def request_relaunch(self, name: str, *, serial: int, model_path: str | None,
+                               weight_version: str | None) -> None:
+        """Ask the engine's node to start it again (nothing to ask when a newer report is in, or the node is
+        gone: a node that comes back launches its engines and reports them)."""
+        ...
 
 
 class EngineState(enum.Enum):
@@ -64,6 +82,10 @@ class EngineHandle:
     #: tensor-parallel ranks (GPUs) of the engine: each is one rank of a weight-update group; None for an
     #: external engine (the weight sync asks its /server_info)
     tp_size: int | None = None
+    #: the node that launched it, for a remote engine (multi-node); None for this node's and external ones
+    node: int | None = None
+    #: the serial of the node's report this handle's URL comes from (remote engines)
+    remote_serial: int = 0
     process: EngineProcess | None = field(default=None, repr=False)
     _lock: anyio.Lock = field(default_factory=anyio.Lock, repr=False)
 
@@ -84,8 +106,11 @@ class EngineFleet:
         external_urls: addresses of engines started elsewhere; probed, never launched or killed.
         run_dir: logs go to `<run_dir>/logs/engine-<name>.log`.
         probe_timeout: read timeout of one `/health_generate` probe.
-        attach_timeout: how long to wait for an external engine to answer.
+        attach_timeout: how long to wait for an external engine to answer (and for a remote one's node to
+            report it).
         observer: told each launched engine's start-up phases (the run's start-up board).
+        remote: where remote engines' URLs come from; remote_engines: (name, node) of each, named as the
+            placement plan names them on their node.
     """
 
     def __init__(
@@ -100,9 +125,13 @@ class EngineFleet:
         probe_timeout: float = 30.0,
         attach_timeout: float = 300.0,
         observer: PhaseObserver = NO_OBSERVER,
+        remote: RemoteEngines | None = None,
+        remote_engines: Sequence[tuple[str, int]] = (),
     ) -> None:
         specs = _per_engine(launch, num_engines, group)
-        if not specs and not external_urls:
+        if remote_engines and remote is None:
+            raise ValueError(f"{group}: remote engines need `remote` (the node registry) to learn their URLs")
+        if not specs and not external_urls and not remote_engines:
             raise ValueError(f"{group}: no engines: give num_engines > 0 or external_urls")
         self.client = client
         self.group = group
@@ -111,6 +140,7 @@ class EngineFleet:
         self.run_dir = Path(run_dir)
         self.probe_timeout = probe_timeout
         self.attach_timeout = attach_timeout
+        self.remote = remote
         self._changed = anyio.Event()
         self._running = False
         self.engines: list[EngineHandle] = []
@@ -124,6 +154,8 @@ class EngineFleet:
         for j, url in enumerate(external_urls):
             url = url if url.startswith(("http://", "https://")) else f"http://{url}"
             self.engines.append(EngineHandle(name=f"{group}-ext-{j}", url=url.rstrip("/"), launched=False))
+        for name, node in remote_engines:
+            self.engines.append(EngineHandle(name=name, url="", launched=False, node=node))
 
     # -- lifetime ------------------------------------------------------------------------------------
 
@@ -170,14 +202,7 @@ class EngineFleet:
                              observer=self.observer)
 
     def _spec_for(self, name: str, model_path: str | None, weight_version: str | None) -> EngineLaunchSpec:
-        """The engine's spec with one incarnation's weights: a new frozen spec, the engine's own untouched."""
-        spec = self.specs[name]
-        if model_path is not None:
-            spec = dataclasses.replace(spec, model_path=model_path)
-        if weight_version is not None:
-            spec = dataclasses.replace(spec, extra_args=_with_flag(spec.extra_args, "--weight-version",
-                                                                   weight_version))
-        return spec
+        return spec_for_incarnation(self.specs[name], model_path, weight_version)
 
     async def _bring_up(self, h: EngineHandle, attach_timeout: float, *, port: int | None = None,
                         admit: Admit | None = None) -> None:
@@ -185,6 +210,13 @@ class EngineFleet:
             self._set(h, EngineState.STARTING, None)
             assert h.process is not None
             h.url = await h.process.start(port=port)
+        elif h.node is not None:
+            # A remote engine: its node reports where it answers; it keeps its state until then, as below.
+            assert self.remote is not None
+            h.url, h.remote_serial = await self.remote.wait_up(h.name, newer_than=h.remote_serial,
+                                                                timeout=attach_timeout)
+            await self._wait_answers(h, attach_timeout)
+            self._set(h, EngineState.STARTING, None)
         else:
             # An external engine keeps its state (DEAD on a relaunch) until it answers again.
             await self._wait_answers(h, attach_timeout)
@@ -223,6 +255,9 @@ class EngineFleet:
 
     def alive(self) -> list[EngineHandle]:
         return [h for h in self.engines if h.state is EngineState.ALIVE]
+
+    def find(self, name: str) -> EngineHandle | None:
+        return next((h for h in self.engines if h.name == name), None)
 
     def mark_dead(self, handle: EngineHandle, reason: str) -> None:
         """Take an engine out of dispatch. Idempotent."""
@@ -300,7 +335,7 @@ class EngineFleet:
             raise RuntimeError(f"fleet {self.group} is not running: relaunch needs run() to own the process")
         if handle not in self.engines:
             raise ValueError(f"{handle.name} is not an engine of fleet {self.group}")
-        if not handle.launched and (model_path is not None or weight_version is not None):
+        if not handle.launched and handle.node is None and (model_path is not None or weight_version is not None):
             raise ValueError(f"{handle.name} is an external engine: it cannot be relaunched with other weights")
         incarnation = handle.incarnation
         async with handle._lock:
@@ -310,6 +345,12 @@ class EngineFleet:
                 if handle.launched:
                     await self._restart(handle, self._spec_for(handle.name, model_path, weight_version), timeout,
                                         admit)
+                elif handle.node is not None:
+                    assert self.remote is not None
+                    await self.remote.request_relaunch(handle.name, serial=handle.remote_serial,
+                                                       model_path=model_path, weight_version=weight_version)
+                    await self._bring_up(handle, timeout if timeout is not None else self.attach_timeout,
+                                         admit=admit)
                 else:
                     await self._bring_up(handle, timeout if timeout is not None else self.attach_timeout,
                                          admit=admit)
@@ -370,6 +411,16 @@ def _per_engine(launch: EngineLaunchSpec | Sequence[EngineLaunchSpec] | None, nu
     if num_engines is not None and num_engines != len(specs):
         raise ValueError(f"{group}: num_engines {num_engines} does not match the {len(specs)} launch specs given")
     return specs
+
+
+def spec_for_incarnation(spec: EngineLaunchSpec, model_path: str | None,
+                         weight_version: str | None) -> EngineLaunchSpec:
+    """An engine's spec with one incarnation's weights: a new frozen spec, the engine's own untouched."""
+    if model_path is not None:
+        spec = dataclasses.replace(spec, model_path=model_path)
+    if weight_version is not None:
+        spec = dataclasses.replace(spec, extra_args=_with_flag(spec.extra_args, "--weight-version", weight_version))
+    return spec
 
 
 def _with_flag(args: Sequence[str], flag: str, value: str) -> tuple[str, ...]:

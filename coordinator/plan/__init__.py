@@ -3,12 +3,15 @@
 Modules: `gpus` (the GPUs the node shows, found without torch; `RAYLESS_PLAN_GPU_COUNT` injects a count for
 planning tests and `--dry-run`), `backend` (`--engine-backend` resolved per engine group: SGLang or our
 engine, on CUDA or the CPU), `placement` (the plan: GPU demands, placement policies, the slots every launcher
-takes its command line, port and environment from; `plan_for_launch` / `plan_for_dry_run`), `render` (the
-plan as text, secrets masked), `snapshots` (where weight snapshots go: tmpfs in colocation).
+takes its command line, port and environment from; `plan_for_launch` / `plan_for_dry_run`), `nodes` (each
+node's share of a multi-node plan), `render` (the plan as text, secrets masked), `snapshots` (where weight
+snapshots go: tmpfs in colocation).
 
-Colocation is a placement policy (`placement.POLICIES["colocate"]`: engines placed on the ranks' GPUs instead
-of after them) plus the plan's `SwapPlan` (who releases memory each step). Extending it: more nodes are more `NodePlan`s in `PlacementPlan.nodes`, each from `plan_node`
-with that node's share of the engines. Importing this package imports no torch.
+Extending it: colocation is a placement policy (`placement.POLICIES["colocate"]`: engines placed on the ranks'
+GPUs instead of after them) plus the plan's `SwapPlan` (who releases memory each step). On several nodes each
+node plans its own share from the same flags (`nodes`: every node runs its ranks and a block of each engine
+group; node 0 learns the others' engines by name, and the plan carries the `coordinator.nodes.layout.NodeLayout`).
+Importing this package imports no torch.
 """
 
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed

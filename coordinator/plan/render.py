@@ -52,6 +52,11 @@ def describe_plan(plan: PlacementPlan, *, detail: bool = True) -> str:
         lines.append(f"attached rollout engine (not launched): {address}")
     if plan.swap is not None:
         lines.append(swap_text(plan))
+    if plan.layout is not None:
+        lines += plan.layout.describe()
+        lines += [f"  node {node}{' (this node)' if node == plan.node_rank else ''}: {ranks} training rank(s), "
+                  f"{rollout} rollout engine(s)" + (f", {eval_} eval engine(s)" if eval_ else "")
+                  for node, ranks, rollout, eval_ in plan.shares]
     sync = plan.weight_sync
     if sync is not None:
         lines.append(f"weight sync: {sync.mode} (--update-weight-transfer-mode), bucket size "
@@ -132,7 +137,7 @@ def _device(slot: RanksSlot | EngineSlot | RouterSlot) -> str:
 def _ports(slot: RanksSlot | EngineSlot | RouterSlot) -> str:
     if isinstance(slot, RanksSlot):
         rendezvous = "torchrun --standalone" if "--standalone" in slot.command() else "torchrun c10d rendezvous"
-        return f"control {slot.control_host}:{slot.control_port}; {rendezvous}"
+        return f"control {slot.control_address}; {rendezvous}"
     if isinstance(slot, RouterSlot):
         return f"http {slot.host}:{slot.port}, prometheus {slot.prometheus_port}"
     return f"http {slot.spec.host}:{slot.port}"

@@ -45,12 +45,16 @@ class SnapshotPlace:
 
 
 def snapshot_place(*, run_dir: Path, model_path: str | None, keep: int, colocated: bool,
-                   tmpfs: Path = TMPFS) -> SnapshotPlace:
-    """`<run_dir>/weights`, or in colocation a private directory under `tmpfs` when it holds `keep + 1`
-    snapshots of the model."""
+                   tmpfs: Path = TMPFS, nodes: int = 1) -> SnapshotPlace:
+    """`<run_dir>/weights`, or in colocation on one node a private directory under `tmpfs` when it holds
+    `keep + 1` snapshots of the model. On several nodes the engines of every node read rank 0's snapshot, and
+    tmpfs is private to its machine, so the (shared) run directory is used."""
     in_run_dir = run_dir / "weights"
     if not colocated:
         return SnapshotPlace(in_run_dir, False, "the run directory")
+    if nodes > 1:
+        return SnapshotPlace(in_run_dir, False, f"the run directory: {nodes} nodes read rank 0's snapshot, and "
+                             f"{tmpfs} is private to one machine")
     if not (tmpfs.is_dir() and os.access(tmpfs, os.W_OK | os.X_OK)):
         return SnapshotPlace(in_run_dir, False, f"the run directory ({tmpfs} is absent or not writable here)")
     size = snapshot_bytes(model_path) if model_path else None

@@ -24,7 +24,7 @@ import contextlib
 import hmac
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,17 @@ class RankInfo:
     local_rank: int
     pid: int
     restart_count: int
+    #: the node whose torchrun started it (multi-node; 0 on a single node)
+    node_rank: int = 0
+
+    @property
+    def process(self) -> tuple[int, int]:
+        """(node, pid): which process this is, whichever torchrun restarted it (train FT tells generations
+        apart by it: a rank restarted for a membership change keeps its restart count)."""
+        return (self.node_rank, self.pid)
+
+    def describe(self, num_nodes: int = 1) -> str:
+        return f"pid {self.pid}" + (f", node {self.node_rank}" if num_nodes > 1 else "")
 
 
 class _Call:
@@ -97,6 +108,8 @@ class _Connection:
     send_lock: anyio.Lock = field(default_factory=anyio.Lock)
     pending: dict[int, _Pending] = field(default_factory=dict)
     alive: bool = True
+    #: why the coordinator dropped it (its node was lost), when it did
+    dropped: str | None = None
 
 
 async def _unchanged(failure: RankFailure) -> RankFailure:
@@ -125,8 +138,11 @@ class ControlServer:
         grace_s: float = 5.0,
         explain: Callable[[RankFailure], Awaitable[RankFailure]] | None = None,
         on_connected: Callable[[int], None] | None = None,
+        num_nodes: int = 1,
     ) -> None:
         self.world_size = world_size
+        #: nodes the ranks run on (multi-node: ranks and refusals are named with their node)
+        self.num_nodes = num_nodes
         self.token = token
         self.max_frame_bytes = max_frame_bytes
         self.handshake_timeout_s = handshake_timeout_s
@@ -183,11 +199,13 @@ class ControlServer:
             )
         )
 
-    async def wait_for_ranks(self, *, restarted_after: int | None = None) -> dict[int, RankInfo]:
-        """Wait until every rank is connected — with a restart count above `restarted_after` when given
-        (torchrun restarted them after a failure). Bound it with a cancel scope; raises RankFailure when
-        torchrun exits first. Calls go through again once every rank is back."""
-        ranks = await self._until_connected(restarted_after)
+    async def wait_for_ranks(self, *, restarted_after: int | None = None,
+                             replacing: Collection[tuple[int, int]] = ()) -> dict[int, RankInfo]:
+        """Wait until every rank is connected — with a restart count above `restarted_after` when given, and
+        none of them one of the `replacing` processes ((node, pid): a failed generation's), so torchrun
+        restarted them. Bound it with a cancel scope; raises RankFailure when torchrun exits first. Calls go
+        through again once every rank is back."""
+        ranks = await self._until_connected(restarted_after, frozenset(replacing))
         if ranks is not None:
             return ranks
         raise await self.explain(
@@ -197,16 +215,17 @@ class ControlServer:
             )
         )
 
-    async def _until_connected(self, restarted_after: int | None = None) -> dict[int, RankInfo] | None:
-        """Every rank, once all are connected (each restarted more than `restarted_after` times when given);
-        None as soon as torchrun has exited instead."""
+    async def _until_connected(self, restarted_after: int | None = None,
+                               replacing: frozenset[tuple[int, int]] = frozenset()) -> dict[int, RankInfo] | None:
+        """Every rank, once all are connected (each restarted more than `restarted_after` times when given,
+        none of the `replacing` processes); None as soon as torchrun has exited instead."""
         while True:
             changed = self._state.changed
             ranks = self.ranks
             if len(ranks) == self.world_size and (
                 restarted_after is None
                 or all(info.restart_count > restarted_after for info in ranks.values())
-            ):
+            ) and not any(info.process in replacing for info in ranks.values()):
                 return ranks
             if self.torchrun_exit_code is not None:
                 return None
@@ -234,6 +253,18 @@ class ControlServer:
                         async with conn.send_lock:
                             request = protocol.Request(next(self._request_ids), protocol.ShutdownCommand())
                             await protocol.send_message(conn.stream, request, self.max_frame_bytes)
+
+    async def drop_node(self, node_rank: int, reason: str) -> list[int]:
+        """Close the connections of the ranks on `node_rank` (the node was lost: a rank on a machine that lost
+        power sends no FIN); their failure names `reason`. The ranks dropped."""
+        dropped = []
+        for conn in list(self._connections.values()):
+            if conn.alive and conn.info.node_rank == node_rank:
+                conn.dropped = reason
+                dropped.append(conn.info.rank)
+                with contextlib.suppress(*STREAM_ERRORS):
+                    await conn.stream.aclose()
+        return dropped
 
     async def disconnect_all(self) -> None:
         """Close every connection (after the ranks' processes have ended)."""
@@ -271,7 +302,8 @@ class ControlServer:
         if reason is not None:
             await self._refuse(stream, reason)
             return
-        info = RankInfo(hello.rank, hello.world_size, hello.local_rank, hello.pid, hello.restart_count)
+        info = RankInfo(hello.rank, hello.world_size, hello.local_rank, hello.pid, hello.restart_count,
+                        hello.node_rank)
         conn = _Connection(info=info, stream=stream)
         try:
             await protocol.send_message(stream, protocol.Welcome(), self.max_frame_bytes)
@@ -291,7 +323,8 @@ class ControlServer:
 
     def _check_hello(self, hello: protocol.Hello) -> str | None:
         if not hmac.compare_digest(str(hello.token).encode(), self.token.encode()):
-            return f"wrong token from rank {hello.rank} (pid {hello.pid}): check {protocol.ENV_TOKEN}"
+            node = f", node {hello.node_rank}" if self.num_nodes > 1 else ""
+            return f"wrong token from rank {hello.rank} (pid {hello.pid}{node}): check {protocol.ENV_TOKEN}"
         if hello.world_size != self.world_size:
             return f"rank {hello.rank} reports world size {hello.world_size}, this group expects {self.world_size}"
         if not 0 <= hello.rank < self.world_size:
@@ -316,13 +349,15 @@ class ControlServer:
         except protocol.ProtocolError as exc:
             reason = f"sent an invalid message: {exc}"
         finally:
+            if conn.dropped is not None:
+                reason = f"is gone: {conn.dropped}"
             was_alive = conn.alive
             conn.alive = False
             with contextlib.suppress(*STREAM_ERRORS):
                 await conn.stream.aclose()
             if was_alive and not self._closing:
                 info = conn.info
-                self._fail(RankFailure([info.rank], f"rank {info.rank} (pid {info.pid}) {reason}"))
+                self._fail(RankFailure([info.rank], f"rank {info.rank} ({info.describe(self.num_nodes)}) {reason}"))
             self._state.notify()
 
     def _fail(self, failure: RankFailure) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,7 @@ class TrainGroup:
         node_rank: int | None = None,
         rdzv_backend: str | None = None,
         rdzv_endpoint: str | None = None,
+        rdzv_conf: tuple[tuple[str, str], ...] = (),
         max_restarts: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -119,6 +120,7 @@ class TrainGroup:
             node_rank=node_rank,
             rdzv_backend=rdzv_backend,
             rdzv_endpoint=rdzv_endpoint,
+            rdzv_conf=rdzv_conf,
             max_restarts=max_restarts,
             **({"python": python} if python is not None else {}),
         )
@@ -152,6 +154,7 @@ class TrainGroup:
             grace_s=grace_s,
             explain=self.torchrun.explain if self.torchrun is not None else None,
             on_connected=self._connected,
+            num_nodes=nnodes,
         )
         self.recovery = RankRecovery(self, max_recoveries=max_restarts) if max_restarts > 0 else None
         self.address: str | None = None
@@ -167,7 +170,7 @@ class TrainGroup:
     def from_spec(cls, spec: TorchrunSpec, **kwargs: Any) -> TrainGroup:
         """A group launching exactly `spec` (the plan's torchrun command)."""
         return cls(nproc_per_node=spec.nproc_per_node, nnodes=spec.nnodes, node_rank=spec.node_rank,
-                   rdzv_backend=spec.rdzv_backend, rdzv_endpoint=spec.rdzv_endpoint,
+                   rdzv_backend=spec.rdzv_backend, rdzv_endpoint=spec.rdzv_endpoint, rdzv_conf=spec.rdzv_conf,
                    max_restarts=spec.max_restarts, python=spec.python, **kwargs)
 
     # ------------------------------------------------------------------------------------------ lifetime
@@ -280,9 +283,10 @@ class TrainGroup:
     def torchrun_command(self) -> list[str]:
         return self.spec.command()
 
-    async def wait_for_ranks(self, *, restarted_after: int | None = None) -> dict[int, RankInfo]:
+    async def wait_for_ranks(self, *, restarted_after: int | None = None,
+                             replacing: Collection[tuple[int, int]] = ()) -> dict[int, RankInfo]:
         """Wait until every rank is connected (see `ControlServer.wait_for_ranks`)."""
-        return await self.server.wait_for_ranks(restarted_after=restarted_after)
+        return await self.server.wait_for_ranks(restarted_after=restarted_after, replacing=replacing)
 
     async def shutdown(self) -> None:
         """Ask the ranks to exit, wait for torchrun, and let run() return."""

@@ -110,6 +110,9 @@ def reduce_step_metrics(rank_steps: Sequence[StepMetrics]) -> dict[str, float]:
         "kl": total("kl_sum") / per_token,
         "entropy": total("entropy_sum") / per_token,
         "grad_norm": float(rank_steps[0].grad_norm),
+        # 0 when the ranks agree: their gradients were all-reduced (across nodes too) before clipping
+        "grad_norm_rank_spread": max(float(step.grad_norm) for step in rank_steps)
+        - min(float(step.grad_norm) for step in rank_steps),
         "lr": float(rank_steps[0].lr),
         "num_tokens": num_tokens,
         "loss_tokens": loss_tokens,
@@ -143,6 +146,7 @@ def reduce_rollout_metrics(steps: Sequence[dict[str, float]]) -> dict[str, float
             "tokens_per_s": total_tokens / total_time if total_time > 0 else 0.0,
             "train_time_s": total_time,
             "num_steps": float(count),
+            "grad_norm_rank_spread": max(step.get("grad_norm_rank_spread", 0.0) for step in steps),
             "train_rollout_logprob_abs_diff_mean": steps[0]["train_rollout_logprob_abs_diff_mean"],
             "train_rollout_logprob_abs_diff_max": steps[0]["train_rollout_logprob_abs_diff_max"],
         }

@@ -1,7 +1,8 @@
 """Train FT: a step that failed because ranks died is sent again once torchrun has restarted them.
 
-Owns the generation of the ranks that hold the model (each rank's restart count when `init` last succeeded)
-and the count of recoveries. Before a step, and after a step failed with `RankFailure`, ranks that are missing
+Owns the generation of the ranks that hold the model (each rank's process, node and pid, when `init` last
+succeeded: a restart count alone does not tell generations apart on several nodes, where torchrun restarts the
+surviving nodes' ranks for a membership change without counting it) and the count of recoveries. Before a step, and after a step failed with `RankFailure`, ranks that are missing
 or were restarted since (torchrun's `--max-restarts`) hold no model: they are waited for, initialised again
 with the same train config and given the last checkpoint of the save dir (else the initial model), then the
 step is sent again — at most `max_recoveries` times in a run. A `RankFailure` while every rank of the
@@ -37,10 +38,10 @@ class RankRecovery:
         self.max_recoveries = max_recoveries
         self.timeout_s = timeout_s
         self.recoveries = 0
-        self._generation: dict[int, int] | None = None
+        self._generation: dict[int, tuple[int, int]] | None = None
 
-    def _current_generation(self) -> dict[int, int]:
-        return {rank: info.restart_count for rank, info in self.group.ranks.items()}
+    def _current_generation(self) -> dict[int, tuple[int, int]]:
+        return {rank: info.process for rank, info in self.group.ranks.items()}
 
     def initialised(self) -> None:
         """Every rank now holds the model (`init` succeeded): remember their generation."""
@@ -90,18 +91,18 @@ class RankRecovery:
         )
 
     async def recover(self) -> CheckpointInfo | None:
-        """Wait until torchrun's restart brought every rank back (each reports a restart count above the
-        failed generation's), initialise them again with the same train config, and load the last checkpoint
+        """Wait until torchrun's restart brought every rank back (each a process other than those of the
+        failed generation), initialise them again with the same train config, and load the last checkpoint
         of the save dir when there is one. Returns the checkpoint loaded, or None (the initial model)."""
         group = self.group
-        failed_generation = max((self._generation or {}).values(), default=0)
+        failed_generation = set((self._generation or {}).values())
         config = group.train_config
         if config is None:
             raise RuntimeError("train FT recovery before init(): nothing to initialise the ranks with")
         try:
             with anyio.fail_after(self.timeout_s):
                 while True:
-                    await group.wait_for_ranks(restarted_after=failed_generation)
+                    await group.wait_for_ranks(replacing=failed_generation)
                     try:
                         await group.init(config)
                         break

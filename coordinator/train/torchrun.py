@@ -42,6 +42,8 @@ class TorchrunSpec:
     node_rank: int | None = None
     rdzv_backend: str | None = None
     rdzv_endpoint: str | None = None
+    #: `--rdzv-conf` key=value pairs (multi-node: which torchrun hosts the rendezvous store, `is_host`)
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 0
     python: str = field(default=sys.executable)
 
@@ -69,6 +71,8 @@ class TorchrunSpec:
                 "--rdzv-endpoint",
                 str(self.rdzv_endpoint),
             ]
+            if self.rdzv_conf:
+                command += ["--rdzv-conf", ",".join(f"{key}={value}" for key, value in self.rdzv_conf)]
         else:
             # A private rendezvous on a free port: several groups (tests, evals) can run side by side.
             command += ["--standalone"]

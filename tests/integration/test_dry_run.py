@@ -28,8 +28,10 @@ PROBE = textwrap.dedent(
 )
 
 
-def run_cli(*args: str, gpus: int | None = None, pythonpath: Path | None = None) -> dict:
+def run_cli(*args: str, gpus: int | None = None, pythonpath: Path | None = None,
+            extra_env: dict[str, str] | None = None) -> dict:
     env = {key: value for key, value in os.environ.items() if key != "RAYLESS_PLAN_GPU_COUNT"}
+    env.update(extra_env or {})
     if gpus is not None:
         env["RAYLESS_PLAN_GPU_COUNT"] = str(gpus)
     if pythonpath is not None:
@@ -86,7 +88,7 @@ def test_what_this_machine_lacks_is_a_warning_in_a_dry_run(job: list[str]) -> No
 
 def test_a_dry_run_reports_every_problem_it_finds_and_exits_2(job: list[str], tmp_path: Path) -> None:
     hooks = tmp_path / "hooks_dry_run.py"
-    hooks.write_text("def reward(sample, extra):\n    return 0.0\n")
+    hooks.write_text("def reward(sample, extra, more):\n    return 0.0\n")  # neither rayless' form nor slime's
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     flags = [flag for flag in job if flag != "--rm-type" and flag != "first_digit"]
@@ -98,7 +100,8 @@ def test_a_dry_run_reports_every_problem_it_finds_and_exits_2(job: list[str], tm
     err = outcome["stderr"]
     assert "key 'solution' (--label-key) is missing" in err
     assert "--custom-rm-path 'hooks_dry_run:reward': rayless calls it as reward(sample)" in err
-    assert "missing a required argument: 'extra'" in err
+    assert "but its signature is (sample, extra, more)" in err
+    assert "--apply-chat-template" not in err  # the data's problem is reported once, by the data check
     if os.geteuid() != 0:  # root writes anywhere
         assert f"--save {locked / 'ckpt'}: cannot be written" in err
     assert "problem(s), see above; nothing was launched" in outcome["stdout"]
@@ -141,3 +144,32 @@ def test_a_dry_run_of_a_colocated_8_gpu_plan(job: list[str], tmp_path: Path) -> 
     assert out.count("--enable-memory-saver") == 4
     refused = run_cli(*flags, "--async-rollout", gpus=8)
     assert refused["status"] == 2 and "--colocate and --async-rollout" in refused["stderr"]
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_dry_run_of_a_2_node_8_gpu_plan_shows_each_nodes_share(job: list[str], tmp_path: Path, node: int) -> None:
+    token = "SENTINEL-token-0123456789abcdef"
+    slurm = {"SLURM_NODEID": str(node), "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu-node[07-08]",
+             "RAYLESS_CONTROL_TOKEN": token}
+    outcome = run_cli(*job, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "8",
+                      "--rollout-num-gpus-per-engine", "2", "--engine-backend", "sglang", gpus=8, extra_env=slurm)
+    assert outcome["status"] == 0, outcome["stderr"]
+    assert outcome["children"] == 0 and not outcome["launcher_imported"] and not (tmp_path / "run").exists()
+    out = outcome["stdout"]
+    role = "the coordinator (node 0)" if node == 0 else "node 1, not the coordinator"
+    assert f"nodes: 2; this is {role} (SLURM_NODEID={node}; node 0 from the first host of " \
+           "SLURM_JOB_NODELIST=gpu-node[07-08], port 29500)" in out
+    assert "rendezvous  torchrun c10d at gpu-node07:29500" in out
+    assert "control     ranks dial gpu-node07:29501 (node 0 listens on 0.0.0.0:29501)" in out
+    assert "registry    node 1 reports its engines to gpu-node07:29502" in out
+    assert f"node {node} (this node): 4 training rank(s), 2 rollout engine(s)" in out
+    assert f"node {node}: 8 GPUs (RAYLESS_PLAN_GPU_COUNT=8, injected for planning); this plan uses 8" in out
+    engines = ("rollout-0", "rollout-1") if node == 0 else ("rollout-2", "rollout-3")
+    assert f"{engines[0]}    4,5   cuda (sglang, tp 2)" in out and f"{engines[1]}    6,7   cuda (sglang, tp 2)" in out
+    assert "train-ranks  0-3" in out and f"RAYLESS_NODE_RANK={node} TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in out
+    assert f"--nnodes 2 --node-rank {node} --rdzv-backend c10d --rdzv-endpoint gpu-node07:29500 " \
+           f"--rdzv-conf is_host={1 if node == 0 else 0}" in out
+    assert f"train_ranks-node{node}.log" in out and "RAYLESS_CONTROL_TOKEN=***" in out
+    assert token not in out + outcome["stderr"]
+    if node == 1:  # its engines listen where node 0 reaches it; a login node has no route to gpu-node07
+        assert "there is no route from here to node 0 (gpu-node07)" in outcome["stderr"]

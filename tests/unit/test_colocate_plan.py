@@ -140,3 +140,7 @@ def test_snapshots_go_to_tmpfs_when_it_holds_them_and_to_the_run_dir_otherwise(t
     place = snapshot_place(run_dir=tmp_path / "run", model_path=str(model), keep=2, colocated=False, tmpfs=shm)
     assert place == snapshot_place(run_dir=tmp_path / "run", model_path=None, keep=2, colocated=False)
     assert not place.tmpfs
+    # several nodes: node k's engines cannot read node 0's /dev/shm, so the shared run directory is used
+    place = snapshot_place(run_dir=tmp_path / "run", model_path=str(model), keep=2, colocated=True, tmpfs=shm,
+                           nodes=2)
+    assert not place.tmpfs and place.directory == tmp_path / "run" / "weights" and "2 nodes" in place.why

@@ -201,10 +201,20 @@ def test_cuda_visible_devices_is_read_as_cuda_reads_it() -> None:
     assert _narrow("4,5", None) == ("4", "5")  # no driver tool to check against: taken as given
 
 
-def test_multi_node_training_without_a_rendezvous_is_refused_naming_both_flags() -> None:
-    with pytest.raises(ConfigError, match="--actor-num-nodes 2 needs --rdzv-endpoint"):
-        plan("--rollout-num-engines", "1", "--actor-num-nodes", "2", gpus=0)
-    node = plan("--rollout-num-engines", "1", "--actor-num-nodes", "2", "--actor-node-rank", "1",
-                "--rdzv-endpoint", "10.0.0.1:29400", gpus=0).local
-    assert node.node_rank == 1 and node.ranks.spec.node_rank == 1
+def test_multi_node_plan_needs_this_nodes_rank_node_0s_address_and_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in ("SLURM_NODEID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NODELIST",
+                     "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RAYLESS_CONTROL_TOKEN"):
+        monkeypatch.delenv(variable, raising=False)
+    flags = ("--rollout-num-engines", "1", "--actor-num-nodes", "2")
+    with pytest.raises(ConfigError, match="this node's rank is unknown: run the command under srun"):
+        plan(*flags, gpus=0)
+    with pytest.raises(ConfigError, match=r"node 0's address is unknown: .* or give --rdzv-endpoint HOST:PORT"):
+        plan(*flags, "--actor-node-rank", "1", gpus=0)
+    with pytest.raises(ConfigError, match="every node needs the control token: set RAYLESS_CONTROL_TOKEN"):
+        plan(*flags, "--actor-node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29400", gpus=0)
+    monkeypatch.setenv("RAYLESS_CONTROL_TOKEN", "t" * 32)
+    p = plan(*flags, "--actor-node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29400", gpus=0)
+    node = p.local
+    assert node.node_rank == 1 and node.ranks.spec.node_rank == 1 and node.rollout_engines == ()
     assert "--node-rank 1" in " ".join(node.ranks.command())
+    assert p.remote_engines == (("rollout-0", "rollout", 0),)  # one engine: node 0's

@@ -46,6 +46,7 @@ def _connect() -> protocol.RankChannel:
         local_rank=_env_int("LOCAL_RANK", 0),
         pid=os.getpid(),
         restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        node_rank=_env_int(protocol.ENV_NODE_RANK, 0),
     )
     return protocol.RankChannel.connect(address, hello, max_frame_bytes=protocol.max_frame_bytes_from_env())
 

@@ -1,0 +1,128 @@
+"""Multi-node runs on one machine: `rayless train` processes given SLURM-style variables, and what they leave.
+
+`NodeProcess` starts one node's `rayless train` (node rank from `SLURM_NODEID`, node 0 from
+`SLURM_JOB_NODELIST=localhost`, the rendezvous port from `MASTER_PORT`, the token from `RAYLESS_CONTROL_TOKEN`),
+records every process it starts below it (the torchrun agent, the ranks, the engines) each time it is looked
+at, and can end the whole tree at once with SIGKILL: what a node's power failure does to the run.
+
+`gated_reward` (a `--custom-rm-path`): sample_index % 2, so every prompt group has a spread and every step a
+gradient; with RAYLESS_TEST_GATE=DIR it writes DIR/reached when the second rollout's first sample is scored,
+then waits for DIR/go, so a test can act at a known point of a run in another process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+
+GATE_ENV = "RAYLESS_TEST_GATE"
+SAMPLES_PER_ROLLOUT = 4  # --rollout-batch-size 2 × --n-samples-per-prompt 2
+_scored = 0
+
+
+async def gated_reward(sample: Any) -> float:
+    global _scored
+    _scored += 1
+    gate = os.environ.get(GATE_ENV)
+    if gate and _scored == SAMPLES_PER_ROLLOUT + 1:
+        await anyio.Path(gate, "reached").write_text("")
+        with anyio.fail_after(300):
+            while not await anyio.Path(gate, "go").exists():  # noqa: ASYNC110 - another process writes it
+                await anyio.sleep(0.1)
+    return float(sample.sample_index % 2)
+
+
+class NodeProcess:
+    """One node's `rayless train` and everything it starts; `seen` keeps every pid ever found below it."""
+
+    def __init__(self, node_rank: int, args: list[str], *, master_port: int, token: str, log: Path,
+                 env: dict[str, str] | None = None) -> None:
+        environment = {
+            **os.environ, "SLURM_NODEID": str(node_rank), "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost",
+            "MASTER_PORT": str(master_port), "RAYLESS_CONTROL_TOKEN": token, **(env or {}),
+        }
+        self.node_rank = node_rank
+        self.log = log
+        self._out = open(log, "ab")  # closed in wait() / kill_tree()
+        self.proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "train", *args], env=environment,
+                                     stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        #: every process ever found below the node process (psutil remembers each one's start time, so a pid
+        #: reused later by an unrelated process is not taken for it)
+        self.seen: dict[int, tuple[psutil.Process, str]] = {self.proc.pid: (psutil.Process(self.proc.pid),
+                                                                             "rayless train")}
+
+    def look(self) -> None:
+        """Record the processes below the node process now."""
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for child in children:
+            try:
+                if child.pid not in self.seen:
+                    self.seen[child.pid] = (child, " ".join(child.cmdline())[:200])
+            except psutil.Error:
+                continue
+
+    def wait(self, timeout: float, *, others: tuple[NodeProcess, ...] = ()) -> int:
+        """The node process's exit status, looking at its tree (and `others`') every half second meanwhile."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                self.kill_tree()
+                raise AssertionError(f"node {self.node_rank} did not exit within {timeout:.0f} s; its output:\n"
+                                     + self.output()[-4000:])
+            for node in (self, *others):
+                node.look()
+            time.sleep(0.5)
+        self._out.close()
+        return self.proc.returncode
+
+    def kill_tree(self) -> None:
+        """SIGKILL the node process and every process below it at once (a node that lost power)."""
+        self.look()
+        victims = [process for process, _ in self.seen.values() if process.is_running()]
+        for victim in victims:
+            try:
+                victim.send_signal(signal.SIGKILL)  # psutil checks it is still the process it saw
+            except psutil.NoSuchProcess:
+                continue
+        psutil.wait_procs(victims, timeout=10)
+        self.proc.wait(timeout=10)
+        self._out.close()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def survivors(self) -> list[str]:
+        """Every process ever seen below this node that still runs (zombies excluded)."""
+        alive = []
+        for pid, (process, command) in self.seen.items():
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"pid {pid}: {command}")
+            except psutil.NoSuchProcess:
+                continue
+        return alive
+
+
+def wait_for(path: Path, timeout: float, *, nodes: tuple[NodeProcess, ...] = ()) -> None:
+    """Wait for `path` to exist (failing early, with its output, when a node process exits meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        for node in nodes:
+            node.look()
+            if node.proc.poll() is not None:
+                raise AssertionError(f"node {node.node_rank} exited ({node.proc.returncode}) while waiting for "
+                                     f"{path.name}; its output:\n{node.output()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear within {timeout:.0f} s")
+        time.sleep(0.2)
