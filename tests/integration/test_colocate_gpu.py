@@ -79,7 +79,14 @@ def test_the_default_job_runs_colocated_on_one_gpu(tiny_model_dir: Path, tmp_pat
     for row in read_metrics(run_dir / "metrics.jsonl"):
         assert row["colocate/engine_weight_train_bytes"] == 0
         assert row["colocate/engine_cuda_allocated_train_bytes"] < row["colocate/engine_cuda_allocated_generate_bytes"]
-        assert row["colocate/rank_offload_cuda_allocated_bytes"] < row["colocate/rank_onload_cuda_allocated_bytes"]
+        # the rank's whole state leaves the GPU and comes back; what stays (64 MiB on the H200: the cuBLAS
+        # workspace, allocated at the first matmul) does not move, so compare the change with the state's bytes
+        state = row["colocate/rank_offload_state_bytes"]
+        assert state > 0
+        freed = row["colocate/rank_offload_before_cuda_allocated_bytes"] - row["colocate/rank_offload_cuda_allocated_bytes"]
+        brought = row["colocate/rank_onload_cuda_allocated_bytes"] - row["colocate/rank_onload_before_cuda_allocated_bytes"]
+        onloaded = row["colocate/rank_onload_state_bytes"]  # before the first step: no optimizer state yet
+        assert freed >= 0.9 * state and brought >= 0.9 * onloaded, (freed, brought, state, onloaded)
         assert row["colocate/engine_requests_refused_while_released"] == 0
         # the weights moved through the tmpfs snapshot: both sides float32 on the GPU, only summation order differs
         assert row["train/train_rollout_logprob_abs_diff_max"] < 1e-2
