@@ -8,7 +8,7 @@ key — and nothing else. `validate_launch_argv` runs `rayless train ARGV` up to
 (`--dry-run` where the CLI has it; else the real CLI with the launch step replaced by an exit 0), in a child
 process, and returns its exit status and output.
 
-`PENDING` lists the flags and values these scripts use that other issues add (they are refused with exit 2
+`PENDING` lists the flags and values these scripts use that rayless does not have yet (they are refused with exit 2
 today), `UNSUPPORTED` those rayless refuses by design, each with why; `blockers` finds them in an argv, read
 against the parser and reward registry of this tree, so the scripts test tightens by itself as they land.
 """
@@ -28,19 +28,17 @@ SCRIPTS_DIR = Path(__file__).resolve().parents[1] / "data" / "launch_scripts"
 WANDB_SENTINEL = "wandb-sentinel-3f9c2b7e1d"
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Flags other issues add (refused today with exit 2 naming them).
+#: Flags not added yet (refused with exit 2 naming them); a flag the parser learns drops out of `blockers`.
 PENDING = {
-    "--pause-generation-mode": "issue 11 (weight sync; miles' pause mode)",
-    "--eval-config": "issue 13 item 4 (eval on the rollout engines)",
-    "--eval-top-k": "issue 13 item 4",
-    "--eval-num-gpus-per-engine": "issue 13 item 4 (miles' dedicated eval fleet sizing)",
-    "--eval-hf-dir": "issue 13 item 4 (miles' dedicated eval fleet)",
-    "--eval-keep-snapshots": "issue 13 item 4 (miles' dedicated eval fleet)",
-    "--log-passrate": "issue 13 item 4 (pass@k metrics)",
+    "--pause-generation-mode": "not yet: miles' choice of how generation pauses for a weight update",
+    "--eval-num-gpus-per-engine": "not yet: miles' dedicated eval fleet sizing",
+    "--eval-hf-dir": "not yet: miles' dedicated eval fleet",
+    "--eval-keep-snapshots": "not yet: miles' dedicated eval fleet",
+    "--log-passrate": "not yet: slime's pass@k metrics",
     "--dump-details": "not yet: miles' debug dump directory (--save-debug-rollout-data covers rollouts)",
 }
 #: `--rm-type` values that the reward-types issue adds (issue 13 item 3).
-PENDING_RM_TYPES = "issue 13 item 3 (slime's reward types)"
+PENDING_RM_TYPES = "not yet: a reward type rayless does not have"
 #: Flags and values rayless refuses by design.
 UNSUPPORTED = {
     "--advantage-estimator ppo": "needs a critic",
