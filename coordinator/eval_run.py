@@ -8,8 +8,8 @@ scored by the dataset's reward, and the dataset's metrics.
 
 Metric names, for a dataset `<name>` (slime's where slime has one):
 - `eval/<name>`: mean reward (the scalar, or the `--eval-reward-key` entry); also `eval/<name>/reward_mean`;
-- `eval/<name>-pass@k` for k = 1, 2, 4, ... ≤ n when n > 1 (the unbiased estimator of slime's
-  `--log-passrate`: a sample with reward ≥ 1 is correct); `eval/<name>/pass_at_k`: prompts with at least
+- `eval/<name>-pass@k` for k = 1, 2, 4, ... up to the largest group (`coordinator.rollout.pass_rate`, slime's
+  estimator: a sample with reward ≥ 1 is correct); `eval/<name>/pass_at_k`: prompts with at least
   one correct sample (= pass@n);
 - `eval/<name>/truncated_ratio` and `eval/<name>-truncated_ratio` (slime logs both): samples cut by the length
   limit;
@@ -20,7 +20,6 @@ Metric names, for a dataset `<name>` (slime's where slime has one):
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from typing import TYPE_CHECKING
@@ -29,6 +28,7 @@ import anyio
 
 from coordinator.eval_settings import EVAL_SEED, EvalDataset
 from coordinator.rollout.dispatch import Dispatcher
+from coordinator.rollout.pass_rate import pass_rates
 from coordinator.rollout.requests import GenerateState, RequestSlots, generate_group, new_sample
 from replay.sample import Sample, SampleStatus
 
@@ -100,13 +100,6 @@ async def generate_and_score(dataset: EvalDataset, state: GenerateState, dispatc
     return groups
 
 
-def pass_at_k(n: int, correct: int, k: int) -> float:
-    """The unbiased pass@k of one prompt with `correct` of `n` samples right: 1 - C(n-c, k) / C(n, k)."""
-    if n - correct < k:
-        return 1.0
-    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
-
-
 def dataset_metrics(name: str, groups: list[list[Sample]], reward_key: str | None,
                     seconds: float) -> dict[str, float]:
     """The metrics of one evaluated dataset (names in the module docstring)."""
@@ -132,12 +125,8 @@ def dataset_metrics(name: str, groups: list[list[Sample]], reward_key: str | Non
         f"{prefix}/aborted": float(sum(sample.status is SampleStatus.ABORTED for sample in samples)),
         f"{prefix}/generate_s": seconds,
     }
-    n = min((len(group) for group in groups), default=0)
-    k = 1
-    while 1 < n and k <= n:
-        metrics[f"{prefix}-pass@{k}"] = sum(pass_at_k(len(g), c, k) for g, c in zip(groups, correct, strict=True)
-                                            ) / len(groups)
-        k *= 2
+    for k, rate in pass_rates([[s.scalar_reward(reward_key) for s in group] for group in groups]).items():
+        metrics[f"{prefix}-pass@{k}"] = rate
     return metrics
 
 

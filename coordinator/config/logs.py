@@ -31,6 +31,8 @@ class LoggingConfig(Slice):
     wandb_group: str | None = flag(None, help="wandb group; also the run name, with a random suffix unless "
                                    "--disable-wandb-random-suffix")
     disable_wandb_random_suffix: bool = flag(False, help="wandb run name = --wandb-group, without a random suffix")
+    log_passrate: bool = flag(False, help="log slime's pass@k of each rollout's prompt groups (passrate/pass@1, "
+                              "@2, @4 ... up to --n-samples-per-prompt; a sample passes with reward 1)")
     no_progress: bool = flag(False, help="plain log lines instead of live progress")
     log_level: str = flag("INFO", help="logging level", choices=LOG_LEVELS)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
 from coordinator.config import parse_config
 from coordinator.engines.client import EngineClient
@@ -76,7 +77,7 @@ async def test_rollout_against_two_engines_returns_the_full_consistent_batch(tin
     async with running_fleet(tiny_model_dir, tmp_path) as (client, fleet):
         manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "6",
                                 "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
-                                "--save-debug-rollout-data", template)
+                                "--save-debug-rollout-data", template, "--log-passrate")
         assert manager.counts.generate_states == 1 and manager.counts.dispatchers == 1
         assert manager.built_generate_state is not None
         assert manager.built_generate_state.concurrency == 2 * 512
@@ -85,6 +86,11 @@ async def test_rollout_against_two_engines_returns_the_full_consistent_batch(tin
     assert_consistent(batch, groups=6, n=4)
     assert len(used_engines) == 2, "least-in-flight dispatch spreads groups over both engines"
     assert batch.metrics["rollout/reward_mean"] == sum(s.reward for s in batch.samples) / 24  # type: ignore[misc]
+    # --log-passrate: with equal groups pass@1 is the share of right samples, pass@4 the share of groups with one
+    right = [sum(s.reward >= 1.0 for s in group) for group in batch.groups]  # type: ignore[operator]
+    assert batch.metrics["passrate/pass@1"] == pytest.approx(sum(right) / 24)
+    assert batch.metrics["passrate/pass@4"] == pytest.approx(sum(c > 0 for c in right) / 6)
+    assert batch.metrics["passrate/pass@1"] <= batch.metrics["passrate/pass@2"] <= batch.metrics["passrate/pass@4"]
     dumped = read_dump(dump_path(template, 0))
     assert dumped.header.rollout_id == 0
     assert [s.tokens for s in dumped.samples] == [s.tokens for s in batch.samples]
