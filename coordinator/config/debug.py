@@ -20,6 +20,9 @@ class DebugConfig(Slice):
 
     save_debug_rollout_data: str | None = flag(None, help="dump every rollout to this template with {rollout_id}",
                                                parse=values.rollout_id_template, metavar="TEMPLATE")
+    dump_details: str | None = flag(None, help="miles': dump every rollout to DIR/rollout_data/{rollout_id}.rld "
+                                    "(sets --save-debug-rollout-data; the ranks' tensors are not dumped)",
+                                    metavar="DIR")
     load_debug_rollout_data: str | None = flag(None, help="replay dumps from this template instead of generating",
                                                parse=values.rollout_id_template, metavar="TEMPLATE")
     load_debug_rollout_data_subsample: float | None = flag(None, help="keep this fraction of each replayed "

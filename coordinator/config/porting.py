@@ -80,7 +80,19 @@ def apply_hook_aliases(values: dict[str, Any]) -> tuple[dict[str, Any], tuple[tu
         replaced.append((flag_name(name), path, alias.ours + (" with --async-rollout" if alias.async_rollout else "")))
     if values.get("fully_async"):
         values["async_rollout"] = True
+    details = values.get("dump_details")
+    if details is not None:
+        # miles: --dump-details DIR sets the rollout dump template under DIR (and its per-rank train dumps)
+        if values.get("save_debug_rollout_data") is not None:
+            raise ConfigError("--dump-details and --save-debug-rollout-data both say where rollouts are dumped "
+                              "(--dump-details DIR means DIR/rollout_data/{rollout_id}.rld): give one")
+        values["save_debug_rollout_data"] = dump_details_template(str(details))
     return values, tuple(replaced)
+
+
+def dump_details_template(directory: str) -> str:
+    """The rollout dump template of miles' `--dump-details DIR` (rayless' format, hence `.rld`, not `.pt`)."""
+    return str(Path(directory) / "rollout_data" / "{rollout_id}.rld")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -251,6 +263,9 @@ def _mapped(config: Config) -> list[str]:
         mapped.append("--optimizer-cpu-offload: not implemented yet, the optimizer state stays on the device")
     if train.balance_data:
         mapped.append("--balance-data: always on (tokens balanced across ranks)")
+    if config.debug.dump_details is not None:
+        mapped.append(f"--dump-details → rollouts dumped to {config.debug.save_debug_rollout_data} (rayless' dump "
+                      "format; miles' per-rank train_data tensors are not written)")
     return mapped
 
 

@@ -34,7 +34,6 @@ PENDING = {
     "--eval-num-gpus-per-engine": "not yet: miles' dedicated eval fleet sizing",
     "--eval-hf-dir": "not yet: miles' dedicated eval fleet",
     "--eval-keep-snapshots": "not yet: miles' dedicated eval fleet",
-    "--dump-details": "not yet: miles' debug dump directory (--save-debug-rollout-data covers rollouts)",
 }
 #: `--rm-type` values that the reward-types issue adds (issue 13 item 3).
 PENDING_RM_TYPES = "not yet: a reward type rayless does not have"

@@ -257,3 +257,14 @@ def test_router_address_and_broadcast_mode(tiny_model_dir: Path) -> None:
     assert config.sglang.update_weight_transfer_mode == "broadcast"
     with pytest.raises(ConfigError, match="give both"):
         parse_config(argv(tiny_model_dir, "--sglang-router-ip", "10.0.0.2"))
+
+
+def test_miles_dump_details_dumps_every_rollout_under_its_directory(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = parse_config(argv(tiny_model_dir, "--dump-details", str(tmp_path / "details")))
+    template = config.debug.save_debug_rollout_data
+    assert template == str(tmp_path / "details" / "rollout_data" / "{rollout_id}.rld")
+    notice = porting_notice(config) or ""
+    assert f"--dump-details → rollouts dumped to {template}" in notice and "not written" in notice
+    with pytest.raises(ConfigError, match="--dump-details and --save-debug-rollout-data"):
+        parse_config(argv(tiny_model_dir, "--dump-details", str(tmp_path), "--save-debug-rollout-data",
+                          str(tmp_path / "{rollout_id}.rld")))
