@@ -442,6 +442,7 @@ def build_weight_sync(config: Config, services: Services, run_dir: Path,
         keep_snapshots=config.checkpoint.keep_weight_snapshots, recover_engines=config.rollout_ft_enabled,
         router=services.router, bucket_bytes=sglang.update_weight_buffer_size,
         join_timeout_s=sglang.update_weight_join_timeout, backend=weight_backend(plan),
+        pause_mode=sglang.pause_generation_mode,
         host=services.nodes.weight_host if services.nodes is not None else "127.0.0.1",
     )
 

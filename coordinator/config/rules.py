@@ -162,6 +162,14 @@ def async_rollout_needs_training(config: Config) -> None:
                           "training: drop one")
 
 
+def async_rollout_does_not_abort_on_update(config: Config) -> None:
+    """miles refuses it too: with generation spanning weight updates, abort would end every in-flight request
+    at each update."""
+    if config.rollout.async_rollout and config.sglang.pause_generation_mode == "abort":
+        raise ConfigError("--pause-generation-mode abort with --async-rollout (or --fully-async): every weight "
+                          "update would end the requests in flight; use in_place (the default) or retract")
+
+
 def colocation_is_not_async(config: Config) -> None:
     if config.cluster.colocate and config.rollout.async_rollout:
         raise ConfigError("--colocate and --async-rollout: colocated engines and ranks take turns on the same "
@@ -220,6 +228,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     async_rollout_needs_training,
     eval_fleet_generates_without_hooks,
     tis_hook_needs_tis,
+    async_rollout_does_not_abort_on_update,
     colocation_is_not_async,
     colocation_needs_both_halves,
 )

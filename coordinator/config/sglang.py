@@ -38,6 +38,11 @@ class SglangConfig(Slice):
                                           "(slime's flag)", minimum=1)
     update_weight_join_timeout: float = flag(120.0, help="seconds the engines get to join a distributed weight "
                                              "update's group before the update fails naming them", above=0)
+    pause_generation_mode: str = flag(
+        "in_place", help="how in-flight requests wait out a weight update (miles' flag; SGLang's /pause_generation "
+        "mode): in_place keeps them and their KV cache, retract re-queues them and recomputes the cache, abort "
+        "ends them (the rollout sends them again). miles' default is retract", choices=("in_place", "retract",
+                                                                                          "abort"))
     # Filled by the parser from unknown `--sglang-*` flags; not a flag itself.
     sglang_passthrough: tuple[str, ...] = field(default=())
 

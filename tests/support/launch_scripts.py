@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Flags not added yet (refused with exit 2 naming them); a flag the parser learns drops out of `blockers`.
 PENDING = {
-    "--pause-generation-mode": "not yet: miles' choice of how generation pauses for a weight update",
     "--eval-num-gpus-per-engine": "not yet: miles' dedicated eval fleet sizing",
     "--eval-hf-dir": "not yet: miles' dedicated eval fleet",
     "--eval-keep-snapshots": "not yet: miles' dedicated eval fleet",

@@ -148,3 +148,13 @@ async def test_recovery_calls_and_eval_probes_per_component_choice(choice: str, 
         assert [f.weight_version for f in fakes[2:]] == ["7", "7"]
         assert fakes[0].weight_version != "7" and fakes[1].weight_version == "1", "eval pins stay on eval engines"
         group.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
+async def test_the_pause_generation_mode_reaches_the_weight_sync(mode: str, tmp_path: Path) -> None:
+    """miles' --pause-generation-mode is the mode WeightSync sends to /pause_generation (the engine's handling of
+    each mode is tested in tests/integration/test_engine_contract.py)."""
+    config = make_config(tmp_path, "--pause-generation-mode", mode)
+    async with EngineClient(max_connections=4) as client:
+        weight_sync = build_weight_sync(config, services_for(config, client, tmp_path), tmp_path)
+    assert weight_sync is not None and weight_sync.pause_mode == mode
