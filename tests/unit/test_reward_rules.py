@@ -1,8 +1,9 @@
 """The built-in reward types on known right and wrong answers (tables), and the math grading under them.
 
-The cases come from slime's rules (the porting notes' test vectors and traps: deepscaler without `</think>`
-scores 0; dapo's non-numeric label; `math` takes the boxed answer only, `math_last_number` also the last
-number).
+The cases come from slime's rules (slime's rm_hub at THUDM/slime 624b824a; every value under a slime name is
+what slime's own code returns, as in test_reward_corpus.py: deepscaler without `</think>` scores 0; dapo's
+non-numeric label; `math` takes the boxed answer only, `math_last_number` also the last number). The few
+places where we differ from slime on purpose have their own tests here (docs/rewards.md lists them).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from coordinator.rollout.math_grading import (
     answers_equal,
     extract_boxed,
     extract_last_number,
-    normalize_final_answer,
     symbolically_equal,
 )
+from coordinator.rollout.math_normalize import last_boxed
+from coordinator.rollout.minerva import minerva_form
 from coordinator.rollout.reward_rules import (
     RULES,
     RewardError,
@@ -144,10 +146,11 @@ def test_dapo_refuses_a_non_numeric_label() -> None:
 
 
 def test_minerva_normalisation() -> None:
-    assert normalize_final_answer(r"\text{5 } \text{ways}") == "5"
-    assert normalize_final_answer(r"\frac12") == r"\frac{1}{2}"
-    assert normalize_final_answer(r"\sqrt3") == r"\sqrt{3}"
-    assert normalize_final_answer(r"\boxed{12}") == "12"
+    assert minerva_form(r"\text{5 } \text{ways}") == "5"
+    assert minerva_form(r"\frac12") == r"\frac{1}{2}"
+    assert minerva_form(r"\sqrt3") == r"\sqrt{3}"
+    assert minerva_form(r"\boxed{12}") == "12"
+    assert minerva_form("an 5") == "5" and minerva_form("Thousands of ways") == "Thousandsof"  # plain edits
 
 
 # ---------------------------------------------------------------------------------------------- f1, gpqa
@@ -168,18 +171,21 @@ def test_f1(response: str, label: str, expected: float) -> None:
     assert score("f1", response, label) == expected
 
 
-GPQA_CASES: list[tuple[str, str | None, dict[str, Any], float]] = [
+GPQA_CASES: list[tuple[str, Any, dict[str, Any], float]] = [
     ("The answer is C", "C", {}, 1.0),
     ("The answer is C", "B", {}, 0.0),
-    ("I think the answer is clearly (B).", "B", {}, 1.0),  # `clearly` is no letter; the last capital is
     ("Answer: D", None, {"correct_letter": "D"}, 1.0),
     ("<think>maybe A</think> Final answer: B", "B", {}, 1.0),  # only the text after </think>
-    ("The answer is B", "2", {"choices": ["x", "y", "z"]}, 0.0),  # an index label: 2 → C
-    ("The answer is C", "2", {"choices": ["x", "y", "z"]}, 1.0),
+    ("The answer is B", 2, {"choices": ["x", "y", "z"]}, 0.0),  # a numeric label is an index: 2 → C
+    ("The answer is C", 2, {"choices": ["x", "y", "z"]}, 1.0),
+    ("The answer is B", 1.0, {}, 1.0),  # a float index too (slime's int(label))
+    ("The answer is C", "2", {"choices": ["x", "y", "z"]}, 0.0),  # the text "2" is no index (slime)
     ("The answer is B", "y", {"choices": ["x", "y", "z"]}, 1.0),  # the label is a choice's text
-    ("The answer is E", "A", {"choices": ["a", "b", "c", "d"]}, 0.0),  # E is not a valid letter: no letter
+    ("The answer is A", "y", {"choices": {"k2": "x", "k1": "y"}}, 0.0),  # a dict's values in order: y is B
     ("it is the mitochondria", "mitochondria", {}, 1.0),  # no letter: the text appears
     ("it is the nucleus", "mitochondria", {}, 0.0),
+    ("15 ms", "1.5 m/s", {}, 0.0),  # punctuation is a separator, not dropped: `1 5 m s`
+    ("The answer is I", "I", {}, 1.0),  # A-J by default (miles': A-H)
 ]
 
 
@@ -198,6 +204,7 @@ BOXED_CASES = [
     ("boxed_gpqa", r"A? no: \boxed{C}", "C", 1.0),
     ("boxed_math_last_number", r"it is \boxed{7}", "7", 1.0),
     ("boxed_math", r"it is \boxed{7}", "7", 0.0),  # `math` then looks for a box inside the box's content
+    ("boxed_f1", r"\fbox{7}", "7", 0.0),  # slime's box rule: `\fbox` is no box
 ]
 
 
@@ -329,3 +336,124 @@ def test_grading_survives_hostile_responses() -> None:
     assert score("math", "\\boxed{" * 5_000 + "5}", "5") == 1.0
     assert score("math", "\\boxed{" * 5_000, "5") == 0.0
     assert not answers_equal(r"\frac" * 5_000, "1")
+
+
+# ---------------------------------------------------------------------------- slime's results, our deviations
+
+# The issue's classes (1-4): rayless' lenient grading accepted these; slime's `math` does not (values: slime's
+# own code, THUDM/slime 624b824a math_utils.grade_answer_verl), and `math_lenient` keeps the old verdict.
+STRICTER_THAN_LENIENT = [
+    (r"\boxed{2+3}", "5"),  # 1: unevaluated arithmetic: an integer label wants the integer
+    (r"\boxed{7 \cdot 8}", "56"),
+    (r"\boxed{\frac{6}{3}}", "2"),
+    (r"\boxed{\frac{2}{4}}", r"\frac{1}{2}"),  # 2: an unreduced fraction is not the reduced one
+    (r"\boxed{2/4}", r"\frac{1}{2}"),
+    (r"\boxed 42", "42"),  # 3: the box needs braces
+    (r"\fbox{42}", "42"),
+    (r"\boxed{42} and so \boxed{4", "42"),  # the last box is cut off: the final answer is unknown
+]
+
+
+@pytest.mark.parametrize(("response", "label"), STRICTER_THAN_LENIENT)
+def test_math_is_slimes_and_math_lenient_is_ours(response: str, label: str) -> None:
+    assert score("math", response, label) == 0.0
+    assert score("math_lenient", response, label) == 1.0
+
+
+@pytest.mark.parametrize(("response", "label", "expected"), [
+    (r"\boxed{monday}", "Monday", 1.0),  # 4: text is compared lower-cased
+    (r"\boxed{\text{no solution}}", r"\text{No solution}", 1.0),
+    (r"\boxed{(B)}", "B", 1.0),
+    (r"\boxed{1{,}000}", "1000", 1.0),
+    (r"\boxed{\mathbf{5}}", "5", 1.0),
+    (r"\boxed{5 \text{ cm}^2}", "5", 1.0),
+    (r"\boxed{\begin{bmatrix}1\\2\end{bmatrix}}", r"\begin{pmatrix}1\\2\end{pmatrix}", 1.0),
+    (r"\boxed{2\frac{1}{2}}", r"\frac{5}{2}", 1.0),  # a mixed number is 2 + 1/2 ...
+    (r"\boxed{2\frac{1}{2}}", "1", 0.0),  # ... not 2 × 1/2
+    (r"\boxed{3, 5}", "3 and 5", 1.0),
+])
+def test_math_reads_forms_as_slime_does(response: str, label: str, expected: float) -> None:
+    """Class 4: forms rayless' lenient grading misread."""
+    assert score("math", response, label) == expected
+
+
+def test_slimes_box_rule() -> None:
+    assert last_boxed(r"\boxed{1} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed{a_{i}^{2}}") == "a_{i}^{2}"
+    assert last_boxed(r"\boxed 5") is None and last_boxed(r"\fbox{5}") is None
+    assert last_boxed(r"\boxed{5} \boxed{6") is None  # no falling back to an earlier box
+    assert last_boxed("\\boxed{" * 5_000 + "5}") == "5"
+
+
+def test_deviation_math_numeric_zero_label() -> None:
+    """slime's `if not ground_truth` makes a numeric label 0 unreachable; ours grades it as "0"."""
+    assert score("math", r"so \boxed{0}", 0) == 1.0  # slime: 0
+    assert score("math", r"so \boxed{0}", 0.0) == 1.0  # slime: 0
+    assert score("math", r"so \boxed{1}", 0) == 0.0
+    assert score("math", r"so \boxed{0}", "0") == 1.0  # slime agrees on text "0"
+    assert score("math", r"so \boxed{0}", "") == 0.0 and score("math", r"so \boxed{False}", False) == 0.0
+
+
+@pytest.mark.parametrize(("response", "label", "metadata", "slimes"), [
+    ("The answer is clearly B", "B", {}, 0.0),  # slime reads C (the c of "clearly")
+    ("The answer is (B)", "B", {}, 0.0),  # slime reads I (the i of "is", a valid letter in A-J)
+    ("The answer is: B", "B", {}, 0.0),
+    ("data is correct, so B", "B", {}, 0.0),  # slime reads A (the a of "data")
+])
+def test_deviation_gpqa_letter_inside_a_word(response: str, label: str, metadata: dict[str, Any],
+                                             slimes: float) -> None:
+    assert score("gpqa", response, label, **metadata) == 1.0 != slimes
+
+
+@pytest.mark.parametrize(("response", "label", "metadata"), [
+    ("The answer is E", "A", {"choices": ["a", "b", "c", "d"]}),  # slime finds the choice "a" in "answer"
+    ("The answer is 150", "15", {}),  # slime finds "15" in "150"
+    ("concatenate", "cat", {"choices": ["cat", "dog"]}),
+])
+def test_deviation_gpqa_text_inside_a_word(response: str, label: str, metadata: dict[str, Any]) -> None:
+    assert score("gpqa", response, label, **metadata) == 0.0  # slime: 1.0
+    assert score("gpqa", response.replace("answer", "reply") + " " + label, label, **metadata) == 1.0
+
+
+def test_f1_needs_a_text_label() -> None:
+    with pytest.raises(RewardError, match="rm-type f1 needs a text label, got int 5"):
+        score("f1", "5", 5)  # type: ignore[arg-type]
+
+
+def test_deepscaler_refuses_a_label_it_cannot_read() -> None:
+    with pytest.raises(RewardError, match="rm-type deepscaler: the label must be text or a number"):
+        score("deepscaler", r"</think>\boxed{5}", ["5"])  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------- math_verify
+
+MATH_VERIFY_CASES = [
+    (r"so \boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{2+3}", "5", 1.0),  # Math-Verify evaluates
+    (r"The answer is $\frac{2}{4}$", r"\frac12", 1.0),
+    (r"\boxed{(1,2)}", "(1,2)", 1.0),  # a bare label is read as LaTeX: an interval
+    (r"\boxed{(1,2]}", "(1,2)", 0.0),
+    (r"\boxed{7}", "8", 0.0),
+    ("I think it is 42", "42", 1.0),
+    ("no answer at all", "3", 0.0),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", 1.0),
+    (r"\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+    (r"\boxed{\sqrt{3}}", r"\sqrt{2}", 0.0),
+]
+
+
+@pytest.mark.parametrize(("response", "label", "expected"), MATH_VERIFY_CASES)
+def test_math_verify_on_known_right_and_wrong_answers(response: str, label: str, expected: float) -> None:
+    pytest.importorskip("math_verify", reason="Math-Verify is the math-verify extra (in dev)")
+    assert score("math_verify", response, label) == expected
+
+
+def test_math_verify_works_off_the_main_thread() -> None:
+    pytest.importorskip("math_verify", reason="Math-Verify is the math-verify extra (in dev)")
+    import threading
+
+    results: list[float] = []
+    worker = threading.Thread(target=lambda: results.append(score("math_verify", r"\boxed{3}", "3")))
+    worker.start()
+    worker.join(timeout=60)
+    assert results == [1.0]
