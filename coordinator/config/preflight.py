@@ -224,16 +224,16 @@ def _bind(flag: str, path: str, target: Any, arguments: tuple[str, ...], shown: 
 
 
 def check_rewards(config: Config) -> list[str]:
-    """The rollout's reward type and each eval dataset's can score (IFBench installed for `ifbench`; every
-    dataset has a reward, a key for a dict-valued one, `--rm-url` for `remote_rm`)."""
-    from coordinator.rollout.reward_rules import RewardError, base_rule, ifbench_library
+    """The rollout's reward type and each eval dataset's can score (IFBench installed for `ifbench`,
+    Math-Verify for `math_verify`; every dataset has a reward, a key for a dict-valued one, `--rm-url` for
+    `remote_rm`)."""
+    from coordinator.rollout.reward_rules import RewardError, require_libraries
 
     if config.builds_rollout_fn and config.rollout.rm_type is not None:
-        if base_rule(config.rollout.rm_type)[0].name == "ifbench":
-            try:
-                ifbench_library()
-            except RewardError as error:
-                raise ConfigError(f"--rm-type {config.rollout.rm_type}: {error}") from None
+        try:
+            require_libraries(config.rollout.rm_type)
+        except RewardError as error:
+            raise ConfigError(f"--rm-type {config.rollout.rm_type}: {error}") from None
     if not (config.eval_fleet_enabled or config.rollout_engine_eval_enabled):
         return []
     from coordinator.eval_settings import EvalSettings

@@ -35,7 +35,7 @@ from coordinator.rollout.math_rules import (
     gemma_math_reward,
     math_reward,
 )
-from coordinator.rollout.math_verify_rule import MathVerifyMissing, math_verify_reward
+from coordinator.rollout.math_verify_rule import MathVerifyMissing, math_verify_library, math_verify_reward
 from coordinator.rollout.minerva import dapo_score
 from replay.sample import Sample
 from workers.errors import RaylessError
@@ -284,6 +284,19 @@ RULES: dict[str, Rule] = {
         Rule(REMOTE_RM, _remote_placeholder, needs_label=False, boxed_variant=False),
     )
 }
+
+
+def require_libraries(rm_type: str) -> None:
+    """Raise RewardError (saying what to install) when the rule of `rm_type` needs a package that is missing:
+    IFBench's `evaluation_lib` for `ifbench`, Math-Verify for `math_verify`. Checked at start-up."""
+    rule, _ = base_rule(rm_type)
+    if rule.name == "ifbench":
+        ifbench_library()
+    elif rule.name == "math_verify":
+        try:
+            math_verify_library()
+        except MathVerifyMissing as error:
+            raise RewardError(str(error)) from None
 
 
 def rm_type_names() -> list[str]:

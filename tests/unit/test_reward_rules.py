@@ -457,3 +457,19 @@ def test_math_verify_works_off_the_main_thread() -> None:
     worker.start()
     worker.join(timeout=60)
     assert results == [1.0]
+
+
+def test_math_verify_missing_says_which_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coordinator.rollout.math_verify_rule import math_verify_library
+    from coordinator.rollout.reward_rules import require_libraries
+
+    monkeypatch.setitem(__import__("sys").modules, "math_verify", None)  # an import of it fails
+    math_verify_library.cache_clear()
+    try:
+        with pytest.raises(RewardError, match=r"pip install 'rayless\[math-verify\]'"):
+            require_libraries("math_verify")
+        with pytest.raises(RewardError, match="needs Hugging Face's Math-Verify"):
+            score("boxed_math_verify", r"\boxed{3}", "3")
+        require_libraries("math")  # no package needed
+    finally:
+        math_verify_library.cache_clear()
