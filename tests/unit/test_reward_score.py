@@ -91,3 +91,15 @@ def test_missing_file_and_subcommand_exit_2(tmp_path: Path, capsys: pytest.Captu
     assert main(["reward"]) == 2
     assert main(["reward", "score"]) == 2  # argparse: --rm-type and FILE are required
     assert "required" in capsys.readouterr().err
+
+
+def test_the_docs_show_real_output(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/rewards.md's listings are what the command prints on docs/rewards_example.jsonl."""
+    pytest.importorskip("math_verify", reason="Math-Verify is the math-verify extra (in dev)")
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    page = docs.joinpath("rewards.md").read_text(encoding="utf-8")
+    for flags in (["--rm-type", "math"], ["--rm-type", "math", "--compare", "math_verify"],
+                  ["--rm-type", "deepscaler", "--compare", "math"]):
+        assert main(["reward", "score", *flags, str(docs / "rewards_example.jsonl")]) == 0
+        shown = f"$ rayless reward score {' '.join(flags)} rewards_example.jsonl\n{capsys.readouterr().out}"
+        assert shown in page
