@@ -230,7 +230,8 @@ def _ifbench_kwargs(raw: Any, count: int) -> list[dict[str, Any]]:
 def ifbench(response: str, sample: Sample) -> float:
     """1.0 when the response follows every instruction of the sample's metadata (IFBench's strict check)."""
     metadata = sample.metadata or {}
-    ids = [str(entry).strip() for entry in metadata.get("instruction_id_list") or [] if str(entry).strip()]
+    ids = [str(entry).strip() for entry in metadata.get("instruction_id_list") or []
+           if entry is not None and str(entry).strip()]  # slime skips None entries (not the text "None")
     if not ids:
         return 0.0
     library = ifbench_library()

@@ -284,7 +284,7 @@ def test_ifbench_maps_metadata_to_ifbench_inputs(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delitem(__import__("sys").modules, "evaluation_lib", raising=False)
     ifbench_library.cache_clear()
     try:
-        metadata = {"instruction_id_list": ["punctuation:no_comma", " ", "x:y"], "prompt_text": "Write.",
+        metadata = {"instruction_id_list": ["punctuation:no_comma", " ", None, "x:y"], "prompt_text": "Write.",
                     "record_id": 7, "kwargs": [{"a": 1, "b": None}]}
         assert score("ifbench", "no commas here", **metadata) == 1.0
         assert score("ifbench", "a, b", **metadata) == 0.0
