@@ -26,8 +26,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from coordinator.rollout.reward_rules import apply_rule
 from replay.sample import Sample, SampleStatus
+from tests.support import upstream_rm_hub
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "reward_corpus.jsonl"
 DEVIATIONS = {"math_numeric_zero_label", "gpqa_letter_inside_a_word", "gpqa_text_inside_a_word"}
@@ -65,3 +68,24 @@ def test_every_case_gives_the_expected_reward() -> None:
         if got != case["expected"]:
             wrong.append((case["id"], case["rm_type"], case["response"], case["label"], got, case["expected"]))
     assert wrong == []
+
+
+@pytest.mark.parametrize(("variable", "source"), [("RAYLESS_SLIME_RM_HUB", "slime 624b824a"),
+                                                  ("RAYLESS_MILES_RM_HUB", "miles 31f1ca96")])
+def test_the_recorded_values_are_upstreams_own(variable: str, source: str) -> None:
+    """Runs upstream's own graders on every case when their files are at hand (tests/support/upstream_rm_hub.py
+    says how): the recorded `upstream_value` (`miles_value` where miles differs) is what they return."""
+    hub = upstream_rm_hub.load(variable)
+    if hub is None:
+        pytest.skip(f"{variable} is not set: upstream's rm_hub files are not part of the repository")
+    checked = 0
+    for case in CASES:
+        if source.startswith("slime") and case["upstream"] != source:
+            continue  # miles' own names: slime has no gemma_math or deterministic_random
+        recorded = case.get("miles_value", case["upstream_value"]) if source.startswith("miles") else (
+            case["upstream_value"])
+        got = upstream_rm_hub.score(hub, case["rm_type"], case["response"], case["label"],
+                                    json.loads(json.dumps(case["metadata"])), case.get("tokens") or [1, 2, 3])
+        assert got == recorded, case
+        checked += 1
+    assert checked >= 300
