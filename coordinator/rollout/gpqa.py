@@ -20,8 +20,8 @@ ours. Two deviations, where slime is plainly wrong (docs/rewards.md, a row and a
   `correct_answer`/`answer_text` or the label text appears in the (normalised) response, as whole words; otherwise, with no
   correct letter, 1 when the chosen letter is the label text.
 
-Invariant: pure (slime's `metadata.setdefault("correct_answer", ...)` side effect is not copied: it adds a
-candidate the correct choice already gives); the letter patterns are linear regexes.
+Invariant: pure: slime's `metadata.setdefault("correct_answer", <the choice the label matched>)` is read as a
+candidate, the metadata is not changed; the letter patterns are linear regexes.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def _letters(metadata: dict[str, Any], choices: list[Any] | None) -> list[str]:
 
 
 def _correct_letter(label: Any, metadata: dict[str, Any], letters: list[str],
-                    choices: list[Any] | None) -> tuple[str | None, str | None]:
-    """(the correct letter, the label's text when the label is text)."""
+                    choices: list[Any] | None) -> tuple[str | None, str | None, Any]:
+    """(the correct letter, the label's text when the label is text, the choice the label's text matched)."""
     given = metadata.get("correct_letter")
     correct = given.strip().upper() if isinstance(given, str) else None
     label_text = None
@@ -103,13 +103,14 @@ def _correct_letter(label: Any, metadata: dict[str, Any], letters: list[str],
         index = int(label)
         if 0 <= index < len(letters):
             correct = letters[index]
+    matched = None
     if not correct and choices and label_text:
         wanted = normalize_text(label_text)
         for index, choice in enumerate(choices):
             if normalize_text(str(choice)) == wanted:
-                correct = letters[index]
+                correct, matched = letters[index], choice
                 break
-    return correct, label_text
+    return correct, label_text, matched
 
 
 def gpqa_score(response: str, label: Any, metadata: dict[str, Any] | None) -> float:
@@ -117,14 +118,16 @@ def gpqa_score(response: str, label: Any, metadata: dict[str, Any] | None) -> fl
     metadata = metadata if isinstance(metadata, dict) else {}
     choices = _choices(metadata)
     letters = _letters(metadata, choices)
-    correct, label_text = _correct_letter(label, metadata, letters, choices)
+    correct, label_text, matched = _correct_letter(label, metadata, letters, choices)
     chosen = chosen_letter(response, letters)
     if chosen and correct:
         return 1.0 if chosen == correct else 0.0
     candidates = []
     if correct and choices and correct in letters and letters.index(correct) < len(choices):
         candidates.append(str(choices[letters.index(correct)]))
-    candidates += [str(metadata[key]) for key in ("correct_answer", "answer_text") if metadata.get(key)]
+    # slime: metadata.setdefault("correct_answer", <the matched choice>), then both keys are read.
+    answer = metadata.get("correct_answer") if "correct_answer" in metadata else matched
+    candidates += [str(value) for value in (answer, metadata.get("answer_text")) if value]
     if label_text:
         candidates.append(label_text)
     text = f" {normalize_text(after_thinking(response))} "

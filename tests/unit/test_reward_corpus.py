@@ -1,4 +1,4 @@
-"""slime's reward names give slime's rewards: a corpus of 944 response/label pairs with upstream's own values.
+"""slime's reward names give slime's rewards: a corpus of 948 response/label pairs with upstream's own values.
 
 `tests/data/reward_corpus.jsonl`, one case a line: `rm_type`, `response`, `label` (its JSON type kept: slime
 treats `0` and `"0"` differently), `metadata`, `tokens` (deterministic_random), the issue's `class` (1
