@@ -100,7 +100,7 @@ def char_match(response: str, sample: Sample) -> float:
 # ------------------------------------------------------------------------------------------------- math
 
 
-def _rule_error(rm_type: str, call: Callable[[], RuleResult]) -> RuleResult:
+def _rule_error(rm_type: str, call: Callable[[], float]) -> float:
     """Run a slime rule, turning its complaint about the sample's label into a RewardError."""
     try:
         return call()
@@ -115,12 +115,12 @@ def math_answer(response: str, sample: Sample) -> float:
 
 def deepscaler(response: str, sample: Sample) -> float:
     """slime's `deepscaler`: the box after the last `</think>` (or `###Response`); neither: 0."""
-    return float(_rule_error("deepscaler", lambda: deepscaler_reward(response, sample.label)))
+    return _rule_error("deepscaler", lambda: deepscaler_reward(response, sample.label))
 
 
 def gemma_math(response: str, sample: Sample) -> float:
     """miles' `gemma_math`: the box after the last `<channel|>`."""
-    return float(_rule_error("gemma_math", lambda: gemma_math_reward(response, sample.label)))
+    return _rule_error("gemma_math", lambda: gemma_math_reward(response, sample.label))
 
 
 def _lenient_grade(answer: str | None, label: str) -> float:
@@ -187,7 +187,7 @@ def f1(response: str, sample: Sample) -> float:
 
 def gpqa(response: str, sample: Sample) -> float:
     """slime's multiple-choice check (`coordinator.rollout.gpqa`, one documented deviation)."""
-    return float(_rule_error("gpqa", lambda: gpqa_score(response, sample.label, sample.metadata)))
+    return _rule_error("gpqa", lambda: gpqa_score(response, sample.label, sample.metadata))
 
 
 def math_verify(response: str, sample: Sample) -> float:
@@ -254,7 +254,7 @@ def random_reward(response: str, sample: Sample) -> float:
 
 def deterministic_random(response: str, sample: Sample) -> float:
     """miles' `deterministic_random`: sha256(str(tokens) + response), first byte mod 2."""
-    digest = hashlib.sha256((str(list(sample.tokens)) + response).encode("utf-8")).digest()
+    digest = hashlib.sha256((str(sample.tokens) + response).encode("utf-8")).digest()
     return float(digest[0] % 2)
 
 
