@@ -170,9 +170,10 @@ def main(argv: Sequence[str]) -> int:
     """`rayless reward score ...`: exit 0 all scored, 1 some row not, 2 bad flags or file."""
     args = list(argv)
     if not args or args[0] != "score":
+        asked = args[:1] in (["-h"], ["--help"])
         print("usage: rayless reward score --rm-type T [...] FILE.jsonl  (rayless reward score --help)",
-              file=sys.stderr)
-        return 0 if args[:1] in (["-h"], ["--help"]) else 2
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     try:
         options = _parser().parse_args(args[1:])
     except SystemExit as exit_:

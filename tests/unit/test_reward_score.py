@@ -103,3 +103,10 @@ def test_the_docs_show_real_output(capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["reward", "score", *flags, str(docs / "rewards_example.jsonl")]) == 0
         shown = f"$ rayless reward score {' '.join(flags)} rewards_example.jsonl\n{capsys.readouterr().out}"
         assert shown in page
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["reward", "--help"]) == 0
+    assert "rayless reward score --rm-type T" in capsys.readouterr().out
+    assert main(["reward", "score", "--help"]) == 0
+    assert "--compare T2" in capsys.readouterr().out
