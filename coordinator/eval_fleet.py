@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 
 #: Eval prompts are not clipped to a context length (their budget is --eval-max-response-len).
 _UNBOUNDED_CONTEXT = 1 << 30
+#: how long the end of a run waits for evaluations still in flight before the final save
+DRAIN_TIMEOUT_S = 300.0
 
 
 class WeightExporter(Protocol):
@@ -199,6 +201,13 @@ class EvalFleet:
     @property
     def probe_before_pin(self) -> bool:
         return self.pinning.probe_before_pin
+
+    async def before_loop(self, start_rollout: int, weight_version: str) -> None:
+        """Evaluations start from step hooks only."""
+
+    async def after_loop(self) -> None:
+        """The training loop's last phase before the final save: the run's last evaluation gets recorded."""
+        await self.drain(timeout=DRAIN_TIMEOUT_S)
 
     async def drain(self, timeout: float) -> None:
         """Wait (up to `timeout`) for admitted evaluations to finish: the run's last eval gets recorded."""

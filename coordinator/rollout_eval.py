@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class RolloutEngineEval:
-    """A training-loop step hook (`after_step`), plus `before_training` for slime's evaluation at rollout 0.
+    """A training-loop step hook (`after_step`) and loop phase (`before_loop`: slime's evaluation at rollout 0).
 
     Args:
         settings: the eval flags (`EvalSettings.from_slices`).
@@ -85,10 +85,13 @@ class RolloutEngineEval:
         interval = self.settings.interval
         return interval is not None and (rollout_id + 1) % interval == 0
 
-    async def before_training(self, start_rollout: int, weight_version: str) -> None:
+    async def before_loop(self, start_rollout: int, weight_version: str) -> None:
         """slime evaluates once before the first rollout of a run that starts at rollout 0."""
         if start_rollout == 0 and self.settings.interval is not None and not self.settings.skip_before_train:
             await self.evaluate(0, weight_version)
+
+    async def after_loop(self) -> None:
+        """Every evaluation runs inside `after_step`: nothing is left in flight."""
 
     async def after_step(self, rollout_id: int, weight_version: str) -> None:
         """Training-loop hook: evaluate the weights just synced to the engines when an evaluation is due."""

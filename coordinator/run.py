@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from coordinator.engines.router import RouterHandle
     from coordinator.eval_fleet import EvalFleet
     from coordinator.health import FaultInjector, HealthMonitor
-    from coordinator.loop import StepHook
+    from coordinator.loop import LoopPhase, StepHook
     from coordinator.nodes.head import Head
     from coordinator.plan import PlacementPlan
     from coordinator.train.group import TrainGroup
@@ -359,7 +359,6 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
     for monitor in ft.monitors:
         await task_group.start(monitor.run)
 
-    start_rollout = await _resume(config, services, manager, weight_sync)
     num_rollout = config.rollout.num_rollout
     if num_rollout is None:  # replay without --num-rollout: every dump the template finds
         ids = manager.replay_loader.available_rollout_ids()
@@ -367,13 +366,18 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
             raise RunFailed(f"--load-debug-rollout-data {config.debug.load_debug_rollout_data!r} matches no "
                             "dump file")
         num_rollout = max(ids) + 1
-    hooks: list[StepHook] = [ft.eval_fleet] if ft.eval_fleet is not None else []
+    hooks: list[StepHook] = []
+    phases: list[LoopPhase] = []
+    if ft.eval_fleet is not None:
+        hooks.append(ft.eval_fleet)
+        phases.append(ft.eval_fleet)
     rollout_eval = None
     if config.rollout_engine_eval_enabled:  # slime's default: evaluate on the rollout engines
         from coordinator.rollout_eval import RolloutEngineEval
 
         rollout_eval = RolloutEngineEval.from_run(config, manager, metrics)
         hooks.append(rollout_eval)
+        phases.append(rollout_eval)
     if extra_hooks is not None:
         hooks += extra_hooks(services)
     rollouts: Any = manager
@@ -383,16 +387,10 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         rollouts = FaultInjectingSource(manager, ft.injector)
     loop = TrainingLoop(rollout=config.rollout, checkpoint=config.checkpoint, rollouts=rollouts,
                         trainer=services.train_group, weight_sync=weight_sync, metrics=metrics,
-                        start_rollout=start_rollout, num_rollout=num_rollout, hooks=hooks, progress=progress.run,
-                        colocation=services.colocation)
+                        num_rollout=num_rollout, resume_from=_resume_path(config), hooks=hooks, phases=phases,
+                        progress=progress.run, colocation=services.colocation)
     timings["loop_start_s"] = 0.0
-    if rollout_eval is not None:
-        await rollout_eval.before_training(start_rollout, loop.weight_version)
     result = await loop.run()
-    if ft.eval_fleet is not None:
-        await ft.eval_fleet.drain(timeout=300)
-    if config.checkpoint.save and services.train_group is not None and result.train_steps:
-        await loop.save(num_rollout - 1)
     rewards = [row["rollout/reward_mean"] for row in metrics.history if "rollout/reward_mean" in row]
     return {
         "rollouts": result.rollouts,
@@ -407,21 +405,13 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
     }
 
 
-async def _resume(config: Config, services: Services, manager: Any, weight_sync: WeightSync | None) -> int:
-    """With `--load` of a checkpoint: restore the ranks and the data order, push the restored weights; the first
-    rollout id. A `--load` directory without a checkpoint yet starts fresh (slime's rule, `porting.resolve_load`)."""
+def _resume_path(config: Config) -> Path | None:
+    """The checkpoint `--load` names, or None. A `--load` directory without a checkpoint yet starts fresh
+    (slime's rule, `porting.resolve_load`)."""
     from coordinator.config.porting import resolve_load
 
     load = resolve_load(config).path
-    if not load or services.train_group is None:
-        return 0
-    checkpoint = await services.train_group.load_checkpoint(Path(load))
-    start_rollout = checkpoint.rollout_id + 1
-    manager.load_state_dict(checkpoint.extra.get("rollout_state", {}))
-    log.info("resumed from %s: continuing at rollout %d", load, start_rollout)
-    if weight_sync is not None:
-        await weight_sync.update(str(start_rollout))
-    return start_rollout
+    return Path(load) if load else None
 
 
 def build_weight_sync(config: Config, services: Services, run_dir: Path,
