@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import anyio
 
 from coordinator.config import CheckpointConfig, RolloutConfig
-from coordinator.progress import MetricsLog, RunProgress
+from coordinator.observe.progress import MetricsLog, RunProgress
 from replay.sample import RolloutBatch
 
 log = logging.getLogger("rayless")
@@ -64,7 +64,7 @@ class Syncer(Protocol):
 
 
 class Swap(Protocol):
-    """The memory hand-over of a colocated step (`coordinator.colocate.Colocation`)."""
+    """The memory hand-over of a colocated step (`coordinator.weights.colocate.Colocation`)."""
 
     async def before_train(self, rollout_id: int, generate_s: float) -> dict[str, float]: ...
 
@@ -125,7 +125,7 @@ class TrainingLoop:
         self.num_rollout = num_rollout
         self.hooks = hooks or []
         self.phases = phases or []
-        #: rollouts done and the ETA, for the run-level bar (`coordinator.progress`)
+        #: rollouts done and the ETA, for the run-level bar (`coordinator.observe.progress`)
         self.progress = progress or RunProgress()
         self.colocation = colocation
         self.version = 0  # optimizer updates applied so far

@@ -6,15 +6,15 @@ slots, torchrun from its ranks slot, the router from its router slot. Services s
 router, training ranks), each through `task_group.start(service.run)`, reporting their phases to the
 progress display's start-up board, so the loop begins only once everything it uses is ready;
 leaving the block — normally, on error or on a stop signal — cancels the group, and each service ends the
-processes it launched (a stop signal cancels it through `coordinator.stop_signals`; the exit status is then
-128 + the signal). A swapping run (`--colocate`, `coordinator.colocate`) starts in a fixed order instead: engines
+processes it launched (a stop signal cancels it through `coordinator.lifecycle.signals`; the exit status is then
+128 + the signal). A swapping run (`--colocate`, `coordinator.weights.colocate`) starts in a fixed order instead: engines
 up, their memory released, then the ranks load the model, offload it, and the engines take their memory back; its
 weight snapshots go where the plan says (a private /dev/shm directory, removed when the run ends). Only what the
 mode needs is started: replay starts no engine, router, health monitor, eval fleet or HTTP client;
 `--debug-rollout-only` starts no training ranks. Fault-tolerance pieces are built in
 `build_fault_tolerance` from the config's derived gates only (health monitors, the fault injector, the eval
 fleet's own probing), and `build_weight_sync` gives WeightSync its `recover_engines` gate. Without an eval
-fleet, `--eval-interval` evaluates on the rollout engines (`coordinator.rollout_eval`, slime's default): once
+fleet, `--eval-interval` evaluates on the rollout engines (`coordinator.eval.rollout_engines`, slime's default): once
 before the loop when it starts at rollout 0, then as a step hook.
 """
 
@@ -36,65 +36,39 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from coordinator.config import Config, write_resolved_config
-from coordinator.config.secrets import SecretMaskFilter, config_secrets
-from coordinator.failures import ToFileOnly, failure_line, log_failure
+from coordinator.config.secrets import config_secrets
+from coordinator.lifecycle.failures import failure_line, log_failure
+from coordinator.lifecycle.logs import setup_logging
+from coordinator.lifecycle.processes import leaf_exceptions
 from coordinator.nodes.head import reporting_outcome
-from coordinator.processes import leaf_exceptions
 from workers.errors import RaylessError
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
-from coordinator.progress import MetricsLog, ProgressDisplay, plot_rewards, stderr_console
-from coordinator.stop_signals import run_until_signalled
+from coordinator.lifecycle.signals import run_until_signalled
+from coordinator.observe.progress import MetricsLog, ProgressDisplay, plot_rewards
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from transformers import PreTrainedTokenizerBase
 
-    from coordinator.colocate import Colocation
     from coordinator.engines.client import EngineClient
     from coordinator.engines.fleet import EngineFleet
+    from coordinator.engines.health import FaultInjector, HealthMonitor
     from coordinator.engines.router import RouterHandle
-    from coordinator.eval_fleet import EvalFleet
-    from coordinator.health import FaultInjector, HealthMonitor
+    from coordinator.eval.fleet import EvalFleet
     from coordinator.loop import LoopPhase, StepHook
     from coordinator.nodes.head import Head
     from coordinator.plan import PlacementPlan
     from coordinator.train.group import TrainGroup
-    from coordinator.weight_sync import WeightSync
+    from coordinator.weights.colocate import Colocation
+    from coordinator.weights.sync import WeightSync
 
 log = logging.getLogger("rayless")
 
 
 class RunFailed(RaylessError, RuntimeError):
     """A failure a person can act on; printed without a traceback."""
-
-
-def setup_logging(config: Config, run_dir: Path, *, log_name: str = "coordinator.log") -> None:
-    """Log to `<run_dir>/<log_name>` and stderr, the run's secrets masked in every record."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger()
-    root.setLevel(config.logging.log_level)
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    file_handler = logging.FileHandler(run_dir / log_name)
-    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handlers: list[logging.Handler] = [file_handler]
-    if sys.stderr.isatty() and not config.logging.no_progress:
-        from rich.logging import RichHandler
-
-        handlers.append(RichHandler(console=stderr_console(), show_path=False, log_time_format="%H:%M:%S"))
-    else:
-        stream = logging.StreamHandler(sys.stderr)
-        stream.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-        handlers.append(stream)
-    handlers[1].addFilter(ToFileOnly())  # the terminal: a user's traceback goes to the file alone
-    mask = SecretMaskFilter(config_secrets(config))
-    for handler in handlers:
-        handler.addFilter(mask)
-        root.addHandler(handler)
-    for noisy in ("httpx", "httpcore", "aiohttp"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def run_training_sync(config: Config, plan: PlacementPlan | None = None) -> int:
@@ -219,7 +193,7 @@ async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, ta
     if services.nodes is not None:
         await services.nodes.start(task_group, lambda: services.train_group)
     if config.swaps_memory and services.fleet is not None and services.train_group is not None:
-        from coordinator.colocate import Colocation
+        from coordinator.weights.colocate import Colocation
 
         services.colocation = Colocation(
             fleet=services.fleet, client=services.client, trainer=services.train_group, weight_sync=None,
@@ -373,7 +347,7 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         phases.append(ft.eval_fleet)
     rollout_eval = None
     if config.rollout_engine_eval_enabled:  # slime's default: evaluate on the rollout engines
-        from coordinator.rollout_eval import RolloutEngineEval
+        from coordinator.eval.rollout_engines import RolloutEngineEval
 
         rollout_eval = RolloutEngineEval.from_run(config, manager, metrics)
         hooks.append(rollout_eval)
@@ -382,7 +356,7 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         hooks += extra_hooks(services)
     rollouts: Any = manager
     if ft.injector is not None and ft.injector.armed:
-        from coordinator.health import FaultInjectingSource
+        from coordinator.engines.health import FaultInjectingSource
 
         rollouts = FaultInjectingSource(manager, ft.injector)
     loop = TrainingLoop(rollout=config.rollout, checkpoint=config.checkpoint, rollouts=rollouts,
@@ -421,7 +395,7 @@ def build_weight_sync(config: Config, services: Services, run_dir: Path,
     is attached from elsewhere, whose device is unknown), gloo otherwise."""
     if services.fleet is None or services.train_group is None or services.client is None:
         return None
-    from coordinator.weight_sync import WeightSync
+    from coordinator.weights.sync import WeightSync
 
     sglang = config.sglang
     snapshot_dir = plan.weight_sync.snapshots.directory if plan is not None and plan.weight_sync is not None \
@@ -475,12 +449,12 @@ def build_fault_tolerance(config: Config, *, services: Services, weight_sync: We
     ft = FaultTolerance()
     if services.fleet is None or services.client is None:
         return ft
-    from coordinator.health import FaultInjector, build_health_monitors
+    from coordinator.engines.health import FaultInjector, build_health_monitors
 
     ft.injector = FaultInjector.from_config(config, services.fleet)
     if services.eval_engines is not None:
-        from coordinator.eval_fleet import EvalFleet
-        from coordinator.eval_settings import EvalSettings
+        from coordinator.eval.fleet import EvalFleet
+        from coordinator.eval.settings import EvalSettings
 
         ft.eval_fleet = EvalFleet(
             settings=EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang),

@@ -1,7 +1,7 @@
 """The lifeline: every process the coordinator launches ends by itself when the coordinator is gone, however
 it went (SIGKILL, OOM killer, a crash of the interpreter).
 
-Run by `coordinator.processes.spawn_group_leader`, never by hand:
+Run by `coordinator.lifecycle.processes.spawn_group_leader`, never by hand:
 
     python -I workers/lifeline.py FD GRACE_S -- COMMAND...
 

@@ -160,7 +160,7 @@ class Config:
 
     @property
     def swaps_memory(self) -> bool:
-        """Each step hands memory between the engines and the ranks (`coordinator.colocate`)."""
+        """Each step hands memory between the engines and the ranks (`coordinator.weights.colocate`)."""
         return self.offloads_train or self.offloads_rollout
 
     # --- sizes ------------------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ import anyio
 
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineUnreachable
 from coordinator.engines.launch import EngineLaunchError, EngineLaunchSpec, EngineProcess, engine_log_path
-from coordinator.processes import leaf_exceptions
-from coordinator.startup import NO_OBSERVER, PhaseObserver
+from coordinator.lifecycle.processes import leaf_exceptions
+from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
 
 T = TypeVar("T")
 

@@ -116,7 +116,7 @@ def reporting_outcome(head: Head | None) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        from coordinator.failures import failure_line
+        from coordinator.lifecycle.failures import failure_line
 
         head.finish(ok=False, reason=failure_line(error))
         raise

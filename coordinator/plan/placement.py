@@ -236,7 +236,7 @@ class WeightSyncPlan:
 
 @dataclass(frozen=True)
 class SwapPlan:
-    """The memory hand-over of each step (`coordinator.colocate`): who gives memory back while the other works."""
+    """The memory hand-over of each step (`coordinator.weights.colocate`): who gives memory back while the other works."""
 
     offload_train: bool  # --offload-train: the ranks' state leaves the device between steps
     offload_rollout: bool  # --offload-rollout: the engines release weights and KV cache while the ranks train

@@ -32,7 +32,7 @@ from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config, RolloutConfig
 from coordinator.hooks.args import build_hook_args, hook_sampling_params
 from coordinator.hooks.forms import HookForm, read_rollout_fn
 from coordinator.hooks.runtime import HookRuntime
-from coordinator.progress import ProgressDisplay
+from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
 from coordinator.rollout.data_source import PromptDataSource
 from coordinator.rollout.dispatch import Dispatcher

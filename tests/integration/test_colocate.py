@@ -21,7 +21,7 @@ import anyio
 import pytest
 
 from coordinator.config import parse_config
-from coordinator.progress import read_metrics
+from coordinator.observe.progress import read_metrics
 from coordinator.run import Services, run_training
 from tests.support.engine_proc import MID_MODEL_SPEC
 from workers.tiny_model import build_tiny_model

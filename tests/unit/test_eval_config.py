@@ -13,7 +13,7 @@ import pytest
 from coordinator.config import ConfigError, ConfigWarning, parse_config
 from coordinator.config.eval_file import read_eval_config
 from coordinator.config.preflight import check_paths, check_rewards
-from coordinator.eval_settings import EvalSettings, load_eval_datasets
+from coordinator.eval.settings import EvalSettings, load_eval_datasets
 
 SLIME_MULTI_TASK = """\
 eval:

@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.config import CheckpointConfig, RolloutConfig
 from coordinator.loop import TrainingLoop
-from coordinator.progress import MetricsLog
+from coordinator.observe.progress import MetricsLog
 from replay.sample import RolloutBatch, Sample
 
 pytestmark = pytest.mark.anyio

@@ -89,7 +89,7 @@ class Colocation:
         self.recovers_engines = recovers_engines
         #: called with each phase as it begins (the run bar); tests add their own
         self.observers: list[Callable[[str], None]] = [on_phase] if on_phase is not None else []
-        #: set while no swap runs (the health monitor waits on it: `coordinator.health.Pausing`)
+        #: set while no swap runs (the health monitor waits on it: `coordinator.engines.health.Pausing`)
         self.updating = anyio.Event()
         self.updating.set()
         #: set once the engines released their memory at start-up (the ranks load the model only then)

@@ -7,7 +7,7 @@ after that step's weight update, logged at step `r`. No extra evaluation at the 
 
 Each evaluation samples every dataset (`EvalSettings`: `--eval-prompt-data` or `--eval-config`) through the
 rollout's own dispatcher (a dead engine is routed around, as for rollouts; with `--use-sglang-router`, through
-the router) and the generate path's request code (`coordinator.eval_run`), and writes one metrics row:
+the router) and the generate path's request code (`coordinator.eval.run`), and writes one metrics row:
 `eval/step`, `eval/weight_version`, `eval/duration_s`, `eval/off_version_samples` and each dataset's
 `eval/<name>...` metrics.
 
@@ -25,12 +25,12 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from coordinator.eval_run import evaluate_dataset, generate_state
-from coordinator.eval_settings import EvalDataset, EvalSettings, load_eval_datasets
+from coordinator.eval.run import evaluate_dataset, generate_state
+from coordinator.eval.settings import EvalDataset, EvalSettings, load_eval_datasets
 
 if TYPE_CHECKING:
     from coordinator.config import Config
-    from coordinator.progress import MetricsLog
+    from coordinator.observe.progress import MetricsLog
     from coordinator.rollout.dispatch import Dispatcher
     from coordinator.rollout.hook_generate import CustomGenerate
     from coordinator.rollout.manager import RolloutManager

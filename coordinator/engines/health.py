@@ -15,7 +15,7 @@ Invariants:
   (threshold 2: interval + timeout + one interval). Probes of different engines never wait for each other,
   so detection time does not grow with the number of engines.
 - A probe that overlapped a weight update, an eval pin or a colocation swap (engines releasing or taking back
-  their memory; `coordinator.colocate`) counts neither as a success nor as a failure: an engine paused for an
+  their memory; `coordinator.weights.colocate`) counts neither as a success nor as a failure: an engine paused for an
   update, or released, may not answer a 1-token generate, and that is not a fault. No probe starts during
   one: the swap, like an update, pauses probing.
 - An engine that answers a probe "released" (503, error type MemoryReleased: its memory was released with
@@ -50,7 +50,7 @@ from coordinator.engines.recovery import EngineRecovery, RouterLike
 
 if TYPE_CHECKING:
     from coordinator.config import Config, FaultToleranceConfig
-    from coordinator.weight_sync import WeightSync
+    from coordinator.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.distributed_sync import FLATTENED_BUCKET, BucketSender, DistributedUpdate, WeightSyncError
 from coordinator.engines.client import EngineClient, EngineError
 from coordinator.engines.fleet import EngineFleet, EngineHandle
 from coordinator.engines.recovery import EngineRecovery, RouterLike
+from coordinator.weights.distributed import FLATTENED_BUCKET, BucketSender, DistributedUpdate, WeightSyncError
 
 log = logging.getLogger(__name__)
 

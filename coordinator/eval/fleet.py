@@ -3,8 +3,8 @@
 Owns the eval engine group's *contents* (which snapshot it serves), the queue of evaluations and their records.
 The engines themselves (processes, states) belong to an `EngineFleet` of group "eval"; when rollout FT is on a
 HealthMonitor of that group probes and recovers them, otherwise `pin()` probes and recovers them itself.
-Loading a snapshot into the engines is `coordinator.eval_pin.EvalPin`'s; the flags and datasets are
-`coordinator.eval_settings`'.
+Loading a snapshot into the engines is `coordinator.eval.pin.EvalPin`'s; the flags and datasets are
+`coordinator.eval.settings`'.
 
 Flow: after every `--eval-interval`-th training step the loop's hook exports the current weights to
 `<run_dir>/eval_weights/weights-<version>` (separate from the rollout snapshots, which are pruned on their own
@@ -17,7 +17,7 @@ Why not the manager's eval fn: `RolloutManager.eval_fn` is bound to the rollout 
 rollout prompt source; an eval on those engines would be aborted and re-weighted by training updates. The eval
 fleet therefore drives its own dispatcher over the pinned engines, but through the generate path's own
 request/response code (`coordinator.rollout.requests`: one finish-reason map, one seed formula, one group per
-engine) and the same reward rules (`coordinator.eval_settings`). The fleet reads its flags from `EvalSettings`, never from the run's whole Config.
+engine) and the same reward rules (`coordinator.eval.settings`). The fleet reads its flags from `EvalSettings`, never from the run's whole Config.
 
 Invariants:
 - Eval engines never receive training weight updates: only `pin()` loads weights into them, and only the
@@ -52,14 +52,14 @@ import anyio.abc
 
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
-from coordinator.eval_pin import EvalPin, EvalSkip, PinnedPool
-from coordinator.eval_run import evaluate_dataset, generate_state
-from coordinator.eval_settings import EvalDataset, EvalSettings, load_eval_datasets
+from coordinator.eval.pin import EvalPin, EvalSkip, PinnedPool
+from coordinator.eval.run import evaluate_dataset, generate_state
+from coordinator.eval.settings import EvalDataset, EvalSettings, load_eval_datasets
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.requests import GenerateState, RequestSlots
 
 if TYPE_CHECKING:
-    from coordinator.progress import MetricsLog
+    from coordinator.observe.progress import MetricsLog
 
 log = logging.getLogger(__name__)
 
