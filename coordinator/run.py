@@ -284,7 +284,9 @@ def _rank_starter(config: Config, plan: PlacementPlan, run_dir: Path, task_group
         slot.spec, host=slot.control_host, port=slot.control_port, port_fixed=slot.control_port_fixed,
         extra_env=dict(slot.env), run_dir=run_dir, log_name=slot.log.name, observer=progress.board,
         **(services.nodes.rank_kwargs() if services.nodes is not None else {}))
-    settings = config.rank_settings()
+    from coordinator.hooks.args import rank_settings
+
+    settings = rank_settings(config)
 
     async def start_ranks() -> None:
         await task_group.start(group.run)
@@ -318,7 +320,7 @@ async def _train(config: Config, run_dir: Path, services: Services, metrics: Met
         router_url=services.router.url if services.router is not None else None,
         context_length=services.context_length, progress=progress,
     )
-    from coordinator.hooks.service import start_hook_services
+    from coordinator.rollout.hook_services import start_hook_services
 
     await start_hook_services(manager, task_group=task_group, seed=config.rollout.rollout_seed,
                               router_url=services.router.url if services.router is not None else None,
@@ -464,7 +466,8 @@ def build_fault_tolerance(config: Config, *, services: Services, weight_sync: We
         )
     ft.monitors = build_health_monitors(
         config.fault_tolerance, enabled=config.health_monitor_enabled, client=services.client,
-        rollout_fleet=services.fleet, weight_sync=weight_sync, router=services.router,
+        rollout_fleet=services.fleet,
+        rollout_recovery=weight_sync.recovery if weight_sync is not None else None, router=services.router,
         eval_fleet=services.eval_engines, eval_pauses=[ft.eval_fleet] if ft.eval_fleet is not None else [],
         rollout_pauses=[services.colocation] if services.colocation is not None else [],
     )

@@ -50,7 +50,6 @@ from coordinator.engines.recovery import EngineRecovery, RouterLike
 
 if TYPE_CHECKING:
     from coordinator.config import Config, FaultToleranceConfig
-    from coordinator.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +330,7 @@ def build_health_monitors(
     enabled: bool,
     client: EngineClient,
     rollout_fleet: EngineFleet | None,
-    weight_sync: WeightSync | None = None,
+    rollout_recovery: EngineRecovery | None = None,
     router: RouterLike | None = None,
     eval_fleet: EngineFleet | None = None,
     eval_pauses: Sequence[Pausing] = (),
@@ -339,9 +338,10 @@ def build_health_monitors(
 ) -> list[HealthMonitor]:
     """One monitor per engine group, only when `enabled` (`Config.health_monitor_enabled`); [] otherwise.
 
-    The rollout monitor recovers through `weight_sync.recovery` (the one WeightSync uses; built with the
-    router) or, in a run without training, a recovery of its own that keeps the router up to date; it pauses
-    for `rollout_pauses` too (the colocation swap)."""
+    The rollout monitor recovers through `rollout_recovery` (in a training run the weight sync's, so a
+    recovered engine gets the current weights; built with the router) or, in a run without training, a
+    recovery of its own that keeps the router up to date; it pauses for `rollout_pauses` too (the colocation
+    swap)."""
     if not enabled:
         return []
     probing = dict(
@@ -353,8 +353,7 @@ def build_health_monitors(
     )
     monitors = []
     if rollout_fleet is not None:
-        recovery = (weight_sync.recovery if weight_sync is not None
-                    else EngineRecovery(fleet=rollout_fleet, router=router))
+        recovery = rollout_recovery or EngineRecovery(fleet=rollout_fleet, router=router)
         monitors.append(HealthMonitor(fleet=rollout_fleet, recovery=recovery, pauses=rollout_pauses, **probing))
     if eval_fleet is not None:
         # Eval engines never receive training weights: a recovered one is re-pinned by the next eval.

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from coordinator.config import Config
     from coordinator.engines.client import EngineClient
     from coordinator.engines.launch import EngineLaunchSpec, EngineProcess
-    from coordinator.nodes.layout import NodeLayout
     from coordinator.plan import EngineSlot, PlacementPlan
+    from coordinator.plan.layout import NodeLayout
     from coordinator.train.torchrun import TorchrunProcess
 
 log = logging.getLogger("rayless")

@@ -25,8 +25,8 @@ from coordinator.nodes.registry import NodeRegistry
 if TYPE_CHECKING:
     from coordinator.config import Config
     from coordinator.engines.fleet import EngineFleet
-    from coordinator.nodes.layout import NodeLayout
     from coordinator.plan import PlacementPlan
+    from coordinator.plan.layout import NodeLayout
     from coordinator.train.group import TrainGroup
 
 

@@ -38,7 +38,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.engines.client import EngineError
 from coordinator.nodes import shared, wire
-from coordinator.nodes.layout import NodeLayout
+from coordinator.plan.layout import NodeLayout
 from coordinator.train.channel import STREAM_ERRORS
 from workers.errors import RaylessError
 

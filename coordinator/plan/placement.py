@@ -18,7 +18,7 @@ How GPUs are placed:
   `--actor-num-gpus-per-node` ranks; each engine group is split over the nodes in contiguous blocks, as evenly
   as it goes, the first nodes taking one more (`engine_share`): engine i has the same name on every node's
   plan, so node 0's fleets know the engines the other nodes launch (`PlacementPlan.remote_engines`). A
-  multi-node plan carries its `NodeLayout` (`coordinator.nodes.layout`): how the nodes find node 0.
+  multi-node plan carries its `NodeLayout` (`coordinator.plan.layout`): how the nodes find node 0.
 
 Invariants: GPUs of different processes are disjoint under `separate`, and under `colocate` only a rank and
 the rollout engine placed on its GPU share one (a colocated weight update never uses NCCL between them:
@@ -40,9 +40,9 @@ from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
 from coordinator.engines.launch import EngineLaunchSpec, engine_launch_spec, engine_log_path, free_port
 from coordinator.engines.router import router_command, router_log_path
-from coordinator.nodes.layout import TORCH_RDZV_STORE_ENV, NodeLayout, join_host_port, resolve_layout
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
 from coordinator.plan.gpus import PLAN_GPU_COUNT_ENV, GpuInventory, detect_gpus
+from coordinator.plan.layout import TORCH_RDZV_STORE_ENV, NodeLayout, join_host_port, resolve_layout
 from coordinator.plan.nodes import engine_share, node_shares, remote_engines
 from coordinator.plan.snapshots import SnapshotPlace, snapshot_place
 from coordinator.train.group import rank_environment

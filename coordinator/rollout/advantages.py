@@ -17,7 +17,8 @@ Estimators (`--advantage-estimator`, slime's names and meanings; none needs a cr
 The last two need `normalize_advantages` (slime asserts it): advantages are then whitened over every loss token
 of the rollout, as slime's `distributed_masked_whiten`: a sample's value counts once per loss token, the
 variance is Bessel-corrected over tokens, `(a - mean) / sqrt(var + 1e-8)`.
-`UNSUPPORTED_ESTIMATORS` are slime's names we refuse, with the reason.
+The estimators' names (and slime's that rayless refuses, with the reason) belong to the config: the flag's
+vocabulary (`coordinator.config.rollout.ESTIMATORS`, `UNSUPPORTED_ESTIMATORS`).
 """
 
 from __future__ import annotations
@@ -25,17 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from coordinator.config.rollout import ESTIMATORS
 from replay.sample import Sample, SampleStatus
 from workers.errors import RaylessError
 
 EPSILON = 1e-6
 WHITEN_EPSILON = 1e-8
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-#: Estimators slime has whose names we know, with why rayless refuses them.
-UNSUPPORTED_ESTIMATORS = {
-    "ppo": "needs a critic model, which rayless does not train",
-    "cispo": "its clipped-importance loss is not implemented",
-}
 
 
 class AdvantageError(RaylessError, ValueError):

@@ -40,7 +40,7 @@ from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch, Sample, SampleStatus
 
 if TYPE_CHECKING:
-    from coordinator.rollout.manager import RolloutContext
+    from coordinator.rollout.context import RolloutContext
 
 log = logging.getLogger(__name__)
 

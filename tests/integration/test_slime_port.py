@@ -21,8 +21,8 @@ import anyio
 import httpx
 import pytest
 
+from coordinator.checks.preflight import preflight
 from coordinator.config import parse_config
-from coordinator.config.preflight import preflight
 from coordinator.lifecycle.processes import terminate_process_group_blocking
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training

@@ -16,7 +16,6 @@ from coordinator.rollout.advantages import AdvantageError
 from coordinator.rollout.data_source import DataSourceError
 from coordinator.rollout.dispatch import NoEngineAvailable
 from coordinator.rollout.filters import FilterError
-from coordinator.rollout.loading import HookLoadError
 from coordinator.rollout.manager import NotBuiltError
 from coordinator.rollout.rewards import RewardError
 from coordinator.run import RunFailed
@@ -25,6 +24,7 @@ from coordinator.weights.sync import WeightSyncError
 from replay.format import DumpError
 from replay.loader import ReplayMissingError
 from workers.errors import RaylessError
+from workers.hook_loading import HookLoadError
 
 KNOWN = [ConfigError("--lr: must be ≥ 0"), RunFailed("x"), RankFailure([1], "exited"), WeightSyncError("x"),
          NoEngineAvailable("x"), NotBuiltError("x"), RewardError("x"), DataSourceError("x"), HookLoadError("x"),

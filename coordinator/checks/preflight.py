@@ -155,7 +155,7 @@ def check_hooks(config: Config) -> list[str]:
     """Each hook path imports, names a callable (a class counts: rollout fns may be classes; miles' tool specs
     are a list), and accepts the call rayless makes for its flag, in rayless' form or slime's
     (`coordinator.hooks.forms`)."""
-    from coordinator.rollout.loading import HookLoadError, load_object
+    from workers.hook_loading import HookLoadError, load_object
 
     notes = []
     for flag, path in hooks_in_use(config):

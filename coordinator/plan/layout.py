@@ -13,7 +13,7 @@ decides. The same `rayless train ...` runs on every node; a run with `--actor-nu
 - what node 0 binds: `--control-host`, except that the single-node default 127.0.0.1 becomes 0.0.0.0 when
   node 0's host is not a loopback address (the other nodes must reach it; every connection proves the token
   first). Nodes dial `--control-host` when it names one address, else node 0's host;
-- where the control token comes from (`coordinator.nodes.token`).
+- where the control token comes from (`coordinator.plan.token`).
 
 Invariants: a single-node run never reads the environment (a stray `SLURM_*` changes nothing); every
 inconsistency (a node rank out of range, `SLURM_NNODES` other than `--actor-num-nodes`, no node 0 address, no
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
-from coordinator.nodes.token import TokenSource, token_source
+from coordinator.plan.token import TokenSource, token_source
 
 DEFAULT_MASTER_PORT = 29500
 WILDCARD_HOSTS = ("0.0.0.0", "::")
