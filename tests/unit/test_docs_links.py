@@ -1,5 +1,6 @@
 """The README and docs/ hold together: every relative link reaches a file (and its `#anchor` a heading of that
-file, slugged as GitHub slugs headings), and the README stays a front page of at most 12 KB."""
+file, slugged as GitHub slugs headings), the README stays a front page of at most 12 KB, and the package tree in
+docs/architecture.md names every package and module of the code (and no top-level module that is gone)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,45 @@ def test_every_relative_link_resolves(page: Path) -> None:
 def test_the_readme_is_a_front_page() -> None:
     size = len((ROOT / "README.md").read_bytes())
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes; at most {README_MAX_BYTES}: move detail to docs/"
+
+
+PACKAGES = ("coordinator", "workers", "replay")
+
+
+def architecture_tree() -> str:
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## The package tree", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def test_the_architecture_tree_names_every_package_and_module() -> None:
+    tree = architecture_tree()
+    names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*(?:\.py|/)?", tree))
+    missing = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            relative = path.relative_to(ROOT)
+            if path.name == "__init__.py":
+                if path.parent.name != package and f"{path.parent.name}/" not in names:
+                    missing.append(f"{relative.parent}/")
+            elif path.parent.name == package:
+                if path.name not in names:  # a top-level module is listed by file name
+                    missing.append(str(relative))
+            elif path.stem not in names and path.stem.strip("_") not in names:
+                missing.append(str(relative))  # a package's module is named in its package's line
+    assert not missing, "docs/architecture.md's package tree does not name: " + ", ".join(missing)
+
+
+def test_the_architecture_tree_names_no_module_that_is_gone() -> None:
+    tree = architecture_tree()
+    section = None
+    gone = []
+    for line in tree.splitlines():
+        top = re.match(r"^([a-z_]+)/\s", line)
+        if top:
+            section = top.group(1)
+            continue
+        module = re.match(r"^  ([a-z_]+\.py)\s", line)
+        if module and section in PACKAGES and not (ROOT / section / module.group(1)).exists():
+            gone.append(f"{section}/{module.group(1)}")
+    assert not gone, "docs/architecture.md's package tree names modules that do not exist: " + ", ".join(gone)
