@@ -1,6 +1,6 @@
 """RolloutManager: builds exactly the rollout machinery the run's mode needs, and nothing else.
 
-Owns the construction gates of the mode table (ARCHITECTURE.md), reading only `Config`'s derived facts:
+Owns the construction gates of the mode table (docs/architecture.md), reading only `Config`'s derived facts:
 
 | mode                            | rollout fn | eval fn | GenerateState / dispatcher | replay loader |
 |---------------------------------|------------|---------|----------------------------|---------------|
