@@ -1,21 +1,11 @@
 """Seconds per step of the colocated schedule beside the separated one, on the same model and batch, the swap
 phases' share, and (on CUDA) the memory each phase holds.
 
-Owns nothing but its measurement. It runs the default job (`builtin:first_digit`) with `rayless train` as a
-user would, once per schedule, and reads each run's metrics.jsonl:
-
-- `colocated`: `--colocate` — engines and ranks on the same device, taking turns each step (generate →
-  release → onload → train → export → offload → resume_weights → update → resume_kv);
-- `resident`: `--colocate --no-offload-train --no-offload-rollout` — the same placement with nothing swapped
-  (both stay in memory: what colocation costs over a device big enough for both);
-- `separated`: no colocation — on CPU the default job; on CUDA the rank on GPU 0 and the engine on GPU 1, run
-  only where two GPUs are visible.
-
-The floor is the separated (or resident) schedule's step in the same run of this bench. Figures: the median
-over the steps after the first (the first warms caches). On CUDA each colocated step also reports the rank's
-peak allocated memory per phase (`torch.cuda.max_memory_allocated`, reset at each move), the device's memory
-in use as the rank sees it at each move (both processes: `mem_get_info`), and the engine's allocated CUDA
-memory while generating, while the rank trains and once resumed (`/server_info`).
+Owns nothing but its measurement: the default job run with `rayless train` once per schedule — `colocated`
+(`--colocate`), `resident` (`--colocate --no-offload-train --no-offload-rollout`), `separated` (on CUDA only
+where two GPUs are visible) — each run's metrics.jsonl read back. The floor is the separated (or resident)
+step of the same run; figures are medians over the steps after the first. What each schedule means and what is
+measured on CUDA: docs/colocation.md.
 
     python -m bench.colocate [--device cpu|cuda] [--rollouts 4] [--hidden 64 --layers 2 --intermediate 128]
 

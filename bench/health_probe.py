@@ -22,7 +22,7 @@ import anyio
 
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
-from coordinator.health import HealthMonitor
+from coordinator.engines.health import HealthMonitor
 from tests.support.fake_engine import FakeEngine
 
 

@@ -4,7 +4,7 @@ Split into the ranks' part (torchrun start, torch import, process group, model l
 coordinator launches torchrun until every rank has answered `init`), the first train step itself, and the
 coordinator's own part (everything else: interpreter start, imports, config, the replay loader, the control
 channel). For scale, on these machines `ray.init()` plus one actor alone took 3.9–6.1 s before any work
-(shared/MEASURED.md). Target: the coordinator's own part ≤ 1 s.
+(docs/benchmarks.md). Target: the coordinator's own part ≤ 1 s.
 Usage: python -m bench.startup [--repeats 3] [--ranks 1]
 """
 

@@ -35,9 +35,9 @@ import anyio
 import psutil
 import torch
 
-from coordinator.distributed_sync import FLATTENED_BUCKET, DistributedUpdate
 from coordinator.engines.client import EngineClient
 from coordinator.train.group import TrainGroup
+from coordinator.weights.distributed import FLATTENED_BUCKET, DistributedUpdate
 from tests.support.engine_proc import start_engine_process
 from workers.tiny_model import TinyModelSpec, build_tiny_model, count_parameters
 

@@ -55,11 +55,12 @@ def train_main(argv: Sequence[str]) -> int:
     launches nothing. Secrets given on the command line are masked in everything printed here.
 
     Multi-node (`--actor-num-nodes N`): the same command runs on every node; the launcher's environment says
-    which node this is (`coordinator.nodes.layout`). Node 0 runs the coordinator; any other node runs only its
+    which node this is (`coordinator.plan.layout`). Node 0 runs the coordinator; any other node runs only its
     share of the plan (`coordinator.nodes.agent`), connected back to node 0."""
-    from coordinator.config import ConfigError, ConfigWarning, parse_config, preflight
+    from coordinator.checks.preflight import preflight
+    from coordinator.config import ConfigError, ConfigWarning, parse_config
     from coordinator.config.secrets import config_secrets, mask_text, secret_values_in_argv
-    from coordinator.nodes.layout import resolve_layout
+    from coordinator.plan.layout import resolve_layout
 
     secrets = secret_values_in_argv(argv)
     layout_warnings: list[str] = []
@@ -84,7 +85,7 @@ def train_main(argv: Sequence[str]) -> int:
         kind = "notice" if issubclass(warning.category, PortingNotice) else "warning"
         print(f"rayless train: {kind}: {mask_text(str(warning.message), secrets)}", file=sys.stderr)
     if config.debug.dry_run:
-        from coordinator.dry_run import dry_run
+        from coordinator.checks.dry_run import dry_run
 
         secrets |= config_secrets(config)
         return dry_run(config, mask=lambda text: mask_text(text, secrets), layout=layout,

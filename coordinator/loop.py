@@ -1,37 +1,28 @@
-"""The training loop: rollouts in, train steps, weight syncs and checkpoints out.
+"""The training loop: resume, rollouts in, train steps, weight syncs and every checkpoint out.
 
-Owns the order of one run: for each rollout id, get a batch from the rollout manager (generated or replayed:
-the loop cannot tell), train on it, push the new weights to the engines, save on the interval. Two schedules:
+Owns the order of one run: resume from `--load` (the ranks' state, the data order, the restored weights pushed
+to the engines), the before-loop phases (slime's evaluation at rollout 0), then for each rollout id a batch from
+the rollout source (generated or replayed: the loop cannot tell), a train step, the weight sync and the
+interval save, and after the last step the after-loop phases (evaluations still in flight) and the final save.
+The schedules (synchronous, one-step-off-policy, colocated) are described in docs/architecture.md.
 
-- synchronous: generate k → train k → sync (weights version k+1) → generate k+1 ...
-- one-step-off-policy (`--async-rollout`): a producer task generates rollout k+1 while step k trains. The
-  producer may start rollout r only once the policy version is ≥ r - max_weight_staleness, and hands batches
-  over a zero-buffer stream, so staleness is bounded by structure, not filtered afterwards.
-- colocated (`--colocate`; synchronous): the same steps with the memory hand-over around them
-  (`coordinator.colocate`): generate k → engines release → ranks onload → train k → [save] → export →
-  ranks offload → engines take their weights back → sync → engines take their KV cache back → generate k+1.
-  A checkpoint due at step k is saved before the ranks offload.
-
-Invariant: the weight version names the number of optimizer updates applied to the policy, as a string
-("0" = `--hf-checkpoint`); after the sync of step k every engine reports str(k + 1).
-
-Train FT lives behind the `Trainer` protocol: with `--max-restarts` given to torchrun, the trainer itself
-brings restarted ranks back to the last checkpoint and sends the step again (`coordinator.train.recovery`);
-the loop only reports `trainer.recoveries`. Engines are not touched. Without train FT a rank failure ends the
-run, naming the rank.
+Invariants: the weight version names the number of optimizer updates applied to the policy, as a string
+("0" = `--hf-checkpoint`), and after the sync of step k every engine reports str(k + 1); with `--save`, every
+rollout id is saved at most once, and the last trained rollout always is.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
 
 from coordinator.config import CheckpointConfig, RolloutConfig
-from coordinator.progress import MetricsLog, RunProgress
+from coordinator.observe.progress import MetricsLog, RunProgress
 from replay.sample import RolloutBatch
 
 log = logging.getLogger("rayless")
@@ -42,11 +33,25 @@ class RolloutSource(Protocol):
 
     def state_dict(self) -> dict[str, Any]: ...
 
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Checkpoint(Protocol):
+    """What a trainer's `load_checkpoint` returns (`coordinator.train.group.CheckpointInfo`)."""
+
+    @property
+    def rollout_id(self) -> int: ...
+
+    @property
+    def extra(self) -> dict[str, Any]: ...
+
 
 class Trainer(Protocol):
     async def train(self, rollout_id: int, samples: list[Any]) -> dict[str, float]: ...
 
     async def save(self, rollout_id: int, extra: dict[str, Any]) -> Any: ...
+
+    async def load_checkpoint(self, path: Path) -> Checkpoint: ...
 
     @property
     def recoveries(self) -> int:
@@ -59,7 +64,7 @@ class Syncer(Protocol):
 
 
 class Swap(Protocol):
-    """The memory hand-over of a colocated step (`coordinator.colocate.Colocation`)."""
+    """The memory hand-over of a colocated step (`coordinator.weights.colocate.Colocation`)."""
 
     async def before_train(self, rollout_id: int, generate_s: float) -> dict[str, float]: ...
 
@@ -74,10 +79,21 @@ class StepHook(Protocol):
     async def after_step(self, rollout_id: int, weight_version: str) -> None: ...
 
 
+class LoopPhase(Protocol):
+    """Work around the whole loop: `before_loop` once resume is done, `after_loop` before the final save."""
+
+    async def before_loop(self, start_rollout: int, weight_version: str) -> None: ...
+
+    async def after_loop(self) -> None: ...
+
+
 @dataclass
 class LoopResult:
     rollouts: int = 0
     train_steps: int = 0
+    start_rollout: int = 0
+    #: rollout ids saved, in order (each at most once)
+    saved: list[int] = field(default_factory=list)
 
 
 class TrainingLoop:
@@ -90,9 +106,10 @@ class TrainingLoop:
         trainer: Trainer | None,
         weight_sync: Syncer | None,
         metrics: MetricsLog,
-        start_rollout: int = 0,
         num_rollout: int,
+        resume_from: Path | None = None,
         hooks: list[StepHook] | None = None,
+        phases: list[LoopPhase] | None = None,
         progress: RunProgress | None = None,
         colocation: Swap | None = None,
     ) -> None:
@@ -102,14 +119,18 @@ class TrainingLoop:
         self.trainer = trainer
         self.weight_sync = weight_sync
         self.metrics = metrics
-        self.start_rollout = start_rollout
+        #: a checkpoint to resume from (`--load` resolved); only with a trainer
+        self.resume_from = resume_from
+        self.start_rollout = 0
         self.num_rollout = num_rollout
         self.hooks = hooks or []
-        #: rollouts done and the ETA, for the run-level bar (`coordinator.progress`)
+        self.phases = phases or []
+        #: rollouts done and the ETA, for the run-level bar (`coordinator.observe.progress`)
         self.progress = progress or RunProgress()
         self.colocation = colocation
-        self.version = start_rollout  # optimizer updates applied so far
+        self.version = 0  # optimizer updates applied so far
         self._version_changed = anyio.Event()
+        self._result = LoopResult()
 
     @property
     def weight_version(self) -> str:
@@ -120,10 +141,14 @@ class TrainingLoop:
         return self.trainer.recoveries if self.trainer is not None else 0
 
     async def run(self) -> LoopResult:
-        result = LoopResult()
+        result = self._result
+        await self._resume()
+        result.start_rollout = self.start_rollout
         if self.start_rollout > 0:
             # a resume redoes every step from start_rollout: an earlier run's rows for them are replaced
             self.metrics.resume_at(self.start_rollout)
+        for phase in self.phases:
+            await phase.before_loop(self.start_rollout, self.weight_version)
         self.progress.begin(self.start_rollout, self.num_rollout)
         if self.settings.async_rollout and self.trainer is not None:
             await self._run_async(result)
@@ -132,7 +157,28 @@ class TrainingLoop:
                 started = time.monotonic()
                 batch = await self.rollouts.get_rollout(rollout_id, self.weight_version)
                 await self._train_and_sync(batch, result, started)
+        for phase in self.phases:
+            await phase.after_loop()
+        last = self.num_rollout - 1
+        if self._saves and result.train_steps and last not in result.saved:
+            await self.save(last)
         return result
+
+    @property
+    def _saves(self) -> bool:
+        return bool(self.checkpoint.save and self.trainer is not None)
+
+    async def _resume(self) -> None:
+        """With a checkpoint to resume from: the ranks' state, the data order, the restored weights pushed."""
+        if self.resume_from is None or self.trainer is None:
+            return
+        checkpoint = await self.trainer.load_checkpoint(self.resume_from)
+        self.start_rollout = checkpoint.rollout_id + 1
+        self.version = self.start_rollout
+        self.rollouts.load_state_dict(checkpoint.extra.get("rollout_state", {}))
+        log.info("resumed from %s: continuing at rollout %d", self.resume_from, self.start_rollout)
+        if self.weight_sync is not None:
+            await self.weight_sync.update(self.weight_version)
 
     async def _run_async(self, result: LoopResult) -> None:
         send, receive = anyio.create_memory_object_stream[tuple[RolloutBatch, float]](max_buffer_size=0)
@@ -185,7 +231,7 @@ class TrainingLoop:
             self._version_changed.set()
             self._version_changed = anyio.Event()
             interval = self.checkpoint.save_interval
-            save_due = bool(self.checkpoint.save and interval and (rollout_id + 1) % interval == 0)
+            save_due = bool(self._saves and interval and (rollout_id + 1) % interval == 0)
             if swap is not None:
                 if save_due:  # while the ranks still hold their state on the device
                     await self.save(rollout_id)
@@ -210,6 +256,7 @@ class TrainingLoop:
         extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
                  "rollout_state": self.rollouts.state_dict()}
         path = await self.trainer.save(rollout_id, extra)
+        self._result.saved.append(rollout_id)
         log.info("saved checkpoint of rollout %d to %s", rollout_id, path)
 
 

@@ -1,23 +1,12 @@
 """What decoding untrusted dump data may cost: nesting depth and memory, checked before anything is built.
 
-Owns the two bounds every reader of dump data applies, so a small hostile file can neither crash the process
-nor make it allocate far beyond its own size:
-
-- `check_msgpack(payload)` walks one msgpack record of the rayless format byte by byte, without building
-  it, and refuses it when containers (maps, arrays, tuple extensions) nest deeper than `MAX_DEPTH`, when an
-  extension type is not one the format defines, or when the Python objects msgpack would build are estimated
-  to take more than `MAX_EXPANSION` times the record's size (plus `RECORD_ALLOWANCE`). msgpack's C unpacker
-  keeps a ~40 KB parse stack on the C stack per nested call, and tuple extensions nest calls: depth 200 used
-  to overflow the C stack (SIGSEGV), which no Python exception can catch; it is refused here first.
-- `measure_plain(obj, budget)` walks an already-unpickled object graph (a `.pt` import) and returns the
-  size its expansion to plain lists would take — a shared object counted at every place it is referenced,
-  as the expansion copies it — refusing cycles, nesting deeper than `MAX_DEPTH` and a total over `budget`.
-  The walk itself visits each distinct object once (its size is memoised), so it costs what the file
-  already cost to load, never what the expansion would.
+Owns the two bounds every reader of dump data applies: `check_msgpack(payload)` (one record walked byte by
+byte without building it: depth, known extension types, estimated expansion) and `measure_plain(obj, budget)`
+(an unpickled graph's plain expansion, shared objects counted per reference, each object visited once). Why
+(msgpack's C stack, reference bombs): docs/replay.md.
 
 Invariant: both raise `BoundError` (a ValueError) and nothing else for any input; they never recurse more
-than `MAX_DEPTH` Python frames. Estimates are upper bounds of CPython 3.11's object sizes on 64-bit builds,
-rounded up, so a record that passes is known to fit.
+than `MAX_DEPTH` Python frames; estimates are upper bounds of CPython 3.11's 64-bit object sizes.
 """
 
 from __future__ import annotations

@@ -1,41 +1,17 @@
 """The rayless rollout dump format: writer, streaming reader, integrity checks, path templates.
 
-One module (over 450 lines) because the writer, the reader and their checks are one format: each rule the
-reader enforces is refused on write beside it, so the two cannot drift apart.
+Owns the on-disk layout of one rollout (or eval) dump — MAGIC | version | frame 'H' (header) | frames 'S' (one
+per sample) | frame 'T' (trailer: count and chained CRC), each frame tag | length | CRC32 | msgpack payload —
+and formats 2 (written) and 1 (read). One module over 450 lines: each rule the reader enforces is refused on
+write beside it. The layout in full: docs/replay.md.
 
-Owns the on-disk layout of one rollout (or eval) dump. Invariants:
-
-- A dump file either does not exist or is complete: it is written to a temporary file in the same directory,
-  fsynced and renamed over the target (`os.replace`), so a crash never leaves a half-written dump under the
-  final name.
-- Nothing read from a dump is ever executed: the payload is msgpack (plain data only), never pickle. Every
-  frame carries a CRC32 and the trailer carries the sample count plus a chained checksum, so truncation,
-  flipped bytes, dropped or reordered records are all detected and reported as `DumpError`, naming the file.
-- Every fault of a file, checksums valid or not, is a `DumpError`, never another exception or a crash: each
-  record is checked against `replay.bounds` (nesting depth, decoded size, known extension codes) before
-  msgpack builds anything, and the writer refuses what those bounds would refuse.
-- Every `Sample` field round-trips exactly: token ids and masks are stored as packed little-endian integer
-  arrays, rollout logprobs as packed float64 (bit-exact, NaN payloads and -0.0 included), tuples in metadata
-  stay tuples, and a sample that `Sample.validate()` rejects is refused on write and on read.
-
-Format versions: 2 (written now) adds slime's `index`, and lets `prompt` and `label` be any plain value (chat
-messages, a task index, a dict of accepted answers) besides text, as custom generate functions' samples carry;
-`status` may be `failed`. Multi-turn samples need nothing else: their tool tokens are the `loss_mask` 0 entries.
-Version 1 dumps (no `index`; text prompt and label) are still read, their `index` None.
-
-Layout (all integers little-endian):
-
-    MAGIC (8 bytes) | format version (u16)
-    frame 'H': msgpack header {format_version, rollout_id, kind, created_at, created_at_iso, writer,
-                               sample_count, sample_fields, config}
-    frame 'S' x sample_count: msgpack map {field name: value} for one sample
-    frame 'T': msgpack trailer {sample_count, chain}  (chain = CRC32 over the per-sample CRCs, in order)
-
-    frame = tag (1 byte) | payload length (u32) | CRC32 of payload (u32) | payload
-
-`write_dump` is the writer of well-formed dumps. The frame-level pieces it is built from (`FRAME_HEAD`,
-`encode_frame`, `packb`, `encode_sample`, `pack_ints`, `pack_floats`) are public for tools and tests that
-write or walk frames by hand, e.g. to put a record `write_dump` would refuse in front of the reader's checks.
+Invariants:
+- A dump file either does not exist or is complete (temporary file, fsync, `os.replace`).
+- Nothing read from a dump is ever executed: msgpack only, never pickle.
+- Every fault of a file, checksums valid or not, is a `DumpError` naming the file, never another exception or a
+  crash (each record passes `replay.bounds` before msgpack builds anything).
+- Every `Sample` field round-trips exactly (packed integer arrays, bit-exact float64 logprobs, tuples kept); a
+  sample `Sample.validate()` rejects is refused on write and on read.
 """
 
 from __future__ import annotations

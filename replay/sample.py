@@ -1,25 +1,13 @@
 """The Sample record: one generated (or replayed) response and everything training needs from it.
 
-Owned here, in `replay/`, because both the coordinator (which produces samples) and the dump format
-(which stores them) need it, and `replay` imports neither `coordinator` nor `workers`.
-
-The record is slime's `Sample` in shape, so a slime hook ports by changing its imports only: slime's field
-names (`index`, `group_index`, `prompt`, `tokens`, `response`, `response_length`, `label`, `reward`,
-`loss_mask`, `rollout_log_probs`, `weight_versions`, `status`, `metadata`), the `Sample.Status` enum,
-`append_response_tokens`, `get_reward_value`, `effective_response_length`, `to_dict`/`from_dict`, and
-attributes a hook adds on the fly (`sample.tool_call_count = 2`). Ours besides: `sample_index` (the
-position in the prompt group) and `advantage`.
-
-Multi-turn samples (a custom generate function's): `tokens` = prompt + every turn's output and every tool
-output, in order; the response is the last `response_length` tokens; `loss_mask` has one entry per response
-token, 1 on tokens the model generated, 0 on tokens a tool (or the environment) wrote; `rollout_log_probs` has
-one entry per response token too, the engine's logprob on model tokens and 0.0 on tool tokens (slime's
-alignment). Training reads a logprob only where the mask is 1.
+Owned here, in `replay/`, because both the coordinator and the dump format need it, and `replay` imports
+neither `coordinator` nor `workers`. slime's `Sample` in shape (field names, `Sample.Status`,
+`append_response_tokens`, `get_reward_value`, attributes a hook adds), plus `sample_index` and `advantage`;
+multi-turn samples and slime's alignment: docs/replay.md.
 
 Invariant kept by `Sample.validate()`: `tokens` holds prompt + response, the response is the last
 `response_length` tokens, and `loss_mask` / `rollout_log_probs` are lists with exactly `response_length`
-entries (slime's `None` — "all ones" / "none recorded" — is resolved by `settle_hook_fields` when a hook
-hands a sample back).
+entries (slime's `None` is resolved by `settle_hook_fields` when a hook hands a sample back).
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """Import of slime / miles `.pt` rollout dumps into rayless `Sample`s, without ever executing their content.
 
-Owns the one place rayless reads a pickle-based file. Invariant: nothing in the file can run code. A
-`torch.save` zip file is read with `torch.load(weights_only=True)` (torch's restricted unpickler: plain
-containers, numbers, strings, tensors); a bare pickle (slime forks that call `pickle.dump`) is read with our
-own `_PlainUnpickler`, which resolves no global except `set`/`frozenset`/`OrderedDict` and no persistent
-id. Anything else (an object with a `__reduce__` payload, a class instance, a numpy array) is refused with a
-`DumpError` before the payload's callable is ever looked up, let alone called.
-
-Bounds (`replay.bounds`): a zip whose entries declare more than `MAX_EXPANSION` times the file's size
-(plus `IMPORT_ALLOWANCE`) is refused before anything is decompressed (torch.save never compresses, so only a
-bomb is far larger inside than outside); the loaded data is then measured before it is converted — shared
-references counted once per use, as the conversion copies them — and refused when its plain expansion
-would pass the same bound, when it references itself or when it nests deeper than `bounds.MAX_DEPTH`.
-So converting a file costs memory in proportion to its size, never to what a reference bomb promises.
-
-Conversion choices (documented for users of `rayless dump convert`):
-- tensors become Python lists/scalars; `status` may be the enum's value string ("completed", ...);
-  slime's "failed" becomes ABORTED with the original kept in `metadata["slime_status"]`.
-- a missing or None `loss_mask` becomes all ones over the response.
-- missing `rollout_log_probs` are refused (replaying PPO ratios against invented logprobs would silently
-  train on garbage) unless `allow_missing_logprobs=True`, which fills zeros and sets
-  `metadata["rollout_log_probs_missing"] = True` so the loss spike it causes is traceable.
-- `group_index` missing: derived as `index // n_samples_per_prompt` (needs n_samples_per_prompt).
-- `sample_index`: slime's `index` when present, else the position in the file.
-- a chat-message prompt (list of {"role", "content"}) is rendered as "role: content" lines; the original
-  is kept in `metadata["prompt_messages"]`. A non-str label is stored as JSON text with
-  `metadata["label_is_json"] = True`.
-- other slime keys go to `metadata["slime"][key]` when they are plain data; keys that are not are listed in
-  `metadata["slime_dropped"]`.
+Owns the one place rayless reads a pickle-based file, and the conversion of slime's fields (listed in
+docs/replay.md). Invariant: nothing in the file can run code — a `torch.save` zip goes through
+`torch.load(weights_only=True)`, a bare pickle through `_PlainUnpickler` (no global but
+`set`/`frozenset`/`OrderedDict`, no persistent id); anything else is a `DumpError` before its callable is looked
+up. And converting costs memory in proportion to the file's size: a zip declaring more than `MAX_EXPANSION`
+times its size is refused before decompression, and the loaded data is measured (`bounds.measure_plain`)
+before it is converted.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ is printed with its traceback.
 Lives in `workers` because every package of ours that raises a known failure may import it: `coordinator`
 imports `workers` (never the reverse), and `workers` itself raises known failures. `replay` imports neither
 package, so its `DumpError` stays its own class; the coordinator lists it beside this base
-(`coordinator.failures`). Importing this module imports nothing else.
+(`coordinator.lifecycle.failures`). Importing this module imports nothing else.
 """
 
 from __future__ import annotations

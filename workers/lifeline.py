@@ -1,27 +1,17 @@
 """The lifeline: every process the coordinator launches ends by itself when the coordinator is gone, however
 it went (SIGKILL, OOM killer, a crash of the interpreter).
 
-Run by `coordinator.processes.spawn_group_leader`, never by hand:
+Run by `coordinator.lifecycle.processes.spawn_group_leader`, never by hand:
 
     python -I workers/lifeline.py FD GRACE_S -- COMMAND...
 
-It forks a watcher, then execs COMMAND in its own place, so COMMAND keeps this process's pid and process group
-(the coordinator's handle on it is unchanged). The watcher blocks reading FD, the read end of a pipe whose
-write end only the coordinator holds: nothing is ever written to it, so the read returns only when the kernel
-closes the write end, i.e. when the coordinator's process has ended. The watcher then stops what the
-coordinator would have stopped: SIGTERM to COMMAND's process group and to every descendant of COMMAND (torchrun
-starts each rank in a session of its own, out of reach of the group), SIGKILL to whatever is left after
-GRACE_S seconds, itself last.
+Owns the watcher: forked before COMMAND is exec'ed in this process's place, it blocks reading FD (a pipe whose
+write end only the coordinator holds, never written), and on end-of-file stops COMMAND's process group and
+descendants (SIGTERM, SIGKILL after GRACE_S, itself last). Why a pipe, not PR_SET_PDEATHSIG:
+docs/fault-tolerance.md.
 
-Why a pipe and a forked watcher rather than PR_SET_PDEATHSIG: the parent-death signal reaches only the direct
-child (not torchrun's ranks nor SGLang's helpers), fires when the *thread* that forked exits, and what it does
-then depends on the wrapped program's own signal handling; the pipe closes whatever the coordinator's threads
-do, and the watcher acts the same way for every program (ours, SGLang, sglang-router, torchrun), whatever it
-does with signals, threads or the GIL. Linux finds descendants in /proc; elsewhere only the group is stopped.
-
-Invariants: the watcher imports nothing beyond the standard library (`-I`: COMMAND may run in another Python
-environment); it ignores SIGTERM/SIGINT/SIGHUP, so the coordinator's own stop of the group (SIGTERM, then
-SIGKILL to the group) ends it with the rest; a failed exec is one line in the log and exit status 127.
+Invariants: the watcher imports only the standard library (`-I`); it ignores SIGTERM/SIGINT/SIGHUP, so the
+coordinator's own stop of the group ends it with the rest; a failed exec is one line in the log and exit 127.
 """
 
 from __future__ import annotations

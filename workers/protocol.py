@@ -1,32 +1,18 @@
 """The control channel between the coordinator and the training ranks: frames, messages, handshake.
 
-Owns the wire contract, shared by both sides (`coordinator.train` and `workers.train_rank`); it
-imports no coordinator code and no torch at import time (the coordinator must not pay for torch). It is
-one module over ~450 lines on purpose: a reader of either side finds every frame, message, command and
-record of the contract in this one file.
-
-Wire format: every frame is a 4-byte big-endian length followed by a msgpack body of at most
-`max_frame_bytes` (default `MAX_FRAME_BYTES`). Tensors travel as msgpack ext type `TENSOR_EXT`
-holding `[dtype name, shape, raw bytes]`; nothing is ever pickled. Every body is a map with a `kind`
-naming one of the message dataclasses below; `decode_message` accepts only those kinds and only their
-fields, so a malformed peer gets a `ProtocolError` naming the problem, never a TypeError from deep inside.
-The values inside messages that both sides read field by field — a sample to train on (`WireSample`), one
-rank's numbers for one optimizer step (`StepMetrics`, inside `TrainResult`) — are `Record`s, decoded the
-same way: unknown or missing fields are refused. Changing any of them changes `PROTOCOL_VERSION`, which
-the handshake compares, so ranks and coordinator never read each other's records under different shapes.
-
-Handshake: the rank sends `Hello` (protocol version, token, rank, world size, local rank, pid, restart
-count, node rank); the coordinator checks the version and compares the token with `hmac.compare_digest`, then answers
-`Welcome` or an `ErrorMessage` and closes. After that the coordinator sends `Request`s (request id +
-one command) and the rank answers each with exactly one `Response` carrying the same id.
+Owns the wire contract, shared by both sides (`coordinator.train` and `workers.train_rank`): 4-byte big-endian
+length + msgpack body frames (tensors as the `TENSOR_EXT` extension, never pickle), the message dataclasses and
+`Record`s (`WireSample`, `StepMetrics`) decoded strictly by `decode_message`, `PROTOCOL_VERSION`, and the
+Hello → Welcome / ErrorMessage handshake, then `Request` / `Response` pairs by request id. It imports no
+coordinator code and no torch at import time; one module so that either side finds the whole contract here. The
+contract in prose: docs/architecture.md.
 
 Invariants:
-- A frame is never written or accepted beyond the limit — the sender refuses before writing, the receiver
-  refuses after reading only the 4-byte header (and tells the peer why before closing).
-- Before the token is checked, nothing but a Hello of at most `MAX_HELLO_BYTES` is read, and it is decoded
-  by `decode_hello` alone: flat msgpack of bounded lengths, no extension type (so no tensor), exactly
-  Hello's fields with their exact types and ranges. An unauthenticated peer can make the coordinator read
-  4 KiB and decode a few dozen values, nothing more; the normal limit applies only once it is welcomed.
+- A frame is never written or accepted beyond the limit (the receiver refuses after reading only the header).
+- Unknown kinds and unknown or missing fields are a `ProtocolError` naming the problem; changing a record
+  changes `PROTOCOL_VERSION`.
+- Before the token is checked (`hmac.compare_digest`), nothing but a Hello of at most `MAX_HELLO_BYTES` is read,
+  decoded by `decode_hello` alone (flat, bounded, no extension type, exactly Hello's fields and types).
 """
 
 from __future__ import annotations

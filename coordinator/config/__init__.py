@@ -10,7 +10,7 @@ Modules: `fields` (flag declarations, the one value converter, the Slice base), 
 `megatron` — Megatron-LM flags of slime/miles scripts, accepted and not used, one table row per flag),
 `settings` (Config, derived facts), `rules` (named cross-slice rules), `parser` (command line and files),
 `unknown` (the unknown-flag report), `secrets` (masking), `porting` (slime/miles hook aliases, `--load` /
-`--ref-load` on disk, the grouped notice), `preflight` (start-up checks on the machine).
+`--ref-load` on disk, the grouped notice). The start-up checks on the machine are `coordinator.checks`.
 Importing this package imports neither torch nor transformers.
 """
 
@@ -22,7 +22,6 @@ from coordinator.config.fault_tolerance import FT_COMPONENTS, FaultToleranceConf
 from coordinator.config.fields import ConfigError, ConfigWarning, FlagSpec, flag
 from coordinator.config.logs import LoggingConfig
 from coordinator.config.parser import build_parser, config_from_mapping, parse_config, parse_config_mapping
-from coordinator.config.preflight import check_hooks, check_paths, preflight
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION, RolloutConfig
 from coordinator.config.rules import RULES
 from coordinator.config.settings import FLAGS, SLICES, Config, write_resolved_config
@@ -51,12 +50,9 @@ __all__ = [
     "SglangConfig",
     "TrainConfig",
     "build_parser",
-    "check_hooks",
-    "check_paths",
     "config_from_mapping",
     "flag",
     "parse_config",
     "parse_config_mapping",
-    "preflight",
     "write_resolved_config",
 ]

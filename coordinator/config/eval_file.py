@@ -13,7 +13,7 @@ Invariants: every value goes through the flags' own converter (`fields.convert`:
 ranges as a flag); an unknown key, a key slime has but rayless does not support, a missing `name` or `path`,
 or a repeated name is a `ConfigError` naming the file, the dataset and the key. A dataset entry wins over
 `defaults`; what neither sets stays None here and falls back to the eval and rollout flags later
-(`coordinator.eval_settings`). Dataset paths are relative to the working directory, as slime reads them.
+(`coordinator.eval.settings`). Dataset paths are relative to the working directory, as slime reads them.
 """
 
 from __future__ import annotations

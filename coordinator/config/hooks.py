@@ -4,7 +4,7 @@ settings, and the multi-turn metrics switch.
 Owns these flags. Invariants: the miles `--generate-*` settings are read only by the built-in multi-turn
 generate (`coordinator.hooks.multi_turn`), so they need `--custom-generate-function-path` naming it (or
 miles' path for it, which `porting` rewrites to ours); `--generate-tool-call-parser` names a parser rayless
-implements (`coordinator.hooks.tool_calls.PARSERS`), anything else is refused here, at start-up.
+implements (`TOOL_CALL_PARSERS`, each implemented in `coordinator.hooks.tool_calls`), anything else is refused here, at start-up.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from coordinator.config.fields import ConfigError, Slice, flag
 MULTI_TURN_GENERATE = "coordinator.hooks.multi_turn:generate"
 
 
-def _tool_call_parsers() -> tuple[str, ...]:
-    from coordinator.hooks.tool_calls import PARSERS
+#: --generate-tool-call-parser values (`coordinator.hooks.tool_calls` implements each)
+TOOL_CALL_PARSERS = ("qwen25", "hermes")
 
-    return tuple(PARSERS)
+
+def _tool_call_parsers() -> tuple[str, ...]:
+    return TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)

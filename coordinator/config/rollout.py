@@ -23,9 +23,16 @@ def _rm_types() -> list[str]:
     return rm_type_names()
 
 
-def _estimators() -> tuple[str, ...]:
-    from coordinator.rollout.advantages import ESTIMATORS, UNSUPPORTED_ESTIMATORS
+#: --advantage-estimator values rayless implements (`coordinator.rollout.advantages`)
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+#: Estimators slime has whose names we know, with why rayless refuses them.
+UNSUPPORTED_ESTIMATORS = {
+    "ppo": "needs a critic model, which rayless does not train",
+    "cispo": "its clipped-importance loss is not implemented",
+}
 
+
+def _estimators() -> tuple[str, ...]:
     return ESTIMATORS + tuple(UNSUPPORTED_ESTIMATORS)
 
 
@@ -84,8 +91,6 @@ class RolloutConfig(Slice):
     def check(self) -> None:
         if self.hf_checkpoint is None:
             raise ConfigError("--hf-checkpoint is required (a local Hugging Face model directory)")
-        from coordinator.rollout.advantages import UNSUPPORTED_ESTIMATORS
-
         if self.advantage_estimator in UNSUPPORTED_ESTIMATORS:
             raise ConfigError(f"--advantage-estimator {self.advantage_estimator}: not supported: "
                               f"{UNSUPPORTED_ESTIMATORS[self.advantage_estimator]}")

@@ -160,7 +160,7 @@ class Config:
 
     @property
     def swaps_memory(self) -> bool:
-        """Each step hands memory between the engines and the ranks (`coordinator.colocate`)."""
+        """Each step hands memory between the engines and the ranks (`coordinator.weights.colocate`)."""
         return self.offloads_train or self.offloads_rollout
 
     # --- sizes ------------------------------------------------------------------------------------------------
@@ -238,7 +238,8 @@ class Config:
         return self.rollout.samples_per_rollout // self.effective_global_batch_size
 
     def rank_settings(self) -> dict[str, Any]:
-        """The training ranks' settings: the train slice plus what other slices decide for them."""
+        """The training ranks' settings: the train slice plus what other slices decide for them (a TIS hook's
+        `args` aside: `coordinator.hooks.args.rank_settings` gives the whole of what the ranks receive)."""
         from coordinator.config.porting import resolve_ref_load
 
         settings = self.train.rank_settings(
@@ -247,10 +248,8 @@ class Config:
             save_retain_interval=self.checkpoint.save_retain_interval,
             policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
         if self.train.custom_tis_function_path is not None:
-            from coordinator.hooks.args import build_hook_args, plain_args
-
+            # its `args` (slime's namespace, built by the hooks layer) are added by `hooks.args.rank_settings`
             settings["tis_function_path"] = self.train.custom_tis_function_path
-            settings["hook_args"] = plain_args(build_hook_args(self))  # the TIS hook's `args`, on the ranks
         if self.offloads_train:
             # CPU ranks spill their state to a file here (a real disk, so the memory is freed, not moved)
             settings["offload_dir"] = str(self.logging.resolved_run_dir / "train-offload")

@@ -1,26 +1,16 @@
 """The engine fleet: the state of every engine in one group (rollout or eval).
 
-Owns: the `EngineHandle`s of one group, each launched engine's spec (one for the whole group, or one per
-engine as the placement plan gives them: own GPUs, own port), the process of each launched engine (one
-`EngineProcess` per incarnation, built here) and the change event.
+Owns the `EngineHandle`s of one group, each launched engine's spec (one for the group, or one per engine as the
+placement plan gives them), the process of each launched engine (one `EngineProcess` per incarnation) and the
+change event. Remote engines (another node's) are brought up and relaunched through `RemoteEngines`.
 
 Invariants:
-  * This object alone changes an engine's state (STARTING / ALIVE / DEAD) and its process; the rollout path,
-    the health monitor, the eval fleet and weight sync read them and ask for changes through `mark_dead` /
-    `relaunch` (recovery goes through `coordinator.engines.recovery.EngineRecovery`, which calls `relaunch`).
-  * An engine's launch spec is never changed: a relaunch with other weights (`model_path`, `weight_version`)
-    gets a spec derived for that incarnation alone, so the next relaunch starts from the engine's own spec
-    again (same GPUs, same environment).
-  * Every state change sets the change event, so a dispatcher waiting for an engine wakes up.
-  * Launched engines are stopped when `run()` ends, however it ends; external engines (attached by
-    address) are probed, never launched or killed.
-  * A remote engine (launched by another node's `rayless train`, multi-node) is brought up and relaunched
-    through `RemoteEngines`: its URL is the one its node last reported, newer than the one the handle had, and
-    its process belongs to that node; otherwise it is an engine like the others (probes, weight sync, recovery).
-  * At most one relaunch of a handle runs at a time; a second caller waits for it and returns False when it
-    finds the engine brought back meanwhile.
-  * An engine is marked ALIVE right after `relaunch`'s `admit` callback returns, with no await in between, so
-    what `admit` checked (e.g. the weight version) still holds when the engine enters dispatch.
+  * This object alone changes an engine's state (STARTING / ALIVE / DEAD) and its process; others ask through
+    `mark_dead` / `relaunch`. Every state change sets the change event.
+  * An engine's launch spec is never changed: a relaunch with other weights gets a spec for that incarnation only.
+  * Launched engines are stopped when `run()` ends, however it ends; external engines are never launched or killed.
+  * At most one relaunch of a handle runs at a time; a second caller returns False when the engine came back.
+  * An engine is marked ALIVE right after `relaunch`'s `admit` callback returns, with no await in between.
 """
 
 from __future__ import annotations
@@ -37,8 +27,8 @@ import anyio
 
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineUnreachable
 from coordinator.engines.launch import EngineLaunchError, EngineLaunchSpec, EngineProcess, engine_log_path
-from coordinator.processes import leaf_exceptions
-from coordinator.startup import NO_OBSERVER, PhaseObserver
+from coordinator.lifecycle.processes import leaf_exceptions
+from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ Invariants:
   * `stop()` always ends the whole group: SIGTERM, SIGKILL after a grace period, then reap. It runs shielded,
     so cancellation of the caller cannot leave an orphan.
 
-Processes are started, watched and ended with `coordinator.processes` (its docstring says why they are
+Processes are started, watched and ended with `coordinator.lifecycle.processes` (its docstring says why they are
 `subprocess.Popen` children polled with `waitid(WNOWAIT)`).
 """
 
@@ -34,7 +34,7 @@ import anyio
 
 from coordinator.config.secrets import mask_argv
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError
-from coordinator.processes import (
+from coordinator.lifecycle.processes import (
     exit_status,
     read_tail,
     spawn_group_leader,
@@ -42,7 +42,7 @@ from coordinator.processes import (
     wait_exited,
     with_log_tail,
 )
-from coordinator.startup import NO_OBSERVER, PhaseObserver
+from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
 from workers.errors import RaylessError
 
 if TYPE_CHECKING:

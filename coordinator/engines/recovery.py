@@ -1,20 +1,15 @@
 """Engine recovery: the one path by which a dead engine comes back, whoever finds it dead.
 
-Owns the steps from DEAD to back in dispatch for every caller: the HealthMonitor (an engine it or the
-dispatcher declared dead), WeightSync (dead engines before a weight update) and the EvalFleet's pin (when no
-monitor watches the eval engines). A launched engine is relaunched from the current weight snapshot with
-`--weight-version` set to the current version (both handed to `EngineFleet.relaunch` as arguments, never
-written into a spec); an external one is waited for until it answers. Either way the weights' owner
-(`CurrentWeights.admit`, WeightSync) loads and checks the current version before the fleet marks the engine
-ALIVE, and only then is it added back to the router.
+Owns the steps from DEAD to back in dispatch for every caller (the HealthMonitor, WeightSync, the EvalFleet's
+pin): out of the router, relaunched from the current snapshot with `--weight-version` set (or waited for, when
+external), the current version loaded and checked by the weights' owner (`admit`), ALIVE, back in the router.
+Design: docs/fault-tolerance.md.
 
 Invariants:
 - Only the fleet changes an engine's state or process; this module asks it through `relaunch`.
-- One recovery of an engine at a time: a second caller waits for the first and returns False when it finds
-  the engine no longer dead. One instance serves every caller of a group that can recover at the same time
-  (the rollout group's belongs to its WeightSync); the fleet's own per-engine lock covers the rest.
-- A recovered engine reports the current weight version, at a moment no weight update runs, before it is
-  ALIVE (in dispatch): there is no moment where it serves stale weights under the current version's name.
+- One recovery of an engine at a time: a second caller waits for the first and returns False when it finds the
+  engine no longer dead.
+- A recovered engine reports the current weight version, at a moment no weight update runs, before it is ALIVE.
 - The router loses a dead engine when its recovery starts and gets it back only once it is ALIVE.
 """
 

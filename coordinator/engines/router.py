@@ -26,14 +26,14 @@ import anyio
 
 from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineHTTPError
 from coordinator.engines.launch import claim_port
-from coordinator.processes import (
+from coordinator.lifecycle.processes import (
     exit_status,
     read_tail,
     spawn_group_leader,
     terminate_process_group,
     with_log_tail,
 )
-from coordinator.startup import NO_OBSERVER, PhaseObserver
+from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
 from workers.errors import RaylessError
 
 

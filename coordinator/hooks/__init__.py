@@ -9,7 +9,7 @@ What a hook gets (README: "Hooks"):
   ABORTED, FAILED), `append_response_tokens`, `get_reward_value`, attributes added on the fly;
 - `args`: slime's attribute names, from the run's flags (`coordinator.hooks.args`); `args.sglang_router_ip` /
   `args.sglang_router_port` reach every live rollout engine through our dispatch (the coordinator's endpoint,
-  `coordinator.hooks.endpoint`, or the router in use);
+  `coordinator.rollout.hook_endpoint`, or the router in use);
 - `GenerateState(args)`: the tokenizer, slime's default `sampling_params`, and `semaphore` (the run's bound on
   requests in flight);
 - `post(url, payload)` / `get(url)`: HTTP on our client (deadlines, bounded retries, the API key to our
@@ -28,7 +28,7 @@ from typing import Any
 from coordinator.hooks.http import get, post
 from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError, SlimeGenerateState
 from coordinator.hooks.single_turn import generate
-from coordinator.hooks.slime_rollout import run
+from coordinator.hooks.sync import run
 from replay.sample import Sample, SampleStatus
 
 #: slime's `GenerateState(args)`.

@@ -93,3 +93,12 @@ def hook_sampling_params(config: Config) -> dict[str, Any]:
     if rollout.rollout_stop_token_ids:
         params["stop_token_ids"] = list(rollout.rollout_stop_token_ids)
     return params
+
+
+def rank_settings(config: Config) -> dict[str, Any]:
+    """What the training ranks receive: `config.rank_settings()`, and with `--custom-tis-function-path` the
+    hook's `args` as plain data (slime's namespace, which only this layer builds)."""
+    settings = config.rank_settings()
+    if config.train.custom_tis_function_path is not None:
+        settings["hook_args"] = plain_args(build_hook_args(config))
+    return settings

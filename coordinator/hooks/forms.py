@@ -1,6 +1,6 @@
 """Which calling convention a hook has — rayless' own or slime's (miles' where noted) — read from its signature.
 
-Owns the one reading of hook signatures, shared by the start-up check (`coordinator.config.preflight`) and
+Owns the one reading of hook signatures, shared by the start-up check (`coordinator.checks.preflight`) and
 the code that calls the hooks (rewards, filters, the rollout, the trainer's TIS hook), so a hook is called
 exactly the way start-up accepted it:
 

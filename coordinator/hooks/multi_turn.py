@@ -21,8 +21,8 @@ from typing import Any
 from coordinator.hooks.http import post
 from coordinator.hooks.runtime import HookError, SlimeGenerateState
 from coordinator.hooks.tool_calls import parse_tool_calls, tokenize_tool_responses
-from coordinator.rollout.loading import load_object
 from replay.sample import Sample, SampleStatus
+from workers.hook_loading import load_object
 
 
 def _prompt_ids(state: SlimeGenerateState, sample: Sample, specs: list[dict[str, Any]]) -> list[int]:

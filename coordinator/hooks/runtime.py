@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import secrets
 from collections.abc import AsyncGenerator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -28,7 +28,6 @@ from workers.errors import RaylessError
 
 if TYPE_CHECKING:
     from coordinator.engines.client import EngineClient
-    from coordinator.rollout.requests import RequestSlots
 
 #: Header naming the route of a hook's request (set by `post` on requests to the run's own address).
 ROUTE_HEADER = "X-Rayless-Route"
@@ -76,11 +75,19 @@ class HookRoutes:
         return self._routes.get(token) if token else None
 
 
+class Slots(Protocol):
+    """The run's bound on requests in flight (`coordinator.rollout.requests.RequestSlots`)."""
+
+    free: int
+
+    def hold(self, count: int) -> AbstractAsyncContextManager[None]: ...
+
+
 class RequestSemaphore:
     """slime's `GenerateState.semaphore`: `async with` holds one of the run's request slots (the bound the
     default generate path and evaluation share), so hooks stay within `--sglang-server-concurrency`."""
 
-    def __init__(self, slots: RequestSlots) -> None:
+    def __init__(self, slots: Slots) -> None:
         self._slots = slots
         self._held: list[AsyncExitStack] = []
 
@@ -123,7 +130,7 @@ class SlimeGenerateState:
 
     @classmethod
     def _build(cls, *, args: argparse.Namespace, tokenizer: Any, sampling_params: dict[str, Any],
-               slots: RequestSlots) -> SlimeGenerateState:
+               slots: Slots) -> SlimeGenerateState:
         state = object.__new__(cls)
         state.args = args
         state.tokenizer = tokenizer
@@ -152,7 +159,7 @@ class HookRuntime(anyio.AsyncContextManagerMixin):
 
     # --- pieces -------------------------------------------------------------------------------------------
     def attach_generate_state(self, *, tokenizer: Any, sampling_params: dict[str, Any],
-                              slots: RequestSlots) -> None:
+                              slots: Slots) -> None:
         self._state = SlimeGenerateState._build(args=self.args, tokenizer=tokenizer,
                                                 sampling_params=sampling_params, slots=slots)
 

@@ -1,6 +1,6 @@
 """Tool calls in a model's text, as SGLang's function-call parsers read them, and tool results as chat tokens.
 
-Owns `PARSERS` (the `--generate-tool-call-parser` values rayless implements: `qwen25` and `hermes`, which write
+Owns the parsers of the `--generate-tool-call-parser` values rayless implements: `qwen25` and `hermes`, which write
 each call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `parse_tool_calls`, and
 `tokenize_tool_responses` (miles' rule: the tokens a chat template adds for the tool messages after an
 assistant turn, taken as the difference of two renderings, so they append to the token list as they are).
@@ -17,8 +17,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.config.hooks import TOOL_CALL_PARSERS
+
 #: `--generate-tool-call-parser` values: both write `<tool_call>` JSON blocks (SGLang's Qwen2.5 / Hermes).
-PARSERS = ("qwen25", "hermes")
+PARSERS = TOOL_CALL_PARSERS
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _DUMMY_USER = {"role": "user", "content": "dummy"}
 

@@ -23,8 +23,8 @@ import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from coordinator.lifecycle.processes import read_tail, wait_exited
 from coordinator.nodes import shared, wire
-from coordinator.processes import read_tail, wait_exited
 from coordinator.train.channel import STREAM_ERRORS
 from workers.errors import RaylessError
 
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from coordinator.config import Config
     from coordinator.engines.client import EngineClient
     from coordinator.engines.launch import EngineLaunchSpec, EngineProcess
-    from coordinator.nodes.layout import NodeLayout
     from coordinator.plan import EngineSlot, PlacementPlan
+    from coordinator.plan.layout import NodeLayout
     from coordinator.train.torchrun import TorchrunProcess
 
 log = logging.getLogger("rayless")
@@ -51,9 +51,9 @@ class NodeFailed(RaylessError, RuntimeError):
 
 def run_node_sync(config: Config, plan: PlacementPlan) -> int:
     """`rayless train` on node k > 0: exit 0 when node 0 reports the run succeeded, 1 otherwise."""
-    from coordinator.failures import log_failure
-    from coordinator.processes import leaf_exceptions
-    from coordinator.run import setup_logging
+    from coordinator.lifecycle.failures import log_failure
+    from coordinator.lifecycle.logs import setup_logging
+    from coordinator.lifecycle.processes import leaf_exceptions
 
     layout = plan.layout
     assert layout is not None and not layout.is_coordinator

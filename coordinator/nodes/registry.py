@@ -1,23 +1,16 @@
 """Node 0's node registry: the other nodes' processes connect here, prove the token and report their engines.
 
-Owns one authenticated connection per node 1..N-1 (`coordinator.nodes.wire`), what each node reported (its
-engines' URLs, its torchrun's exit, which of node 0's directories it sees), and the word sent back at the end
-(`NodeShutdown`: whether the run succeeded). It is the `RemoteEngines` of the engine fleets: a remote engine's
-URL is the last one its node reported, and a relaunch is asked of its node.
-
-A node is lost when its connection closes or it is silent for `wire.SILENCE_S` (heartbeats both ways): its
-engines are marked dead in every fleet watched, with the node named; its ranks fail on the control channel by
-themselves. A node that comes back (the same command started again on it) is welcomed again and reports its
-freshly launched engines, which the rollout FT recovery re-admits with the current weights (without rollout
-FT they stay out of dispatch, like any dead engine).
+Owns one authenticated connection per node 1..N-1 (`coordinator.nodes.wire`), what each node reported (engine
+URLs, its torchrun's exit, which of node 0's directories it sees), the end-of-run word (`NodeShutdown`), and
+lost nodes (connection closed, or silent for `wire.SILENCE_S`): their engines are marked dead in every fleet.
+It is the engine fleets' `RemoteEngines`. Lost and returning nodes: docs/multi-node.md.
 
 Invariants:
-- Before a peer proves the token only its bounded hello is read (`wire.receive_hello`); a refused peer is
-  named in the log with its address, and what it claimed to be (node rank, pid, host).
-- A node is welcomed only once `before_welcome` returned (node 0's control channel listens), so its ranks
-  never dial a port nobody listens on; at most one connection per node rank.
+- Before a peer proves the token only its bounded hello is read; a refused peer is named in the log.
+- A node is welcomed only once `before_welcome` returned (node 0's control channel listens); at most one
+  connection per node rank.
 - With the disk weight sync a node that does not see node 0's run directory ends the run at start-up
-  (`NodeSetupError`): the weight snapshots would be out of reach. A `--save` it does not see is a warning.
+  (`NodeSetupError`); a `--save` it does not see is a warning.
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.engines.client import EngineError
 from coordinator.nodes import shared, wire
-from coordinator.nodes.layout import NodeLayout
+from coordinator.plan.layout import NodeLayout
 from coordinator.train.channel import STREAM_ERRORS
 from workers.errors import RaylessError
 

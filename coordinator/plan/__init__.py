@@ -10,7 +10,7 @@ snapshots go: tmpfs in colocation).
 Extending it: colocation is a placement policy (`placement.POLICIES["colocate"]`: engines placed on the ranks'
 GPUs instead of after them) plus the plan's `SwapPlan` (who releases memory each step). On several nodes each
 node plans its own share from the same flags (`nodes`: every node runs its ranks and a block of each engine
-group; node 0 learns the others' engines by name, and the plan carries the `coordinator.nodes.layout.NodeLayout`).
+group; node 0 learns the others' engines by name, and the plan carries the `coordinator.plan.layout.NodeLayout`).
 Importing this package imports no torch.
 """
 

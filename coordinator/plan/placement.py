@@ -1,31 +1,14 @@
 """The placement plan: every process the run launches, its GPUs, ports, environment and command line.
 
-Owns `build_plan` (computed once at start-up from the config and the GPUs the node shows) and the frozen
-plan it returns. The run launches exactly what the plan says — each engine from its slot's
-`EngineLaunchSpec`, the torchrun child from the ranks' slot, the router from its slot — and `--dry-run`
-prints the same objects, so what is shown is what would run.
+Owns `build_plan` (computed once at start-up from the config and the GPUs the node shows) and the frozen plan
+it returns; the run launches exactly what it says and `--dry-run` prints the same objects. Demands are placed in
+slime's order (ranks, rollout engines, eval engines) by a policy in `POLICIES` (`separate`, `colocate`), per node
+(`PlacementPlan.nodes`, `engine_share`). How GPUs are placed: docs/placement.md.
 
-How GPUs are placed:
-- GPU positions are indices among the GPUs the coordinator sees (`GpuInventory`); a child that must see a
-  subset gets `CUDA_VISIBLE_DEVICES` built from the inventory's ids (the training ranks: their GPUs, in
-  LOCAL_RANK order; our engine on CUDA: its one GPU), SGLang gets `--base-gpu-id` and `--tp-size`.
-- Demands are placed in slime's order — training ranks first, then rollout engines, then eval engines — by
-  a placement policy (`POLICIES`), a function from the demands to GPU positions per unit, nothing else.
-  `separate` gives each demand its own consecutive GPUs; `colocate` (`--colocate`) puts the rollout engines
-  on the training ranks' GPUs (engine i on the ranks' GPUs i·tp .. i·tp + tp − 1) and the eval engines after.
-- `--num-gpus-per-node` (miles) caps the GPUs a node is planned with, as CUDA_VISIBLE_DEVICES would.
-- The plan is per node (`PlacementPlan.nodes` holds this node's `NodePlan`). Every node runs
-  `--actor-num-gpus-per-node` ranks; each engine group is split over the nodes in contiguous blocks, as evenly
-  as it goes, the first nodes taking one more (`engine_share`): engine i has the same name on every node's
-  plan, so node 0's fleets know the engines the other nodes launch (`PlacementPlan.remote_engines`). A
-  multi-node plan carries its `NodeLayout` (`coordinator.nodes.layout`): how the nodes find node 0.
-
-Invariants: GPUs of different processes are disjoint under `separate`, and under `colocate` only a rank and
-the rollout engine placed on its GPU share one (a colocated weight update never uses NCCL between them:
-NCCL refuses two processes on one GPU, "Duplicate GPU detected"); a plan that needs more GPUs than the
-node shows raises `ConfigError` naming the flags and the numbers (exit 2, before anything launches), except
-in a lenient (`--dry-run`) plan, which warns and places on the GPUs the plan needs; secrets never appear in
-`describe()` output (commands and environments are masked).
+Invariants: GPUs of different processes are disjoint under `separate`, and under `colocate` only a rank and the
+rollout engine on its GPU share one; a plan that needs more GPUs than the node shows raises `ConfigError` naming
+the flags and the numbers, except in a lenient (`--dry-run`) plan, which warns; secrets never appear in
+`describe()` output.
 """
 
 from __future__ import annotations
@@ -40,9 +23,9 @@ from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
 from coordinator.engines.launch import EngineLaunchSpec, engine_launch_spec, engine_log_path, free_port
 from coordinator.engines.router import router_command, router_log_path
-from coordinator.nodes.layout import TORCH_RDZV_STORE_ENV, NodeLayout, join_host_port, resolve_layout
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
 from coordinator.plan.gpus import PLAN_GPU_COUNT_ENV, GpuInventory, detect_gpus
+from coordinator.plan.layout import TORCH_RDZV_STORE_ENV, NodeLayout, join_host_port, resolve_layout
 from coordinator.plan.nodes import engine_share, node_shares, remote_engines
 from coordinator.plan.snapshots import SnapshotPlace, snapshot_place
 from coordinator.train.group import rank_environment
@@ -236,7 +219,7 @@ class WeightSyncPlan:
 
 @dataclass(frozen=True)
 class SwapPlan:
-    """The memory hand-over of each step (`coordinator.colocate`): who gives memory back while the other works."""
+    """The memory hand-over of each step (`coordinator.weights.colocate`): who gives memory back while the other works."""
 
     offload_train: bool  # --offload-train: the ranks' state leaves the device between steps
     offload_rollout: bool  # --offload-rollout: the engines release weights and KV cache while the ranks train

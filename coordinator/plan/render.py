@@ -75,7 +75,7 @@ def _policy_text(policy: str) -> str:
 
 
 def swap_text(plan: PlacementPlan) -> str:
-    """The per-step schedule of the memory hand-over (`coordinator.colocate`), as the run follows it."""
+    """The per-step schedule of the memory hand-over (`coordinator.weights.colocate`), as the run follows it."""
     swap = plan.swap
     assert swap is not None
     phases = ["generate"]

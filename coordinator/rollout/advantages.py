@@ -1,23 +1,14 @@
 """Advantage estimators, computed on the coordinator from the rewards of each prompt group.
 
-Owns `sample.advantage`. Invariants kept by `compute_advantages`:
-- every sample of every group gets a finite advantage (a group whose rewards are all equal gets 0.0);
-- aborted samples get advantage 0.0 and take no part in any statistic: their response was cut off at an
-  arbitrary point, so their reward says nothing about the policy. (slime keeps them in the statistics; we
-  do not, so that one aborted straggler cannot shift its group's baseline.) With 0.0 they add no policy
-  gradient; the training loop may still drop them.
+Owns `sample.advantage`: `compute_advantages` for slime's critic-free estimators (`grpo`, `gspo`,
+`reinforce_plus_plus`, `reinforce_plus_plus_baseline`, with `normalize_std` and the token-level whitening of
+`normalize_advantages`); the names (and slime's we refuse, with the reason) are the config's: `coordinator.config.rollout`. The formulas:
+docs/rollout.md.
 
-Estimators (`--advantage-estimator`, slime's names and meanings; none needs a critic):
-- `grpo` and `gspo`: `r - mean(group)`, divided by `std(group) + 1e-6` when `normalize_std` (the default;
-  slime's `--disable-grpo-std-normalization` turns it off). The std is the sample (Bessel-corrected) std, as
-  slime's `torch.std`; a group of one has std 0. (gspo differs in the loss: a sequence-level ratio.)
-- `reinforce_plus_plus_baseline`: `r - mean(group)`.
-- `reinforce_plus_plus`: `r` itself (with `--kl-coef` 0 and gamma 1, slime's discounted token return is `r`
-  on every token).
-The last two need `normalize_advantages` (slime asserts it): advantages are then whitened over every loss token
-of the rollout, as slime's `distributed_masked_whiten`: a sample's value counts once per loss token, the
-variance is Bessel-corrected over tokens, `(a - mean) / sqrt(var + 1e-8)`.
-`UNSUPPORTED_ESTIMATORS` are slime's names we refuse, with the reason.
+Invariants kept by `compute_advantages`:
+- every sample of every group gets a finite advantage (a group whose rewards are all equal gets 0.0);
+- aborted samples get advantage 0.0 and take no part in any statistic (unlike slime), so one aborted straggler
+  cannot shift its group's baseline.
 """
 
 from __future__ import annotations
@@ -25,17 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from coordinator.config.rollout import ESTIMATORS
 from replay.sample import Sample, SampleStatus
 from workers.errors import RaylessError
 
 EPSILON = 1e-6
 WHITEN_EPSILON = 1e-8
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-#: Estimators slime has whose names we know, with why rayless refuses them.
-UNSUPPORTED_ESTIMATORS = {
-    "ppo": "needs a critic model, which rayless does not train",
-    "cispo": "its clipped-importance loss is not implemented",
-}
 
 
 class AdvantageError(RaylessError, ValueError):

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.hooks.forms import HookForm, HookSignatureError, read_filter
-from coordinator.rollout.loading import load_object
 from replay.sample import Sample, SampleStatus
 from workers.errors import RaylessError
+from workers.hook_loading import load_object
 
 FILTER_FLAG = "--dynamic-sampling-filter-path"
 

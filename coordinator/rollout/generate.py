@@ -1,17 +1,10 @@
 """The generate path: the default rollout function.
 
 Owns turning prompt records into scored, filtered groups of samples through the dispatcher:
-`n_samples_per_prompt` requests per prompt (all on one engine, through `requests.generate_group`, the
-request/response code the eval fleet uses too), within the GenerateState request slots; groups scored,
-filtered and accepted until `rollout_batch_size` groups are in; then every straggler is aborted at once
-(and, with `--partial-rollout`, its partial tokens are kept in a buffer and continued in the next rollout).
-
-With `--custom-generate-function-path` the samples of each group go through that function instead of our
-request code (`coordinator.rollout.hook_generate`); everything else — over-sampling, rewards (a reward the
-function set is kept), the filter, the straggler abort — is the same. A sample the abort catches mid-way is
-generated again from its prompt, or, with `--partial-rollout`, handed back to the function as it stands in the
-next rollout (slime's contract: the function continues it, or refuses partial rollouts, as slime's examples
-do); rayless never appends to a multi-turn sample itself.
+`n_samples_per_prompt` requests per prompt on one engine (`requests.generate_group`, or a custom generate
+function through `hook_generate`), within the GenerateState request slots; groups scored, filtered and
+accepted until `rollout_batch_size` groups are in; then every straggler aborted at once (kept for the next
+rollout with `--partial-rollout`). The path step by step: docs/rollout.md.
 
 Invariants:
 - a rollout returns exactly `rollout_batch_size` groups of exactly `n_samples_per_prompt` samples each (a
@@ -40,7 +33,7 @@ from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch, Sample, SampleStatus
 
 if TYPE_CHECKING:
-    from coordinator.rollout.manager import RolloutContext
+    from coordinator.rollout.context import RolloutContext
 
 log = logging.getLogger(__name__)
 

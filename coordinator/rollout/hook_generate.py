@@ -26,9 +26,9 @@ import anyio
 from coordinator.hooks.forms import HookForm, Reading, read_generate
 from coordinator.hooks.runtime import GenerateFnInput, GroupRoute, HookError, HookRuntime, Route, hook_call
 from coordinator.rollout.dispatch import Dispatcher
-from coordinator.rollout.loading import load_object
 from coordinator.rollout.requests import GenerateProgress, GenerateState
 from replay.sample import Sample, SampleError, SampleStatus, settle_hook_fields
+from workers.hook_loading import load_object
 
 FLAG = "--custom-generate-function-path"
 #: Samples a generate function has nothing more to do for.

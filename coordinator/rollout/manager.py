@@ -1,6 +1,6 @@
 """RolloutManager: builds exactly the rollout machinery the run's mode needs, and nothing else.
 
-Owns the construction gates of the mode table (ARCHITECTURE.md), reading only `Config`'s derived facts:
+Owns the construction gates of the mode table (docs/architecture.md), reading only `Config`'s derived facts:
 
 | mode                            | rollout fn | eval fn | GenerateState / dispatcher | replay loader |
 |---------------------------------|------------|---------|----------------------------|---------------|
@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,92 +31,20 @@ from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config, RolloutConfig
 from coordinator.hooks.args import build_hook_args, hook_sampling_params
 from coordinator.hooks.forms import HookForm, read_rollout_fn
 from coordinator.hooks.runtime import HookRuntime
-from coordinator.progress import ProgressDisplay
+from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
+from coordinator.rollout.context import NotBuiltError, RolloutContext, not_built
 from coordinator.rollout.data_source import PromptDataSource
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate
-from coordinator.rollout.loading import load_object
 from coordinator.rollout.requests import GenerateState
 from coordinator.rollout.reward_choice import RewardChoice
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch
-from workers.errors import RaylessError
+from workers.hook_loading import load_object
 
 log = logging.getLogger(__name__)
-
-
-class NotBuiltError(RaylessError, RuntimeError):
-    """A piece of rollout machinery that this run's mode does not build was used."""
-
-
-def _not_built(piece: str, config: Config) -> NotBuiltError:
-    if config.replay_mode:
-        why = f"--load-debug-rollout-data {config.debug.load_debug_rollout_data!r} replays dumps"
-    elif config.debug.debug_train_only:
-        why = "--debug-train-only starts no engines"
-    else:
-        why = "this run's configuration does not need it"
-    return NotBuiltError(f"{piece} is not built in this run: {why}")
-
-
-class RolloutContext:
-    """What a rollout fn is constructed with. Pieces the mode did not build raise NotBuiltError on access."""
-
-    def __init__(
-        self,
-        *,
-        config: Config,
-        tokenizer: Any,
-        data_source: PromptDataSource | None,
-        generate_state: GenerateState | None,
-        dispatcher: Dispatcher | None,
-        reward_model: RewardModel | None,
-        dynamic_filter: DynamicFilter | None,
-        progress_display: Callable[..., AbstractContextManager[Callable[[], None]]] | None = None,
-        hook_runtime: HookRuntime | None = None,
-        custom_generate: CustomGenerate | None = None,
-    ) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.hook_runtime = hook_runtime
-        self.custom_generate = custom_generate
-        self._data_source = data_source
-        self._generate_state = generate_state
-        self._dispatcher = dispatcher
-        self._reward_model = reward_model
-        self.dynamic_filter = dynamic_filter
-        self.progress_display = progress_display or _no_progress
-
-    @property
-    def data_source(self) -> PromptDataSource:
-        if self._data_source is None:
-            raise _not_built("the prompt data source (--prompt-data)", self.config)
-        return self._data_source
-
-    @property
-    def generate_state(self) -> GenerateState:
-        if self._generate_state is None:
-            raise _not_built("GenerateState (engines, tokenizer, request slots)", self.config)
-        return self._generate_state
-
-    @property
-    def dispatcher(self) -> Dispatcher:
-        if self._dispatcher is None:
-            raise _not_built("the engine dispatcher", self.config)
-        return self._dispatcher
-
-    @property
-    def reward_model(self) -> RewardModel:
-        if self._reward_model is None:
-            raise _not_built("the reward model (--rm-type / --custom-rm-path)", self.config)
-        return self._reward_model
-
-
-@contextmanager
-def _no_progress(title: str, source: Any) -> Any:
-    yield lambda: None
 
 
 RolloutCallable = Callable[[int, str], Awaitable[RolloutBatch]]
@@ -125,10 +52,10 @@ RolloutCallable = Callable[[int, str], Awaitable[RolloutBatch]]
 
 def instantiate_rollout_fn(path: str, context: RolloutContext, *, what: str) -> RolloutCallable:
     """A class is constructed once with the context; a function is called as fn(context, rollout_id, version),
-    or in slime's form fn(args, rollout_id, data_source, evaluation=False) (`coordinator.hooks.slime_rollout`)."""
+    or in slime's form fn(args, rollout_id, data_source, evaluation=False) (`coordinator.rollout.slime_rollout_fn`)."""
     target = load_object(path, what=what)
     if not inspect.isclass(target) and callable(target) and read_rollout_fn(what, path, target).form is HookForm.SLIME:
-        from coordinator.hooks.slime_rollout import SlimeRolloutFn
+        from coordinator.rollout.slime_rollout_fn import SlimeRolloutFn
 
         return SlimeRolloutFn(target, path=path, context=context, what=what)
     if inspect.isclass(target):
@@ -273,13 +200,13 @@ class RolloutManager:
     @property
     def rollout_fn(self) -> RolloutCallable:
         if self._rollout_fn is None:
-            raise _not_built("the rollout function", self.config)
+            raise not_built("the rollout function", self.config)
         return self._rollout_fn
 
     @property
     def eval_fn(self) -> RolloutCallable:
         if self._eval_fn is None:
-            raise _not_built("the eval function", self.config)
+            raise not_built("the eval function", self.config)
         return self._eval_fn
 
     @property

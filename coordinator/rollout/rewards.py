@@ -38,7 +38,6 @@ from typing import Any
 import anyio
 
 from coordinator.hooks.forms import HookForm, HookSignatureError, read_reward
-from coordinator.rollout.loading import load_object
 from coordinator.rollout.math_grading import extract_boxed, extract_last_number
 from coordinator.rollout.remote_rm import RemoteReward
 from coordinator.rollout.reward_rules import (
@@ -50,6 +49,7 @@ from coordinator.rollout.reward_rules import (
     rm_type_names,
 )
 from replay.sample import Reward, Sample, SampleStatus
+from workers.hook_loading import load_object
 
 __all__ = ["BUILTIN_RM_TYPES", "RewardError", "RewardModel", "extract_boxed", "extract_last_number",
            "rm_type_names"]

@@ -4,7 +4,7 @@ Owns the task definitions (prompt format, label, which `--rm-type` scores them).
 (task, n, seed) always yields the same records, so the default job and its tests are reproducible.
 
 Prompts look like `3 7 1=` (digits separated by spaces, then `=`); with the tiny model's character
-tokenizer every character is one token, so a prompt is 6 tokens. Tasks (see ../shared/MEASURED.md):
+tokenizer every character is one token, so a prompt is 6 tokens. Tasks (see docs/benchmarks.md):
 
 | task          | label          | reward (`--rm-type`)                                                    |
 |---------------|----------------|-------------------------------------------------------------------------|

@@ -24,7 +24,7 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
 
-from coordinator.startup import NO_OBSERVER, PhaseObserver
+from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
 from coordinator.train.channel import ControlServer, RankInfo
 from coordinator.train.errors import ControlPortError, RankFailure
 from coordinator.train.planning import (

@@ -14,15 +14,14 @@ Invariant: a step is only ever sent to ranks of the generation that was last ini
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable, Callable, Collection
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
+from coordinator.train.channel import RankInfo
 from coordinator.train.errors import RankFailure
-
-if TYPE_CHECKING:
-    from coordinator.train.group import CheckpointInfo, TrainGroup
 
 # The run's narrative logger: these lines belong beside the loop's step lines.
 log = logging.getLogger("rayless")
@@ -30,10 +29,31 @@ log = logging.getLogger("rayless")
 T = TypeVar("T")
 
 
-class RankRecovery:
-    """Brings a `TrainGroup`'s restarted ranks back before a step is sent (again)."""
+class LoadedCheckpoint(Protocol):
+    @property
+    def path(self) -> Path: ...
 
-    def __init__(self, group: TrainGroup, *, max_recoveries: int, timeout_s: float = 300.0) -> None:
+
+class RestartableGroup(Protocol):
+    """What recovery needs of the group it serves (`coordinator.train.group.TrainGroup`)."""
+
+    world_size: int
+    train_config: dict[str, Any] | None
+
+    @property
+    def ranks(self) -> dict[int, RankInfo]: ...
+
+    async def wait_for_ranks(self, *, replacing: Collection[tuple[int, int]] = ()) -> dict[int, RankInfo]: ...
+
+    async def init(self, train_config: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def load_checkpoint(self, path: str | Path) -> LoadedCheckpoint: ...
+
+
+class RankRecovery:
+    """Brings a group's restarted ranks back before a step is sent (again)."""
+
+    def __init__(self, group: RestartableGroup, *, max_recoveries: int, timeout_s: float = 300.0) -> None:
         self.group = group
         self.max_recoveries = max_recoveries
         self.timeout_s = timeout_s
@@ -90,7 +110,7 @@ class RankRecovery:
             rollout_id,
         )
 
-    async def recover(self) -> CheckpointInfo | None:
+    async def recover(self) -> LoadedCheckpoint | None:
         """Wait until torchrun's restart brought every rank back (each a process other than those of the
         failed generation), initialise them again with the same train config, and load the last checkpoint
         of the save dir when there is one. Returns the checkpoint loaded, or None (the initial model)."""

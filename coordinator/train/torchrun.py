@@ -1,7 +1,7 @@
 """The torchrun child process that runs the training ranks: its command line, environment, exit and log.
 
 Owns the `torchrun` process (leader of its own process group, so its ranks are in that group too) and its
-log file in the run directory. Started, watched and ended with `coordinator.processes`, like engines and the
+log file in the run directory. Started, watched and ended with `coordinator.lifecycle.processes`, like engines and the
 router.
 
 Invariants:
@@ -22,7 +22,7 @@ from typing import IO
 
 import anyio
 
-from coordinator.processes import (
+from coordinator.lifecycle.processes import (
     exit_status,
     read_tail,
     spawn_group_leader,

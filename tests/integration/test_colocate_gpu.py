@@ -18,7 +18,7 @@ import anyio
 import pytest
 import torch
 
-from coordinator.progress import read_metrics
+from coordinator.observe.progress import read_metrics
 from coordinator.train.errors import RankCommandError
 from coordinator.train.group import TrainGroup
 from tests.support.engine_proc import MID_MODEL_SPEC

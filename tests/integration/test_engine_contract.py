@@ -1,4 +1,4 @@
-"""The SGLang HTTP contract (../shared/SGLANG_CONTRACT.md), checked against a real CPU engine process.
+"""The SGLang HTTP contract (docs/engine.md), checked against a real CPU engine process.
 
 Every test takes the engine's base URL from the `engine_url` fixture. The checks that hold at any front live
 in `tests.support.generate_contract` and are collected here too (and against sglang-router in

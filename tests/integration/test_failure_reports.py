@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from coordinator.processes import terminate_process_group_blocking
+from coordinator.lifecycle.processes import terminate_process_group_blocking
 from tests.support.replay_inputs import write_sample_dump
 
 FAILING_HOOKS = '''

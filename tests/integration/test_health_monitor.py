@@ -14,8 +14,8 @@ import anyio
 from coordinator.config import parse_config
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet, EngineState
+from coordinator.engines.health import HealthMonitor
 from coordinator.engines.launch import EngineLaunchSpec
-from coordinator.health import HealthMonitor
 from coordinator.rollout.manager import RolloutManager
 from replay.sample import RolloutBatch, SampleStatus
 from tests.support.fake_engine import FakeEngine
@@ -113,7 +113,7 @@ async def test_slow_is_not_hung_and_an_external_engine_is_waited_for(tmp_path: P
 
 async def test_probing_pauses_while_weights_are_updated(tmp_path: Path) -> None:
     """FAKE engine that stops answering /health_generate during a (simulated) weight update: no fault then."""
-    from coordinator.weight_sync import WeightSync
+    from coordinator.weights.sync import WeightSync
 
     fake = FakeEngine()
     async with EngineClient(max_connections=16) as client, anyio.create_task_group() as group:
@@ -158,7 +158,7 @@ async def test_one_recovery_for_two_callers_loads_the_current_weights_before_dis
     """FAKE external engine that comes back with its start weights (restarted by whoever runs it): the monitor's
     recovery and the weight sync's are one, so two callers at once bring it back once, with the current
     version loaded from the snapshot the last update exported."""
-    from coordinator.weight_sync import WeightSync
+    from coordinator.weights.sync import WeightSync
 
     fake = FakeEngine()
     async with EngineClient(max_connections=16) as client, anyio.create_task_group() as group:
@@ -204,7 +204,7 @@ class NoRanks:
 async def test_a_released_engine_is_alive_and_the_swap_pauses_probing(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A real CPU engine whose memory is released answers probes 503 MemoryReleased: counted as `released`,
     never as a failure; while a colocation swap has it released, no probe starts at all."""
-    from coordinator.colocate import Colocation
+    from coordinator.weights.colocate import Colocation
 
     spec = EngineLaunchSpec(kind="rayless", model_path=str(tiny_model_dir), stop_grace=1.0,
                             extra_args=("--weight-version", "0", "--random-seed", "0",

@@ -19,10 +19,10 @@ import httpx
 
 from coordinator.engines import EngineClient, EngineFleet, EngineLaunchSpec
 from coordinator.hooks import post
-from coordinator.hooks.endpoint import ENGINE_HEADER, HookEndpoint
 from coordinator.hooks.http import _headers
 from coordinator.hooks.runtime import ROUTE_HEADER, GroupRoute, HookRuntime, Route, hook_call
 from coordinator.rollout.dispatch import Dispatcher
+from coordinator.rollout.hook_endpoint import ENGINE_HEADER, HookEndpoint
 
 KEY = "hook-endpoint-key-5d1"
 ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))

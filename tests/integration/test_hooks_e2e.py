@@ -2,7 +2,7 @@
 functions on real CPU engines (through the coordinator's hook endpoint) and torchrun ranks.
 
 One generating run (module fixture) feeds the checks: the reward at least doubles from the first three rollouts
-to the last three (the full 5-minute measurement is in the README); the calculator's tokens are in the trained
+to the last three (the full measurement is in docs/hooks.md); the calculator's tokens are in the trained
 samples with loss mask 0 and logprob 0.0, yet the trainer's logprobs match the engines' within 1e-4 on every
 rollout — so the comparison (and the loss) covers exactly the model's tokens; the dumps hold the multi-turn
 samples and replay, twice, to identical losses.
@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from coordinator.config import parse_config
-from coordinator.progress import read_metrics
+from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from replay.format import dump_path, read_dump
 

@@ -1,4 +1,4 @@
-"""The lifeline (`workers/lifeline.py`, started by `coordinator.processes.spawn_group_leader`) with real
+"""The lifeline (`workers/lifeline.py`, started by `coordinator.lifecycle.processes.spawn_group_leader`) with real
 processes: a stand-in coordinator launches children through it and is SIGKILLed; its children, their helpers
 in the same group and in sessions of their own, and a child that ignores SIGTERM all end by themselves.
 While the coordinator lives nothing fires, and the coordinator's own stop leaves no watcher behind.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from coordinator.processes import (
+from coordinator.lifecycle.processes import (
     ORPHAN_GRACE_S,
     exit_status,
     spawn_group_leader,
@@ -37,7 +37,7 @@ STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); 
 #: The stand-in coordinator: launches both children, writes their pids, then waits to be killed.
 COORDINATOR = """
 import json, sys, time
-from coordinator.processes import spawn_group_leader
+from coordinator.lifecycle.processes import spawn_group_leader
 log = open(sys.argv[1], "ab")
 children = [spawn_group_leader([sys.executable, "-c", code], log=log) for code in json.loads(sys.argv[2])]
 print(json.dumps([child.pid for child in children]), flush=True)

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import parse_config
-from coordinator.progress import read_metrics
-from coordinator.run import Services, run_training
+from coordinator.observe.progress import read_metrics
+from coordinator.run import run_training
+from coordinator.services import Services
 from replay.sample import SampleStatus
 
 
@@ -101,8 +102,8 @@ async def test_samples_aborted_under_an_evaluation_are_generated_again(tiny_mode
 
     from coordinator.engines.client import EngineClient
     from coordinator.engines.fleet import EngineFleet
-    from coordinator.eval_run import evaluate_dataset, generate_state
-    from coordinator.eval_settings import EvalSettings, load_eval_datasets
+    from coordinator.eval.run import evaluate_dataset, generate_state
+    from coordinator.eval.settings import EvalSettings, load_eval_datasets
     from coordinator.rollout.dispatch import Dispatcher
     from tests.support.engine_proc import start_engine_process
 

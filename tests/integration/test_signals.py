@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from coordinator.processes import terminate_process_group_blocking
+from coordinator.lifecycle.processes import terminate_process_group_blocking
 
 #: The issue's bound: no process of the run is left this long after the signal.
 GONE_WITHIN_S = 10.0

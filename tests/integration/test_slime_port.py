@@ -21,10 +21,10 @@ import anyio
 import httpx
 import pytest
 
+from coordinator.checks.preflight import preflight
 from coordinator.config import parse_config
-from coordinator.config.preflight import preflight
-from coordinator.processes import terminate_process_group_blocking
-from coordinator.progress import read_metrics
+from coordinator.lifecycle.processes import terminate_process_group_blocking
+from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from replay.format import dump_path, read_dump
 from tests.support.engine_proc import free_port

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from coordinator.config import parse_config
-from coordinator.progress import read_metrics
+from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from replay.format import dump_path, read_dump
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from coordinator.distributed_sync import WeightSyncError
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.train.group import TrainGroup
-from coordinator.weight_sync import WeightSync
+from coordinator.weights.distributed import WeightSyncError
+from coordinator.weights.sync import WeightSync
 from tests.support.engine_proc import start_engine_process
 from tests.support.train_samples import TRAIN_CONFIG
 from workers.tiny_model import TinyModelSpec, build_tiny_model

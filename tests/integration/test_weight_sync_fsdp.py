@@ -22,8 +22,8 @@ import httpx
 import pytest
 import torch
 
-from coordinator.distributed_sync import FLATTENED_BUCKET, DistributedUpdate, WeightSyncError
 from coordinator.engines.client import EngineClient
+from coordinator.weights.distributed import FLATTENED_BUCKET, DistributedUpdate, WeightSyncError
 from tests.support.engine_proc import RunningEngine, start_engine_process
 from tests.support.fsdp_sender import perturb
 from tests.support.train_samples import reference_log_probs, synthetic_samples

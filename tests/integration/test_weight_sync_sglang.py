@@ -19,11 +19,11 @@ import anyio
 import httpx
 import pytest
 
-from coordinator.distributed_sync import FLATTENED_BUCKET
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.train.group import TrainGroup
-from coordinator.weight_sync import WeightSync
+from coordinator.weights.distributed import FLATTENED_BUCKET
+from coordinator.weights.sync import WeightSync
 from tests.support.engine_proc import RunningEngine, start_engine_process
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 from workers import protocol

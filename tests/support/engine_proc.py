@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from coordinator.processes import exit_status, read_tail, terminate_process_group_blocking
+from coordinator.lifecycle.processes import exit_status, read_tail, terminate_process_group_blocking
 from workers.tiny_model import TinyModelSpec
 
 # A ~22 M-parameter model (84 MiB in float32): big enough that freeing its weights shows in RSS / GPU memory.

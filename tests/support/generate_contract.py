@@ -1,5 +1,5 @@
 """The /generate contract checks that hold at any SGLang front: a CPU engine directly, or sglang-router in
-front of engines (../shared/SGLANG_CONTRACT.md).
+front of engines (docs/engine.md).
 
 Owns those checks, their `client` fixture and request helpers, so that `test_engine_contract.py` and
 `test_router_contract.py` both run them without one test module importing the other. A test module that

@@ -1,23 +1,15 @@
 """SGLANG_RECEIVER: the engine side of a distributed weight update run by SGLang's own code, over HTTP.
 
-    python -m tests.support.sglang_receiver --model-path DIR --port N [--tp-size 2]
+    python -m tests.support.sglang_receiver --model-path DIR --port N [--tp-size 2] [--before-sessions]
 
-Not an engine: it serves only what a weight update touches, so that a test can drive our coordinator's
-`WeightSync` into SGLang's real group and receive code. What runs is SGLang 0.5.x's, loaded from the installed
-wheel (`tests.support.sglang_parts`): `init_custom_process_group` joins the group as rank
-`rank_offset + tp_rank` with `tcp://master_address:master_port`, exactly as SGLang's
-`WeightUpdater.init_weights_update_group` calls it, and `receive_weights_from_distributed` receives each
-request (per tensor, or one `FlattenedTensorBucket` with `load_format: "flattened_bucket"`). With
-`--tp-size N` it runs N-1 more processes, one per extra tp rank, each joining and receiving like an SGLang tp
-worker (they receive the full tensors too). Written here, restating SGLang 0.5.23's rules: the begin/end
-weight-update session (an update outside one is refused before anything is received), the weight version
-recorded after a successful load, and the `{success, message}` bodies with 200/400.
-
-`--before-sessions` answers as SGLang 0.5.20 and older: no `/begin_weight_update` or `/end_weight_update`
-(404), and no session needed.
-
-Tp rank 0 loads what it received into a Hugging Face model; `POST /logprobs` (test-only) answers the
-log-probabilities of given token sequences under the weights it holds, and `GET /stats` what it was asked.
+Not an engine: it serves only what a weight update touches, so a test can drive our `WeightSync` into SGLang
+0.5.x's real `init_custom_process_group` and `receive_weights_from_distributed` (loaded from the installed wheel
+by `tests.support.sglang_parts`), per tensor or as one `FlattenedTensorBucket`; `--tp-size N` adds one process
+per extra tp rank. Written here, restating SGLang 0.5.23: the begin/end weight-update session (an update outside
+one is refused; `--before-sessions` answers as 0.5.20 and older: 404, no session), the weight version recorded
+after a load, and `{success, message}` bodies with 200/400. Tp rank 0 loads what it received into a Hugging Face
+model; `POST /logprobs` (test-only) answers log-probabilities under the weights it holds, `GET /stats` what it
+was asked. Why SGLang's own code: docs/weight-sync.md.
 """
 
 from __future__ import annotations

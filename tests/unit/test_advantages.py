@@ -13,8 +13,8 @@ import pytest
 
 from coordinator.rollout.advantages import AdvantageError, compute_advantages
 from coordinator.rollout.filters import DynamicFilter, FilterError, FilterResult, reward_std_positive
-from coordinator.rollout.loading import HookLoadError
 from replay.sample import Reward, Sample, SampleStatus
+from workers.hook_loading import HookLoadError
 
 
 def make_sample(

@@ -226,7 +226,7 @@ def test_each_named_rule_fires_on_its_contradiction(rule: str) -> None:
 
 
 def test_eval_allow_partial_fleet_reaches_the_eval_settings() -> None:
-    from coordinator.eval_settings import EvalSettings
+    from coordinator.eval.settings import EvalSettings
 
     flags = ["--rollout-num-engines", "1", "--eval-num-engines", "2", "--eval-interval", "1", "--eval-prompt-data", "d", "builtin:first_digit"]
     for extra, expected in (([], False), (["--eval-allow-partial-fleet"], True)):

@@ -11,20 +11,20 @@ from coordinator.config import ConfigError
 from coordinator.engines.client import EngineHTTPError, EngineStreamError, EngineTimeout, EngineUnreachable
 from coordinator.engines.launch import EngineLaunchError
 from coordinator.engines.router import RouterError
-from coordinator.failures import FILE_ONLY, ToFileOnly, is_user_facing, log_failure, user_code_frame
+from coordinator.lifecycle.failures import FILE_ONLY, ToFileOnly, is_user_facing, log_failure, user_code_frame
 from coordinator.rollout.advantages import AdvantageError
 from coordinator.rollout.data_source import DataSourceError
 from coordinator.rollout.dispatch import NoEngineAvailable
 from coordinator.rollout.filters import FilterError
-from coordinator.rollout.loading import HookLoadError
 from coordinator.rollout.manager import NotBuiltError
 from coordinator.rollout.rewards import RewardError
 from coordinator.run import RunFailed
 from coordinator.train.errors import RankCommandError, RankFailure
-from coordinator.weight_sync import WeightSyncError
+from coordinator.weights.sync import WeightSyncError
 from replay.format import DumpError
 from replay.loader import ReplayMissingError
 from workers.errors import RaylessError
+from workers.hook_loading import HookLoadError
 
 KNOWN = [ConfigError("--lr: must be ≥ 0"), RunFailed("x"), RankFailure([1], "exited"), WeightSyncError("x"),
          NoEngineAvailable("x"), NotBuiltError("x"), RewardError("x"), DataSourceError("x"), HookLoadError("x"),

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.checks.preflight import check_paths, check_rewards
 from coordinator.config import ConfigError, ConfigWarning, parse_config
 from coordinator.config.eval_file import read_eval_config
-from coordinator.config.preflight import check_paths, check_rewards
-from coordinator.eval_settings import EvalSettings, load_eval_datasets
+from coordinator.eval.settings import EvalSettings, load_eval_datasets
 
 SLIME_MULTI_TASK = """\
 eval:

@@ -17,9 +17,9 @@ from typing import Any
 import anyio
 import pytest
 
+from coordinator.checks.preflight import check_hook_signature, preflight
 from coordinator.config import parse_config
 from coordinator.config.fields import ConfigError, ConfigWarning
-from coordinator.config.preflight import check_hook_signature, preflight
 from coordinator.hooks import DynamicFilterOutput, GenerateState, HookError, Sample, Status
 from coordinator.hooks.args import build_hook_args, hook_sampling_params
 from coordinator.hooks.runtime import HookRuntime
@@ -310,13 +310,14 @@ def test_multi_turn_metrics_are_slimes() -> None:
 
 
 def test_a_tis_hook_and_its_args_travel_to_the_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from coordinator.hooks.args import rank_settings
     from workers.train_rank.settings import TrainSettings
 
     path = tmp_path / "mis.yaml"
     path.write_text("use_tis: true\ntis_level: token\n")
     config = parse_config(["--hf-checkpoint", str(tiny_model_dir), *BASE, "--custom-config-path", str(path),
                            "--custom-tis-function-path", "tests.support.tis_hooks:vanilla", "--sglang-api-key", "k"])
-    settings = TrainSettings.from_dict(config.rank_settings())
+    settings = TrainSettings.from_dict(rank_settings(config))
     assert settings.use_tis and settings.tis_function_path == "tests.support.tis_hooks:vanilla"
     assert settings.hook_args is not None and settings.hook_args["tis_level"] == "token"
     assert settings.hook_args["tis_clip"] == 2.0 and settings.hook_args["sglang_api_key"] is None

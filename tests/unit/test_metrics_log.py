@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.progress import MetricsLog, read_metrics
+from coordinator.observe.progress import MetricsLog, read_metrics
 
 
 def test_a_resume_replaces_the_rows_of_the_steps_it_redoes(tmp_path: Path) -> None:

@@ -17,10 +17,10 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from coordinator.config import ConfigError, parse_config
 from coordinator.engines.client import EngineError
 from coordinator.nodes import shared, wire
-from coordinator.nodes.layout import expand_nodelist, is_loopback, resolve_layout
 from coordinator.nodes.registry import NodeRegistry
-from coordinator.nodes.token import ControlTokenError, TokenSource, create_or_read_token_file, token_source
+from coordinator.plan.layout import expand_nodelist, is_loopback, resolve_layout
 from coordinator.plan.nodes import engine_share
+from coordinator.plan.token import ControlTokenError, TokenSource, create_or_read_token_file, token_source
 from workers import protocol
 
 BASE = ["--hf-checkpoint", "/m", "--rollout-batch-size", "8", "--num-rollout", "2", "--prompt-data",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from coordinator.checks.preflight import check_checkpoints
 from coordinator.config import ConfigError, parse_config
 from coordinator.config.porting import (
     HOOK_ALIASES,
@@ -19,7 +20,6 @@ from coordinator.config.porting import (
     resolve_load,
     resolve_ref_load,
 )
-from coordinator.config.preflight import check_checkpoints
 from tests.support.train_samples import synthetic_samples
 from workers import protocol
 from workers.train_rank import checkpoint

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from coordinator.progress import ProgressDisplay, RunProgress, clock
-from coordinator.startup import StartupBoard
+from coordinator.observe.progress import ProgressDisplay, RunProgress, clock
+from coordinator.observe.startup import StartupBoard
 
 
 def test_the_board_logs_each_change_of_phase_once_and_masks_details(caplog: pytest.LogCaptureFixture) -> None:
@@ -31,7 +31,7 @@ def test_the_board_logs_each_change_of_phase_once_and_masks_details(caplog: pyte
 
 def test_the_eta_is_the_mean_time_per_rollout_times_those_left(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
-    monkeypatch.setattr("coordinator.progress.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("coordinator.observe.progress.time.monotonic", lambda: now[0])
     run = RunProgress()
     run.begin(first=2, total=12)  # resumed at rollout 2: 10 rollouts to run
     assert run.eta() is None and "ETA ?" in run.text()

@@ -12,9 +12,9 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from coordinator.rollout.loading import HookLoadError, load_object
 from coordinator.rollout.rewards import RewardError, RewardModel
 from replay.sample import Sample, SampleStatus
+from workers.hook_loading import HookLoadError, load_object
 
 
 def make_sample(

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.distributed_sync import group_layout
-from coordinator.weight_sync import TRANSFER_MODES, WeightSync
+from coordinator.weights.distributed import group_layout
+from coordinator.weights.sync import TRANSFER_MODES, WeightSync
 from tests.support import sglang_parts
 from workers.engine.weight_group import bucket_layout, flatten_bucket
 from workers.train_rank.model import load_causal_lm

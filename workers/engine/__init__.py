@@ -1,7 +1,7 @@
 """The SGLang-compatible engine: `python -m workers.engine --model-path DIR --port N` (or `rayless engine`), on the
 CPU by default or a GPU (`--device cuda`).
 
-Owns nothing itself; it wires the modules below. The HTTP contract is ../shared/SGLANG_CONTRACT.md.
+Owns nothing itself; it wires the modules below. The HTTP contract is in docs/engine.md.
 - `args`: launch flags (named as sglang.launch_server's)
 - `sampling_params`: SGLang 0.5.x's SamplingParams: every field, its validation and messages
 - `sampling`: the batched sampler (raw-logit logprobs; penalties, bias, filters)

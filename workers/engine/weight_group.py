@@ -1,24 +1,13 @@
 """Weight-update groups as SGLang 0.5.x forms them, and the byte layout of a flattened bucket.
 
-A weight-update group joins the trainer's rank 0 (group rank 0, the store's host) with every tensor-parallel
-rank of every engine (`rank_offset + tp_rank`). SGLang builds it in `init_custom_process_group`
-(`sglang/srt/utils/common.py`): the `tcp://` rendezvous store (a multi-tenant `TCPStore` hosted by rank 0),
-then `PrefixStore(group_name, store)`, then torch's `_new_process_group_helper(..., group_name=...)` (which
-prefixes again per group and device), then `pg_group_ranks` registered as the identity, so
-`dist.broadcast(t, src=0, group=pg)` works with no default process group. `join_weight_update_group` does the
-same steps, so our trainer meets a real SGLang server and a trainer built for SGLang meets our engine. It
-builds the store itself instead of calling `rendezvous`: under torchrun `TORCHELASTIC_USE_AGENT_STORE` makes
-`rendezvous` open every rank as a store client, so nobody would host it (see ../shared/SGLANG_CONTRACT.md).
-
-The receive side follows SGLang's `WeightUpdater.receive_weights_from_distributed`: per tensor, a fresh buffer
-and an async broadcast each, all posted before any wait; `load_format: "flattened_bucket"`, one uint8 buffer
-of the tensors' bytes concatenated in `names` order with no padding, one broadcast (SGLang's
-`FlattenedTensorBucket`). `bucket_layout` is that layout, with its alignment rule: every tensor must start at a
-byte offset that is a multiple of its itemsize (one dtype per bucket, or larger itemsizes first).
+Owns `join_weight_update_group` (SGLang's `init_custom_process_group` steps: a `TCPStore` hosted by group rank
+0 — built here, since under torchrun `rendezvous` would host none — then `PrefixStore(group_name, store)`,
+torch's process-group helper and `pg_group_ranks`), the receive side (SGLang's
+`receive_weights_from_distributed`: per tensor, or one `flattened_bucket`), and `bucket_layout` with its
+alignment rule (every tensor starts at a multiple of its itemsize). Why, from SGLang's code: docs/weight-sync.md.
 
 Invariant: tensors travel in the order of `names`, from group rank 0, each received into a buffer of exactly
-the announced dtype and shape: the same order and shapes on both sides, or gloo reports a size mismatch
-instead of mixing weights up.
+the announced dtype and shape, so a mismatch is a gloo size error, never mixed-up weights.
 """
 
 from __future__ import annotations

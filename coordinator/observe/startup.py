@@ -3,7 +3,7 @@
 Owns the `PhaseObserver` protocol that launchers report to (engines: starting → loading → healthy; the
 training ranks: starting → connected n/N → loading → ready; the router: starting → healthy; any of them:
 failed) and `StartupBoard`, which keeps the latest phase of each process, logs every change of phase as one
-line, and says who is still being waited for. Rendering it live is `coordinator.progress`'s business.
+line, and says who is still being waited for. Rendering it live is `coordinator.observe.progress`'s business.
 
 Invariants: a launcher never needs an observer (`NO_OBSERVER` ignores everything); the board never shows a
 secret (every detail passes through its mask before it is kept); a change of phase is logged once, a new

@@ -1,7 +1,7 @@
 """One evaluation of one dataset: generate, score, and the metrics slime logs for it.
 
-Owns the part both evaluators share (the rollout engines' `coordinator.rollout_eval` and the dedicated
-`coordinator.eval_fleet`): each prompt sampled `n_samples` times through the generate path's own request code
+Owns the part both evaluators share (the rollout engines' `coordinator.eval.rollout_engines` and the dedicated
+`coordinator.eval.fleet`): each prompt sampled `n_samples` times through the generate path's own request code
 (`requests.generate_group`: one group per engine, the eval id in place of the rollout id in the seeds) — or, on
 the rollout engines, through `--custom-generate-function-path` with `evaluation=True`, as slime — each group
 scored by the dataset's reward, and the dataset's metrics.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from coordinator.eval_settings import EVAL_SEED, EvalDataset
+from coordinator.eval.settings import EVAL_SEED, EvalDataset
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.pass_rate import pass_rates
 from coordinator.rollout.requests import GenerateState, RequestSlots, generate_group, new_sample

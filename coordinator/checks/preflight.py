@@ -107,7 +107,7 @@ def check_data(config: Config) -> list[str]:
         sources.append(("--prompt-data", rollout.prompt_data, rollout.input_key, rollout.label_key,
                         rollout.metadata_key))
     if config.eval.eval_datasets:
-        from coordinator.eval_settings import EvalSettings
+        from coordinator.eval.settings import EvalSettings
 
         where = "--eval-config" if config.eval.eval_config is not None else "--eval-prompt-data"
         settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
@@ -155,7 +155,7 @@ def check_hooks(config: Config) -> list[str]:
     """Each hook path imports, names a callable (a class counts: rollout fns may be classes; miles' tool specs
     are a list), and accepts the call rayless makes for its flag, in rayless' form or slime's
     (`coordinator.hooks.forms`)."""
-    from coordinator.rollout.loading import HookLoadError, load_object
+    from workers.hook_loading import HookLoadError, load_object
 
     notes = []
     for flag, path in hooks_in_use(config):
@@ -236,7 +236,7 @@ def check_rewards(config: Config) -> list[str]:
             raise ConfigError(f"--rm-type {config.rollout.rm_type}: {error}") from None
     if not (config.eval_fleet_enabled or config.rollout_engine_eval_enabled):
         return []
-    from coordinator.eval_settings import EvalSettings
+    from coordinator.eval.settings import EvalSettings
 
     settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
     for dataset in settings.datasets:
@@ -249,7 +249,7 @@ def check_rewards(config: Config) -> list[str]:
 
 
 def check_metric_backends(config: Config) -> list[str]:
-    from coordinator.progress import missing_metric_backends
+    from coordinator.observe.progress import missing_metric_backends
 
     missing = missing_metric_backends(tensorboard=config.logging.use_tensorboard, wandb=config.logging.use_wandb)
     if missing:

@@ -1,40 +1,17 @@
 """EvalFleet: dedicated eval engines, pinned to one weight snapshot per evaluation, running beside training.
 
-Owns the eval engine group's *contents* (which snapshot it serves), the queue of evaluations and their records.
-The engines themselves (processes, states) belong to an `EngineFleet` of group "eval"; when rollout FT is on a
-HealthMonitor of that group probes and recovers them, otherwise `pin()` probes and recovers them itself.
-Loading a snapshot into the engines is `coordinator.eval_pin.EvalPin`'s; the flags and datasets are
-`coordinator.eval_settings`'.
-
-Flow: after every `--eval-interval`-th training step the loop's hook exports the current weights to
-`<run_dir>/eval_weights/weights-<version>` (separate from the rollout snapshots, which are pruned on their own
-schedule) and queues an evaluation; the fleet's task runs them one at a time (the engines can serve only one
-snapshot at a time). Each evaluation pins (`pin(snapshot, version)`), then generates
-`--n-samples-per-eval-prompt` samples per prompt of every `--eval-prompt-data NAME PATH` dataset on the pinned
-engines and scores them with the run's reward rules.
-
-Why not the manager's eval fn: `RolloutManager.eval_fn` is bound to the rollout engines' dispatcher and the
-rollout prompt source; an eval on those engines would be aborted and re-weighted by training updates. The eval
-fleet therefore drives its own dispatcher over the pinned engines, but through the generate path's own
-request/response code (`coordinator.rollout.requests`: one finish-reason map, one seed formula, one group per
-engine) and the same reward rules (`coordinator.eval_settings`). The fleet reads its flags from `EvalSettings`, never from the run's whole Config.
+Owns the eval engine group's contents (which snapshot it serves), the queue of evaluations and their records.
+The engines belong to an `EngineFleet` of group "eval"; pinning is `coordinator.eval.pin`'s, the flags and
+datasets `coordinator.eval.settings`'. Flow, and why not the rollout engines: docs/evaluation.md.
 
 Invariants:
-- Eval engines never receive training weight updates: only `pin()` loads weights into them, and only the
-  snapshot of the evaluation being run; WeightSync never sees this fleet.
-- An evaluation runs on every eval engine: `pin()` waits for all of them and skips as `unhealthy` when they
-  do not all come back, unless `EvalSettings.allow_partial_fleet` says otherwise; each done eval records
-  `eval/engines` (pinned) and `eval/engines_total`.
-- `pin()` returns only when every engine it pinned reports the pinned version and answered a 1-token
-  generate; otherwise it raises `EvalSkip("unhealthy" | "pin_violation")`. Every sample an evaluation keeps
-  reports the pinned version (a mismatch is a `pin_violation` skip, never a silent metric).
-- `pin()` probes the engines itself exactly when no monitor watches them (`probe_before_pin`, from
-  `Config.health_monitor_enabled`), and leaves probing and recovery to the monitor otherwise.
-- Evaluations never block training: `after_step` only exports and queues. At most `--eval-max-in-flight`
-  evaluations are admitted (running or waiting); over the bound the oldest waiting one is skipped with reason
-  `busy` (when none waits, the new one is). A running evaluation is never aborted by training.
-- Every evaluation ends in exactly one record (done or skipped with its reason), also written to the run's
-  metrics file with the `eval/` prefix.
+- Eval engines never receive training weight updates: only `pin()` loads weights into them; WeightSync never
+  sees this fleet.
+- An evaluation runs on every eval engine, or is skipped (`unhealthy`, `pin_violation`), unless
+  `EvalSettings.allow_partial_fleet`; every sample it keeps reports the pinned version.
+- Evaluations never block training: `after_step` only exports and queues; at most `--eval-max-in-flight` are
+  admitted (the oldest waiting one is skipped as `busy`); a running one is never aborted.
+- Every evaluation ends in exactly one record (done, or skipped with its reason), also in the metrics file.
 """
 
 from __future__ import annotations
@@ -52,19 +29,21 @@ import anyio.abc
 
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
-from coordinator.eval_pin import EvalPin, EvalSkip, PinnedPool
-from coordinator.eval_run import evaluate_dataset, generate_state
-from coordinator.eval_settings import EvalDataset, EvalSettings, load_eval_datasets
+from coordinator.eval.pin import EvalPin, EvalSkip, PinnedPool
+from coordinator.eval.run import evaluate_dataset, generate_state
+from coordinator.eval.settings import EvalDataset, EvalSettings, load_eval_datasets
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.requests import GenerateState, RequestSlots
 
 if TYPE_CHECKING:
-    from coordinator.progress import MetricsLog
+    from coordinator.observe.progress import MetricsLog
 
 log = logging.getLogger(__name__)
 
 #: Eval prompts are not clipped to a context length (their budget is --eval-max-response-len).
 _UNBOUNDED_CONTEXT = 1 << 30
+#: how long the end of a run waits for evaluations still in flight before the final save
+DRAIN_TIMEOUT_S = 300.0
 
 
 class WeightExporter(Protocol):
@@ -199,6 +178,13 @@ class EvalFleet:
     @property
     def probe_before_pin(self) -> bool:
         return self.pinning.probe_before_pin
+
+    async def before_loop(self, start_rollout: int, weight_version: str) -> None:
+        """Evaluations start from step hooks only."""
+
+    async def after_loop(self) -> None:
+        """The training loop's last phase before the final save: the run's last evaluation gets recorded."""
+        await self.drain(timeout=DRAIN_TIMEOUT_S)
 
     async def drain(self, timeout: float) -> None:
         """Wait (up to `timeout`) for admitted evaluations to finish: the run's last eval gets recorded."""

@@ -1,29 +1,17 @@
 """Colocation: the memory hand-over between the rollout engines and the training ranks, every step.
 
-Owns the order of the swap, its per-phase seconds and memory figures, and which engines it released. A step
-of a swapping run (`--colocate`, or `--offload-train` / `--offload-rollout` on their own) goes
-
-    generate → release (engines free weights, KV cache, CUDA graphs) → onload (ranks bring parameters,
-    gradients and optimizer state back) → train → export (rank 0 writes the new weights' snapshot, disk mode)
-    → offload (ranks move their state off the device) → resume_weights (engines take their weights back)
-    → update (the weight update) → resume_kv (engines take their KV cache back) → generate ...
-
-The training loop calls `before_train`, `during_train`, `after_train` and `after_update` around its own
-train and weight-update calls; `rayless train` calls `release_at_startup` (once the engines are up, before the
-ranks load the model) and `settle_at_startup` (once the ranks are ready). Each phase is a metric
-`colocate/<phase>_s` of the step, `colocate/swap_s` their sum without generate, train and update, and
-`colocate/swap_share` its share of the step; the run bar shows the phase (`on_phase`).
+Owns the order of the swap (generate → release → onload → train → export → offload → resume_weights → update →
+resume_kv), its per-phase seconds and memory figures (`colocate/<phase>_s`, `swap_s`, `swap_share`), and which
+engines it released. The loop calls `before_train`, `during_train`, `after_train`, `after_update`; `rayless
+train` calls `release_at_startup` and `settle_at_startup`. The schedule: docs/colocation.md.
 
 Invariants:
-- Nothing is sent to a released engine: the loop generates only after `after_update`; the health monitor
-  does not probe from the first release to the last resume (`updating`, the `Pausing` protocol); an engine is
-  released only when idle (generation paused with `abort` first, as SGLang requires).
-- Only the incarnation that was released is resumed: an engine relaunched meanwhile holds its memory.
-- An engine that died while released or while resuming is marked dead here and brought back with the current
-  weights by the one recovery path (`WeightSync.update` recovers dead engines before it pushes, with rollout
-  FT); without rollout FT the run stops with a message naming it.
-- A rank lost while the ranks move their state follows train FT (`TrainGroup.offload/onload` go through its
-  recovery); a snapshot exported before such a recovery is dropped, so the engines get what the ranks hold.
+- Nothing is sent to a released engine: the loop generates only after `after_update`, the health monitor does
+  not probe from the first release to the last resume, and an engine is released only when idle.
+- Only the incarnation that was released is resumed.
+- An engine that died while released or resuming is marked dead here and recovered by the one recovery path
+  (with rollout FT); without rollout FT the run stops naming it.
+- A snapshot exported before a rank recovery is dropped, so the engines get what the ranks hold.
 """
 
 from __future__ import annotations
@@ -89,7 +77,7 @@ class Colocation:
         self.recovers_engines = recovers_engines
         #: called with each phase as it begins (the run bar); tests add their own
         self.observers: list[Callable[[str], None]] = [on_phase] if on_phase is not None else []
-        #: set while no swap runs (the health monitor waits on it: `coordinator.health.Pausing`)
+        #: set while no swap runs (the health monitor waits on it: `coordinator.engines.health.Pausing`)
         self.updating = anyio.Event()
         self.updating.set()
         #: set once the engines released their memory at start-up (the ranks load the model only then)

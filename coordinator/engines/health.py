@@ -1,32 +1,18 @@
 """Rollout fault tolerance: the HealthMonitor of one engine group, and the fault-injection switch.
 
-Owns, per engine group, the decision that an engine is dead and when to recover it: probe every engine
-concurrently with `/health_generate` on a fixed cadence, count consecutive failures, and past the threshold
-take the engine out of dispatch (`fleet.mark_dead`), then hand it to the group's `EngineRecovery` (the same
-one WeightSync uses: out of the router, relaunched from the current snapshot or re-attached, the current
-weights loaded and checked, back in dispatch and the router), retrying every interval until it is back. The
-monitor also recovers engines that someone else (the dispatcher) marked dead.
+Owns, per engine group, the decision that an engine is dead and when to recover it: concurrent `/health_generate`
+probes on a fixed cadence, consecutive failures counted, then `fleet.mark_dead` and the group's `EngineRecovery`
+(retried every interval until the engine is back). Design: docs/fault-tolerance.md.
 
 Invariants:
-- A monitor exists only when `Config.health_monitor_enabled` (rollout FT on and engines exist); this module
-  never re-derives that gate (`build_health_monitors` reads it and nothing else).
-- Probes start every `interval` seconds whether or not the previous one answered, each bounded by `timeout`,
-  so with failure threshold N a hung engine is marked dead at most N·interval + timeout after it hung
-  (threshold 2: interval + timeout + one interval). Probes of different engines never wait for each other,
-  so detection time does not grow with the number of engines.
-- A probe that overlapped a weight update, an eval pin or a colocation swap (engines releasing or taking back
-  their memory; `coordinator.colocate`) counts neither as a success nor as a failure: an engine paused for an
-  update, or released, may not answer a 1-token generate, and that is not a fault. No probe starts during
-  one: the swap, like an update, pauses probing.
-- An engine that answers a probe "released" (503, error type MemoryReleased: its memory was released with
-  /release_memory_occupation) is alive; the probe is counted as `released`, never as a failure.
-- Slow is not hung: a probe that timed out while the engine's `/metrics` counters (requests and tokens
-  generated) kept moving since the previous probe counts as slow, not failed. An engine whose `/metrics` does
-  not answer, or whose counters stand still, is hung.
-- A recovered rollout engine serves the current weight version before it is back in dispatch: a launched
-  engine is restarted from the current weight snapshot with `--weight-version` set (no moment where it is
-  ALIVE with stale weights), an external one is loaded before it is ALIVE, and both are checked to report
-  the version (`EngineRecovery` and `WeightSync.admit` keep this; this module only decides when).
+- A monitor exists only when `Config.health_monitor_enabled`; this module never re-derives that gate.
+- With failure threshold N a hung engine is marked dead at most N·interval + timeout after it hung, whatever the
+  number of engines (probes never wait for each other).
+- A probe that overlapped a weight update, an eval pin or a colocation swap counts neither way, and none starts
+  during one; a "released" answer (503 MemoryReleased) is alive; a timed-out probe whose `/metrics` counters moved
+  is slow, not failed.
+- A recovered engine serves the current weight version before it is back in dispatch (`EngineRecovery` and
+  `WeightSync.admit` keep this; this module only decides when).
 - `FaultInjector.pending` is always initialised (False when not armed); it kills one engine once.
 """
 
@@ -50,7 +36,6 @@ from coordinator.engines.recovery import EngineRecovery, RouterLike
 
 if TYPE_CHECKING:
     from coordinator.config import Config, FaultToleranceConfig
-    from coordinator.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +316,7 @@ def build_health_monitors(
     enabled: bool,
     client: EngineClient,
     rollout_fleet: EngineFleet | None,
-    weight_sync: WeightSync | None = None,
+    rollout_recovery: EngineRecovery | None = None,
     router: RouterLike | None = None,
     eval_fleet: EngineFleet | None = None,
     eval_pauses: Sequence[Pausing] = (),
@@ -339,9 +324,10 @@ def build_health_monitors(
 ) -> list[HealthMonitor]:
     """One monitor per engine group, only when `enabled` (`Config.health_monitor_enabled`); [] otherwise.
 
-    The rollout monitor recovers through `weight_sync.recovery` (the one WeightSync uses; built with the
-    router) or, in a run without training, a recovery of its own that keeps the router up to date; it pauses
-    for `rollout_pauses` too (the colocation swap)."""
+    The rollout monitor recovers through `rollout_recovery` (in a training run the weight sync's, so a
+    recovered engine gets the current weights; built with the router) or, in a run without training, a
+    recovery of its own that keeps the router up to date; it pauses for `rollout_pauses` too (the colocation
+    swap)."""
     if not enabled:
         return []
     probing = dict(
@@ -353,8 +339,7 @@ def build_health_monitors(
     )
     monitors = []
     if rollout_fleet is not None:
-        recovery = (weight_sync.recovery if weight_sync is not None
-                    else EngineRecovery(fleet=rollout_fleet, router=router))
+        recovery = rollout_recovery or EngineRecovery(fleet=rollout_fleet, router=router)
         monitors.append(HealthMonitor(fleet=rollout_fleet, recovery=recovery, pauses=rollout_pauses, **probing))
     if eval_fleet is not None:
         # Eval engines never receive training weights: a recovered one is re-pinned by the next eval.

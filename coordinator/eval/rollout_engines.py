@@ -7,7 +7,7 @@ after that step's weight update, logged at step `r`. No extra evaluation at the 
 
 Each evaluation samples every dataset (`EvalSettings`: `--eval-prompt-data` or `--eval-config`) through the
 rollout's own dispatcher (a dead engine is routed around, as for rollouts; with `--use-sglang-router`, through
-the router) and the generate path's request code (`coordinator.eval_run`), and writes one metrics row:
+the router) and the generate path's request code (`coordinator.eval.run`), and writes one metrics row:
 `eval/step`, `eval/weight_version`, `eval/duration_s`, `eval/off_version_samples` and each dataset's
 `eval/<name>...` metrics.
 
@@ -25,12 +25,12 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from coordinator.eval_run import evaluate_dataset, generate_state
-from coordinator.eval_settings import EvalDataset, EvalSettings, load_eval_datasets
+from coordinator.eval.run import evaluate_dataset, generate_state
+from coordinator.eval.settings import EvalDataset, EvalSettings, load_eval_datasets
 
 if TYPE_CHECKING:
     from coordinator.config import Config
-    from coordinator.progress import MetricsLog
+    from coordinator.observe.progress import MetricsLog
     from coordinator.rollout.dispatch import Dispatcher
     from coordinator.rollout.hook_generate import CustomGenerate
     from coordinator.rollout.manager import RolloutManager
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class RolloutEngineEval:
-    """A training-loop step hook (`after_step`), plus `before_training` for slime's evaluation at rollout 0.
+    """A training-loop step hook (`after_step`) and loop phase (`before_loop`: slime's evaluation at rollout 0).
 
     Args:
         settings: the eval flags (`EvalSettings.from_slices`).
@@ -85,10 +85,13 @@ class RolloutEngineEval:
         interval = self.settings.interval
         return interval is not None and (rollout_id + 1) % interval == 0
 
-    async def before_training(self, start_rollout: int, weight_version: str) -> None:
+    async def before_loop(self, start_rollout: int, weight_version: str) -> None:
         """slime evaluates once before the first rollout of a run that starts at rollout 0."""
         if start_rollout == 0 and self.settings.interval is not None and not self.settings.skip_before_train:
             await self.evaluate(0, weight_version)
+
+    async def after_loop(self) -> None:
+        """Every evaluation runs inside `after_step`: nothing is left in flight."""
 
     async def after_step(self, rollout_id: int, weight_version: str) -> None:
         """Training-loop hook: evaluate the weights just synced to the engines when an evaluation is due."""

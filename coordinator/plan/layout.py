@@ -1,25 +1,15 @@
 """Which node this process is, and how every node finds node 0: the layout of a multi-node run.
 
 Owns `resolve_layout`, the one place where the launcher's environment is read, and `NodeLayout`, what it
-decides. The same `rayless train ...` runs on every node; a run with `--actor-num-nodes N > 1` learns:
+decides: this node's rank (`--actor-node-rank`, `SLURM_NODEID`, `NODE_RANK`), node 0's host and rendezvous port
+(`--rdzv-endpoint`, `MASTER_ADDR`/`MASTER_PORT`, the first host of SLURM's node list, expanded by
+`expand_nodelist`), the control-channel and registry ports, what node 0 binds and what nodes dial, and where the
+token comes from. The rules in full: docs/multi-node.md.
 
-- this node's rank: `--actor-node-rank` when given, else `SLURM_NODEID` (srun, one task per node), else
-  `NODE_RANK` (torchrun-style launchers: PyTorch's multi-node examples, Kubeflow);
-- node 0's host and the rendezvous port: `--rdzv-endpoint HOST:PORT` when given, else `MASTER_ADDR` /
-  `MASTER_PORT`, else under SLURM the first host of `SLURM_STEP_NODELIST` (`SLURM_JOB_NODELIST`) with
-  `MASTER_PORT` or 29500. SLURM's compressed hostlists (`node[01-04,07]`) are expanded by `expand_nodelist`;
-- the ports every node dials on node 0: the rendezvous (torchrun's c10d store, hosted by node 0's torchrun),
-  the control channel (`--control-port`, default rendezvous port + 1) and the node registry (control port + 1);
-- what node 0 binds: `--control-host`, except that the single-node default 127.0.0.1 becomes 0.0.0.0 when
-  node 0's host is not a loopback address (the other nodes must reach it; every connection proves the token
-  first). Nodes dial `--control-host` when it names one address, else node 0's host;
-- where the control token comes from (`coordinator.nodes.token`).
-
-Invariants: a single-node run never reads the environment (a stray `SLURM_*` changes nothing); every
-inconsistency (a node rank out of range, `SLURM_NNODES` other than `--actor-num-nodes`, no node 0 address, no
-token source, a loopback `--control-host` with a remote node 0) is a `ConfigError` naming the flag or variable
-(exit 2 before anything launches), or a warning in a lenient (`--dry-run`) layout, which puts a placeholder in
-place of what it could not learn.
+Invariants: a single-node run never reads the environment; every inconsistency (a node rank out of range,
+`SLURM_NNODES` other than `--actor-num-nodes`, no node 0 address, no token source, a loopback `--control-host`
+with a remote node 0) is a `ConfigError` naming the flag or variable, or a warning with a placeholder in a
+lenient (`--dry-run`) layout.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ from dataclasses import dataclass
 
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
-from coordinator.nodes.token import TokenSource, token_source
+from coordinator.plan.token import TokenSource, token_source
 
 DEFAULT_MASTER_PORT = 29500
 WILDCARD_HOSTS = ("0.0.0.0", "::")

@@ -14,7 +14,6 @@ Rich's live view and the log handler share one console (`stderr_console`), so lo
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -28,21 +27,14 @@ from typing import Any, Protocol, TextIO
 
 import anyio
 
-from coordinator.startup import StartupBoard
+from coordinator.lifecycle.logs import stderr_console
+from coordinator.observe.startup import StartupBoard
 
 log = logging.getLogger("rayless")
 
 
 class HasLine(Protocol):
     def line(self) -> str: ...
-
-
-@functools.cache
-def stderr_console() -> Any:
-    """The one rich console on stderr (the live view and the log handler must share it)."""
-    from rich.console import Console
-
-    return Console(stderr=True)
 
 
 def clock(seconds: float) -> str:

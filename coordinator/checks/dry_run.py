@@ -1,6 +1,6 @@
 """`rayless train --dry-run`: every start-up check that does not need the GPUs, then the placement plan.
 
-Owns the dry run's report. It runs each check of `config.preflight` (paths, data keys, hooks and their
+Owns the dry run's report. It runs each check of `checks.preflight` (paths, data keys, hooks and their
 signatures, checkpoint directories, metric backends) and loads the tokenizer (rendering the first prompt
 with `--apply-chat-template`), collecting every failure rather than stopping at the first, then prints the
 plan a launch on this node would follow (`coordinator.plan`, built leniently: too few GPUs here, or no
@@ -21,7 +21,7 @@ from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
 
 if TYPE_CHECKING:
-    from coordinator.nodes.layout import NodeLayout
+    from coordinator.plan.layout import NodeLayout
 
 PROMPT_CHARS = 400
 
@@ -31,14 +31,14 @@ def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = 
             layout_warnings: Sequence[str] = ()) -> int:
     """The report; `layout` / `layout_warnings`: a multi-node run's node layout, as `resolve_layout` found it
     (the plan printed is this node's share)."""
-    from coordinator.config.porting import porting_notice
-    from coordinator.config.preflight import (
+    from coordinator.checks.preflight import (
         check_checkpoints,
         check_data,
         check_hooks,
         check_metric_backends,
         check_paths,
     )
+    from coordinator.config.porting import porting_notice
     from coordinator.plan import describe_plan, plan_for_dry_run
 
     out = out or sys.stdout

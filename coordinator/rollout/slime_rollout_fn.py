@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -28,24 +28,9 @@ from coordinator.hooks.runtime import HookError, hook_call
 from replay.sample import RolloutBatch, Sample, SampleError, SampleStatus, settle_hook_fields
 
 if TYPE_CHECKING:
-    from coordinator.rollout.manager import RolloutContext
+    from coordinator.rollout.context import RolloutContext
 
 T = TypeVar("T")
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """slime's `run(coro)`: run a coroutine from synchronous hook code. In a slime-style rollout function
-    (a worker thread of the run) it runs on the run's event loop; elsewhere on a new loop."""
-
-    async def wait() -> T:
-        return await coro
-
-    try:
-        return anyio.from_thread.run(wait)
-    except RuntimeError as error:
-        if "worker thread" not in str(error) and "event loop" not in str(error):
-            raise
-    return anyio.run(wait)
 
 
 class SlimeDataSource:

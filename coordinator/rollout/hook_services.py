@@ -3,7 +3,7 @@
 Owns `start_hook_services`, called by the run once the rollout manager is built: it opens the hooks' client
 for the rest of the run (a task of the run's task group holds it) and binds `args.sglang_router_ip/port` —
 the router the run routes through when there is one, else the coordinator's own endpoint
-(`coordinator.hooks.endpoint`), started only when a hook will post (a custom generate function or a slime-style
+(`coordinator.rollout.hook_endpoint`), started only when a hook will post (a custom generate function or a slime-style
 rollout function). Invariant: both end with the run's task group; nothing here outlives it.
 """
 
@@ -16,8 +16,8 @@ import anyio
 import anyio.abc
 
 if TYPE_CHECKING:
-    from coordinator.hooks.endpoint import HookEndpoint
     from coordinator.hooks.runtime import HookRuntime
+    from coordinator.rollout.hook_endpoint import HookEndpoint
     from coordinator.rollout.manager import RolloutManager
 
 
@@ -42,7 +42,7 @@ async def start_hook_services(manager: RolloutManager, *, task_group: anyio.abc.
         return None
     if not manager.needs_hook_endpoint:
         return None
-    from coordinator.hooks.endpoint import HookEndpoint
+    from coordinator.rollout.hook_endpoint import HookEndpoint
 
     endpoint: Any = HookEndpoint(dispatcher=manager.context.dispatcher, routes=runtime.routes, seed=seed,
                                  api_key=api_key)

@@ -1,22 +1,16 @@
 """Pinning the eval engines to one weight snapshot, for one evaluation at a time.
 
 Owns what the eval engines serve: `EvalPin.pin(snapshot, version)` loads one snapshot on every alive eval
-engine and checks it; `PinnedPool` is the set of engines one evaluation may then use (the EvalFleet's
-dispatcher picks among them only).
+engine and checks it; `PinnedPool` is the set of engines one evaluation may then use. Design:
+docs/evaluation.md.
 
 Invariants:
-- An evaluation runs on the whole eval fleet: `pin()` brings dead engines back (or waits for the monitor
-  to) and waits up to `pin_wait` for *every* eval engine to be alive; when they do not all come back it
-  raises `EvalSkip("unhealthy")` naming the missing ones, so a metric is never computed on part of the
-  fleet and reported as a normal eval. Only `allow_partial=True` (a flag, asked for explicitly) lets it go
-  on with the alive engines; the eval's record then says how many of how many it used.
+- `pin()` waits for *every* eval engine (bringing dead ones back through `EngineRecovery` when no monitor
+  watches them) and raises `EvalSkip("unhealthy")` naming the missing ones, unless `allow_partial=True`.
 - `pin()` returns only when every engine it pinned reports the pinned version and answered a 1-token
-  generate; otherwise it raises `EvalSkip("unhealthy" | "pin_violation")`.
-- `pin()` probes the engines itself exactly when no monitor watches them (`probe_before_pin`, from
-  `Config.health_monitor_enabled`) and brings dead ones back through `EngineRecovery` (the same recovery as
-  every engine group's); otherwise it leaves probing and recovery to the monitor.
-- While a pin loads weights its `updating` event is clear, so the eval group's monitor does not probe a
-  loading engine; an engine relaunched after a pin is not in that pin's pool (it serves the base weights).
+  generate; otherwise `EvalSkip("unhealthy" | "pin_violation")`.
+- It probes exactly when no monitor watches the engines (`probe_before_pin`).
+- While a pin loads weights its `updating` event is clear; an engine relaunched after a pin is not in its pool.
 """
 
 from __future__ import annotations

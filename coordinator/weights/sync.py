@@ -1,25 +1,18 @@
 """Pushing trained weights to the rollout engines, and owning which weights are current.
 
-Owns one weight update end to end: pause generation (in place: requests are kept, not aborted), move the
-weights by `disk` (rank 0 writes a safetensors snapshot; every engine loads it concurrently) or `distributed`
-(miles: `broadcast`; rank 0 sends buckets over a fresh gloo/NCCL group that the engines join, see
-`distributed_sync`), check that every engine reports the new weight version, and continue generation — on
-every exit path. Owns too the current weights (version and
-snapshot: the only place rollout snapshots are exported) and the rollout group's `EngineRecovery`, which the
-health monitor shares: a recovering engine gets the current weights from here (`current_weights`, `admit`).
+Owns one weight update end to end — pause generation, move the weights (`disk`: a safetensors snapshot every
+engine loads; `distributed`: buckets over a weight-update group, see `distributed_sync`), check every engine
+reports the new version, continue generation, on every exit path — and the current weights (version and
+snapshot: the only place rollout snapshots are exported) with the rollout group's `EngineRecovery`. Design:
+docs/weight-sync.md.
 
 Invariants:
-- after `update()` returns, every engine it updated reports `version`; otherwise `WeightSyncError` is raised
-  naming the engines that did not (the run must not train on samples from weights nobody can name);
-- `current_weights()` never pairs a snapshot with another version's name: a snapshot is reused only when it
-  was exported for the current version, else the current weights are exported now;
-- `admit()` returns only at a moment when the engine reports the current version and no update runs, so an
-  engine the fleet marks ALIVE right after it never misses an update;
-- dead rollout engines are recovered before an update only when rollout fault tolerance is on
-  (`recover_engines`); with train-only FT or FT off this object never touches an engine's lifecycle;
-- a snapshot exported ahead (`prepare`, colocation: written while the ranks still hold their state on the
-  device, before they offload) is what `update()` of that version loads, and what an engine recovered by that
-  update starts from: it holds exactly that version's weights.
+- after `update()` returns, every engine it updated reports `version`; otherwise `WeightSyncError` names the
+  engines that did not;
+- `current_weights()` never pairs a snapshot with another version's name;
+- `admit()` returns only at a moment when the engine reports the current version and no update runs;
+- dead rollout engines are recovered before an update only when rollout FT is on (`recover_engines`);
+- a snapshot exported ahead (`prepare`, colocation) is what `update()` of that version loads.
 """
 
 from __future__ import annotations
@@ -32,10 +25,10 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.distributed_sync import FLATTENED_BUCKET, BucketSender, DistributedUpdate, WeightSyncError
 from coordinator.engines.client import EngineClient, EngineError
 from coordinator.engines.fleet import EngineFleet, EngineHandle
 from coordinator.engines.recovery import EngineRecovery, RouterLike
+from coordinator.weights.distributed import FLATTENED_BUCKET, BucketSender, DistributedUpdate, WeightSyncError
 
 log = logging.getLogger(__name__)
 

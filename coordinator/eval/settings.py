@@ -3,7 +3,7 @@
 Owns the one mapping from the eval slice (and the rollout and sglang flags it falls back to) to the settings
 of every eval dataset (`EvalSettings.from_slices`: the eval code never sees the whole Config), and the loading
 of those datasets with the reward that scores each. Used by both places that evaluate: the rollout engines
-(`coordinator.rollout_eval`, slime's default) and a dedicated eval fleet (`coordinator.eval_fleet`).
+(`coordinator.eval.rollout_engines`, slime's default) and a dedicated eval fleet (`coordinator.eval.fleet`).
 
 Resolution of each value (slime's order): the dataset's entry in `--eval-config` (its `defaults` included) >
 the eval flag (`--n-samples-per-eval-prompt`, `--eval-temperature`, `--eval-top-p`, `--eval-top-k`,

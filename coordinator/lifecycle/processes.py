@@ -1,26 +1,17 @@
 """The child processes the coordinator launches (engines, the router, torchrun), and how they end.
 
-Owns, written once for every launcher: starting a child as the leader of its own process group with its
-output in a log file, seeing that it exited without reaping it, ending its whole group (SIGTERM, SIGKILL after
-a grace period, sweep, reap), reading the tail of its log for an error message (`with_log_tail`: one format
-for every launcher), and flattening the exception groups that concurrent starts raise.
+Owns, once for every launcher: starting a child as the leader of its own process group, through the lifeline,
+with its output in a log file; seeing that it exited without reaping it; ending its whole group and descendants
+(SIGTERM, SIGKILL after a grace period, sweep, reap); the log tail of an error (`with_log_tail`); flattening the
+exception groups of concurrent starts. Why `Popen` and the lifeline: docs/fault-tolerance.md.
 
 Invariants:
-  * A child started here leads its own session / process group (`start_new_session=True`), so one `killpg`
-    reaches it and every helper it forked that stayed in its group (SGLang's scheduler); torchrun's ranks
-    start sessions of their own, so `terminate_process_group` also ends the leader's descendants.
-  * A child started here ends by itself when the coordinator's process is gone, however it went (SIGKILL
-    included): it is started through `workers/lifeline.py`, whose watcher stops the child's group and
-    descendants once the lifeline pipe (its write end held only here, never written, never closed) reads
-    end-of-file. The coordinator must therefore never fork without exec (multiprocessing's "fork"): a forked
-    copy would hold the write end open.
-  * Exit checks use `waitid(WNOWAIT)`, which sees the exit without reaping: a child is reaped only by
-    `terminate_process_group`, after the last `killpg` of its group, so the OS cannot hand its group id to an
-    unrelated process while we may still signal it.
-
-Why `subprocess.Popen` and polling rather than `anyio.open_process`: a launched child may outlive the task that
-started it (an engine relaunched in the health monitor's task is stopped by the fleet's `run()`), while
-anyio's `Process` wants to be closed by the task that opened it, and reaps on `wait()`.
+  * A child leads its own process group, so one `killpg` reaches it and the helpers that stayed in its group;
+    `terminate_process_group` also ends the leader's descendants (torchrun's ranks start sessions of their own).
+  * A child ends by itself when the coordinator is gone, however it went; so the coordinator never forks without
+    exec (a forked copy would hold the lifeline's write end open).
+  * A child is reaped only by `terminate_process_group`, after the last `killpg` of its group (`waitid(WNOWAIT)`
+    checks exits), so its group id is never reused while we may signal it.
 """
 
 from __future__ import annotations

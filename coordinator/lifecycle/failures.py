@@ -22,6 +22,7 @@ import sysconfig
 import traceback
 from pathlib import Path
 
+import coordinator
 import replay
 import workers
 from workers.errors import RaylessError
@@ -49,7 +50,7 @@ def _roots(paths: list[str]) -> tuple[str, ...]:
     return tuple(root + "/" for root in resolved if root != "/")
 
 
-_OURS = _roots([str(Path(__file__).resolve().parent), *workers.__path__, *replay.__path__])
+_OURS = _roots([*coordinator.__path__, *workers.__path__, *replay.__path__])
 _LIBRARIES = _roots([sysconfig.get_paths().get(key, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")]
                     + [sys.base_prefix, sys.prefix])
 
