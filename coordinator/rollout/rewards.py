@@ -22,9 +22,10 @@ which is kept in the sample's `metadata["reward_info"]`. With a custom generate 
 (`keep_given`: slime skips the rm for such samples); a failed sample (slime's `FAILED`) is not scored and gets
 0.0, as an aborted one.
 Async functions are awaited directly; the per-sample ones of a group run concurrently in a task group (a
-remote reward service is not serialised). Sync functions run inline on the event loop: the built-ins are
-microseconds; a slow sync rm (a big model, a sandbox) should be written `async` and offload its own work
-(e.g. `await anyio.to_thread.run_sync(...)`).
+remote reward service is not serialised). Sync functions run inline on the event loop, as slime's run in its
+loop: most built-ins are microseconds, slime's math family milliseconds (sympy; bench/reward_grading.py),
+`math_verify` tens of milliseconds; a slow sync rm (a big model, a sandbox) should be written `async` and
+offload its own work (e.g. `await anyio.to_thread.run_sync(...)`).
 """
 
 from __future__ import annotations
