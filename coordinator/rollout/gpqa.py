@@ -1,12 +1,11 @@
 """slime's `gpqa` reward: the option letter a response chooses against the correct one, else the answer text.
 
 Owns `gpqa_score`. The rules are slime's `slime/rollout/rm_hub/gpqa.py` (THUDM/slime 624b824a); the code is
-ours. Two deviations, where slime is plainly wrong (docs/rewards.md, a row and a test each):
-- the letter a phrase pattern finds must be a word of its own, else that pattern gives nothing: slime's take any
-  letter (case ignored) after the phrase, so "The answer is clearly B" reads C (from "clearly") and, with
-  letters A-J, "The answer is (B)" reads I (from "is");
-- the answer text must appear as whole words of the normalised response: slime's plain substring test finds
-  the choice "a" in "answer" and the label "15" in "150".
+ours. One deviation, where slime is plainly wrong (docs/rewards.md, its row and test): the letter a phrase
+pattern finds must be a word of its own, else that pattern gives nothing. slime's take any letter (case ignored)
+after the phrase, so "The answer is clearly B" reads C (from "clearly") and, with letters A-J, "The answer is
+(B)" reads I (from "is"). slime's plain substring test for the answer text is kept (the choice "a" is found in
+"answer"): a known quirk, not changed.
 
 - the response's text after the last `</think>` is read;
 - letters: metadata `valid_letters` (upper-cased), else A.. for each of metadata `choices` (a dict: its values
@@ -14,11 +13,12 @@ ours. Two deviations, where slime is plainly wrong (docs/rewards.md, a row and a
 - the correct letter: metadata `correct_letter` (a string); a one-letter label among the letters when there is
   none; a numeric label (int, float, bool) is a choice index and wins over both; else the choice whose text
   equals the label's (lower-cased, runs of non-alphanumerics as one space);
-- the chosen letter: the first match of each phrase pattern in turn (slime's regexes, case ignored) ("answer/option/choice is X", "X is
-  correct", "final answer is X"), kept when it is a valid letter, else the last standalone capital letter that is;
+- the chosen letter: the first match of each phrase pattern in turn ("answer/option/choice is X", "X is
+  correct", "final answer is X"; slime's regexes, case ignored), kept when it is a valid letter, else the last
+  standalone capital letter that is;
 - both known: 1 when they agree, else 0; otherwise 1 when the correct choice's text, metadata
-  `correct_answer`/`answer_text` or the label text appears in the (normalised) response, as whole words; otherwise, with no
-  correct letter, 1 when the chosen letter is the label text.
+  `correct_answer`/`answer_text` or the label text appears in the (normalised) response, as a substring;
+  otherwise, with no correct letter, 1 when the chosen letter is the label text.
 
 Invariant: pure: slime's `metadata.setdefault("correct_answer", <the choice the label matched>)` is read as a
 candidate, the metadata is not changed; the letter patterns are linear regexes.
@@ -130,8 +130,8 @@ def gpqa_score(response: str, label: Any, metadata: dict[str, Any] | None) -> fl
     candidates += [str(value) for value in (answer, metadata.get("answer_text")) if value]
     if label_text:
         candidates.append(label_text)
-    text = f" {normalize_text(after_thinking(response))} "
-    if any(target and f" {target} " in text for target in {normalize_text(c) for c in candidates if c}):
+    text = normalize_text(after_thinking(response))
+    if any(target and target in text for target in {normalize_text(c) for c in candidates if c}):
         return 1.0
     if chosen and not correct and label_text:
         return 1.0 if chosen == label_text.strip().upper() else 0.0

@@ -16,7 +16,7 @@ own code (same commit) gives another value than slime's for a slime name (miles'
 and miles' sympy names include Python's `all`/`id`).
 
 Every case must agree with upstream except the documented deviations (docs/rewards.md, one row each):
-`math_numeric_zero_label`, `gpqa_letter_inside_a_word`, `gpqa_text_inside_a_word`.
+`math_numeric_zero_label`, `gpqa_letter_inside_a_word`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from replay.sample import Sample, SampleStatus
 from tests.support import upstream_rm_hub
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "reward_corpus.jsonl"
-DEVIATIONS = {"math_numeric_zero_label", "gpqa_letter_inside_a_word", "gpqa_text_inside_a_word"}
+DEVIATIONS = {"math_numeric_zero_label", "gpqa_letter_inside_a_word"}
 CASES = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 

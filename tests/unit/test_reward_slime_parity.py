@@ -1,4 +1,4 @@
-"""slime's results under slime's names where rayless' lenient grading differed, our three documented
+"""slime's results under slime's names where rayless' lenient grading differed, our two documented
 deviations from slime (docs/rewards.md, "Where we differ from slime"), and `math_verify`.
 
 Values under slime's names are what slime's own code returns (THUDM/slime 624b824a,
@@ -92,14 +92,16 @@ def test_deviation_gpqa_letter_inside_a_word(response: str, label: str, metadata
     assert score("gpqa", response, label, **metadata) == 1.0 != slimes
 
 
-@pytest.mark.parametrize(("response", "label", "metadata"), [
-    ("The answer is E", "A", {"choices": ["a", "b", "c", "d"]}),  # slime finds the choice "a" in "answer"
-    ("The answer is 150", "15", {}),  # slime finds "15" in "150"
-    ("concatenate", "cat", {"choices": ["cat", "dog"]}),
+@pytest.mark.parametrize(("response", "label", "metadata", "expected"), [
+    ("The answer is E", "A", {"choices": ["a", "b", "c", "d"]}, 1.0),  # the choice "a" inside "answer"
+    ("The answer is 150", "15", {}, 1.0),
+    ("the mitochondrial matrix", "mitochondria", {}, 1.0),
+    ("15 ms", "1.5 m/s", {}, 0.0),  # `1 5 m s` is not in `15 ms`
 ])
-def test_deviation_gpqa_text_inside_a_word(response: str, label: str, metadata: dict[str, Any]) -> None:
-    assert score("gpqa", response, label, **metadata) == 0.0  # slime: 1.0
-    assert score("gpqa", response.replace("answer", "reply") + " " + label, label, **metadata) == 1.0
+def test_gpqa_text_is_found_as_a_substring_as_slime_does(response: str, label: str, metadata: dict[str, Any],
+                                                        expected: float) -> None:
+    """slime's quirk kept (not among the issue's plainly-wrong cases): the answer text counts as a substring."""
+    assert score("gpqa", response, label, **metadata) == expected
 
 
 def test_f1_needs_a_text_label() -> None:
