@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coordinator.rollout.reward_rules import apply_rule
+from coordinator.rewards.rules import apply_rule
 from replay.sample import Sample, SampleStatus
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "reward_corpus.jsonl"

@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return dump_main(rest)
     if command == "reward":
-        from coordinator.reward_score import main as reward_main
+        from coordinator.rewards.score import main as reward_main
 
         return reward_main(rest)
     print(f"rayless: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)

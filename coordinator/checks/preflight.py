@@ -227,7 +227,7 @@ def check_rewards(config: Config) -> list[str]:
     """The rollout's reward type and each eval dataset's can score (IFBench installed for `ifbench`,
     Math-Verify for `math_verify`; every dataset has a reward, a key for a dict-valued one, `--rm-url` for
     `remote_rm`)."""
-    from coordinator.rollout.reward_rules import RewardError, require_libraries
+    from coordinator.rewards.rules import RewardError, require_libraries
 
     if config.builds_rollout_fn and config.rollout.rm_type is not None:
         try:

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 from coordinator.engines.client import EngineClient, EngineError, EngineHTTPError, RetryPolicy
-from coordinator.rollout.reward_rules import RewardError
+from coordinator.rewards.rules import RewardError
 from replay.sample import Sample
 
 #: slime's remote rm: up to 10 attempts, backoff min(2**attempt, 30) s; a total budget bounds them here.

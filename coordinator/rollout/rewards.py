@@ -9,7 +9,7 @@ Owns how a response becomes a reward. Invariants kept by `RewardModel.score_grou
 
 Which reward scores a sample (slime's order): `--custom-rm-path` first; else the sample's own
 `metadata["rm_type"]` (an `--eval-config` dataset's `rm_type` is put there; a data file may carry one per row);
-else `--rm-type`. The built-in types are `coordinator.rollout.reward_rules` (`remote_rm`:
+else `--rm-type`. The built-in types are `coordinator.rewards.rules` (`remote_rm`:
 `coordinator.rollout.remote_rm`); all but `gpqa`, `ifbench`, `random`, `deterministic_random` and `remote_rm`
 need a label (`--label-key`).
 
@@ -39,9 +39,8 @@ from typing import Any
 import anyio
 
 from coordinator.hooks.forms import HookForm, HookSignatureError, read_reward
-from coordinator.rollout.math_grading import extract_boxed, extract_last_number
-from coordinator.rollout.remote_rm import RemoteReward
-from coordinator.rollout.reward_rules import (
+from coordinator.rewards.math_grading import extract_boxed, extract_last_number
+from coordinator.rewards.rules import (
     REMOTE_RM,
     RULES,
     RewardError,
@@ -49,6 +48,7 @@ from coordinator.rollout.reward_rules import (
     base_rule,
     rm_type_names,
 )
+from coordinator.rollout.remote_rm import RemoteReward
 from replay.sample import Reward, Sample, SampleStatus
 from workers.hook_loading import load_object
 

@@ -229,7 +229,7 @@ def test_datasets_load_with_their_keys_template_and_metadata(tmp_path: Path) -> 
 def test_start_up_refuses_math_verify_without_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from coordinator.rollout.math_verify_rule import math_verify_library
+    from coordinator.rewards.math_verify_rule import math_verify_library
 
     config = parse_config([*BASE, "--rm-type", "math_verify"])
     with monkeypatch.context() as patch:

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.rollout.reward_rules import apply_rule
+from coordinator.rewards.rules import apply_rule
 from replay.sample import Sample, SampleStatus
 from tests.support import upstream_rm_hub
 

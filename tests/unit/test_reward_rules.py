@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from coordinator.rollout.math_grading import (
+from coordinator.rewards.math_grading import (
     answers_equal,
     extract_boxed,
     extract_last_number,
     symbolically_equal,
 )
-from coordinator.rollout.minerva import minerva_form
-from coordinator.rollout.reward_rules import (
+from coordinator.rewards.minerva import minerva_form
+from coordinator.rewards.rules import (
     RULES,
     RewardError,
     apply_rule,

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.rollout.math_normalize import last_boxed
-from coordinator.rollout.math_verify_rule import math_verify_library
-from coordinator.rollout.reward_rules import RewardError, apply_rule, require_libraries
+from coordinator.rewards.math_normalize import last_boxed
+from coordinator.rewards.math_verify_rule import math_verify_library
+from coordinator.rewards.rules import RewardError, apply_rule, require_libraries
 from replay.sample import Sample, SampleStatus
 
 

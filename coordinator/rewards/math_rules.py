@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.rollout.math_equal import answer_matches
-from coordinator.rollout.math_normalize import BOXED, last_boxed
+from coordinator.rewards.math_equal import answer_matches
+from coordinator.rewards.math_normalize import BOXED, last_boxed
 from workers.errors import RaylessError
 
 

@@ -25,7 +25,7 @@ import re
 import warnings
 from typing import Any
 
-from coordinator.rollout.math_normalize import (
+from coordinator.rewards.math_normalize import (
     is_integer_text,
     mathd_form,
     strip_formatted_commas,

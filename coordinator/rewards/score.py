@@ -88,7 +88,7 @@ def _sample(line: str, number: int, keys: Keys, needs_label: bool) -> Any:
 
 
 def _score(rm_type: str, sample: Any) -> tuple[Any, str | None]:
-    from coordinator.rollout.reward_rules import RewardError, apply_rule
+    from coordinator.rewards.rules import RewardError, apply_rule
 
     try:
         return apply_rule(rm_type, sample), None
@@ -109,7 +109,7 @@ def _excerpt(text: Any) -> str:
 
 def _check_types(options: argparse.Namespace) -> tuple[bool, str | None]:
     """(whether a label is needed, an error to exit 2 with)."""
-    from coordinator.rollout.reward_rules import REMOTE_RM, RewardError, base_rule, require_libraries
+    from coordinator.rewards.rules import REMOTE_RM, RewardError, base_rule, require_libraries
 
     needs_label = False
     for flag, rm_type in (("--rm-type", options.rm_type), ("--compare", options.compare)):

@@ -26,17 +26,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.rollout.gpqa import gpqa_score
-from coordinator.rollout.math_grading import answers_equal, extract_boxed, extract_last_number, label_answer
-from coordinator.rollout.math_rules import (
+from coordinator.rewards.gpqa import gpqa_score
+from coordinator.rewards.math_grading import answers_equal, extract_boxed, extract_last_number, label_answer
+from coordinator.rewards.math_rules import (
     MathLabelError,
     boxed_content,
     deepscaler_reward,
     gemma_math_reward,
     math_reward,
 )
-from coordinator.rollout.math_verify_rule import MathVerifyMissing, math_verify_library, math_verify_reward
-from coordinator.rollout.minerva import dapo_score
+from coordinator.rewards.math_verify_rule import MathVerifyMissing, math_verify_library, math_verify_reward
+from coordinator.rewards.minerva import dapo_score
 from replay.sample import Sample
 from workers.errors import RaylessError
 
@@ -186,12 +186,12 @@ def f1(response: str, sample: Sample) -> float:
 
 
 def gpqa(response: str, sample: Sample) -> float:
-    """slime's multiple-choice check (`coordinator.rollout.gpqa`, one documented deviation)."""
+    """slime's multiple-choice check (`coordinator.rewards.gpqa`, one documented deviation)."""
     return _rule_error("gpqa", lambda: gpqa_score(response, sample.label, sample.metadata))
 
 
 def math_verify(response: str, sample: Sample) -> float:
-    """Hugging Face's Math-Verify on the response and the label (`coordinator.rollout.math_verify_rule`)."""
+    """Hugging Face's Math-Verify on the response and the label (`coordinator.rewards.math_verify_rule`)."""
     try:
         return math_verify_reward(response, sample.label)
     except MathVerifyMissing as error:
