@@ -231,8 +231,6 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
 
 def _resume_path(config: Config) -> Path | None:
     """The checkpoint `--load` names, or None. A `--load` directory without a checkpoint yet starts fresh
-    (slime's rule, `porting.resolve_load`)."""
-    from coordinator.config.porting import resolve_load
-
-    load = resolve_load(config).path
+    (slime's rule, `config.checkpoint.resolve_load`)."""
+    load = config.load_plan().path
     return Path(load) if load else None
