@@ -23,22 +23,22 @@ import anyio.abc
 import msgspec
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from workers.protocol import frames
-from workers.protocol.messages import Family, Int31, Message, Token
+from workers import protocol
+from workers.protocol import Family, Int31, Message, Token
 
 VERSION = 1
-MAX_HELLO_BYTES = frames.MAX_HELLO_BYTES
+MAX_HELLO_BYTES = protocol.MAX_HELLO_BYTES
 MAX_FRAME_BYTES = 1 << 20
 HEARTBEAT_S = 5.0
 SILENCE_S = 4 * HEARTBEAT_S
 MAX_HOST_CHARS = 255
 
 
-class WireError(frames.ProtocolError):
+class WireError(protocol.ProtocolError):
     """The peer sent something the registry contract does not allow."""
 
 
-class WireVersionMismatch(WireError, frames.VersionMismatch):
+class WireVersionMismatch(WireError, protocol.VersionMismatch):
     """A node's hello names another registry version."""
 
 

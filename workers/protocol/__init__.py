@@ -54,7 +54,7 @@ from workers.protocol.frames import (
     ProtocolError,
     VersionMismatch,
 )
-from workers.protocol.messages import FAMILIES, Family, Message, Record
+from workers.protocol.messages import FAMILIES, Family, Int31, Message, Record, Token
 from workers.protocol.rank import HandshakeRefused, RankChannel, max_frame_bytes_from_env, split_address
 
 __all__ = [
@@ -83,6 +83,7 @@ __all__ = [
     "HandshakeRefused",
     "Hello",
     "InitCommand",
+    "Int31",
     "LoadCommand",
     "Message",
     "OffloadCommand",
@@ -95,6 +96,7 @@ __all__ = [
     "SaveCommand",
     "ShutdownCommand",
     "StepMetrics",
+    "Token",
     "TrainCommand",
     "TrainResult",
     "VersionMismatch",
