@@ -412,10 +412,7 @@ class ControlServer:
 
         def encode() -> dict[int, tuple[int, bytes]]:
             return {
-                rank: (
-                    request.request_id,
-                    protocol.frame(protocol.encode_message(request), self.max_frame_bytes),
-                )
+                rank: (request.request_id, protocol.encode_frame(request, self.max_frame_bytes))
                 for rank, request in requests.items()
             }
 
