@@ -180,7 +180,10 @@ class HookEndpoint:
 
     async def _send(self, connection: h11.Connection, stream: anyio.abc.SocketStream, status: int, data: bytes,
                     *, close: bool = False, extra: list[tuple[str, str]] | None = None) -> None:
-        headers = [("content-type", "application/json"), ("content-length", str(len(data))), *(extra or [])]
+        extra = list(extra or [])
+        kind = next((value for name, value in extra if name == "content-type"), "application/json")
+        extra = [(name, value) for name, value in extra if name != "content-type"]
+        headers = [("content-type", kind), ("content-length", str(len(data))), *extra]
         if close:
             headers.append(("connection", "close"))
         await stream.send(connection.send(h11.Response(status_code=status, headers=headers)))

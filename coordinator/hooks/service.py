@@ -4,7 +4,7 @@ Owns `start_hook_services`, called by the run once the rollout manager is built:
 for the rest of the run (a task of the run's task group holds it) and binds `args.sglang_router_ip/port` —
 the router the run routes through when there is one, else the coordinator's own endpoint
 (`coordinator.hooks.endpoint`), started only when a hook will post (a custom generate function or a slime-style
-rollout function). Invariant: both end with the run's task group; nothing here outlives it.
+rollout function); with `--use-session-server`, miles' session server too (`coordinator.sessions`). Invariant: both end with the run's task group; nothing here outlives it.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ async def start_hook_services(manager: RolloutManager, *, task_group: anyio.abc.
     if runtime is None or manager.context is None or manager.context._dispatcher is None:
         return None  # no engines in this mode: nothing for a hook to post to
     await task_group.start(_hold_open, runtime)
+    if manager.config.hooks.use_session_server is not None:
+        from coordinator.sessions.service import start_session_server
+
+        await start_session_server(manager, task_group=task_group, api_key=api_key)
     if router_url is not None:
         parts = urlsplit(router_url)
         assert parts.hostname is not None and parts.port is not None
