@@ -19,7 +19,7 @@ import logging
 from typing import Any
 
 from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError
-from coordinator.rollout.loading import load_object
+from coordinator.rollout.loading import HookLoadError, load_object
 from coordinator.sessions.trajectory import assemble
 from replay.sample import Sample, SampleStatus
 
@@ -63,6 +63,25 @@ def _aborted(sample: Sample) -> Sample:
 async def _run_agent(agent: Any, **kwargs: Any) -> Any:
     result = agent(**kwargs)
     return await result if inspect.isawaitable(result) else result
+
+
+async def call_agent_abort_hook(args: Any) -> None:
+    """miles' `call_agent_abort_hook`: when the rollout aborts its stragglers, the `abort(args)` beside the
+    agent (same module), if there is one, tells the agent's backend to stop; its failure is logged."""
+    path = getattr(args, "custom_agent_function_path", None)
+    if not path:
+        return
+    module = path.rpartition(":")[0] if ":" in path else path.rpartition(".")[0]
+    try:
+        hook = load_object(f"{module}:abort", what=f"{FLAG} (its abort hook)")
+    except HookLoadError:  # no abort beside the agent: nothing to tear down
+        return
+    try:
+        result = hook(args)
+        if inspect.isawaitable(result):
+            await result
+    except Exception as error:
+        log.warning("the agent's abort hook %s.abort failed: %r", module, error)
 
 
 async def generate(input: GenerateFnInput) -> GenerateFnOutput:

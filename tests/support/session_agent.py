@@ -37,3 +37,11 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwar
 
 async def reward(args: Any, sample: Any, **kwargs: Any) -> float:
     return float(sample.metadata.get("tool_output", "?") in sample.metadata.get("answer", ""))
+
+
+#: What `abort(args)` was called with (the test of miles' abort hook reads it).
+ABORTED: list[Any] = []
+
+
+async def abort(args: Any) -> None:
+    ABORTED.append(args)

@@ -40,3 +40,20 @@ def test_miles_agent_flags_parse_as_miles_spells_them() -> None:
 def test_miles_checks_refuse_contradictions_at_start_up(flags: list[str], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("-", r"\-").replace(".", r"\.")):
         parse_config([*BASE, *flags])
+
+
+async def test_the_agents_abort_hook_is_called_when_it_exists() -> None:
+    import argparse
+
+    from coordinator.sessions.agentic import build_chat_request_kwargs, call_agent_abort_hook
+    from tests.support import session_agent
+
+    args = argparse.Namespace(custom_agent_function_path="tests.support.session_agent.run_agent")
+    await call_agent_abort_hook(args)
+    assert session_agent.ABORTED == [args]
+    await call_agent_abort_hook(argparse.Namespace(custom_agent_function_path="coordinator.sessions.tito:Matcher"))
+    assert build_chat_request_kwargs({"max_new_tokens": 8, "min_new_tokens": 1, "sampling_seed": 3, "stop": ["x"],
+                                      "stop_token_ids": [2], "no_stop_trim": True, "temperature": 1.0,
+                                      "spaces_between_special_tokens": False, "top_k": None}) == {
+        "max_tokens": 8, "min_tokens": 1, "seed": 3, "stop": ["x"], "stop_token_ids": [2], "no_stop_trim": True,
+        "temperature": 1.0}
