@@ -70,6 +70,8 @@ class HookEndpoint:
         api_key: required from clients when set (`--sglang-api-key`).
     """
 
+    DESCRIPTION = "hook endpoint (POST /generate through the rollout's dispatcher)"
+
     def __init__(self, *, dispatcher: Dispatcher, routes: HookRoutes, seed: int, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, max_connections: int = 1024,
                  max_body_bytes: int = 64 * 1024 * 1024) -> None:
@@ -93,7 +95,7 @@ class HookEndpoint:
         (listener,) = multi.listeners
         async with listener, anyio.create_task_group() as group:
             self.port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
-            log.info("hook endpoint listening on %s (POST /generate through the rollout's dispatcher)", self.url)
+            log.info("%s listening on %s", self.DESCRIPTION, self.url)
             task_status.started(self)
             free = anyio.Semaphore(self.max_connections)
             while True:

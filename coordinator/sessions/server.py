@@ -51,6 +51,8 @@ def _sse(response: dict[str, Any]) -> bytes:
 class SessionServer(HookEndpoint):
     """The session routes over the rollout's dispatcher. `await task_group.start(server.run)` listens."""
 
+    DESCRIPTION = "session server (/sessions for agents on the OpenAI API, over the rollout's dispatcher)"
+
     def __init__(self, *, dispatcher: Dispatcher, tito: TitoTokenizer, matcher: Matcher, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, max_sessions: int = 65536,
                  max_body_bytes: int = 64 * 1024 * 1024) -> None:
