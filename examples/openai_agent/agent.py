@@ -10,12 +10,26 @@ records exactly the tokens the model wrote, so the tool's message is in the samp
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 DIGITS = [str(i) for i in range(10)]
 CALL = "="
+
+
+_HTTP: dict[int, Any] = {}
+
+
+def _http_client() -> Any:
+    """One connection pool for every episode on this event loop: building a client per episode costs an SSL
+    context each, and hundreds of episodes start at once."""
+    loop = id(asyncio.get_running_loop())
+    if loop not in _HTTP:
+        _HTTP.clear()
+        _HTTP[loop] = DefaultAsyncHttpxClient()
+    return _HTTP[loop]
 
 
 def calculator(expression: str) -> str:
@@ -39,12 +53,13 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwar
     """miles' agent contract: keyword arguments, the returned dict merged into the sample's metadata."""
     messages = list(prompt)
     expression = prompt[-1]["content"]
-    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.get("api_key", "EMPTY"), max_retries=0) as client:
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.get("api_key", "EMPTY"), max_retries=0,
+                         timeout=600, http_client=_http_client())
+    ended = await _turn(client, messages, request_kwargs)
+    called = ended == CALL
+    if called:
+        messages.append({"role": "tool", "content": calculator(expression)})
         ended = await _turn(client, messages, request_kwargs)
-        called = ended == CALL
-        if called:
-            messages.append({"role": "tool", "content": calculator(expression)})
-            ended = await _turn(client, messages, request_kwargs)
     answer = ended if ended in DIGITS else ""
     return {"reward": float(answer == calculator(expression)), "tool_calls": int(called), "answer": answer}
 
