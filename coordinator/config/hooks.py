@@ -61,8 +61,8 @@ class HooksConfig(Slice):
         None, help="miles' session server (token in, token out) in the coordinator; bare or v1", choices=("v1", "v2"),
         bare="v1", metavar="[v1]")
     session_server_ip: str = flag("127.0.0.1", help="address the session server listens on")
-    session_server_port: int = flag(0, help="port of the session server (0: the OS picks one)", minimum=0,
-                                    maximum=65535)
+    session_server_port: tuple[int, ...] = flag((), help="port of the session server (none or 0: the OS picks "
+                                                "one)", minimum=0, maximum=65535)
     tito_model: str = flag("default", help="how the session server tokenizes appended messages: default (the "
                            "model's chat template) or qwen3 (its <|im_end|> boundary)")
     session_message_matcher: str = flag(
@@ -102,6 +102,10 @@ class HooksConfig(Slice):
         if self.tito_model != "default" and self.use_session_server is None:
             raise ConfigError(f"--tito-model={self.tito_model} requires --use-session-server; this flag only "
                               "configures the session-server TITO middleware")
+        if len(self.session_server_port) > 1:
+            raise ConfigError(f"--session-server-port {' '.join(map(str, self.session_server_port))}: miles' range "
+                              "of several session servers; rayless runs one session server in the coordinator: "
+                              "give one port (or none)")
         matcher = self.session_message_matcher
         if matcher not in MESSAGE_MATCHERS and ("." not in matcher and ":" not in matcher):
             raise ConfigError(f"invalid --session-message-matcher {matcher!r}; use one of "

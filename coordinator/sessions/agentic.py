@@ -18,7 +18,7 @@ import inspect
 import logging
 from typing import Any
 
-from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError
+from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError, current_call
 from coordinator.rollout.loading import HookLoadError, load_object
 from coordinator.sessions.trajectory import assemble
 from replay.sample import Sample, SampleStatus
@@ -43,6 +43,30 @@ def build_chat_request_kwargs(sampling_params: dict[str, Any]) -> dict[str, Any]
             value = kwargs.pop(ours)
             kwargs.setdefault(theirs, value)
     return {key: value for key, value in kwargs.items() if key in _CHAT_FIELDS and value is not None}
+
+
+def check_agent_hook(flag: str, path: str, target: Any) -> str:
+    """Start-up check of the agent (keywords base_url, prompt, request_kwargs, metadata) or of a message
+    matcher (two positional messages); ConfigError naming the flag otherwise."""
+    from coordinator.config.fields import ConfigError
+
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return "called as given (no signature to check)"
+    if flag == FLAG:
+        try:
+            signature.bind(base_url="", prompt=[], request_kwargs={}, metadata={})
+        except TypeError as error:
+            raise ConfigError(f"{flag} {path!r} cannot be called as miles calls an agent, "
+                              f"await fn(*, base_url, prompt, request_kwargs, metadata): {error}") from None
+        return "called as await fn(base_url=..., prompt=..., request_kwargs=..., metadata=...)"
+    try:
+        signature.bind({}, {})
+    except TypeError as error:
+        raise ConfigError(f"{flag} {path!r} cannot be called as fn(stored_message, new_message) -> bool: "
+                          f"{error}") from None
+    return "called as fn(stored_message, new_message) -> bool"
 
 
 def _sessions(args: Any) -> Any:
@@ -88,7 +112,9 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
     args, sample = input.args, input.sample
     server = _sessions(args)
     agent = load_object(args.custom_agent_function_path, what=FLAG)
-    session = await server.create()
+    call = current_call()
+    route = args._rayless_runtime.routes.get(call.route_token) if call is not None else None
+    session = await server.create(engine=route.group.engine if route is not None else None)
     base_url = f"{server.url}/sessions/{session.id}"
     metadata = {**(sample.metadata or {}), "session_server_id": f"{server.host}:{server.port}"}
     if args.max_seq_len is not None:

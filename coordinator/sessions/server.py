@@ -64,12 +64,18 @@ class SessionServer(HookEndpoint):
         self.sessions: dict[str, Session] = {}
 
     # --- in-process API (the agentic generate uses it; the routes below are the same calls over HTTP) --------
-    async def create(self) -> Session:
+    async def create(self, engine: Any = None) -> Session:
+        """A new session on `engine` (the prompt group's, for its prefix cache) when it is alive, else on the
+        least loaded one."""
         if len(self.sessions) >= self.max_sessions:
             raise _Reply(503, f"the session server holds its limit of {self.max_sessions} sessions")
         session = Session()
         if self.dispatcher.router_url is None:
-            session.engine = await self._pick()
+            if engine is not None and getattr(engine, "alive", True):
+                session.engine = engine
+                self.dispatcher.assigned[engine.url] += 1
+            else:
+                session.engine = await self._pick()
         self.sessions[session.id] = session
         return session
 

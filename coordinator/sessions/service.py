@@ -25,8 +25,10 @@ async def start_session_server(manager: RolloutManager, *, task_group: anyio.abc
     assert context is not None and runtime is not None
     args: Any = runtime.args
     tito = tito_tokenizer(hooks.tito_model, context.tokenizer, getattr(args, "apply_chat_template_kwargs", None))
-    server = SessionServer(dispatcher=context.dispatcher, tito=tito, matcher=resolve_matcher(hooks.session_message_matcher),
-                           api_key=api_key, host=hooks.session_server_ip, port=hooks.session_server_port)
+    matcher = resolve_matcher(hooks.session_message_matcher)
+    server = SessionServer(dispatcher=context.dispatcher, tito=tito, matcher=matcher,
+                           api_key=api_key, host=hooks.session_server_ip,
+                           port=hooks.session_server_port[0] if hooks.session_server_port else 0)
     await task_group.start(server.run)
     args.session_server_ip, args.session_server_port = server.host, server.port
     args.session_server_ports = [server.port]

@@ -36,6 +36,7 @@ def test_miles_agent_flags_parse_as_miles_spells_them() -> None:
       "miles.rollout.generate_hub.agentic_tool_call.generate"], "--custom-agent-function-path"),
     ([*AGENT, "--use-session-server", "--session-message-matcher", "fuzzy"], "--session-message-matcher"),
     ([*AGENT, "--use-session-server", "--max-seq-len", "0"], "--max-seq-len"),
+    ([*AGENT, "--use-session-server", "--session-server-port", "30000", "30010"], "one session server"),
 ])
 def test_miles_checks_refuse_contradictions_at_start_up(flags: list[str], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("-", r"\-").replace(".", r"\.")):
@@ -57,3 +58,22 @@ async def test_the_agents_abort_hook_is_called_when_it_exists() -> None:
                                       "spaces_between_special_tokens": False, "top_k": None}) == {
         "max_tokens": 8, "min_tokens": 1, "seed": 3, "stop": ["x"], "stop_token_ids": [2], "no_stop_trim": True,
         "temperature": 1.0}
+
+
+def test_the_agent_and_matcher_are_checked_at_start_up() -> None:
+    from coordinator.config.preflight import check_hooks
+
+    def config(agent: str, matcher: str = "strict") -> object:
+        return parse_config([*BASE, "--use-session-server", "--custom-generate-function-path",
+                             "miles.rollout.generate_hub.agentic_tool_call.generate",
+                             "--custom-agent-function-path", agent, "--session-message-matcher", matcher])
+
+    notes = check_hooks(config("tests.support.session_agent.run_agent", "coordinator.sessions.tito:strict_matches"))
+    assert any(note.startswith("--custom-agent-function-path") for note in notes)
+    assert any(note.startswith("--session-message-matcher") for note in notes)
+    with pytest.raises(ConfigError, match="cannot be called as miles calls an agent"):
+        check_hooks(config("coordinator.sessions.tito:strict_matches"))
+    with pytest.raises(ConfigError, match="--custom-agent-function-path"):
+        check_hooks(config("tests.support.no_such_module.run_agent"))
+    with pytest.raises(ConfigError, match="stored_message, new_message"):
+        check_hooks(config("tests.support.session_agent.run_agent", "tests.support.session_agent:calculator"))
