@@ -5,7 +5,8 @@ Owns the agent contract (`--custom-agent-function-path`): the agent is called wi
 (the sample's prompt as the data holds it: an OpenAI message list), `request_kwargs` (the rollout's sampling
 params under chat names: max_new_tokens→max_tokens, min_new_tokens→min_tokens, sampling_seed→seed, the rest
 kept when the chat API has them) and `metadata` (the sample's, plus `max_seq_len` and `session_server_id`).
-Its returned dict is merged into the sample's metadata (a reward left there is the custom reward's to read).
+With `--sglang-api-key`, `api_key` is passed too (the session server asks for it, as the engines do). Its
+returned dict is merged into the sample's metadata (a reward left there is the custom reward's to read).
 
 Invariants: the session is deleted on every path; an agent that raises, or that made no model call, gives
 an ABORTED sample (logged), never a dead run; otherwise the sample's tokens, loss mask, rollout logprobs,
@@ -122,9 +123,11 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
     failed = False
     returned: Any = None
     try:
+        # The engines' key (--sglang-api-key) goes to the agent only to reach this run's session server.
+        key = {"api_key": server.api_key} if server.api_key else {}
         returned = await _run_agent(agent, base_url=base_url, prompt=sample.prompt,
                                     request_kwargs=build_chat_request_kwargs(input.sampling_params),
-                                    metadata=metadata)
+                                    metadata=metadata, **key)
     except Exception as error:  # the agent's failure costs this sample, not the run
         log.warning("%s %s failed on sample %s/%s: %r", FLAG, args.custom_agent_function_path,
                     sample.group_index, sample.sample_index, error, exc_info=True)

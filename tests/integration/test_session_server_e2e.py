@@ -4,7 +4,8 @@ torchrun ranks), miles' agentic generate path resolving to ours.
 Checked on every dumped sample: it holds every turn the agent saw up to the first that did not end in `stop`
 (the tokens the engine generated, in order, and the tool output between them); the loss mask is 1 exactly on
 the generated tokens; the rollout logprobs there are the ones the agent received (0.0 elsewhere); the agent's
-returned dict reached the sample's metadata and the custom reward; and the trainer's logprobs match the
+returned dict reached the sample's metadata and the custom reward (the run has an API key: the agent got it and
+the session server asked for it); and the trainer's logprobs match the
 engine's within 1e-4 on every rollout; the dumps replay to the same losses.
 """
 
@@ -45,7 +46,7 @@ def session_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         "--custom-generate-function-path", "miles.rollout.generate_hub.agentic_tool_call.generate",
         "--custom-agent-function-path", "tests.support.session_agent.run_agent",
         "--custom-rm-path", "tests.support.session_agent.reward",
-        "--use-session-server", "--tito-model", "default",
+        "--use-session-server", "--tito-model", "default", "--sglang-api-key", "session-e2e-key",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", str(ROLLOUTS),
         "--rollout-max-response-len", "6", "--rollout-stop-token-ids", *stops,
         "--lr", "0.003", "--rollout-num-engines", "1", "--actor-num-gpus-per-node", "1",

@@ -19,7 +19,8 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwar
                     metadata: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
     messages = list(prompt)
     received: list[dict[str, Any]] = []
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0) as client:
+    key = kwargs.get("api_key", "EMPTY")  # given when the run has --sglang-api-key
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0) as client:
         for turn in range(2):
             reply = await client.chat.completions.create(model="policy", messages=messages, extra_body=request_kwargs)
             choice = reply.choices[0]
