@@ -133,9 +133,8 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
                     sample.group_index, sample.sample_index, error, exc_info=True)
         failed = True
     finally:
-        turns = list(session.turns)
         await server.delete(session.id)
-    assembled = None if failed else assemble(turns, max_seq_len=args.max_seq_len)
+    assembled = None if failed else assemble(session, max_seq_len=args.max_seq_len)
     if assembled is None:
         if not failed:
             log.warning("agent session %s of sample %s/%s recorded no usable model call", session.id,

@@ -28,7 +28,7 @@ from coordinator.hooks.endpoint import HookEndpoint, _Reply
 from coordinator.hooks.runtime import HookRoutes
 from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
-from coordinator.sessions.trajectory import Session, Turn, assemble
+from coordinator.sessions.trajectory import Session, assemble
 
 log = logging.getLogger(__name__)
 
@@ -135,16 +135,15 @@ class SessionServer(HookEndpoint):
         return value
 
     def _describe(self, session: Session) -> dict[str, Any]:
-        ids = session.turns[-1].prompt_ids + session.turns[-1].output_ids if session.turns else []
-        return {"session_id": session.id, "records": session.records,
-                "metadata": {"accumulated_token_ids": ids, "max_trim_tokens": 0}}
+        return {"session_id": session.id, "records": session.describe(),
+                "metadata": {"accumulated_token_ids": session.token_ids, "max_trim_tokens": 0}}
 
     def _samples(self, session: Session, body: dict[str, Any]) -> dict[str, Any]:
         limit = body.get("max_seq_len")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise _Reply(400, f"max_seq_len must be a positive integer, got {limit!r}")
         try:
-            assembled = assemble(session.turns, max_seq_len=limit)
+            assembled = assemble(session, max_seq_len=limit)
         except ValueError as error:
             raise _Reply(422, str(error)) from None
         if assembled is None:
@@ -172,13 +171,17 @@ class SessionServer(HookEndpoint):
             except SessionRequestError as error:
                 raise _Reply(400, str(error)) from None
             response, url = await self._engine_call(session, "POST", CHAT_PATH, request)
-            turn = self._turn(request, response, messages)
-            session.record(turn, kept, {"method": "POST", "path": "/v1/chat/completions", "status_code": 200,
-                                        "request": request, "response": response})
+            prompt_ids = request.pop("input_ids")
+            del request["messages"]  # both kept once, in the session (`Session.describe` puts them back)
+            record = {"method": "POST", "path": "/v1/chat/completions", "status_code": 200, "request": request,
+                      "response": response}
+            session.record(kept=kept, prompt_ids=prompt_ids, messages=messages, record=record,
+                           **self._turn(response))
         return 200, (_sse(response) if stream else _json(response)), url
 
     @staticmethod
-    def _turn(request: dict[str, Any], response: dict[str, Any], messages: list[dict[str, Any]]) -> Turn:
+    def _turn(response: dict[str, Any]) -> dict[str, Any]:
+        """What a turn keeps of the engine's answer: the reply message, generated ids and their logprobs."""
         try:
             choice = response["choices"][0]
             meta = choice["meta_info"]
@@ -190,11 +193,10 @@ class SessionServer(HookEndpoint):
         if len(pairs) != meta.get("completion_tokens", len(pairs)):
             raise _Reply(502, f"the engine answered {len(pairs)} output logprobs for "
                               f"{meta.get('completion_tokens')} completion tokens")
-        message = {key: value for key, value in message.items() if value is not None}
-        message.setdefault("content", "")
-        return Turn(prompt_ids=list(request["input_ids"]), output_ids=[int(p[1]) for p in pairs],
-                    logprobs=[float(p[0]) for p in pairs], finish=choice.get("finish_reason"),
-                    weight_version=meta.get("weight_version"), messages=[*messages, message])
+        reply = {key: value for key, value in message.items() if value is not None}
+        reply.setdefault("content", "")
+        return {"reply": reply, "output_ids": [int(p[1]) for p in pairs], "logprobs": [float(p[0]) for p in pairs],
+                "finish": choice.get("finish_reason"), "weight_version": meta.get("weight_version")}
 
     async def _proxy(self, session: Session, method: str, path: str, body: bytes) -> tuple[int, bytes, str | None]:
         payload = self._body(body) if body.strip() else None

@@ -18,7 +18,7 @@ from coordinator.sessions.tito import (
     strict_matches,
     tito_tokenizer,
 )
-from coordinator.sessions.trajectory import Session, Turn, assemble
+from coordinator.sessions.trajectory import Session, assemble
 from replay.sample import SampleStatus
 
 ASK = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2"}]
@@ -35,48 +35,54 @@ def _template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
 
 
 def _turn(session: Session, tokenizer: Any, family: str, messages: list[dict[str, Any]], reply: str,
-          finish: str = "stop") -> Turn:
+          finish: str = "stop") -> tuple[list[int], list[int], list[float]]:
+    """One recorded turn whose engine wrote `reply`: (its prompt ids, output ids, logprobs)."""
     tito = tito_tokenizer(family, tokenizer)
     prompt, kept = session.prompt_ids(messages, None, tito, strict_matches)
     output = tokenizer.encode(reply, add_special_tokens=False)
     text = tokenizer.decode(output, skip_special_tokens=True)
-    turn = Turn(prompt_ids=prompt, output_ids=output, logprobs=[-0.5 - i for i in range(len(output))], finish=finish,
-                weight_version=str(len(session.turns)), messages=[*messages, {"role": "assistant", "content": text}])
-    session.record(turn, kept, {})
-    return turn
+    logprobs = [-0.5 - i for i in range(len(output))]
+    session.record(kept=kept, prompt_ids=prompt, messages=messages, reply={"role": "assistant", "content": text},
+                   output_ids=output, logprobs=logprobs, finish=finish, weight_version=str(len(session.turns)),
+                   record={"request": {"max_tokens": 9}})
+    return prompt, output, logprobs
 
 
 def test_qwen3_family_matches_the_template_and_default_keeps_the_generated_ids(tokenizer: Any) -> None:
     history = [*ASK, {"role": "assistant", "content": "4"}, {"role": "tool", "content": "ok"}]
     for family, expected in (("qwen3", _template(tokenizer, history)), ("default", None)):
         session = Session()
-        first = _turn(session, tokenizer, family, ASK, "4<|im_end|>")
-        assert first.prompt_ids == _template(tokenizer, ASK)
-        second = _turn(session, tokenizer, family, history, "5")
-        assert second.prompt_ids[: len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+        first_prompt, first_output, _ = _turn(session, tokenizer, family, ASK, "4<|im_end|>")
+        assert first_prompt == _template(tokenizer, ASK)
+        second_prompt, _, _ = _turn(session, tokenizer, family, history, "5")
+        assert second_prompt[: len(first_prompt) + len(first_output)] == first_prompt + first_output
         if expected is not None:
-            assert second.prompt_ids == expected  # the newline after <|im_end|> the model stopped before
+            assert second_prompt == expected  # the newline after <|im_end|> the model stopped before
         else:
-            assert second.prompt_ids != _template(tokenizer, history)  # default: no newline inserted
-            assert len(second.prompt_ids) == len(_template(tokenizer, history)) - 1
+            assert second_prompt != _template(tokenizer, history)  # default: no newline inserted
+            assert len(second_prompt) == len(_template(tokenizer, history)) - 1
+        records = session.describe()  # the records get their prompt ids and messages back
+        assert [r["request"]["input_ids"] for r in records] == [first_prompt, second_prompt]
+        assert records[1]["request"]["messages"] == history and records[1]["request"]["max_tokens"] == 9
 
 
 def test_assembled_sample_masks_exactly_the_generated_tokens(tokenizer: Any) -> None:
     session = Session()
-    first = _turn(session, tokenizer, "qwen3", ASK, "ab<|im_end|>")
-    second = _turn(session, tokenizer, "qwen3", [*ASK, {"role": "assistant", "content": "ab"},
-                                                 {"role": "user", "content": "and?"}], "cde", finish="length")
-    sample = assemble(session.turns)
+    first_prompt, first_output, first_logprobs = _turn(session, tokenizer, "qwen3", ASK, "ab<|im_end|>")
+    second_prompt, second_output, second_logprobs = _turn(
+        session, tokenizer, "qwen3", [*ASK, {"role": "assistant", "content": "ab"}, {"role": "user", "content": "and?"}],
+        "cde", finish="length")
+    sample = assemble(session)
     assert sample is not None and sample.turns == 2
-    assert sample.tokens == second.prompt_ids + second.output_ids
-    start = len(first.prompt_ids)
-    between = len(second.prompt_ids) - start - len(first.output_ids)
+    assert sample.tokens == second_prompt + second_output
+    start = len(first_prompt)
+    between = len(second_prompt) - start - len(first_output)
     assert sample.loss_mask == [1] * 3 + [0] * between + [1] * 3
-    assert sample.rollout_log_probs == first.logprobs + [0.0] * between + second.logprobs
+    assert sample.rollout_log_probs == first_logprobs + [0.0] * between + second_logprobs
     assert sample.status is SampleStatus.TRUNCATED and sample.weight_versions == ["0", "1"]
-    cut = assemble(session.turns, max_seq_len=start + 2)
+    cut = assemble(session, max_seq_len=start + 2)
     assert cut is not None and cut.loss_mask == [1, 1] and cut.status is SampleStatus.TRUNCATED
-    assert assemble(session.turns, max_seq_len=start) is None  # the prompt alone fills it
+    assert assemble(session, max_seq_len=start) is None  # the prompt alone fills it
 
 
 def test_the_first_turn_not_ending_in_stop_ends_the_trajectory(tokenizer: Any) -> None:
@@ -84,7 +90,7 @@ def test_the_first_turn_not_ending_in_stop_ends_the_trajectory(tokenizer: Any) -
     _turn(session, tokenizer, "default", ASK, "ab", finish="length")
     _turn(session, tokenizer, "default", [*ASK, {"role": "assistant", "content": "ab"},
                                           {"role": "user", "content": "more"}], "c")
-    sample = assemble(session.turns)
+    sample = assemble(session)
     assert sample is not None and sample.turns == 1 and sample.loss_mask == [1, 1]
 
 
@@ -92,14 +98,14 @@ def test_retries_roll_back_and_rewritten_history_is_refused(tokenizer: Any) -> N
     session = Session()
     _turn(session, tokenizer, "default", ASK, "ab")
     _turn(session, tokenizer, "default", ASK, "xy")  # the same first request again: a retry
-    assert len(session.turns) == 1 and session.turns[0].messages[-1]["content"] == "xy"
+    assert len(session.turns) == 1 and session.messages[-1]["content"] == "xy"
     with pytest.raises(SessionRequestError, match="do not continue the session"):
         _turn(session, tokenizer, "default", [*ASK, {"role": "assistant", "content": "zz"},
                                               {"role": "user", "content": "?"}], "1")
     with pytest.raises(SessionRequestError, match="roles"):
         _turn(session, tokenizer, "default", [*ASK, {"role": "assistant", "content": "xy"},
                                               {"role": "assistant", "content": "?"}], "1")
-    assert assemble([]) is None
+    assert assemble(Session()) is None
 
 
 def test_matchers() -> None:
