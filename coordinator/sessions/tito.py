@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.rollout.loading import load_object
+from workers.engine.openai_protocol import normalise_messages
 from workers.errors import RaylessError
 
 ALLOWED_APPEND_ROLES = frozenset({"user", "tool", "system", "developer"})
@@ -93,6 +94,11 @@ class TitoTokenizer:
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                tools: list[Any] | None) -> str:
+        try:
+            # As the engine renders chat (SGLang's 'string' content format): text parts joined, None as "".
+            messages = normalise_messages(messages)
+        except ValueError as error:
+            raise SessionRequestError(str(error)) from None
         try:
             return str(self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools,

@@ -118,3 +118,13 @@ def test_matchers() -> None:
     assert role_content_matches(stored, {"role": "assistant", "content": "hi"})
     assert resolve_matcher("strict") is strict_matches
     assert resolve_matcher("coordinator.sessions.tito:role_content_matches") is role_content_matches
+
+
+def test_content_parts_and_null_content_render_as_the_engine_renders_them(tokenizer: Any) -> None:
+    session = Session()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text", "text": "2"}]}]
+    prompt, _, _ = _turn(session, tokenizer, "default", parts, "4")
+    assert prompt == _template(tokenizer, [{"role": "user", "content": "2+\n2"}])
+    with pytest.raises(SessionRequestError, match="only text parts"):
+        Session().prompt_ids([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], None,
+                             tito_tokenizer("default", tokenizer), strict_matches)
