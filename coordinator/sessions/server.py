@@ -40,11 +40,22 @@ def _json(body: Any) -> bytes:
 
 
 def _sse(response: dict[str, Any]) -> bytes:
-    """The engine's whole answer as one stream chunk and [DONE] (miles' fake streaming)."""
-    choices = [{"index": c.get("index", 0), "delta": c.get("message") or {}, "logprobs": c.get("logprobs"),
-                "finish_reason": c.get("finish_reason")} for c in response.get("choices", [])]
-    chunk = {**{k: v for k, v in response.items() if k != "choices"}, "object": "chat.completion.chunk",
-             "choices": choices}
+    """The engine's whole answer as one `chat.completion.chunk` and [DONE] (miles' fake streaming: the engine
+    call is not streamed, since the session needs the complete message and meta info). As miles: one delta
+    with the role and content (and reasoning / tool calls, each with its index), the usage; and the logprobs."""
+    choice = response.get("choices", [{}])[0]
+    message = choice.get("message") or {}
+    delta = {"role": message.get("role", "assistant"), "content": message.get("content")}
+    if message.get("reasoning_content") is not None:
+        delta["reasoning_content"] = message["reasoning_content"]
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(message["tool_calls"])]
+    chunk = {"id": response.get("id"), "object": "chat.completion.chunk", "created": response.get("created"),
+             "model": response.get("model"),
+             "choices": [{"index": 0, "delta": delta, "logprobs": choice.get("logprobs"),
+                          "finish_reason": choice.get("finish_reason")}]}
+    if response.get("usage") is not None:
+        chunk["usage"] = response["usage"]
     return b"data: " + _json(chunk) + b"\n\ndata: [DONE]\n\n"
 
 

@@ -79,8 +79,10 @@ def test_every_turn_is_in_the_sample_with_its_mask_and_logprobs(session_run: tup
         two_turns += len(kept) == 2
         response = sample.tokens[len(sample.tokens) - sample.response_length:]
         trained = [token for token, mask in zip(response, sample.loss_mask, strict=True) if mask]
-        assert trained == [token for turn in kept for token in turn["ids"]]
-        assert sum(sample.loss_mask) == sum(len(turn["ids"]) for turn in kept)
+        assert sum(sample.loss_mask) == sum(len(turn["logprobs"]) for turn in kept)
+        assert trained[:len(kept[0]["ids"])] == kept[0]["ids"]  # the first turn's answer carried its ids
+        if len(kept) == 2:  # the streamed turn: its logprobs' token texts (one character each) name its ids
+            assert trained[len(kept[0]["ids"]):] == tokenizer.convert_tokens_to_ids(kept[1]["tokens"])
         logprobs = [lp for lp, mask in zip(sample.rollout_log_probs, sample.loss_mask, strict=True) if mask]
         assert logprobs == [lp for turn in kept for lp in turn["logprobs"]]
         assert all(lp == 0.0 for lp, mask in zip(sample.rollout_log_probs, sample.loss_mask, strict=True) if not mask)
