@@ -10,7 +10,8 @@ recorded; the engine's JSON passed back, as SSE when the agent asked to stream),
 `--sglang-api-key`) is the hook endpoint's.
 
 Invariants: every call of one session goes to one engine, picked when the session is created (another one only
-after the dispatcher's fleet found it dead); a session's calls run one at a time (its lock); at most
+after the dispatcher's fleet found it dead), the router bypassed (it drops `input_ids` and `return_meta_info`)
+unless the run knows no engine but the router's address; a session's calls run one at a time (its lock); at most
 `max_sessions` sessions live at once (503 beyond); an engine's 4xx reaches the agent with its status and is not
 recorded, so the agent can retry.
 """
@@ -73,6 +74,9 @@ class SessionServer(HookEndpoint):
         self.matcher = matcher
         self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
+        # Straight to the engines whenever the run knows them, with a router too: sglang-router re-serialises
+        # chat requests and drops SGLang's `input_ids` and `return_meta_info`, which token-in-token-out needs.
+        self.direct = dispatcher.pool is not None
 
     # --- in-process API (the agentic generate uses it; the routes below are the same calls over HTTP) --------
     async def create(self, engine: Any = None) -> Session:
@@ -81,7 +85,7 @@ class SessionServer(HookEndpoint):
         if len(self.sessions) >= self.max_sessions:
             raise _Reply(503, f"the session server holds its limit of {self.max_sessions} sessions")
         session = Session()
-        if self.dispatcher.router_url is None:
+        if self.direct:
             if engine is not None and getattr(engine, "alive", True):
                 session.engine = engine
                 self.dispatcher.assigned[engine.url] += 1
@@ -220,9 +224,9 @@ class SessionServer(HookEndpoint):
         client, dispatcher = self.dispatcher.client, self.dispatcher
         headers = {"X-SMG-Routing-Key": session.id}
         for attempt in (1, 2):
-            if dispatcher.router_url is None and session.engine is None:  # its engine died, none was left
+            if self.direct and session.engine is None:  # its engine died, none was left
                 session.engine = await self._pick()
-            url = dispatcher.router_url or session.engine.url
+            url = session.engine.url if self.direct else str(dispatcher.router_url)
             try:
                 answer = await client.request_json(url, method, "/" + path, json_body=body, headers=headers,
                                                    timeout=client.generate_timeout)
@@ -233,8 +237,7 @@ class SessionServer(HookEndpoint):
                 failure: EngineError = error
             except EngineError as error:
                 failure = error
-            if dispatcher.router_url is not None or attempt == 2 or (dispatcher.pool is not None
-                                                                     and await dispatcher.pool.check(session.engine)):
+            if not self.direct or attempt == 2 or await self.dispatcher.pool.check(session.engine):
                 raise _Reply(502, str(failure)) from None
             await self._move(session, failure)
         raise AssertionError("unreachable")

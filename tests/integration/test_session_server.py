@@ -4,7 +4,8 @@ A session's calls all land on its engine (two sessions on two engines), its firs
 and each later one the stored ids plus only the appended messages; streamed answers are the recorded ones;
 a request that rewrites history is a 400 and is not recorded; other paths are proxied; the API key, unknown
 sessions and oversized bodies get 401 / 404 / 413; `/samples` gives the trajectory's fields; when a session's
-engine dies its next call is served by the other engine and the trajectory goes on.
+engine dies its next call is served by the other engine and the trajectory goes on; with a router, sessions
+still go straight to the engines.
 """
 
 from __future__ import annotations
@@ -113,6 +114,19 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
             assert (await http.get(f"/sessions/{ids[0]}")).status_code == 404
             for agent in agents:
                 await agent.close()
+
+        # With a router, sessions still go straight to the engines (sglang-router drops input_ids and
+        # return_meta_info): nothing listens at this router address, and the chat is served.
+        routed = SessionServer(dispatcher=Dispatcher(client=client, pool=fleet, router_url="http://127.0.0.1:9"),
+                               tito=tito_tokenizer("default", tokenizer), matcher=resolve_matcher("strict"),
+                               api_key=KEY)
+        await tg.start(routed.run)
+        session = await routed.create()
+        async with openai.AsyncOpenAI(base_url=f"{routed.url}/sessions/{session.id}/v1", api_key=KEY,
+                                      max_retries=0) as agent:
+            reply = await _chat(agent, ASK)
+        assert reply.choices[0].model_extra["meta_info"]["weight_version"] in served[1]
+        assert routed.sessions[session.id].turns[0].prompt_len == len(turn1)
         tg.cancel_scope.cancel()
 
 
