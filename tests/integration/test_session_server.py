@@ -5,11 +5,13 @@ and each later one the stored ids plus only the appended messages; streamed answ
 a request that rewrites history is a 400 and is not recorded; other paths are proxied; the API key, unknown
 sessions and oversized bodies get 401 / 404 / 413; `/samples` gives the trajectory's fields; when a session's
 engine dies its next call is served by the other engine and the trajectory goes on; with a router, sessions
-still go straight to the engines.
+still go straight to the engines; the agentic generate merges the agent's dict into the metadata and turns an
+agent's exception into an aborted sample.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 from pathlib import Path
@@ -21,9 +23,12 @@ import openai
 from transformers import AutoTokenizer
 
 from coordinator.engines import EngineClient, EngineFleet, EngineLaunchSpec
+from coordinator.hooks.runtime import GenerateFnInput, HookRoutes
 from coordinator.rollout.dispatch import Dispatcher
+from coordinator.sessions.agentic import generate
 from coordinator.sessions.server import SessionServer
 from coordinator.sessions.tito import resolve_matcher, tito_tokenizer
+from replay.sample import Sample, SampleStatus
 
 KEY = "session-server-key-0b7"
 ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))
@@ -127,6 +132,26 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
             reply = await _chat(agent, ASK)
         assert reply.choices[0].model_extra["meta_info"]["weight_version"] in served[1]
         assert routed.sessions[session.id].turns[0].prompt_len == len(turn1)
+        await routed.delete(session.id)
+
+        # miles' agentic generate over it: the agent's dict lands in the metadata; an agent that raises gives an
+        # aborted sample; either way its session is gone afterwards.
+        runtime = argparse.Namespace(sessions=routed, routes=HookRoutes())
+        for agent_path, status in (("run_agent", SampleStatus.COMPLETED), ("failing_agent", SampleStatus.ABORTED)):
+            args = argparse.Namespace(custom_agent_function_path=f"tests.support.session_agent.{agent_path}",
+                                      max_seq_len=None, _rayless_runtime=runtime)
+            sample = Sample(prompt=ASK, metadata={"task": "sum"})
+            # Every token a stop token: each turn ends by `stop` after one token, so the agent makes both turns.
+            params = {"max_new_tokens": 3, "stop_token_ids": list(range(len(tokenizer))), "skip_special_tokens": False}
+            out = (await generate(GenerateFnInput(state=None, sample=sample, sampling_params=params,
+                                                  evaluation=False, args=args))).samples
+            assert out.status is status and not routed.sessions
+            if status is SampleStatus.ABORTED:
+                assert out.tokens == [] and out.response_length == 0
+            else:
+                assert out.metadata["task"] == "sum" and out.metadata["tool_output"] == "3"
+                assert out.loss_mask[0] == 1 and out.loss_mask[-1] == 1 and sum(out.loss_mask) == 2
+                assert out.metadata["session_turns"] == 2
         tg.cancel_scope.cancel()
 
 

@@ -68,3 +68,12 @@ ABORTED: list[Any] = []
 
 async def abort(args: Any) -> None:
     ABORTED.append(args)
+
+
+async def failing_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwargs: dict[str, Any],
+                        metadata: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """Makes one model call, then fails (an agent's bug or its environment's): the sample is aborted."""
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.get("api_key", "EMPTY"),
+                                  max_retries=0) as client:
+        await client.chat.completions.create(model="policy", messages=prompt, extra_body=request_kwargs)
+    raise RuntimeError("the environment went away")
