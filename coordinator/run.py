@@ -182,6 +182,10 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
     )
     await start_hook_services(manager, task_group=task_group, seed=config.rollout.rollout_seed,
                               router_url=router_url, api_key=config.sglang.sglang_api_key)
+    if config.hooks.use_session_server is not None and config.needs_engines:
+        from coordinator.sessions.service import start_session_server  # miles' session server for agents
+
+        await start_session_server(manager, task_group=task_group, api_key=config.sglang.sglang_api_key)
     ft = services.ft
     num_rollout = config.rollout.num_rollout
     if num_rollout is None:  # replay without --num-rollout: every dump the template finds

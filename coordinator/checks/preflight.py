@@ -145,7 +145,11 @@ def hooks_in_use(config: Config) -> list[tuple[str, str]]:
                     ("--dynamic-sampling-filter-path", rollout.dynamic_sampling_filter_path),
                     ("--custom-generate-function-path", extra.custom_generate_function_path),
                     ("--generate-tool-specs-path", extra.generate_tool_specs_path),
-                    ("--generate-execute-tool-function-path", extra.generate_execute_tool_function_path)]
+                    ("--generate-execute-tool-function-path", extra.generate_execute_tool_function_path),
+                    ("--custom-agent-function-path", extra.custom_agent_function_path)]
+        if extra.use_session_server is not None and extra.session_message_matcher not in ("strict",
+                                                                                         "role_content_only"):
+            optional.append(("--session-message-matcher", extra.session_message_matcher))
         hooks += [(flag, path) for flag, path in optional if path is not None]
     if config.needs_train_ranks and config.train.custom_tis_function_path is not None:
         hooks.append(("--custom-tis-function-path", config.train.custom_tis_function_path))
@@ -191,6 +195,10 @@ def check_hook_signature(flag: str, path: str, target: Any, *, group_rm: bool = 
             reading = forms.read_tis(flag, path, target)
         elif flag == "--generate-tool-specs-path":
             return forms.check_tool_specs(flag, path, target)
+        elif flag in ("--custom-agent-function-path", "--session-message-matcher"):
+            from coordinator.sessions.agentic import check_agent_hook
+
+            return check_agent_hook(flag, path, target)
         else:
             raise KeyError(f"no signature rule for {flag}")
     except forms.HookSignatureError as error:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config.fields import ConfigError, flag_name
-from coordinator.config.hooks import MULTI_TURN_GENERATE
+from coordinator.config.hooks import AGENTIC_GENERATE, MULTI_TURN_GENERATE
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 
 _NONZERO_STD = "coordinator.rollout.filters:reward_std_positive"
@@ -39,6 +39,8 @@ HOOK_ALIASES: dict[tuple[str, str], HookAlias] = {
         HookAlias(DEFAULT_ROLLOUT_FUNCTION, async_rollout=True),
     ("custom_generate_function_path", "miles.rollout.generate_hub.multi_turn.generate"):
         HookAlias(MULTI_TURN_GENERATE),
+    ("custom_generate_function_path", "miles.rollout.generate_hub.agentic_tool_call.generate"):
+        HookAlias(AGENTIC_GENERATE),
 }
 _HOOK_FIELDS = ("rollout_function_path", "eval_function_path", "custom_rm_path", "dynamic_sampling_filter_path",
                 "custom_generate_function_path")

@@ -67,6 +67,7 @@ class FlagOptions:
     parse: Callable[[str], str] | None = None
     split_commas: bool = False
     metavar: str | None = None
+    bare: str | None = None
 
 
 def flag(
@@ -83,6 +84,7 @@ def flag(
     parse: Callable[[str], str] | None = None,
     split_commas: bool = False,
     metavar: str | None = None,
+    bare: str | None = None,
 ) -> Any:
     """A slice field that is also a command-line flag named after it (`rollout_batch_size` → `--rollout-batch-size`).
 
@@ -91,10 +93,12 @@ def flag(
     minimum / maximum: inclusive bounds; above: an exclusive lower bound; also: values allowed outside the
     bounds (e.g. -1 = off); finite: floats reject nan and ±inf; secret: never shown (default: by name, see
     `looks_secret`); parse: a check of each string value (addresses, hook paths) that raises ValueError with a
-    reason; split_commas: `a,b c` gives three items (`--ft-components`).
+    reason; split_commas: `a,b c` gives three items (`--ft-components`); bare: the value of the flag given
+    without one (miles' `--use-session-server` alone means `v1`).
     """
     options = FlagOptions(help=help, choices=choices, minimum=minimum, above=above, maximum=maximum, also=also,
-                          finite=finite, secret=secret, parse=parse, split_commas=split_commas, metavar=metavar)
+                          finite=finite, secret=secret, parse=parse, split_commas=split_commas, metavar=metavar,
+                          bare=bare)
     return dataclasses.field(default=default, metadata={"flag": options})
 
 

@@ -15,6 +15,13 @@ from coordinator.config import values
 from coordinator.config.fields import ConfigError, Slice, flag
 
 MULTI_TURN_GENERATE = "coordinator.hooks.multi_turn:generate"
+#: miles' `agentic_tool_call.generate`: an OpenAI-API agent through the session server (coordinator.sessions).
+AGENTIC_GENERATE = "coordinator.sessions.agentic:generate"
+#: `--tito-model` families rayless implements, and miles' others (refused by name).
+TITO_FAMILIES = ("default", "qwen3")
+MILES_ONLY_TITO = ("qwen35", "qwennext", "glm47", "nemotron3", "kimi25", "kimi26", "minimax_m25", "minimax_m27",
+                   "deepseekv32", "deepseekv4", "inkling")
+MESSAGE_MATCHERS = ("strict", "role_content_only")
 
 
 #: --generate-tool-call-parser values (`coordinator.hooks.tool_calls` implements each)
@@ -48,6 +55,23 @@ class HooksConfig(Slice):
         parse=values.hook_path, metavar="MODULE:NAME")
     log_multi_turn: bool = flag(False, help="log slime's multi-turn metrics (response length with and "
                                 "without tool output, model turns per sample)")
+    custom_agent_function_path: str | None = flag(
+        None, help="miles' agent: async fn(*, base_url, prompt, request_kwargs, metadata, **kw) -> dict | None, "
+        "talking to the policy through the OpenAI API at base_url/v1 (docs/openai.md)", parse=values.hook_path,
+        metavar="MODULE:NAME")
+    use_session_server: str | None = flag(
+        None, help="miles' session server (token in, token out) in the coordinator; bare or v1", choices=("v1", "v2"),
+        bare="v1", metavar="[v1]")
+    session_server_ip: str = flag("127.0.0.1", help="address the session server listens on")
+    session_server_port: tuple[int, ...] = flag((), help="port of the session server (none or 0: the OS picks "
+                                                "one)", minimum=0, maximum=65535)
+    tito_model: str = flag("default", help="how the session server tokenizes appended messages: default (the "
+                           "model's chat template) or qwen3 (its <|im_end|> boundary)")
+    session_message_matcher: str = flag(
+        "strict", help="how a session's stored messages are matched against the next request's: strict, "
+        "role_content_only, or MODULE:NAME of fn(stored, new) -> bool")
+    max_seq_len: int | None = flag(None, help="miles' agent sessions: tokens per trajectory (prompt, turns and "
+                                   "tool output); longer ones are cut at a turn boundary", minimum=1)
 
     def check(self) -> None:
         miles = {"--generate-tool-specs-path": self.generate_tool_specs_path,
@@ -63,6 +87,39 @@ class HooksConfig(Slice):
             raise ConfigError(f"{' '.join(given)} configure miles' multi-turn generate; set "
                               f"--custom-generate-function-path {MULTI_TURN_GENERATE} (or miles' "
                               "miles.rollout.generate_hub.multi_turn.generate) to use them")
+
+        self._check_agent()
+
+    def _check_agent(self) -> None:
+        agentic = self.custom_generate_function_path == AGENTIC_GENERATE
+        if self.use_session_server == "v2":
+            raise ConfigError("--use-session-server v2 (miles' tree-serving sessions) is not implemented in rayless; "
+                              "pass it bare (or v1) for the append-only linear server")
+        if self.tito_model in MILES_ONLY_TITO:
+            raise ConfigError(f"--tito-model {self.tito_model}: miles' family, not implemented in rayless "
+                              f"(implemented: {', '.join(TITO_FAMILIES)})")
+        if self.tito_model not in TITO_FAMILIES:
+            raise ConfigError(f"--tito-model {self.tito_model!r} is not a TITO family; use one of "
+                              f"{', '.join(TITO_FAMILIES)}")
+        if self.tito_model != "default" and self.use_session_server is None:
+            raise ConfigError(f"--tito-model={self.tito_model} requires --use-session-server; this flag only "
+                              "configures the session-server TITO middleware")
+        if len(self.session_server_port) > 1:
+            raise ConfigError(f"--session-server-port {' '.join(map(str, self.session_server_port))}: miles' range "
+                              "of several session servers; rayless runs one session server in the coordinator: "
+                              "give one port (or none)")
+        matcher = self.session_message_matcher
+        if matcher not in MESSAGE_MATCHERS and ("." not in matcher and ":" not in matcher):
+            raise ConfigError(f"invalid --session-message-matcher {matcher!r}; use one of "
+                              f"{', '.join(MESSAGE_MATCHERS)}, or a dotted import path such as package.module.matcher")
+        if agentic and self.custom_agent_function_path is None:
+            raise ConfigError(f"--custom-generate-function-path {AGENTIC_GENERATE} (miles' agentic_tool_call) "
+                              "needs --custom-agent-function-path naming the agent")
+        if agentic and self.use_session_server is None:
+            raise ConfigError("agentic_tool_call.generate requires the session server: pass --use-session-server")
+        if self.custom_agent_function_path is not None and not agentic:
+            raise ConfigError("--custom-agent-function-path is called by miles' agentic generate: set "
+                              "--custom-generate-function-path miles.rollout.generate_hub.agentic_tool_call.generate")
 
     @property
     def multi_turn_builtin(self) -> bool:

@@ -70,6 +70,10 @@ def build_parser(prog: str = "rayless train") -> argparse.ArgumentParser:
             choices = spec.choices()
             metavar = spec.options.metavar or ("{" + ",".join(map(str, choices)) + "}" if choices
                                                else _METAVARS[spec.kind])
+            if spec.options.bare is not None:  # `--flag` alone means `--flag BARE`
+                group.add_argument(spec.flag, dest=spec.name, default=argparse.SUPPRESS, metavar=metavar,
+                                   nargs="?", const=spec.options.bare, help=_help_text(spec))
+                continue
             group.add_argument(spec.flag, dest=spec.name, default=argparse.SUPPRESS, metavar=metavar,
                                nargs="+" if spec.container is not None else None, help=_help_text(spec))
     return parser

@@ -170,6 +170,12 @@ def async_rollout_does_not_abort_on_update(config: Config) -> None:
                           "update would end the requests in flight; use in_place (the default) or retract")
 
 
+def session_server_does_not_abort_on_update(config: Config) -> None:
+    """miles' check: an abort at each weight update would cut agent sessions mid-turn."""
+    if config.hooks.use_session_server is not None and config.sglang.pause_generation_mode == "abort":
+        raise ConfigError("--use-session-server is incompatible with --pause-generation-mode=abort")
+
+
 def colocation_is_not_async(config: Config) -> None:
     if config.cluster.colocate and config.rollout.async_rollout:
         raise ConfigError("--colocate and --async-rollout: colocated engines and ranks take turns on the same "
@@ -229,6 +235,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     eval_fleet_generates_without_hooks,
     tis_hook_needs_tis,
     async_rollout_does_not_abort_on_update,
+    session_server_does_not_abort_on_update,
     colocation_is_not_async,
     colocation_needs_both_halves,
 )

@@ -155,6 +155,7 @@ class HookRuntime(anyio.AsyncContextManagerMixin):
         self.routes = HookRoutes()
         self.http: EngineClient | None = None
         self._state: SlimeGenerateState | None = None
+        self.sessions: Any = None  # the session server (coordinator.sessions.server), with --use-session-server
         args.__dict__["_rayless_runtime"] = self
 
     # --- pieces -------------------------------------------------------------------------------------------

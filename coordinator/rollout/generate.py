@@ -161,6 +161,10 @@ class DefaultRollout:
                 # The batch is full: abort every straggler at once, collect what they return.
                 if pending:
                     await self.dispatcher.abort_all()
+                    if self.custom_generate is not None:  # miles: the agent's own abort(args), if it has one
+                        from coordinator.rollout.agent_abort import call_agent_abort_hook
+
+                        await call_agent_abort_hook(self.custom_generate.runtime.args)
                     with anyio.move_on_after(10):
                         while pending:
                             group, samples = await receive.receive()

@@ -43,7 +43,7 @@ REQUEST_DEADLINE_S = 60.0
 IDLE_DEADLINE_S = 600.0
 
 
-class _Reply(Exception):
+class HttpReply(Exception):
     """Answer the current request with this status and message, then go on (or close when `close`)."""
 
     def __init__(self, status: int, message: str, *, close: bool = False) -> None:
@@ -70,6 +70,8 @@ class HookEndpoint:
         api_key: required from clients when set (`--sglang-api-key`).
     """
 
+    DESCRIPTION = "hook endpoint (POST /generate through the rollout's dispatcher)"
+
     def __init__(self, *, dispatcher: Dispatcher, routes: HookRoutes, seed: int, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, max_connections: int = 1024,
                  max_body_bytes: int = 64 * 1024 * 1024) -> None:
@@ -93,7 +95,7 @@ class HookEndpoint:
         (listener,) = multi.listeners
         async with listener, anyio.create_task_group() as group:
             self.port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
-            log.info("hook endpoint listening on %s (POST /generate through the rollout's dispatcher)", self.url)
+            log.info("%s listening on %s", self.DESCRIPTION, self.url)
             task_status.started(self)
             free = anyio.Semaphore(self.max_connections)
             while True:
@@ -128,11 +130,11 @@ class HookEndpoint:
             if isinstance(event, h11.ConnectionClosed):
                 return False
             if not isinstance(event, h11.Request):
-                raise _Reply(400, "expected an HTTP request", close=True)
+                raise HttpReply(400, "expected an HTTP request", close=True)
             with anyio.fail_after(REQUEST_DEADLINE_S):
                 body = await self._read_body(connection, stream, event)
             status, data, served_by = await self._respond(event, body)
-        except _Reply as reply:
+        except HttpReply as reply:
             status, data, served_by = reply.status, _error_body(str(reply)), None
             if reply.close or connection.their_state not in (h11.DONE, h11.MUST_CLOSE):
                 await self._send(connection, stream, status, data, close=True)
@@ -162,7 +164,7 @@ class HookEndpoint:
                          request: h11.Request) -> bytes:
         length = next((value for name, value in request.headers if name == b"content-length"), None)
         if length is not None and int(length) > self.max_body_bytes:
-            raise _Reply(413, f"request body of {int(length)} bytes is over the limit of {self.max_body_bytes}",
+            raise HttpReply(413, f"request body of {int(length)} bytes is over the limit of {self.max_body_bytes}",
                          close=True)
         chunks: list[bytes] = []
         size = 0
@@ -171,16 +173,19 @@ class HookEndpoint:
             if isinstance(event, h11.Data):
                 size += len(event.data)
                 if size > self.max_body_bytes:
-                    raise _Reply(413, f"request body over the limit of {self.max_body_bytes} bytes", close=True)
+                    raise HttpReply(413, f"request body over the limit of {self.max_body_bytes} bytes", close=True)
                 chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
                 return b"".join(chunks)
             else:
-                raise _Reply(400, "the request ended before its body", close=True)
+                raise HttpReply(400, "the request ended before its body", close=True)
 
     async def _send(self, connection: h11.Connection, stream: anyio.abc.SocketStream, status: int, data: bytes,
                     *, close: bool = False, extra: list[tuple[str, str]] | None = None) -> None:
-        headers = [("content-type", "application/json"), ("content-length", str(len(data))), *(extra or [])]
+        extra = list(extra or [])
+        kind = next((value for name, value in extra if name == "content-type"), "application/json")
+        extra = [(name, value) for name, value in extra if name != "content-type"]
+        headers = [("content-type", kind), ("content-length", str(len(data))), *extra]
         if close:
             headers.append(("connection", "close"))
         await stream.send(connection.send(h11.Response(status_code=status, headers=headers)))
@@ -197,15 +202,15 @@ class HookEndpoint:
         if path == "/health":
             return 200, b"{}", None
         if path != "/generate":
-            raise _Reply(404, f"{path}: this endpoint serves POST /generate (and GET /health) for hooks")
+            raise HttpReply(404, f"{path}: this endpoint serves POST /generate (and GET /health) for hooks")
         if method != "POST":
-            raise _Reply(405, f"{method} {path}: use POST")
+            raise HttpReply(405, f"{method} {path}: use POST")
         try:
             payload = json.loads(body)
         except ValueError as error:
-            raise _Reply(400, f"the body is not JSON: {error}") from None
+            raise HttpReply(400, f"the body is not JSON: {error}") from None
         if not isinstance(payload, dict):
-            raise _Reply(400, f"the body must be a JSON object (SGLang's /generate request), got "
+            raise HttpReply(400, f"the body must be a JSON object (SGLang's /generate request), got "
                               f"{type(payload).__name__}")
         response, url = await self._generate(payload, headers.get(ROUTE_HEADER.lower()))
         return 200, _json(response), url
@@ -215,7 +220,7 @@ class HookEndpoint:
             return
         given = headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise _Reply(401, "missing or wrong API key (Authorization: Bearer, as --sglang-api-key)")
+            raise HttpReply(401, "missing or wrong API key (Authorization: Bearer, as --sglang-api-key)")
 
     async def _generate(self, payload: dict[str, Any], token: str | None) -> tuple[Any, str]:
         route = self.routes.get(token)
@@ -238,8 +243,8 @@ class HookEndpoint:
                 route.group.engine = next((h for h in (pool.alive() if pool else ()) if h.url == url), None)
             return response, url
         except EngineHTTPError as error:
-            raise _Reply(error.status if 400 <= error.status < 500 else 502, error.server_message) from None
+            raise HttpReply(error.status if 400 <= error.status < 500 else 502, error.server_message) from None
         except NoEngineAvailable as error:
-            raise _Reply(503, str(error)) from None
+            raise HttpReply(503, str(error)) from None
         except EngineError as error:
-            raise _Reply(502, str(error)) from None
+            raise HttpReply(502, str(error)) from None

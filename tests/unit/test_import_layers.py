@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"weights"},  # the weight sync and the colocated hand-over
     {"hooks"},  # the hook API user code imports
     {"rollout"},  # prompts, generation, rewards, filters, advantages, the hook endpoint
-    {"eval"},  # eval datasets, the eval fleet, evaluation on the rollout engines
+    {"eval", "sessions"},  # evaluation; miles' session server for OpenAI-API agents
     {"plan"},  # the placement plan and the multi-node layout
     {"nodes"},  # node 0's registry, node k's agent
     {"checks"},  # start-up checks and the dry run

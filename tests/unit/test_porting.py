@@ -224,8 +224,11 @@ def test_slime_and_miles_hook_paths_resolve_to_ours(tiny_model_dir: Path) -> Non
     # miles' multi-turn generate needs its settings (each a module path; validation does not import them)
     multi_turn = ["--generate-tool-specs-path", "m.specs", "--generate-execute-tool-function-path", "m.run",
                   "--generate-tool-call-parser", "qwen25"]
+    # miles' agentic generate needs its agent and the session server
+    agentic = ["--custom-agent-function-path", "m.run_agent", "--use-session-server"]
     for (field, theirs), alias in HOOK_ALIASES.items():
         extra = multi_turn if field == "custom_generate_function_path" else []
+        extra = agentic if theirs.endswith("agentic_tool_call.generate") else extra
         config = parse_config(argv(tiny_model_dir, "--" + field.replace("_", "-"), theirs, *extra))
         slice_ = config.hooks if field == "custom_generate_function_path" else config.rollout
         assert getattr(slice_, field) == alias.ours

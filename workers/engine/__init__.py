@@ -11,6 +11,8 @@ Owns nothing itself; it wires the modules below. The HTTP contract is in docs/en
 - `scheduler`: sequence states and the continuous-batching step loop (event loop side)
 - `http_input`: bounded request bodies (size, JSON depth) and clients that disconnect mid-body
 - `server`: Starlette routes, auth, release/resume, weight-update endpoints; uvicorn
+- `openai_routes`, `openai_protocol`, `openai_render`: the OpenAI-compatible `/v1/chat/completions`,
+  `/v1/completions` and `/v1/models` (requests mapped onto /generate's validation; SGLang's response shapes)
 - `weight_group`: weight-update groups formed as SGLang's `init_custom_process_group` forms them, SGLang's
   receive loop, and the flattened-bucket layout (shared with the trainer's sender)
 

@@ -48,6 +48,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from workers.engine.args import EngineArgs
 from workers.engine.http_input import BodyLimitMiddleware, read_json
+from workers.engine.openai_routes import OpenAIRoutes
 from workers.engine.runner import ModelRunner, WeightUpdateError
 from workers.engine.sampling import RequestError, SamplingParams, parse_sampling_params
 from workers.engine.sampling_params import INT64_MAX, show
@@ -149,6 +150,7 @@ class EngineServer:
             Route("/destroy_weights_update_group", self.destroy_weights_update_group, methods=post),
             Route("/begin_weight_update", self.begin_weight_update, methods=post),
             Route("/end_weight_update", self.end_weight_update, methods=post),
+            *OpenAIRoutes(self).routes(),  # /v1/chat/completions, /v1/completions, /v1/models
         ]
         app: ASGIApp = Starlette(routes=routes, lifespan=self.lifespan)
         app = BodyLimitMiddleware(app, self.args.max_request_bytes)
@@ -271,7 +273,7 @@ class EngineServer:
             raise RequestError(f"{name} must be an integer in [{low}, 2**63 - 1], got {show(value)}")
         return value
 
-    async def _build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]:
+    async def build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]:
         """Validate the whole request and make its sequences; nothing reaches the scheduler before this
         returns, so a bad request is refused whole and never joins (or breaks) the running batch."""
         from workers.engine.scheduler import RequestGroup
@@ -382,7 +384,7 @@ class EngineServer:
     async def generate(self, request: Request) -> Response:
         try:
             body = await self._json(request)
-            seqs, single, group = await self._build(body)
+            seqs, single, group = await self.build(body)
             await self.scheduler.submit(group)
         except RequestError as exc:
             return error(str(exc))
@@ -393,11 +395,11 @@ class EngineServer:
             return StreamingResponse(
                 self._stream(group, seqs, single=single, with_text=with_text), media_type="text/event-stream"
             )
-        await self._wait_or_disconnect(request, group)
+        await self.wait_or_disconnect(request, group)
         rendered = [self.render(seq, with_text=with_text, final=True) for seq in seqs]
         return JSONResponse(rendered[0] if single else rendered)
 
-    async def _wait_or_disconnect(self, request: Request, group: Any) -> None:
+    async def wait_or_disconnect(self, request: Request, group: Any) -> None:
         """Wait for the group; if the client goes away first, abort its sequences."""
 
         async def watch_disconnect() -> None:

@@ -1,0 +1,136 @@
+"""miles' `agentic_tool_call.generate`, ours: one sample = one agent episode through the session server.
+
+Owns the agent contract (`--custom-agent-function-path`): the agent is called with keywords only —
+`base_url` (the session's, `http://IP:PORT/sessions/<id>`; OpenAI clients use `base_url + "/v1"`), `prompt`
+(the sample's prompt as the data holds it: an OpenAI message list), `request_kwargs` (the rollout's sampling
+params under chat names: max_new_tokens→max_tokens, min_new_tokens→min_tokens, sampling_seed→seed, the rest
+kept when the chat API has them) and `metadata` (the sample's, plus `max_seq_len` and `session_server_id`).
+With `--sglang-api-key`, `api_key` is passed too (the session server asks for it, as the engines do). Its
+returned dict is merged into the sample's metadata (a reward left there is the custom reward's to read).
+
+Invariants: the session is deleted on every path; an agent that raises, or that made no model call, gives
+an ABORTED sample (logged), never a dead run; otherwise the sample's tokens, loss mask, rollout logprobs,
+status and weight versions are the session's trajectory (`coordinator.sessions.trajectory.assemble`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError, current_call
+from coordinator.sessions.trajectory import assemble
+from replay.sample import Sample, SampleStatus
+from workers.hook_loading import load_object
+
+log = logging.getLogger(__name__)
+
+FLAG = "--custom-agent-function-path"
+_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+#: The sampling fields of SGLang's ChatCompletionRequest an agent's request may carry.
+_CHAT_FIELDS = frozenset({
+    "max_tokens", "min_tokens", "seed", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+    "stop_regex", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "n", "ignore_eos",
+    "skip_special_tokens", "no_stop_trim", "custom_params", "regex", "ebnf", "logprobs", "top_logprobs",
+})
+
+
+def build_chat_request_kwargs(sampling_params: dict[str, Any]) -> dict[str, Any]:
+    """The rollout's sampling params as a chat request's fields (miles' build_chat_request_kwargs)."""
+    kwargs = dict(sampling_params)
+    for ours, theirs in _RENAMED.items():
+        if ours in kwargs:
+            value = kwargs.pop(ours)
+            kwargs.setdefault(theirs, value)
+    return {key: value for key, value in kwargs.items() if key in _CHAT_FIELDS and value is not None}
+
+
+def check_agent_hook(flag: str, path: str, target: Any) -> str:
+    """Start-up check of the agent (keywords base_url, prompt, request_kwargs, metadata) or of a message
+    matcher (two positional messages); ConfigError naming the flag otherwise."""
+    from coordinator.config.fields import ConfigError
+
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return "called as given (no signature to check)"
+    if flag == FLAG:
+        try:
+            signature.bind(base_url="", prompt=[], request_kwargs={}, metadata={})
+        except TypeError as error:
+            raise ConfigError(f"{flag} {path!r} cannot be called as miles calls an agent, "
+                              f"await fn(*, base_url, prompt, request_kwargs, metadata): {error}") from None
+        return "called as await fn(base_url=..., prompt=..., request_kwargs=..., metadata=...)"
+    try:
+        signature.bind({}, {})
+    except TypeError as error:
+        raise ConfigError(f"{flag} {path!r} cannot be called as fn(stored_message, new_message) -> bool: "
+                          f"{error}") from None
+    return "called as fn(stored_message, new_message) -> bool"
+
+
+def _sessions(args: Any) -> Any:
+    runtime = getattr(args, "_rayless_runtime", None)
+    sessions = getattr(runtime, "sessions", None)
+    if sessions is None:
+        raise HookError("agentic_tool_call.generate requires the session server: pass --use-session-server")
+    return sessions
+
+
+def _aborted(sample: Sample) -> Sample:
+    sample.status = SampleStatus.ABORTED
+    sample.tokens, sample.response_length, sample.response = [], 0, ""
+    sample.loss_mask, sample.rollout_log_probs = [], []
+    return sample
+
+
+async def _run_agent(agent: Any, **kwargs: Any) -> Any:
+    result = agent(**kwargs)
+    return await result if inspect.isawaitable(result) else result
+
+
+async def generate(input: GenerateFnInput) -> GenerateFnOutput:
+    args, sample = input.args, input.sample
+    server = _sessions(args)
+    agent = load_object(args.custom_agent_function_path, what=FLAG)
+    call = current_call()
+    route = args._rayless_runtime.routes.get(call.route_token) if call is not None else None
+    session = await server.create(engine=route.group.engine if route is not None else None)
+    base_url = f"{server.url}/sessions/{session.id}"
+    metadata = {**(sample.metadata or {}), "session_server_id": f"{server.host}:{server.port}"}
+    if args.max_seq_len is not None:
+        metadata["max_seq_len"] = args.max_seq_len
+    failed = False
+    returned: Any = None
+    try:
+        # The engines' key (--sglang-api-key) goes to the agent only to reach this run's session server.
+        key = {"api_key": server.api_key} if server.api_key else {}
+        returned = await _run_agent(agent, base_url=base_url, prompt=sample.prompt,
+                                    request_kwargs=build_chat_request_kwargs(input.sampling_params),
+                                    metadata=metadata, **key)
+    except Exception as error:  # the agent's failure costs this sample, not the run
+        log.warning("%s %s failed on sample %s/%s: %r", FLAG, args.custom_agent_function_path,
+                    sample.group_index, sample.sample_index, error, exc_info=True)
+        failed = True
+    finally:
+        await server.delete(session.id)
+    assembled = None if failed else assemble(session, max_seq_len=args.max_seq_len)
+    if assembled is None:
+        if not failed:
+            log.warning("agent session %s of sample %s/%s recorded no usable model call", session.id,
+                        sample.group_index, sample.sample_index)
+        return GenerateFnOutput(samples=_aborted(sample))
+    if returned is not None and not isinstance(returned, dict):
+        raise HookError(f"{FLAG} {args.custom_agent_function_path!r} returned {type(returned).__name__}; "
+                        "expected a dict (merged into the sample's metadata) or None")
+    sample.tokens = assembled.tokens
+    sample.response_length = assembled.response_length
+    sample.loss_mask = assembled.loss_mask
+    sample.rollout_log_probs = assembled.rollout_log_probs
+    sample.status = assembled.status
+    sample.weight_versions = assembled.weight_versions
+    tokenizer = server.tito.tokenizer
+    sample.response = tokenizer.decode(assembled.tokens[len(assembled.tokens) - assembled.response_length:])
+    sample.metadata = {**(sample.metadata or {}), **(returned or {}), "session_turns": assembled.turns}
+    return GenerateFnOutput(samples=sample)

@@ -1,0 +1,265 @@
+"""miles' session server (`--use-session-server`, v1) as a service of the coordinator, over the rollout's
+dispatcher: token in, token out for agents that talk to the policy through the OpenAI chat API.
+
+Owns `SessionServer` and its routes (miles' `setup_session_routes`): `POST /sessions`, `GET` / `DELETE
+/sessions/{id}`, `POST /sessions/{id}/v1/chat/completions` (the prompt rendered here — `coordinator.sessions
+.tito` — and sent to the engine as `input_ids` with logprobs and meta info forced; request and response
+recorded; the engine's JSON passed back, as SSE when the agent asked to stream), `POST /sessions/{id}/samples`
+(the trajectory as a sample's fields), any other `/sessions/{id}/<path>` proxied to the session's engine, and
+`GET /health`. The HTTP side (bounded connections, heads and bodies, deadlines, the API key of
+`--sglang-api-key`) is the hook endpoint's.
+
+Invariants: every call of one session goes to one engine, picked when the session is created (another one only
+after the dispatcher's fleet found it dead), the router bypassed (it drops `input_ids` and `return_meta_info`)
+unless the run knows no engine but the router's address; a session's calls run one at a time (its lock); at most
+`max_sessions` sessions live at once (503 beyond); an engine's 4xx reaches the agent with its status and is not
+recorded, so the agent can retry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import h11
+
+from coordinator.engines.client import EngineError, EngineHTTPError
+from coordinator.hooks.runtime import HookRoutes
+from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
+from coordinator.rollout.hook_endpoint import HookEndpoint, HttpReply
+from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
+from coordinator.sessions.trajectory import Session, assemble
+
+log = logging.getLogger(__name__)
+
+CHAT_PATH = "v1/chat/completions"
+
+
+def _json(body: Any) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _sse(response: dict[str, Any]) -> bytes:
+    """The engine's whole answer as one `chat.completion.chunk` and [DONE] (miles' fake streaming: the engine
+    call is not streamed, since the session needs the complete message and meta info). As miles: one delta
+    with the role and content (and reasoning / tool calls, each with its index), the usage; and the logprobs."""
+    choice = response.get("choices", [{}])[0]
+    message = choice.get("message") or {}
+    delta = {"role": message.get("role", "assistant"), "content": message.get("content")}
+    if message.get("reasoning_content") is not None:
+        delta["reasoning_content"] = message["reasoning_content"]
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(message["tool_calls"])]
+    chunk = {"id": response.get("id"), "object": "chat.completion.chunk", "created": response.get("created"),
+             "model": response.get("model"),
+             "choices": [{"index": 0, "delta": delta, "logprobs": choice.get("logprobs"),
+                          "finish_reason": choice.get("finish_reason")}]}
+    if response.get("usage") is not None:
+        chunk["usage"] = response["usage"]
+    return b"data: " + _json(chunk) + b"\n\ndata: [DONE]\n\n"
+
+
+class SessionServer(HookEndpoint):
+    """The session routes over the rollout's dispatcher. `await task_group.start(server.run)` listens."""
+
+    DESCRIPTION = "session server (/sessions for agents on the OpenAI API, over the rollout's dispatcher)"
+
+    def __init__(self, *, dispatcher: Dispatcher, tito: TitoTokenizer, matcher: Matcher, api_key: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0, max_sessions: int = 65536,
+                 max_body_bytes: int = 64 * 1024 * 1024) -> None:
+        super().__init__(dispatcher=dispatcher, routes=HookRoutes(), seed=0, api_key=api_key, host=host, port=port,
+                         max_body_bytes=max_body_bytes)
+        self.tito = tito
+        self.matcher = matcher
+        self.max_sessions = max_sessions
+        self.sessions: dict[str, Session] = {}
+        # Straight to the engines whenever the run knows them, with a router too: sglang-router re-serialises
+        # chat requests and drops SGLang's `input_ids` and `return_meta_info`, which token-in-token-out needs.
+        self.direct = dispatcher.pool is not None
+
+    # --- in-process API (the agentic generate uses it; the routes below are the same calls over HTTP) --------
+    async def create(self, engine: Any = None) -> Session:
+        """A new session on `engine` (the prompt group's, for its prefix cache) when it is alive, else on the
+        least loaded one."""
+        if len(self.sessions) >= self.max_sessions:
+            raise HttpReply(503, f"the session server holds its limit of {self.max_sessions} sessions")
+        session = Session()
+        if self.direct:
+            if engine is not None and getattr(engine, "alive", True):
+                session.engine = engine
+                self.dispatcher.assigned[engine.url] += 1
+            else:
+                session.engine = await self._pick()
+        self.sessions[session.id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.closed:
+            raise HttpReply(404, f"session not found: session_id={session_id}")
+        return session
+
+    async def delete(self, session_id: str) -> None:
+        session = self.get(session_id)
+        session.closed = True
+        async with session.lock:  # an in-flight chat finishes first
+            self.sessions.pop(session_id, None)
+            if session.engine is not None:
+                self.dispatcher.assigned[session.engine.url] -= 1
+
+    # --- routes -------------------------------------------------------------------------------------------
+    async def _respond(self, request: h11.Request, body: bytes) -> tuple[int, bytes, str | None]:
+        self.requests += 1
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in request.headers}
+        self._authorise(headers)
+        target = request.target.decode("latin-1")
+        path, _, query = target.partition("?")
+        method = request.method.decode("latin-1")
+        parts = [part for part in path.split("/") if part]
+        if parts == ["health"]:
+            return 200, b'{"status":"ok"}', None
+        if parts == ["sessions"] and method == "POST":
+            return 200, _json({"session_id": (await self.create()).id}), None
+        if len(parts) < 2 or parts[0] != "sessions":
+            raise HttpReply(404, f"{path}: the session server serves /sessions, /sessions/{{id}}[/...] and /health")
+        session_id, rest = parts[1], "/".join(parts[2:])
+        if not rest:
+            if method == "GET":
+                return 200, _json(self._describe(self.get(session_id))), None
+            if method == "DELETE":
+                await self.delete(session_id)
+                return 200, b"{}", None
+            raise HttpReply(405, f"{method} {path}: use GET or DELETE")
+        if rest == "samples" and method == "POST":
+            return 200, _json(self._samples(self.get(session_id), self._body(body))), None
+        if rest == CHAT_PATH and method == "POST":
+            return await self._chat(self.get(session_id), self._body(body))
+        return await self._proxy(self.get(session_id), method, rest + (f"?{query}" if query else ""), body)
+
+    @staticmethod
+    def _body(body: bytes) -> dict[str, Any]:
+        if not body.strip():
+            return {}
+        try:
+            value = json.loads(body)
+        except ValueError as error:
+            raise HttpReply(400, f"invalid JSON body: {error}") from None
+        if not isinstance(value, dict):
+            raise HttpReply(400, "the body must be a JSON object")
+        return value
+
+    def _describe(self, session: Session) -> dict[str, Any]:
+        return {"session_id": session.id, "records": session.describe(),
+                "metadata": {"accumulated_token_ids": session.token_ids, "max_trim_tokens": 0}}
+
+    def _samples(self, session: Session, body: dict[str, Any]) -> dict[str, Any]:
+        limit = body.get("max_seq_len")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise HttpReply(400, f"max_seq_len must be a positive integer, got {limit!r}")
+        try:
+            assembled = assemble(session, max_seq_len=limit)
+        except ValueError as error:
+            raise HttpReply(422, str(error)) from None
+        if assembled is None:
+            reason = "no_records" if not session.turns else "all_truncated"
+            return {"samples": [], "empty_reason": reason}
+        return {"samples": [vars(assembled) | {"status": assembled.status.value}], "empty_reason": None}
+
+    # --- chat -----------------------------------------------------------------------------------------------
+    async def _chat(self, session: Session, request: dict[str, Any]) -> tuple[int, bytes, str | None]:
+        stream = bool(request.pop("stream", False))
+        request.pop("stream_options", None)
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise HttpReply(400, "'messages' must be a non-empty list of message objects")
+        if request.get("n", 1) not in (1, None):
+            raise HttpReply(400, "a session records one trajectory: n must be 1")
+        tools = request.get("tools")
+        # What token-in-token-out needs, forced (as miles): the session's ids, logprobs, and the meta info.
+        request.update(logprobs=True, return_meta_info=True, no_stop_trim=False)
+        async with session.lock:
+            if session.closed:
+                raise HttpReply(404, f"session not found: session_id={session.id}")
+            try:
+                request["input_ids"], kept = session.prompt_ids(messages, tools, self.tito, self.matcher)
+            except SessionRequestError as error:
+                raise HttpReply(400, str(error)) from None
+            response, url = await self._engine_call(session, "POST", CHAT_PATH, request)
+            prompt_ids = request.pop("input_ids")
+            del request["messages"]  # both kept once, in the session (`Session.describe` puts them back)
+            record = {"method": "POST", "path": "/v1/chat/completions", "status_code": 200, "request": request,
+                      "response": response}
+            session.record(kept=kept, prompt_ids=prompt_ids, messages=messages, record=record,
+                           **self._turn(response))
+        return 200, (_sse(response) if stream else _json(response)), url
+
+    @staticmethod
+    def _turn(response: dict[str, Any]) -> dict[str, Any]:
+        """What a turn keeps of the engine's answer: the reply message, generated ids and their logprobs."""
+        try:
+            choice = response["choices"][0]
+            meta = choice["meta_info"]
+            pairs = meta["output_token_logprobs"]
+            message = dict(choice["message"])
+        except (KeyError, IndexError, TypeError):
+            raise HttpReply(502, "the engine's chat answer has no choices[0].meta_info.output_token_logprobs "
+                              "(it must serve SGLang's return_meta_info)") from None
+        if len(pairs) != meta.get("completion_tokens", len(pairs)):
+            raise HttpReply(502, f"the engine answered {len(pairs)} output logprobs for "
+                              f"{meta.get('completion_tokens')} completion tokens")
+        reply = {key: value for key, value in message.items() if value is not None}
+        reply.setdefault("content", "")
+        return {"reply": reply, "output_ids": [int(p[1]) for p in pairs], "logprobs": [float(p[0]) for p in pairs],
+                "finish": choice.get("finish_reason"), "weight_version": meta.get("weight_version")}
+
+    async def _proxy(self, session: Session, method: str, path: str, body: bytes) -> tuple[int, bytes, str | None]:
+        payload = self._body(body) if body.strip() else None
+        response, url = await self._engine_call(session, method, path, payload)
+        return 200, _json(response), url
+
+    async def _engine_call(self, session: Session, method: str, path: str,
+                           body: dict[str, Any] | None) -> tuple[Any, str]:
+        """One call on the session's engine; if it died (the fleet confirms), once more on another."""
+        client, dispatcher = self.dispatcher.client, self.dispatcher
+        headers = {"X-SMG-Routing-Key": session.id}
+        for attempt in (1, 2):
+            if self.direct and session.engine is None:  # its engine died, none was left
+                session.engine = await self._pick()
+            url = session.engine.url if self.direct else str(dispatcher.router_url)
+            try:
+                answer = await client.request_json(url, method, "/" + path, json_body=body, headers=headers,
+                                                   timeout=client.generate_timeout)
+                return answer, url
+            except EngineHTTPError as error:
+                if error.status < 500:
+                    raise HttpReply(error.status, error.server_message) from None
+                failure: EngineError = error
+            except EngineError as error:
+                failure = error
+            if not self.direct or attempt == 2 or await self.dispatcher.pool.check(session.engine):
+                raise HttpReply(502, str(failure)) from None
+            await self._move(session, failure)
+        raise AssertionError("unreachable")
+
+    async def _move(self, session: Session, failure: EngineError) -> None:
+        assert self.dispatcher.pool is not None
+        self.dispatcher.pool.mark_dead(session.engine, f"a session call failed ({failure}) and it did not answer")
+        self.dispatcher.assigned[session.engine.url] -= 1
+        dead, session.engine = session.engine.url, None
+        session.engine = await self._pick(exclude={dead})
+        log.warning("session %s moved from engine %s to %s", session.id, dead, session.engine.url)
+
+    async def _pick(self, exclude: set[str] | None = None) -> Any:
+        try:
+            handle = await self.dispatcher.pick(exclude=exclude)
+        except NoEngineAvailable as error:
+            raise HttpReply(503, str(error)) from None
+        self.dispatcher.assigned[handle.url] += 1
+        return handle
+
+    async def _send(self, connection: h11.Connection, stream: Any, status: int, data: bytes, *,
+                    close: bool = False, extra: list[tuple[str, str]] | None = None) -> None:
+        if data.startswith(b"data: "):
+            extra = [*(extra or []), ("content-type", "text/event-stream")]
+        await super()._send(connection, stream, status, data, close=close, extra=extra)
