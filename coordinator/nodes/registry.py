@@ -29,7 +29,7 @@ import anyio.abc
 from anyio.abc import SocketAttribute
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from coordinator.engines.client import EngineError
+from coordinator.engines.errors import EngineError
 from coordinator.nodes import shared, wire
 from coordinator.plan.layout import NodeLayout
 from coordinator.train.channel import STREAM_ERRORS
