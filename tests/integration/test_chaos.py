@@ -12,7 +12,8 @@ from typing import Any
 from coordinator.config import parse_config
 from coordinator.engines.fleet import EngineState
 from coordinator.run import Services, run_training
-from replay.format import dump_path, read_dump
+from replay.format import dump_path
+from replay.reader import read_dump
 
 
 class Watcher:
