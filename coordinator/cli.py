@@ -1,4 +1,4 @@
-"""The `rayless` command: `train`, `engine`, `make-tiny-model` and `dump`.
+"""The `rayless` command: `train`, `engine`, `make-tiny-model`, `dump` and `reward`.
 
 Owns argument dispatch and exit statuses only: 0 success, 1 a failure during the run, 2 bad flags (reported
 before any process is launched or port opened). Each subcommand's work lives in its own module and is imported
@@ -19,6 +19,7 @@ commands:
   engine            serve a Hugging Face model with the SGLang HTTP API (on the CPU, or --device cuda)
   make-tiny-model   write a tiny local Hugging Face model directory (nothing fetched from a hub)
   dump              show | verify | convert rollout dumps
+  reward            score: run a built-in reward type over a JSONL file (--compare T2: where two differ)
 """
 
 
@@ -40,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from replay.tools import main as dump_main
 
         return dump_main(rest)
+    if command == "reward":
+        from coordinator.rewards.score import main as reward_main
+
+        return reward_main(rest)
     print(f"rayless: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -17,8 +17,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from coordinator.config.checkpoint import LoadPlan
 from coordinator.config.fields import ConfigError
-from coordinator.config.porting import LoadPlan, PortingNotice, porting_notice, resolve_load, resolve_ref_load
+from coordinator.config.porting import PortingNotice, porting_notice
 from coordinator.config.settings import Config
 
 #: Records of each data file read at start-up: enough to find a wrong key, never the whole file.
@@ -41,10 +42,10 @@ def check_checkpoints(config: Config) -> tuple[list[str], LoadPlan]:
     """What `--load` and `--ref-load` hold (slime's rules: a `--load` that does not exist yet starts fresh; a
     Megatron checkpoint is refused with what to pass), and that `--save` can be written."""
     notes = []
-    ref = resolve_ref_load(config)
+    ref = config.reference_path()
     if ref is not None:
         notes.append(f"--ref-load {ref}: the reference model")
-    load = resolve_load(config)
+    load = config.load_plan()
     if load.resume:
         notes.append(f"--load {load.path}: resumes from this checkpoint")
     elif load.fresh_reason is not None:
@@ -224,16 +225,16 @@ def _bind(flag: str, path: str, target: Any, arguments: tuple[str, ...], shown: 
 
 
 def check_rewards(config: Config) -> list[str]:
-    """The rollout's reward type and each eval dataset's can score (IFBench installed for `ifbench`; every
-    dataset has a reward, a key for a dict-valued one, `--rm-url` for `remote_rm`)."""
-    from coordinator.rollout.reward_rules import RewardError, base_rule, ifbench_library
+    """The rollout's reward type and each eval dataset's can score (IFBench installed for `ifbench`,
+    Math-Verify for `math_verify`; every dataset has a reward, a key for a dict-valued one, `--rm-url` for
+    `remote_rm`)."""
+    from coordinator.rewards.rules import RewardError, require_libraries
 
     if config.builds_rollout_fn and config.rollout.rm_type is not None:
-        if base_rule(config.rollout.rm_type)[0].name == "ifbench":
-            try:
-                ifbench_library()
-            except RewardError as error:
-                raise ConfigError(f"--rm-type {config.rollout.rm_type}: {error}") from None
+        try:
+            require_libraries(config.rollout.rm_type)
+        except RewardError as error:
+            raise ConfigError(f"--rm-type {config.rollout.rm_type}: {error}") from None
     if not (config.eval_fleet_enabled or config.rollout_engine_eval_enabled):
         return []
     from coordinator.eval.settings import EvalSettings

@@ -20,11 +20,12 @@ from coordinator.config.debug import DebugConfig
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FT_COMPONENTS, FaultToleranceConfig
 from coordinator.config.fields import ConfigError, ConfigWarning, FlagSpec, flag
+from coordinator.config.flags import FLAGS, SLICES
 from coordinator.config.logs import LoggingConfig
 from coordinator.config.parser import build_parser, config_from_mapping, parse_config, parse_config_mapping
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION, RolloutConfig
 from coordinator.config.rules import RULES
-from coordinator.config.settings import FLAGS, SLICES, Config, write_resolved_config
+from coordinator.config.settings import Config, write_resolved_config
 from coordinator.config.sglang import WEIGHT_TRANSFER_MODES, SglangConfig
 from coordinator.config.training import TrainConfig
 

@@ -34,7 +34,7 @@ MAX_FILE_BYTES = 1 << 20
 
 
 def _rm_types() -> list[str]:
-    from coordinator.rollout.reward_rules import rm_type_names
+    from coordinator.rewards.rules import rm_type_names
 
     return rm_type_names()
 

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from coordinator.config.fields import ConfigError, FlagSpec, convert, flag_name
-from coordinator.config.settings import FLAGS, SLICES, Config, build_config
+from coordinator.config.flags import FLAGS, SLICES
+from coordinator.config.rules import validate
+from coordinator.config.settings import Config, build_config
 from coordinator.config.unknown import closest_flag, unknown_flags_report
 
 _METAVARS = {int: "N", float: "X", str: "VALUE"}
@@ -93,7 +95,7 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
         values, attributes = apply_custom_config(values, values["custom_config_path"])
     config = build_config(values, config_file=config_file, sglang_passthrough=tuple(passthrough), given=names,
                           custom_attributes=tuple(attributes.items()))
-    config.validate()
+    validate(config)
     return config
 
 
@@ -133,7 +135,7 @@ def apply_custom_config(values: dict[str, Any], path: str) -> tuple[dict[str, An
 def parse_config_mapping(data: Mapping[Any, Any], *, origin: str = "config") -> Config:
     """Validate a mapping of flag names to values as a `--config` file's contents (no command line)."""
     config = build_config(config_file_values(data, origin=origin))
-    config.validate()
+    validate(config)
     return config
 
 

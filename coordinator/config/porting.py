@@ -1,13 +1,9 @@
-"""What a slime or miles launch script means here: built-in hook paths, `--load` / `--ref-load` on disk, and the
-one grouped notice that says which of its flags are mapped, ignored (and why), or disagree with the model.
+"""What a slime or miles launch script means here: the one grouped notice that says which of its flags are mapped,
+ignored (and why), or disagree with the model, and which built-in hook paths became ours.
 
-Owns:
-- `HOOK_ALIASES`: slime/miles built-in hook paths → ours (applied by `apply_hook_aliases` when a Config is
-  built, so the rest of rayless only ever sees our paths; the notice names each replacement);
-- `resolve_load` / `resolve_ref_load`: what a `--load` / `--ref-load` directory holds (slime's rules: a
-  directory without a checkpoint starts fresh; a Megatron `torch_dist` directory gets a message saying what to
-  pass instead);
-- `porting_notice`: the notice text, one line per kind of fact, or None when the run used none of this.
+Owns `porting_notice`: the notice text, one line per kind of fact, or None when the run used none of this. The
+hook aliases are `hook_aliases`'; what `--load` / `--ref-load` hold on disk is `checkpoint.resolve_load` /
+`resolve_ref_load`'s.
 
 Invariant: every failure is a ConfigError naming the flag; reading `config.json` is the only I/O here.
 """
@@ -16,156 +12,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coordinator.config.fields import ConfigError, ConfigWarning, flag_name
-from coordinator.config.hooks import MULTI_TURN_GENERATE
+from coordinator.config.fields import ConfigWarning, flag_name
 from coordinator.config.megatron import CATEGORIES, CATEGORY_OF
-from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 
 if TYPE_CHECKING:
+    from coordinator.config.checkpoint import LoadPlan
     from coordinator.config.settings import Config
 
 
 class PortingNotice(ConfigWarning):
     """The grouped notice about flags from slime/miles launch scripts (printed once, before the run)."""
-
-
-_NONZERO_STD = "coordinator.rollout.filters:reward_std_positive"
-
-
-@dataclass(frozen=True)
-class HookAlias:
-    ours: str
-    #: The alias also turns on `--async-rollout` (slime's and miles' fully-async rollouts).
-    async_rollout: bool = False
-
-
-#: slime/miles built-in hook paths (flag field name, their path) → ours.
-HOOK_ALIASES: dict[tuple[str, str], HookAlias] = {
-    ("dynamic_sampling_filter_path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"):
-        HookAlias(_NONZERO_STD),
-    ("dynamic_sampling_filter_path", "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"):
-        HookAlias(_NONZERO_STD),
-    ("rollout_function_path", "slime.rollout.sglang_rollout.generate_rollout"): HookAlias(DEFAULT_ROLLOUT_FUNCTION),
-    ("rollout_function_path", "miles.rollout.sglang_rollout.generate_rollout"): HookAlias(DEFAULT_ROLLOUT_FUNCTION),
-    ("rollout_function_path", "miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn"):
-        HookAlias(DEFAULT_ROLLOUT_FUNCTION),
-    ("rollout_function_path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async"):
-        HookAlias(DEFAULT_ROLLOUT_FUNCTION, async_rollout=True),
-    ("rollout_function_path", "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"):
-        HookAlias(DEFAULT_ROLLOUT_FUNCTION, async_rollout=True),
-    ("custom_generate_function_path", "miles.rollout.generate_hub.multi_turn.generate"):
-        HookAlias(MULTI_TURN_GENERATE),
-}
-_HOOK_FIELDS = ("rollout_function_path", "eval_function_path", "custom_rm_path", "dynamic_sampling_filter_path",
-                "custom_generate_function_path")
-
-
-def apply_hook_aliases(values: dict[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, str, str], ...]]:
-    """Converted flag values with slime/miles built-in hook paths replaced by ours (and miles' `--fully-async`
-    folded into `--async-rollout`); returns them and the (flag, theirs, ours) replacements made."""
-    values = dict(values)
-    replaced: list[tuple[str, str, str]] = []
-    for name in _HOOK_FIELDS:
-        path = values.get(name)
-        alias = HOOK_ALIASES.get((name, path)) if isinstance(path, str) else None
-        if alias is None:
-            continue
-        values[name] = alias.ours
-        if alias.async_rollout:
-            values["async_rollout"] = True
-        replaced.append((flag_name(name), path, alias.ours + (" with --async-rollout" if alias.async_rollout else "")))
-    if values.get("fully_async"):
-        values["async_rollout"] = True
-    details = values.get("dump_details")
-    if details is not None:
-        # miles: --dump-details DIR sets the rollout dump template under DIR (and its per-rank train dumps)
-        if values.get("save_debug_rollout_data") is not None:
-            raise ConfigError("--dump-details and --save-debug-rollout-data both say where rollouts are dumped "
-                              "(--dump-details DIR means DIR/rollout_data/{rollout_id}.rld): give one")
-        values["save_debug_rollout_data"] = dump_details_template(str(details))
-    return values, tuple(replaced)
-
-
-def dump_details_template(directory: str) -> str:
-    """The rollout dump template of miles' `--dump-details DIR` (rayless' format, hence `.rld`, not `.pt`)."""
-    return str(Path(directory) / "rollout_data" / "{rollout_id}.rld")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# --load and --ref-load on disk
-# ---------------------------------------------------------------------------------------------------------
-def _is_megatron_checkpoint(path: Path) -> bool:
-    return ((path / "latest_checkpointed_iteration.txt").is_file() or (path / ".metadata").is_file()
-            or any(child.name.startswith("iter_") for child in path.iterdir() if child.is_dir()))
-
-
-def _megatron_message(flag: str, path: str) -> str:
-    return (f"{flag} {path}: a Megatron-LM checkpoint (torch_dist), which rayless cannot read: pass the Hugging "
-            "Face model directory it was converted from (the one --hf-checkpoint names) or a rayless checkpoint "
-            "directory; to continue a Megatron run, convert it to Hugging Face format first (slime's "
-            "tools/convert_torch_dist_to_hf.py)")
-
-
-def _is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file()
-
-
-def _is_rayless_checkpoint(path: Path) -> bool:
-    return (path / "extra.json").is_file() or (path / "latest").is_file()
-
-
-@dataclass(frozen=True)
-class LoadPlan:
-    """What `--load` means for this run: resume from `path`, or start fresh (with the reason)."""
-
-    resume: bool
-    path: str | None = None
-    fresh_reason: str | None = None
-
-
-def resolve_load(config: Config) -> LoadPlan:
-    """slime's rule: `--load` of a directory that does not exist yet, or holds no checkpoint, starts fresh (from
-    --hf-checkpoint here); our checkpoint resumes; the --hf-checkpoint directory itself starts fresh from it."""
-    load = config.checkpoint.load
-    if load is None:
-        return LoadPlan(resume=False)
-    path = Path(load)
-    if not path.exists():
-        return LoadPlan(resume=False, fresh_reason="does not exist yet")
-    if not path.is_dir():
-        raise ConfigError(f"--load {load}: not a directory")
-    if _is_rayless_checkpoint(path):
-        return LoadPlan(resume=True, path=load)
-    if _is_megatron_checkpoint(path):
-        raise ConfigError(_megatron_message("--load", load))
-    if _is_hf_dir(path):
-        hf = config.rollout.hf_checkpoint
-        if hf is not None and path.resolve() == Path(hf).resolve():
-            return LoadPlan(resume=False, fresh_reason="is the --hf-checkpoint model")
-        raise ConfigError(f"--load {load}: a Hugging Face model directory other than --hf-checkpoint {hf}: to "
-                          "start training from it, pass it as --hf-checkpoint")
-    return LoadPlan(resume=False, fresh_reason="holds no checkpoint yet")
-
-
-def resolve_ref_load(config: Config) -> str | None:
-    """The reference model's source for the ranks (None: --hf-checkpoint). Checked only when the run loads a
-    reference (`--use-kl-loss`), as slime."""
-    ref = config.checkpoint.ref_load
-    if ref is None or not config.train.use_kl_loss:
-        return None
-    path = Path(ref)
-    if not path.is_dir():
-        raise ConfigError(f"--ref-load {ref}: no such directory (the reference model of --use-kl-loss)")
-    if _is_hf_dir(path) or _is_rayless_checkpoint(path):
-        return ref
-    if _is_megatron_checkpoint(path):
-        raise ConfigError(_megatron_message("--ref-load", ref))
-    raise ConfigError(f"--ref-load {ref}: neither a Hugging Face model directory (config.json) nor a rayless "
-                      "checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ DEFAULT_ROLLOUT_FUNCTION = "coordinator.rollout.generate:DefaultRollout"
 
 
 def _rm_types() -> list[str]:
-    from coordinator.rollout.reward_rules import rm_type_names
+    from coordinator.rewards.rules import rm_type_names
 
     return rm_type_names()
 
@@ -112,7 +112,7 @@ class RolloutConfig(Slice):
     def _check_rm_type(self) -> None:
         if self.rm_type is None:
             return
-        from coordinator.rollout.reward_rules import REMOTE_RM, base_rule
+        from coordinator.rewards.rules import REMOTE_RM, base_rule
 
         rule, _ = base_rule(self.rm_type)
         if rule.returns_dict and self.reward_key is None:

@@ -190,7 +190,7 @@ def colocation_needs_both_halves(config: Config) -> None:
                       ConfigWarning, stacklevel=3)
 
 
-#: Run in this order by `Config.validate()`; the first that raises names the contradiction the user sees.
+#: Run in this order by `validate()`; the first that raises names the contradiction the user sees.
 def eval_fleet_generates_without_hooks(config: Config) -> None:
     if config.eval_fleet_enabled and config.hooks.custom_generate_function_path is not None:
         warnings.warn("--custom-generate-function-path generates on the rollout engines; the dedicated eval fleet "
@@ -232,3 +232,14 @@ RULES: tuple[Callable[[Config], None], ...] = (
     colocation_is_not_async,
     colocation_needs_both_halves,
 )
+
+
+def validate(config: Config) -> None:
+    """Raise `ConfigError` on the first contradiction, naming the flags; warn on flags with no effect: every
+    slice's own checks first, then each rule of `RULES` in order."""
+    from coordinator.config.flags import SLICES
+
+    for attribute, _ in SLICES:
+        getattr(config, attribute).validate()
+    for rule in RULES:
+        rule(config)

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.config.fields import looks_secret
 
 if TYPE_CHECKING:
-    from coordinator.config.settings import Config
+    from collections.abc import Mapping
+
+    from coordinator.config.sglang import SglangConfig
 
 MASK = "***"
 
 
 def is_secret_flag(flag: str) -> bool:
     """Whether the value of `--flag` is secret: as declared for our flags, by its name for any other."""
-    from coordinator.config.settings import FLAGS
+    from coordinator.config.flags import FLAGS
 
     name = flag.lstrip("-").replace("-", "_")
     if name in FLAGS:
@@ -64,11 +66,21 @@ def mask_argv(tokens: Sequence[str]) -> list[str]:
     return masked
 
 
-def config_secrets(config: Config) -> set[str]:
-    """The secret values of a Config: its secret flags' values and those of secret-looking passthrough flags."""
-    from coordinator.config.settings import FLAGS
+class FlatConfig(Protocol):
+    """What masking reads of a Config (`coordinator.config.settings.Config`): its flat view and the sglang slice."""
 
-    found = {str(value) for name, value in config.flat().items() if FLAGS[name][1].secret and value}
+    @property
+    def sglang(self) -> SglangConfig: ...
+
+    def flat(self) -> Mapping[str, Any]: ...
+
+
+def config_secrets(config: FlatConfig) -> set[str]:
+    """The secret values of a Config: its secret flags' values and those of secret-looking passthrough flags."""
+    from coordinator.config.flags import FLAGS
+
+    flat = config.flat()
+    found = {str(value) for name, value in flat.items() if FLAGS[name][1].secret and value}
     found |= secret_values_in_argv(config.sglang.sglang_passthrough)
     return found
 

@@ -1,13 +1,12 @@
 """`Config`: the slices composed, the facts derived across them, and the resolved config's JSON.
 
-Owns the list of slices (`SLICES`, in `--help` order), the flat index of every flag (`FLAGS`: flag names are
-unique across slices, so a flat slime/miles name finds its slice) and every *cross-slice* derived fact: the
+Owns every *cross-slice* derived fact (the slices and the flag index are `flags`'): the
 mode (`replay_mode`, `train_only`, `needs_engines`, `needs_train_ranks`), the fault-tolerance gates, engine
 and rank counts, the generate concurrency. Facts that read one slice only are properties of that slice
 (`config.rollout.samples_per_rollout`). No other module re-derives any of them.
 
-Invariants: a Config is frozen; `validate()` runs each slice's checks, then each named cross-slice rule in
-`rules.RULES` order, raising `ConfigError` on the first contradiction; `to_json()` never contains a secret.
+Invariants: a Config is frozen; `rules.validate(config)` runs each slice's checks, then each named cross-slice
+rule in order, raising `ConfigError` on the first contradiction; `to_json()` never contains a secret.
 """
 
 from __future__ import annotations
@@ -17,49 +16,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.config.checkpoint import CheckpointConfig
+from coordinator.config.aliases import apply_hook_aliases
+from coordinator.config.checkpoint import CheckpointConfig, LoadPlan, resolve_load, resolve_ref_load
 from coordinator.config.cluster import ClusterConfig, resolve_colocation
 from coordinator.config.debug import DebugConfig
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
-from coordinator.config.fields import ConfigError, FlagSpec, Slice
+from coordinator.config.fields import ConfigError
+from coordinator.config.flags import FLAGS, SLICES
 from coordinator.config.hooks import HooksConfig
 from coordinator.config.logs import LoggingConfig
 from coordinator.config.megatron import MegatronConfig
-from coordinator.config.porting import apply_hook_aliases
 from coordinator.config.rollout import RolloutConfig
 from coordinator.config.secrets import MASK, mask_argv
 from coordinator.config.sglang import SglangConfig
 from coordinator.config.training import TrainConfig
-
-#: (attribute on Config, slice class), in `--help` order.
-SLICES: tuple[tuple[str, type[Slice]], ...] = (
-    ("cluster", ClusterConfig),
-    ("rollout", RolloutConfig),
-    ("hooks", HooksConfig),
-    ("sglang", SglangConfig),
-    ("eval", EvalConfig),
-    ("fault_tolerance", FaultToleranceConfig),
-    ("debug", DebugConfig),
-    ("train", TrainConfig),
-    ("checkpoint", CheckpointConfig),
-    ("logging", LoggingConfig),
-    ("megatron", MegatronConfig),
-)
-
-
-def _index() -> dict[str, tuple[str, FlagSpec]]:
-    index: dict[str, tuple[str, FlagSpec]] = {}
-    for attribute, cls in SLICES:
-        for spec in cls.specs():
-            if spec.name in index:
-                raise AssertionError(f"flag {spec.flag} declared in two slices")
-            index[spec.name] = (attribute, spec)
-    return index
-
-
-#: field name → (Config attribute of its slice, its FlagSpec), for every flag.
-FLAGS: dict[str, tuple[str, FlagSpec]] = _index()
 
 
 @dataclass(frozen=True)
@@ -79,7 +50,7 @@ class Config:
     config_file: str | None = None
     #: The flags the user gave (command line or file), by field name; rules use it to warn about no-ops.
     given: frozenset[str] = frozenset()
-    #: slime/miles built-in hook paths replaced by ours: (flag, their path, ours); see `porting.HOOK_ALIASES`.
+    #: slime/miles built-in hook paths replaced by ours: (flag, their path, ours); see `aliases.HOOK_ALIASES`.
     hook_aliases: tuple[tuple[str, str, str], ...] = ()
     #: `--custom-config-path` keys that name no flag: attributes of the `args` hooks get (slime's setattr).
     custom_attributes: tuple[tuple[str, Any], ...] = ()
@@ -237,14 +208,21 @@ class Config:
     def train_steps_per_rollout(self) -> int:
         return self.rollout.samples_per_rollout // self.effective_global_batch_size
 
+    def load_plan(self) -> LoadPlan:
+        """What `--load` holds on disk: resume from our checkpoint, or start fresh and why (reads the disk)."""
+        return resolve_load(self.checkpoint, hf_checkpoint=self.rollout.hf_checkpoint)
+
+    def reference_path(self) -> str | None:
+        """The reference model's source for the ranks (None: --hf-checkpoint); checked on disk only with
+        `--use-kl-loss`, as slime."""
+        return resolve_ref_load(self.checkpoint, use_kl_loss=self.train.use_kl_loss)
+
     def rank_settings(self) -> dict[str, Any]:
         """The training ranks' settings: the train slice plus what other slices decide for them (a TIS hook's
         `args` aside: `coordinator.hooks.args.rank_settings` gives the whole of what the ranks receive)."""
-        from coordinator.config.porting import resolve_ref_load
-
         settings = self.train.rank_settings(
             model_path=str(self.rollout.hf_checkpoint), save_dir=self.checkpoint.save,
-            lr_decay_steps=self.total_train_steps, reference_path=resolve_ref_load(self),
+            lr_decay_steps=self.total_train_steps, reference_path=self.reference_path(),
             save_retain_interval=self.checkpoint.save_retain_interval,
             policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
         if self.train.custom_tis_function_path is not None:
@@ -257,15 +235,6 @@ class Config:
         return settings
 
     # --- validation and the resolved config ------------------------------------------------------------------
-    def validate(self) -> None:
-        """Raise `ConfigError` on the first contradiction, naming the flags; warn on flags with no effect."""
-        from coordinator.config.rules import RULES
-
-        for attribute, _ in SLICES:
-            getattr(self, attribute).validate()
-        for rule in RULES:
-            rule(self)
-
     def flat(self) -> dict[str, Any]:
         """Every flag's value by field name (the slime/miles flat view), secrets included."""
         return {name: getattr(getattr(self, attribute), name) for name, (attribute, _) in FLAGS.items()}

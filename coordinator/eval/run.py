@@ -8,7 +8,7 @@ scored by the dataset's reward, and the dataset's metrics.
 
 Metric names, for a dataset `<name>` (slime's where slime has one):
 - `eval/<name>`: mean reward (the scalar, or the `--eval-reward-key` entry); also `eval/<name>/reward_mean`;
-- `eval/<name>-pass@k` for k = 1, 2, 4, ... up to the largest group (`coordinator.rollout.pass_rate`, slime's
+- `eval/<name>-pass@k` for k = 1, 2, 4, ... up to the largest group (`coordinator.rewards.pass_rate`, slime's
   estimator: a sample with reward ≥ 1 is correct); `eval/<name>/pass_at_k`: prompts with at least
   one correct sample (= pass@n);
 - `eval/<name>/truncated_ratio` and `eval/<name>-truncated_ratio` (slime logs both): samples cut by the length
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import anyio
 
 from coordinator.eval.settings import EVAL_SEED, EvalDataset
+from coordinator.rewards.pass_rate import pass_rates
 from coordinator.rollout.dispatch import Dispatcher
-from coordinator.rollout.pass_rate import pass_rates
 from coordinator.rollout.requests import GenerateState, RequestSlots, generate_group, new_sample
 from replay.sample import Sample, SampleStatus
 

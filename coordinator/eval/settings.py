@@ -11,7 +11,7 @@ the eval flag (`--n-samples-per-eval-prompt`, `--eval-temperature`, `--eval-top-
 
 Invariants: every dataset has a reward that can score it (`EvalDatasetSettings.check`: a reward type or
 custom rm, a `--eval-reward-key`/`--reward-key` for a dict-valued type, `--rm-url` for `remote_rm`, IFBench
-for `ifbench`), else a ValueError naming the dataset and the flag to give; a `builtin:<task>` dataset is the
+for `ifbench`, Math-Verify for `math_verify`), else a ValueError naming the dataset and the flag to give; a `builtin:<task>` dataset is the
 same 32 prompts for one `--rollout-seed` and is scored by its task's rm type unless the dataset names one; a
 dataset's `rm_type` is also written into each record's metadata (slime's rule: it wins over a row's own).
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from coordinator.rewards.rules import REMOTE_RM, base_rule, require_libraries
 from coordinator.rollout.data_source import PromptDataSource, PromptRecord
 from coordinator.rollout.reward_choice import RewardChoice
-from coordinator.rollout.reward_rules import REMOTE_RM, base_rule, ifbench_library
 from coordinator.rollout.rewards import RewardModel
 from coordinator.rollout.tasks import builtin_task_name, make_task_prompts
 
@@ -75,8 +75,7 @@ class EvalDatasetSettings:
                              "--eval-reward-key (or --reward-key) score")
         if rule.name == REMOTE_RM and reward.rm_url is None:
             raise ValueError(f"{where}: rm_type remote_rm needs --rm-url")
-        if rule.name == "ifbench":
-            ifbench_library()  # RewardError (a ValueError) saying how to install IFBench
+        require_libraries(reward.rm_type)  # RewardError (a ValueError) saying what to install
 
     @classmethod
     def resolve(cls, spec: EvalDatasetSpec, evaluation: EvalConfig, rollout: RolloutConfig) -> EvalDatasetSettings:

@@ -31,7 +31,7 @@ def _plain(value: Any) -> Any:
 
 def build_hook_args(config: Config) -> argparse.Namespace:
     """slime's `args` for this run (the router address is filled in when the run binds it)."""
-    from coordinator.config.settings import FLAGS
+    from coordinator.config.flags import FLAGS
 
     values: dict[str, Any] = {}
     for name, value in config.flat().items():

@@ -13,7 +13,7 @@ the training group's `listening`), so a node's ranks never dial a closed port.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,14 +32,14 @@ if TYPE_CHECKING:
 
 class Head:
     """Build with `await Head.prepare(...)` before the services, `await head.start(...)` once the training group
-    and the fleets exist; `finish(ok=...)` before the run's task group is cancelled."""
+    and the fleets are built; `finish(ok=...)` before the run's task group is cancelled."""
 
     def __init__(self, *, plan: PlacementPlan, layout: NodeLayout, token: str, registry: NodeRegistry) -> None:
         self.plan = plan
         self.layout = layout
         self.token = token
         self.registry = registry
-        self._train_group: Callable[[], TrainGroup | None] = lambda: None
+        self.train_group: TrainGroup | None = None
 
     @classmethod
     async def prepare(cls, config: Config, plan: PlacementPlan, run_dir: Path) -> Head:
@@ -58,19 +58,17 @@ class Head:
             disk_sync_dir=run_dir if disk_sync else None, save_dir=save)
         return cls(plan=plan, layout=layout, token=token, registry=registry)
 
-    async def start(self, task_group: anyio.abc.TaskGroup, train_group: Callable[[], TrainGroup | None]) -> None:
-        """Start the registry; `train_group()` is the run's training group (None when the run trains nothing)."""
-        self._train_group = train_group
+    async def start(self, task_group: anyio.abc.TaskGroup, train_group: TrainGroup | None) -> None:
+        """Start the registry; `train_group` is the run's training group (None when the run trains nothing)."""
+        self.train_group = train_group
 
         async def control_channel_listening() -> None:
-            group = train_group()
-            if group is not None:
-                await group.listening.wait()
+            if train_group is not None:
+                await train_group.listening.wait()
 
         async def drop_its_ranks(node: int, reason: str) -> None:
-            group = train_group()
-            if group is not None:  # a node that lost power sends no FIN: its ranks' connections would linger
-                await group.server.drop_node(node, reason)
+            if train_group is not None:  # a node that lost power sends no FIN: its ranks' connections would linger
+                await train_group.server.drop_node(node, reason)
 
         self.registry.before_welcome = control_channel_listening
         self.registry.on_node_lost = drop_its_ranks
@@ -90,7 +88,7 @@ class Head:
 
     def weight_host(self) -> str:
         """The weight-update group's store address: the node where rank 0 runs now, as node 0 reaches it."""
-        group = self._train_group()
+        group = self.train_group
         rank0 = group.ranks.get(0) if group is not None else None
         node = rank0.node_rank if rank0 is not None else 0
         return self.registry.node_host(node) or self.layout.control_host

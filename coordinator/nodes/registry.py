@@ -194,8 +194,6 @@ class NodeRegistry:
         if not hmac.compare_digest(hello.token.encode(), self.token.encode()):
             # the peer has proven nothing: it learns no more than that (not even where the token comes from)
             return f"wrong token from {who}: every node needs the same control token"
-        if hello.version != wire.VERSION:
-            return f"{who} speaks registry version {hello.version}, node 0 speaks {wire.VERSION}: run the same rayless"
         if hello.num_nodes != self.layout.num_nodes:
             return f"{who} was started with --actor-num-nodes {hello.num_nodes}, node 0 with {self.layout.num_nodes}"
         if not 0 < hello.node_rank < self.layout.num_nodes:

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from coordinator.rewards.pass_rate import pass_rates
 from coordinator.rollout.data_source import PromptRecord
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate
-from coordinator.rollout.pass_rate import pass_rates
 from coordinator.rollout.requests import GenerateState, generate_group, new_sample
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch, Sample, SampleStatus

@@ -22,7 +22,7 @@ import anyio
 from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError, EngineHTTPError
 from coordinator.engines.policy import RetryPolicy
-from coordinator.rollout.reward_rules import RewardError
+from coordinator.rewards.rules import RewardError
 from replay.sample import Sample
 
 #: slime's remote rm: up to 10 attempts, backoff min(2**attempt, 30) s; a total budget bounds them here.

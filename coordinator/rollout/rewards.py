@@ -9,7 +9,7 @@ Owns how a response becomes a reward. Invariants kept by `RewardModel.score_grou
 
 Which reward scores a sample (slime's order): `--custom-rm-path` first; else the sample's own
 `metadata["rm_type"]` (an `--eval-config` dataset's `rm_type` is put there; a data file may carry one per row);
-else `--rm-type`. The built-in types are `coordinator.rollout.reward_rules` (`remote_rm`:
+else `--rm-type`. The built-in types are `coordinator.rewards.rules` (`remote_rm`:
 `coordinator.rollout.remote_rm`); all but `gpqa`, `ifbench`, `random`, `deterministic_random` and `remote_rm`
 need a label (`--label-key`).
 
@@ -22,9 +22,10 @@ which is kept in the sample's `metadata["reward_info"]`. With a custom generate 
 (`keep_given`: slime skips the rm for such samples); a failed sample (slime's `FAILED`) is not scored and gets
 0.0, as an aborted one.
 Async functions are awaited directly; the per-sample ones of a group run concurrently in a task group (a
-remote reward service is not serialised). Sync functions run inline on the event loop: the built-ins are
-microseconds; a slow sync rm (a big model, a sandbox) should be written `async` and offload its own work
-(e.g. `await anyio.to_thread.run_sync(...)`).
+remote reward service is not serialised). Sync functions run inline on the event loop, as slime's run in its
+loop: most built-ins are microseconds, slime's math family milliseconds (sympy; bench/reward_grading.py),
+`math_verify` tens of milliseconds; a slow sync rm (a big model, a sandbox) should be written `async` and
+offload its own work (e.g. `await anyio.to_thread.run_sync(...)`).
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ from typing import Any
 import anyio
 
 from coordinator.hooks.forms import HookForm, HookSignatureError, read_reward
-from coordinator.rollout.math_grading import extract_boxed, extract_last_number
-from coordinator.rollout.remote_rm import RemoteReward
-from coordinator.rollout.reward_rules import (
+from coordinator.rewards.math_grading import extract_boxed, extract_last_number
+from coordinator.rewards.rules import (
     REMOTE_RM,
     RULES,
     RewardError,
@@ -48,6 +48,7 @@ from coordinator.rollout.reward_rules import (
     base_rule,
     rm_type_names,
 )
+from coordinator.rollout.remote_rm import RemoteReward
 from replay.sample import Reward, Sample, SampleStatus
 from workers.hook_loading import load_object
 

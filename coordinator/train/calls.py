@@ -25,10 +25,7 @@ async def encode_frames(
 
     def encode() -> dict[int, tuple[int, bytes]]:
         return {
-            rank: (
-                request.request_id,
-                protocol.frame(protocol.encode_message(request), max_frame_bytes),
-            )
+            rank: (request.request_id, protocol.encode_frame(request, max_frame_bytes))
             for rank, request in requests.items()
         }
 

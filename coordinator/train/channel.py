@@ -330,4 +330,3 @@ class ControlServer:
             except RankCommandError as error:
                 self._broken = error  # the ranks may be out of step: later calls refuse until all reconnect
                 raise
-

@@ -11,7 +11,8 @@ from typing import Any
 
 from coordinator.config import parse_config
 from coordinator.engines.fleet import EngineState
-from coordinator.run import Services, run_training
+from coordinator.run import run_training
+from coordinator.services import Services
 from replay.format import dump_path
 from replay.reader import read_dump
 

@@ -22,7 +22,8 @@ import pytest
 
 from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
-from coordinator.run import Services, run_training
+from coordinator.run import run_training
+from coordinator.services import Services
 from tests.support.engine_proc import MID_MODEL_SPEC
 from workers.tiny_model import build_tiny_model
 

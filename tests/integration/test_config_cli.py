@@ -170,7 +170,7 @@ def test_hook_paths_are_resolved_before_launching(tiny_model_dir: Path) -> None:
          ["--rollout-function-path", "no_such_module_here", "not found"]),
         (["--eval-function-path", "coordinator.rollout.generate:NoSuchRollout"],
          ["--eval-function-path", "has no attribute 'NoSuchRollout'"]),
-        (["--custom-rm-path", "coordinator.rollout.reward_rules:FIRST_DIGIT_WINDOW"],
+        (["--custom-rm-path", "coordinator.rewards.rules:FIRST_DIGIT_WINDOW"],
          ["--custom-rm-path", "names a int, not a function or class"]),
         (["--dynamic-sampling-filter-path", "coordinator.rollout.filters:no_such_filter"],
          ["--dynamic-sampling-filter-path", "no_such_filter"]),

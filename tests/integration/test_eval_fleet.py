@@ -20,7 +20,8 @@ from coordinator.lifecycle.processes import terminate_process_group_blocking
 from coordinator.observe.progress import MetricsLog, read_metrics
 from coordinator.rollout.data_source import PromptRecord
 from coordinator.rollout.requests import GenerateState, apply_response, new_sample
-from coordinator.run import Services, run_training
+from coordinator.run import run_training
+from coordinator.services import Services
 from replay.sample import SampleStatus
 from tests.support.engine_proc import start_engine_process
 from tests.support.fake_engine import FakeEngine

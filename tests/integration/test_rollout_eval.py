@@ -10,7 +10,8 @@ from typing import Any
 
 from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
-from coordinator.run import Services, run_training
+from coordinator.run import run_training
+from coordinator.services import Services
 from replay.sample import SampleStatus
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from coordinator.config import parse_config
-from coordinator.run import Services, run_training
+from coordinator.run import run_training
+from coordinator.services import Services
 from coordinator.train.errors import RankFailure
 
 if sys.version_info < (3, 11):

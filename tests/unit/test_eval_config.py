@@ -224,3 +224,19 @@ def test_datasets_load_with_their_keys_template_and_metadata(tmp_path: Path) -> 
     digits = load_eval_datasets(settings_of("--eval-prompt-data", "d", "builtin:first_digit", "--eval-interval",
                                             "1"))[0]
     assert len(digits.records) == 32 and digits.reward_model.rm_type == "first_digit"
+
+
+def test_start_up_refuses_math_verify_without_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from coordinator.rewards.math_verify_rule import math_verify_library
+
+    config = parse_config([*BASE, "--rm-type", "math_verify"])
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "math_verify", None)  # an import of it fails
+        math_verify_library.cache_clear()
+        with pytest.raises(ConfigError, match=r"--rm-type math_verify: .*pip install 'rayless\[math-verify\]'"):
+            check_rewards(config)
+    math_verify_library.cache_clear()
+    pytest.importorskip("math_verify", reason="Math-Verify is the math-verify extra (in dev)")
+    check_rewards(config)

@@ -1,6 +1,6 @@
 """Every fault-tolerance gate, for each component choice, counted on the real classes the run wires.
 
-Structural: `build_fault_tolerance` / `build_weight_sync` (what `run_training` calls) over unstarted real
+Structural: `build_processes` / `build_fault_tolerance` / `build_weight_sync` (what `run_training` calls) over unstarted real
 fleets and a real (unlaunched) TrainGroup: monitors, the armed injector, WeightSync's recovery gate, the eval
 fleet's own probing. Behavioural: the same objects over running engines — recovery calls made by a weight
 update with a dead engine, and probes made by an eval pin. The engines there are FAKE responders
@@ -20,7 +20,9 @@ import pytest
 from coordinator.config import Config, ConfigWarning, parse_config
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet, EngineState
-from coordinator.run import Services, build_fault_tolerance, build_weight_sync
+from coordinator.observe.progress import ProgressDisplay
+from coordinator.plan import plan_for_launch
+from coordinator.services import Processes, build_fault_tolerance, build_processes, build_weight_sync
 from coordinator.train.group import TrainGroup
 from tests.support.fake_engine import FakeEngine
 
@@ -44,29 +46,30 @@ def make_config(tmp_path: Path, *flags: str, engines: bool = True) -> Config:
         return parse_config([*base, *flags])
 
 
-def services_for(config: Config, client: EngineClient, tmp_path: Path, rollout_urls: list[str] | None = None,
-                 eval_urls: list[str] | None = None, exporter: Any = None) -> Services:
-    services = Services()
-    services.client = client
-    if config.needs_engines:
-        services.fleet = EngineFleet(client=client, external_urls=rollout_urls or ["127.0.0.1:1", "127.0.0.1:2"],
-                                     run_dir=tmp_path, probe_timeout=1, attach_timeout=5)
-        if config.eval_fleet_enabled:
-            services.eval_engines = EngineFleet(client=client, group="eval", run_dir=tmp_path, probe_timeout=1,
-                                                external_urls=eval_urls or ["127.0.0.1:3", "127.0.0.1:4"],
-                                                attach_timeout=0.5)
-    services.train_group = exporter or TrainGroup(nproc_per_node=1, run_dir=tmp_path)
-    return services
+def processes_for(config: Config, client: EngineClient, tmp_path: Path, rollout_urls: list[str] | None = None,
+                  eval_urls: list[str] | None = None, exporter: Any = None) -> Processes:
+    """What `build_processes` builds, over external (FAKE or absent) engines with short attach deadlines."""
+    fleet = EngineFleet(client=client, external_urls=rollout_urls or ["127.0.0.1:1", "127.0.0.1:2"],
+                        run_dir=tmp_path, probe_timeout=1, attach_timeout=5)
+    eval_engines = None
+    if config.eval_fleet_enabled:
+        eval_engines = EngineFleet(client=client, group="eval", run_dir=tmp_path, probe_timeout=1,
+                                   external_urls=eval_urls or ["127.0.0.1:3", "127.0.0.1:4"], attach_timeout=0.5)
+    trainer = exporter or TrainGroup(nproc_per_node=1, run_dir=tmp_path)
+    weight_sync = build_weight_sync(config, None, tmp_path, fleet=fleet, client=client, router=None,
+                                    trainer=trainer)
+    return Processes(client=client, fleet=fleet, eval_engines=eval_engines, train_group=trainer,
+                     weight_sync=weight_sync)
 
 
 @pytest.mark.parametrize("choice", list(CHOICES))
 async def test_gates_per_component_choice(choice: str, tmp_path: Path) -> None:
     config = make_config(tmp_path, *CHOICES[choice])
     async with EngineClient(max_connections=4) as client:
-        services = services_for(config, client, tmp_path)
-        weight_sync = build_weight_sync(config, services, tmp_path)
-        ft = build_fault_tolerance(config, services=services, weight_sync=weight_sync, run_dir=tmp_path,
-                                   metrics=None)
+        processes = processes_for(config, client, tmp_path)
+        weight_sync = processes.weight_sync
+        assert weight_sync is not None
+        ft = build_fault_tolerance(config, processes, tokenizer=None, run_dir=tmp_path, metrics=None)
     rollout_ft = choice in ("rollout", "both")
     assert [m.group for m in ft.monitors] == (["rollout", "eval"] if rollout_ft else [])
     assert ft.injector is not None and ft.injector.armed is rollout_ft
@@ -90,12 +93,10 @@ async def test_no_monitor_no_injection_without_engines_even_with_rollout_ft(mode
         config = make_config(tmp_path, *flags, "--load-debug-rollout-data", str(tmp_path / "{rollout_id}.rld"),
                              engines=False)
     assert config.rollout_ft_enabled and not config.health_monitor_enabled and not config.fault_injection_armed
-    async with EngineClient(max_connections=4) as client:
-        services = services_for(config, client, tmp_path)
-        weight_sync = build_weight_sync(config, services, tmp_path)
-        ft = build_fault_tolerance(config, services=services, weight_sync=weight_sync, run_dir=tmp_path,
-                                   metrics=None)
-    assert services.fleet is None and weight_sync is None
+    processes = build_processes(config, plan_for_launch(config), tmp_path, client=None, nodes=None,
+                                progress=ProgressDisplay(enabled=False))
+    ft = build_fault_tolerance(config, processes, tokenizer=None, run_dir=tmp_path, metrics=None)
+    assert processes.fleet is None and processes.weight_sync is None and processes.train_group is not None
     assert ft.monitors == [] and ft.injector is None and ft.eval_fleet is None
 
 
@@ -121,13 +122,14 @@ async def test_recovery_calls_and_eval_probes_per_component_choice(choice: str, 
         for fake in fakes:
             await group.start(fake.run)
         exporter = SnapshotExporter()
-        services = services_for(config, client, tmp_path, rollout_urls=[f.url for f in fakes[:2]],
-                                eval_urls=[f.url for f in fakes[2:]], exporter=exporter)
+        services = processes_for(config, client, tmp_path, rollout_urls=[f.url for f in fakes[:2]],
+                                 eval_urls=[f.url for f in fakes[2:]], exporter=exporter)
+        assert services.fleet is not None and services.eval_engines is not None
         await group.start(services.fleet.run)
         await group.start(services.eval_engines.run)
-        weight_sync = build_weight_sync(config, services, tmp_path)
-        ft = build_fault_tolerance(config, services=services, weight_sync=weight_sync, run_dir=tmp_path,
-                                   metrics=None)
+        weight_sync = services.weight_sync
+        assert weight_sync is not None
+        ft = build_fault_tolerance(config, services, tokenizer=None, run_dir=tmp_path, metrics=None)
 
         # A rollout engine found dead (as the dispatcher would), back by the time weights are pushed.
         victim = services.fleet.engines[0]
@@ -156,5 +158,5 @@ async def test_the_pause_generation_mode_reaches_the_weight_sync(mode: str, tmp_
     each mode is tested in tests/integration/test_engine_contract.py)."""
     config = make_config(tmp_path, "--pause-generation-mode", mode)
     async with EngineClient(max_connections=4) as client:
-        weight_sync = build_weight_sync(config, services_for(config, client, tmp_path), tmp_path)
+        weight_sync = processes_for(config, client, tmp_path).weight_sync
     assert weight_sync is not None and weight_sync.pause_mode == mode

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from coordinator.rollout.pass_rate import pass_at_k, pass_rates
+from coordinator.rewards.pass_rate import pass_at_k, pass_rates
 
 
 def brute_force_pass_at_k(rewards: list[float], k: int) -> float:

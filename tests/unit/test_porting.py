@@ -13,13 +13,8 @@ import torch
 
 from coordinator.checks.preflight import check_checkpoints
 from coordinator.config import ConfigError, parse_config
-from coordinator.config.porting import (
-    HOOK_ALIASES,
-    architecture_disagreements,
-    porting_notice,
-    resolve_load,
-    resolve_ref_load,
-)
+from coordinator.config.aliases import HOOK_ALIASES
+from coordinator.config.porting import architecture_disagreements, porting_notice
 from tests.support.train_samples import synthetic_samples
 from workers import protocol
 from workers.train_rank import checkpoint
@@ -108,13 +103,13 @@ def test_load_of_a_missing_or_empty_directory_starts_fresh(tiny_model_dir: Path,
     _, plan = check_checkpoints(missing)
     assert not plan.resume and plan.fresh_reason == "does not exist yet"
     (tmp_path / "empty").mkdir()
-    assert resolve_load(parse_config(argv(tiny_model_dir, "--load", str(tmp_path / "empty")))).fresh_reason == \
+    assert parse_config(argv(tiny_model_dir, "--load", str(tmp_path / "empty"))).load_plan().fresh_reason == \
         "holds no checkpoint yet"
-    assert resolve_load(parse_config(argv(tiny_model_dir, "--load", str(tiny_model_dir)))).fresh_reason == \
+    assert parse_config(argv(tiny_model_dir, "--load", str(tiny_model_dir))).load_plan().fresh_reason == \
         "is the --hf-checkpoint model"
     (tmp_path / "saved").mkdir()
     (tmp_path / "saved" / "latest").write_text('"rollout_3"')
-    plan = resolve_load(parse_config(argv(tiny_model_dir, "--load", str(tmp_path / "saved"))))
+    plan = parse_config(argv(tiny_model_dir, "--load", str(tmp_path / "saved"))).load_plan()
     assert plan.resume and plan.path == str(tmp_path / "saved")
 
 
@@ -128,7 +123,7 @@ def test_megatron_checkpoints_are_refused_with_what_to_pass(tiny_model_dir: Path
     with pytest.raises(ConfigError, match=r"--ref-load .*: no such directory"):
         check_checkpoints(parse_config(argv(tiny_model_dir, "--use-kl-loss", "--ref-load", str(tmp_path / "x"))))
     # Without --use-kl-loss no reference is loaded, so --ref-load is not read (slime checks it only then).
-    assert resolve_ref_load(parse_config(argv(tiny_model_dir, "--ref-load", str(tmp_path / "x")))) is None
+    assert parse_config(argv(tiny_model_dir, "--ref-load", str(tmp_path / "x"))).reference_path() is None
 
 
 # torch.distributed.checkpoint in one process without a process group (what these tests are) says so in a warning.

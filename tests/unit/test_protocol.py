@@ -50,11 +50,16 @@ def step_metrics(loss: float) -> protocol.StepMetrics:
     )
 
 
-def roundtrip(message: protocol.Message) -> protocol.Message:
-    data = protocol.frame(protocol.encode_message(message))
+def roundtrip(message: protocol.ControlMessage) -> protocol.Message:
+    """Through a frame and back, by the typed decoder (the hello by the handshake's) and from plain values."""
+    data = protocol.encode_frame(message)
     (length,) = protocol.HEADER.unpack(data[:4])
     assert length == len(data) - 4
-    return protocol.decode_message(protocol.unpack(data[4:]))
+    if isinstance(message, protocol.Hello):
+        return protocol.decode_hello(data[4:])
+    back = protocol.decode_body(data[4:])
+    assert protocol.encode_frame(protocol.decode_message(protocol.unpack(data[4:]))) == data
+    return back
 
 
 def test_every_message_kind_round_trips() -> None:
@@ -106,16 +111,20 @@ def test_tensors_round_trip_exactly() -> None:
 def test_malformed_messages_raise_protocol_errors() -> None:
     with pytest.raises(protocol.ProtocolError, match="unknown message kind 'nope'"):
         protocol.decode_message({"kind": "nope"})
-    with pytest.raises(protocol.ProtocolError, match="unknown fields"):
+    with pytest.raises(protocol.ProtocolError, match="unknown field `extra`"):
         protocol.decode_message({"kind": "welcome", "protocol_version": 1, "extra": 2})
-    with pytest.raises(protocol.ProtocolError, match="missing fields"):
-        protocol.decode_message({"kind": "hello", "token": "x"})
-    with pytest.raises(protocol.ProtocolError, match="not a command"):
+    with pytest.raises(protocol.ProtocolError, match="missing required field `message`"):
+        protocol.decode_message({"kind": "error"})
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `int`, got `str` - at `\$.request_id`"):
+        protocol.decode_message({"kind": "request", "request_id": "1", "command": {"kind": "shutdown"}})
+    with pytest.raises(protocol.ProtocolError, match=r"unknown message kind 'welcome' at `\$.command`"):
         protocol.decode_message({"kind": "request", "request_id": 1, "command": {"kind": "welcome"}})
+    with pytest.raises(protocol.ProtocolError, match="unknown message kind 'hello'"):  # only the handshake's
+        protocol.decode_body(protocol.encode_frame(hello("t"))[4:])
     with pytest.raises(protocol.ProtocolError, match="cannot encode a object"):
         protocol.pack({"x": object()})
     with pytest.raises(protocol.ProtocolError, match="unknown msgpack ext type"):
-        protocol.unpack(protocol.pack(protocol.msgpack.ExtType(9, b"")))
+        protocol.unpack(msgpack.packb(msgpack.ExtType(9, b"")))
 
 
 def test_records_decode_typed_and_refuse_unknown_or_missing_fields() -> None:
@@ -128,18 +137,22 @@ def test_records_decode_typed_and_refuse_unknown_or_missing_fields() -> None:
 
     sample = {"tokens": [1, 2], "response_length": 1, "loss_mask": [1], "rollout_log_probs": [0.0]}
     train = {"kind": "train", "rollout_id": 0, "step_loss_tokens": [1]}
-    with pytest.raises(protocol.ProtocolError, match=r"record 'WireSample' has unknown fields \['reward'\]"):
+    with pytest.raises(protocol.ProtocolError, match=r"unknown field `reward` - at `\$.steps\[0\]\[0\]`"):
         protocol.decode_message({**train, "steps": [[{**sample, "reward": 1.0}]]})
-    with pytest.raises(protocol.ProtocolError, match=r"record 'WireSample' is missing fields \['loss_mask'\]"):
+    with pytest.raises(protocol.ProtocolError, match=r"missing required field `loss_mask` - at `\$.steps\[0\]\[0\]`"):
         protocol.decode_message({**train, "steps": [[{k: v for k, v in sample.items() if k != "loss_mask"}]]})
-    with pytest.raises(protocol.ProtocolError, match="needs 'steps', a list of lists of samples"):
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `array`, got `object` - at `\$.steps\[0\]`"):
         protocol.decode_message({**train, "steps": [sample]})
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `int`, got `float` - at `\$.steps\[0\]\[0\].tokens\[1\]`"):
+        protocol.decode_message({**train, "steps": [[{**sample, "tokens": [1, 2.5]}]]})
     metrics = step_metrics(0.5).to_wire()
-    with pytest.raises(protocol.ProtocolError, match=r"record 'StepMetrics' has unknown fields \['sum'\]"):
+    with pytest.raises(protocol.ProtocolError, match=r"a TrainResult: Object contains unknown field `sum` - at `\$.steps\[0\]`"):
         protocol.TrainResult.from_wire({"steps": [{**metrics, "sum": {}}]})
-    with pytest.raises(protocol.ProtocolError, match=r"StepMetrics.lr must be a number, got 'fast'"):
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `float`, got `str` - at `\$.steps\[0\].lr`"):
         protocol.TrainResult.from_wire({"steps": [{**metrics, "lr": "fast"}]})
-    with pytest.raises(protocol.ProtocolError, match="a TrainResult must be a map with a 'steps' list"):
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `float`, got `bool` - at `\$.steps\[0\].extra\[\.\.\.\]`"):
+        protocol.TrainResult.from_wire({"steps": [{**metrics, "extra": {"m": True}}]})
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `array`, got `null` - at `\$.steps`"):
         protocol.TrainResult.from_wire({"steps": None})
 
 
@@ -223,8 +236,8 @@ async def test_frame_over_the_limit_is_refused_by_the_receiver(tmp_path) -> None
                 return reply.message
 
         message = await anyio.to_thread.run_sync(send_huge_header)
-        assert "1048576 bytes" in message and f"a Hello is at most {protocol.MAX_HELLO_BYTES} bytes" in message
-        assert any("a Hello is at most" in reason for reason in group.refusals)
+        assert "1048576 bytes" in message and f"a hello is at most {protocol.MAX_HELLO_BYTES} bytes" in message
+        assert any("a hello is at most" in reason for reason in group.refusals)
 
         # Once welcomed, the group's own limit applies: a rank announcing 1 MiB fails the call, naming it.
         channel = await anyio.to_thread.run_sync(protocol.RankChannel.connect, group.address, hello(group.token))
@@ -379,7 +392,7 @@ def hostile_hellos() -> dict[str, bytes]:
 
 
 def test_decode_hello_accepts_a_hello_and_refuses_every_other_shape() -> None:
-    real = protocol.frame(protocol.encode_message(hello("t", rank=3, world_size=4)))
+    real = protocol.encode_frame(hello("t", rank=3, world_size=4))
     assert protocol.decode_hello(real[4:]) == hello("t", rank=3, world_size=4)
     for name, data in hostile_hellos().items():
         with pytest.raises(protocol.ProtocolError):

@@ -1,8 +1,9 @@
 """The built-in reward types on known right and wrong answers (tables), and the math grading under them.
 
-The cases come from slime's rules (the porting notes' test vectors and traps: deepscaler without `</think>`
-scores 0; dapo's non-numeric label; `math` takes the boxed answer only, `math_last_number` also the last
-number).
+The cases come from slime's rules (slime's rm_hub at THUDM/slime 624b824a; every value under a slime name is
+what slime's own code returns, as in test_reward_corpus.py: deepscaler without `</think>` scores 0; dapo's
+non-numeric label; `math` takes the boxed answer only, `math_last_number` also the last number). The few
+places where we differ from slime on purpose have their own tests here (docs/rewards.md lists them).
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from coordinator.rollout.math_grading import (
+from coordinator.rewards.math_grading import (
     answers_equal,
     extract_boxed,
     extract_last_number,
-    normalize_final_answer,
     symbolically_equal,
 )
-from coordinator.rollout.reward_rules import (
+from coordinator.rewards.minerva import minerva_form
+from coordinator.rewards.rules import (
     RULES,
     RewardError,
     apply_rule,
@@ -144,10 +145,11 @@ def test_dapo_refuses_a_non_numeric_label() -> None:
 
 
 def test_minerva_normalisation() -> None:
-    assert normalize_final_answer(r"\text{5 } \text{ways}") == "5"
-    assert normalize_final_answer(r"\frac12") == r"\frac{1}{2}"
-    assert normalize_final_answer(r"\sqrt3") == r"\sqrt{3}"
-    assert normalize_final_answer(r"\boxed{12}") == "12"
+    assert minerva_form(r"\text{5 } \text{ways}") == "5"
+    assert minerva_form(r"\frac12") == r"\frac{1}{2}"
+    assert minerva_form(r"\sqrt3") == r"\sqrt{3}"
+    assert minerva_form(r"\boxed{12}") == "12"
+    assert minerva_form("an 5") == "5" and minerva_form("Thousands of ways") == "Thousandsof"  # plain edits
 
 
 # ---------------------------------------------------------------------------------------------- f1, gpqa
@@ -168,18 +170,21 @@ def test_f1(response: str, label: str, expected: float) -> None:
     assert score("f1", response, label) == expected
 
 
-GPQA_CASES: list[tuple[str, str | None, dict[str, Any], float]] = [
+GPQA_CASES: list[tuple[str, Any, dict[str, Any], float]] = [
     ("The answer is C", "C", {}, 1.0),
     ("The answer is C", "B", {}, 0.0),
-    ("I think the answer is clearly (B).", "B", {}, 1.0),  # `clearly` is no letter; the last capital is
     ("Answer: D", None, {"correct_letter": "D"}, 1.0),
     ("<think>maybe A</think> Final answer: B", "B", {}, 1.0),  # only the text after </think>
-    ("The answer is B", "2", {"choices": ["x", "y", "z"]}, 0.0),  # an index label: 2 → C
-    ("The answer is C", "2", {"choices": ["x", "y", "z"]}, 1.0),
+    ("The answer is B", 2, {"choices": ["x", "y", "z"]}, 0.0),  # a numeric label is an index: 2 → C
+    ("The answer is C", 2, {"choices": ["x", "y", "z"]}, 1.0),
+    ("The answer is B", 1.0, {}, 1.0),  # a float index too (slime's int(label))
+    ("The answer is C", "2", {"choices": ["x", "y", "z"]}, 0.0),  # the text "2" is no index (slime)
     ("The answer is B", "y", {"choices": ["x", "y", "z"]}, 1.0),  # the label is a choice's text
-    ("The answer is E", "A", {"choices": ["a", "b", "c", "d"]}, 0.0),  # E is not a valid letter: no letter
+    ("The answer is A", "y", {"choices": {"k2": "x", "k1": "y"}}, 0.0),  # a dict's values in order: y is B
     ("it is the mitochondria", "mitochondria", {}, 1.0),  # no letter: the text appears
     ("it is the nucleus", "mitochondria", {}, 0.0),
+    ("15 ms", "1.5 m/s", {}, 0.0),  # punctuation is a separator, not dropped: `1 5 m s`
+    ("The answer is I", "I", {}, 1.0),  # A-J by default (miles': A-H)
 ]
 
 
@@ -198,6 +203,7 @@ BOXED_CASES = [
     ("boxed_gpqa", r"A? no: \boxed{C}", "C", 1.0),
     ("boxed_math_last_number", r"it is \boxed{7}", "7", 1.0),
     ("boxed_math", r"it is \boxed{7}", "7", 0.0),  # `math` then looks for a box inside the box's content
+    ("boxed_f1", r"\fbox{7}", "7", 0.0),  # slime's box rule: `\fbox` is no box
 ]
 
 
@@ -278,7 +284,7 @@ def test_ifbench_maps_metadata_to_ifbench_inputs(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delitem(__import__("sys").modules, "evaluation_lib", raising=False)
     ifbench_library.cache_clear()
     try:
-        metadata = {"instruction_id_list": ["punctuation:no_comma", " ", "x:y"], "prompt_text": "Write.",
+        metadata = {"instruction_id_list": ["punctuation:no_comma", " ", None, "x:y"], "prompt_text": "Write.",
                     "record_id": 7, "kwargs": [{"a": 1, "b": None}]}
         assert score("ifbench", "no commas here", **metadata) == 1.0
         assert score("ifbench", "a, b", **metadata) == 0.0

@@ -5,10 +5,10 @@ for an engine's recovery) brings it back for the command and leaves it offloaded
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
+from msgspec.structs import replace
 
 from tests.support.train_samples import synthetic_samples
 from workers import protocol

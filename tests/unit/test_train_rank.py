@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from msgspec.structs import replace
 
 from tests.support.train_samples import synthetic_samples
 from workers import protocol

@@ -1,7 +1,8 @@
-"""Math answer grading: finding an answer in a response and deciding whether it equals the label.
+"""rayless' lenient math grading (`math_lenient`, `math_last_number`): NOT slime's (that is `math_equal`).
 
-Owns the checks the math-like reward types share (`math`, `deepscaler`, `gemma_math`, `math_last_number`,
-`dapo`). The rules follow slime's `rm_hub` (the facts; the code is ours):
+Owns the checks of our own lenient math reward types. It accepts more than slime: unevaluated arithmetic
+(`\\boxed{2+3}` for 5), unreduced fractions, `\\fbox{}`, `\\boxed 5`, an earlier complete box when the last is
+cut off. Its rules:
 
 - `extract_boxed`: the content of the last complete `\\boxed{...}` (brace-balanced; also `\\fbox{}` and
   `\\boxed 5`).
@@ -11,7 +12,6 @@ Owns the checks the math-like reward types share (`math`, `deepscaler`, `gemma_m
   numbers (`1,000` = `1000`, `\\frac{3}{4}` = `0.75`; an integer never equals a non-integer), or element-wise
   for tuples and intervals with the same brackets, or symbolically (`2\\sqrt{2}` = `\\sqrt{8}`) for small
   expressions with at most two variables — the last through our own parser into sympy objects, never `eval`.
-- `normalize_final_answer`: the Minerva/DAPO normalisation of an `Answer: ...` line.
 
 Invariant: grading is bounded on hostile text (a 100k-digit "number", thousands of `\\boxed{`, a huge
 exponent): numbers beyond float range compare as text, symbolic checks only see short expressions with small
@@ -371,36 +371,3 @@ def symbolically_equal(given: str, truth: str) -> bool:
         return bool(sympy.simplify(left - right) == 0)
     except Exception:  # sympy may give up on odd input; that is "not shown equal"
         return False
-
-
-# ---------------------------------------------------------------------------------- Minerva / DAPO form
-
-_MINERVA_SUBSTITUTIONS = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
-                          ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
-_MINERVA_REMOVED = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
-                    "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds",
-                    "meters", "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}",
-                    "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}",
-                    "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
-                    "<|im_end|>", "<|endoftext|>")
-
-
-def normalize_final_answer(answer: str) -> str:
-    """The Minerva normal form DAPO compares: the text after the last `=`, words and units dropped, `$...$`,
-    `\\text{}`, `\\textbf{}`, `\\overline{}`, `\\boxed{}` unwrapped, `\\frac12`/`\\sqrt2` braced, thousands
-    commas removed from integers."""
-    answer = str(answer).split("=")[-1]
-    for before, after in _MINERVA_SUBSTITUTIONS:
-        answer = answer.replace(before, after)
-    for removed in _MINERVA_REMOVED:
-        answer = answer.replace(removed, "")
-    answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$", answer)
-    for command in ("text", "textbf", "overline"):
-        answer = re.sub(r"(\\" + command + r"\{)(.*?)(\})", r"\2", answer)
-    answer = re.sub(r"(\\boxed\{)(.*)(\})", r"\2", answer)
-    answer = re.sub(r"(frac)([^{])(.)", r"frac{\2}{\3}", answer)
-    answer = re.sub(r"(sqrt)([^{])", r"sqrt{\2}", answer)
-    answer = answer.replace("$", "")
-    if answer.replace(",", "").isdigit():
-        answer = answer.replace(",", "")
-    return answer.strip()

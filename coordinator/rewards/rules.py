@@ -1,28 +1,13 @@
 """The built-in reward types (`--rm-type`, and `rm_type` of an `--eval-config` dataset): one rule each.
 
-Owns the registry (`RULES`; `rm_type_names()` is what `--rm-type` accepts) and the rule of every name that
-slime and miles scripts use, plus ours. The rules are slime's (`slime/rollout/rm_hub`), written here:
-
-| name | reward | right when |
-|---|---|---|
-| `math` | 1 / 0 | the last `\\boxed{}` of the response equals the label (a boxed label: its content) |
-| `math_last_number` | 1 / 0 | ours (rayless' old `math`): like `math`, but without a box the last number counts |
-| `deepscaler` | 1 / 0 | as `math`, on the text after the last `</think>` (or between the first two `###Response`);
-  **without either delimiter: 0** |
-| `gemma_math` | 1 / 0 | (miles) as `math`, on the text after the last `<channel|>` when there is one |
-| `dapo` | `{score: ±1, acc: 1/0}` | the last `Answer: X` in the last 300 characters equals the label, both in
-  Minerva form, the label as an integer (a non-numeric label is an error) |
-| `f1` | [0, 1] | SQuAD token F1 of response and label (lower-cased, punctuation and articles dropped; a
-  yes/no/noanswer on one side must match exactly) |
-| `gpqa` | 1 / 0 | the chosen letter equals the correct one (metadata `correct_letter`, a one-letter label, a
-  choice index, or the choice text); without a letter, the correct text appears in the response |
-| `ifbench` | 1 / 0 | every instruction of metadata `instruction_id_list`/`kwargs` followed (IFBench's strict
-  check; needs IFBench's `evaluation_lib` importable) |
-| `random` | 0 / 1 | uniformly at random |
-| `deterministic_random` | 0 / 1 | (miles) first byte of sha256(str(tokens) + response), mod 2 |
-| `exact_match`, `first_digit`, `char_match` | | ours (the built-in tasks) |
-| `remote_rm` | the service's JSON | `POST --rm-url {prompt, response, label}` (`coordinator.rollout.remote_rm`) |
-| `boxed_<t>` | as `<t>` | `<t>` applied to the last `\\boxed{}` content of the response ("" when none) |
+Owns the registry (`RULES`; `rm_type_names()` is what `--rm-type` accepts). slime's names compute what slime's
+`rm_hub` computes (THUDM/slime 624b824a; miles' names as radixark/miles 31f1ca96), each rule in its own module:
+`math`, `deepscaler`, `gemma_math` (`math_rules`), `dapo` (`minerva`), `gpqa` (`gpqa`), `f1`, `ifbench`,
+`random`, `deterministic_random` (here), `boxed_<t>` (`<t>` on the last box's content, slime's box rule).
+Ours: `math_lenient` / `math_last_number` (rayless' earlier lenient grading, `math_grading`), `math_verify`
+(Hugging Face's Math-Verify), `exact_match`, `first_digit`, `char_match`; `remote_rm` is `remote_rm.py`.
+The table of every type, and the few documented places where slime is plainly wrong and we are not, is
+docs/rewards.md.
 
 Invariant: a rule is a pure function of (response text, sample) except `random` and `remote_rm`; every rule
 returns a float or a dict of floats, or raises `RewardError` saying what is wrong with the sample.
@@ -41,18 +26,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.rollout.math_grading import (
-    answers_equal,
-    extract_boxed,
-    extract_last_number,
-    label_answer,
-    normalize_final_answer,
+from coordinator.rewards.gpqa import gpqa_score
+from coordinator.rewards.math_grading import answers_equal, extract_boxed, extract_last_number, label_answer
+from coordinator.rewards.math_rules import (
+    MathLabelError,
+    boxed_content,
+    deepscaler_reward,
+    gemma_math_reward,
+    math_reward,
 )
+from coordinator.rewards.math_verify_rule import MathVerifyMissing, math_verify_library, math_verify_reward
+from coordinator.rewards.minerva import dapo_score
 from replay.sample import Sample
 from workers.errors import RaylessError
 
 FIRST_DIGIT_WINDOW = 4
-DAPO_TAIL_CHARS = 300
 BOXED_PREFIX = "boxed_"
 REMOTE_RM = "remote_rm"
 
@@ -112,64 +100,56 @@ def char_match(response: str, sample: Sample) -> float:
 # ------------------------------------------------------------------------------------------------- math
 
 
-def _grade_boxed(solution: str, label: str) -> float:
-    """slime's verl-style check: the last `\\boxed{}` of `solution` against the label's answer."""
-    if not label:
-        return 0.0
-    answer = extract_boxed(solution)
-    if answer is None:
-        return 0.0
-    return 1.0 if answers_equal(answer, label_answer(label)) else 0.0
+def _rule_error(rm_type: str, call: Callable[[], float]) -> float:
+    """Run a slime rule, turning its complaint about the sample's label into a RewardError."""
+    try:
+        return call()
+    except (MathLabelError, ValueError, OverflowError, IndexError, TypeError) as error:
+        raise RewardError(f"rm-type {rm_type}: {error}") from None
 
 
 def math_answer(response: str, sample: Sample) -> float:
-    """slime's `math`: the last `\\boxed{}` answer only (no box: 0); no thinking delimiter needed."""
-    return _grade_boxed(response, _label(sample))
+    """slime's `math`: the last `\\boxed{}` answer only (no box: 0); see `math_rules`."""
+    return math_reward(response, sample.label)
 
 
-def math_last_number(response: str, sample: Sample) -> float:
-    """rayless' earlier `math`: the last `\\boxed{}` answer, or without one the last number of the response."""
-    label = _label(sample)
-    answer = extract_boxed(response)
-    if answer is None:
-        answer = extract_last_number(response)
+def deepscaler(response: str, sample: Sample) -> float:
+    """slime's `deepscaler`: the box after the last `</think>` (or `###Response`); neither: 0."""
+    return _rule_error("deepscaler", lambda: deepscaler_reward(response, sample.label))
+
+
+def gemma_math(response: str, sample: Sample) -> float:
+    """miles' `gemma_math`: the box after the last `<channel|>`."""
+    return _rule_error("gemma_math", lambda: gemma_math_reward(response, sample.label))
+
+
+def _lenient_grade(answer: str | None, label: str) -> float:
     if not label or answer is None:
         return 0.0
     return 1.0 if answers_equal(answer, label_answer(label)) else 0.0
 
 
-def deepscaler(response: str, sample: Sample) -> float:
-    """slime's `deepscaler`: the solution is the text after the last `</think>`, else between the first two
-    `###Response`; a response with neither scores 0 even when its box is right."""
-    if "</think>" in response:
-        solution = response.rsplit("</think>", 1)[1]
-    elif "###Response" in response:
-        solution = response.split("###Response")[1]
-    else:
-        return 0.0
-    return _grade_boxed(solution, _label(sample))
+def math_lenient(response: str, sample: Sample) -> float:
+    """ours (rayless' earlier `math`): the last box (also `\\fbox{}`, `\\boxed 5`, an earlier complete box when
+    the last is cut off), graded leniently (`math_grading`: arithmetic, unreduced fractions accepted)."""
+    return _lenient_grade(extract_boxed(response), _label(sample))
 
 
-def gemma_math(response: str, sample: Sample) -> float:
-    """miles' `gemma_math`: as deepscaler, splitting on the last `<channel|>`, and no delimiter needed."""
-    solution = response.rsplit("<channel|>", 1)[1] if "<channel|>" in response else response
-    return _grade_boxed(solution, _label(sample))
+def math_last_number(response: str, sample: Sample) -> float:
+    """ours: as `math_lenient`, or without a box the last number of the response."""
+    answer = extract_boxed(response)
+    return _lenient_grade(answer if answer is not None else extract_last_number(response), _label(sample))
 
 
 def dapo(response: str, sample: Sample) -> dict[str, float]:
-    """slime's `dapo` (Minerva check): `{"score": 1.0, "acc": 1.0}` when right, `{"score": -1.0, "acc": 0.0}`
-    when wrong. slime also returns the prediction text; rewards here are numbers, so it is left out."""
-    matches = re.findall(r"(?i)Answer\s*:\s*([^\n]+)", response[-DAPO_TAIL_CHARS:])
-    prediction = normalize_final_answer(matches[-1] if matches else "[INVALID]")
-    label = normalize_final_answer(_label(sample))
+    """slime's `dapo` (Minerva check, `minerva`): `{"score": 1.0, "acc": 1.0}` when right, `{"score": -1.0,
+    "acc": 0.0}` when wrong. slime also returns the prediction text; rewards here are numbers, so it is left out."""
     try:
-        truth = str(int(float(label)))  # DAPO answers are integers
+        return dapo_score(response, sample.label)
     except (ValueError, OverflowError):
         raise RewardError(
             f"rm-type dapo needs an integer label (DAPO answers are integers), got {sample.label!r}"
         ) from None
-    correct = prediction == truth
-    return {"score": 1.0 if correct else -1.0, "acc": 1.0 if correct else 0.0}
 
 
 # --------------------------------------------------------------------------------------------------- f1
@@ -185,8 +165,11 @@ def normalize_f1_text(text: str) -> str:
 
 
 def f1(response: str, sample: Sample) -> float:
-    """Token F1 between the response and the label (SQuAD's), in [0, 1]."""
-    prediction, truth = normalize_f1_text(response), normalize_f1_text(_label(sample))
+    """Token F1 between the response and the label (SQuAD's), in [0, 1]; slime's `f1` (its `f1.py`). The
+    label must be text (slime's fails on any other)."""
+    if not isinstance(sample.label, str):
+        raise RewardError(f"rm-type f1 needs a text label, got {type(sample.label).__name__} {sample.label!r}")
+    prediction, truth = normalize_f1_text(response), normalize_f1_text(sample.label)
     special = {"yes", "no", "noanswer"}
     if (prediction in special or truth in special) and prediction != truth:
         return 0.0
@@ -201,79 +184,18 @@ def f1(response: str, sample: Sample) -> float:
 
 # ------------------------------------------------------------------------------------------------- gpqa
 
-_GPQA_PATTERNS = (
-    re.compile(r"(?:answer|option|choice)\s*(?:is|:)?\s*([A-Z])\b", re.IGNORECASE),
-    re.compile(r"\b([A-Z])\s*(?:is\s*(?:the)?\s*correct)", re.IGNORECASE),
-    re.compile(r"final\s*(?:answer|option)\s*(?:is|:)?\s*([A-Z])\b", re.IGNORECASE),
-)
-_GPQA_DEFAULT_LETTERS = "ABCDEFGHIJ"
-
-
-def _gpqa_letters(metadata: dict[str, Any]) -> str:
-    valid = metadata.get("valid_letters")
-    if isinstance(valid, (list, tuple, str)) and valid:
-        return "".join(str(letter).strip().upper() for letter in valid)
-    choices = metadata.get("choices")
-    if isinstance(choices, (list, tuple, dict)) and choices:
-        return string.ascii_uppercase[: len(choices)]
-    return _GPQA_DEFAULT_LETTERS
-
-
-def _gpqa_choice_texts(metadata: dict[str, Any]) -> list[str]:
-    choices = metadata.get("choices")
-    if isinstance(choices, dict):
-        return [str(choices[key]) for key in sorted(choices)]
-    if isinstance(choices, (list, tuple)):
-        return [str(choice) for choice in choices]
-    return []
-
-
-def _gpqa_correct_letter(label: str, metadata: dict[str, Any], letters: str) -> str | None:
-    correct = metadata.get("correct_letter")
-    if isinstance(correct, str) and correct.strip().upper() in letters and len(correct.strip()) == 1:
-        return correct.strip().upper()
-    label = label.strip()
-    if len(label) == 1 and label.upper() in letters:
-        return label.upper()
-    choices = _gpqa_choice_texts(metadata)
-    for index, choice in enumerate(choices):
-        if normalize_f1_text(choice) == normalize_f1_text(label) and normalize_f1_text(label):
-            return letters[index] if index < len(letters) else None
-    if label.isdigit() and int(label) < min(len(letters), len(choices) or len(letters)):
-        return letters[int(label)]  # a choice index (labels travel as text here)
-    return None
-
-
-def _gpqa_chosen_letter(response: str, letters: str) -> str | None:
-    for pattern in _GPQA_PATTERNS:
-        for match in pattern.finditer(response):
-            letter = match.group(1).upper()
-            if letter in letters:
-                return letter
-    standalone = [letter for letter in re.findall(r"\b([A-Z])\b", response) if letter in letters]
-    return standalone[-1] if standalone else None
-
 
 def gpqa(response: str, sample: Sample) -> float:
-    """slime's multiple-choice check: the letter the response chooses (after the last `</think>`) against
-    the correct one; without both letters, whether the correct answer's text appears in the response."""
-    metadata = sample.metadata or {}
-    if "</think>" in response:
-        response = response.rsplit("</think>", 1)[1]
-    letters = _gpqa_letters(metadata)
-    label = _label(sample)
-    correct = _gpqa_correct_letter(label, metadata, letters)
-    chosen = _gpqa_chosen_letter(response, letters)
-    if correct is not None and chosen is not None:
-        return 1.0 if chosen == correct else 0.0
-    candidates = []
-    choices = _gpqa_choice_texts(metadata)
-    if correct is not None and letters.index(correct) < len(choices):
-        candidates.append(choices[letters.index(correct)])
-    candidates += [str(metadata[key]) for key in ("correct_answer", "answer_text") if metadata.get(key)]
-    candidates.append(label)
-    text = normalize_f1_text(response)
-    return 1.0 if any(normalize_f1_text(c) and normalize_f1_text(c) in text for c in candidates) else 0.0
+    """slime's multiple-choice check (`coordinator.rewards.gpqa`, one documented deviation)."""
+    return _rule_error("gpqa", lambda: gpqa_score(response, sample.label, sample.metadata))
+
+
+def math_verify(response: str, sample: Sample) -> float:
+    """Hugging Face's Math-Verify on the response and the label (`coordinator.rewards.math_verify_rule`)."""
+    try:
+        return math_verify_reward(response, sample.label)
+    except MathVerifyMissing as error:
+        raise RewardError(str(error)) from None
 
 
 # ---------------------------------------------------------------------------------------------- ifbench
@@ -308,7 +230,8 @@ def _ifbench_kwargs(raw: Any, count: int) -> list[dict[str, Any]]:
 def ifbench(response: str, sample: Sample) -> float:
     """1.0 when the response follows every instruction of the sample's metadata (IFBench's strict check)."""
     metadata = sample.metadata or {}
-    ids = [str(entry).strip() for entry in metadata.get("instruction_id_list") or [] if str(entry).strip()]
+    ids = [str(entry).strip() for entry in metadata.get("instruction_id_list") or []
+           if entry is not None and str(entry).strip()]  # slime skips None entries (not the text "None")
     if not ids:
         return 0.0
     library = ifbench_library()
@@ -331,7 +254,7 @@ def random_reward(response: str, sample: Sample) -> float:
 
 def deterministic_random(response: str, sample: Sample) -> float:
     """miles' `deterministic_random`: sha256(str(tokens) + response), first byte mod 2."""
-    digest = hashlib.sha256((str(list(sample.tokens)) + response).encode("utf-8")).digest()
+    digest = hashlib.sha256((str(sample.tokens) + response).encode("utf-8")).digest()
     return float(digest[0] % 2)
 
 
@@ -345,7 +268,9 @@ RULES: dict[str, Rule] = {
     rule.name: rule
     for rule in (
         Rule("math", math_answer),
+        Rule("math_lenient", math_lenient),
         Rule("math_last_number", math_last_number),
+        Rule("math_verify", math_verify),
         Rule("deepscaler", deepscaler),
         Rule("gemma_math", gemma_math),
         Rule("dapo", dapo, returns_dict=True),
@@ -360,6 +285,19 @@ RULES: dict[str, Rule] = {
         Rule(REMOTE_RM, _remote_placeholder, needs_label=False, boxed_variant=False),
     )
 }
+
+
+def require_libraries(rm_type: str) -> None:
+    """Raise RewardError (saying what to install) when the rule of `rm_type` needs a package that is missing:
+    IFBench's `evaluation_lib` for `ifbench`, Math-Verify for `math_verify`. Checked at start-up."""
+    rule, _ = base_rule(rm_type)
+    if rule.name == "ifbench":
+        ifbench_library()
+    elif rule.name == "math_verify":
+        try:
+            math_verify_library()
+        except MathVerifyMissing as error:
+            raise RewardError(str(error)) from None
 
 
 def rm_type_names() -> list[str]:
@@ -385,5 +323,5 @@ def apply_rule(rm_type: str, sample: Sample) -> RuleResult:
     rule, boxed = base_rule(rm_type)
     response = sample.response or ""
     if boxed:
-        response = extract_boxed(response) or ""
+        response = boxed_content(response)
     return rule.score(response, sample)

@@ -1,0 +1,192 @@
+"""`rayless reward score`: a built-in reward type run over a JSONL file, to check a grader on one's own data.
+
+    rayless reward score --rm-type T [--input-key K] [--label-key K] [--metadata-key K] [--tokens-key K]
+                         [--reward-key K] [--out F] [--compare T2] FILE.jsonl
+
+Owns reading the rows, scoring each with `reward_rules.apply_rule` (the rule a run uses) and reporting.
+Without `--compare`: one JSON line per row, `{"index": i, "reward": r}` (or `{"index": i, "error": "..."}`), to
+stdout or `--out`; a summary line on stderr. With `--compare T2`: stdout lists the rows where T and T2 differ
+(and `--out`, if given, gets both rewards of every row). `--rm-type` decides for every row: a row's own
+`metadata.rm_type` is not used, so two graders are compared on the same rows.
+
+Invariants: exit 0 when every row was scored; 1 when some row could not be (its line says why); 2 on bad flags
+or a missing file (before anything is scored) or a file that cannot be read. The file is read line by line (memory: one row at a time,
+plus, with `--compare`, the differing rows' short excerpts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+EXCERPT_CHARS = 60
+
+
+class ScoreInputError(Exception):
+    """A row the flags cannot read (not JSON, not an object, a field of the wrong type)."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    response: str
+    label: str
+    metadata: str
+    tokens: str
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rayless reward score",
+                                     description="Score the responses of a JSONL file with a built-in reward type.")
+    parser.add_argument("file", metavar="FILE.jsonl", help="one JSON object per line")
+    parser.add_argument("--rm-type", required=True, help="the built-in reward type (as `rayless train --rm-type`)")
+    parser.add_argument("--input-key", default="response", help="the field holding the response text (response)")
+    parser.add_argument("--label-key", default="label", help="the field holding the label (label)")
+    parser.add_argument("--metadata-key", default="metadata", help="the field holding the metadata (metadata)")
+    parser.add_argument("--tokens-key", default="tokens", help="the field holding token ids, if any (tokens)")
+    parser.add_argument("--reward-key", default=None, help="the entry of a dict reward that --compare compares")
+    parser.add_argument("--compare", metavar="T2", default=None, help="a second reward type: print where they differ")
+    parser.add_argument("--out", default=None, help="write the rewards (JSONL) here instead of stdout")
+    return parser
+
+
+def _rows(path: Path) -> Iterator[tuple[int, str]]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield number, line
+
+
+def _sample(line: str, number: int, keys: Keys, needs_label: bool) -> Any:
+    from replay.sample import Sample, SampleStatus
+
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ScoreInputError(f"line {number} is not JSON ({error})") from None
+    if not isinstance(row, dict):
+        raise ScoreInputError(f"line {number} is a JSON {type(row).__name__}, not an object")
+    response = row.get(keys.response)
+    if not isinstance(response, str):
+        raise ScoreInputError(f"line {number} has no text field {keys.response!r} (--input-key)")
+    label = row.get(keys.label)
+    if needs_label and label is None:
+        raise ScoreInputError(f"line {number} has no {keys.label!r} (--label-key): this reward type needs a label")
+    metadata = row.get(keys.metadata) or {}
+    if not isinstance(metadata, dict):
+        raise ScoreInputError(f"line {number}: {keys.metadata!r} (--metadata-key) is not an object")
+    tokens = row.get(keys.tokens) or []
+    if not (isinstance(tokens, list) and all(isinstance(token, int) for token in tokens)):
+        raise ScoreInputError(f"line {number}: {keys.tokens!r} (--tokens-key) is not a list of token ids")
+    return Sample(group_index=0, sample_index=number - 1, prompt="", tokens=tokens, response_length=0,
+                  loss_mask=[], rollout_log_probs=[], status=SampleStatus.COMPLETED, label=label,
+                  response=response, metadata=metadata)
+
+
+def _score(rm_type: str, sample: Any) -> tuple[Any, str | None]:
+    from coordinator.rewards.rules import RewardError, apply_rule
+
+    try:
+        return apply_rule(rm_type, sample), None
+    except RewardError as error:
+        return None, str(error)
+
+
+def _comparable(reward: Any, reward_key: str | None) -> Any:
+    if isinstance(reward, dict) and reward_key is not None:
+        return reward.get(reward_key)
+    return reward
+
+
+def _excerpt(text: Any) -> str:
+    shown = json.dumps(text, ensure_ascii=False)
+    return shown if len(shown) <= EXCERPT_CHARS else shown[: EXCERPT_CHARS - 1] + "…"
+
+
+def _check_types(options: argparse.Namespace) -> tuple[bool, str | None]:
+    """(whether a label is needed, an error to exit 2 with)."""
+    from coordinator.rewards.rules import REMOTE_RM, RewardError, base_rule, require_libraries
+
+    needs_label = False
+    for flag, rm_type in (("--rm-type", options.rm_type), ("--compare", options.compare)):
+        if rm_type is None:
+            continue
+        try:
+            rule, _ = base_rule(rm_type)
+            require_libraries(rm_type)
+        except RewardError as error:
+            return False, f"{flag}: {error}"
+        if rule.name == REMOTE_RM:
+            return False, f"{flag} remote_rm is scored by a running service; reward score runs built-in types only"
+        needs_label = needs_label or rule.needs_label
+    return needs_label, None
+
+
+def run(options: argparse.Namespace, out: IO[str] | None, report: IO[str]) -> int:
+    """Score every row of `options.file`; reward lines to `out` (None: not written), differences to `report`."""
+    keys = Keys(options.input_key, options.label_key, options.metadata_key, options.tokens_key)
+    needs_label, error = _check_types(options)
+    if error is not None:
+        print(f"rayless reward score: error: {error}", file=sys.stderr)
+        return 2
+    rows = failed = differ = 0
+    for number, line in _rows(Path(options.file)):
+        rows += 1
+        try:
+            sample = _sample(line, number, keys, needs_label)
+        except ScoreInputError as problem:
+            failed += 1
+            if out is not None:
+                out.write(json.dumps({"index": number - 1, "error": str(problem)}) + "\n")
+            continue
+        reward, problem_text = _score(options.rm_type, sample)
+        record: dict[str, Any] = {"index": number - 1, "reward": reward} if problem_text is None else {
+            "index": number - 1, "error": problem_text}
+        failed += problem_text is not None
+        if options.compare is not None:
+            other, other_problem = _score(options.compare, sample)
+            record["compare"] = other if other_problem is None else {"error": other_problem}
+            failed += other_problem is not None
+            left, right = _comparable(record.get("reward"), options.reward_key), _comparable(other, options.reward_key)
+            if problem_text is None and other_problem is None and left != right:
+                differ += 1
+                report.write(f"line {number}: {options.rm_type}={json.dumps(left)} {options.compare}="
+                             f"{json.dumps(right)}  response={_excerpt(sample.response)} "
+                             f"label={_excerpt(sample.label)}\n")
+        if out is not None:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    summary = f"{rows} rows scored with {options.rm_type}" + (f", {failed} could not be" if failed else "")
+    if options.compare is not None:
+        report.write(f"{options.rm_type} and {options.compare} differ on {differ} of {rows} rows\n")
+    print(f"rayless reward score: {summary}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """`rayless reward score ...`: exit 0 all scored, 1 some row not, 2 bad flags or file."""
+    args = list(argv)
+    if not args or args[0] != "score":
+        asked = args[:1] in (["-h"], ["--help"])
+        print("usage: rayless reward score --rm-type T [...] FILE.jsonl  (rayless reward score --help)",
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    try:
+        options = _parser().parse_args(args[1:])
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    path = Path(options.file)
+    if not path.is_file():
+        print(f"rayless reward score: error: {options.file}: no such file", file=sys.stderr)
+        return 2
+    try:
+        if options.out is None:
+            return run(options, None if options.compare else sys.stdout, sys.stdout)
+        with open(options.out, "w", encoding="utf-8") as handle:
+            return run(options, handle, sys.stdout)
+    except (OSError, UnicodeDecodeError) as error:
+        print(f"rayless reward score: error: {options.file} or --out {options.out}: {error}", file=sys.stderr)
+        return 2

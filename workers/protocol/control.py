@@ -1,0 +1,277 @@
+"""The control channel's messages: what the coordinator (`coordinator.train`) and a rank (`workers.train_rank`)
+say to each other, declared once for both sides.
+
+Owns `PROTOCOL_VERSION`, the records both sides read field by field (`WireSample`, `StepMetrics`,
+`TrainResult`), the handshake (Hello → Welcome / ErrorMessage), the commands, `Request` / `Response`, and
+`CONTROL`, their family in the one message layer (`workers.protocol.messages`). The contract in prose:
+docs/architecture.md#contracts.
+
+Invariant: changing what a message carries changes `PROTOCOL_VERSION` (both ends are one checkout; the
+handshake compares it). Adding a field is adding a line to its declaration; a field without a default is
+required on the wire.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+
+from workers.protocol import codec
+from workers.protocol.frames import framed
+from workers.protocol.messages import Family, Int31, Message, Record, Token, union_of
+
+if TYPE_CHECKING:
+    from anyio.abc import ByteStream
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+# 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node_rank
+PROTOCOL_VERSION = 5
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
+ENV_ADDR = "RAYLESS_CONTROL_ADDR"
+ENV_MAX_FRAME = "RAYLESS_CONTROL_MAX_FRAME_BYTES"
+#: the node (of a multi-node run) whose torchrun started the rank; reported in Hello
+ENV_NODE_RANK = "RAYLESS_NODE_RANK"
+
+LIMIT_HINT = f" (raise {ENV_MAX_FRAME} / max_frame_bytes, or send less per command)"
+
+
+class ControlMessage(Message):
+    """The base of the control channel's kinds."""
+
+
+# Records: what both sides read field by field.
+
+
+class WireSample(Record):
+    """One sample as a rank trains on it: prompt + response `tokens`, the response being the last
+    `response_length` of them; `loss_mask` and `rollout_log_probs` have one entry per response token."""
+
+    tokens: list[int]
+    response_length: int
+    loss_mask: list[int]
+    rollout_log_probs: list[float]
+    advantage: float = 0.0
+
+    @classmethod
+    def from_sample(cls, sample: Any) -> WireSample:
+        """A `replay.sample.Sample` (anything with its training fields) → plain ints and floats, validated
+        first when the sample can validate itself."""
+        validate = getattr(sample, "validate", None)
+        if validate is not None:
+            validate()
+        return cls(
+            tokens=[int(token) for token in sample.tokens],
+            response_length=int(sample.response_length),
+            loss_mask=[int(value) for value in sample.loss_mask],
+            rollout_log_probs=[float(value) for value in sample.rollout_log_probs],
+            advantage=float(sample.advantage),
+        )
+
+
+class StepMetrics(Record):
+    """One rank's raw numbers for one optimizer step (`TrainResult.steps`).
+
+    The first eight are sums over this rank's tokens (the losses already divided by the step's loss tokens
+    over all ranks), so the ranks' values add up; `logprob_abs_diff_max` is this rank's maximum; `grad_norm`
+    and `lr` are the same on every rank (gradients are all-reduced before clipping); `step_time_s` is this
+    rank's wall time. `coordinator.train.planning.reduce_step_metrics` combines them into a step's metrics.
+    """
+
+    loss: float
+    pg_loss: float
+    loss_tokens: float
+    clipped_tokens: float
+    entropy_sum: float
+    kl_sum: float
+    logprob_abs_diff_sum: float
+    num_tokens: float
+    logprob_abs_diff_max: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    # With --use-tis: the sum of the TIS weights over loss tokens, and the tokens whose weight was clamped.
+    tis_sum: float = 0.0
+    tis_clipped_tokens: float = 0.0
+    # Sums over loss tokens of the metrics a `--custom-tis-function-path` hook returned, by its names.
+    extra: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class TrainResult(Record):
+    """A rank's answer to `TrainCommand`: one `StepMetrics` per optimizer step, in order."""
+
+    steps: list[StepMetrics]
+
+
+# The handshake.
+
+
+class Hello(ControlMessage, tag="hello"):
+    protocol_version: Int31
+    token: Token
+    rank: Int31
+    world_size: Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]
+    local_rank: Int31
+    pid: Int31
+    restart_count: Int31 = 0
+    #: the node whose torchrun started this rank (0 on a single node)
+    node_rank: Int31 = 0
+
+
+class Welcome(ControlMessage, tag="welcome"):
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class ErrorMessage(ControlMessage, tag="error"):
+    message: str
+
+
+# Commands: the body of a Request. Each rank runs them in the order received.
+
+
+class Command(ControlMessage):
+    """The base of the commands (abstract: no `tag`)."""
+
+
+class InitCommand(Command, tag="init"):
+    config: dict[str, Any]
+
+
+class TrainCommand(Command, tag="train"):
+    """One rollout's shard for this rank: `steps[i]` is this rank's part of optimizer step i.
+
+    `step_loss_tokens[i]` is the number of loss-mask tokens of step i over *all* ranks, so every rank
+    divides by the same count and the token mean spans the whole global batch. Answered by a `TrainResult`.
+    """
+
+    rollout_id: int
+    steps: list[list[WireSample]]
+    step_loss_tokens: list[int]
+
+
+class SaveCommand(Command, tag="save"):
+    rollout_id: int
+    directory: str
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class LoadCommand(Command, tag="load"):
+    path: str
+
+
+class ExportWeightsCommand(Command, tag="export_weights"):
+    directory: str
+    weight_version: str
+    keep: int = 2
+
+
+class WeightManifestCommand(Command, tag="weight_manifest"):
+    """Answered with `buckets`: per bucket of at most `bucket_bytes`, the [name, dtype, shape] of each tensor
+    in send order (parameter metadata only, no gather)."""
+
+    bucket_bytes: int = 512 * 1024**2
+
+
+class BroadcastWeightsCommand(Command, tag="broadcast_weights"):
+    """Rank 0 joins the weight-update group (within `timeout_s`) and sends the manifest's buckets, one
+    broadcast per bucket when `load_format` is "flattened_bucket", one per tensor otherwise."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    timeout_s: float = 120.0
+    backend: str = "gloo"
+    bucket_bytes: int = 512 * 1024**2
+    load_format: str = ""
+
+
+class DestroyWeightGroupCommand(Command, tag="destroy_weight_group"):
+    group_name: str = "weight_update_group"
+
+
+class OffloadCommand(Command, tag="offload"):
+    """Move the rank's training state (parameters, gradients, optimizer state, reference model) off the device
+    until `onload` (colocation). `verify`: answer a digest of the state's bytes too (tests, benches)."""
+
+    verify: bool = False
+
+
+class OnloadCommand(Command, tag="onload"):
+    """Bring the state `offload` moved back, bit-identical; answered with the same figures as `offload`."""
+
+    verify: bool = False
+
+
+class ShutdownCommand(Command, tag="shutdown"):
+    pass
+
+
+#: any kind of command (built from the declarations above: a new Command subclass with a tag is one)
+AnyCommand = union_of(Command)
+
+
+class Request(ControlMessage, tag="request"):
+    request_id: int
+    command: AnyCommand
+
+
+class Response(ControlMessage, tag="response"):
+    """The answer to one Request. `result` holds the command's results (metrics are dicts of floats)."""
+
+    request_id: int
+    ok: bool
+    result: dict[str, Any] = msgspec.field(default_factory=dict)
+    error: str = ""
+    traceback: str = ""
+
+
+CONTROL = Family(
+    "control channel", ControlMessage, hello=Hello, version=PROTOCOL_VERSION, version_field="protocol_version",
+    peer="rank", us="coordinator", max_frame_bytes=MAX_FRAME_BYTES, enc_hook=codec.encode_hook,
+    ext_hook=codec.ext_hook, limit_hint=LIMIT_HINT,
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- the family's functions
+
+
+def encode_frame(message: ControlMessage, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """The message's frame; FrameTooLarge instead of a frame the peer must refuse."""
+    return CONTROL.encode(message, max_frame_bytes)
+
+
+def decode_body(body: bytes) -> Message:
+    """A frame's body after the handshake → its typed message; ProtocolError for anything else."""
+    return CONTROL.decode(body)
+
+
+def decode_message(obj: Any) -> Message:
+    """A message from plain values (an unpacked body); ProtocolError for anything else."""
+    return CONTROL.convert(obj)
+
+
+def decode_hello(body: bytes) -> Hello:
+    """The Hello of an unauthenticated peer (at most `MAX_HELLO_BYTES`), decoded strictly and bounded."""
+    return CONTROL.decode_hello(body)  # type: ignore[return-value]
+
+
+def frame(obj: Any, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """Header + body of any plain value; FrameTooLarge over the limit."""
+    return framed(codec.pack(obj), max_frame_bytes, "control-channel", LIMIT_HINT)
+
+
+async def send_message(stream: ByteStream, message: ControlMessage, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    await CONTROL.send(stream, message, max_frame_bytes)
+
+
+async def receive_message(stream: BufferedByteReceiveStream, max_frame_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Read one frame. Raises anyio.IncompleteRead / EndOfStream when the peer closed."""
+    return await CONTROL.receive(stream, max_frame_bytes)
+
+
+async def receive_hello(stream: BufferedByteReceiveStream) -> Hello:
+    """Read an unauthenticated peer's first frame: at most `MAX_HELLO_BYTES`, decoded by `decode_hello`."""
+    return await CONTROL.receive_hello(stream)  # type: ignore[return-value]
