@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from replay.format import iter_samples, read_dump, write_dump
+from replay.format import write_dump
+from replay.reader import iter_samples, read_dump
 from replay.sample import Sample, SampleStatus
 from replay.torch_import import import_torch_dump
 

@@ -1,9 +1,10 @@
-"""The rayless rollout dump format: writer, streaming reader, integrity checks, path templates.
+"""The rayless rollout dump format: its layout, the record codec, the writer, path templates.
 
 Owns the on-disk layout of one rollout (or eval) dump — MAGIC | version | frame 'H' (header) | frames 'S' (one
 per sample) | frame 'T' (trailer: count and chained CRC), each frame tag | length | CRC32 | msgpack payload —
-and formats 2 (written) and 1 (read). One module over 450 lines: each rule the reader enforces is refused on
-write beside it. The layout in full: docs/replay.md.
+the msgpack codec of its records (our extension types, bounded decoding), and writing format 2; the streaming
+reader (formats 2 and 1) is `replay.reader`. Each rule the reader enforces is refused on write here, so a
+dump we write is a dump we can read. The layout in full: docs/replay.md.
 
 Invariants:
 - A dump file either does not exist or is complete (temporary file, fsync, `os.replace`).
@@ -23,11 +24,11 @@ import tempfile
 import time
 import zlib
 from array import array
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields
+from collections.abc import Iterable
+from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import msgpack
 
@@ -40,10 +41,10 @@ SUPPORTED_VERSIONS = frozenset({1, FORMAT_VERSION})
 KINDS = ("rollout", "eval")
 ROLLOUT_ID_FIELD = "{rollout_id}"
 
-_VERSION = struct.Struct("<H")
+VERSION_HEAD = struct.Struct("<H")
 FRAME_HEAD = struct.Struct("<cII")  # what precedes each payload: tag, payload length, payload crc32
-_CRC = struct.Struct("<I")
-_TAG_HEADER, _TAG_SAMPLE, _TAG_TRAILER = b"H", b"S", b"T"
+CRC = struct.Struct("<I")
+TAG_HEADER, TAG_SAMPLE, TAG_TRAILER = b"H", b"S", b"T"
 
 # msgpack extension codes. Packed arrays keep token/logprob lists compact and fast to decode (one memcpy
 # instead of one msgpack object per element); tuples keep their type through metadata.
@@ -146,36 +147,36 @@ def _ext_hook(code: int, data: bytes) -> Any:
         try:
             values.frombytes(data)
         except ValueError as exc:
-            raise _SchemaError(f"packed {typecode!r} array of {len(data)} bytes: {exc}") from None
+            raise SchemaError(f"packed {typecode!r} array of {len(data)} bytes: {exc}") from None
         if _BIG_ENDIAN:
             values.byteswap()
         return values
     if code == _EXT_TUPLE:
         value = _unpackb(data)
         if type(value) is not list:
-            raise _SchemaError(f"a tuple extension must hold an array, got {type(value).__name__}")
+            raise SchemaError(f"a tuple extension must hold an array, got {type(value).__name__}")
         return tuple(value)
-    raise _SchemaError(f"unknown msgpack extension type {code}")
+    raise SchemaError(f"unknown msgpack extension type {code}")
 
 
 def _unpackb(data: bytes) -> Any:
     return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True)
 
 
-def _decode_record(payload: bytes) -> Any:
+def decode_record(payload: bytes) -> Any:
     """One record's msgpack payload → plain data, within `replay.bounds` (depth, decoded size, known
-    extension codes); any fault is a `_SchemaError`, never another exception."""
+    extension codes); any fault is a `SchemaError`, never another exception."""
     try:
         bounds.check_msgpack(payload, allowed_ext=_EXT_CODES)
     except bounds.BoundError as exc:
-        raise _SchemaError(str(exc)) from None
+        raise SchemaError(str(exc)) from None
     try:
         return _unpackb(payload)
-    except _SchemaError:
+    except SchemaError:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         # TypeError: a map key msgpack cannot hash (a list or map used as a key)
-        raise _SchemaError(f"not valid msgpack: {exc}") from None
+        raise SchemaError(f"not valid msgpack: {exc}") from None
 
 
 def _check_bounds(payload: bytes, where: str) -> None:
@@ -186,7 +187,7 @@ def _check_bounds(payload: bytes, where: str) -> None:
         raise DumpError(f"{where}: {exc}") from None
 
 
-class _SchemaError(Exception):
+class SchemaError(Exception):
     """Internal: raised while decoding a record; turned into a DumpError that names the file and record."""
 
 
@@ -217,7 +218,7 @@ def _is_int(value: Any) -> bool:
     return type(value) is int
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return type(value) is float or type(value) is int
 
 
@@ -235,9 +236,9 @@ def _check_write(sample: Sample, where: str) -> None:
         problems.append(f"response must be a str, got {type(sample.response).__name__}")
     if sample.index is not None and not _is_int(sample.index):
         problems.append(f"index must be an int or None, got {sample.index!r:.60}")
-    if not _is_number(sample.advantage):
+    if not is_number(sample.advantage):
         problems.append(f"advantage must be a float, got {sample.advantage!r:.60}")
-    if not _reward_ok(sample.reward):
+    if not reward_ok(sample.reward):
         problems.append(f"reward must be a float, a dict of str to float, or None; got {sample.reward!r:.80}")
     if type(sample.weight_versions) is not list or not all(type(v) is str for v in sample.weight_versions):
         problems.append(f"weight_versions must be a list of str, got {sample.weight_versions!r:.80}")
@@ -247,10 +248,10 @@ def _check_write(sample: Sample, where: str) -> None:
         raise DumpError(f"{where}: " + "; ".join(problems))
 
 
-def _reward_ok(reward: Any) -> bool:
-    if reward is None or _is_number(reward):
+def reward_ok(reward: Any) -> bool:
+    if reward is None or is_number(reward):
         return True
-    return type(reward) is dict and all(type(k) is str and _is_number(v) for k, v in reward.items())
+    return type(reward) is dict and all(type(k) is str and is_number(v) for k, v in reward.items())
 
 
 # ------------------------------------------------------------------------------------------- writing
@@ -306,8 +307,8 @@ def write_dump(
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as out:
-            out.write(MAGIC + _VERSION.pack(FORMAT_VERSION))
-            out.write(encode_frame(_TAG_HEADER, header_bytes)[0])
+            out.write(MAGIC + VERSION_HEAD.pack(FORMAT_VERSION))
+            out.write(encode_frame(TAG_HEADER, header_bytes)[0])
             chain = 0
             for position, sample in enumerate(samples):
                 where = f"{path}: sample #{position} ({getattr(sample, 'group_index', '?')}/{getattr(sample, 'sample_index', '?')})"
@@ -319,10 +320,10 @@ def write_dump(
                 except (TypeError, OverflowError, ValueError) as exc:
                     raise DumpError(f"{where}: {exc}") from None
                 _check_bounds(payload, where)
-                frame, crc = encode_frame(_TAG_SAMPLE, payload)
+                frame, crc = encode_frame(TAG_SAMPLE, payload)
                 out.write(frame)
-                chain = zlib.crc32(_CRC.pack(crc), chain)
-            out.write(encode_frame(_TAG_TRAILER, packb({"sample_count": len(samples), "chain": chain}))[0])
+                chain = zlib.crc32(CRC.pack(crc), chain)
+            out.write(encode_frame(TAG_TRAILER, packb({"sample_count": len(samples), "chain": chain}))[0])
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp_name, path)
@@ -355,273 +356,3 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-# ------------------------------------------------------------------------------------------- reading
-
-
-@dataclass(frozen=True)
-class DumpHeader:
-    path: Path
-    format_version: int
-    rollout_id: int
-    kind: str
-    created_at: float
-    sample_count: int
-    config: dict[str, Any]
-    raw: dict[str, Any]
-
-
-@dataclass
-class Dump:
-    header: DumpHeader
-    samples: list[Sample]
-
-
-class _Reader:
-    """Reads frames from an open dump, checking sizes against the file so a corrupt length never allocates."""
-
-    def __init__(self, path: Path, stream: BinaryIO, size: int) -> None:
-        self.path = path
-        self.stream = stream
-        self.remaining = size
-
-    def error(self, what: str) -> DumpError:
-        return DumpError(f"{self.path}: {what}")
-
-    def read_exact(self, n: int, what: str) -> bytes:
-        if n > self.remaining:
-            raise self.error(f"truncated: {what} needs {n} bytes, only {self.remaining} left in the file")
-        try:
-            data = self.stream.read(n)
-        except OSError as exc:
-            raise self.error(f"cannot read {what}: {exc.strerror or exc}") from None
-        if len(data) != n:
-            raise self.error(f"truncated while reading {what}")
-        self.remaining -= n
-        return data
-
-    def frame(self, what: str) -> tuple[bytes, bytes, int]:
-        tag, length, crc = FRAME_HEAD.unpack(self.read_exact(FRAME_HEAD.size, f"the frame head of {what}"))
-        payload = self.read_exact(length, what)
-        if zlib.crc32(payload) != crc:
-            raise self.error(f"checksum mismatch in {what} (the file is corrupt: a byte changed on disk)")
-        return tag, payload, crc
-
-
-def _open(path: str | os.PathLike[str]) -> tuple[Path, BinaryIO, int]:
-    path = Path(path)
-    if path.is_dir():
-        raise DumpError(f"{path}: is a directory, not a dump file")
-    try:
-        stream = open(path, "rb")
-    except FileNotFoundError:
-        raise DumpError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise DumpError(f"{path}: cannot open: {exc.strerror}") from None
-    size = os.fstat(stream.fileno()).st_size
-    if size == 0:
-        stream.close()
-        raise DumpError(f"{path}: empty file (0 bytes); a complete dump is never empty")
-    return path, stream, size
-
-
-def _read_header(reader: _Reader) -> DumpHeader:
-    head_len = len(MAGIC) + _VERSION.size
-    if reader.remaining < head_len:
-        raise reader.error(f"truncated: {reader.remaining} bytes, too short to be a rayless dump")
-    magic = reader.read_exact(len(MAGIC), "the magic bytes")
-    if magic != MAGIC:
-        hint = ""
-        if magic[:2] == b"PK" or magic[:1] == b"\x80":
-            hint = " (it looks like a torch/pickle file: import it with `rayless dump convert`)"
-        raise reader.error(f"not a rayless dump: wrong magic bytes {magic!r}{hint}")
-    (version,) = _VERSION.unpack(reader.read_exact(_VERSION.size, "the format version"))
-    if version not in SUPPORTED_VERSIONS:
-        raise reader.error(
-            f"unsupported dump format version {version}; this rayless reads {sorted(SUPPORTED_VERSIONS)}"
-        )
-    tag, payload, _ = reader.frame("the header")
-    if tag != _TAG_HEADER:
-        raise reader.error(f"expected the header frame, found a frame tagged {tag!r}")
-    try:
-        raw = _decode_record(payload)
-    except _SchemaError as exc:
-        raise reader.error(f"header: {exc}") from None
-    if type(raw) is not dict:
-        raise reader.error(f"header must be a map, got {type(raw).__name__}")
-    expected = {"format_version": int, "rollout_id": int, "kind": str, "created_at": float,
-                "sample_count": int, "sample_fields": list, "config": dict}  # fmt: skip
-    for key, typ in expected.items():
-        if key not in raw:
-            raise reader.error(f"header lacks {key!r}")
-        if type(raw[key]) is not typ:
-            raise reader.error(f"header {key!r} must be {typ.__name__}, got {raw[key]!r:.60}")
-    if raw["format_version"] != version:
-        raise reader.error(
-            f"header says format version {raw['format_version']}, the file head says {version}"
-        )
-    if raw["kind"] not in KINDS:
-        raise reader.error(f"header kind {raw['kind']!r} is not one of {KINDS}")
-    if raw["sample_count"] < 0:
-        raise reader.error(f"header sample_count {raw['sample_count']} is negative")
-    unknown = sorted((f for f in raw["sample_fields"] if f not in SAMPLE_FIELDS), key=repr)
-    if unknown:
-        raise reader.error(f"header lists sample fields this rayless does not know: {unknown}")
-    return DumpHeader(
-        path=reader.path,
-        format_version=version,
-        rollout_id=raw["rollout_id"],
-        kind=raw["kind"],
-        created_at=raw["created_at"],
-        sample_count=raw["sample_count"],
-        config=raw["config"],
-        raw=raw,
-    )
-
-
-_STATUS = {status.value: status for status in SampleStatus}
-_REQUIRED = {1: frozenset(SAMPLE_FIELDS_V1), 2: frozenset(SAMPLE_FIELDS)}
-
-
-def _int_list(value: Any, name: str) -> list[int]:
-    if type(value) is array and value.typecode in "biq":
-        return value.tolist()
-    raise _SchemaError(f"{name} must be a packed integer array, got {type(value).__name__}")
-
-
-def _decode_sample(payload: bytes, version: int) -> Sample:
-    record = _decode_record(payload)
-    if type(record) is not dict:
-        raise _SchemaError(f"a sample record must be a map, got {type(record).__name__}")
-    required = _REQUIRED[version]
-    if record.keys() != required:
-        missing = sorted(required - record.keys())
-        unknown = sorted(str(k) for k in record.keys() - required)
-        parts = [f"missing {missing}"] if missing else []
-        parts += [f"unknown {unknown}"] if unknown else []
-        raise _SchemaError(f"fields do not match the schema ({', '.join(parts)})")
-    problems = []
-    for name in ("group_index", "sample_index", "response_length"):
-        if type(record[name]) is not int:
-            problems.append(f"{name} must be an int, got {record[name]!r:.60}")
-    # Format 1 held text prompts and labels only; format 2 any plain value (chat messages, a dict label).
-    names = ("prompt", "response") if version == 1 else ("response",)
-    for name in names:
-        if type(record[name]) is not str:
-            problems.append(f"{name} must be a str, got {type(record[name]).__name__}")
-    label = record["label"]
-    if version == 1 and label is not None and type(label) is not str:
-        problems.append(f"label must be a str or None, got {type(label).__name__}")
-    index = record.get("index")
-    if index is not None and type(index) is not int:
-        problems.append(f"index must be an int or None, got {index!r:.60}")
-    if not _is_number(record["advantage"]):
-        problems.append(f"advantage must be a float, got {record['advantage']!r:.60}")
-    if not _reward_ok(record["reward"]):
-        problems.append(
-            f"reward must be a float, a dict of str to float, or None; got {record['reward']!r:.80}"
-        )
-    versions = record["weight_versions"]
-    if type(versions) is not list or not all(type(v) is str for v in versions):
-        problems.append(f"weight_versions must be a list of str, got {versions!r:.80}")
-    if type(record["metadata"]) is not dict:
-        problems.append(f"metadata must be a map, got {type(record['metadata']).__name__}")
-    status = _STATUS.get(record["status"]) if type(record["status"]) is str else None
-    if status is None:
-        problems.append(f"status {record['status']!r:.40} is not one of {sorted(_STATUS)}")
-    logprobs = record["rollout_log_probs"]
-    if type(logprobs) is not array or logprobs.typecode != "d":
-        problems.append(f"rollout_log_probs must be a packed float64 array, got {type(logprobs).__name__}")
-    if problems:
-        raise _SchemaError("; ".join(problems))
-    sample = Sample(
-        group_index=record["group_index"],
-        sample_index=record["sample_index"],
-        prompt=record["prompt"],
-        tokens=_int_list(record["tokens"], "tokens"),
-        response_length=record["response_length"],
-        loss_mask=_int_list(record["loss_mask"], "loss_mask"),
-        rollout_log_probs=logprobs.tolist(),
-        reward=record["reward"],
-        status=status,
-        weight_versions=versions,
-        label=label,
-        response=record["response"],
-        advantage=record["advantage"],
-        metadata=record["metadata"],
-        index=index,
-    )
-    try:
-        sample.validate()
-    except SampleError as exc:
-        raise _SchemaError(f"wrong lengths: {exc}") from None
-    return sample
-
-
-def _iter_records(reader: _Reader, header: DumpHeader) -> Iterator[Sample]:
-    chain = 0
-    for position in range(header.sample_count):
-        what = f"sample #{position} of {header.sample_count}"
-        tag, payload, crc = reader.frame(what)
-        if tag != _TAG_SAMPLE:
-            raise reader.error(f"expected {what}, found a frame tagged {tag!r}")
-        try:
-            sample = _decode_sample(payload, header.format_version)
-        except _SchemaError as exc:
-            raise reader.error(f"{what}: {exc}") from None
-        chain = zlib.crc32(_CRC.pack(crc), chain)
-        yield sample
-    tag, payload, _ = reader.frame("the trailer")
-    if tag != _TAG_TRAILER:
-        raise reader.error(
-            f"expected the trailer after {header.sample_count} samples, found a frame tagged {tag!r}"
-        )
-    try:
-        trailer = _decode_record(payload)
-    except _SchemaError as exc:
-        raise reader.error(f"trailer: {exc}") from None
-    if type(trailer) is not dict or trailer.get("sample_count") != header.sample_count:
-        raise reader.error(
-            f"trailer {trailer!r:.80} disagrees with the header's sample_count {header.sample_count}"
-        )
-    if trailer.get("chain") != chain:
-        raise reader.error("checksum mismatch: sample records were dropped, duplicated or reordered")
-    if reader.remaining:
-        raise reader.error(f"{reader.remaining} unexpected bytes after the trailer")
-
-
-def read_header(path: str | os.PathLike[str]) -> DumpHeader:
-    """The header only (checked), without reading the samples."""
-    path, stream, size = _open(path)
-    with stream:
-        return _read_header(_Reader(path, stream, size))
-
-
-def iter_samples(path: str | os.PathLike[str]) -> Iterator[Sample]:
-    """Yield the samples one at a time; memory stays at one record whatever the file size.
-
-    Each sample is checked before it is yielded; the file-level checks (count, chained checksum, trailing
-    bytes) run after the last one, so a consumer that must be all-or-nothing should use `read_dump`.
-    """
-    path, stream, size = _open(path)
-    with stream:
-        reader = _Reader(path, stream, size)
-        header = _read_header(reader)
-        yield from _iter_records(reader, header)
-
-
-def read_dump(path: str | os.PathLike[str]) -> Dump:
-    """Read and check a whole dump; raises DumpError (naming the file) on any fault."""
-    path, stream, size = _open(path)
-    with stream:
-        reader = _Reader(path, stream, size)
-        header = _read_header(reader)
-        samples = list(_iter_records(reader, header))
-    return Dump(header=header, samples=samples)
-
-
-def iter_dump(path: str | os.PathLike[str]) -> tuple[DumpHeader, Iterator[Sample]]:
-    """The header now and the samples as a stream (for tools that need both without holding every sample)."""
-    header = read_header(path)
-    return header, iter_samples(path)

@@ -22,7 +22,8 @@ from typing import Any
 
 import anyio.to_thread
 
-from replay.format import ROLLOUT_ID_FIELD, DumpError, check_template, dump_path, read_dump
+from replay.format import ROLLOUT_ID_FIELD, DumpError, check_template, dump_path
+from replay.reader import read_dump
 from replay.sample import RolloutBatch, Sample
 
 

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from replay.format import DumpError, iter_samples, read_header
+from replay.format import DumpError
+from replay.reader import iter_samples, read_header
 from replay.sample import Sample
 
 

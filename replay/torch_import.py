@@ -1,7 +1,7 @@
 """Import of slime / miles `.pt` rollout dumps into rayless `Sample`s, without ever executing their content.
 
-Owns the one place rayless reads a pickle-based file, and the conversion of slime's fields (listed in
-docs/replay.md). Invariant: nothing in the file can run code — a `torch.save` zip goes through
+Owns the one place rayless reads a pickle-based file; one sample's fields are converted by
+`replay.slime_sample` (the fields are listed in docs/replay.md). Invariant: nothing in the file can run code — a `torch.save` zip goes through
 `torch.load(weights_only=True)`, a bare pickle through `_PlainUnpickler` (no global but
 `set`/`frozenset`/`OrderedDict`, no persistent id); anything else is a `DumpError` before its callable is looked
 up. And converting costs memory in proportion to the file's size: a zip declaring more than `MAX_EXPANSION`
@@ -12,38 +12,19 @@ before it is converted.
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle  # noqa: TID251 - only for the subclassed Unpickler below, which resolves no code at all
 import warnings
 import zipfile
-from array import array
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from replay import bounds
 from replay.format import DumpError, write_dump
-from replay.sample import Sample, SampleError, SampleStatus
+from replay.sample import Sample, SampleError
+from replay.slime_sample import convert_sample, plain
 
-_KNOWN_KEYS = {
-    "index",
-    "group_index",
-    "sample_index",
-    "prompt",
-    "tokens",
-    "response",
-    "response_length",
-    "label",
-    "reward",
-    "loss_mask",
-    "rollout_log_probs",
-    "status",
-    "metadata",
-    "weight_versions",
-    "advantage",
-}
-_STATUS_ALIASES = {s.value: s for s in SampleStatus} | {"failed": SampleStatus.ABORTED}
 #: bytes of Python objects an import may build beyond `bounds.MAX_EXPANSION` times the file's size
 IMPORT_ALLOWANCE = 64 * 1024 * 1024
 
@@ -185,177 +166,6 @@ def _torch_detail(exc: Exception) -> str:
     return text.strip()[:300]
 
 
-def _plain(value: Any, where: str) -> Any:
-    """Tensors → lists/scalars, recursively; raises SampleError on anything that is not plain data."""
-    if value is None or type(value) in (bool, int, float, str, bytes):
-        return value
-    if isinstance(value, dict):
-        return {k: _plain(v, where) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v, where) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v, where) for v in value)
-    if isinstance(value, (set, frozenset)):
-        return sorted((_plain(v, where) for v in value), key=repr)
-    if hasattr(value, "tolist") and type(value).__module__.startswith("torch"):
-        return value.tolist()
-    raise SampleError(f"{where}: cannot convert a {type(value).__name__}")
-
-
-def _numbers(value: Any, typecode: str, where: str, name: str) -> list[Any]:
-    """A list/tensor of numbers as Python ints ('q') or floats ('d'), converted in C, not per element."""
-    if not isinstance(value, list):
-        value = _as_list(value, where, name)
-    try:
-        return array(typecode, value).tolist()
-    except (TypeError, OverflowError):
-        kind = "64-bit integers" if typecode == "q" else "numbers"
-        raise SampleError(f"{where}: {name} must hold {kind}, got {value[:4]!r:.80}...") from None
-
-
-def _as_list(value: Any, where: str, name: str) -> list[Any]:
-    value = _plain(value, where)
-    if not isinstance(value, list):
-        raise SampleError(f"{where}: {name} must be a list or a 1-d tensor, got {type(value).__name__}")
-    return value
-
-
-def _reward(value: Any, where: str) -> float | dict[str, float] | None:
-    value = _plain(value, where)
-    if value is None or isinstance(value, dict):
-        if isinstance(value, dict):
-            try:
-                return {str(k): float(v) for k, v in value.items()}
-            except (TypeError, ValueError):
-                raise SampleError(f"{where}: reward dict {value!r:.80} has non-numeric values") from None
-        return value
-    if isinstance(value, (bool, int, float)):
-        return float(value)
-    if isinstance(value, list) and len(value) == 1:
-        return float(value[0])
-    raise SampleError(f"{where}: reward {value!r:.80} is neither a number, a dict nor None")
-
-
-def convert_sample(
-    raw: Any,
-    position: int,
-    *,
-    n_samples_per_prompt: int | None = None,
-    allow_missing_logprobs: bool = False,
-) -> Sample:
-    """One slime/miles sample dict → a validated rayless Sample (SampleError says what is missing)."""
-    where = f"sample #{position}"
-    if not isinstance(raw, dict):
-        raise SampleError(f"{where}: expected a dict, got {type(raw).__name__}")
-    tokens = _numbers(raw.get("tokens"), "q", where, "tokens") if "tokens" in raw else None
-    if tokens is None:
-        raise SampleError(f"{where}: has no 'tokens'")
-    response_length = _plain(raw.get("response_length"), where)
-    if not isinstance(response_length, int):
-        raise SampleError(f"{where}: 'response_length' must be an int, got {response_length!r:.40}")
-
-    metadata: dict[str, Any] = {}
-    loss_mask_raw = raw.get("loss_mask")
-    loss_mask = (
-        [1] * response_length if loss_mask_raw is None else _numbers(loss_mask_raw, "q", where, "loss_mask")
-    )
-    logprobs_raw = raw.get("rollout_log_probs")
-    if logprobs_raw is None:
-        if not allow_missing_logprobs:
-            raise SampleError(
-                f"{where}: has no rollout_log_probs; the PPO ratio would be computed against invented "
-                "values. Pass --allow-missing-logprobs to fill zeros (flagged in metadata) anyway."
-            )
-        logprobs = [0.0] * response_length
-        metadata["rollout_log_probs_missing"] = True
-    else:
-        logprobs = _numbers(logprobs_raw, "d", where, "rollout_log_probs")
-
-    index = _plain(raw.get("index"), where)
-    group_index = _plain(raw.get("group_index"), where)
-    if not isinstance(group_index, int):
-        if isinstance(index, int) and n_samples_per_prompt:
-            group_index = index // n_samples_per_prompt
-        else:
-            raise SampleError(
-                f"{where}: has no group_index; pass --n-samples-per-prompt so it can be derived from 'index'"
-            )
-    sample_index = _plain(raw.get("sample_index"), where)
-    if not isinstance(sample_index, int):
-        sample_index = index if isinstance(index, int) else position
-
-    status_raw = _plain(raw.get("status", "completed"), where)
-    status_value = getattr(status_raw, "value", status_raw)
-    if isinstance(status_value, str):
-        status_value = status_value.lower().removeprefix("status.")
-    status = _STATUS_ALIASES.get(status_value) if isinstance(status_value, str) else None
-    if status is None:
-        raise SampleError(f"{where}: unknown status {status_raw!r:.40}")
-    if status_value == "failed":
-        metadata["slime_status"] = "failed"
-
-    prompt = _plain(raw.get("prompt", ""), where)
-    if isinstance(prompt, list):
-        metadata["prompt_messages"] = prompt
-        prompt = "\n".join(
-            f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in prompt
-        )
-    elif not isinstance(prompt, str):
-        raise SampleError(f"{where}: prompt must be a str or a list of messages, got {type(prompt).__name__}")
-
-    label = _plain(raw.get("label"), where)
-    if label is not None and not isinstance(label, str):
-        label = json.dumps(label, sort_keys=True, default=str)
-        metadata["label_is_json"] = True
-
-    response = _plain(raw.get("response", ""), where)
-    if not isinstance(response, str):
-        raise SampleError(f"{where}: response must be a str, got {type(response).__name__}")
-
-    weight_versions = [str(v) for v in _as_list(raw.get("weight_versions") or [], where, "weight_versions")]
-    advantage = _plain(raw.get("advantage", 0.0), where)
-    advantage = float(advantage) if isinstance(advantage, (int, float)) else 0.0
-
-    source_metadata = _plain(raw.get("metadata") or {}, where)
-    if not isinstance(source_metadata, dict):
-        source_metadata = {"value": source_metadata}
-    metadata = {**source_metadata, **metadata}
-    extra: dict[str, Any] = {}
-    dropped: list[str] = []
-    for key, value in raw.items():
-        if key in _KNOWN_KEYS:
-            continue
-        try:
-            extra[str(key)] = _plain(value, where)
-        except SampleError:
-            dropped.append(str(key))
-    if isinstance(index, int):
-        extra["index"] = index
-    if extra:
-        metadata["slime"] = extra
-    if dropped:
-        metadata["slime_dropped"] = dropped
-
-    sample = Sample(
-        group_index=group_index,
-        sample_index=sample_index,
-        prompt=prompt,
-        tokens=tokens,
-        response_length=response_length,
-        loss_mask=loss_mask,
-        rollout_log_probs=logprobs,
-        reward=_reward(raw.get("reward"), where),
-        status=status,
-        weight_versions=weight_versions,
-        label=label,
-        response=response,
-        advantage=advantage,
-        metadata=metadata,
-    )
-    sample.validate()
-    return sample
-
-
 def import_torch_dump(
     path: str | os.PathLike[str],
     *,
@@ -375,7 +185,7 @@ def import_torch_dump(
     if not isinstance(data, dict) or "samples" not in data:
         raise DumpError(f"{path}: expected a dict with 'rollout_id' and 'samples', got {type(data).__name__}")
     if rollout_id is None:
-        rollout_id = _plain(data.get("rollout_id"), str(path))
+        rollout_id = plain(data.get("rollout_id"), str(path))
     if isinstance(rollout_id, str) and rollout_id.isdigit():
         rollout_id = int(rollout_id)
     if not isinstance(rollout_id, int):
@@ -397,7 +207,7 @@ def import_torch_dump(
         except (SampleError, TypeError, ValueError) as exc:
             raise DumpError(f"{path}: {exc}") from None
     try:
-        metadata = _plain(data.get("metadata") or {}, str(path))
+        metadata = plain(data.get("metadata") or {}, str(path))
     except SampleError:
         metadata = {}
     return rollout_id, samples, metadata if isinstance(metadata, dict) else {"value": metadata}

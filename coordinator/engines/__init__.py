@@ -1,23 +1,23 @@
 """Engines as the coordinator sees them: the HTTP client, local launching, the fleet, and sglang-router.
 
 Owns nothing itself; re-exports the public API of its modules:
-  client.py  EngineClient / EngineAPI and the typed EngineError family (one pool for all engines)
+  client.py  EngineClient: one pool for all engines, the request loop with its retries
+  api.py     EngineAPI: one engine's endpoints; stream.py the streaming /generate reader
+  errors.py  the typed EngineError family; policy.py RetryPolicy / NO_RETRY and each request's deadline
   launch.py  EngineLaunchSpec / EngineProcess: starting engines (on their planned port, or another with a
              warning; reporting start-up phases) and ending their process groups
   fleet.py   EngineFleet / EngineHandle / EngineState: the only owner of engine states
   router.py  RouterHandle: sglang-router as a child process and its worker registration
 """
 
-from coordinator.engines.client import (
-    NO_RETRY,
-    EngineAPI,
-    EngineClient,
+from coordinator.engines.api import EngineAPI
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import (
     EngineError,
     EngineHTTPError,
     EngineStreamError,
     EngineTimeout,
     EngineUnreachable,
-    RetryPolicy,
 )
 from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
 from coordinator.engines.launch import (
@@ -28,6 +28,7 @@ from coordinator.engines.launch import (
     free_port,
     launch_engine,
 )
+from coordinator.engines.policy import NO_RETRY, RetryPolicy
 from coordinator.engines.router import RouterError, RouterHandle
 
 __all__ = [

@@ -25,8 +25,10 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
-from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineUnreachable
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineError, EngineUnreachable
 from coordinator.engines.launch import EngineLaunchError, EngineLaunchSpec, EngineProcess, engine_log_path
+from coordinator.engines.policy import NO_RETRY
 from coordinator.lifecycle.processes import leaf_exceptions
 from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
 

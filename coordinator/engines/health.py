@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import anyio.abc
 
-from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineHTTPError, EngineTimeout
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineError, EngineHTTPError, EngineTimeout
 from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
+from coordinator.engines.policy import NO_RETRY
 from coordinator.engines.recovery import EngineRecovery, RouterLike
 
 if TYPE_CHECKING:

@@ -33,7 +33,9 @@ from typing import IO, TYPE_CHECKING
 import anyio
 
 from coordinator.config.secrets import mask_argv
-from coordinator.engines.client import NO_RETRY, EngineClient, EngineError
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineError
+from coordinator.engines.policy import NO_RETRY
 from coordinator.lifecycle.processes import (
     exit_status,
     read_tail,

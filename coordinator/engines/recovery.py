@@ -22,7 +22,7 @@ from typing import Protocol
 
 import anyio
 
-from coordinator.engines.client import EngineError
+from coordinator.engines.errors import EngineError
 from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
 
 log = logging.getLogger(__name__)

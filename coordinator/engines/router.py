@@ -24,8 +24,10 @@ from typing import IO, Any
 
 import anyio
 
-from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineHTTPError
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineError, EngineHTTPError
 from coordinator.engines.launch import claim_port
+from coordinator.engines.policy import NO_RETRY
 from coordinator.lifecycle.processes import (
     exit_status,
     read_tail,

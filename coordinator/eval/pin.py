@@ -20,8 +20,10 @@ from typing import Any
 
 import anyio
 
-from coordinator.engines.client import NO_RETRY, EngineClient, EngineError
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineError
 from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
+from coordinator.engines.policy import NO_RETRY
 from coordinator.engines.recovery import EngineRecovery
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from coordinator.engines.client import EngineClient, EngineHTTPError, RetryPolicy
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineHTTPError
+from coordinator.engines.policy import RetryPolicy
 from coordinator.hooks.runtime import ROUTE_HEADER, current_call
 
 #: Read deadline of one hook request: a generate call can take long (slime's router waits up to 4 hours).

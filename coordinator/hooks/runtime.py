@@ -192,7 +192,8 @@ class HookRuntime(anyio.AsyncContextManagerMixin):
     # --- the HTTP client `post` uses ----------------------------------------------------------------------
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[HookRuntime]:
-        from coordinator.engines.client import EngineClient, RetryPolicy
+        from coordinator.engines.client import EngineClient
+        from coordinator.engines.policy import RetryPolicy
 
         # No API key on the client: hooks post to other services too; `post` adds it for our address only.
         async with EngineClient(max_connections=256, retry=RetryPolicy(attempts=3, budget=60.0)) as client:

@@ -25,7 +25,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.lifecycle.processes import read_tail, wait_exited
 from coordinator.nodes import shared, wire
-from coordinator.train.channel import STREAM_ERRORS
+from coordinator.train.connection import STREAM_ERRORS
 from workers.errors import RaylessError
 
 if sys.version_info < (3, 11):

@@ -29,10 +29,10 @@ import anyio.abc
 from anyio.abc import SocketAttribute
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from coordinator.engines.client import EngineError
+from coordinator.engines.errors import EngineError
 from coordinator.nodes import shared, wire
 from coordinator.plan.layout import NodeLayout
-from coordinator.train.channel import STREAM_ERRORS
+from coordinator.train.connection import STREAM_ERRORS
 from workers.errors import RaylessError
 
 if TYPE_CHECKING:

@@ -1,9 +1,10 @@
 """The placement plan: every process the run launches, its GPUs, ports, environment and command line.
 
-Owns `build_plan` (computed once at start-up from the config and the GPUs the node shows) and the frozen plan
-it returns; the run launches exactly what it says and `--dry-run` prints the same objects. Demands are placed in
-slime's order (ranks, rollout engines, eval engines) by a policy in `POLICIES` (`separate`, `colocate`), per node
-(`PlacementPlan.nodes`, `engine_share`). How GPUs are placed: docs/placement.md.
+Owns `build_plan` (computed once at start-up from the config and the GPUs the node shows), which fills the
+frozen records of `records`; the run launches exactly what they say and `--dry-run` prints the same objects.
+Demands (`demands`) are placed in slime's order (ranks, rollout engines, eval engines) by a policy of
+`demands.POLICIES` (`separate`, `colocate`), per node (`PlacementPlan.nodes`, `engine_share`). How GPUs are
+placed: docs/placement.md.
 
 Invariants: GPUs of different processes are disjoint under `separate`, and under `colocate` only a rank and the
 rollout engine on its GPU share one; a plan that needs more GPUs than the node shows raises `ConfigError` naming
@@ -15,246 +16,32 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
-from coordinator.engines.launch import EngineLaunchSpec, engine_launch_spec, engine_log_path, free_port
-from coordinator.engines.router import router_command, router_log_path
+from coordinator.engines.launch import engine_launch_spec, engine_log_path, free_port
+from coordinator.engines.router import router_log_path
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
+from coordinator.plan.demands import POLICIES, gpu_demands, oversubscribed_message
 from coordinator.plan.gpus import PLAN_GPU_COUNT_ENV, GpuInventory, detect_gpus
-from coordinator.plan.layout import TORCH_RDZV_STORE_ENV, NodeLayout, join_host_port, resolve_layout
+from coordinator.plan.layout import TORCH_RDZV_STORE_ENV, NodeLayout, resolve_layout
 from coordinator.plan.nodes import engine_share, node_shares, remote_engines
-from coordinator.plan.snapshots import SnapshotPlace, snapshot_place
-from coordinator.train.group import rank_environment
+from coordinator.plan.records import (
+    EngineSlot,
+    NodePlan,
+    PlacementPlan,
+    RanksSlot,
+    RouterSlot,
+    SwapPlan,
+    WeightSyncPlan,
+)
+from coordinator.plan.snapshots import snapshot_place
 from coordinator.train.torchrun import TorchrunSpec
 from workers import protocol
 
 ENGINE_HOST = "127.0.0.1"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# GPU demands and the policies that place them
-# ----------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GpuDemand:
-    """GPUs one kind of process asks for on a node: `units` processes (ranks or engines) of `per_unit` each."""
-
-    group: str  # "train", "rollout", "eval"
-    what: str  # "training ranks", "rollout engines", "eval engines"
-    flags: str  # the flags that asked, as the user wrote them: "--rollout-num-gpus 4"
-    units: int
-    per_unit: int
-
-    @property
-    def total(self) -> int:
-        return self.units * self.per_unit
-
-
-#: A policy places demands: for each demand's group, the GPU positions of each of its units.
-Policy = Callable[[Sequence[GpuDemand]], dict[str, tuple[tuple[int, ...], ...]]]
-
-
-def place_separately(demands: Sequence[GpuDemand]) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """Each demand on its own consecutive GPUs, in the order given: nothing shares a GPU."""
-    placed: dict[str, tuple[tuple[int, ...], ...]] = {}
-    position = 0
-    for demand in demands:
-        units = []
-        for _ in range(demand.units):
-            units.append(tuple(range(position, position + demand.per_unit)))
-            position += demand.per_unit
-        placed[demand.group] = tuple(units)
-    return placed
-
-
-def place_colocated(demands: Sequence[GpuDemand]) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """Training ranks and rollout engines both from GPU 0 (the engines on the ranks' GPUs); eval engines after
-    every GPU either uses."""
-    placed: dict[str, tuple[tuple[int, ...], ...]] = {}
-    position = 0
-    for demand in demands:
-        start = 0 if demand.group in ("train", "rollout") else position
-        placed[demand.group] = tuple(tuple(range(start + unit * demand.per_unit, start + (unit + 1) * demand.per_unit))
-                                     for unit in range(demand.units))
-        position = max(position, start + demand.total)
-    return placed
-
-
-POLICIES: dict[str, Policy] = {"separate": place_separately, "colocate": place_colocated}
-
-
-def gpu_demands(config: Config, rollout: EngineChoice | None, eval_: EngineChoice | None, *,
-                ranks_on_gpu: bool, rollout_engines: int | None = None, eval_engines: int | None = None
-                ) -> list[GpuDemand]:
-    """What the processes launched on one node ask for, in placement order (ranks, rollout, eval).
-
-    Every node runs `--actor-num-gpus-per-node` ranks; `rollout_engines` / `eval_engines`: the node's share of
-    each group (default: the whole group, a single node)."""
-    cluster = config.cluster
-    demands: list[GpuDemand] = []
-    if config.needs_train_ranks and ranks_on_gpu:
-        demands.append(GpuDemand("train", "training ranks",
-                                 f"--actor-num-gpus-per-node {cluster.actor_num_gpus_per_node}",
-                                 cluster.actor_num_gpus_per_node, 1))
-    per_engine = cluster.rollout_num_gpus_per_engine
-    share = "" if cluster.actor_num_nodes == 1 else ", this node's share"
-    rollout_count = config.num_launched_rollout_engines if rollout_engines is None else rollout_engines
-    eval_count = config.num_eval_engines if eval_engines is None else eval_engines
-    if rollout is not None and rollout.on_gpu and rollout_count:
-        demands.append(GpuDemand("rollout", "rollout engines",
-                                 f"--rollout-num-gpus {cluster.rollout_num_gpus}{share}", rollout_count, per_engine))
-    if eval_ is not None and eval_.on_gpu and eval_count:
-        demands.append(GpuDemand("eval", "eval engines", f"--eval-num-gpus {config.eval.eval_num_gpus}{share}",
-                                 eval_count, per_engine))
-    return demands
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The plan
-# ----------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class EngineSlot:
-    """One launched engine: its GPUs and the spec (command, port, environment) it is launched from."""
-
-    name: str
-    group: str
-    gpus: tuple[int, ...]
-    choice: EngineChoice
-    spec: EngineLaunchSpec
-    log: Path
-
-    @property
-    def port(self) -> int:
-        assert self.spec.port is not None
-        return self.spec.port
-
-    def command(self) -> list[str]:
-        return self.spec.command(self.port)
-
-
-@dataclass(frozen=True)
-class RanksSlot:
-    """The torchrun child and the ranks it starts on this node (LOCAL_RANK i on the i-th of `gpus`)."""
-
-    gpus: tuple[int, ...]
-    device: str  # "cuda" (NCCL) or "cpu" (gloo)
-    spec: TorchrunSpec
-    #: set on top of the coordinator's environment (CUDA_VISIBLE_DEVICES); the control variables come on top
-    env: tuple[tuple[str, str], ...]
-    control_host: str
-    control_port: int
-    #: --control-port was given: never replaced by another port at launch
-    control_port_fixed: bool
-    log: Path
-    name: str = "train-ranks"
-    #: what the ranks dial, when not `control_host` (multi-node: node 0's address, the layout's)
-    dial_host: str | None = None
-
-    @property
-    def control_address(self) -> str:
-        """Where the ranks dial the control channel (`RAYLESS_CONTROL_ADDR`)."""
-        return join_host_port(self.dial_host or self.control_host, self.control_port)
-
-    def command(self) -> list[str]:
-        return self.spec.command()
-
-    def environment(self, token: str = "***") -> dict[str, str]:
-        """Everything the plan sets in the torchrun child's environment (the token masked unless given)."""
-        return {**dict(self.env), **rank_environment(self.control_address, token)}
-
-
-@dataclass(frozen=True)
-class RouterSlot:
-    host: str
-    port: int
-    prometheus_port: int
-    policy: str
-    log: Path
-    python: str = field(default=sys.executable)
-    name: str = "router-rollout"
-    gpus: tuple[int, ...] = ()  # the router runs on the CPU
-
-    def command(self) -> list[str]:
-        return router_command(python=self.python, host=self.host, port=self.port,
-                              prometheus_port=self.prometheus_port, policy=self.policy)
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """What one node launches, and on which of its GPUs."""
-
-    node_rank: int
-    gpus: GpuInventory
-    demands: tuple[GpuDemand, ...]
-    ranks: RanksSlot | None
-    rollout_engines: tuple[EngineSlot, ...]
-    eval_engines: tuple[EngineSlot, ...]
-    router: RouterSlot | None
-
-    @property
-    def gpus_needed(self) -> int:
-        used = [gpu for slot in self.processes() for gpu in slot.gpus]
-        return max(used) + 1 if used else 0
-
-    def processes(self) -> Iterator[RanksSlot | EngineSlot | RouterSlot]:
-        if self.ranks is not None:
-            yield self.ranks
-        yield from self.rollout_engines
-        yield from self.eval_engines
-        if self.router is not None:
-            yield self.router
-
-
-@dataclass(frozen=True)
-class WeightSyncPlan:
-    mode: str  # --update-weight-transfer-mode
-    bucket_bytes: int  # --update-weight-buffer-size
-    detail: str
-    #: where disk snapshots go (`coordinator.plan.snapshots`): a tmpfs directory in colocation, else the run dir
-    snapshots: SnapshotPlace
-
-
-@dataclass(frozen=True)
-class SwapPlan:
-    """The memory hand-over of each step (`coordinator.weights.colocate`): who gives memory back while the other works."""
-
-    offload_train: bool  # --offload-train: the ranks' state leaves the device between steps
-    offload_rollout: bool  # --offload-rollout: the engines release weights and KV cache while the ranks train
-    train_memory_margin_bytes: int
-
-
-@dataclass(frozen=True)
-class PlacementPlan:
-    policy: str
-    nodes: tuple[NodePlan, ...]
-    #: this node's rank: the node the coordinator runs on
-    node_rank: int
-    rollout_choice: EngineChoice | None
-    eval_choice: EngineChoice | None
-    external_engines: tuple[str, ...]
-    weight_sync: WeightSyncPlan | None
-    warnings: tuple[str, ...] = ()
-    #: the per-step memory hand-over; None when nothing is swapped
-    swap: SwapPlan | None = None
-    #: a --dry-run plan: built despite what this machine lacks (see warnings)
-    lenient: bool = False
-    #: a multi-node run's layout (how the nodes find node 0); None on a single node
-    layout: NodeLayout | None = None
-    #: (name, group, node) of every engine another node launches, as that node's plan names it
-    remote_engines: tuple[tuple[str, str, int], ...] = ()
-    #: (node, ranks, rollout engines, eval engines) of every node, for the printout
-    shares: tuple[tuple[int, int, int, int], ...] = ()
-
-    @property
-    def local(self) -> NodePlan:
-        return next(node for node in self.nodes if node.node_rank == self.node_rank)
-
-    def remote_engine_nodes(self, group: str) -> tuple[tuple[str, int], ...]:
-        """(name, node) of the engines of `group` that other nodes launch."""
-        return tuple((name, node) for name, engine_group, node in self.remote_engines if engine_group == group)
 
 
 def build_plan(config: Config, gpus: GpuInventory, *, has_sglang: bool | None = None, lenient: bool = False,
@@ -328,30 +115,6 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
                             python=python)
     return NodePlan(node_rank=node_rank, gpus=gpus, demands=demands, ranks=ranks, rollout_engines=rollout_slots,
                     eval_engines=eval_slots, router=router)
-
-
-def oversubscribed_message(demands: Sequence[GpuDemand], needed: int, gpus: GpuInventory, *,
-                           colocated: bool = False) -> str:
-    parts = {}
-    for demand in demands:
-        what = demand.what if demand.units != 1 else demand.what.removesuffix("s")
-        if demand.per_unit > 1:
-            part = f"{demand.flags} ({demand.units} {what} × --rollout-num-gpus-per-engine {demand.per_unit})"
-        else:
-            part = f"{demand.flags} ({demand.units} {what})"
-        parts[demand.group] = part
-    if colocated and "train" in parts and "rollout" in parts:
-        shared = max(d.total for d in demands if d.group in ("train", "rollout"))
-        parts = {"shared": f"{parts.pop('train')} and {parts.pop('rollout')} sharing GPUs under --colocate "
-                           f"({shared})", **parts}
-    shows = f"{gpus.count}" if gpus.count else "none"
-    message = (f"the placement plan needs {needed} GPUs on this node but it shows {shows} ({gpus.source}): "
-               f"{' + '.join(parts.values())} = {needed}; lower one of them, or make more GPUs visible "
-               "(CUDA_VISIBLE_DEVICES" + (", --num-gpus-per-node" if "--num-gpus-per-node" in gpus.source else "")
-               + ")")
-    if gpus.count == 0 and any(d.group != "train" for d in demands):
-        message += "; without GPUs, give --rollout-num-engines N for CPU engines instead of --rollout-num-gpus"
-    return message
 
 
 def _ranks_slot(config: Config, node_rank: int, units: tuple[tuple[int, ...], ...], gpus: GpuInventory,

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from coordinator.config.fields import looks_secret
 from coordinator.config.secrets import MASK, mask_argv
-from coordinator.plan.placement import EngineSlot, NodePlan, PlacementPlan, RanksSlot, RouterSlot
+from coordinator.plan.records import EngineSlot, NodePlan, PlacementPlan, RanksSlot, RouterSlot
 
 
 def gpu_text(positions: Iterable[int]) -> str:

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.engines.client import EngineClient, EngineError, EngineHTTPError, EngineUnreachable
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineError, EngineHTTPError, EngineUnreachable
 from workers.errors import RaylessError
 
 log = logging.getLogger(__name__)

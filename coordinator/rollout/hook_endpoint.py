@@ -28,7 +28,7 @@ import anyio
 import anyio.abc
 import h11
 
-from coordinator.engines.client import EngineError, EngineHTTPError
+from coordinator.engines.errors import EngineError, EngineHTTPError
 from coordinator.hooks.runtime import ROUTE_HEADER, HookRoutes
 from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from coordinator.rollout.requests import seed_for

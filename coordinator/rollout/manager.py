@@ -121,40 +121,68 @@ class RolloutManager:
         context_length: int | None = None,
         progress: ProgressDisplay | None = None,
     ) -> RolloutManager:
+        """The manager of `config`'s mode: the replay loader alone in replay mode; else the generate path (when
+        the run has engines), the context a rollout fn is built with, and the rollout and eval fns."""
         manager = cls(config=config)
-        rollout = config.rollout
         if config.replay_mode:
-            from replay.loader import ReplayLoader
-
-            manager._replay_loader = ReplayLoader(
-                config.debug.load_debug_rollout_data,  # type: ignore[arg-type]
-                subsample=config.debug.load_debug_rollout_data_subsample,
-                seed=rollout.rollout_seed,
-                n_samples_per_prompt=None,
-            )
-            manager.counts.replay_loaders += 1
+            manager._build_replay_loader()
             return manager
-
         runtime = HookRuntime(args=build_hook_args(config), api_key=config.sglang.sglang_api_key)
-        generate_state = dispatcher = None
-        if config.needs_engines:
-            if client is None or (pool is None and router_url is None):
-                raise ValueError("a run that generates needs an engine client and a fleet or router")
-            generate_state = GenerateState(
-                tokenizer=tokenizer,
-                sampling_params=sampling_params(rollout),
-                max_response_len=rollout.rollout_max_response_len,
-                context_length=context_length or rollout.rollout_max_context_len or 1 << 30,
-                concurrency=config.generate_concurrency,
-                seed=rollout.rollout_seed,
-            )
-            manager.counts.generate_states += 1
-            dispatcher = Dispatcher(client=client, pool=pool, router_url=router_url,
-                                    watch_engine_state=config.health_monitor_enabled)
-            manager.counts.dispatchers += 1
-            assert generate_state.request_slots is not None
-            runtime.attach_generate_state(tokenizer=tokenizer, sampling_params=hook_sampling_params(config),
-                                          slots=generate_state.request_slots)
+        generate_state, dispatcher = manager._build_generate_path(
+            runtime, tokenizer=tokenizer, client=client, pool=pool, router_url=router_url,
+            context_length=context_length,
+        )
+        manager.context = manager._build_context(runtime, tokenizer=tokenizer, generate_state=generate_state,
+                                                 dispatcher=dispatcher, progress=progress)
+        manager._build_rollout_fns(manager.context)
+        return manager
+
+    def _build_replay_loader(self) -> None:
+        from replay.loader import ReplayLoader
+
+        config = self.config
+        self._replay_loader = ReplayLoader(
+            config.debug.load_debug_rollout_data,  # type: ignore[arg-type]
+            subsample=config.debug.load_debug_rollout_data_subsample,
+            seed=config.rollout.rollout_seed,
+            n_samples_per_prompt=None,
+        )
+        self.counts.replay_loaders += 1
+
+    def _build_generate_path(
+        self, runtime: HookRuntime, *, tokenizer: Any, client: Any, pool: Any, router_url: str | None,
+        context_length: int | None,
+    ) -> tuple[GenerateState | None, Dispatcher | None]:
+        """The GenerateState and the dispatcher, when the run has engines (else neither); the hooks' runtime
+        is given the state's request slots."""
+        config, rollout = self.config, self.config.rollout
+        if not config.needs_engines:
+            return None, None
+        if client is None or (pool is None and router_url is None):
+            raise ValueError("a run that generates needs an engine client and a fleet or router")
+        generate_state = GenerateState(
+            tokenizer=tokenizer,
+            sampling_params=sampling_params(rollout),
+            max_response_len=rollout.rollout_max_response_len,
+            context_length=context_length or rollout.rollout_max_context_len or 1 << 30,
+            concurrency=config.generate_concurrency,
+            seed=rollout.rollout_seed,
+        )
+        self.counts.generate_states += 1
+        dispatcher = Dispatcher(client=client, pool=pool, router_url=router_url,
+                                watch_engine_state=config.health_monitor_enabled)
+        self.counts.dispatchers += 1
+        assert generate_state.request_slots is not None
+        runtime.attach_generate_state(tokenizer=tokenizer, sampling_params=hook_sampling_params(config),
+                                      slots=generate_state.request_slots)
+        return generate_state, dispatcher
+
+    def _build_context(
+        self, runtime: HookRuntime, *, tokenizer: Any, generate_state: GenerateState | None,
+        dispatcher: Dispatcher | None, progress: ProgressDisplay | None,
+    ) -> RolloutContext:
+        """What a rollout fn is built with: the custom generate fn, the prompt data, the reward and the filter."""
+        config, rollout = self.config, self.config.rollout
         custom_generate = None
         if config.hooks.custom_generate_function_path is not None and dispatcher is not None:
             custom_generate = CustomGenerate.load(config.hooks.custom_generate_function_path, runtime=runtime,
@@ -163,7 +191,7 @@ class RolloutManager:
                                          raw_prompts=config.hooks.custom_generate_function_path is not None)
                        if rollout.prompt_data else None)
         if data_source is not None:
-            manager.counts.data_sources += 1
+            self.counts.data_sources += 1
         reward_model = build_reward_model(rollout, args=runtime.args)
         dynamic_filter = (
             DynamicFilter.load(rollout.dynamic_sampling_filter_path, reward_key=rollout.reward_key,
@@ -171,7 +199,7 @@ class RolloutManager:
             if rollout.dynamic_sampling_filter_path
             else None
         )
-        manager.context = RolloutContext(
+        return RolloutContext(
             config=config,
             tokenizer=tokenizer,
             data_source=data_source,
@@ -183,18 +211,21 @@ class RolloutManager:
             hook_runtime=runtime,
             custom_generate=custom_generate,
         )
-        manager._rollout_fn = instantiate_rollout_fn(
-            rollout.rollout_function_path, manager.context, what="--rollout-function-path"
+
+    def _build_rollout_fns(self, context: RolloutContext) -> None:
+        """The rollout fn, and the eval fn: the same instance when the two paths are equal."""
+        rollout = self.config.rollout
+        self._rollout_fn = instantiate_rollout_fn(
+            rollout.rollout_function_path, context, what="--rollout-function-path"
         )
-        manager.counts.rollout_fns += 1
+        self.counts.rollout_fns += 1
         if rollout.shares_rollout_and_eval_fn:
-            manager._eval_fn = manager._rollout_fn
+            self._eval_fn = self._rollout_fn
         else:
-            manager._eval_fn = instantiate_rollout_fn(
-                rollout.effective_eval_function_path, manager.context, what="--eval-function-path"
+            self._eval_fn = instantiate_rollout_fn(
+                rollout.effective_eval_function_path, context, what="--eval-function-path"
             )
-            manager.counts.eval_fns += 1
-        return manager
+            self.counts.eval_fns += 1
 
     # --- gated pieces -------------------------------------------------------------------------------------
     @property

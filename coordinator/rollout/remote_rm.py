@@ -19,7 +19,9 @@ from typing import Any
 
 import anyio
 
-from coordinator.engines.client import EngineClient, EngineError, EngineHTTPError, RetryPolicy
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineError, EngineHTTPError
+from coordinator.engines.policy import RetryPolicy
 from coordinator.rewards.rules import RewardError
 from replay.sample import Sample
 

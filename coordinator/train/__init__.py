@@ -1,8 +1,11 @@
 """The coordinator's side of training: the torchrun ranks behind one `TrainGroup`.
 
 Modules, one concern each (import them by their own path; this package re-exports nothing):
-  * `group`: `TrainGroup`, the facade the run uses — its start protocol, teardown and command API.
-  * `channel`: the control-channel server — listener, handshake, one connection per rank, pending calls.
+  * `group`: `TrainGroup`, the facade the run uses — its start protocol and teardown.
+  * `commands`: the group's command API (init, train, save, load, weights, offload / onload).
+  * `channel`: the control-channel server — handshake, membership, the call lock.
+  * `connection`: one rank's connection and the replies pending on it.
+  * `calls`: one call — every rank's frame encoded before any is sent, the replies gathered.
   * `torchrun`: the torchrun child process — command line, environment, launch, exit, log tail.
   * `recovery`: train FT — bringing restarted ranks back to the last checkpoint before a step is resent.
   * `planning`: pure batch planning and metric reduction (no anyio, no I/O).

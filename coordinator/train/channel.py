@@ -1,7 +1,8 @@
 """The control-channel server: one authenticated connection per training rank, and the calls made over them.
 
-Owns the accepted connections, the handshake check (`Hello` → `Welcome` or a refusal with its reason, logged
-with the peer's address), the replies still pending and the call / gather logic. It launches nothing: whoever started the ranks tells it
+Owns the accepted connections (their records: `connection`), the handshake check (`Hello` → `Welcome` or a
+refusal with its reason, logged with the peer's address), membership (who is connected, who is gone) and the
+call lock; one call's frames and replies are `calls`'. It launches nothing: whoever started the ranks tells it
 when they are gone (`torchrun_exited`), and lends it `explain`, which adds the ranks' log to a failure.
 
 Invariants:
@@ -25,103 +26,22 @@ import hmac
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from coordinator.train.calls import encode_frames, gather_replies
+from coordinator.train.connection import STREAM_ERRORS, Call, Connection, Pending, RankInfo, peer_address
 from coordinator.train.errors import RankCommandError, RankFailure
 from workers import protocol
 
 logger = logging.getLogger(__name__)
 
-STREAM_ERRORS = (
-    anyio.EndOfStream,
-    anyio.IncompleteRead,
-    anyio.BrokenResourceError,
-    anyio.ClosedResourceError,
-    ConnectionError,
-    OSError,
-)
-
-
-@dataclass
-class RankInfo:
-    """A connected rank, as it introduced itself in Hello."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    pid: int
-    restart_count: int
-    #: the node whose torchrun started it (multi-node; 0 on a single node)
-    node_rank: int = 0
-
-    @property
-    def process(self) -> tuple[int, int]:
-        """(node, pid): which process this is, whichever torchrun restarted it (train FT tells generations
-        apart by it: a rank restarted for a membership change keeps its restart count)."""
-        return (self.node_rank, self.pid)
-
-    def describe(self, num_nodes: int = 1) -> str:
-        return f"pid {self.pid}" + (f", node {self.node_rank}" if num_nodes > 1 else "")
-
-
-class _Call:
-    """Wakes the waiter whenever something it watches changes (a reply resolved, a rank came or went)."""
-
-    def __init__(self) -> None:
-        self.changed = anyio.Event()
-
-    def notify(self) -> None:
-        self.changed.set()
-        self.changed = anyio.Event()
-
-
-@dataclass
-class _Pending:
-    rank: int
-    call: _Call
-    response: protocol.Response | None = None
-    failure: RankFailure | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.response is not None or self.failure is not None
-
-    def resolve(
-        self, *, response: protocol.Response | None = None, failure: RankFailure | None = None
-    ) -> None:
-        if self.done:
-            return
-        self.response = response
-        self.failure = failure
-        self.call.notify()
-
-
-@dataclass
-class _Connection:
-    info: RankInfo
-    stream: anyio.abc.ByteStream
-    send_lock: anyio.Lock = field(default_factory=anyio.Lock)
-    pending: dict[int, _Pending] = field(default_factory=dict)
-    alive: bool = True
-    #: why the coordinator dropped it (its node was lost), when it did
-    dropped: str | None = None
-
 
 async def _unchanged(failure: RankFailure) -> RankFailure:
     return failure
-
-
-def _peer(stream: anyio.abc.ByteStream) -> str:
-    """The remote `host:port` of a connection, for the log ("?" when the transport does not say)."""
-    address = stream.extra(anyio.abc.SocketAttribute.remote_address, None)
-    if isinstance(address, tuple) and len(address) >= 2:
-        return f"{address[0]}:{address[1]}"
-    return str(address) if address else "?"
 
 
 class ControlServer:
@@ -156,13 +76,13 @@ class ControlServer:
         self.refusals: list[str] = []
         #: torchrun's exit status once it has exited, else None
         self.torchrun_exit_code: int | None = None
-        self._connections: dict[int, _Connection] = {}
+        self._connections: dict[int, Connection] = {}
         self._failure: RankFailure | None = None
         self._broken: RankCommandError | None = None
         self._closing = False
         self._call_lock = anyio.Lock()
         self._request_ids = itertools.count(1)
-        self._state = _Call()
+        self._state = Call()
 
     @property
     def ranks(self) -> dict[int, RankInfo]:
@@ -277,7 +197,7 @@ class ControlServer:
 
     async def _refuse(self, stream: anyio.abc.ByteStream, reason: str) -> None:
         self.refusals.append(reason)
-        logger.warning("control channel refused a connection from %s: %s", _peer(stream), reason)
+        logger.warning("control channel refused a connection from %s: %s", peer_address(stream), reason)
         with contextlib.suppress(*STREAM_ERRORS, protocol.ProtocolError):
             with anyio.move_on_after(self.handshake_timeout_s):
                 await protocol.send_message(stream, protocol.ErrorMessage(reason), self.max_frame_bytes)
@@ -304,7 +224,7 @@ class ControlServer:
             return
         info = RankInfo(hello.rank, hello.world_size, hello.local_rank, hello.pid, hello.restart_count,
                         hello.node_rank)
-        conn = _Connection(info=info, stream=stream)
+        conn = Connection(info=info, stream=stream)
         try:
             await protocol.send_message(stream, protocol.Welcome(), self.max_frame_bytes)
         except STREAM_ERRORS:
@@ -334,7 +254,7 @@ class ControlServer:
             return f"rank {hello.rank} is already connected (pid {existing.info.pid})"
         return None
 
-    async def _read_responses(self, conn: _Connection, buffered: BufferedByteReceiveStream) -> None:
+    async def _read_responses(self, conn: Connection, buffered: BufferedByteReceiveStream) -> None:
         reason = "closed the control channel"
         try:
             while True:
@@ -388,12 +308,15 @@ class ControlServer:
             missing = sorted(set(commands) - set(self.ranks))
             if missing:
                 raise await self.explain(RankFailure(missing, "not connected"))
-            frames = await self._encode(commands)
-            call = _Call()
-            pendings: dict[int, _Pending] = {}
+            requests = {
+                rank: protocol.Request(next(self._request_ids), command) for rank, command in commands.items()
+            }
+            frames = await encode_frames(requests, self.max_frame_bytes)
+            call = Call()
+            pendings: dict[int, Pending] = {}
             for rank, (request_id, data) in frames.items():
                 conn = self._connections[rank]
-                pending = pendings[rank] = conn.pending[request_id] = _Pending(rank, call)
+                pending = pendings[rank] = conn.pending[request_id] = Pending(rank, call)
                 try:
                     async with conn.send_lock:
                         await conn.stream.send(data)
@@ -401,48 +324,9 @@ class ControlServer:
                     conn.pending.pop(request_id, None)
                     self._fail(RankFailure([rank], f"rank {rank} could not be sent a command ({exc!r})"))
                     pending.resolve(failure=self._failure)
-            return await self._gather(next(iter(commands.values())).kind, call, pendings)
-
-    async def _encode(self, commands: dict[int, protocol.Command]) -> dict[int, tuple[int, bytes]]:
-        """Every rank's frame, before any is sent: a frame over the limit must not leave some ranks with a
-        command. A rollout's shards can be large, so the encoding runs off the event loop."""
-        requests = {
-            rank: protocol.Request(next(self._request_ids), command) for rank, command in commands.items()
-        }
-
-        def encode() -> dict[int, tuple[int, bytes]]:
-            return {
-                rank: (request.request_id, protocol.encode_frame(request, self.max_frame_bytes))
-                for rank, request in requests.items()
-            }
-
-        return await anyio.to_thread.run_sync(encode)
-
-    async def _gather(
-        self, kind: str, call: _Call, pendings: dict[int, _Pending]
-    ) -> dict[int, dict[str, Any]]:
-        error_deadline: float | None = None
-        while True:
-            changed = call.changed
-            failures = [p.failure for p in pendings.values() if p.failure is not None]
-            if failures:
-                raise await self.explain(failures[0])
-            errors = {
-                p.rank: p.response for p in pendings.values() if p.response is not None and not p.response.ok
-            }
-            if all(p.done for p in pendings.values()) or (
-                errors and error_deadline is not None and anyio.current_time() >= error_deadline
-            ):
-                if errors:
-                    self._broken = RankCommandError(kind, errors)  # type: ignore[arg-type]
-                    raise self._broken
-                return {rank: p.response.result for rank, p in pendings.items()}  # type: ignore[union-attr]
-            if errors and error_deadline is None:
-                # Other ranks may be stuck in a collective the failed rank never entered: wait briefly
-                # for their answers (or a disconnect), then report the error rather than hang.
-                error_deadline = anyio.current_time() + self.error_window_s
-            if error_deadline is None:
-                await changed.wait()
-            else:
-                with anyio.move_on_after(max(0.0, error_deadline - anyio.current_time())):
-                    await changed.wait()
+            try:
+                return await gather_replies(next(iter(commands.values())).kind, call, pendings,
+                                            error_window_s=self.error_window_s, explain=self.explain)
+            except RankCommandError as error:
+                self._broken = error  # the ranks may be out of step: later calls refuse until all reconnect
+                raise

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
-from coordinator.train.channel import RankInfo
+from coordinator.train.connection import RankInfo
 from coordinator.train.errors import RankFailure
 
 # The run's narrative logger: these lines belong beside the loop's step lines.

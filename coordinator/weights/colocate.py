@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.engines.client import EngineClient, EngineError, EngineHTTPError
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineError, EngineHTTPError
 from coordinator.engines.fleet import EngineFleet, EngineHandle
 from workers.errors import RaylessError
 

@@ -27,8 +27,10 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.engines.client import NO_RETRY, EngineClient, EngineError, EngineHTTPError, EngineTimeout
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineError, EngineHTTPError, EngineTimeout
 from coordinator.engines.launch import free_port
+from coordinator.engines.policy import NO_RETRY
 from workers.errors import RaylessError
 
 log = logging.getLogger(__name__)

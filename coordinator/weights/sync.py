@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.engines.client import EngineClient, EngineError
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineError
 from coordinator.engines.fleet import EngineFleet, EngineHandle
 from coordinator.engines.recovery import EngineRecovery, RouterLike
 from coordinator.weights.distributed import FLATTENED_BUCKET, BucketSender, DistributedUpdate, WeightSyncError

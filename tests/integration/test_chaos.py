@@ -13,7 +13,8 @@ from coordinator.config import parse_config
 from coordinator.engines.fleet import EngineState
 from coordinator.run import run_training
 from coordinator.services import Services
-from replay.format import dump_path, read_dump
+from replay.format import dump_path
+from replay.reader import read_dump
 
 
 class Watcher:

@@ -18,7 +18,8 @@ import pytest
 from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
-from replay.format import dump_path, read_dump
+from replay.format import dump_path
+from replay.reader import read_dump
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "calculator"
 ROLLOUTS = 12

@@ -18,7 +18,8 @@ from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.engines.launch import EngineLaunchSpec
 from coordinator.rollout.manager import RolloutManager
-from replay.format import dump_path, read_dump
+from replay.format import dump_path
+from replay.reader import read_dump
 from replay.sample import RolloutBatch, SampleStatus
 
 

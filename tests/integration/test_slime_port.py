@@ -26,7 +26,8 @@ from coordinator.config import parse_config
 from coordinator.lifecycle.processes import terminate_process_group_blocking
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
-from replay.format import dump_path, read_dump
+from replay.format import dump_path
+from replay.reader import read_dump
 from tests.support.engine_proc import free_port
 
 PORT_DIR = Path(__file__).resolve().parents[1] / "data" / "slime_ports" / "search_r1"

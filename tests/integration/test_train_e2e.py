@@ -19,7 +19,8 @@ import pytest
 from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
-from replay.format import dump_path, read_dump
+from replay.format import dump_path
+from replay.reader import read_dump
 
 ROLLOUTS = 12
 COMMON = ["--prompt-data", "builtin:first_digit", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from coordinator.config import ConfigError
-from coordinator.engines.client import EngineHTTPError, EngineStreamError, EngineTimeout, EngineUnreachable
+from coordinator.engines.errors import EngineHTTPError, EngineStreamError, EngineTimeout, EngineUnreachable
 from coordinator.engines.launch import EngineLaunchError
 from coordinator.engines.router import RouterError
 from coordinator.lifecycle.failures import FILE_ONLY, ToFileOnly, is_user_facing, log_failure, user_code_frame

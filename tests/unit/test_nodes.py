@@ -15,7 +15,7 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.config import ConfigError, parse_config
-from coordinator.engines.client import EngineError
+from coordinator.engines.errors import EngineError
 from coordinator.nodes import shared, wire
 from coordinator.nodes.registry import NodeRegistry
 from coordinator.plan.layout import expand_nodelist, is_loopback, resolve_layout

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replay import format as fmt
-from replay.format import DumpError, dump_path, iter_samples, read_dump, read_header, write_dump
+from replay.format import DumpError, dump_path, write_dump
+from replay.reader import iter_samples, read_dump, read_header
 from replay.sample import Sample, SampleStatus
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)

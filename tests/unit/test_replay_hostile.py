@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from replay import bounds
 from replay import format as fmt
-from replay.format import DumpError, iter_samples, read_dump
+from replay.format import DumpError
 from replay.loader import ReplayLoader
+from replay.reader import iter_samples, read_dump
 from replay.tools import main as dump_main
 from tests.support import hostile_dumps as hostile
 
@@ -159,7 +160,7 @@ def test_the_generators_reach_a_valid_dump(tmp_path: Path) -> None:
 def test_an_extension_nested_200_deep_is_refused_not_a_segfault(tmp_path: Path) -> None:
     path = hostile.nested_tuple_dump(tmp_path / "1.rld", 200)
     result = hostile.peak_rss_growth(
-        "from replay.format import read_dump",
+        "from replay.reader import read_dump",
         f"read_dump({str(path)!r})",
         timeout_s=HANG_GUARD_S,
     )
@@ -196,7 +197,7 @@ def test_a_record_of_empty_containers_is_refused_within_bounded_memory(tmp_path:
     count = 8 * MIB
     payload = hostile.sample_payload(b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count)
     path = hostile.framed_dump(tmp_path / "1.rld", good_header, [payload])
-    result = hostile.peak_rss_growth("from replay.format import read_dump", f"read_dump({str(path)!r})",
+    result = hostile.peak_rss_growth("from replay.reader import read_dump", f"read_dump({str(path)!r})",
                                      timeout_s=HANG_GUARD_S)
     assert result["error"] is not None and "would decode to" in result["error"], result
     assert result["growth_mib"] <= MEMORY_BOUND_MIB, result

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from replay.format import DumpError, read_dump
+from replay.format import DumpError
+from replay.reader import read_dump
 from replay.sample import SampleStatus
 from replay.torch_import import convert_torch_dump, import_torch_dump
 from tests.support.replay_inputs import MarkerPayload

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replay.format import read_dump
+from replay.reader import read_dump
 from replay.sample import SampleStatus
 from replay.tools import main
 from tests.support.replay_inputs import write_sample_dump

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from replay.format import FORMAT_VERSION, read_dump, write_dump
+from replay.format import FORMAT_VERSION, write_dump
+from replay.reader import read_dump
 from replay.sample import Sample, SampleStatus
 
 V1_DUMP = Path(__file__).resolve().parents[1] / "data" / "dumps" / "v1_multi_turn.rld"

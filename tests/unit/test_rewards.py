@@ -284,7 +284,7 @@ async def test_remote_rm_posts_each_sample_and_reads_the_answer() -> None:
 
 
 async def test_remote_rm_retries_5xx_and_refuses_4xx_at_once() -> None:
-    from coordinator.engines.client import RetryPolicy
+    from coordinator.engines.policy import RetryPolicy
     from coordinator.rollout.remote_rm import RemoteReward
     from tests.support.reward_server import serve
 

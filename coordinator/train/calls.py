@@ -1,0 +1,68 @@
+"""One call to the ranks: every rank's frame encoded before any is sent, then every rank's reply gathered.
+
+Owns the encoding of a call's requests (off the event loop) and the gathering of its replies. Invariants:
+a frame over the limit fails the call before any rank was sent a command; a call never hangs on a rank that
+answered with an error while the others wait in a collective it never entered (`error_window_s`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from coordinator.train.connection import Call, Pending
+from coordinator.train.errors import RankCommandError, RankFailure
+from workers import protocol
+
+
+async def encode_frames(
+    requests: dict[int, protocol.Request], max_frame_bytes: int
+) -> dict[int, tuple[int, bytes]]:
+    """Every rank's (request id, frame), before any is sent: a frame over the limit must not leave some ranks
+    with a command. A rollout's shards can be large, so the encoding runs off the event loop."""
+
+    def encode() -> dict[int, tuple[int, bytes]]:
+        return {
+            rank: (request.request_id, protocol.encode_frame(request, max_frame_bytes))
+            for rank, request in requests.items()
+        }
+
+    return await anyio.to_thread.run_sync(encode)
+
+
+async def gather_replies(
+    kind: str,
+    call: Call,
+    pendings: dict[int, Pending],
+    *,
+    error_window_s: float,
+    explain: Callable[[RankFailure], Awaitable[RankFailure]],
+) -> dict[int, dict[str, Any]]:
+    """Each rank's result once every rank answered. A failure (a rank gone) raises it, explained; a rank's
+    error answer raises `RankCommandError` once all answered or `error_window_s` after the first error."""
+    error_deadline: float | None = None
+    while True:
+        changed = call.changed
+        failures = [p.failure for p in pendings.values() if p.failure is not None]
+        if failures:
+            raise await explain(failures[0])
+        errors = {
+            p.rank: p.response for p in pendings.values() if p.response is not None and not p.response.ok
+        }
+        if all(p.done for p in pendings.values()) or (
+            errors and error_deadline is not None and anyio.current_time() >= error_deadline
+        ):
+            if errors:
+                raise RankCommandError(kind, errors)  # type: ignore[arg-type]
+            return {rank: p.response.result for rank, p in pendings.items()}  # type: ignore[union-attr]
+        if errors and error_deadline is None:
+            # Other ranks may be stuck in a collective the failed rank never entered: wait briefly
+            # for their answers (or a disconnect), then report the error rather than hang.
+            error_deadline = anyio.current_time() + error_window_s
+        if error_deadline is None:
+            await changed.wait()
+        else:
+            with anyio.move_on_after(max(0.0, error_deadline - anyio.current_time())):
+                await changed.wait()
