@@ -37,7 +37,7 @@ class RolloutSource(Protocol):
 
 
 class Checkpoint(Protocol):
-    """What a trainer's `load_checkpoint` returns (`coordinator.train.group.CheckpointInfo`)."""
+    """What a trainer's `load_checkpoint` returns (`coordinator.train.commands.CheckpointInfo`)."""
 
     @property
     def rollout_id(self) -> int: ...
