@@ -52,7 +52,13 @@ def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = 
         found, load = check_checkpoints(config)
         return found
 
-    for check in (check_paths, checkpoints, check_data, check_tokenizer, check_hooks, check_metric_backends):
+    from coordinator.trainable import check_trainable
+
+    def trainable(config: Config) -> list[str]:
+        return check_trainable(config, always=True)
+
+    for check in (check_paths, checkpoints, check_data, check_tokenizer, check_hooks, check_metric_backends,
+                  trainable):
         try:
             notes += check(config)
         except ConfigError as error:

@@ -11,6 +11,7 @@ from coordinator.config.fault_tolerance import FaultToleranceConfig
 from coordinator.config.fields import FlagSpec, Slice
 from coordinator.config.hooks import HooksConfig
 from coordinator.config.logs import LoggingConfig
+from coordinator.config.lora import LoraConfig
 from coordinator.config.megatron import MegatronConfig
 from coordinator.config.rollout import RolloutConfig
 from coordinator.config.sglang import SglangConfig
@@ -26,6 +27,7 @@ SLICES: tuple[tuple[str, type[Slice]], ...] = (
     ("fault_tolerance", FaultToleranceConfig),
     ("debug", DebugConfig),
     ("train", TrainConfig),
+    ("lora", LoraConfig),
     ("checkpoint", CheckpointConfig),
     ("logging", LoggingConfig),
     ("megatron", MegatronConfig),

@@ -26,6 +26,7 @@ from coordinator.config.fields import ConfigError
 from coordinator.config.flags import FLAGS, SLICES
 from coordinator.config.hooks import HooksConfig
 from coordinator.config.logs import LoggingConfig
+from coordinator.config.lora import LoraConfig
 from coordinator.config.megatron import MegatronConfig
 from coordinator.config.rollout import RolloutConfig
 from coordinator.config.secrets import MASK, mask_argv
@@ -43,6 +44,7 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # type: ignore[valid-type]
@@ -228,6 +230,8 @@ class Config:
         if self.train.custom_tis_function_path is not None:
             # its `args` (slime's namespace, built by the hooks layer) are added by `hooks.args.rank_settings`
             settings["tis_function_path"] = self.train.custom_tis_function_path
+        if self.lora.enabled:
+            settings["lora"] = self.lora.rank_lora(str(self.rollout.hf_checkpoint))
         if self.offloads_train:
             # CPU ranks spill their state to a file here (a real disk, so the memory is freed, not moved)
             settings["offload_dir"] = str(self.logging.resolved_run_dir / "train-offload")

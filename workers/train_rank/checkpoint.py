@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 LATEST = "latest"
 #: rank 0's last file of a save, and DCP's own index: both present = complete
@@ -101,10 +101,17 @@ def save_checkpoint(
     scheduler: Any,
     extra: dict[str, Any],
     retain_interval: int | None = None,
+    adapters: dict[str, Any] | None = None,
+    write_files: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Collective: every rank calls it with the same arguments. Returns the final directory."""
+    """Collective: every rank calls it with the same arguments. Returns the final directory.
+
+    adapters: the LoRA adapters' record (`LoraSpec.record()`), kept in extra.json so a resume can tell a
+    checkpoint of other adapters; write_files: called by every rank with the tmp directory before it is
+    complete (the adapters in the PEFT format)."""
     save_dir = Path(save_dir)
-    write_tmp(save_dir, rollout_id, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra)
+    write_tmp(save_dir, rollout_id, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra,
+              adapters=adapters, write_files=write_files)
     if _rank() == 0:
         previous = _latest_name(save_dir)
         for step in publish_steps(save_dir, rollout_id):
@@ -117,7 +124,8 @@ def save_checkpoint(
 
 def write_tmp(
     save_dir: Path, rollout_id: int, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-    extra: dict[str, Any],
+    extra: dict[str, Any], adapters: dict[str, Any] | None = None,
+    write_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Collective: the complete checkpoint in `tmp-<id>`, not yet published (rank 0 publishes it)."""
     rank = _rank()
@@ -128,13 +136,18 @@ def write_tmp(
         _settle(save_dir)
         prepare_tmp(save_dir, rollout_id)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
+    if write_files is not None:
+        write_files(tmp)
     _barrier()
     if rank == 0:
         _write_json(tmp / "scheduler.json", scheduler.state_dict())
-        _write_json(tmp / "extra.json", {"rollout_id": rollout_id, "extra": extra})  # last: now complete
+        meta: dict[str, Any] = {"rollout_id": rollout_id, "extra": extra}
+        if adapters is not None:
+            meta["lora"] = adapters
+        _write_json(tmp / "extra.json", meta)  # last: now complete
     return tmp
 
 
@@ -260,12 +273,54 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def load_model_weights(path: str | Path, model: Any) -> Path:
-    """Load only the model weights of a rayless checkpoint into an unsharded `model` (the KL reference)."""
+    """Load only the model weights of a rayless checkpoint into an unsharded `model` (the KL reference). A
+    LoRA checkpoint holds the adapters alone: `model` then has the same adapters injected, and only they load
+    (its base weights are the Hugging Face ones the adapters were trained on)."""
     directory = resolve_checkpoint(path)
-    state = {"model": model.state_dict()}
+    adapters = checkpoint_adapters(directory) is not None
+    wanted = {k: v for k, v in model.state_dict().items() if not adapters or ".lora_" in k}
+    state = {"model": wanted}
     dcp.load(state, checkpoint_id=str(directory))
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=not adapters)
     return directory
+
+
+def checkpoint_adapters(path: str | Path) -> dict[str, Any] | None:
+    """The LoRA adapters' record of a checkpoint (None: it holds the full model)."""
+    meta = json.loads((resolve_checkpoint(path) / "extra.json").read_text())
+    lora = meta.get("lora")
+    return dict(lora) if isinstance(lora, dict) else None
+
+
+def _options(model: Any) -> StateDictOptions:
+    """Frozen parameters (a LoRA run's base weights) are not saved: they are the Hugging Face files'. So a
+    checkpoint holds what trains (the adapters) and its optimizer state; loading leaves the frozen ones as
+    they are, hence not strict."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def check_adapters(directory: Path, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
+    """A checkpoint loads only into a run training the same thing: the full model, or the same adapters."""
+    if saved == current:
+        return
+    if current is None:
+        raise CheckpointError(
+            f"{directory} holds LoRA adapters ({_describe(saved)}) and no full-model weights; this run trains "
+            "the full model: resume it with the same --lora-rank / --lora-alpha / --target-modules")
+    if saved is None:
+        raise CheckpointError(
+            f"{directory} holds a full-model checkpoint; this run trains LoRA adapters ({_describe(current)}): "
+            "drop --lora-rank to resume it, or start LoRA from a Hugging Face directory (--hf-checkpoint)")
+    raise CheckpointError(f"{directory} holds LoRA adapters {_describe(saved)}; this run trains "
+                          f"{_describe(current)}: give the checkpoint's --lora-* / --target-modules to resume it")
+
+
+def _describe(record: dict[str, Any] | None) -> str:
+    record = record or {}
+    return (f"rank {record.get('rank')}, alpha {record.get('alpha')}, target modules "
+            f"{','.join(record.get('target_modules') or [])}"
+            + (f", excluding {','.join(record['exclude_modules'])}" if record.get("exclude_modules") else ""))
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -300,19 +355,24 @@ def _resolve(path: Path) -> tuple[Path, str]:
 
 
 def load_checkpoint(
-    path: str | Path, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any
+    path: str | Path, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
+    adapters: dict[str, Any] | None = None,
 ) -> LoadedCheckpoint:
-    """Collective: restores model, optimizer, scheduler and this rank's RNG; returns the rollout id."""
+    """Collective: restores model, optimizer, scheduler and this rank's RNG; returns the rollout id.
+    adapters: this run's LoRA record (None: it trains the full model); the checkpoint's must be the same."""
     directory, warning = _resolve(Path(path))
-    model_state, optim_state = get_state_dict(model, optimizer)
+    meta = json.loads((directory / "extra.json").read_text())
+    check_adapters(directory, meta.get("lora"), adapters)
+    options = _options(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     scheduler.load_state_dict(json.loads((directory / "scheduler.json").read_text()))
     rng_file = directory / f"rng_rank{_rank()}.json"
     if rng_file.is_file():
         _set_rng_state(json.loads(rng_file.read_text()))
-    meta = json.loads((directory / "extra.json").read_text())
     _barrier()
     return LoadedCheckpoint(
         rollout_id=int(meta["rollout_id"]), extra=dict(meta.get("extra") or {}), path=directory, warning=warning

@@ -79,6 +79,8 @@ class TrainSettings:
     # the device memory that must stay free beyond the state when CUDA ranks bring it back.
     offload_dir: str | None = None
     train_memory_margin_bytes: int = 0
+    # LoRA adapters instead of the full model (`lora.LoraSpec` as a dict; None: full fine-tuning).
+    lora: dict[str, Any] | None = None
 
     @property
     def clip_high(self) -> float:
@@ -133,5 +135,12 @@ class TrainSettings:
             raise SettingsError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.train_memory_margin_bytes < 0:
             raise SettingsError(f"train_memory_margin_bytes must be >= 0, got {self.train_memory_margin_bytes}")
+        if self.lora is not None:
+            from workers.train_rank.lora import LoraError, LoraSpec
+
+            try:
+                LoraSpec.from_dict(self.lora)
+            except (LoraError, KeyError, TypeError) as exc:
+                raise SettingsError(f"lora: {exc}") from exc
         if self.use_tis and self.use_rollout_logprobs:
             raise SettingsError("use_tis needs recomputed logprobs; it contradicts use_rollout_logprobs")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from workers import protocol
-from workers.train_rank import checkpoint, weight_buckets, weight_export
+from workers.train_rank import checkpoint, lora, weight_buckets, weight_export
 from workers.train_rank.batching import MicroBatch, make_micro_batches, token_entropy, token_log_probs
 from workers.train_rank.loss import LossConfig, policy_loss
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
@@ -47,6 +47,7 @@ class Trainer:
         self.sender = weight_buckets.WeightSender()
         self.tis_hook: TisHook | None = None
         self.state: StateOffload | None = None
+        self.lora: lora.LoraSpec | None = None
 
     # ------------------------------------------------------------------------------------------ commands
 
@@ -60,6 +61,9 @@ class Trainer:
             device=self.device,
             attn_implementation=settings.attn_implementation,
         )
+        self.lora = lora.LoraSpec.from_dict(settings.lora) if settings.lora is not None else None
+        if self.lora is not None:
+            lora.apply_lora(model, self.lora)  # before sharding: FSDP2 and the replicas' broadcast see adapters
         if settings.gradient_checkpointing:
             enable_activation_checkpointing(model)
         if settings.needs_reference:
@@ -85,7 +89,8 @@ class Trainer:
                                   device=self.device, offload_dir=settings.offload_dir,
                                   memory_margin_bytes=settings.train_memory_margin_bytes)
         self.settings = settings
-        return {"num_parameters": sum(p.numel() for p in model.parameters()), "device": str(self.device)}
+        trainable, total = lora.trainable_counts(model)
+        return {"num_parameters": total, "trainable_parameters": trainable, "device": str(self.device)}
 
     def _load_reference(self, settings: TrainSettings, dtype: torch.dtype) -> Any:
         """The frozen reference: `reference_path` when it is a Hugging Face directory; the policy's
@@ -100,6 +105,10 @@ class Trainer:
             trainable=False,
         )
         if from_checkpoint:
+            adapters = checkpoint.checkpoint_adapters(source)
+            if adapters is not None:  # a LoRA run's checkpoint: its adapters on the Hugging Face base
+                lora.apply_lora(reference, lora.LoraSpec.from_dict(adapters))
+                reference.requires_grad_(False)
             checkpoint.load_model_weights(source, reference)
         return reference
 
@@ -199,13 +208,22 @@ class Trainer:
             scheduler=self.scheduler,
             extra=command.extra,
             retain_interval=self.settings.save_retain_interval if self.settings is not None else None,
+            adapters=self.lora.record() if self.lora is not None else None,
+            write_files=self._write_adapter if self.lora is not None else None,
         )
         return {"path": str(path)}
+
+    def _write_adapter(self, directory: Any) -> None:
+        """A LoRA checkpoint's adapters also in the PEFT format, in `<checkpoint>/adapter/`."""
+        assert self.lora is not None and self.settings is not None
+        lora.write_adapter(self.model, self.lora, directory / "adapter", base_model_path=self.settings.model_path,
+                           write=self.rank == 0)
 
     def load(self, command: protocol.LoadCommand) -> dict[str, Any]:
         _, model, optimizer = self._require()
         loaded = checkpoint.load_checkpoint(
-            command.path, model=model, optimizer=optimizer, scheduler=self.scheduler
+            command.path, model=model, optimizer=optimizer, scheduler=self.scheduler,
+            adapters=self.lora.record() if self.lora is not None else None,
         )
         return {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "path": str(loaded.path),
                 "warning": loaded.warning}

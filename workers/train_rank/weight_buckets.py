@@ -35,6 +35,7 @@ from workers.engine.weight_group import (
     join_weight_update_group,
     send,
 )
+from workers.train_rank import lora
 from workers.train_rank.model import tied_parameter_names
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size
@@ -42,7 +43,10 @@ DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size
 
 def weight_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of everything an engine loads, in state-dict order; FSDP2 gives sharded DTensors here
-    (no gather: their shape and dtype are the full tensor's)."""
+    (no gather: their shape and dtype are the full tensor's). With LoRA adapters, an adapted weight is a
+    `lora.MergedWeight`, merged when its bucket is gathered."""
+    if lora.has_adapters(model):
+        return lora.engine_tensors(model)
     tied = tied_parameter_names(model)
     return [(name, tensor) for name, tensor in model.state_dict().items() if name not in tied]
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from workers.train_rank import lora
 from workers.train_rank.model import tied_parameter_names
 
 SNAPSHOT_PREFIX = "weights-"
@@ -25,7 +26,11 @@ WEIGHT_FILE_PATTERNS = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.ind
 
 
 def full_state_dict(model: Any, *, sharded: bool) -> dict[str, torch.Tensor]:
-    """Collective under FSDP. The full tensors (on CPU) every engine needs, tied aliases dropped."""
+    """Collective under FSDP. The full tensors (on CPU) every engine needs, tied aliases dropped; with LoRA
+    adapters, each adapted weight merged (the engine serves a plain model)."""
+    if lora.has_adapters(model):
+        return {name: (entry.full_tensor() if hasattr(entry, "full_tensor") else entry).to("cpu").contiguous()
+                for name, entry in lora.engine_tensors(model)}
     if sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

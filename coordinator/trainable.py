@@ -1,0 +1,52 @@
+"""What the ranks will train, known before any of them starts: the model built on the meta device.
+
+Owns `check_trainable(config)`: the `--hf-checkpoint` architecture instantiated without memory (meta tensors,
+no weights read), the `--lora-*` adapters injected as the ranks inject them, and the trainable parameter
+count reported. Invariant: with LoRA, every `--target-modules` name is checked against the real model here,
+so a name the model lacks fails at start-up (exit 2) instead of on every rank after launch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from coordinator.config.fields import ConfigError
+from coordinator.config.settings import Config
+
+
+def check_trainable(config: Config, *, always: bool = False) -> list[str]:
+    """The trainable parameters' note; with LoRA, the targets checked. Without LoRA only when `always`
+    (the dry run reports it; a real start need not build the model)."""
+    if not config.needs_train_ranks or not (config.lora.enabled or always):
+        return []
+    model_dir = Path(str(config.rollout.hf_checkpoint))
+    if not (model_dir / "config.json").is_file():
+        return []  # check_paths says what is wrong with the directory
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        model_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # architecture notes of transformers; the ranks log them
+            model = AutoModelForCausalLM.from_config(model_config)
+    except Exception as error:  # transformers raises many types for a config it cannot build
+        raise ConfigError(f"--hf-checkpoint {model_dir}: the model does not build: {type(error).__name__}: "
+                          f"{error}") from None
+    total = sum(p.numel() for p in model.parameters())
+    lora = config.lora.rank_lora(str(model_dir)) if config.lora.enabled else None
+    if lora is None:
+        return [f"trainable parameters: {total:,} (the full model)"]
+    from workers.train_rank.lora import LoraError, LoraSpec, apply_lora
+
+    spec = LoraSpec.from_dict({**lora, "adapter_path": None})  # the adapter file's weights load on the ranks
+    try:
+        apply_lora(model, spec)
+    except LoraError as error:
+        raise ConfigError(f"--target-modules: {error}") from None
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    adapted = sum(1 for name, _ in model.named_modules() if name.endswith(".lora_A"))
+    return [f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%): LoRA rank "
+            f"{spec.rank}, alpha {spec.alpha:g} on {adapted} modules ({','.join(spec.target_modules)}); the "
+            "engines get the merged weights"]
