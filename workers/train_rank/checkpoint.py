@@ -137,6 +137,7 @@ def write_tmp(
         prepare_tmp(save_dir, rollout_id)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
+    model_state = _without_frozen(model, model_state)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
     if write_files is not None:
@@ -300,6 +301,12 @@ def _options(model: Any) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
+def _without_frozen(model: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` less every frozen parameter, aliases included (DCP's option misses a tied lm_head.weight)."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {name: value for name, value in state.items() if name not in frozen} if frozen else state
+
+
 def check_adapters(directory: Path, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
     """A checkpoint loads only into a run training the same thing: the full model, or the same adapters."""
     if saved == current:
@@ -365,7 +372,7 @@ def load_checkpoint(
     check_adapters(directory, meta.get("lora"), adapters)
     options = _options(model)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
-    state = {"model": model_state, "optim": optim_state}
+    state = {"model": _without_frozen(model, model_state), "optim": optim_state}
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
