@@ -3,7 +3,8 @@
 Owns `check_trainable(config)`: the `--hf-checkpoint` architecture instantiated without memory (meta tensors,
 no weights read), the `--lora-*` adapters injected as the ranks inject them, and the trainable parameter
 count reported. Invariant: with LoRA, every `--target-modules` name is checked against the real model here,
-so a name the model lacks fails at start-up (exit 2) instead of on every rank after launch.
+so a name the model lacks fails at start-up (exit 2) instead of on every rank after launch; so does a `--load`
+checkpoint of other adapters (or of the full model under LoRA, and the reverse).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from coordinator.config.settings import Config
 def check_trainable(config: Config, *, always: bool = False) -> list[str]:
     """The trainable parameters' note; with LoRA, the targets checked. Without LoRA only when `always`
     (the dry run reports it; a real start need not build the model)."""
-    if not config.needs_train_ranks or not (config.lora.enabled or always):
+    if not config.needs_train_ranks:
+        return []
+    check_resume_adapters(config)
+    if not (config.lora.enabled or always):
         return []
     model_dir = Path(str(config.rollout.hf_checkpoint))
     if not (model_dir / "config.json").is_file():
@@ -50,3 +54,23 @@ def check_trainable(config: Config, *, always: bool = False) -> list[str]:
     return [f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%): LoRA rank "
             f"{spec.rank}, alpha {spec.alpha:g} on {adapted} modules ({','.join(spec.target_modules)}); the "
             "engines get the merged weights"]
+
+
+def check_resume_adapters(config: Config) -> None:
+    """A `--load` checkpoint trained what this run trains: the full model, or the same adapters (the ranks
+    check it again when they load)."""
+    from coordinator.config.porting import resolve_load
+
+    load = resolve_load(config)
+    if not load.resume or load.path is None:
+        return
+    from workers.train_rank import checkpoint
+    from workers.train_rank.lora import LoraSpec
+
+    directory = checkpoint.resolve_checkpoint(load.path)
+    lora = config.lora.rank_lora(str(config.rollout.hf_checkpoint)) if config.lora.enabled else None
+    current = LoraSpec.from_dict(lora).record() if lora is not None else None
+    try:
+        checkpoint.check_adapters(directory, checkpoint.checkpoint_adapters(directory), current)
+    except checkpoint.CheckpointError as error:
+        raise ConfigError(f"--load {load.path}: {error}") from None

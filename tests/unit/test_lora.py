@@ -112,6 +112,11 @@ def test_a_checkpoint_holds_the_adapters_and_loads_only_into_the_same_adapters(t
     other = spec(rank=2)
     with pytest.raises(ckpt.CheckpointError, match=r"rank 4.*this run trains rank 2"):
         ckpt.load_checkpoint(tmp_path, adapters=other.record(), **state(seed=3, the_spec=other))
+    # and before any rank starts: the start-up checks read the checkpoint's record
+    with pytest.raises(ConfigError, match=r"--load .*holds LoRA adapters .* this run trains the full model"):
+        check_trainable(parse_config(job(tiny_model_dir, "--load", str(tmp_path))))
+    assert check_trainable(parse_config(job(tiny_model_dir, "--load", str(tmp_path), "--lora-rank", "4",
+                                            "--lora-alpha", "8", "--target-modules", ",".join(ALL))))
 
 
 # peft's PeftModel reads transformers' deprecated `is_gradient_checkpointing` (peft 0.21 on transformers 5)
