@@ -14,8 +14,10 @@ goes on from exactly the state it had.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,18 @@ def apply_lora(model: Any, spec: LoraSpec) -> None:
         parameter.requires_grad_(".lora_" in name)
     if spec.adapter_path is not None:
         load_adapter_weights(model, Path(spec.adapter_path))
+
+
+@contextlib.contextmanager
+def dropout_off(model: Any) -> Iterator[None]:
+    """Forward-only passes (the old logprobs) in eval mode, as miles' `forward_only`: with `--lora-dropout`
+    the ratio's denominator is then the policy itself, not one dropout draw of it."""
+    was_training = bool(model.training)
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def lora_layers(model: Any) -> dict[str, Any]:

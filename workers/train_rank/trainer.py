@@ -133,8 +133,9 @@ class Trainer:
         batches = [self._micro_batches(samples) for samples in command.steps]
         # slime's old logprobs: the policy before this rollout's first update, so the ratio of every step of
         # the rollout is taken against the same policy.
-        old = ([[self._log_probs(batch) for batch in step] for step in batches]
-               if settings.recomputes_old_log_probs else [[None] * len(step) for step in batches])
+        with lora.dropout_off(self.model):  # miles' forward-only passes: dropout (--lora-dropout) off
+            old = ([[self._log_probs(batch) for batch in step] for step in batches]
+                   if settings.recomputes_old_log_probs else [[None] * len(step) for step in batches])
         steps = []
         for step_batches, step_old, global_tokens in zip(batches, old, command.step_loss_tokens, strict=True):
             steps.append(self._train_step(step_batches, step_old, int(global_tokens), loss_config))
