@@ -36,8 +36,11 @@ def check_trainable(config: Config, *, always: bool = False) -> list[str]:
             warnings.simplefilter("ignore")  # architecture notes of transformers; the ranks log them
             model = AutoModelForCausalLM.from_config(model_config)
     except Exception as error:  # transformers raises many types for a config it cannot build
-        raise ConfigError(f"--hf-checkpoint {model_dir}: the model does not build: {type(error).__name__}: "
-                          f"{error}") from None
+        why = f"{type(error).__name__}: {error}"
+        if not config.lora.enabled:  # a count for the report only: the ranks say what fails, if anything
+            return [f"trainable parameters: not counted (the model does not build here: {why})"]
+        raise ConfigError(f"--hf-checkpoint {model_dir}: the model does not build, so --target-modules cannot be "
+                          f"checked: {why}") from None
     total = sum(p.numel() for p in model.parameters())
     lora = config.lora.rank_lora(str(model_dir)) if config.lora.enabled else None
     if lora is None:
