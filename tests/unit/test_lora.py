@@ -75,6 +75,18 @@ def test_only_the_adapters_train_and_the_optimizer_holds_them_alone(tiny_model_d
     assert all(torch.equal(p, frozen[name]) for name, p in model.named_parameters() if name in frozen)
 
 
+def test_adapters_get_gradients_under_activation_checkpointing(tiny_model_dir: Path) -> None:
+    from workers.train_rank.model import enable_activation_checkpointing
+
+    model = adapted(tiny_model_dir)
+    enable_activation_checkpointing(model)  # frozen embeddings: the checkpointed inputs need no grad
+    model.train()
+    model(input_ids=torch.tensor([[5, 9, 12, 7]]), labels=torch.tensor([[5, 9, 12, 7]])).loss.backward()
+    grads = [p.grad for p in lora.adapter_parameters(model).values()]
+    assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    assert all(p.grad is None for name, p in model.named_parameters() if ".lora_" not in name)
+
+
 def test_a_checkpoint_holds_the_adapters_and_loads_only_into_the_same_adapters(tiny_model_dir: Path,
                                                                                tmp_path: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
