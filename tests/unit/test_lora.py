@@ -116,6 +116,12 @@ def test_a_checkpoint_holds_the_adapters_and_loads_only_into_the_same_adapters(t
                                resumed["optimizer"].param_groups[0]["params"], strict=True)]
     assert moments and all(moments)
 
+    # --ref-load of a LoRA checkpoint: the Hugging Face base with the checkpoint's adapters (as the trainer builds it)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lora.apply_lora(reference, lora.LoraSpec.from_dict(ckpt.checkpoint_adapters(tmp_path) or {}))
+    ckpt.load_model_weights(tmp_path, reference)
+    assert (logits(reference) - logits(saved["model"])).abs().max() == 0
+
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     plain_optimizer = build_optimizer(plain, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     with pytest.raises(ckpt.CheckpointError, match=r"holds LoRA adapters .* this run trains the full model"):
