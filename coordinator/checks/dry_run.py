@@ -52,7 +52,7 @@ def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = 
         found, load = check_checkpoints(config)
         return found
 
-    from coordinator.trainable import check_trainable
+    from coordinator.checks.trainable import check_trainable
 
     def trainable(config: Config) -> list[str]:
         return check_trainable(config, always=True)

@@ -32,7 +32,7 @@ def preflight(config: Config) -> list[str]:
     load_notes, load = check_checkpoints(config)
     notes += [*load_notes, *check_data(config), *check_hooks(config), *check_rewards(config),
               *check_metric_backends(config)]
-    from coordinator.trainable import check_trainable
+    from coordinator.checks.trainable import check_trainable
 
     notes += check_trainable(config)  # with LoRA: the targets against the model
     notice = porting_notice(config, load=load)

@@ -26,8 +26,9 @@ import pytest
 import torch
 
 from coordinator.config import parse_config
-from coordinator.progress import read_metrics
-from coordinator.run import Services, run_training
+from coordinator.observe.progress import read_metrics
+from coordinator.run import run_training
+from coordinator.services import Services
 
 ROLLOUTS = 12
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from coordinator.checks.dry_run import dry_run
+from coordinator.checks.trainable import check_trainable
 from coordinator.config import parse_config
 from coordinator.config.fields import ConfigError
-from coordinator.dry_run import dry_run
-from coordinator.trainable import check_trainable
 from workers.train_rank import checkpoint as ckpt
 from workers.train_rank import lora, weight_buckets, weight_export
 from workers.train_rank.optim import build_optimizer

@@ -62,9 +62,7 @@ def check_trainable(config: Config, *, always: bool = False) -> list[str]:
 def check_resume_adapters(config: Config) -> None:
     """A `--load` checkpoint trained what this run trains: the full model, or the same adapters (the ranks
     check it again when they load)."""
-    from coordinator.config.porting import resolve_load
-
-    load = resolve_load(config)
+    load = config.load_plan()
     if not load.resume or load.path is None:
         return
     from workers.train_rank import checkpoint
