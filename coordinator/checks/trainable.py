@@ -1,14 +1,17 @@
 """What the ranks will train, known before any of them starts: the model built on the meta device.
 
-Owns `check_trainable(config)`: the `--hf-checkpoint` architecture instantiated without memory (meta tensors,
-no weights read), the `--lora-*` adapters injected as the ranks inject them, and the trainable parameter
-count reported. Invariant: with LoRA, every `--target-modules` name is checked against the real model here,
+Owns `check_trainable(config)`: the trainable parameter count — the full model's from the safetensors headers
+(no model code imported), or with LoRA the `--hf-checkpoint` architecture instantiated without memory (meta
+tensors, no weights read) and the `--lora-*` adapters injected as the ranks inject them. Invariant: with LoRA, every `--target-modules` name is checked against the real model here,
 so a name the model lacks fails at start-up (exit 2) instead of on every rank after launch; so does a `--load`
 checkpoint of other adapters (or of the full model under LoRA, and the reverse).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 import warnings
 from pathlib import Path
 
@@ -27,6 +30,10 @@ def check_trainable(config: Config, *, always: bool = False) -> list[str]:
     model_dir = Path(str(config.rollout.hf_checkpoint))
     if not (model_dir / "config.json").is_file():
         return []  # check_paths says what is wrong with the directory
+    if not config.lora.enabled:
+        stored = stored_parameters(model_dir)  # the headers alone: no model import for the report
+        if stored is not None:
+            return [f"trainable parameters: {stored:,} (the full model)"]
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -75,3 +82,27 @@ def check_resume_adapters(config: Config) -> None:
         checkpoint.check_adapters(directory, checkpoint.checkpoint_adapters(directory), current)
     except checkpoint.CheckpointError as error:
         raise ConfigError(f"--load {load.path}: {error}") from None
+
+
+#: a safetensors header larger than this is not read (a real one is a few MiB for the largest models)
+MAX_HEADER_BYTES = 256 * 1024**2
+
+
+def stored_parameters(model_dir: Path) -> int | None:
+    """Elements of every tensor in the directory's safetensors files, read from their JSON headers (tied
+    weights are stored once); None when it holds none or one is unreadable."""
+    index = model_dir / "model.safetensors.index.json"
+    try:
+        names = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+                 else ["model.safetensors"])
+        total = 0
+        for name in names:
+            with (model_dir / Path(name).name).open("rb") as handle:
+                (size,) = struct.unpack("<Q", handle.read(8))
+                if size > MAX_HEADER_BYTES:
+                    return None
+                header = json.loads(handle.read(size))
+            total += sum(math.prod(entry["shape"]) for key, entry in header.items() if key != "__metadata__")
+        return total
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
