@@ -16,11 +16,12 @@ the flags that steer SGLang's LoRA serving are accepted with no effect (`--lora-
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.config.fields import ConfigError, Slice, flag
+from coordinator.config.fields import ConfigError, ConfigWarning, Slice, flag
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_NAMES = ("all", "all-linear", "all_linear")  # miles' convert_target_modules_to_megatron
@@ -82,6 +83,14 @@ class LoraConfig(Slice):
             raise ConfigError("--experts-shared-outer-loras (grouped-expert MoE LoRA) is not supported: drop it")
         if self.target_modules is not None and not _split(self.target_modules):
             raise ConfigError("--target-modules: no module named")
+        idle = [name for name, given in (("--lora-sync-from-tensor", self.lora_sync_from_tensor),
+                                         ("--lora-base-cpu-backup", self.lora_base_cpu_backup)) if given]
+        if idle:
+            warnings.warn(f"{' / '.join(idle)}: no effect here: the engines get the merged weights by "
+                          "--update-weight-transfer-mode and hold a plain model", ConfigWarning, stacklevel=3)
+        if not self.enabled and (self.target_modules is not None or self.exclude_modules is not None):
+            warnings.warn("--target-modules / --exclude-modules have no effect without --lora-rank (LoRA is off)",
+                          ConfigWarning, stacklevel=3)
 
     def resolved_targets(self, hf_checkpoint: str) -> tuple[str, ...]:
         """The Hugging Face leaf names to adapt (miles' rules), `--exclude-modules` removed."""

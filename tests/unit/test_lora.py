@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from coordinator.checks.dry_run import dry_run
 from coordinator.checks.trainable import check_trainable
 from coordinator.config import parse_config
-from coordinator.config.fields import ConfigError
+from coordinator.config.fields import ConfigError, ConfigWarning
 from workers.train_rank import checkpoint as ckpt
 from workers.train_rank import lora, weight_buckets, weight_export
 from workers.train_rank.optim import build_optimizer
@@ -193,6 +193,15 @@ def test_miles_flags_resolve_to_the_ranks_adapters(tiny_model_dir: Path, tmp_pat
 ])
 def test_contradictory_lora_flags_fail_at_parse(tiny_model_dir: Path, flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
+        parse_config(job(tiny_model_dir, *flags))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lora-rank", "4", "--target-modules", "q_proj", "--lora-sync-from-tensor"], "--lora-sync-from-tensor: no effect"),
+    (["--target-modules", "q_proj"], "no effect without --lora-rank"),
+])
+def test_lora_flags_with_no_effect_warn(tiny_model_dir: Path, flags: list[str], message: str) -> None:
+    with pytest.warns(ConfigWarning, match=message):
         parse_config(job(tiny_model_dir, *flags))
 
 
