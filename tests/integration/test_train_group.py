@@ -25,6 +25,7 @@ from coordinator.train.errors import RankFailure
 from coordinator.train.group import TrainGroup
 from coordinator.train.planning import balance_by_tokens, plan_steps, reduce_step_metrics
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
+from tests.support.waiting import wait_until
 from workers import protocol
 from workers.train_rank.trainer import Trainer
 
@@ -175,18 +176,29 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
 
             # A rank killed mid-step: the call fails at once, naming the rank; nothing hangs.
             victim = group.ranks[1].pid
-            big = as_samples(first_run.rollouts[0] * 16)
+            # 32 optimizer steps: ~1.3 s of rank 1's CPU time, so the kill below lands inside the call
+            big = as_samples(first_run.rollouts[0] * 64)
             failure: list[BaseException] = []
+            returned: list[bool] = []
 
             async def train_and_record() -> None:
                 try:
                     await group.train(3, big)
+                    returned.append(True)
                 except RankFailure as exc:
                     failure.append(exc)
 
+            def computed() -> float:
+                """rank 1's CPU seconds since the call was made (idle, a rank blocks on its socket)."""
+                assert not returned, "train() returned before rank 1 could be killed mid-call"
+                return sum(process.cpu_times()[:2]) - cpu_before
+
+            process = psutil.Process(victim)
+            cpu_before = sum(process.cpu_times()[:2])
             async with anyio.create_task_group() as inner:
                 inner.start_soon(train_and_record)
-                await anyio.sleep(0.3)  # let the step start; the outcome is the same if it has not
+                await wait_until(computed, until=lambda seconds: seconds >= 0.3, timeout=120,
+                                 what="rank 1 computing the train call (0.3 s of its CPU time)")
                 os.kill(victim, signal.SIGKILL)
             assert failure, "train() returned although rank 1 was killed"
             assert isinstance(failure[0], RankFailure) and 1 in failure[0].ranks
