@@ -131,6 +131,13 @@ async def test_probing_pauses_while_weights_are_updated(tmp_path: Path) -> None:
                                 recovery=weight_sync.recovery)
         await group.start(monitor.run)
         engine = fleet.engines[0]
+        # The clock of "long enough to be a fault": a monitor of the same engine that no update pauses.
+        control_fleet = EngineFleet(client=client, group="control", external_urls=[fake.url], run_dir=tmp_path,
+                                    probe_timeout=1)
+        await group.start(control_fleet.run)
+        control = HealthMonitor(fleet=control_fleet, client=client, interval=0.1, timeout=0.2,
+                                failure_threshold=2)
+        await group.start(control.run)
         await wait_until(lambda: monitor.stats.probes, until=lambda probes: probes >= 2, timeout=10,
                          what="the monitor probing")
         updated = anyio.Event()
@@ -145,13 +152,6 @@ async def test_probing_pauses_while_weights_are_updated(tmp_path: Path) -> None:
                          what="the update loading the weights")
         paused_at = time.monotonic()
         fake.health = "hang"
-        # The clock of "long enough to be a fault": a monitor of the same engine that no update pauses.
-        control_fleet = EngineFleet(client=client, group="control", external_urls=[fake.url], run_dir=tmp_path,
-                                    probe_timeout=1)
-        await group.start(control_fleet.run)
-        control = HealthMonitor(fleet=control_fleet, client=client, interval=0.1, timeout=0.2,
-                                failure_threshold=2)
-        await group.start(control.run)
         await wait_until(lambda: control.stats.deaths, timeout=10,
                          what="the unpaused monitor declaring the hung engine dead")
         assert monitor.stats.probe_failures == 0 and engine.state is EngineState.ALIVE
