@@ -127,10 +127,19 @@ def _peer(stream: anyio.abc.ByteStream) -> str:
 class ControlServer:
     """Accepts the ranks' connections (`serve`) and sends them commands (`call`)."""
 
-    def __init__(self, *, world_size: int, token: str, max_frame_bytes: int = protocol.MAX_FRAME_BYTES,
-                 handshake_timeout_s: float = 30.0, error_window_s: float = 2.0, grace_s: float = 5.0,
-                 explain: Callable[[RankFailure], Awaitable[RankFailure]] | None = None,
-                 on_connected: Callable[[int], None] | None = None, num_nodes: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        token: str,
+        max_frame_bytes: int = protocol.MAX_FRAME_BYTES,
+        handshake_timeout_s: float = 30.0,
+        error_window_s: float = 2.0,
+        grace_s: float = 5.0,
+        explain: Callable[[RankFailure], Awaitable[RankFailure]] | None = None,
+        on_connected: Callable[[int], None] | None = None,
+        num_nodes: int = 1,
+    ) -> None:
         self.world_size = world_size
         #: nodes the ranks run on (multi-node: ranks and refusals are named with their node)
         self.num_nodes = num_nodes
@@ -232,13 +241,11 @@ class ControlServer:
             )
         self._state.notify()
 
-    async def close(self) -> bool:
-        """Fail pending calls, refuse new ones, and ask every connected rank to shut down; True when all
-        `world_size` ranks were asked. Shield it."""
+    async def close(self) -> None:
+        """Fail pending calls, refuse new ones, and ask every connected rank to shut down. Shield it."""
         # Not under the call lock: a caller may be waiting on a reply that will never come; fail it first.
         self._fail(RankFailure(list(self.ranks), "the training group is shutting down"))
         self._closing = True
-        asked = 0
         for conn in list(self._connections.values()):
             if conn.alive:
                 with contextlib.suppress(*STREAM_ERRORS, protocol.ProtocolError):
@@ -246,13 +253,6 @@ class ControlServer:
                         async with conn.send_lock:
                             request = protocol.Request(next(self._request_ids), protocol.ShutdownCommand())
                             await protocol.send_message(conn.stream, request, self.max_frame_bytes)
-                            asked += 1
-        return asked == self.world_size
-
-    async def wait_disconnected(self) -> None:
-        """Until no rank is connected (after `close()`: every rank left its loop, it is exiting). Bound it."""
-        while self.ranks:  # each closed connection notifies
-            await self._state.changed.wait()
 
     async def drop_node(self, node_rank: int, reason: str) -> list[int]:
         """Close the connections of the ranks on `node_rank` (the node was lost: a rank on a machine that lost

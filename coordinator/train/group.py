@@ -295,10 +295,10 @@ class TrainGroup:
         self._stop.set()
 
     async def _teardown(self) -> None:
-        all_asked = await self.server.close()
+        await self.server.close()
         self._stop.set()
         if self.torchrun is not None:
-            await self.torchrun.stop(ranks_left=self.server.wait_disconnected if all_asked else None)
+            await self.torchrun.stop()
         await self.server.disconnect_all()
 
     # ------------------------------------------------------------------------------------------ commands

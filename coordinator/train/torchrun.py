@@ -7,9 +7,8 @@ router.
 Invariants:
 - The control token and address reach the ranks in their environment, never on the command line, and
   `extra_env` cannot replace them.
-- `stop()` ends the whole group on every path: torchrun gets `grace_s` to exit after its ranks were asked to
-  shut down — `EXIT_TIMEOUT_S` from the moment every rank has left its loop within it (a clean exit is under
-  way) — then SIGTERM, SIGKILL after another `grace_s`, sweep and reap; the log file is closed.
+- `stop()` ends the whole group on every path: the ranks get `grace_s` to exit after their shutdown command,
+  then SIGTERM, SIGKILL after another `grace_s`, sweep and reap; the log file is closed.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -82,12 +80,6 @@ class TorchrunSpec:
         return command
 
 
-#: How long torchrun gets to exit by itself once every rank has left its loop. A clean exit (the process group
-#: destroyed, the interpreter's teardown with torch loaded, then torchrun's own) took 2.2-5.9 s for 2 CPU ranks
-#: on 2 loaded cores, past the 5 s `grace_s`; a GPU rank's teardown takes longer. It ends as soon as torchrun
-#: exits: only a rank hung in its exit waits it out.
-EXIT_TIMEOUT_S = 60.0
-
 #: The rule torchrun draws around its failure report (`ChildFailedError`), above and below.
 _RULE = "=" * 20
 
@@ -113,14 +105,12 @@ class TorchrunProcess:
         *,
         log_path: Path,
         grace_s: float = 5.0,
-        exit_timeout_s: float = EXIT_TIMEOUT_S,
         torch_threads: int = 1,
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.spec = spec
         self.log_path = log_path
         self.grace_s = grace_s
-        self.exit_timeout_s = exit_timeout_s
         self.torch_threads = torch_threads
         self.extra_env = dict(extra_env or {})
         self.proc: subprocess.Popen[bytes] | None = None
@@ -161,17 +151,13 @@ class TorchrunProcess:
         tail = torchrun_summary(read_tail(self.log_path, lines=400)) or read_tail(self.log_path)
         return RankFailure(failure.ranks, failure.reason, log_path=self.log_path, log_tail=tail)
 
-    async def stop(self, *, ranks_left: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Let torchrun exit by itself for `grace_s` (its ranks were asked to shut down) — for `exit_timeout_s`
-        from the moment `ranks_left()` returns within it (every rank left its loop) — then end its whole
+    async def stop(self) -> None:
+        """Let torchrun exit by itself for `grace_s` (its ranks were asked to shut down), then end its whole
         process group and close the log. Shielded; safe to call again."""
         with anyio.CancelScope(shield=True):
             proc = self.proc
             if proc is not None and proc.returncode is None:
-                with anyio.move_on_after(self.grace_s) as exiting:
-                    if ranks_left is not None:
-                        await ranks_left()
-                        exiting.deadline = anyio.current_time() + self.exit_timeout_s
+                with anyio.move_on_after(self.grace_s):
                     await wait_exited(proc)
                 await terminate_process_group(proc, self.grace_s)
             if self._log is not None:
