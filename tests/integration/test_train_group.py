@@ -303,10 +303,14 @@ def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
 async def test_a_cancelled_group_shuts_its_ranks_down_and_torchrun_exits_0(tiny_model_dir: Path,
                                                                           tmp_path: Path) -> None:
     """Cancelling run() (how a run ends, on success or on a signal) still reaches the ranks with their shutdown
-    command before the connections close: every rank returns, torchrun exits 0, its log holds no failure."""
+    command before the connections close: every rank returns, torchrun exits 0, its log holds no failure.
+
+    The clean exit is given time to finish (`grace_s`, the wait before SIGTERM, which bounds a run's stop):
+    with the default 5 s, torchrun was SIGTERMed mid clean exit on a loaded box (measured 2.2-5.9 s from the
+    shutdown to torchrun's exit on 2 cores with two busy loops): returncode -15 or 1, not a failed shutdown."""
     with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
-            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path).run)
+            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path, grace_s=60).run)
             await group.init(config_for(tiny_model_dir, tmp_path / "ckpt"))
             tg.cancel_scope.cancel()
     assert group.torchrun is not None and group.torchrun.proc is not None
