@@ -36,7 +36,9 @@ def _split(url: str) -> tuple[str, str]:
     return f"{parts.scheme}://{parts.netloc}", path
 
 
-def _headers(url: str, headers: Mapping[str, str] | None) -> dict[str, str]:
+def outgoing_headers(url: str, headers: Mapping[str, str] | None) -> dict[str, str]:
+    """The headers a hook's request to `url` carries: `headers`, plus — only to the run's own address, inside a
+    hook call — its route token and the API key."""
     merged = dict(headers or {})
     call = current_call()
     if call is not None and call.runtime.is_own_address(url):
@@ -62,7 +64,7 @@ async def _send(client: EngineClient, method: str, url: str, payload: Any, retry
 async def _request(method: str, url: str, payload: Any, max_retries: int, headers: Mapping[str, str] | None
                    ) -> Any:
     retry = RetryPolicy(attempts=max(1, int(max_retries)), backoff=0.5, backoff_max=5.0, budget=300.0)
-    sent = _headers(url, headers)
+    sent = outgoing_headers(url, headers)
     call = current_call()
     client = call.runtime.http if call is not None else None
     if client is not None:

@@ -144,17 +144,22 @@ class ProgressDisplay:
             parts.append(Text.from_markup(f"[bold]{current[0]}[/]  ") + Text(current[1].line()))
         return Group(*parts)
 
+    @property
+    def current(self) -> tuple[str, HasLine] | None:
+        """The rollout generating now, as `(title, source)` (its progress object), or None between rollouts."""
+        return self._current
+
     @contextmanager
     def __call__(self, title: str, source: HasLine) -> Iterator[Callable[[], None]]:
         """The current rollout's line while it generates; yields `refresh` (a no-op for the live view, which
         redraws by itself; a log line every `log_interval` otherwise)."""
-        if self.live:
-            self._current = (title, source)
-            try:
-                yield lambda: None
-            finally:
-                self._current = None
-            return
+        self._current = (title, source)
+        try:
+            yield (lambda: None) if self.live else self._log_refresh(title, source)
+        finally:
+            self._current = None
+
+    def _log_refresh(self, title: str, source: HasLine) -> Callable[[], None]:
         last_logged = time.monotonic()
 
         def log_refresh() -> None:
@@ -165,7 +170,7 @@ class ProgressDisplay:
                 run = f"  | {self.run.text()}" if self.run.total else ""
                 log.info("%s  %s%s", title, source.line(), run)
 
-        yield log_refresh
+        return log_refresh
 
 
 #: The keys of a metrics row that `MetricsLog.history` keeps: what `plot_rewards` draws and the summary reads.

@@ -81,7 +81,7 @@ def detect_gpus(environ: Mapping[str, str] | None = None, *, probe_torch: bool =
     physical, driver_source = _driver_gpus()
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        ids = _narrow(visible, physical)
+        ids = cuda_visible_ids(visible, physical)
         return GpuInventory(ids=ids, source=f"CUDA_VISIBLE_DEVICES={visible!r}"
                             + (f" of {len(physical)} from {driver_source}" if physical is not None else ""))
     if physical is not None:
@@ -114,7 +114,7 @@ def _uuid(line: str) -> str:
     return match.group(1) if match else ""
 
 
-def _narrow(visible: str, physical: list[str] | None) -> tuple[str, ...]:
+def cuda_visible_ids(visible: str, physical: list[str] | None) -> tuple[str, ...]:
     """CUDA's reading of CUDA_VISIBLE_DEVICES: entries in order up to the first invalid one."""
     ids: list[str] = []
     for entry in (part.strip() for part in visible.split(",")):

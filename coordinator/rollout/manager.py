@@ -82,7 +82,6 @@ def _as_async(fn: Callable[[int, str], Any], path: str, what: str) -> RolloutCal
             "of sample groups"
         )
 
-    call.target = fn  # type: ignore[attr-defined]
     return call
 
 

@@ -74,7 +74,6 @@ class SlimeRolloutFn:
         self.path = path
         self.what = what
         self.context = context
-        self.target = fn
         self._data_source: SlimeDataSource | None = None
 
     @property

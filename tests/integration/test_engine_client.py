@@ -12,6 +12,7 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -27,9 +28,16 @@ from coordinator.engines import (
     EngineUnreachable,
     RetryPolicy,
 )
+from tests.support.waiting import wait_until
 
 API_KEY = "test-key-123"
 ENGINE_ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))
+
+
+async def held(engine: Any) -> int:
+    """Requests the engine holds now: queued (it is paused) or running."""
+    state = (await engine.server_info())["internal_states"][0]
+    return int(state["num_queue_reqs"]) + int(state["num_running_reqs"])
 
 
 def cpu_spec(model_dir: Path, **kw: object) -> EngineLaunchSpec:
@@ -225,7 +233,8 @@ async def test_killed_engine_raises_unreachable_and_nothing_hangs(
                 async with anyio.create_task_group() as tg:
                     for _ in range(8):
                         tg.start_soon(one)
-                    await anyio.sleep(0.5)  # let the requests reach the engine
+                    await wait_until(lambda: held(e), until=lambda n: n == 8, timeout=30,
+                                     what="the 8 requests held by the paused engine (its /server_info)")
                     assert ep.pid is not None
                     os.killpg(ep.pid, signal.SIGKILL)
             assert len(errors) == 8

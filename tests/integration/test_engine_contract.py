@@ -39,6 +39,7 @@ from tests.support.generate_contract import (  # noqa: F401 - the shared checks,
     test_streaming_is_cumulative_and_ends_with_done,
     test_top_logprobs,
 )
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +254,12 @@ async def running_stream(
                 started.set()
 
 
+async def held_requests(client: httpx.AsyncClient) -> int:
+    """Requests the engine holds now, queued or running (its /server_info)."""
+    state = (await client.get("/server_info")).json()["internal_states"][0]
+    return int(state["num_queue_reqs"]) + int(state["num_running_reqs"])
+
+
 async def generated_total(client: httpx.AsyncClient) -> float:
     text = (await client.get("/metrics")).text
     line = next(line for line in text.splitlines() if line.startswith("sglang:generation_tokens_total"))
@@ -292,11 +299,13 @@ async def test_pause_holds_generation_and_continue_finishes_it(client: httpx.Asy
         paused = await client.post("/pause_generation", json={"mode": mode})
         assert paused.status_code == 200
         tg.start_soon(new_request)
+        await wait_until(lambda: held_requests(client), until=lambda n: n == 2, timeout=30,
+                         what="the new request held by the paused engine beside the paused one")
         before = await generated_total(client)
-        await anyio.sleep(0.3)
-        assert await generated_total(client) == before  # nothing advances while paused
-        assert held == []
         assert (await client.get("/health_generate")).status_code == 200  # probes still answer
+        # The probe ran one scheduler step and generated its one token; the held requests advanced none.
+        assert await generated_total(client) == before + 1  # nothing advances while paused
+        assert held == []
         assert (await client.post("/continue_generation", json={})).status_code == 200
     final = sink[-1]
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
@@ -376,24 +385,17 @@ async def metric(client: httpx.AsyncClient, name: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-async def eventually(read: Any, ok: Any, timeout_s: float = 30.0) -> None:
-    """Poll a server-side value until `ok(value)`; the engine offers no event to wait on."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            if ok(await read()):
-                return
-            await anyio.sleep(0.01)
-
-
 async def test_client_disconnect_aborts_the_generation(client: httpx.AsyncClient, engine_url: str) -> None:
     body = {"text": PROMPT, "sampling_params": greedy(450, ignore_eos=True)}
     before = await metric(client, "generation_tokens_total")
     async with httpx.AsyncClient(base_url=engine_url, timeout=60.0) as doomed:
         async with anyio.create_task_group() as tg:
             tg.start_soon(partial(doomed.post, "/generate", json=body))
-            await eventually(lambda: metric(client, "num_running_reqs"), lambda n: n >= 1)
+            await wait_until(lambda: metric(client, "num_running_reqs"), until=lambda n: n >= 1, timeout=30,
+                             what="the request running")
             assert (await client.get("/health")).status_code == 200  # HTTP answers while generating
             tg.cancel_scope.cancel()  # closes the connection mid-request
-    await eventually(lambda: metric(client, "num_running_reqs"), lambda n: n == 0)
+    await wait_until(lambda: metric(client, "num_running_reqs"), until=lambda n: n == 0, timeout=30,
+                     what="the disconnected request aborted")
     # It was aborted, not run to the end.
     assert await metric(client, "generation_tokens_total") - before < 450

@@ -27,6 +27,7 @@ from coordinator.engines import (
     EngineState,
     EngineUnreachable,
 )
+from tests.support.waiting import wait_until
 
 ENGINE_ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))
 PROMPT = {"text": "ab", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
@@ -69,11 +70,15 @@ async def test_fleet_launch_kill_mark_dead_relaunch_and_cancel(tiny_model_dir: P
             victim, other = fleet.engines
             assert victim.process is not None and victim.process.pid is not None
             os.killpg(victim.process.pid, signal.SIGKILL)
+            async def unreachable() -> bool:
+                try:
+                    await client.engine(victim.url).generate(PROMPT)
+                except EngineUnreachable:
+                    return True
+                return False  # the kill lands within milliseconds; until then the engine still answers
+
+            await wait_until(unreachable, timeout=30, interval=0.05, what="the killed engine unreachable")
             with anyio.fail_after(30):
-                with pytest.raises(EngineUnreachable):
-                    while True:  # the kill lands within milliseconds; until then the engine still answers
-                        await client.engine(victim.url).generate(PROMPT)
-                        await anyio.sleep(0.05)
                 assert await fleet.check(victim) is False
             assert victim.state is EngineState.DEAD
             assert victim.dead_reason is not None and "exited" in victim.dead_reason
@@ -211,9 +216,8 @@ async def test_each_engine_keeps_its_own_spec_and_a_taken_planned_port_is_replac
                 assert [placed(first), placed(second)] == ["0", "1"]
                 assert second.process is not None and second.process.pid is not None
                 os.killpg(second.process.pid, signal.SIGKILL)
-                with anyio.fail_after(30):
-                    while await fleet.check(second):  # noqa: ASYNC110 - polling the real process
-                        await anyio.sleep(0.05)
+                await wait_until(lambda: fleet.check(second), until=lambda alive: not alive, timeout=30,
+                                 interval=0.05, what="the fleet seeing the killed engine gone")
                 await fleet.relaunch(second)
                 assert placed(second) == "1"  # relaunched from its own spec, not the group's first
                 tg.cancel_scope.cancel()

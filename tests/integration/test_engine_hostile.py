@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from tests.support.engine_proc import RunningEngine, start_engine_process
+from tests.support.waiting import wait_until_sync
 
 VICTIM_TOKENS = 200
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -172,9 +172,9 @@ def test_disconnect_mid_body_is_one_log_line(engine: RunningEngine) -> None:
         text = engine.log_path.read_text()
         return [line for line in text.splitlines() if "disconnected before sending the whole body" in line]
 
-    deadline = time.monotonic() + 20
-    while len(logged()) < 5 and time.monotonic() < deadline:
-        time.sleep(0.05)  # the engine notices each closed socket on its own schedule
+    # the engine notices each closed socket on its own schedule
+    wait_until_sync(logged, until=lambda lines: len(lines) >= 5, timeout=20,
+                    what="the engine logging the 5 disconnected bodies")
     assert len(logged()) == 5
     log = engine.log_path.read_text()
     assert "Traceback" not in log and "ClientDisconnect" not in log

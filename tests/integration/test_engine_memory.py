@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.support.engine_proc import MID_MODEL_SPEC, RunningEngine, start_engine_process
+from tests.support.waiting import wait_until
 from workers.tiny_model import build_tiny_model
 
 PROMPT = "1 2 3 4 5="
@@ -28,6 +29,11 @@ SCORE = {
     "logprob_start_len": 0,
     "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
 }
+
+
+async def running(client: httpx.AsyncClient) -> int:
+    """Requests running on the engine now (its /server_info)."""
+    return int((await client.get("/server_info")).json()["internal_states"][0]["num_running_reqs"])
 
 
 @pytest.fixture(scope="module")
@@ -165,12 +171,7 @@ def test_release_needs_an_idle_engine_but_allows_retracted_requests(http: httpx.
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run)
-                with anyio.fail_after(60):
-                    while True:  # the engine offers no event to wait on: poll its running count
-                        info = (await client.get("/server_info")).json()["internal_states"][0]
-                        if info["num_running_reqs"]:
-                            break
-                        await anyio.sleep(0.01)
+                await wait_until(lambda: running(client), timeout=60, what="the request running on the engine")
                 busy = await client.post("/release_memory_occupation", json={})
                 assert busy.status_code == 400 and "idle" in busy.json()["error"]["message"]
                 # Retracted by a pause, the request waits; the engine may release and resume around it.

@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 
 from coordinator.lifecycle.processes import terminate_process_group_blocking
 from tests.support.replay_inputs import write_sample_dump
+from tests.support.waiting import wait_until_sync
 
 FAILING_HOOKS = '''
 def reward(sample):
@@ -135,10 +135,13 @@ def test_a_rank_killed_mid_run_is_explained_by_torchruns_report(tiny_model_dir: 
         proc = subprocess.Popen(train_command(*replay(tiny_model_dir, tmp_path, 400)), stderr=err, text=True,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (metrics.exists() and metrics.stat().st_size > 0):
-            assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
-            time.sleep(0.1)
+        def trained() -> bool:
+            if metrics.exists() and metrics.stat().st_size > 0:
+                return True
+            assert proc.poll() is None, stderr.read_text()[-3000:]
+            return False
+
+        wait_until_sync(trained, timeout=240, interval=0.1, what=f"a first row in {metrics}")
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
                  if p.cmdline()[-2:] == ["-m", "workers.train_rank"] and "torch.distributed.run" not in p.cmdline()
                  and "lifeline" not in " ".join(p.cmdline())]

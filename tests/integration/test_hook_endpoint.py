@@ -19,7 +19,7 @@ import httpx
 
 from coordinator.engines import EngineClient, EngineFleet, EngineLaunchSpec
 from coordinator.hooks import post
-from coordinator.hooks.http import _headers
+from coordinator.hooks.http import outgoing_headers
 from coordinator.hooks.runtime import ROUTE_HEADER, GroupRoute, HookRuntime, Route, hook_call
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.hook_endpoint import ENGINE_HEADER, HookEndpoint
@@ -79,8 +79,8 @@ async def test_the_endpoint_keeps_groups_on_their_engine_and_routes_around_a_dea
 
             # The key travels to this address only; without it the endpoint refuses, as SGLang does.
             with hook_call(runtime, "t"):
-                assert _headers(url, None) == {ROUTE_HEADER: "t", "Authorization": f"Bearer {KEY}"}
-                assert _headers("http://127.0.0.1:9/retrieve", None) == {}
+                assert outgoing_headers(url, None) == {ROUTE_HEADER: "t", "Authorization": f"Bearer {KEY}"}
+                assert outgoing_headers("http://127.0.0.1:9/retrieve", None) == {}
             async with httpx.AsyncClient(timeout=30) as http:
                 refused = await http.post(url, json=payload([5, 6]))
                 assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]

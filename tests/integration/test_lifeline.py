@@ -21,6 +21,7 @@ from coordinator.lifecycle.processes import (
     spawn_group_leader,
     terminate_process_group_blocking,
 )
+from tests.support.waiting import wait_until_sync
 
 #: A child with two helpers: one in its process group, one in a session of its own (as torchrun's ranks).
 CHILD = """
@@ -68,20 +69,16 @@ def test_children_of_a_killed_coordinator_end_with_their_helpers(tmp_path: Path)
     try:
         assert coordinator.stdout is not None
         pids = json.loads(coordinator.stdout.readline())
-        deadline = time.monotonic() + 60
         # CHILD: its watcher and two helpers; STUBBORN: its watcher.
-        while [len(psutil.Process(pid).children(recursive=True)) for pid in pids] != [3, 1]:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until_sync(lambda: [len(psutil.Process(pid).children(recursive=True)) for pid in pids],
+                        until=lambda counts: counts == [3, 1], timeout=60, what="each child's watcher and helpers")
         processes = [process for pid in pids for process in descendants(pid)]
         assert len(alive(processes)) == 6
         coordinator.kill()
         coordinator.wait()
-        killed = time.monotonic()
-        while alive(processes) and time.monotonic() - killed < ORPHAN_GRACE_S + 5:
-            time.sleep(0.1)
         # The stubborn child ignores SIGTERM: gone means the watcher's SIGKILL after the grace period came.
-        assert not alive(processes), [p.cmdline() for p in alive(processes)]
+        wait_until_sync(lambda: alive(processes), until=lambda left: not left, timeout=ORPHAN_GRACE_S + 5,
+                        what="every child and helper gone once the coordinator is")
     finally:
         for process in alive(processes):
             process.kill()
@@ -97,21 +94,16 @@ def test_while_the_coordinator_lives_nothing_fires_and_a_stop_leaves_no_watcher(
     with open(tmp_path / "child.log", "ab") as log:
         child = spawn_group_leader([sys.executable, "-c", "import time; time.sleep(600)"], log=log)
     try:
-        deadline = time.monotonic() + 30
-        while not psutil.Process(child.pid).children():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until_sync(lambda: psutil.Process(child.pid).children(), timeout=30, what="the child's watcher")
         processes = descendants(child.pid)
         assert [p.cmdline()[-1] for p in processes] == ["import time; time.sleep(600)"] * 2  # child, watcher
-        time.sleep(1.0)
+        time.sleep(1.0)  # the thing tested: an idle second of a live coordinator, in which the watcher must not fire
         assert exit_status(child) is None and len(alive(processes)) == 2
     finally:
         terminate_process_group_blocking(child, grace=5.0)
     assert child.returncode == -signal.SIGTERM
-    deadline = time.monotonic() + 5
-    while alive(processes) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(processes)
+    wait_until_sync(lambda: alive(processes), until=lambda left: not left, timeout=5,
+                    what="the child and its watcher gone after the stop")
     assert "coordinator is gone" not in (tmp_path / "child.log").read_text()
 
 

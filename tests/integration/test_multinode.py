@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import random
 import socket
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.nodes import GATE_ENV, NodeProcess, wait_for
+from tests.support.waiting import wait_until_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -63,12 +63,8 @@ def engine_versions(run_dir: Path, name: str) -> list[str]:
 
 
 def assert_no_survivors(*nodes: NodeProcess) -> None:
-    deadline = time.monotonic() + 10
-    left = [line for node in nodes for line in node.survivors()]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = [line for node in nodes for line in node.survivors()]
-    assert not left, "processes left behind:\n" + "\n".join(left)
+    wait_until_sync(lambda: [line for node in nodes for line in node.survivors()], until=lambda left: not left,
+                    timeout=10, interval=0.2, what="no process of the nodes left behind")
 
 
 @pytest.mark.parametrize("mode", ["disk", "distributed"])
@@ -131,12 +127,14 @@ def start_and_kill_node1(tmp_path: Path, args: list[str], port: int, gate: Path)
 
 
 def wait_for_log(path: Path, text: str, timeout: float, node: NodeProcess) -> None:
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and text in path.read_text()):
+    def logged() -> bool:
+        if path.exists() and text in path.read_text():
+            return True
         node.look()
         assert node.proc.poll() is None, node.output()[-4000:]
-        assert time.monotonic() < deadline, f"{text!r} not in {path} within {timeout:.0f} s"
-        time.sleep(0.2)
+        return False
+
+    wait_until_sync(logged, timeout=timeout, interval=0.2, what=f"{text!r} in {path}")
 
 
 def test_without_train_ft_a_lost_node_ends_the_run_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ with the current weights, through the rollout's dispatcher; and an `--eval-confi
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from coordinator.services import Services
 from replay.sample import SampleStatus
+from tests.support.waiting import wait_until
 
 
 def run_argv(model_dir: Path, run_dir: Path, *flags: str) -> list[str]:
@@ -122,12 +124,16 @@ async def test_samples_aborted_under_an_evaluation_are_generated_again(tiny_mode
                                    concurrency=64)
             aborted_at = anyio.Event()
 
+            async def generating() -> tuple[float, float]:
+                """The engine's running requests and tokens generated so far (its /metrics)."""
+                text = await client.engine(engine.url).metrics()
+                values = {re.split(r"[{ ]", line, maxsplit=1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith(("sglang:num_running_reqs", "sglang:generation_tokens_total"))}
+                return values["sglang:num_running_reqs"], values["sglang:generation_tokens_total"]
+
             async def abort_once_generation_runs() -> None:
-                with anyio.fail_after(60):
-                    # the dispatcher signals no event when a request starts: poll its counter (test only)
-                    while not dispatcher.in_flight[engine.url]:  # noqa: ASYNC110
-                        await anyio.sleep(0.01)
-                await anyio.sleep(0.2)  # the requests are being generated now
+                await wait_until(generating, until=lambda seen: seen[0] >= 1 and seen[1] >= 16, timeout=60,
+                                 what="the eval's requests generating on the engine (running, 16 tokens out)")
                 await client.engine(engine.url).abort_request(abort_all=True)
                 aborted_at.set()
 

@@ -83,7 +83,7 @@ async def test_attaching_to_a_running_router_registers_and_leaves(tiny_model_dir
     with pytest.raises(RouterError, match="no sglang-router answers"):
         async with EngineClient(max_connections=4, retry=NO_RETRY) as client:
             await RouterHandle(client=client, run_dir=tmp_path, address="127.0.0.1:9",
-                               start_timeout=2.0)._start()
+                               start_timeout=2.0).run()
 
 
 async def test_a_run_attached_to_a_running_router_generates_through_it(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from tests.support.generate_contract import (  # noqa: F401 - tests collected he
     test_streaming_is_cumulative_and_ends_with_done,
     test_top_logprobs,
 )
+from tests.support.waiting import wait_until_sync
 
 pytest.importorskip("sglang_router")
 
@@ -56,20 +56,18 @@ def engine_url(tiny_model_dir: Path) -> Iterator[str]:
             router = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while True:
+            def ready() -> bool:
                 if router.poll() is not None:
                     raise RuntimeError(f"sglang-router exited: {log.read_text()[-2000:]}")
-                try:
-                    ready = httpx.post(f"{url}/generate", json={"text": "1", "sampling_params": {"max_new_tokens": 1}},
-                                       timeout=5)
-                    if ready.status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"sglang-router not ready in 60 s: {log.read_text()[-2000:]}")
-                time.sleep(0.3)
+                answer = httpx.post(f"{url}/generate", json={"text": "1", "sampling_params": {"max_new_tokens": 1}},
+                                    timeout=5)
+                return answer.status_code == 200
+
+            try:
+                wait_until_sync(ready, timeout=60, interval=0.3, ignoring=(httpx.HTTPError,),
+                                what="sglang-router generating")
+            except AssertionError as error:
+                raise RuntimeError(f"sglang-router not ready: {error}: {log.read_text()[-2000:]}") from None
             yield url
         finally:
             os.killpg(router.pid, signal.SIGTERM)

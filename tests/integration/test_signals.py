@@ -10,6 +10,7 @@ a run that launched nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import psutil
 import pytest
 
 from coordinator.lifecycle.processes import terminate_process_group_blocking
+from tests.support.waiting import wait_until_sync
 
 #: The issue's bound: no process of the run is left this long after the signal.
 GONE_WITHIN_S = 10.0
@@ -42,11 +44,19 @@ def start_run(model: Path, run_dir: Path, *flags: str) -> tuple[subprocess.Popen
 def wait_training(proc: subprocess.Popen[bytes], run_dir: Path, stderr: Path, timeout: float = 240.0) -> None:
     """Until the first rollout's metrics are written (engines, ranks and router are all up by then)."""
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout
-    while not (metrics.exists() and metrics.stat().st_size > 0):
+
+    def trained() -> bool:
+        if metrics.exists() and metrics.stat().st_size > 0:
+            return True
         assert proc.poll() is None, f"the run ended early ({proc.returncode}):\n{stderr.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"no rollout within {timeout:.0f}s:\n{stderr.read_text()[-3000:]}"
-        time.sleep(0.2)
+        return False
+
+    try:
+        wait_until_sync(trained, timeout=timeout, interval=0.2, what="the first rollout's metrics")
+    except AssertionError as error:
+        if proc.poll() is not None:
+            raise
+        raise AssertionError(f"{error}:\n{stderr.read_text()[-3000:]}") from None
 
 
 def the_runs_processes(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
@@ -76,10 +86,11 @@ def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
 
 
 def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    while (left := alive(processes)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
+    """The processes still alive after waiting up to `timeout` for all to be gone (the caller asserts)."""
+    with contextlib.suppress(AssertionError):
+        wait_until_sync(lambda: alive(processes), until=lambda left: not left, timeout=timeout, interval=0.1,
+                        what="the run's processes gone")
+    return alive(processes)
 
 
 def end_leftovers(proc: subprocess.Popen[bytes], processes: list[psutil.Process]) -> None:

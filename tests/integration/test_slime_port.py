@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from coordinator.run import run_training
 from replay.format import dump_path
 from replay.reader import read_dump
 from tests.support.engine_proc import free_port
+from tests.support.waiting import wait_until_sync
 
 PORT_DIR = Path(__file__).resolve().parents[1] / "data" / "slime_ports" / "search_r1"
 TAGS = ("<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>", "<think>",
@@ -60,15 +60,12 @@ def search_standin(tmp_path: Path) -> Iterator[str]:
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/stats", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "standin.log").read_text()
-            time.sleep(0.2)
+        def serving() -> bool:
+            assert process.poll() is None, (tmp_path / "standin.log").read_text()
+            return httpx.get(f"{url}/stats", timeout=2).status_code == 200
+
+        wait_until_sync(serving, timeout=60, interval=0.2, ignoring=(httpx.HTTPError,),
+                        what="the stand-in retrieval server's /stats")
         yield url
     finally:
         terminate_process_group_blocking(process, grace=5.0)

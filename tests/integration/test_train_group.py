@@ -25,6 +25,7 @@ from coordinator.train.errors import RankFailure
 from coordinator.train.group import TrainGroup
 from coordinator.train.planning import balance_by_tokens, plan_steps, reduce_step_metrics
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
+from tests.support.waiting import wait_until
 from workers import protocol
 from workers.train_rank.trainer import Trainer
 
@@ -175,18 +176,29 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
 
             # A rank killed mid-step: the call fails at once, naming the rank; nothing hangs.
             victim = group.ranks[1].pid
-            big = as_samples(first_run.rollouts[0] * 16)
+            # 32 optimizer steps: ~1.3 s of rank 1's CPU time, so the kill below lands inside the call
+            big = as_samples(first_run.rollouts[0] * 64)
             failure: list[BaseException] = []
+            returned: list[bool] = []
 
             async def train_and_record() -> None:
                 try:
                     await group.train(3, big)
+                    returned.append(True)
                 except RankFailure as exc:
                     failure.append(exc)
 
+            def computed() -> float:
+                """rank 1's CPU seconds since the call was made (idle, a rank blocks on its socket)."""
+                assert not returned, "train() returned before rank 1 could be killed mid-call"
+                return sum(process.cpu_times()[:2]) - cpu_before
+
+            process = psutil.Process(victim)
+            cpu_before = sum(process.cpu_times()[:2])
             async with anyio.create_task_group() as inner:
                 inner.start_soon(train_and_record)
-                await anyio.sleep(0.3)  # let the step start; the outcome is the same if it has not
+                await wait_until(computed, until=lambda seconds: seconds >= 0.3, timeout=120,
+                                 what="rank 1 computing the train call (0.3 s of its CPU time)")
                 os.kill(victim, signal.SIGKILL)
             assert failure, "train() returned although rank 1 was killed"
             assert isinstance(failure[0], RankFailure) and 1 in failure[0].ranks
@@ -291,10 +303,14 @@ def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
 async def test_a_cancelled_group_shuts_its_ranks_down_and_torchrun_exits_0(tiny_model_dir: Path,
                                                                           tmp_path: Path) -> None:
     """Cancelling run() (how a run ends, on success or on a signal) still reaches the ranks with their shutdown
-    command before the connections close: every rank returns, torchrun exits 0, its log holds no failure."""
+    command before the connections close: every rank returns, torchrun exits 0, its log holds no failure.
+
+    The clean exit is given time to finish (`grace_s`, the wait before SIGTERM, which bounds a run's stop):
+    with the default 5 s, torchrun was SIGTERMed mid clean exit on a loaded box (measured 2.2-5.9 s from the
+    shutdown to torchrun's exit on 2 cores with two busy loops): returncode -15 or 1, not a failed shutdown."""
     with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
-            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path).run)
+            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path, grace_s=60).run)
             await group.init(config_for(tiny_model_dir, tmp_path / "ckpt"))
             tg.cancel_scope.cancel()
     assert group.torchrun is not None and group.torchrun.proc is not None

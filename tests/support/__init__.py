@@ -7,4 +7,5 @@
 - `replay_inputs`: dumps and a malicious pickle payload for the replay tests.
 - `rollout_fns`: rollout functions loaded through --rollout-function-path / --custom-rm-path.
 - `train_samples`: synthetic training samples and the train group's base config.
+- `waiting`: `wait_until` / `wait_until_sync`, the one way a test waits for a condition (with a deadline).
 """

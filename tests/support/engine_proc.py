@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from coordinator.lifecycle.processes import exit_status, read_tail, terminate_process_group_blocking
+from tests.support.waiting import wait_until_sync
 from workers.tiny_model import TinyModelSpec
 
 # A ~22 M-parameter model (84 MiB in float32): big enough that freeing its weights shows in RSS / GPU memory.
@@ -83,22 +83,21 @@ def start_engine_process(
 
 
 def _wait_healthy(engine: RunningEngine, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0) as client:
-        while True:
+
+        def healthy() -> bool:
             code = exit_status(engine.process)
             if code is not None:
                 raise RuntimeError(
                     f"engine exited with code {code} while starting; log tail:\n{engine.log_tail()}"
                 )
-            try:
-                if client.get(engine.url + "/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass  # the port opens only after the weights load
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine not healthy after {timeout_s} s; log tail:\n{engine.log_tail()}")
-            time.sleep(0.1)
+            return client.get(engine.url + "/health").status_code == 200
+
+        try:  # (the port opens only after the weights load: refused connections are retried)
+            wait_until_sync(healthy, timeout=timeout_s, interval=0.1, ignoring=(httpx.TransportError,),
+                            what="the engine's /health to answer 200")
+        except AssertionError as error:
+            raise TimeoutError(f"engine not healthy: {error}; log tail:\n{engine.log_tail()}") from None
 
 
 @contextmanager

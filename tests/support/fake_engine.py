@@ -22,7 +22,8 @@ import anyio.abc
 
 class FakeEngine:
     """Knobs: `health` ("ok" | "hang"), `progressing` (metrics counter grows per read), `stale_version`
-    (reported instead of the loaded one), `serving` (False drops every connection without an answer)."""
+    (reported instead of the loaded one), `serving` (False drops every connection without an answer, counted
+    in `dropped`), `hold_updates()` (/update_weights_from_disk waits until `release_updates()`)."""
 
     def __init__(self) -> None:
         self.health = "ok"
@@ -31,6 +32,9 @@ class FakeEngine:
         self.weight_version = "0"
         self.stale_version: str | None = None
         self.requests: dict[str, int] = {}
+        self.dropped = 0
+        self._updates = anyio.Event()
+        self._updates.set()
         self.port: int | None = None
         self._serving = anyio.Event()
         self._serving.set()
@@ -46,6 +50,12 @@ class FakeEngine:
 
     def start_serving(self) -> None:
         self._serving.set()
+
+    def hold_updates(self) -> None:
+        self._updates = anyio.Event()
+
+    def release_updates(self) -> None:
+        self._updates.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[FakeEngine] = anyio.TASK_STATUS_IGNORED) -> None:
         # asyncio's own server, not anyio's listener: anyio's accept is a cancellable `sock_accept` future, and
@@ -75,6 +85,7 @@ class FakeEngine:
         finally:
             server.close()
             self._closing.set()
+            self._updates.set()
             for writer in list(handlers.values()):
                 writer.close()
             with anyio.CancelScope(shield=True):
@@ -84,12 +95,14 @@ class FakeEngine:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             if not self._serving.is_set():
+                self.dropped += 1
                 return  # gone: the connection is closed without an answer
             try:
                 head = await reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
                 return
             if not self._serving.is_set():
+                self.dropped += 1
                 return
             lines = head.decode().split("\r\n")
             method, target, _ = lines[0].split(" ", 2)
@@ -130,6 +143,7 @@ class FakeEngine:
         if path in ("/get_weight_version", "/model_info"):
             return 200, {"weight_version": self.stale_version or self.weight_version, "model_path": "fake"}
         if path == "/update_weights_from_disk":
+            await self._updates.wait()
             self.weight_version = str(request.get("weight_version", self.weight_version))
             return 200, {"success": True, "message": "ok", "num_paused_requests": 0}
         if path == "/generate":

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgpack
 
+from replay import bounds
 from replay import format as fmt
 from replay.sample import Sample, SampleStatus
 
@@ -58,9 +59,9 @@ def framed_dump(path: Path, header: bytes, samples: list[bytes], trailer: bytes 
 
 def nested_tuple(depth: int) -> bytes:
     """msgpack bytes of `(((),),)` nested `depth` deep as the format writes tuples (`depth` >= 1)."""
-    inner = msgpack.packb(msgpack.ExtType(fmt._EXT_TUPLE, b"\x90"))  # ()
+    inner = msgpack.packb(msgpack.ExtType(bounds.EXT_TUPLE, b"\x90"))  # ()
     for _ in range(depth - 1):
-        inner = msgpack.packb(msgpack.ExtType(fmt._EXT_TUPLE, b"\x91" + inner))  # (inner,)
+        inner = msgpack.packb(msgpack.ExtType(bounds.EXT_TUPLE, b"\x91" + inner))  # (inner,)
     return inner
 
 

@@ -16,12 +16,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import psutil
+
+from tests.support.waiting import wait_until, wait_until_sync
 
 GATE_ENV = "RAYLESS_TEST_GATE"
 SAMPLES_PER_ROLLOUT = 4  # --rollout-batch-size 2 × --n-samples-per-prompt 2
@@ -34,9 +35,8 @@ async def gated_reward(sample: Any) -> float:
     gate = os.environ.get(GATE_ENV)
     if gate and _scored == SAMPLES_PER_ROLLOUT + 1:
         await anyio.Path(gate, "reached").write_text("")
-        with anyio.fail_after(300):
-            while not await anyio.Path(gate, "go").exists():  # noqa: ASYNC110 - another process writes it
-                await anyio.sleep(0.1)
+        await wait_until(anyio.Path(gate, "go").exists, timeout=300, interval=0.1,
+                         what="the test's go file (another process writes it)")
     return float(sample.sample_index % 2)
 
 
@@ -74,15 +74,17 @@ class NodeProcess:
 
     def wait(self, timeout: float, *, others: tuple[NodeProcess, ...] = ()) -> int:
         """The node process's exit status, looking at its tree (and `others`') every half second meanwhile."""
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                self.kill_tree()
-                raise AssertionError(f"node {self.node_rank} did not exit within {timeout:.0f} s; its output:\n"
-                                     + self.output()[-4000:])
+        def exit_status() -> int | None:
             for node in (self, *others):
                 node.look()
-            time.sleep(0.5)
+            return self.proc.poll()
+
+        try:
+            wait_until_sync(exit_status, until=lambda code: code is not None, timeout=timeout, interval=0.5,
+                            what=f"node {self.node_rank} to exit")
+        except AssertionError as error:
+            self.kill_tree()
+            raise AssertionError(f"{error}; its output:\n{self.output()[-4000:]}") from None
         self._out.close()
         return self.proc.returncode
 
@@ -116,13 +118,14 @@ class NodeProcess:
 
 def wait_for(path: Path, timeout: float, *, nodes: tuple[NodeProcess, ...] = ()) -> None:
     """Wait for `path` to exist (failing early, with its output, when a node process exits meanwhile)."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
+    def appeared() -> bool:
+        if path.exists():
+            return True
         for node in nodes:
             node.look()
             if node.proc.poll() is not None:
                 raise AssertionError(f"node {node.node_rank} exited ({node.proc.returncode}) while waiting for "
                                      f"{path.name}; its output:\n{node.output()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path} did not appear within {timeout:.0f} s")
-        time.sleep(0.2)
+        return False
+
+    wait_until_sync(appeared, timeout=timeout, interval=0.2, what=f"{path} to appear")

@@ -9,11 +9,13 @@ the run as an error at teardown of the last test, naming each leftover's command
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Iterator
 
 import psutil
 import pytest
+
+from tests.support.waiting import wait_until_sync
 
 GRACE_S = 5.0
 
@@ -31,11 +33,10 @@ def live_children() -> list[psutil.Process]:
 
 def assert_no_child_processes_left() -> None:
     # A child ended by the last test may still be on its way out: allow a short grace.
-    deadline = time.monotonic() + GRACE_S
+    with contextlib.suppress(AssertionError):  # those still running are named below
+        wait_until_sync(live_children, until=lambda left: not left, timeout=GRACE_S, interval=0.1,
+                        what="the suite's child processes to exit")
     alive = live_children()
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = live_children()
     described = []
     for p in alive:
         try:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+from coordinator.rollout.generate import DefaultRollout
 from replay.sample import RolloutBatch, Sample, SampleStatus
 
 CONSTRUCTED: list[str] = []
@@ -44,3 +45,14 @@ def alternating_constant_reward(sample: Sample) -> float:
     if sample.metadata["prompt_index"] % 2 == 0:
         return 1.0
     return float(sample.sample_index % 2)
+
+
+class RecordedDefaultRollout(DefaultRollout):
+    """The default rollout function, unchanged, keeping each instance built in `BUILT`: a test reads its public
+    state (`partial_buffer`) after a rollout."""
+
+    BUILT: ClassVar[list[RecordedDefaultRollout]] = []
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        RecordedDefaultRollout.BUILT.append(self)

@@ -8,6 +8,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgpack
@@ -21,6 +22,7 @@ from coordinator.nodes.registry import NodeRegistry
 from coordinator.plan.layout import expand_nodelist, is_loopback, resolve_layout
 from coordinator.plan.nodes import engine_share
 from coordinator.plan.token import ControlTokenError, TokenSource, create_or_read_token_file, token_source
+from tests.support.waiting import wait_until
 from workers import protocol
 
 BASE = ["--hf-checkpoint", "/m", "--rollout-batch-size", "8", "--num-rollout", "2", "--prompt-data",
@@ -166,12 +168,24 @@ def test_an_environment_token_must_look_like_one_and_is_never_shown() -> None:
     assert TOKEN not in source.describe() + repr(source)
 
 
-async def test_node_k_waits_for_node_0s_token_file_and_gives_up_naming_it(tmp_path: Path) -> None:
+async def test_node_k_waits_for_node_0s_token_file_and_gives_up_naming_it(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import coordinator.plan.token as token_module
+
     path = tmp_path / "token"
     source = TokenSource("file", path=str(path))
+    reads: list[str | None] = []  # what node k's reads of the file found
+    read = token_module.read_token_file
+
+    def counted_read(*args: Any, **kwargs: Any) -> str | None:
+        reads.append(read(*args, **kwargs))
+        return reads[-1]
+
+    monkeypatch.setattr(token_module, "read_token_file", counted_read)
 
     async def node_0_writes_later() -> None:
-        await anyio.sleep(0.6)
+        await wait_until(lambda: reads.count(None), until=lambda misses: misses >= 2, timeout=10,
+                         what="node k reading the token file in vain twice")
         await anyio.to_thread.run_sync(create_or_read_token_file, path)
 
     async with anyio.create_task_group() as tg:

@@ -7,7 +7,7 @@ import pytest
 
 from coordinator.config import ConfigError, parse_config
 from coordinator.plan import GpuInventory, build_plan, describe_plan, detect_gpus, plan_for_launch
-from coordinator.plan.gpus import _narrow
+from coordinator.plan.gpus import cuda_visible_ids
 
 BASE = ["--hf-checkpoint", "/m", "--rollout-batch-size", "8", "--num-rollout", "2", "--prompt-data",
         "builtin:first_digit", "--run-dir", "/runs/x"]
@@ -194,11 +194,11 @@ def test_the_injected_count_is_for_planning_only(monkeypatch: pytest.MonkeyPatch
 
 def test_cuda_visible_devices_is_read_as_cuda_reads_it() -> None:
     physical = ["GPU-aaaa", "GPU-bbbb", "GPU-cccc", "GPU-dddd"]
-    assert _narrow("2,0", physical) == ("2", "0")
-    assert _narrow("1,7,2", physical) == ("1",)  # GPU 7 does not exist: CUDA ignores it and what follows
-    assert _narrow("GPU-bbbb,3", physical) == ("GPU-bbbb", "3")
-    assert _narrow("", physical) == () and _narrow("-1", physical) == ()
-    assert _narrow("4,5", None) == ("4", "5")  # no driver tool to check against: taken as given
+    assert cuda_visible_ids("2,0", physical) == ("2", "0")
+    assert cuda_visible_ids("1,7,2", physical) == ("1",)  # GPU 7 does not exist: CUDA ignores it and what follows
+    assert cuda_visible_ids("GPU-bbbb,3", physical) == ("GPU-bbbb", "3")
+    assert cuda_visible_ids("", physical) == () and cuda_visible_ids("-1", physical) == ()
+    assert cuda_visible_ids("4,5", None) == ("4", "5")  # no driver tool to check against: taken as given
 
 
 def test_multi_node_plan_needs_this_nodes_rank_node_0s_address_and_a_token(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,9 +56,12 @@ def test_the_live_view_shows_waiting_processes_the_run_bar_and_the_current_rollo
         def line(self) -> str:
             return "accepted 12/32 groups"
 
-    display._current = ("rollout 0", Line())
     console = Console(record=True, width=120)
-    console.print(display.render())
+    assert display.current is None
+    with display("rollout 0", Line()):
+        assert display.current is not None and display.current[0] == "rollout 0"
+        console.print(display.render())
+    assert display.current is None
     text = console.export_text()
     assert "rollout-0" in text and "loading" in text and "Load weight begin" in text
     assert "train-ranks" not in text  # ready: no longer waited for
