@@ -271,7 +271,8 @@ async def _engine_starters(config: Config, plan: PlacementPlan, run_dir: Path, t
             slot = node.router
             router = RouterHandle(
                 client=client, run_dir=run_dir, name="rollout", policy=slot.policy, host=slot.host,
-                port=slot.port, prometheus_port=slot.prometheus_port, python=slot.python, observer=progress.board)
+                port=slot.port, prometheus_port=slot.prometheus_port, python=slot.python, observer=progress.board,
+                extra_args=slot.extra_args)
         if router is not None:
             await task_group.start(router.run, [e.url for e in fleet.alive()])
             services.router = router

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 from coordinator.config.fields import ConfigError, FlagSpec, convert, flag_name
 from coordinator.config.settings import FLAGS, SLICES, Config, build_config
 from coordinator.config.unknown import closest_flag, unknown_flags_report
+from coordinator.config.upstream_args import add_upstream_arguments, take_upstream
 
 _METAVARS = {int: "N", float: "X", str: "VALUE"}
 
@@ -70,6 +71,7 @@ def build_parser(prog: str = "rayless train") -> argparse.ArgumentParser:
                                                else _METAVARS[spec.kind])
             group.add_argument(spec.flag, dest=spec.name, default=argparse.SUPPRESS, metavar=metavar,
                                nargs="+" if spec.container is not None else None, help=_help_text(spec))
+    add_upstream_arguments(parser, set(known_flags()))
     return parser
 
 
@@ -80,7 +82,10 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
     passthrough, rest = split_sglang_passthrough(unknown)
     if rest:
         raise ConfigError(unknown_flags_report(rest, known_flags()))
-    given = vars(args)
+    given, upstream = take_upstream(vars(args))
+    refusal = upstream.refusal()
+    if refusal is not None:
+        raise ConfigError(refusal)
     config_file = given.pop("config_file", None)
     values: dict[str, Any] = {}
     if config_file is not None:
@@ -92,7 +97,8 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
     if values.get("custom_config_path") is not None:
         values, attributes = apply_custom_config(values, values["custom_config_path"])
     config = build_config(values, config_file=config_file, sglang_passthrough=tuple(passthrough), given=names,
-                          custom_attributes=tuple(attributes.items()))
+                          custom_attributes=tuple(attributes.items()), upstream_ignored=upstream.ignored,
+                          router_passthrough=upstream.router_args)
     config.validate()
     return config
 

@@ -80,6 +80,9 @@ def apply_hook_aliases(values: dict[str, Any]) -> tuple[dict[str, Any], tuple[tu
         replaced.append((flag_name(name), path, alias.ours + (" with --async-rollout" if alias.async_rollout else "")))
     if values.get("fully_async"):
         values["async_rollout"] = True
+    if values.get("offload"):  # slime: --offload is both offloads
+        values.setdefault("offload_train", True)
+        values.setdefault("offload_rollout", True)
     details = values.get("dump_details")
     if details is not None:
         # miles: --dump-details DIR sets the rollout dump template under DIR (and its per-rank train dumps)
@@ -259,6 +262,7 @@ def _mapped(config: Config) -> list[str]:
         mapped.append(f"--use-dynamic-batch-size → micro-batches of ≤ {train.max_tokens_per_gpu} tokens{extra}")
     elif "micro_batch_size" in given:
         mapped.append(f"--micro-batch-size → {train.micro_batch_size} samples per micro-batch")
+    mapped += [row.note for row in _given_mapped_rows(config)]
     if train.optimizer_cpu_offload:
         mapped.append("--optimizer-cpu-offload: not implemented yet, the optimizer state stays on the device")
     if train.balance_data:
@@ -267,6 +271,23 @@ def _mapped(config: Config) -> list[str]:
         mapped.append(f"--dump-details → rollouts dumped to {config.debug.save_debug_rollout_data} (rayless' dump "
                       "format; miles' per-rank train_data tensors are not written)")
     return mapped
+
+
+def _given_mapped_rows(config: Config) -> list[Any]:
+    """The given flags whose `upstream_flags.tsv` row is `mapped` with a note that is its notice line (rows
+    whose notice depends on values are written in `_mapped` itself)."""
+    from coordinator.config.upstream import upstream_rows
+
+    rows = upstream_rows()
+    found = []
+    for name in config.given:
+        row = rows.get(flag_name(name))
+        if row is None or row.disposition != "mapped":
+            continue
+        if name == "train_backend" and config.train.train_backend != "megatron":
+            continue  # --train-backend fsdp is what rayless is: nothing to say
+        found.append(row)
+    return found
 
 
 def _rl_facts(config: Config) -> list[str]:
@@ -294,17 +315,24 @@ def porting_notice(config: Config, *, load: LoadPlan | None = None) -> str | Non
         lines.append(f"--load {config.checkpoint.load} {load.fresh_reason}: training starts fresh from "
                      "--hf-checkpoint (as slime)")
     lines += _rl_facts(config)
-    if given:
+    if given or config.upstream_ignored:
         by_category: dict[str, list[str]] = {}
         for name in given:
             by_category.setdefault(CATEGORY_OF[name], []).append(flag_name(name))
+        for row in config.upstream_ignored:
+            by_category.setdefault(row.category, []).append(row.flag)
         disagreements = architecture_disagreements(config, given)
-        lines.append(f"Megatron-LM flags ignored ({len(given)}), by why:")
+        count = len(given) + len(config.upstream_ignored)
+        lines.append(f"Megatron-LM flags ignored ({count}, with slime/miles flags that have no meaning under FSDP2), by why:")
         for category, flags in by_category.items():
             lines.append(f"  {CATEGORIES[category]}: {' '.join(flags)}")
+        for row in config.upstream_ignored:
+            detail = row.note.partition(":")[2].strip()
+            if detail:
+                lines.append(f"  {row.flag}: {detail}")
         if disagreements:
             lines.append(f"  they disagree with {config.rollout.hf_checkpoint}/config.json, which is used: "
                          + ", ".join(disagreements))
     if not lines:
         return None
-    return "flags from a slime/miles launch script (README: 'Porting from slime / miles'):\n  " + "\n  ".join(lines)
+    return "flags from a slime/miles launch script (docs/porting.md):\n  " + "\n  ".join(lines)

@@ -193,10 +193,11 @@ class RouterSlot:
     python: str = field(default=sys.executable)
     name: str = "router-rollout"
     gpus: tuple[int, ...] = ()  # the router runs on the CPU
+    extra_args: tuple[str, ...] = ()  # slime's --router-* flags, without the prefix
 
     def command(self) -> list[str]:
         return router_command(python=self.python, host=self.host, port=self.port,
-                              prometheus_port=self.prometheus_port, policy=self.policy)
+                              prometheus_port=self.prometheus_port, policy=self.policy, extra_args=self.extra_args)
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,7 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
             and config.needs_engines:
         router = RouterSlot(host=ENGINE_HOST, port=free_port(ENGINE_HOST), prometheus_port=free_port(ENGINE_HOST),
                             policy=config.sglang.sglang_router_policy, log=router_log_path(run_dir, "rollout"),
-                            python=python)
+                            python=python, extra_args=config.router_passthrough)
     return NodePlan(node_rank=node_rank, gpus=gpus, demands=demands, ranks=ranks, rollout_engines=rollout_slots,
                     eval_engines=eval_slots, router=router)
 
@@ -391,7 +392,8 @@ def _ranks_slot(config: Config, node_rank: int, units: tuple[tuple[int, ...], ..
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
                         max_restarts=config.fault_tolerance.max_restarts if config.train_ft_enabled else 0,
                         python=python)
-    env: tuple[tuple[str, str], ...] = (("CUDA_VISIBLE_DEVICES", gpus.visible_devices(positions)),) if positions else ()
+    env = config.train.train_env  # --train-env-vars first: the GPUs and the rendezvous below are rayless'
+    env += (("CUDA_VISIBLE_DEVICES", gpus.visible_devices(positions)),) if positions else ()
     if multi:
         env += ((protocol.ENV_NODE_RANK, str(node_rank)), TORCH_RDZV_STORE_ENV)
     fixed = cluster.control_port != 0
