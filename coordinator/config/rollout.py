@@ -58,6 +58,15 @@ class RolloutConfig(Slice):
     rollout_stop_token_ids: tuple[int, ...] = flag((), help="stop token ids", minimum=0)
     rollout_seed: int = flag(42, help="seed for prompt order and sampling", minimum=0)
     rollout_shuffle: bool = flag(False, help="shuffle prompts every epoch")
+    disable_rollout_global_dataset: bool = flag(
+        False, help="slime's: no prompt dataset is built from --prompt-data; the --rollout-function-path manages "
+        "its own data")
+    custom_reward_post_process_path: str | None = flag(
+        None, help="slime's fn(args, samples) -> (raw_rewards, rewards): its rewards are the advantages, in place "
+        "of the estimator's group normalisation", parse=values.hook_path, metavar="MODULE:NAME")
+    log_reward_category: str | None = flag(
+        None, help="slime's: log error_cat/<value>, the share of samples whose reward dict has each value under "
+        "this key", secret=False)
     rollout_function_path: str = flag(DEFAULT_ROLLOUT_FUNCTION, help="rollout fn: module.path:Name (class or "
                                       "function)", parse=values.hook_path, metavar="MODULE:NAME")
     eval_function_path: str | None = flag(None, help="eval fn (default: the rollout fn; the same path shares one "

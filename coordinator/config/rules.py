@@ -82,10 +82,14 @@ def generation_needs_batch_size(config: Config) -> None:
 
 def default_rollout_needs_prompts(config: Config) -> None:
     rollout = config.rollout
-    if (not config.replay_mode and rollout.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
-            and rollout.prompt_data is None):
-        raise ConfigError("--prompt-data is required by the default rollout function "
-                          "(a JSONL/Parquet file, or builtin:first_digit)")
+    if not config.replay_mode and rollout.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION:
+        if rollout.disable_rollout_global_dataset:
+            raise ConfigError("--disable-rollout-global-dataset: the default rollout function samples its prompts "
+                              "from that dataset; give a --rollout-function-path that manages its own data (as "
+                              "slime)")
+        if rollout.prompt_data is None:
+            raise ConfigError("--prompt-data is required by the default rollout function "
+                              "(a JSONL/Parquet file, or builtin:first_digit)")
 
 
 def global_batch_divides_rollout(config: Config) -> None:

@@ -41,6 +41,7 @@ from coordinator.rollout.hook_generate import CustomGenerate
 from coordinator.rollout.loading import load_object
 from coordinator.rollout.requests import GenerateState
 from coordinator.rollout.reward_choice import RewardChoice
+from coordinator.rollout.reward_post import RewardPostProcess
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch
 from workers.errors import RaylessError
@@ -180,6 +181,8 @@ class RolloutManager:
         self._eval_fn: RolloutCallable | None = None
         self._replay_loader: Any = None
         self.context: RolloutContext | None = None
+        #: slime's --custom-reward-post-process-path (not in replay: the dumps are re-scored by the estimator)
+        self.reward_post_process: RewardPostProcess | None = None
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -209,6 +212,9 @@ class RolloutManager:
             return manager
 
         runtime = HookRuntime(args=build_hook_args(config), api_key=config.sglang.sglang_api_key)
+        if rollout.custom_reward_post_process_path is not None:
+            manager.reward_post_process = RewardPostProcess.load(rollout.custom_reward_post_process_path,
+                                                                 args=runtime.args)
         generate_state = dispatcher = None
         if config.needs_engines:
             if client is None or (pool is None and router_url is None):
@@ -234,7 +240,7 @@ class RolloutManager:
                                                   dispatcher=dispatcher)
         data_source = (build_data_source(rollout, tokenizer,
                                          raw_prompts=config.hooks.custom_generate_function_path is not None)
-                       if rollout.prompt_data else None)
+                       if rollout.prompt_data and not rollout.disable_rollout_global_dataset else None)
         if data_source is not None:
             manager.counts.data_sources += 1
         reward_model = build_reward_model(rollout, args=runtime.args)
@@ -314,6 +320,16 @@ class RolloutManager:
             batch = await self.rollout_fn(rollout_id, weight_version)
             self._check_shape(batch)
         rollout = self.config.rollout
+        if self.reward_post_process is not None:
+            self.reward_post_process.apply(batch.groups, normalize_advantages=rollout.normalize_advantages)
+        else:
+            self._advantages(batch)
+        if self.config.debug.save_debug_rollout_data is not None and not self.config.replay_mode:
+            await self._dump(batch)
+        return batch
+
+    def _advantages(self, batch: RolloutBatch) -> None:
+        rollout = self.config.rollout
         compute_advantages(
             batch.groups,
             estimator=rollout.advantage_estimator,
@@ -321,9 +337,6 @@ class RolloutManager:
             reward_key=rollout.reward_key,
             normalize_advantages=rollout.normalize_advantages,
         )
-        if self.config.debug.save_debug_rollout_data is not None and not self.config.replay_mode:
-            await self._dump(batch)
-        return batch
 
     def _check_shape(self, batch: RolloutBatch) -> None:
         rollout = self.config.rollout

@@ -1,6 +1,6 @@
 """Real slime/miles launch scripts as test data, made runnable here by replacing only their paths.
 
-`tests/data/launch_scripts/*.json` hold the argv 27 slime and miles launch scripts hand to `train.py` (each
+`tests/data/launch_scripts/*.json` hold the argv 38 slime and miles launch scripts hand to `train.py` (each
 with `source`: repo:path@commit), with placeholders where the scripts name paths on their machines.
 `materialize` replaces each placeholder with a local stand-in — the tiny model, small JSONL/Parquet files with
 the script's keys, fresh checkpoint directories, stub hook modules with slime's signatures, a sentinel W&B
@@ -79,13 +79,17 @@ def blockers(argv: list[str] | tuple[str, ...]) -> dict[str, str]:
     """Flags (and `--rm-type`/`--advantage-estimator` values) of `argv` this tree refuses, with why: pending
     (another issue adds it) or unsupported. Read from the parser and registries, not from a list of ours."""
     from coordinator.config.parser import known_flags
+    from coordinator.config.upstream_args import parser_rows
     from coordinator.rollout.rewards import BUILTIN_RM_TYPES
 
     known = set(known_flags())
+    table = {row.flag: row for row in parser_rows(known)}
     found: dict[str, str] = {}
     for flag in flags_of(argv):
-        if flag in known or flag.startswith("--sglang-"):
+        if flag in known or flag.startswith("--sglang-") or (flag in table and table[flag].disposition != "refused"):
             continue
+        if flag in table:  # refused by the flag table, naming the feature and why
+            UNSUPPORTED.setdefault(flag, table[flag].note)
         found[flag] = PENDING.get(flag) or UNSUPPORTED.get(flag) or "UNEXPECTED: neither pending nor unsupported"
     argv = list(argv)
     if "--rm-type" in argv:
