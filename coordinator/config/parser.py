@@ -80,12 +80,10 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
     parser = build_parser(prog)
     args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     passthrough, rest = split_sglang_passthrough(unknown)
-    if rest:
-        raise ConfigError(unknown_flags_report(rest, known_flags()))
     given, upstream = take_upstream(vars(args))
-    refusal = upstream.refusal()
-    if refusal is not None:
-        raise ConfigError(refusal)
+    problems = [upstream.refusal(), unknown_flags_report(rest, known_flags()) if rest else None]
+    if any(problems):
+        raise ConfigError("\n".join(problem for problem in problems if problem))
     config_file = given.pop("config_file", None)
     values: dict[str, Any] = {}
     if config_file is not None:

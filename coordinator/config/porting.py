@@ -292,6 +292,14 @@ def _given_mapped_rows(config: Config) -> list[Any]:
 
 def _rl_facts(config: Config) -> list[str]:
     facts = []
+    if config.eval.eval_config is not None:
+        from coordinator.config.eval_file import delegate_names
+
+        names = delegate_names(config.eval.eval_config)
+        runner = config.rollout.eval_function_path or "an --eval-function-path that runs them (miles' delegate eval)"
+        if names:
+            facts.append(f"--eval-config delegate {', '.join(names)}: run by {runner}, which reads the file "
+                         "itself; rayless' own eval runs the file's datasets")
     estimator = config.rollout.advantage_estimator
     if config.train.kl_coef and estimator in ("grpo", "gspo"):
         facts.append(f"--kl-coef {config.train.kl_coef:g} has no effect on {estimator} advantages (as slime)")

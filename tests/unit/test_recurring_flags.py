@@ -113,3 +113,29 @@ def test_disable_rollout_global_dataset_needs_a_rollout_function_that_brings_its
     config = parse_config([*BASE, "--rollout-num-engines", "1", "--disable-rollout-global-dataset",
                            "--rollout-function-path", "my_pkg.rollout.generate_rollout"])
     assert config.rollout.disable_rollout_global_dataset
+
+
+def test_miles_delegate_in_eval_config_is_accepted_and_named_in_the_notice(tmp_path: Path) -> None:
+    from coordinator.config.porting import porting_notice
+
+    data = tmp_path / "aime.jsonl"
+    data.write_text('{"prompt": "1+1", "label": "2"}\n')
+    config_file = tmp_path / "eval.yaml"
+    config_file.write_text(textwrap.dedent(f"""
+        eval:
+          datasets:
+            - name: aime
+              path: {data}
+          delegate:
+            - name: skills
+              url: http://127.0.0.1:9050/evaluate
+              datasets:
+                - name: aime25
+    """))
+    config = parse_config([*BASE, "--rollout-num-engines", "1", "--eval-config", str(config_file),
+                           "--eval-interval", "1"])
+    assert [spec.name for spec in config.eval.dataset_specs] == ["aime"]
+    assert "--eval-config delegate skills: run by an --eval-function-path" in (porting_notice(config) or "")
+    config_file.write_text("eval:\n  datasets: []\n  delegate: {skills: 1}\n")
+    with pytest.raises(ConfigError, match="'delegate' must be a list"):
+        parse_config([*BASE, "--rollout-num-engines", "1", "--eval-config", str(config_file)])
