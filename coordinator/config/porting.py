@@ -78,6 +78,10 @@ def apply_hook_aliases(values: dict[str, Any]) -> tuple[dict[str, Any], tuple[tu
         if alias.async_rollout:
             values["async_rollout"] = True
         replaced.append((flag_name(name), path, alias.ours + (" with --async-rollout" if alias.async_rollout else "")))
+    eval_data = values.get("eval_prompt_data")
+    if isinstance(eval_data, tuple) and len(eval_data) == 1:  # slime's legacy form: one path is aime's
+        values["eval_prompt_data"] = ("aime", eval_data[0])
+        replaced.append(("--eval-prompt-data", eval_data[0], f"aime {eval_data[0]} (slime's legacy one-path form)"))
     if values.get("fully_async"):
         values["async_rollout"] = True
     if values.get("offload"):  # slime: --offload is both offloads
@@ -213,6 +217,15 @@ def _model_config(config: Config) -> dict[str, Any]:
     if "rope_theta" not in merged and isinstance(rope, dict) and "rope_theta" in rope:
         merged["rope_theta"] = rope["rope_theta"]
     return merged
+
+
+def model_experts(config: Config) -> int | None:
+    """The routed experts --hf-checkpoint's config.json declares (0: a dense model), None when unreadable."""
+    model = _model_config(config)
+    if not model:
+        return None
+    counts = [model.get(key) for key in _SAME_FACT["num_experts"]]
+    return max((count for count in counts if isinstance(count, int) and not isinstance(count, bool)), default=0)
 
 
 def _differs(ours: Any, theirs: Any) -> bool:

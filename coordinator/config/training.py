@@ -81,6 +81,11 @@ class TrainConfig(Slice):
                       "reduction stay float32)")
     fp16: bool = flag(False, help="compute in float16 (as --bf16)")
     gradient_checkpointing: bool = flag(False, help="activation checkpointing of every decoder layer")
+    use_rollout_routing_replay: bool = flag(False, help="slime's MoE routing replay (R3): refused for an MoE model "
+                                            "(rayless' engines return no routed experts); a no-op, said in the "
+                                            "notice, for a model without MoE layers")
+    use_routing_replay: bool = flag(False, help="slime's MoE routing replay on the trainer: as "
+                                    "--use-rollout-routing-replay")
     train_backend: str = flag("fsdp", help="slime/miles' trainer: rayless is an FSDP2 trainer; megatron is mapped to "
                               "it with a notice (the Megatron-LM flags are then ignored as listed)",
                               choices=("fsdp", "megatron"))

@@ -50,7 +50,7 @@ def build_hook_args(config: Config) -> argparse.Namespace:
         "use_rollout_indexer_replay": False,
         "sglang_speculative_algorithm": None,
         "save_debug_trajectory_data": None,
-        "rollout_global_dataset": True,
+        "rollout_global_dataset": not config.rollout.disable_rollout_global_dataset,
         "fully_async": config.rollout.async_rollout,
     }
     for name, value in derived.items():

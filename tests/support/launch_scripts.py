@@ -42,7 +42,6 @@ UNSUPPORTED = {
     "--critic-lr": "PPO critic",
     "--num-critic-only-steps": "PPO critic",
     "--enable-mtp-training": "multi-token-prediction layers are not trained",
-    "--use-rollout-routing-replay": "MoE routing replay (R3) needs the engine's routed experts",
 }
 
 

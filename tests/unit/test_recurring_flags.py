@@ -139,3 +139,29 @@ def test_miles_delegate_in_eval_config_is_accepted_and_named_in_the_notice(tmp_p
     config_file.write_text("eval:\n  datasets: []\n  delegate: {skills: 1}\n")
     with pytest.raises(ConfigError, match="'delegate' must be a list"):
         parse_config([*BASE, "--rollout-num-engines", "1", "--eval-config", str(config_file)])
+
+
+def test_a_single_eval_prompt_data_path_is_slimes_legacy_aime() -> None:
+    from coordinator.config.porting import porting_notice
+
+    config = parse_config([*BASE, "--rollout-num-engines", "1", "--eval-prompt-data", "/data/aime.jsonl",
+                           "--eval-interval", "1"])
+    assert config.eval.eval_prompt_data == ("aime", "/data/aime.jsonl")
+    assert "--eval-prompt-data /data/aime.jsonl → aime /data/aime.jsonl" in (porting_notice(config) or "")
+
+
+def test_routing_replay_is_a_no_op_for_a_dense_model_and_refused_for_moe(tmp_path: Path) -> None:
+    from coordinator.config.porting import porting_notice
+
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    for directory, config in ((dense, {"num_hidden_layers": 2}), (moe, {"num_hidden_layers": 2, "num_experts": 8})):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+    flags = ["--rollout-batch-size", "1", "--num-rollout", "1", "--prompt-data", "builtin:first_digit",
+             "--rollout-num-engines", "1", "--use-rollout-routing-replay"]
+    config = parse_config(["--hf-checkpoint", str(dense), *flags])
+    assert "--use-rollout-routing-replay: the model has no MoE layers" in (porting_notice(config) or "")
+    with pytest.raises(ConfigError, match=r"MoE routing replay \(R3\).*8 experts"):
+        parse_config(["--hf-checkpoint", str(moe), *flags])
+    with pytest.raises(ConfigError, match="cannot be read"):
+        parse_config(["--hf-checkpoint", str(tmp_path / "missing"), *flags])
