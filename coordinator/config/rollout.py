@@ -10,6 +10,7 @@ and `--advantage-estimator` choices are read from the registries that implement 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator.config import values
 from coordinator.config.fields import ConfigError, Slice, flag
@@ -42,6 +43,9 @@ class RolloutConfig(Slice):
     label_key: str | None = flag(None, help="label field in --prompt-data", secret=False)
     metadata_key: str | None = flag(None, help="metadata field in --prompt-data", secret=False)
     apply_chat_template: bool = flag(False, help="wrap prompts with the tokenizer's chat template")
+    apply_chat_template_kwargs: str | None = flag(
+        None, help="slime's JSON object of keyword arguments for every chat-template rendering, e.g. "
+        "'{\"enable_thinking\": false}'", parse=values.json_object, metavar="JSON")
     rollout_batch_size: int | None = flag(None, help="prompt groups accepted per rollout", minimum=1)
     n_samples_per_prompt: int = flag(1, help="samples generated per prompt (group size)", minimum=1)
     over_sampling_batch_size: int | None = flag(
@@ -140,3 +144,10 @@ class RolloutConfig(Slice):
     @property
     def shares_rollout_and_eval_fn(self) -> bool:
         return self.effective_eval_function_path == self.rollout_function_path
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        import json
+
+        return json.loads(self.apply_chat_template_kwargs) if self.apply_chat_template_kwargs else {}
+

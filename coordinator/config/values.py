@@ -118,3 +118,16 @@ def env_pairs(text: str | None) -> tuple[tuple[str, str], ...]:
         return ()
     return tuple((name, str(value).lower() if isinstance(value, bool) else str(value))
                  for name, value in _env_object(text).items())
+
+
+def json_object(text: str) -> str:
+    """A JSON object (slime's `--apply-chat-template-kwargs`)."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"is not JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError("must be a JSON object of keyword arguments")
+    return text

@@ -34,6 +34,7 @@ from coordinator.hooks.forms import HookForm, read_rollout_fn
 from coordinator.hooks.runtime import HookRuntime
 from coordinator.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
+from coordinator.rollout.chat_kwargs import with_chat_template_kwargs
 from coordinator.rollout.data_source import PromptDataSource
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
@@ -199,6 +200,7 @@ class RolloutManager:
     ) -> RolloutManager:
         manager = cls(config=config)
         rollout = config.rollout
+        tokenizer = with_chat_template_kwargs(tokenizer, rollout.chat_template_kwargs)
         if config.replay_mode:
             from replay.loader import ReplayLoader
 

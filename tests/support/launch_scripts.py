@@ -257,20 +257,24 @@ def materialize(script: LaunchScript, workdir: Path, model_dir: Path) -> tuple[l
 
 
 def wandb_stand_in(workdir: Path) -> Path | None:
-    """A directory holding an importable `wandb` stand-in, or None when wandb is installed.
+    """A directory holding importable `wandb` / `tensorboard` stand-ins for those not installed, or None when
+    both are.
 
-    `--use-wandb` makes start-up check that the package is installed; the dry run never logs, so where it is
-    not installed this stand-in (named as such) lets that check pass. A real run with it would fail at once.
+    `--use-wandb` / `--use-tensorboard` make start-up check that the package is installed; the dry run never
+    logs, so where one is not installed its stand-in (named as such) lets that check pass. A real run with it
+    would fail at once.
     """
     import importlib.util
 
-    if importlib.util.find_spec("wandb") is not None:
+    missing = [name for name in ("wandb", "tensorboard") if importlib.util.find_spec(name) is None]
+    if not missing:
         return None
-    package = workdir / "stand_ins" / "wandb"
-    package.mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text('"""Stand-in: the scripts test only needs `--use-wandb`\'s install check '
-                                         'to pass; nothing here logs."""\n')
-    return package.parent
+    for name in missing:
+        package = workdir / "stand_ins" / name
+        package.mkdir(parents=True, exist_ok=True)
+        (package / "__init__.py").write_text(f'"""Stand-in: the scripts test only needs --use-{name}\'s install '
+                                             'check to pass; nothing here logs."""\n')
+    return workdir / "stand_ins"
 
 
 # ---------------------------------------------------------------------------------------------------------

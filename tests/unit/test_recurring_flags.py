@@ -165,3 +165,26 @@ def test_routing_replay_is_a_no_op_for_a_dense_model_and_refused_for_moe(tmp_pat
         parse_config(["--hf-checkpoint", str(moe), *flags])
     with pytest.raises(ConfigError, match="cannot be read"):
         parse_config(["--hf-checkpoint", str(tmp_path / "missing"), *flags])
+
+
+def test_apply_chat_template_kwargs_reach_every_rendering(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from coordinator.hooks.args import build_hook_args
+    from coordinator.rollout.chat_kwargs import with_chat_template_kwargs
+    from coordinator.rollout.data_source import PromptDataSource, PromptRecord
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
+    config = parse_config([*BASE, "--rollout-num-engines", "1", "--apply-chat-template",
+                           "--apply-chat-template-kwargs", '{"enable_thinking": false}'])
+    wrapped = with_chat_template_kwargs(tokenizer, config.rollout.chat_template_kwargs)
+    source = PromptDataSource.from_records([PromptRecord(prompt="hi", label=None, metadata={})],
+                                           apply_chat_template=True, tokenizer=wrapped, shuffle=False, seed=0)
+    assert source.take(1)[0].prompt == "hi<no-think>"
+    assert wrapped("hi")["input_ids"] == tokenizer("hi")["input_ids"] and len(wrapped) == len(tokenizer)
+    assert build_hook_args(config).apply_chat_template_kwargs == {"enable_thinking": False}
+    assert with_chat_template_kwargs(tokenizer, {}) is tokenizer
+    with pytest.raises(ConfigError, match="--apply-chat-template-kwargs"):
+        parse_config([*BASE, "--rollout-num-engines", "1", "--apply-chat-template-kwargs", "[1]"])
