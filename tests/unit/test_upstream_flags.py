@@ -42,11 +42,17 @@ def test_every_row_is_decided_and_every_origin_known() -> None:
             assert len(row.note) > 20, row  # the feature and why / the notice line
 
 
-def test_implemented_and_mapped_rows_are_flags_of_rayless() -> None:
+def test_implemented_and_mapped_rows_are_flags_of_rayless_and_no_flag_of_rayless_is_refused() -> None:
+    """Both directions: a branch that adds a flag (LoRA's, say) must flip its row in the same change."""
+    from coordinator.config.megatron import CATEGORY_OF
+
     known = set(known_flags())
     for row in ROWS.values():
         if row.disposition in ("implemented", "mapped") and not row.flag.startswith(("--sglang-", "--router-")):
             assert row.flag in known, row
+        if row.flag in known:  # the Megatron slice's flags are ignored; every other flag of rayless is taken
+            expected = ("ignored",) if row.flag[2:].replace("-", "_") in CATEGORY_OF else ("implemented", "mapped")
+            assert row.disposition in expected, row
 
 
 def test_each_ignored_and_refused_row_does_what_it_says() -> None:
