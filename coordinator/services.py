@@ -152,7 +152,7 @@ def _router(config: Config, plan: PlacementPlan, run_dir: Path, client: EngineCl
     assert slot is not None
     return RouterHandle(client=client, run_dir=run_dir, name="rollout", policy=slot.policy, host=slot.host,
                         port=slot.port, prometheus_port=slot.prometheus_port, python=slot.python,
-                        observer=progress.board)
+                        observer=progress.board, extra_args=slot.extra_args)
 
 
 def _train_group(plan: PlacementPlan, run_dir: Path, nodes: Head | None, progress: ProgressDisplay) -> TrainGroup:

@@ -102,7 +102,9 @@ def check_tokenizer(config: Config) -> list[str]:
     notes = [f"tokenizer: {type(tokenizer).__name__}, {len(tokenizer)} tokens"]
     rollout = config.rollout
     if rollout.apply_chat_template and rollout.prompt_data and config.builds_rollout_fn:
-        prompt = _first_prompt(config, tokenizer)
+        from coordinator.rollout.chat_kwargs import with_chat_template_kwargs
+
+        prompt = _first_prompt(config, with_chat_template_kwargs(tokenizer, config.rollout.chat_template_kwargs))
         if prompt is None:
             return notes  # check_data reports what is wrong with the file
         shown = prompt if len(prompt) <= PROMPT_CHARS else prompt[:PROMPT_CHARS] + "..."

@@ -146,6 +146,7 @@ def hooks_in_use(config: Config) -> list[tuple[str, str]]:
         optional = [("--eval-function-path", rollout.eval_function_path),
                     ("--custom-rm-path", rollout.custom_rm_path),
                     ("--dynamic-sampling-filter-path", rollout.dynamic_sampling_filter_path),
+                    ("--custom-reward-post-process-path", rollout.custom_reward_post_process_path),
                     ("--custom-generate-function-path", extra.custom_generate_function_path),
                     ("--generate-tool-specs-path", extra.generate_tool_specs_path),
                     ("--generate-execute-tool-function-path", extra.generate_execute_tool_function_path),
@@ -190,6 +191,8 @@ def check_hook_signature(flag: str, path: str, target: Any, *, group_rm: bool = 
             reading = forms.read_reward(flag, path, target, group_rm=group_rm)
         elif flag == "--dynamic-sampling-filter-path":
             reading = forms.read_filter(flag, path, target)
+        elif flag == "--custom-reward-post-process-path":
+            reading = forms.read_reward_post_process(flag, path, target)
         elif flag == "--custom-generate-function-path":
             reading = forms.read_generate(flag, path, target)
         elif flag == "--generate-execute-tool-function-path":

@@ -60,8 +60,15 @@ def apply_hook_aliases(values: dict[str, Any]) -> tuple[dict[str, Any], tuple[tu
         if alias.async_rollout:
             values["async_rollout"] = True
         replaced.append((flag_name(name), path, alias.ours + (" with --async-rollout" if alias.async_rollout else "")))
+    eval_data = values.get("eval_prompt_data")
+    if isinstance(eval_data, tuple) and len(eval_data) == 1:  # slime's legacy form: one path is aime's
+        values["eval_prompt_data"] = ("aime", eval_data[0])
+        replaced.append(("--eval-prompt-data", eval_data[0], f"aime {eval_data[0]} (slime's legacy one-path form)"))
     if values.get("fully_async"):
         values["async_rollout"] = True
+    if values.get("offload"):  # slime: --offload is both offloads
+        values.setdefault("offload_train", True)
+        values.setdefault("offload_rollout", True)
     details = values.get("dump_details")
     if details is not None:
         # miles: --dump-details DIR sets the rollout dump template under DIR (and its per-rank train dumps)

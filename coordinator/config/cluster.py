@@ -54,6 +54,7 @@ class ClusterConfig(Slice):
     offload_rollout: bool | None = flag(None, help="the rollout engines release their weights and KV cache "
                                         "(/release_memory_occupation) while the ranks train, and take them back "
                                         "before the weight update (default: on with --colocate)")
+    offload: bool = flag(False, help="slime's --offload: --offload-train and --offload-rollout together")
     num_gpus_per_node: int | None = flag(None, help="miles: the GPUs each node has for the run; the plan uses "
                                          "at most this many of the GPUs a node shows (default: all of them)",
                                          minimum=1)

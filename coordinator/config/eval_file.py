@@ -131,10 +131,11 @@ def read_eval_config(value: str) -> tuple[EvalDatasetSpec, ...]:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{origin}: expected a mapping with 'datasets' (optionally under 'eval'), "
                           f"got {type(data).__name__}")
-    extra = sorted(str(key) for key in data if key not in ("defaults", "datasets"))
+    extra = sorted(str(key) for key in data if key not in ("defaults", "datasets", "delegate"))
     if extra:
         raise ConfigError(f"{origin}: unknown top-level key(s) {', '.join(map(repr, extra))}; expected "
-                          "'defaults' and 'datasets' (optionally under 'eval')")
+                          "'defaults', 'datasets' and miles' 'delegate' (optionally under 'eval')")
+    _check_delegate(data.get("delegate"), origin)
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, Mapping):
         raise ConfigError(f"{origin}: 'defaults' must be a mapping, got {type(defaults).__name__}")
@@ -200,3 +201,28 @@ def _dataset(defaults: dict[str, Any], entry: Mapping[str, Any], where: str, ori
         if not values_by_key.get(required):
             raise ConfigError(f"{where}: key {required!r} is required (a non-empty string)")
     return dataclasses.replace(EvalDatasetSpec(), **values_by_key)
+
+
+def _check_delegate(entries: Any, origin: str) -> None:
+    """miles' `delegate`: task groups an external evaluator runs, read by the `--eval-function-path` that
+    calls it (miles' delegate eval reads `args.eval_config` itself); here only their shape is checked."""
+    if entries is None:
+        return
+    if not isinstance(entries, list) or not all(isinstance(entry, Mapping) for entry in entries):
+        raise ConfigError(f"{origin}: 'delegate' must be a list of mappings (miles' external eval task groups)")
+    for index, entry in enumerate(entries):
+        if not isinstance(entry.get("name"), str) or not entry["name"]:
+            raise ConfigError(f"{origin}: delegate[{index}]: needs a 'name'")
+
+
+def delegate_names(value: str) -> list[str]:
+    """The names of miles' `delegate` task groups in an `--eval-config` value (after `read_eval_config`
+    accepted it)."""
+    import yaml
+
+    data = yaml.safe_load(read_text(value))
+    if isinstance(data, Mapping) and set(data) == {"eval"}:
+        data = data["eval"]
+    entries = data.get("delegate") if isinstance(data, Mapping) else None
+    return [str(entry["name"]) for entry in entries or ()]
+

@@ -28,6 +28,18 @@ CATEGORIES = {
     "optimizer": "the optimizer is torch AdamW; Megatron's distributed/CPU optimizer options have no equivalent",
     "dropout": "dropout comes from config.json (RL scripts set 0.0, as most configs do)",
     "other": "a Megatron training detail with no equivalent here",
+    # categories of upstream_flags.tsv (slime/miles flags accepted and not used, each with why)
+    "memory": "memory placement is FSDP2's, --offload-train/--offload-rollout and --gradient-checkpointing",
+    "logging": "rayless logs its own metrics (--use-wandb, --use-tensorboard, the run directory)",
+    "checkpoint": "checkpoints are rayless' own (--save / --load), written synchronously",
+    "data": "Megatron's pretraining data pipeline is not used: prompts come from --prompt-data",
+    "ci": "a check of slime's / miles' own CI (rayless' tests check rayless)",
+    "debug": "a debugging/profiling aid of slime's / miles' stack",
+    "ft": "rayless' fault tolerance has its own health checks (--use-fault-tolerance)",
+    "cluster": "there is no Ray cluster or object store: data moves over rayless' control channel",
+    "async": "--async-rollout bounds staleness with --max-weight-staleness; miles' buffer settings are not used",
+    "engine": "an engine-client detail of slime's; rayless' engine client has its own deadlines",
+    "weights": "rayless' weights are the Hugging Face model's already",
 }
 
 _T = tuple[str, ...]

@@ -26,6 +26,7 @@ from coordinator.config.flags import FLAGS, SLICES
 from coordinator.config.rules import validate
 from coordinator.config.settings import Config, build_config
 from coordinator.config.unknown import closest_flag, unknown_flags_report
+from coordinator.config.upstream_args import add_upstream_arguments, take_upstream
 
 _METAVARS = {int: "N", float: "X", str: "VALUE"}
 
@@ -76,6 +77,7 @@ def build_parser(prog: str = "rayless train") -> argparse.ArgumentParser:
                 continue
             group.add_argument(spec.flag, dest=spec.name, default=argparse.SUPPRESS, metavar=metavar,
                                nargs="+" if spec.container is not None else None, help=_help_text(spec))
+    add_upstream_arguments(parser, set(known_flags()))
     return parser
 
 
@@ -84,9 +86,10 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
     parser = build_parser(prog)
     args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     passthrough, rest = split_sglang_passthrough(unknown)
-    if rest:
-        raise ConfigError(unknown_flags_report(rest, known_flags()))
-    given = vars(args)
+    given, upstream = take_upstream(vars(args))
+    problems = [upstream.refusal(), unknown_flags_report(rest, known_flags()) if rest else None]
+    if any(problems):
+        raise ConfigError("\n".join(problem for problem in problems if problem))
     config_file = given.pop("config_file", None)
     values: dict[str, Any] = {}
     if config_file is not None:
@@ -98,7 +101,8 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
     if values.get("custom_config_path") is not None:
         values, attributes = apply_custom_config(values, values["custom_config_path"])
     config = build_config(values, config_file=config_file, sglang_passthrough=tuple(passthrough), given=names,
-                          custom_attributes=tuple(attributes.items()))
+                          custom_attributes=tuple(attributes.items()), upstream_ignored=upstream.ignored,
+                          router_passthrough=upstream.router_args)
     validate(config)
     return config
 

@@ -71,6 +71,15 @@ def _model_config(config: Config) -> dict[str, Any]:
     return merged
 
 
+def model_experts(config: Config) -> int | None:
+    """The routed experts --hf-checkpoint's config.json declares (0: a dense model), None when unreadable."""
+    model = _model_config(config)
+    if not model:
+        return None
+    counts = [model.get(key) for key in _SAME_FACT["num_experts"]]
+    return max((count for count in counts if isinstance(count, int) and not isinstance(count, bool)), default=0)
+
+
 def _differs(ours: Any, theirs: Any) -> bool:
     if isinstance(theirs, bool) or not isinstance(theirs, int | float):
         return False
@@ -118,6 +127,7 @@ def _mapped(config: Config) -> list[str]:
         mapped.append(f"--use-dynamic-batch-size → micro-batches of ≤ {train.max_tokens_per_gpu} tokens{extra}")
     elif "micro_batch_size" in given:
         mapped.append(f"--micro-batch-size → {train.micro_batch_size} samples per micro-batch")
+    mapped += [row.note for row in _given_mapped_rows(config)]
     if train.optimizer_cpu_offload:
         mapped.append("--optimizer-cpu-offload: not implemented yet, the optimizer state stays on the device")
     if train.balance_data:
@@ -128,8 +138,33 @@ def _mapped(config: Config) -> list[str]:
     return mapped
 
 
+def _given_mapped_rows(config: Config) -> list[Any]:
+    """The given flags whose `upstream_flags.tsv` row is `mapped` with a note that is its notice line (rows
+    whose notice depends on values are written in `_mapped` itself)."""
+    from coordinator.config.upstream import upstream_rows
+
+    rows = upstream_rows()
+    found = []
+    for name in config.given:
+        row = rows.get(flag_name(name))
+        if row is None or row.disposition != "mapped":
+            continue
+        if name == "train_backend" and config.train.train_backend != "megatron":
+            continue  # --train-backend fsdp is what rayless is: nothing to say
+        found.append(row)
+    return found
+
+
 def _rl_facts(config: Config) -> list[str]:
     facts = []
+    if config.eval.eval_config is not None:
+        from coordinator.config.eval_file import delegate_names
+
+        names = delegate_names(config.eval.eval_config)
+        runner = config.rollout.eval_function_path or "an --eval-function-path that runs them (miles' delegate eval)"
+        if names:
+            facts.append(f"--eval-config delegate {', '.join(names)}: run by {runner}, which reads the file "
+                         "itself; rayless' own eval runs the file's datasets")
     estimator = config.rollout.advantage_estimator
     if config.train.kl_coef and estimator in ("grpo", "gspo"):
         facts.append(f"--kl-coef {config.train.kl_coef:g} has no effect on {estimator} advantages (as slime)")
@@ -153,17 +188,24 @@ def porting_notice(config: Config, *, load: LoadPlan | None = None) -> str | Non
         lines.append(f"--load {config.checkpoint.load} {load.fresh_reason}: training starts fresh from "
                      "--hf-checkpoint (as slime)")
     lines += _rl_facts(config)
-    if given:
+    if given or config.upstream_ignored:
         by_category: dict[str, list[str]] = {}
         for name in given:
             by_category.setdefault(CATEGORY_OF[name], []).append(flag_name(name))
+        for row in config.upstream_ignored:
+            by_category.setdefault(row.category, []).append(row.flag)
         disagreements = architecture_disagreements(config, given)
-        lines.append(f"Megatron-LM flags ignored ({len(given)}), by why:")
+        count = len(given) + len(config.upstream_ignored)
+        lines.append(f"Megatron-LM flags ignored ({count}, with slime/miles flags that have no meaning under FSDP2), by why:")
         for category, flags in by_category.items():
             lines.append(f"  {CATEGORIES[category]}: {' '.join(flags)}")
+        for row in config.upstream_ignored:
+            detail = row.note.partition(":")[2].strip()
+            if detail:
+                lines.append(f"  {row.flag}: {detail}")
         if disagreements:
             lines.append(f"  they disagree with {config.rollout.hf_checkpoint}/config.json, which is used: "
                          + ", ".join(disagreements))
     if not lines:
         return None
-    return "flags from a slime/miles launch script (README: 'Porting from slime / miles'):\n  " + "\n  ".join(lines)
+    return "flags from a slime/miles launch script (docs/porting.md):\n  " + "\n  ".join(lines)

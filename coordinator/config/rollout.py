@@ -10,6 +10,7 @@ and `--advantage-estimator` choices are read from the registries that implement 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator.config import values
 from coordinator.config.fields import ConfigError, Slice, flag
@@ -49,6 +50,9 @@ class RolloutConfig(Slice):
     label_key: str | None = flag(None, help="label field in --prompt-data", secret=False)
     metadata_key: str | None = flag(None, help="metadata field in --prompt-data", secret=False)
     apply_chat_template: bool = flag(False, help="wrap prompts with the tokenizer's chat template")
+    apply_chat_template_kwargs: str | None = flag(
+        None, help="slime's JSON object of keyword arguments for every chat-template rendering, e.g. "
+        "'{\"enable_thinking\": false}'", parse=values.json_object, metavar="JSON")
     rollout_batch_size: int | None = flag(None, help="prompt groups accepted per rollout", minimum=1)
     n_samples_per_prompt: int = flag(1, help="samples generated per prompt (group size)", minimum=1)
     over_sampling_batch_size: int | None = flag(
@@ -65,6 +69,15 @@ class RolloutConfig(Slice):
     rollout_stop_token_ids: tuple[int, ...] = flag((), help="stop token ids", minimum=0)
     rollout_seed: int = flag(42, help="seed for prompt order and sampling", minimum=0)
     rollout_shuffle: bool = flag(False, help="shuffle prompts every epoch")
+    disable_rollout_global_dataset: bool = flag(
+        False, help="slime's: no prompt dataset is built from --prompt-data; the --rollout-function-path manages "
+        "its own data")
+    custom_reward_post_process_path: str | None = flag(
+        None, help="slime's fn(args, samples) -> (raw_rewards, rewards): its rewards are the advantages, in place "
+        "of the estimator's group normalisation", parse=values.hook_path, metavar="MODULE:NAME")
+    log_reward_category: str | None = flag(
+        None, help="slime's: log error_cat/<value>, the share of samples whose reward dict has each value under "
+        "this key", secret=False)
     rollout_function_path: str = flag(DEFAULT_ROLLOUT_FUNCTION, help="rollout fn: module.path:Name (class or "
                                       "function)", parse=values.hook_path, metavar="MODULE:NAME")
     eval_function_path: str | None = flag(None, help="eval fn (default: the rollout fn; the same path shares one "
@@ -136,3 +149,10 @@ class RolloutConfig(Slice):
     @property
     def shares_rollout_and_eval_fn(self) -> bool:
         return self.effective_eval_function_path == self.rollout_function_path
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        import json
+
+        return json.loads(self.apply_chat_template_kwargs) if self.apply_chat_template_kwargs else {}
+

@@ -82,10 +82,32 @@ def generation_needs_batch_size(config: Config) -> None:
 
 def default_rollout_needs_prompts(config: Config) -> None:
     rollout = config.rollout
-    if (not config.replay_mode and rollout.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
-            and rollout.prompt_data is None):
-        raise ConfigError("--prompt-data is required by the default rollout function "
-                          "(a JSONL/Parquet file, or builtin:first_digit)")
+    if not config.replay_mode and rollout.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION:
+        if rollout.disable_rollout_global_dataset:
+            raise ConfigError("--disable-rollout-global-dataset: the default rollout function samples its prompts "
+                              "from that dataset; give a --rollout-function-path that manages its own data (as "
+                              "slime)")
+        if rollout.prompt_data is None:
+            raise ConfigError("--prompt-data is required by the default rollout function "
+                              "(a JSONL/Parquet file, or builtin:first_digit)")
+
+
+def routing_replay_needs_a_dense_model(config: Config) -> None:
+    """slime's R3 replays the engine's MoE routing in training: rayless' engines return no routed experts, so it
+    cannot run on an MoE model; a model without MoE layers has no routing to replay (a no-op, in the notice)."""
+    from coordinator.config.porting import model_experts
+
+    flags = [flag for flag, on in (("--use-rollout-routing-replay", config.train.use_rollout_routing_replay),
+                                   ("--use-routing-replay", config.train.use_routing_replay)) if on]
+    if not flags:
+        return
+    experts = model_experts(config)
+    if experts is None or experts > 0:
+        found = (f"{config.rollout.hf_checkpoint} is an MoE model ({experts} experts in config.json)"
+                 if experts else "--hf-checkpoint's config.json cannot be read to tell whether the model has MoE "
+                 "layers")
+        raise ConfigError(f"{' '.join(flags)}: MoE routing replay (R3) needs the engine's routed experts, which "
+                          f"rayless' engines do not return; {found}")
 
 
 def global_batch_divides_rollout(config: Config) -> None:
@@ -213,6 +235,7 @@ def tis_hook_needs_tis(config: Config) -> None:
 
 RULES: tuple[Callable[[Config], None], ...] = (
     replay_has_no_eval_fleet,
+    routing_replay_needs_a_dense_model,
     replay_is_not_async,
     replay_ignores_engine_flags,
     eval_gpus_fill_whole_engines,

@@ -32,6 +32,7 @@ from coordinator.config.rollout import RolloutConfig
 from coordinator.config.secrets import MASK, mask_argv
 from coordinator.config.sglang import SglangConfig
 from coordinator.config.training import TrainConfig
+from coordinator.config.upstream import Row
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class Config:
     hook_aliases: tuple[tuple[str, str, str], ...] = ()
     #: `--custom-config-path` keys that name no flag: attributes of the `args` hooks get (slime's setattr).
     custom_attributes: tuple[tuple[str, Any], ...] = ()
+    #: upstream flags accepted and not used (rows of `upstream_flags.tsv`), for the grouped notice.
+    upstream_ignored: tuple[Row, ...] = ()
+    #: sglang-router flags (`--router-*` without the prefix, with their values) for the router's command line.
+    router_passthrough: tuple[str, ...] = ()
 
     # --- the mode ---------------------------------------------------------------------------------------------
     @property
@@ -263,7 +268,8 @@ class Config:
 
 def build_config(values: dict[str, Any], *, config_file: str | None = None, given: frozenset[str] | None = None,
                  sglang_passthrough: tuple[str, ...] = (),
-                 custom_attributes: tuple[tuple[str, Any], ...] = ()) -> Config:
+                 custom_attributes: tuple[tuple[str, Any], ...] = (), upstream_ignored: tuple[Row, ...] = (),
+                 router_passthrough: tuple[str, ...] = ()) -> Config:
     """A Config from converted values by field name (each routed to its slice); not validated."""
     given_names = frozenset(values) if given is None else given
     values, hook_aliases = apply_hook_aliases(values)
@@ -276,7 +282,8 @@ def build_config(values: dict[str, Any], *, config_file: str | None = None, give
         per_slice["sglang"]["sglang_passthrough"] = tuple(sglang_passthrough)
     slices = {attribute: cls(**per_slice[attribute]) for attribute, cls in SLICES}
     return Config(**slices, config_file=config_file, given=given_names, hook_aliases=hook_aliases,
-                  custom_attributes=custom_attributes)
+                  custom_attributes=custom_attributes, upstream_ignored=upstream_ignored,
+                  router_passthrough=router_passthrough)
 
 
 

@@ -81,6 +81,18 @@ class TrainConfig(Slice):
                       "reduction stay float32)")
     fp16: bool = flag(False, help="compute in float16 (as --bf16)")
     gradient_checkpointing: bool = flag(False, help="activation checkpointing of every decoder layer")
+    use_rollout_routing_replay: bool = flag(False, help="slime's MoE routing replay (R3): refused for an MoE model "
+                                            "(rayless' engines return no routed experts); a no-op, said in the "
+                                            "notice, for a model without MoE layers")
+    use_routing_replay: bool = flag(False, help="slime's MoE routing replay on the trainer: as "
+                                    "--use-rollout-routing-replay")
+    train_backend: str = flag("fsdp", help="slime/miles' trainer: rayless is an FSDP2 trainer; megatron is mapped to "
+                              "it with a notice (the Megatron-LM flags are then ignored as listed)",
+                              choices=("fsdp", "megatron"))
+    calculate_per_token_loss: bool = flag(False, help="slime's per-token loss: always on here (each term is the token "
+                                          "mean over the global batch)")
+    train_env_vars: str | None = flag(None, help="slime's JSON object of environment variables for the training ranks, "
+                                      "e.g. '{\"NCCL_DEBUG\": \"INFO\"}'", parse=values.env_json, secret=False)
     recompute_granularity: str | None = flag(None, help="Megatron's activation recompute: any value turns on "
                                              "activation checkpointing of every decoder layer",
                                              choices=("full", "selective"))
@@ -161,3 +173,8 @@ class TrainConfig(Slice):
             "save_dir": save_dir,
             "save_retain_interval": save_retain_interval,
         }
+
+    @property
+    def train_env(self) -> tuple[tuple[str, str], ...]:
+        """`--train-env-vars` as (name, value) pairs, in the file's order."""
+        return values.env_pairs(self.train_env_vars)

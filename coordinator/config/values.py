@@ -87,3 +87,47 @@ def rollout_id_template(text: str) -> str:
     if "{rollout_id}" not in text:
         raise ValueError("must contain '{rollout_id}', e.g. 'dumps/{rollout_id}.rld'")
     return text
+
+
+def _env_object(text: str) -> dict[str, object]:
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"is not JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError("must be a JSON object of environment variable names to values")
+    for name, value in data.items():
+        if not name or "=" in name or "\0" in name:
+            raise ValueError(f"names an invalid environment variable {name!r}")
+        if not isinstance(value, str | int | float | bool) or "\0" in str(value):
+            raise ValueError(f"gives {name} a {type(value).__name__}; values are strings, numbers or booleans")
+    return data
+
+
+def env_json(text: str) -> str:
+    """slime's `--train-env-vars`: a JSON object of variable names to strings/numbers/booleans."""
+    _env_object(text)
+    return text
+
+
+def env_pairs(text: str | None) -> tuple[tuple[str, str], ...]:
+    """The (name, value) pairs of an `env_json` string (booleans as slime's Ray env: `true`/`false`)."""
+    if text is None:
+        return ()
+    return tuple((name, str(value).lower() if isinstance(value, bool) else str(value))
+                 for name, value in _env_object(text).items())
+
+
+def json_object(text: str) -> str:
+    """A JSON object (slime's `--apply-chat-template-kwargs`)."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"is not JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError("must be a JSON object of keyword arguments")
+    return text

@@ -44,18 +44,19 @@ def build_hook_args(config: Config) -> argparse.Namespace:
         "context_parallel_size": getattr(megatron, "context_parallel_size", None) or 1,
         "eval_max_context_len": config.rollout.rollout_max_context_len,
         "rollout_skip_special_tokens": False,
-        "apply_chat_template_kwargs": {},
+        "apply_chat_template_kwargs": config.rollout.chat_template_kwargs,
         "mask_offpolicy_in_partial_rollout": False,
         "use_rollout_routing_replay": False,
         "use_rollout_indexer_replay": False,
         "sglang_speculative_algorithm": None,
         "save_debug_trajectory_data": None,
-        "rollout_global_dataset": True,
+        "rollout_global_dataset": not config.rollout.disable_rollout_global_dataset,
         "fully_async": config.rollout.async_rollout,
     }
     for name, value in derived.items():
         if values.get(name) is None:
             values[name] = value
+    values["apply_chat_template_kwargs"] = config.rollout.chat_template_kwargs  # a dict, as slime's json.loads
     # The address hooks post to: unknown until the run binds its endpoint (or names the router it uses).
     values["sglang_router_ip"] = None
     values["sglang_router_port"] = None

@@ -99,6 +99,15 @@ def read_filter(flag: str, path: str, target: Any) -> Reading:
     raise _refuse(flag, path, signature, ours, theirs + " (slime's form)")
 
 
+def read_reward_post_process(flag: str, path: str, target: Any) -> Reading:
+    """slime's `_post_process_rewards` hook: `fn(args, samples) -> (raw_rewards, rewards)`."""
+    signature = _signature(target)
+    theirs = f"{getattr(target, '__name__', 'fn')}(args, samples) -> (raw_rewards, rewards)"
+    if _binds(signature, "args", "samples"):
+        return Reading(HookForm.SLIME, theirs + " (slime's form)")
+    raise _refuse(flag, path, signature, theirs + " (slime's form)")
+
+
 def read_rollout_fn(flag: str, path: str, target: Any) -> Reading:
     """Functions only (a class is rayless' form; `preflight` checks its constructor and `__call__`)."""
     signature = _signature(target)

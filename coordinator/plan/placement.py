@@ -112,7 +112,7 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
             and config.needs_engines:
         router = RouterSlot(host=ENGINE_HOST, port=free_port(ENGINE_HOST), prometheus_port=free_port(ENGINE_HOST),
                             policy=config.sglang.sglang_router_policy, log=router_log_path(run_dir, "rollout"),
-                            python=python)
+                            python=python, extra_args=config.router_passthrough)
     return NodePlan(node_rank=node_rank, gpus=gpus, demands=demands, ranks=ranks, rollout_engines=rollout_slots,
                     eval_engines=eval_slots, router=router)
 
@@ -137,7 +137,8 @@ def _ranks_slot(config: Config, node_rank: int, units: tuple[tuple[int, ...], ..
                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
                         max_restarts=config.fault_tolerance.max_restarts if config.train_ft_enabled else 0,
                         python=python)
-    env: tuple[tuple[str, str], ...] = (("CUDA_VISIBLE_DEVICES", gpus.visible_devices(positions)),) if positions else ()
+    env = config.train.train_env  # --train-env-vars first: the GPUs and the rendezvous below are rayless'
+    env += (("CUDA_VISIBLE_DEVICES", gpus.visible_devices(positions)),) if positions else ()
     if multi:
         env += ((protocol.ENV_NODE_RANK, str(node_rank)), TORCH_RDZV_STORE_ENV)
     fixed = cluster.control_port != 0

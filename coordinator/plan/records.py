@@ -84,10 +84,11 @@ class RouterSlot:
     python: str = field(default=sys.executable)
     name: str = "router-rollout"
     gpus: tuple[int, ...] = ()  # the router runs on the CPU
+    extra_args: tuple[str, ...] = ()  # slime's --router-* flags, without the prefix
 
     def command(self) -> list[str]:
         return router_command(python=self.python, host=self.host, port=self.port,
-                              prometheus_port=self.prometheus_port, policy=self.policy)
+                              prometheus_port=self.prometheus_port, policy=self.policy, extra_args=self.extra_args)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate
 from coordinator.rollout.requests import GenerateState, generate_group, new_sample
+from coordinator.rollout.reward_post import reward_category_metrics
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch, Sample, SampleStatus
 
@@ -276,6 +277,8 @@ class DefaultRollout:
             metrics.update(self.filter.metrics())
         if self.context.config.hooks.log_multi_turn:
             metrics.update(multi_turn_metrics(samples, self.settings.rollout_max_response_len))
+        if self.context.config.rollout.log_reward_category is not None:
+            metrics.update(reward_category_metrics(samples, self.context.config.rollout.log_reward_category))
         if self.context.config.logging.log_passrate:
             rewards_by_group = [[s.scalar_reward(self.settings.reward_key) for s in group] for group in groups]
             metrics.update({f"passrate/pass@{k}": rate for k, rate in pass_rates(rewards_by_group).items()})

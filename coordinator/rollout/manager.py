@@ -33,6 +33,7 @@ from coordinator.hooks.forms import HookForm, read_rollout_fn
 from coordinator.hooks.runtime import HookRuntime
 from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
+from coordinator.rollout.chat_kwargs import with_chat_template_kwargs
 from coordinator.rollout.context import NotBuiltError, RolloutContext, not_built
 from coordinator.rollout.data_source import PromptDataSource
 from coordinator.rollout.dispatch import Dispatcher
@@ -40,6 +41,7 @@ from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate
 from coordinator.rollout.requests import GenerateState
 from coordinator.rollout.reward_choice import RewardChoice
+from coordinator.rollout.reward_post import RewardPostProcess
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch
 from workers.hook_loading import load_object
@@ -106,6 +108,8 @@ class RolloutManager:
         self._eval_fn: RolloutCallable | None = None
         self._replay_loader: Any = None
         self.context: RolloutContext | None = None
+        #: slime's --custom-reward-post-process-path (not in replay: the dumps are re-scored by the estimator)
+        self.reward_post_process: RewardPostProcess | None = None
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -123,10 +127,14 @@ class RolloutManager:
         """The manager of `config`'s mode: the replay loader alone in replay mode; else the generate path (when
         the run has engines), the context a rollout fn is built with, and the rollout and eval fns."""
         manager = cls(config=config)
+        tokenizer = with_chat_template_kwargs(tokenizer, config.rollout.chat_template_kwargs)
         if config.replay_mode:
             manager._build_replay_loader()
             return manager
         runtime = HookRuntime(args=build_hook_args(config), api_key=config.sglang.sglang_api_key)
+        if config.rollout.custom_reward_post_process_path is not None:
+            manager.reward_post_process = RewardPostProcess.load(config.rollout.custom_reward_post_process_path,
+                                                                 args=runtime.args)
         generate_state, dispatcher = manager._build_generate_path(
             runtime, tokenizer=tokenizer, client=client, pool=pool, router_url=router_url,
             context_length=context_length,
@@ -188,7 +196,7 @@ class RolloutManager:
                                                   dispatcher=dispatcher)
         data_source = (build_data_source(rollout, tokenizer,
                                          raw_prompts=config.hooks.custom_generate_function_path is not None)
-                       if rollout.prompt_data else None)
+                       if rollout.prompt_data and not rollout.disable_rollout_global_dataset else None)
         if data_source is not None:
             self.counts.data_sources += 1
         reward_model = build_reward_model(rollout, args=runtime.args)
@@ -271,6 +279,16 @@ class RolloutManager:
             batch = await self.rollout_fn(rollout_id, weight_version)
             self._check_shape(batch)
         rollout = self.config.rollout
+        if self.reward_post_process is not None:
+            self.reward_post_process.apply(batch.groups, normalize_advantages=rollout.normalize_advantages)
+        else:
+            self._advantages(batch)
+        if self.config.debug.save_debug_rollout_data is not None and not self.config.replay_mode:
+            await self._dump(batch)
+        return batch
+
+    def _advantages(self, batch: RolloutBatch) -> None:
+        rollout = self.config.rollout
         compute_advantages(
             batch.groups,
             estimator=rollout.advantage_estimator,
@@ -278,9 +296,6 @@ class RolloutManager:
             reward_key=rollout.reward_key,
             normalize_advantages=rollout.normalize_advantages,
         )
-        if self.config.debug.save_debug_rollout_data is not None and not self.config.replay_mode:
-            await self._dump(batch)
-        return batch
 
     def _check_shape(self, batch: RolloutBatch) -> None:
         rollout = self.config.rollout

@@ -1,6 +1,6 @@
 """Real slime/miles launch scripts as test data, made runnable here by replacing only their paths.
 
-`tests/data/launch_scripts/*.json` hold the argv 27 slime and miles launch scripts hand to `train.py` (each
+`tests/data/launch_scripts/*.json` hold the argv 38 slime and miles launch scripts hand to `train.py` (each
 with `source`: repo:path@commit), with placeholders where the scripts name paths on their machines.
 `materialize` replaces each placeholder with a local stand-in — the tiny model, small JSONL/Parquet files with
 the script's keys, fresh checkpoint directories, stub hook modules with slime's signatures, a sentinel W&B
@@ -42,7 +42,6 @@ UNSUPPORTED = {
     "--critic-lr": "PPO critic",
     "--num-critic-only-steps": "PPO critic",
     "--enable-mtp-training": "multi-token-prediction layers are not trained",
-    "--use-rollout-routing-replay": "MoE routing replay (R3) needs the engine's routed experts",
 }
 
 
@@ -79,13 +78,17 @@ def blockers(argv: list[str] | tuple[str, ...]) -> dict[str, str]:
     """Flags (and `--rm-type`/`--advantage-estimator` values) of `argv` this tree refuses, with why: pending
     (another issue adds it) or unsupported. Read from the parser and registries, not from a list of ours."""
     from coordinator.config.parser import known_flags
+    from coordinator.config.upstream_args import parser_rows
     from coordinator.rollout.rewards import BUILTIN_RM_TYPES
 
     known = set(known_flags())
+    table = {row.flag: row for row in parser_rows(known)}
     found: dict[str, str] = {}
     for flag in flags_of(argv):
-        if flag in known or flag.startswith("--sglang-"):
+        if flag in known or flag.startswith("--sglang-") or (flag in table and table[flag].disposition != "refused"):
             continue
+        if flag in table:  # refused by the flag table, naming the feature and why
+            UNSUPPORTED.setdefault(flag, table[flag].note)
         found[flag] = PENDING.get(flag) or UNSUPPORTED.get(flag) or "UNEXPECTED: neither pending nor unsupported"
     argv = list(argv)
     if "--rm-type" in argv:
@@ -254,20 +257,24 @@ def materialize(script: LaunchScript, workdir: Path, model_dir: Path) -> tuple[l
 
 
 def wandb_stand_in(workdir: Path) -> Path | None:
-    """A directory holding an importable `wandb` stand-in, or None when wandb is installed.
+    """A directory holding importable `wandb` / `tensorboard` stand-ins for those not installed, or None when
+    both are.
 
-    `--use-wandb` makes start-up check that the package is installed; the dry run never logs, so where it is
-    not installed this stand-in (named as such) lets that check pass. A real run with it would fail at once.
+    `--use-wandb` / `--use-tensorboard` make start-up check that the package is installed; the dry run never
+    logs, so where one is not installed its stand-in (named as such) lets that check pass. A real run with it
+    would fail at once.
     """
     import importlib.util
 
-    if importlib.util.find_spec("wandb") is not None:
+    missing = [name for name in ("wandb", "tensorboard") if importlib.util.find_spec(name) is None]
+    if not missing:
         return None
-    package = workdir / "stand_ins" / "wandb"
-    package.mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text('"""Stand-in: the scripts test only needs `--use-wandb`\'s install check '
-                                         'to pass; nothing here logs."""\n')
-    return package.parent
+    for name in missing:
+        package = workdir / "stand_ins" / name
+        package.mkdir(parents=True, exist_ok=True)
+        (package / "__init__.py").write_text(f'"""Stand-in: the scripts test only needs --use-{name}\'s install '
+                                             'check to pass; nothing here logs."""\n')
+    return workdir / "stand_ins"
 
 
 # ---------------------------------------------------------------------------------------------------------

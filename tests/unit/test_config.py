@@ -203,6 +203,9 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
     "session_server_does_not_abort_on_update": (None, ["--rollout-num-engines", "1", "--use-session-server",
                                                        "--pause-generation-mode", "abort"],
                                                 "--use-session-server is incompatible with --pause-generation-mode"),
+    "routing_replay_needs_a_dense_model": (None, ["--rollout-num-engines", "1", "--use-rollout-routing-replay"],
+                                           "--use-rollout-routing-replay: MoE routing replay (R3) needs the "
+                                           "engine's routed experts"),
     "colocation_is_not_async": (None, ["--colocate", "--async-rollout"],
                                 "--colocate and --async-rollout: colocated engines and ranks take turns"),
     "colocation_needs_both_halves": (None, ["--rollout-num-engines", "1", "--colocate", "--debug-rollout-only"],
