@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rayless")
 
+#: How long the ranks' torchrun may take to exit after a run that ended by itself told them to shut down.
+CLEAN_EXIT_S = 60.0
+
 
 class RunFailed(RaylessError, RuntimeError):
     """A failure a person can act on; printed without a traceback."""
@@ -123,6 +126,10 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
             clock.mark("services_ready_s")
             with reporting_outcome(services.nodes):  # multi-node: the other nodes learn how the run ended
                 summary = await _train(config, services, metrics, progress, clock, task_group, extra_hooks)
+                if services.train_group is not None:
+                    # A run that ended by itself lets torchrun finish its clean exit (seconds on a loaded machine);
+                    # a cancelled one (a signal, a failure) keeps the group's short grace and its 10 s bound.
+                    await services.train_group.finish(within=CLEAN_EXIT_S)
             if services.nodes is not None:
                 summary["nodes"] = services.nodes.summary()
             task_group.cancel_scope.cancel()

@@ -260,6 +260,16 @@ class TrainGroup(TrainCommands):
         """Wait until every rank is connected (see `ControlServer.wait_for_ranks`)."""
         return await self.server.wait_for_ranks(restarted_after=restarted_after, replacing=replacing)
 
+    async def finish(self, *, within: float) -> None:
+        """The end of a run that ended by itself: ask the ranks to exit and wait, up to `within` seconds and
+        cancellably (a stop signal still ends the run within its bound), for torchrun's clean exit; run()'s
+        teardown then finds it gone instead of signalling it after the short grace."""
+        with anyio.CancelScope(shield=True):
+            await self.server.close()
+        if self.torchrun is not None and self.torchrun.proc is not None:
+            with anyio.move_on_after(within):
+                await self.torchrun.wait_exited()
+
     async def shutdown(self) -> None:
         """Ask the ranks to exit, wait for torchrun, and let run() return."""
         with anyio.CancelScope(shield=True):
