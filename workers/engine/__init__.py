@@ -8,6 +8,7 @@ Owns nothing itself; it wires the modules below. The HTTP contract is in docs/en
 - `stops`: finish checks (stop strings, stop regexes, stop tokens, length) and stop trimming, as SGLang
 - `runner`: the Hugging Face model, tokenizer and the batch KV cache on one device (blocking; worker thread)
 - `memory`: releasing the weights for real and restoring the current ones bit-identically
+- `sequences`: the records of generation (`Seq`, `RequestGroup`) and `MemoryReleasedError`
 - `scheduler`: sequence states and the continuous-batching step loop (event loop side)
 - `http_input`: bounded request bodies (size, JSON depth) and clients that disconnect mid-body
 - `server`: Starlette routes, auth, release/resume, weight-update endpoints; uvicorn

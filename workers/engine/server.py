@@ -52,7 +52,8 @@ from workers.engine.openai_routes import OpenAIRoutes
 from workers.engine.runner import ModelRunner, WeightUpdateError
 from workers.engine.sampling import RequestError, SamplingParams, parse_sampling_params
 from workers.engine.sampling_params import INT64_MAX, show
-from workers.engine.scheduler import MEMORY_TAGS, MemoryReleasedError, Scheduler, Seq
+from workers.engine.scheduler import MEMORY_TAGS, Scheduler
+from workers.engine.sequences import MemoryReleasedError, RequestGroup, Seq
 from workers.engine.weight_group import (
     WeightGroupError,
     WeightUpdateGroup,
@@ -276,8 +277,6 @@ class EngineServer:
     async def build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]:
         """Validate the whole request and make its sequences; nothing reaches the scheduler before this
         returns, so a bad request is refused whole and never joins (or breaks) the running batch."""
-        from workers.engine.scheduler import RequestGroup
-
         if body.get("lora_path") is not None:
             raise RequestError("'lora_path': LoRA adapters are not supported by the rayless engine")
         stream = self._flag(body, "stream")
@@ -447,8 +446,6 @@ class EngineServer:
         return Response(status_code=200 if self.serving else 503)
 
     async def health_generate(self, request: Request) -> Response:
-        from workers.engine.scheduler import RequestGroup
-
         if not self.serving:
             return error("the engine is starting or shutting down", 503)
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
