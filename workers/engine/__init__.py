@@ -26,7 +26,7 @@ from __future__ import annotations
 def main(argv: list[str] | None = None) -> int:
     """Parse SGLang-style flags, load the model, then serve until SIGINT/SIGTERM. Returns the exit code."""
     from workers.engine.args import parse_args
-    from workers.engine.server import serve
+    from workers.engine.weight_routes import serve
 
     return serve(parse_args(argv))
 
