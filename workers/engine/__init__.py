@@ -10,8 +10,12 @@ Owns nothing itself; it wires the modules below. The HTTP contract is in docs/en
 - `memory`: releasing the weights for real and restoring the current ones bit-identically
 - `sequences`: the records of generation (`Seq`, `RequestGroup`) and `MemoryReleasedError`
 - `scheduler`: sequence states and the continuous-batching step loop (event loop side)
-- `http_input`: bounded request bodies (size, JSON depth) and clients that disconnect mid-body
-- `server`: Starlette routes, auth, release/resume, weight-update endpoints; uvicorn
+- `http_input`: the API key, bounded request bodies (size, JSON depth) and clients that disconnect mid-body
+- `replies`: the error shapes every route module answers with
+- `server`: the engine's state, the route table built from the route modules below, the lifespan; uvicorn
+- `generate_routes` (`/generate`, its responses and streams), `generate_request` (a body validated into
+  sequences), `info_routes` (health, info, metrics), `control_routes` (pause, continue, abort, flush),
+  `memory_routes` (release/resume), `weight_routes` (weight updates and weight-update groups)
 - `openai_routes`, `openai_protocol`, `openai_render`: the OpenAI-compatible `/v1/chat/completions`,
   `/v1/completions` and `/v1/models` (requests mapped onto /generate's validation; SGLang's response shapes)
 - `weight_group`: weight-update groups formed as SGLang's `init_custom_process_group` forms them, SGLang's
@@ -26,7 +30,7 @@ from __future__ import annotations
 def main(argv: list[str] | None = None) -> int:
     """Parse SGLang-style flags, load the model, then serve until SIGINT/SIGTERM. Returns the exit code."""
     from workers.engine.args import parse_args
-    from workers.engine.weight_routes import serve
+    from workers.engine.server import serve
 
     return serve(parse_args(argv))
 
