@@ -75,6 +75,7 @@ class InfoRoutes:
         return Response(status_code=200 if self.server.serving else 503)
 
     async def health_generate(self, request: Request) -> Response:
+        scheduler = self.server.scheduler
         if not self.server.serving:
             return error("the engine is starting or shutting down", 503)
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
@@ -91,14 +92,14 @@ class InfoRoutes:
         group.seqs = [seq]
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
-                await self.server.scheduler.submit(group, bypass=True)
+                await scheduler.submit(group, bypass=True)
             except MemoryReleasedError as exc:
                 return released_error(exc)
             await group.wait_finished()
         if not seq.finished or (seq.finish_reason or {}).get("type") == "abort":
-            self.server.scheduler.abort_group(group, "health check timed out")
-            if self.server.scheduler.released:  # released while the probe waited: alive, say so
-                return released_error(MemoryReleasedError(self.server.scheduler.released))
+            scheduler.abort_group(group, "health check timed out")
+            if scheduler.released:  # released while the probe waited: alive, say so
+                return released_error(MemoryReleasedError(scheduler.released))
             return error("health check generation did not finish", 503)
         return Response(status_code=200)
 
@@ -119,28 +120,30 @@ class InfoRoutes:
         return JSONResponse(self._model_info())
 
     async def server_info(self, request: Request) -> Response:
-        info: dict[str, Any] = {k: v for k, v in vars(self.server.args).items() if k != "api_key"}
+        server = self.server
+        scheduler = server.scheduler
+        info: dict[str, Any] = {k: v for k, v in vars(server.args).items() if k != "api_key"}
         info.update(
-            model_path=self.server.model_path,
-            context_length=self.server.context_length,
+            model_path=server.model_path,
+            context_length=server.context_length,
             tp_size=1,
             dp_size=1,
-            weight_version=self.server.weight_version,
-            max_total_num_tokens=self.server.context_length * self.server.args.max_running_requests,
+            weight_version=server.weight_version,
+            max_total_num_tokens=server.context_length * server.args.max_running_requests,
             version=VERSION,
-            device=self.server.runner.device.type,
+            device=server.runner.device.type,
             internal_states=[
                 {
-                    "last_gen_throughput": self.server.scheduler.gen_throughput(),
-                    "num_running_reqs": len(self.server.scheduler.running),
-                    "num_queue_reqs": len(self.server.scheduler.waiting),
-                    "paused": self.server.scheduler.paused,
+                    "last_gen_throughput": scheduler.gen_throughput(),
+                    "num_running_reqs": len(scheduler.running),
+                    "num_queue_reqs": len(scheduler.waiting),
+                    "paused": scheduler.paused,
                     # Released memory (SGLang tags); while non-empty /generate and /health_generate are 503
                     # MemoryReleased and counted below.
-                    "memory_released": sorted(self.server.scheduler.released),
-                    "released": sorted(self.server.scheduler.released),
-                    "requests_refused_while_released": self.server.scheduler.refused_while_released,
-                    "health_probes_while_released": self.server.scheduler.probes_while_released,
+                    "memory_released": sorted(scheduler.released),
+                    "released": sorted(scheduler.released),
+                    "requests_refused_while_released": scheduler.refused_while_released,
+                    "health_probes_while_released": scheduler.probes_while_released,
                     **self._memory_figures(),
                 }
             ],
@@ -148,16 +151,17 @@ class InfoRoutes:
         return JSONResponse(info)
 
     def _memory_figures(self) -> dict[str, Any]:
+        runner = self.server.runner
         figures: dict[str, Any] = {
-            "device": str(self.server.runner.device),
+            "device": str(runner.device),
             "rss_bytes": resident_bytes(),
-            "weight_bytes_resident": self.server.runner.stash.parameter_bytes(),
-            "kv_cache_tokens": self.server.runner.cached_tokens(),
+            "weight_bytes_resident": runner.stash.parameter_bytes(),
+            "kv_cache_tokens": runner.cached_tokens(),
         }
-        if self.server.runner.device.type == "cuda":
-            figures["cuda_memory_allocated"] = torch.cuda.memory_allocated(self.server.runner.device)
-            figures["cuda_memory_reserved"] = torch.cuda.memory_reserved(self.server.runner.device)
-            figures["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.server.runner.device)
+        if runner.device.type == "cuda":
+            figures["cuda_memory_allocated"] = torch.cuda.memory_allocated(runner.device)
+            figures["cuda_memory_reserved"] = torch.cuda.memory_reserved(runner.device)
+            figures["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(runner.device)
         return figures
 
     async def get_weight_version(self, request: Request) -> Response:
