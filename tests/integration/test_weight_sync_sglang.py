@@ -10,13 +10,13 @@ direction (a trainer built for SGLang into our engine) is in test_engine_weights
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
+import msgspec
 import pytest
 
 from coordinator.engines.client import EngineClient
@@ -53,7 +53,8 @@ async def stats(url: str) -> dict[str, Any]:
 
 
 def with_rollout_logprobs(samples: list[protocol.WireSample], logprobs: list[list[float]]) -> list[Any]:
-    return as_samples([dataclasses.replace(s, rollout_log_probs=lp) for s, lp in zip(samples, logprobs, strict=True)])
+    # WireSample is a msgspec Struct (workers.protocol's message layer), not a dataclass
+    return as_samples([msgspec.structs.replace(s, rollout_log_probs=lp) for s, lp in zip(samples, logprobs, strict=True)])
 
 
 async def test_sglangs_receive_code_gets_our_trainers_weights_by_bucket_and_per_tensor(

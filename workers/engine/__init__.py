@@ -8,9 +8,14 @@ Owns nothing itself; it wires the modules below. The HTTP contract is in docs/en
 - `stops`: finish checks (stop strings, stop regexes, stop tokens, length) and stop trimming, as SGLang
 - `runner`: the Hugging Face model, tokenizer and the batch KV cache on one device (blocking; worker thread)
 - `memory`: releasing the weights for real and restoring the current ones bit-identically
+- `sequences`: the records of generation (`Seq`, `RequestGroup`) and `MemoryReleasedError`
 - `scheduler`: sequence states and the continuous-batching step loop (event loop side)
-- `http_input`: bounded request bodies (size, JSON depth) and clients that disconnect mid-body
-- `server`: Starlette routes, auth, release/resume, weight-update endpoints; uvicorn
+- `http_input`: the API key, bounded request bodies (size, JSON depth) and clients that disconnect mid-body
+- `replies`: the error shapes every route module answers with
+- `server`: the engine's state, the route table built from the route modules below, the lifespan; uvicorn
+- `generate_routes` (`/generate`, its responses and streams), `generate_request` (a body validated into
+  sequences), `info_routes` (health, info, metrics), `control_routes` (pause, continue, abort, flush),
+  `memory_routes` (release/resume), `weight_routes` (weight updates and weight-update groups)
 - `openai_routes`, `openai_protocol`, `openai_render`: the OpenAI-compatible `/v1/chat/completions`,
   `/v1/completions` and `/v1/models` (requests mapped onto /generate's validation; SGLang's response shapes)
 - `weight_group`: weight-update groups formed as SGLang's `init_custom_process_group` forms them, SGLang's

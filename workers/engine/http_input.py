@@ -1,6 +1,7 @@
-"""Reading request bodies safely: size, JSON shape and nesting bounds, and clients that go away mid-body.
+"""Reading requests safely: the API key, size, JSON shape and nesting bounds, and clients that go away mid-body.
 
-Owns `read_json` (every JSON endpoint of the server reads its body through it) and `BodyLimitMiddleware`.
+Owns `read_json` (every JSON endpoint of the server reads its body through it), `BodyLimitMiddleware` and
+`ApiKeyMiddleware` (the gates a request passes before the app reads it).
 
 Invariants:
 - no body larger than the engine's `--max-request-bytes` is read into memory: a declared Content-Length over
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from typing import Any
 
 import anyio
@@ -31,6 +33,24 @@ PARSE_IN_THREAD_BYTES = 1 << 20
 
 class ClientGone(RequestError):
     """The client disconnected before its body was complete; the answer goes nowhere."""
+
+
+class ApiKeyMiddleware:
+    """Bearer auth on every path except /health* and /metrics (as SGLang's --api-key)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            if not (path.startswith("/health") or path == "/metrics"):
+                header = dict(scope["headers"]).get(b"authorization", b"")
+                if not secrets.compare_digest(header, self.expected):
+                    await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:

@@ -27,7 +27,7 @@ from workers.engine import openai_render as render
 from workers.engine.http_input import read_json
 from workers.engine.openai_protocol import GenerateBody, chat_request, completion_request
 from workers.engine.sampling_params import RequestError
-from workers.engine.scheduler import MemoryReleasedError, Seq
+from workers.engine.sequences import MemoryReleasedError, Seq
 
 if TYPE_CHECKING:
     from workers.engine.args import EngineArgs

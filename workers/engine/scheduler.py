@@ -1,4 +1,5 @@
-"""The scheduler: every sequence's state, and the one task that drives the model runner step by step.
+"""The scheduler: every sequence's state (the records are `sequences`'), and the one task that drives the model
+runner step by step.
 
 Owns the waiting queue, the running set, pause / release state, weight-update admission holds and the
 counters behind /metrics. All of it is changed only on the event loop; the model runs in a worker thread
@@ -22,12 +23,9 @@ from __future__ import annotations
 import logging
 import random
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from enum import Enum
 from functools import partial
 from typing import Any
 
@@ -35,87 +33,14 @@ import anyio
 import torch
 
 from workers.engine.runner import ModelRunner, PrefillItem, StepOutput
-from workers.engine.sampling import RequestError, RowResult, RowSampling, SamplingParams
+from workers.engine.sampling import RequestError, RowResult, RowSampling
+from workers.engine.sequences import MemoryReleasedError, RequestGroup, Seq, SeqState
 from workers.engine.stops import finish_check, trim_text
 
 log = logging.getLogger("rayless.engine.scheduler")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-class MemoryReleasedError(Exception):
-    """A request to an engine whose memory is released (the server answers 503, type MemoryReleased)."""
-
-    def __init__(self, released: set[str]) -> None:
-        self.released = sorted(released)
-        super().__init__(
-            f"the engine's memory is released ({', '.join(self.released)}); "
-            "it generates again after /resume_memory_occupation"
-        )
-
-
-class SeqState(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Seq:
-    """One generated sample (a prompt with n = 3 makes three)."""
-
-    public_id: str  # meta_info.id
-    rid: str | None  # the rid the client sent, for /abort_request
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    group: RequestGroup
-    index: int
-    return_logprob: bool = False
-    logprob_start: int = 0  # resolved: first prompt position whose logprob is returned
-    top_logprobs_num: int = 0
-    bypass_pause: bool = False
-    key: str = field(default_factory=lambda: uuid.uuid4().hex)  # unique row key inside the runner
-    state: SeqState = SeqState.WAITING
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    input_logprobs: list[tuple[float | None, int]] | None = None
-    input_top_logprobs: list[list[tuple[float, int]]] | None = None
-    finish_reason: dict[str, Any] | None = None
-    max_new_tokens: int = -1  # resolved (a null max_new_tokens is what the context leaves); -1: params'
-    weight_version: str = "default"
-    latency: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            self.max_new_tokens = self.params.max_new_tokens or 0
-
-    @property
-    def finished(self) -> bool:
-        return self.state is SeqState.FINISHED
-
-
-@dataclass(eq=False)
-class RequestGroup:
-    """The sequences of one /generate call; `changed` is set when any of them advances (stream) or ends."""
-
-    seqs: list[Seq] = field(default_factory=list)
-    stream: bool = False
-    created: float = field(default_factory=time.perf_counter)
-    changed: anyio.Event = field(default_factory=anyio.Event)
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.finished for seq in self.seqs)
-
-    async def wait_finished(self) -> None:
-        while True:
-            self.changed = anyio.Event()
-            if self.finished:
-                return
-            await self.changed.wait()
 
 
 class Scheduler:
