@@ -45,6 +45,9 @@ class TinyModelSpec:
     seed: int = 0
     #: Whole words that are one token each (after the characters).
     words: tuple[str, ...] = ()
+    #: The model's vocabulary when larger than the tokenizer's (e.g. Qwen3's 151,936): rows no text maps to,
+    #: as real checkpoints pad theirs; None: the tokenizer's size.
+    vocab_size: int | None = None
 
 
 def vocabulary(words: tuple[str, ...] = ()) -> dict[str, int]:
@@ -87,7 +90,7 @@ def build_tiny_model(directory: str | Path, spec: TinyModelSpec | None = None) -
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     vocab = vocabulary(spec.words)
-    vocab_size = len(vocab)
+    vocab_size = max(len(vocab), spec.vocab_size or 0)
     config = Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,

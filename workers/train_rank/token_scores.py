@@ -37,12 +37,12 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return torch.nn.functional.linear(hidden, weight, bias).float()
 
 
-def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """In place: `logits` becomes log p. Returns (log p of the targets, entropy, p)."""
-    logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
-    probs = logits.exp()
-    entropy = -torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).reshape(-1)
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy, probs
+def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's float32 log-softmax; the logits are freed as soon as it exists (peak: two chunk tensors)."""
+    logits = _chunk_logits(hidden, weight, bias)
+    log_p = torch.log_softmax(logits, dim=-1)
+    del logits
+    return log_p
 
 
 class ChunkedTokenScores(torch.autograd.Function):
@@ -56,9 +56,11 @@ class ChunkedTokenScores(torch.autograd.Function):
         with torch.no_grad():
             for start in range(0, hidden.shape[0], chunk):
                 end = min(start + chunk, hidden.shape[0])
-                logits = _chunk_logits(hidden[start:end], weight, bias)
-                log_probs[start:end], entropy[start:end], _ = _chunk_stats(logits, targets[start:end])
-                del logits
+                log_p = _chunk_log_probs(hidden[start:end], weight, bias)
+                log_probs[start:end] = log_p.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)
+                probs = log_p.exp()
+                entropy[start:end] = -torch.bmm(probs.unsqueeze(1), log_p.unsqueeze(2)).reshape(-1)
+                del log_p, probs
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
         ctx.chunk = chunk
         ctx.set_materialize_grads(False)
@@ -76,8 +78,7 @@ class ChunkedTokenScores(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(start + ctx.chunk, hidden.shape[0])
-            log_p = _chunk_logits(hidden[start:end], weight, bias)
-            log_p.sub_(torch.logsumexp(log_p, dim=-1, keepdim=True))
+            log_p = _chunk_log_probs(hidden[start:end], weight, bias)
             probs = log_p.exp()
             # d entropy / d z_j = -p_j (log p_j + H);  d log p_t / d z_j = [j = t] - p_j
             grad = log_p
