@@ -69,6 +69,8 @@ def shard_model(model: Any, *, device: torch.device, compute_dtype: torch.dtype 
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
+            # a plain SUM (no NCCL PreMulSum, which gloo lacks): with a factor of 1 there is nothing to scale
+            module.set_force_sum_reduction_for_comms(True)
 
 
 class FullySharded:
