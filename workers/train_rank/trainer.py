@@ -31,6 +31,10 @@ from workers.train_rank.tis_hook import TisHook
 from workers.train_rank.token_scores import token_scores
 
 
+#: in place of a step's old logprobs: the step runs on the policy that defines them (the rollout's first step)
+SAME_POLICY = object()
+
+
 class NotInitialised(RuntimeError):
     """A command that needs the model arrived before `init`."""
 
@@ -132,9 +136,12 @@ class Trainer:
         )
         batches = [self._micro_batches(samples) for samples in command.steps]
         # slime's old logprobs: the policy before this rollout's first update, so the ratio of every step of
-        # the rollout is taken against the same policy.
-        old = ([[self._log_probs(batch) for batch in step] for step in batches]
-               if settings.recomputes_old_log_probs else [[None] * len(step) for step in batches])
+        # the rollout is taken against the same policy. The first step runs on that policy itself, so its old
+        # logprobs are its own forward's, detached (SAME_POLICY): no second forward of the same weights.
+        recompute = settings.recomputes_old_log_probs
+        old: list[list[Any]] = [
+            [(SAME_POLICY if index == 0 else self._log_probs(batch)) if recompute else None for batch in step]
+            for index, step in enumerate(batches)]
         steps = []
         for step_batches, step_old, global_tokens in zip(batches, old, command.step_loss_tokens, strict=True):
             steps.append(self._train_step(step_batches, step_old, int(global_tokens), loss_config))
@@ -173,7 +180,7 @@ class Trainer:
         return self._scores(batch, self.model if model is None else model, with_entropy=False)[0]
 
     def _train_step(
-        self, micro_batches: list[MicroBatch], old_log_probs: list[torch.Tensor | None], global_tokens: int,
+        self, micro_batches: list[MicroBatch], old_log_probs: list[Any], global_tokens: int,
         loss_config: LossConfig,
     ) -> protocol.StepMetrics:
         settings, model, optimizer = self._require()
@@ -184,6 +191,8 @@ class Trainer:
         for batch, old in zip(micro_batches, old_log_probs, strict=True):
             log_probs, entropy = self._scores(batch, model, with_entropy=True, entropy_grad=bool(settings.entropy_coef))
             assert entropy is not None
+            if old is SAME_POLICY:
+                old = log_probs.detach()
             ref_log_probs = self._log_probs(batch, self.reference) if self.reference is not None else None
             loss, batch_sums, batch_maxima = policy_loss(
                 log_probs=log_probs,
