@@ -46,32 +46,38 @@ def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 class ChunkedTokenScores(torch.autograd.Function):
-    """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) → (logprob [N], entropy [N]), float32."""
+    """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) → (logprob [N], entropy [N]), float32.
+
+    `entropy`: 0 not computed (zeros), 1 a detached metric, 2 differentiable."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, chunk: int, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                targets: torch.Tensor, chunk: int, entropy: int) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty_like(log_probs)
+        entropies = torch.zeros_like(log_probs)
         with torch.no_grad():
             for start in range(0, hidden.shape[0], chunk):
                 end = min(start + chunk, hidden.shape[0])
                 log_p = _chunk_log_probs(hidden[start:end], weight, bias)
                 log_probs[start:end] = log_p.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)
-                probs = log_p.exp()
-                entropy[start:end] = -torch.bmm(probs.unsqueeze(1), log_p.unsqueeze(2)).reshape(-1)
-                del log_p, probs
-        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
+                if entropy:
+                    probs = log_p.exp()
+                    entropies[start:end] = -torch.bmm(probs.unsqueeze(1), log_p.unsqueeze(2)).reshape(-1)
+                    del probs
+                del log_p
+        ctx.save_for_backward(hidden, weight, bias, targets, entropies)
         ctx.chunk = chunk
         ctx.set_materialize_grads(False)
-        if not entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-        return log_probs, entropy
+        if entropy < 2:
+            ctx.mark_non_differentiable(entropies)
+        return log_probs, entropies
 
     @staticmethod
     def backward(ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        if grad_log_probs is None and grad_entropy is None:
+            return None, None, None, None, None, None
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
@@ -80,35 +86,38 @@ class ChunkedTokenScores(torch.autograd.Function):
             end = min(start + ctx.chunk, hidden.shape[0])
             log_p = _chunk_log_probs(hidden[start:end], weight, bias)
             probs = log_p.exp()
-            # d entropy / d z_j = -p_j (log p_j + H);  d log p_t / d z_j = [j = t] - p_j
-            grad = log_p
+            # d entropy / d z_j = -p_j (log p_j + H);  d log p_t / d z_j = [j = t] - p_j. In place, one pass each.
+            scale = None if grad_log_probs is None else grad_log_probs[start:end].unsqueeze(-1)
             if grad_entropy is not None:
-                grad.add_(entropy[start:end].unsqueeze(-1)).mul_(probs).mul_(-grad_entropy[start:end].unsqueeze(-1))
+                grad = log_p.add_(entropy[start:end].unsqueeze(-1)).mul_(probs)
+                grad.mul_(-grad_entropy[start:end].unsqueeze(-1))
+                if scale is not None:
+                    grad.addcmul_(probs, scale, value=-1.0)
+                del probs
             else:
-                grad.zero_()
-            if grad_log_probs is not None:
-                scale = grad_log_probs[start:end].unsqueeze(-1)
-                grad.addcmul_(probs, scale, value=-1.0)
+                del log_p
+                grad = probs.mul_(-scale)
+            if scale is not None:
                 grad.scatter_add_(-1, targets[start:end].unsqueeze(-1), scale)
-            del probs
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight.addmm_(grad.t(), hidden[start:end].float())
             if grad_bias is not None:
                 grad_bias.add_(grad.sum(0))
-            del grad, log_p
+            del grad
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(weight.dtype), None, None, None)
 
 
 def scores_from_hidden(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, *, chunk: int | None,
-                       entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., H] hidden states and [...] targets → ([...] logprob, [...] entropy), float32."""
+                       entropy: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., H] hidden states and [...] targets → ([...] logprob, [...] entropy), float32 (`entropy` as in
+    `ChunkedTokenScores`)."""
     shape = targets.shape
     flat = hidden.reshape(-1, hidden.shape[-1])
     log_probs, entropy = ChunkedTokenScores.apply(flat, head.weight, head.bias, targets.reshape(-1),
-                                                  chunk or max(flat.shape[0], 1), entropy_grad)
+                                                  chunk or max(flat.shape[0], 1), entropy)
     return log_probs.view(shape), entropy.view(shape)
 
 
@@ -129,11 +138,10 @@ def output_head(model: Any) -> torch.nn.Linear | None:
 
 
 @contextmanager
-def _head_scoring(head: torch.nn.Linear, targets: torch.Tensor, chunk: int | None, entropy_grad: bool,
+def _head_scoring(head: torch.nn.Linear, targets: torch.Tensor, chunk: int | None, entropy: int,
                   into: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        into.append(scores_from_hidden(hidden, head, targets[:, : hidden.shape[1]], chunk=chunk,
-                                       entropy_grad=entropy_grad))
+        into.append(scores_from_hidden(hidden, head, targets[:, : hidden.shape[1]], chunk=chunk, entropy=entropy))
         return hidden.new_zeros((*hidden.shape[:-1], 0))  # the model's "logits": nothing vocabulary-sized
 
     head.forward = forward  # type: ignore[method-assign]
@@ -164,7 +172,7 @@ def token_scores(model: Any, *, input_ids: torch.Tensor, attention_mask: torch.T
     targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
     results: list[tuple[torch.Tensor, torch.Tensor]] = []
     chunk = chunk_tokens(chunk_size, head.weight.shape[0])
-    with _head_scoring(head, targets, chunk, entropy_grad and with_entropy, results):
+    with _head_scoring(head, targets, chunk, (2 if entropy_grad else 1) if with_entropy else 0, results):
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     if len(results) != 1:
         raise RuntimeError(f"{type(model).__name__}'s forward called its output head {len(results)} times, not once")
