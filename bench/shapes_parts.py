@@ -55,13 +55,13 @@ def samples(shape: Shape, vocab_size: int) -> list[Sample]:
 
 
 def build_model(directory: Path, *, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
-                vocab_size: int) -> Path:
+                vocab_size: int, head_dim: int | None = None) -> Path:
     from workers.tiny_model import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(directory, TinyModelSpec(hidden_size=hidden, num_hidden_layers=layers,
                                                      intermediate_size=intermediate, num_attention_heads=heads,
                                                      num_key_value_heads=kv_heads, vocab_size=vocab_size,
-                                                     max_position_embeddings=40_960))
+                                                     head_dim=head_dim, max_position_embeddings=40_960))
 
 
 def _peak_bytes(device: Any) -> int:

@@ -30,7 +30,6 @@ from workers.train_rank.settings import TrainSettings
 from workers.train_rank.tis_hook import TisHook
 from workers.train_rank.token_scores import token_scores
 
-
 #: in place of a step's old logprobs: the step runs on the policy that defines them (the rollout's first step)
 SAME_POLICY = object()
 
