@@ -79,6 +79,10 @@ class TrainConfig(Slice):
     log_probs_chunk_size: int | None = flag(None, help="positions whose logits are computed at once for the "
                                             "logprobs and entropy (default: as many as fit 256 MiB of float32 "
                                             "logits; -1: the whole micro-batch at once, slime's default)")
+    attn_implementation: str | None = flag(None, help="the training model's attention (transformers' "
+                                           "attn_implementation; default sdpa): flash_attention_2 runs packed "
+                                           "micro-batches as varlen on CUDA, sdpa/eager with a block-diagonal mask",
+                                           choices=("eager", "sdpa", "flash_attention_2", "flex_attention"))
     train_pg_timeout_s: float = flag(300.0, help="the training ranks' collective timeout after their first step "
                                      "(0: keep the start-up's, RAYLESS_PG_TIMEOUT_S or 600 s)", minimum=0)
     micro_batch_size: int | None = flag(None, help="samples per micro-batch (without --use-dynamic-batch-size; "
@@ -160,6 +164,7 @@ class TrainConfig(Slice):
             "tis_clip_low": self.tis_clip_low,
             "max_tokens_per_micro_batch": self.max_tokens_per_gpu,
             "log_probs_chunk_size": self.log_probs_chunk_size,
+            "attn_implementation": self.attn_implementation,
             "train_pg_timeout_s": self.train_pg_timeout_s,
             "micro_batch_size": None if self.use_dynamic_batch_size else self.micro_batch_size,
             "compute_dtype": self.compute_dtype,
