@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak (H100/H200 bf16 dense)")
     parser.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     options = parser.parse_args()
-    shape = (Shape(prompt_median=8, response_median=12, response_cap=96, max_tokens_per_gpu=512)
+    shape = (Shape(prompt_median=6, response_median=6, response_cap=48, max_tokens_per_gpu=256)
              if options.quick else Shape())
     if options.max_tokens_per_gpu:
         shape = Shape(**{**shape_fields(shape), "max_tokens_per_gpu": options.max_tokens_per_gpu})

@@ -60,10 +60,8 @@ class ChunkedTokenScores(torch.autograd.Function):
                 end = min(start + chunk, hidden.shape[0])
                 log_p = _chunk_log_probs(hidden[start:end], weight, bias)
                 log_probs[start:end] = log_p.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)
-                if entropy:
-                    probs = log_p.exp()
-                    entropies[start:end] = -torch.bmm(probs.unsqueeze(1), log_p.unsqueeze(2)).reshape(-1)
-                    del probs
+                if entropy:  # -sum p log p, in place over p (no third chunk-sized tensor)
+                    entropies[start:end] = -log_p.exp().mul_(log_p).sum(-1)
                 del log_p
         ctx.save_for_backward(hidden, weight, bias, targets, entropies)
         ctx.chunk = chunk
