@@ -192,3 +192,19 @@ def test_balanced_packing_across_two_ranks_gives_equal_tokens_and_micro_batch_co
     assert split_to_count([[0, 1]], [5, 5], 4) == [[0], [1], [], []]
     empty = pack([], pad_token_id=0)
     assert empty.num_tokens == 0 and float(empty.loss_mask.sum()) == 0.0
+
+
+def test_the_flags_reach_the_rank_settings(tiny_model_dir: Path) -> None:
+    from coordinator.config.parser import parse_config
+    from workers.train_rank.settings import TrainSettings
+
+    base = ["--hf-checkpoint", str(tiny_model_dir), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--num-rollout", "1", "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1"]
+    default = TrainSettings.from_dict(parse_config(base).rank_settings())
+    assert (default.log_probs_chunk_size, default.train_pg_timeout_s, default.attn_implementation) == (None, 300.0,
+                                                                                                       None)
+    config = parse_config([*base, "--log-probs-chunk-size", "-1", "--train-pg-timeout-s", "30",
+                           "--attn-implementation", "eager"])
+    settings = TrainSettings.from_dict(config.rank_settings())
+    assert (settings.log_probs_chunk_size, settings.train_pg_timeout_s, settings.attn_implementation) == (-1, 30.0,
+                                                                                                        "eager")
