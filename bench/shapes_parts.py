@@ -94,13 +94,14 @@ def _settings(model_dir: str, shape: Shape, dtype: str, attn: str | None) -> dic
 
 
 def _forward_backward(model: Any, batches: list[Any]) -> float:
-    """The floor's work: forward (chunked logprobs) + backward on each packed micro-batch; seconds."""
+    """The floor's work: forward (chunked logprobs of the responses, as the trainer computes them) + backward on
+    each packed micro-batch; seconds."""
     from workers.train_rank.token_scores import token_scores
 
     started = time.perf_counter()
     for batch in batches:
         log_probs, _ = token_scores(model, input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                    with_entropy=False)
+                                    with_entropy=False, scored=batch.response_positions())
         log_probs.sum().backward()
         model.zero_grad(set_to_none=True)
     return time.perf_counter() - started
@@ -168,7 +169,7 @@ def floor_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int,
     else:
         Path("/proc/self/clear_refs").write_text("5")
     log_probs, _ = token_scores(model, input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                with_entropy=False)
+                                with_entropy=False, scored=batch.response_positions())
     log_probs.sum().backward()
     optimizer.step()
     _sync(device)

@@ -109,7 +109,12 @@ def test_packed_micro_batch_equals_padded_logprobs_and_gradients(tiny_model_dir:
     padded_loss, padded_pieces = response_sum(token_log_probs(logits, padded.input_ids), padded.spans)
     padded_loss.backward()
     padded_grads = gradients(model)
-    log_probs, _ = token_scores(model, input_ids=packed.input_ids, position_ids=packed.position_ids, chunk_size=5)
+    # only the responses are scored (the trainer's way): the same values there, 0 elsewhere
+    scored = packed.response_positions()
+    assert int(scored.sum()) == sum(len(sample.loss_mask) for sample in samples)
+    log_probs, _ = token_scores(model, input_ids=packed.input_ids, position_ids=packed.position_ids, chunk_size=5,
+                                scored=scored)
+    assert float(log_probs.detach()[~scored].abs().max()) == 0.0
     packed_loss, packed_pieces = response_sum(log_probs, packed.spans)
     packed_loss.backward()
     for ours, theirs, sample in zip(packed_pieces, padded_pieces, samples, strict=True):

@@ -49,6 +49,13 @@ class MicroBatch:
     def computed_tokens(self) -> int:
         return int(self.input_ids.numel())
 
+    def response_positions(self) -> torch.Tensor:
+        """[B, L-1] bool: the shifted positions inside a response (the only ones whose logprobs are used)."""
+        flat = torch.zeros(self.loss_mask.numel(), dtype=torch.bool, device=self.loss_mask.device)
+        for start, end in self.spans:
+            flat[start:end] = True
+        return flat.view(self.loss_mask.shape)
+
     def to(self, device: torch.device) -> MicroBatch:
         def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
             return None if tensor is None else tensor.to(device)

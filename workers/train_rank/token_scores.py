@@ -109,14 +109,22 @@ class ChunkedTokenScores(torch.autograd.Function):
 
 
 def scores_from_hidden(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, *, chunk: int | None,
-                       entropy: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       entropy: int, scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., H] hidden states and [...] targets → ([...] logprob, [...] entropy), float32 (`entropy` as in
-    `ChunkedTokenScores`)."""
+    `ChunkedTokenScores`). `scored` [...] bool: only those positions are computed; the others are 0."""
     shape = targets.shape
     flat = hidden.reshape(-1, hidden.shape[-1])
-    log_probs, entropy = ChunkedTokenScores.apply(flat, head.weight, head.bias, targets.reshape(-1),
-                                                  chunk or max(flat.shape[0], 1), entropy)
-    return log_probs.view(shape), entropy.view(shape)
+    flat_targets = targets.reshape(-1)
+    index = None if scored is None else scored.reshape(-1).nonzero().squeeze(-1)
+    if index is not None:
+        flat, flat_targets = flat.index_select(0, index), flat_targets.index_select(0, index)
+    log_probs, entropies = ChunkedTokenScores.apply(flat, head.weight, head.bias, flat_targets,
+                                                    chunk or max(flat.shape[0], 1), entropy)
+    if index is not None:
+        size = targets.numel()
+        log_probs = log_probs.new_zeros(size).index_put((index,), log_probs)
+        entropies = entropies.new_zeros(size).index_put((index,), entropies)
+    return log_probs.view(shape), entropies.view(shape)
 
 
 def output_head(model: Any) -> torch.nn.Linear | None:
@@ -136,10 +144,10 @@ def output_head(model: Any) -> torch.nn.Linear | None:
 
 
 @contextmanager
-def _head_scoring(head: torch.nn.Linear, targets: torch.Tensor, chunk: int | None, entropy: int,
-                  into: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+def _head_scoring(head: torch.nn.Linear, targets: torch.Tensor, scored: torch.Tensor | None, chunk: int | None,
+                  entropy: int, into: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        into.append(scores_from_hidden(hidden, head, targets[:, : hidden.shape[1]], chunk=chunk, entropy=entropy))
+        into.append(scores_from_hidden(hidden, head, targets, chunk=chunk, entropy=entropy, scored=scored))
         return hidden.new_zeros((*hidden.shape[:-1], 0))  # the model's "logits": nothing vocabulary-sized
 
     head.forward = forward  # type: ignore[method-assign]
@@ -151,9 +159,11 @@ def _head_scoring(head: torch.nn.Linear, targets: torch.Tensor, chunk: int | Non
 
 def token_scores(model: Any, *, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, chunk_size: int | None = None, with_entropy: bool = True,
-                 entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 entropy_grad: bool = False, scored: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, L] inputs → ([B, L-1] logprob of each next token, [B, L-1] entropy or None), float32; position t
-    scores token t + 1, as `batching.token_log_probs`."""
+    scores token t + 1, as `batching.token_log_probs`. `scored` [B, L-1] bool: the positions wanted (the
+    responses; a prompt's logprobs are never used), the others 0 and never computed."""
     from workers.train_rank.batching import token_entropy, token_log_probs
 
     head = output_head(model)
@@ -168,9 +178,10 @@ def token_scores(model: Any, *, input_ids: torch.Tensor, attention_mask: torch.T
             return log_probs, token_entropy(logits.detach())
     # Position t's target is token t + 1; the last position's (no next token) is dropped below.
     targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+    wanted = None if scored is None else torch.cat([scored.bool(), scored.new_zeros((scored.shape[0], 1)).bool()], 1)
     results: list[tuple[torch.Tensor, torch.Tensor]] = []
     chunk = chunk_tokens(chunk_size, head.weight.shape[0])
-    with _head_scoring(head, targets, chunk, (2 if entropy_grad else 1) if with_entropy else 0, results):
+    with _head_scoring(head, targets, wanted, chunk, (2 if entropy_grad else 1) if with_entropy else 0, results):
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     if len(results) != 1:
         raise RuntimeError(f"{type(model).__name__}'s forward called its output head {len(results)} times, not once")

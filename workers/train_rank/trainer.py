@@ -172,7 +172,7 @@ class Trainer:
         settings, _, _ = self._require()
         return token_scores(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                             position_ids=batch.position_ids, chunk_size=settings.log_probs_chunk_size,
-                            with_entropy=with_entropy, entropy_grad=entropy_grad)
+                            with_entropy=with_entropy, entropy_grad=entropy_grad, scored=batch.response_positions())
 
     @torch.no_grad()
     def _log_probs(self, batch: MicroBatch, model: Any = None) -> torch.Tensor:
