@@ -78,7 +78,8 @@ class TrainConfig(Slice):
                                    "in one row, first-fit-decreasing; a longer sample goes alone)", minimum=1)
     log_probs_chunk_size: int | None = flag(None, help="positions whose logits are computed at once for the "
                                             "logprobs and entropy (default: as many as fit 256 MiB of float32 "
-                                            "logits; -1: the whole micro-batch at once, slime's default)")
+                                            "logits; -1: the whole micro-batch at once, slime's default)",
+                                            minimum=-1)
     attn_implementation: str | None = flag(None, help="the training model's attention (transformers' "
                                            "attn_implementation; default sdpa): flash_attention_2 runs packed "
                                            "micro-batches as varlen on CUDA, sdpa/eager with a block-diagonal mask",
