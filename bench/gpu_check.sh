@@ -7,6 +7,12 @@
 #                tmpfs): seconds per phase of each step and the memory per phase (bench/colocate.py)
 #   weight-sync  a colocated weight sync of a ~0.5 B-parameter random Qwen3-shaped model against a same-run floor
 #                (CUDA→host copy + safetensors save + load of the same bytes) (bench/colocated_sync.py)
+#   train-shapes a Qwen3-0.6B-shaped model (random weights, Qwen3's 151,936 vocabulary) in bf16 on 64 prompts × 8
+#                long-tailed samples packed 16,384 tokens per micro-batch: tokens/s and MFU (prime-rl's published
+#                figure for Qwen3-0.6B at 16k on one H100: 11.9k tokens/s, 11.1 % MFU), peak vs its chunked floor,
+#                real/computed tokens, tokens/s vs forward+backward alone (bench/train_shapes.py)
+#   offload      a ~100 M-parameter rank's state offloaded and onloaded through pinned host memory, non-blocking,
+#                against the host↔device bandwidth measured in the same run (goal ≥ 0.5×) (bench/offload_bandwidth.py)
 # `bench/gpu_check.sh --cpu` runs the same steps at tiny sizes on the CPU (CI runs it, so the script cannot rot).
 # Output: every step's log under $OUT (the device tool's output directory) or a temp dir; summary.txt lists
 # the verdicts. Exit status 1 when any step failed. Wheels of pure-Python dependencies the machine lacks may
@@ -76,6 +82,9 @@ if [[ "$MODE" == gpu ]]; then
     step colocate "${COLOCATE_LIMIT:-120}" "$PY" -m bench.colocate --device cuda --rollouts 4 \
         --hidden 1024 --layers 8 --intermediate 3072 --save-runs "$OUT_DIR/colocate-runs" --timeout 110
     step weight-sync "${WEIGHT_SYNC_LIMIT:-120}" "$PY" -m bench.colocated_sync --device cuda --repeats 3
+    step train-shapes "${TRAIN_SHAPES_LIMIT:-240}" "$PY" -m bench.train_shapes --device cuda --bf16 --hidden 1024 \
+        --layers 28 --intermediate 3072 --heads 16 --kv-heads 8 --head-dim 128 --max-tokens-per-gpu 16384
+    step offload "${OFFLOAD_LIMIT:-90}" "$PY" -m bench.offload_bandwidth --device cuda --repeats 3
 else
     # the same steps, small: only the files holding gpu-marked tests (they skip here), the colocated schedule
     # alone, a model of 0.1 M parameters whose sync is all fixed per-request costs (so no target: figures only)
@@ -85,6 +94,10 @@ else
         --save-runs "$OUT_DIR/colocate-runs" --timeout 80
     step weight-sync 60 "$PY" -m bench.colocated_sync --device cpu --hidden 64 --layers 2 --intermediate 128 \
         --repeats 2 --target inf
+    # 4 prompts × 8 short samples on the real vocabulary: the bench's every figure, none gated at this size
+    step train-shapes 120 "$PY" -m bench.train_shapes --quick --prompts 4 --report-only
+    step offload 60 "$PY" -m bench.offload_bandwidth --device cpu --hidden 64 --layers 2 --intermediate 128 \
+        --vocab 1024 --repeats 2
 fi
 
 echo

@@ -45,6 +45,11 @@ class TinyModelSpec:
     seed: int = 0
     #: Whole words that are one token each (after the characters).
     words: tuple[str, ...] = ()
+    #: The model's vocabulary when larger than the tokenizer's (e.g. Qwen3's 151,936): rows no text maps to,
+    #: as real checkpoints pad theirs; None: the tokenizer's size.
+    vocab_size: int | None = None
+    #: Per attention head (Qwen3-0.6B: 128 with hidden 1024 and 16 heads); None: hidden_size // heads.
+    head_dim: int | None = None
 
 
 def vocabulary(words: tuple[str, ...] = ()) -> dict[str, int]:
@@ -87,7 +92,7 @@ def build_tiny_model(directory: str | Path, spec: TinyModelSpec | None = None) -
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     vocab = vocabulary(spec.words)
-    vocab_size = len(vocab)
+    vocab_size = max(len(vocab), spec.vocab_size or 0)
     config = Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
@@ -95,7 +100,7 @@ def build_tiny_model(directory: str | Path, spec: TinyModelSpec | None = None) -
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.hidden_size // spec.num_attention_heads,
+        head_dim=spec.head_dim or spec.hidden_size // spec.num_attention_heads,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=vocab[PAD_TOKEN],

@@ -74,7 +74,18 @@ class TrainConfig(Slice):
     balance_data: bool = flag(False, help="balance tokens across training ranks (always done here)")
     use_dynamic_batch_size: bool = flag(False, help="micro-batches packed up to --max-tokens-per-gpu tokens "
                                         "(the default here; --micro-batch-size is then ignored, as slime)")
-    max_tokens_per_gpu: int = flag(8192, help="token budget of one micro-batch", minimum=1)
+    max_tokens_per_gpu: int = flag(8192, help="real tokens of one packed micro-batch (whole samples back to back "
+                                   "in one row, first-fit-decreasing; a longer sample goes alone)", minimum=1)
+    log_probs_chunk_size: int | None = flag(None, help="positions whose logits are computed at once for the "
+                                            "logprobs and entropy (default: as many as fit 256 MiB of float32 "
+                                            "logits; -1: the whole micro-batch at once, slime's default)",
+                                            minimum=-1)
+    attn_implementation: str | None = flag(None, help="the training model's attention (transformers' "
+                                           "attn_implementation; default sdpa): flash_attention_2 runs packed "
+                                           "micro-batches as varlen on CUDA, sdpa/eager with a block-diagonal mask",
+                                           choices=("eager", "sdpa", "flash_attention_2", "flex_attention"))
+    train_pg_timeout_s: float = flag(300.0, help="the training ranks' collective timeout after their first step "
+                                     "(0: keep the start-up's, RAYLESS_PG_TIMEOUT_S or 600 s)", minimum=0)
     micro_batch_size: int | None = flag(None, help="samples per micro-batch (without --use-dynamic-batch-size; "
                                         "default: packing by --max-tokens-per-gpu)", minimum=1)
     bf16: bool = flag(False, help="compute in bfloat16 (FSDP2 mixed precision on GPU; parameters and gradient "
@@ -165,6 +176,9 @@ class TrainConfig(Slice):
             "tis_clip": self.tis_clip,
             "tis_clip_low": self.tis_clip_low,
             "max_tokens_per_micro_batch": self.max_tokens_per_gpu,
+            "log_probs_chunk_size": self.log_probs_chunk_size,
+            "attn_implementation": self.attn_implementation,
+            "train_pg_timeout_s": self.train_pg_timeout_s,
             "micro_batch_size": None if self.use_dynamic_batch_size else self.micro_batch_size,
             "compute_dtype": self.compute_dtype,
             "gradient_checkpointing": self.activation_checkpointing,

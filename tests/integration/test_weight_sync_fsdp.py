@@ -1,7 +1,7 @@
 """The FSDP2 send path (every rank gathers each bucket, rank 0 sends it), run on CPU with gloo, into SGLang's own
 receive code, driven by the coordinator's `DistributedUpdate`.
 
-The ranks are `tests.support.fsdp_sender` under torchrun: the trainer's `FullySharded` and
+The ranks are `tests.support.fsdp_sender` under torchrun: the trainer's `shard_model` and
 `weight_buckets.broadcast_weights` with `collective=True`, as on GPU. The engine side is
 `tests.support.sglang_receiver` (SGLang's `init_custom_process_group` and receive loop from the wheel). The
 receiver must then compute exactly what the sharded model's weights give; and when an engine never joins,

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m tests.support.fsdp_sender '<json settings>'
 
 Every rank loads the model, moves its weights by `perturb` (the same on every rank), shards it with the
-trainer's own `FullySharded` (FSDP2; gloo on CPU here, NCCL on GPU in a run), then calls the trainer's
+trainer's own `shard_model` (FSDP2; gloo on CPU here, NCCL on GPU in a run), then calls the trainer's
 `weight_buckets.broadcast_weights` with `collective=True`: every rank gathers each bucket, rank 0 sends it.
 Rank 0 prints its report as one JSON line. The ranks are the trainer's code; only the command loop around
 them is left out.
@@ -30,7 +30,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from workers.train_rank.model import load_causal_lm
-    from workers.train_rank.parallel import FullySharded
+    from workers.train_rank.parallel import shard_model
     from workers.train_rank.weight_buckets import WeightSender, broadcast_weights
 
     settings = json.loads(sys.argv[1])
@@ -39,7 +39,7 @@ def main() -> None:
     try:
         model = load_causal_lm(settings["model_path"], dtype=torch.float32, device=torch.device("cpu"))
         perturb(model)
-        FullySharded(model, compute_dtype=None)
+        shard_model(model, device=torch.device("cpu"), compute_dtype=None)
         report = broadcast_weights(
             model, WeightSender(), rank=dist.get_rank(), train_device=torch.device("cpu"), collective=True,
             master_address="127.0.0.1", master_port=settings["master_port"], world_size=settings["world_size"],

@@ -15,15 +15,11 @@ from msgspec.structs import replace
 from tests.support.train_samples import synthetic_samples
 from workers import protocol
 from workers.train_rank import weight_export
-from workers.train_rank.batching import (
-    BatchError,
-    make_micro_batches,
-    plan_micro_batches,
-    token_log_probs,
-)
+from workers.train_rank.batching import BatchError, collate, token_log_probs
 from workers.train_rank.loss import LossConfig, approx_kl, policy_loss
 from workers.train_rank.model import load_causal_lm
 from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler
+from workers.train_rank.packing import first_fit_decreasing, pack, plan
 from workers.train_rank.settings import SettingsError, TrainSettings
 from workers.train_rank.trainer import Trainer
 
@@ -31,10 +27,10 @@ torch.set_num_threads(1)
 
 
 def test_micro_batches_respect_the_token_budget() -> None:
-    assert plan_micro_batches([3, 3, 3, 3], max_tokens=6) == [[0, 1], [2, 3]]
-    # Padded size counts: a long sample after short ones starts a new batch; one over budget goes alone.
-    assert plan_micro_batches([2, 2, 5, 9, 1], max_tokens=6) == [[0, 1], [2], [3], [4]]
-    assert plan_micro_batches([4, 4, 4], max_tokens=100) == [[0, 1, 2]]
+    assert first_fit_decreasing([3, 3, 3, 3], 6) == [[0, 1], [2, 3]]
+    # Real tokens count, longest first into the first bin with room; one over the budget goes alone.
+    assert first_fit_decreasing([2, 2, 5, 9, 1], 6) == [[3], [2, 4], [0, 1]]
+    assert first_fit_decreasing([4, 4, 4], 100) == [[0, 1, 2]]
 
 
 def test_padded_micro_batch_logprobs_match_single_sequence_forward(tiny_model_dir: Path) -> None:
@@ -42,7 +38,8 @@ def test_padded_micro_batch_logprobs_match_single_sequence_forward(tiny_model_di
     model = load_causal_lm(
         str(tiny_model_dir), dtype=torch.float32, device=torch.device("cpu"), trainable=False
     )
-    batches = make_micro_batches(samples, max_tokens=40, pad_token_id=0)
+    batches = [collate([samples[i] for i in group], pad_token_id=0)
+               for group in plan(samples, max_tokens=40, micro_batch_size=None)]
     assert len(batches) > 1
     worst = 0.0
     with torch.no_grad():
@@ -59,13 +56,10 @@ def test_padded_micro_batch_logprobs_match_single_sequence_forward(tiny_model_di
 def test_malformed_samples_are_rejected_with_the_field_named() -> None:
     good = protocol.WireSample(tokens=[5, 6, 7], response_length=1, loss_mask=[1], rollout_log_probs=[-1.0])
     with pytest.raises(BatchError, match="sample 1: loss_mask has 2 entries, response_length is 1"):
-        make_micro_batches([good, replace(good, loss_mask=[1, 1])], max_tokens=10, pad_token_id=0)
+        plan([good, replace(good, loss_mask=[1, 1])], max_tokens=10, micro_batch_size=None)
     with pytest.raises(BatchError, match="must leave at least one prompt token"):
-        make_micro_batches(
-            [replace(good, response_length=3, loss_mask=[1] * 3, rollout_log_probs=[0.0] * 3)],
-            max_tokens=10,
-            pad_token_id=0,
-        )
+        plan([replace(good, response_length=3, loss_mask=[1] * 3, rollout_log_probs=[0.0] * 3)],
+             max_tokens=10, micro_batch_size=None)
 
 
 def test_policy_loss_is_a_global_token_mean_with_ppo_clipping() -> None:
@@ -235,9 +229,10 @@ def test_gspo_clips_the_sequence_ratio() -> None:
 def test_micro_batch_size_cuts_by_count() -> None:
     samples = [protocol.WireSample(tokens=[1] * (3 + i), response_length=1, loss_mask=[1], rollout_log_probs=[0.0])
                for i in range(5)]
-    assert [batch.input_ids.shape[0] for batch in make_micro_batches(samples, max_tokens=10**6, pad_token_id=0,
-                                                                     micro_batch_size=2)] == [2, 2, 1]
-    assert len(make_micro_batches(samples, max_tokens=10**6, pad_token_id=0)) == 1
+    assert plan(samples, max_tokens=10**6, micro_batch_size=2) == [[0, 1], [2, 3], [4]]
+    assert plan(samples, max_tokens=10**6, micro_batch_size=None) == [[0, 1, 2, 3, 4]]
+    # each group is one packed row of its samples' real tokens
+    assert pack(samples[:2], pad_token_id=0).input_ids.shape == (1, 3 + 4)
 
 
 def test_settings_reject_unknown_keys_and_bad_values(tiny_model_dir: Path) -> None:

@@ -1,9 +1,13 @@
-"""Packs a rank's samples into micro-batches (by token budget, or by count) and recomputes response logprobs.
+"""A rank's samples as micro-batches, and the full-logits logprobs the chunked scorer is checked against.
 
-Invariant: logprobs come from `log_softmax(logits[:, :-1])` gathered at the next token, in float32 —
-the same quantity an engine reports at temperature 1 — and every per-token tensor is aligned to that
-shifted index: position t scores token t + 1, so sample i's response occupies shifted positions
-`prompt_length - 1 .. len(tokens) - 2`. Right padding keeps real positions 0..n-1 under a causal mask.
+Two layouts of the same per-token tensors: packed (the trainer's: one row of whole samples back to back,
+position ids restarting at 0 per sample, no attention mask, so transformers keeps attention within each sample;
+`packing` plans which samples share a row) and padded (`collate`: one sample per row, right-padded; kept as
+the reference layout). Invariant: every per-token tensor is aligned to the shifted index — position t scores
+token t + 1, the same quantity an engine reports at temperature 1 — so a sample starting at offset o with n
+tokens has its response at shifted positions `o + prompt_length - 1 .. o + n - 2`; a position scoring the next
+sample's first token (or padding) has loss mask 0. `spans` are those response ranges in the flattened
+`[B × (L-1)]` per-token layout, one per sample, whatever the layout.
 
 Multi-turn samples: a tool's tokens are response tokens with loss mask 0. Their recorded rollout logprob (slime
 writes 0.0; anything a hook wrote) is replaced by 0.0 here, so no value there can reach the loss or its
@@ -26,27 +30,47 @@ class BatchError(ValueError):
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # [B, L] right-padded
-    attention_mask: torch.Tensor  # [B, L]
+    input_ids: torch.Tensor  # [B, L]: B = 1 packed, or right-padded rows
+    attention_mask: torch.Tensor | None  # [B, L] padded; None packed (attention follows position_ids)
     loss_mask: torch.Tensor  # [B, L-1] float: 1 on trained response tokens
     rollout_log_probs: torch.Tensor  # [B, L-1]
     advantages: torch.Tensor  # [B, L-1]
-    num_tokens: int  # non-pad tokens
-    #: Each row's response as shifted positions [start, end) (a TIS hook gets per-sample slices).
+    num_tokens: int  # real (non-pad) tokens
+    #: Each sample's response as [start, end) in the flattened [B × (L-1)] per-token layout.
     spans: tuple[tuple[int, int], ...] = ()
-    #: Each row's prompt + response length.
+    #: Each sample's prompt + response length.
     total_lengths: tuple[int, ...] = ()
+    #: [B, L] packed: each sample's positions 0..n-1; None padded (the model's default positions).
+    position_ids: torch.Tensor | None = None
+    #: [B, L-1] long: the sample each shifted position belongs to (len(spans) for none): gspo's sequence means.
+    sample_ids: torch.Tensor | None = None
+
+    @property
+    def computed_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def response_positions(self) -> torch.Tensor:
+        """[B, L-1] bool: the shifted positions inside a response (the only ones whose logprobs are used)."""
+        flat = torch.zeros(self.loss_mask.numel(), dtype=torch.bool, device=self.loss_mask.device)
+        for start, end in self.spans:
+            flat[start:end] = True
+        return flat.view(self.loss_mask.shape)
 
     def to(self, device: torch.device) -> MicroBatch:
+        def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device)
+
         return MicroBatch(
             input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
+            attention_mask=move(self.attention_mask),
             loss_mask=self.loss_mask.to(device),
             rollout_log_probs=self.rollout_log_probs.to(device),
             advantages=self.advantages.to(device),
             num_tokens=self.num_tokens,
             spans=self.spans,
             total_lengths=self.total_lengths,
+            position_ids=move(self.position_ids),
+            sample_ids=move(self.sample_ids),
         )
 
 
@@ -68,24 +92,8 @@ def check_sample(sample: WireSample, index: int) -> None:
             )
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive groups whose padded size (count × longest) fits the budget; a longer sample goes alone."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for index, length in enumerate(lengths):
-        new_longest = max(longest, length)
-        if current and new_longest * (len(current) + 1) > max_tokens:
-            groups.append(current)
-            current, new_longest = [], length
-        current.append(index)
-        longest = new_longest
-    if current:
-        groups.append(current)
-    return groups
-
-
 def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
+    """The padded layout: one sample per row, right-padded to the longest."""
     longest = max(len(sample.tokens) for sample in samples)
     size = len(samples)
     input_ids = torch.full((size, longest), pad_token_id, dtype=torch.long)
@@ -93,39 +101,33 @@ def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
     loss_mask = torch.zeros((size, longest - 1), dtype=torch.float32)
     rollout = torch.zeros((size, longest - 1), dtype=torch.float32)
     advantages = torch.zeros((size, longest - 1), dtype=torch.float32)
+    sample_ids = torch.arange(size).unsqueeze(1).expand(size, longest - 1).clone()
     num_tokens = 0
     spans: list[tuple[int, int]] = []
     for row, sample in enumerate(samples):
-        tokens = sample.tokens
-        count = len(tokens)
-        response_length = sample.response_length
-        input_ids[row, :count] = torch.tensor(tokens, dtype=torch.long)
+        count = len(sample.tokens)
+        input_ids[row, :count] = torch.tensor(sample.tokens, dtype=torch.long)
         attention_mask[row, :count] = 1
-        start = count - response_length - 1
-        if response_length:
-            loss_mask[row, start : count - 1] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-            rollout[row, start : count - 1] = torch.tensor(
-                [value if mask else 0.0 for value, mask in zip(sample.rollout_log_probs, sample.loss_mask,
-                                                               strict=True)], dtype=torch.float32)
-            advantages[row, start : count - 1] = float(sample.advantage)
-        spans.append((start, count - 1))
+        start = count - sample.response_length - 1
+        fill_response(sample, loss_mask[row], rollout[row], advantages[row], start)
+        sample_ids[row, count - 1:] = size
+        spans.append((row * (longest - 1) + start, row * (longest - 1) + count - 1))
         num_tokens += count
     return MicroBatch(input_ids, attention_mask, loss_mask, rollout, advantages, num_tokens, tuple(spans),
-                      tuple(len(sample.tokens) for sample in samples))
+                      tuple(len(sample.tokens) for sample in samples), sample_ids=sample_ids)
 
 
-def make_micro_batches(samples: list[WireSample], *, max_tokens: int, pad_token_id: int,
-                       micro_batch_size: int | None = None) -> list[MicroBatch]:
-    """Micro-batches of `micro_batch_size` consecutive samples (`--micro-batch-size`), or packed by the
-    `max_tokens` budget when it is None (`--use-dynamic-batch-size`, the default)."""
-    for index, sample in enumerate(samples):
-        check_sample(sample, index)
-    if micro_batch_size is not None:
-        plan = [list(range(start, min(start + micro_batch_size, len(samples))))
-                for start in range(0, len(samples), micro_batch_size)]
-    else:
-        plan = plan_micro_batches([len(sample.tokens) for sample in samples], max_tokens)
-    return [collate([samples[i] for i in group], pad_token_id) for group in plan]
+def fill_response(sample: WireSample, loss_mask: torch.Tensor, rollout: torch.Tensor, advantages: torch.Tensor,
+                  start: int) -> None:
+    """Write a sample's response into 1-D shifted-position tensors from `start` (its prompt length - 1)."""
+    end = start + sample.response_length
+    if not sample.response_length:
+        return
+    loss_mask[start:end] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+    rollout[start:end] = torch.tensor(
+        [value if mask else 0.0 for value, mask in zip(sample.rollout_log_probs, sample.loss_mask, strict=True)],
+        dtype=torch.float32)
+    advantages[start:end] = float(sample.advantage)
 
 
 def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

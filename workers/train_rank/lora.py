@@ -98,15 +98,20 @@ def check_targets(model: Any, spec: LoraSpec) -> None:
                         "(tie_word_embeddings): an adapter there cannot be merged into one tensor; drop them")
 
 
-def apply_lora(model: Any, spec: LoraSpec) -> None:
-    """Inject the adapters in place (B = 0: the model's function is unchanged until it trains); freeze the rest;
-    load `spec.adapter_path`'s weights when given."""
+def inject_lora(model: Any, spec: LoraSpec) -> None:
+    """Inject the adapters in place (B = 0: the model's function is unchanged until it trains) and freeze the
+    rest; on a meta-device model this gives the structure only (the sharded load fills the weights)."""
     check_targets(model, spec)
     from peft import inject_adapter_in_model
 
     inject_adapter_in_model(peft_config(spec), model, adapter_name=ADAPTER_NAME)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(".lora_" in name)
+
+
+def apply_lora(model: Any, spec: LoraSpec) -> None:
+    """`inject_lora`, then `spec.adapter_path`'s weights when given."""
+    inject_lora(model, spec)
     if spec.adapter_path is not None:
         load_adapter_weights(model, Path(spec.adapter_path))
 

@@ -50,9 +50,18 @@ def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str
     return kl.clamp(-10.0, 10.0) if kl_type == "low_var_kl" else kl
 
 
-def _sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] → [B, 1]: each row's mean over its masked positions (0 for a row without any)."""
-    return (values * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+def _sequence_mean(values: torch.Tensor, mask: torch.Tensor, sample_ids: torch.Tensor | None) -> torch.Tensor:
+    """[B, T] → [B, T]: at each position, its sample's mean over the sample's masked positions (0 for a sample
+    without any). `sample_ids` [B, T] says which sample a position is in (packed rows hold several); None: one
+    sample per row."""
+    if sample_ids is None:
+        mean = (values * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        return mean.expand_as(values)
+    ids = sample_ids.reshape(-1)
+    buckets = int(ids.max()) + 1 if ids.numel() else 1
+    sums = torch.zeros(buckets, dtype=values.dtype, device=values.device).index_add(0, ids, (values * mask).reshape(-1))
+    counts = torch.zeros(buckets, dtype=mask.dtype, device=mask.device).index_add(0, ids, mask.reshape(-1))
+    return (sums / counts.clamp(min=1.0))[ids].view_as(values)
 
 
 def policy_loss(
@@ -67,6 +76,7 @@ def policy_loss(
     old_log_probs: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
     tis_hook: Callable[..., Any] | None = None,
+    sample_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
     """Returns (loss to backward, sums to add over ranks, maxima to max over ranks).
 
@@ -74,13 +84,14 @@ def policy_loss(
     `tis_hook`: with `--use-tis`, called in place of the built-in weight with (pg_loss, train_log_probs,
     rollout_log_probs, loss_mask) as keywords; returns the weighted per-token loss, the mask it keeps and its
     metric sums (`workers.train_rank.tis_hook`, which the caller binds to the micro-batch's spans).
+    `sample_ids`: which sample each position is in, for gspo's sequence ratio in a packed row.
     """
     denominator = float(max(global_loss_tokens, 1))
     mask = loss_mask
     old = rollout_log_probs if old_log_probs is None else old_log_probs
     log_ratio = log_probs - old
     if config.policy_loss == "gspo":
-        log_ratio = _sequence_mean(log_ratio, mask).expand_as(log_probs)
+        log_ratio = _sequence_mean(log_ratio, mask, sample_ids)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - config.eps_clip, 1.0 + config.eps_clip_high)

@@ -3,10 +3,12 @@
 Owns `StateOffload`: the parameters, their gradients, the optimizer state and the reference model of one rank,
 moved out by `offload()` and back by `onload()`. Two ways, chosen by the device the rank trains on:
 
-- CUDA (FSDP2): each module moves with `module.to("cpu")` and back with `module.to(device)` — FSDP2's
-  `_apply` re-points its sharded parameters (the way miles' FSDP actor sleeps), and gradients move with their
-  parameters; each optimizer state tensor that lives on the device is moved to host memory and back to the
-  same device. Then the caching allocator hands the freed blocks to the driver (`empty_cache`), where the
+- CUDA (FSDP2): each module moves with `module.to("cpu", non_blocking=True)` and back with
+  `module.to(device, non_blocking=True)` — FSDP2's `_apply` re-points its sharded parameters (the way miles'
+  FSDP actor sleeps), and gradients move with their parameters; each optimizer state tensor that lives on the
+  device is moved to host memory and back to the same device. A non-blocking device→host copy lands in pinned
+  host memory (torch allocates it pinned, from its caching host allocator, so a later offload reuses it), and
+  the copy back from pinned memory is a true DMA: every copy is queued, then one synchronize waits for all. Then the caching allocator hands the freed blocks to the driver (`empty_cache`), where the
   engine on the same GPU takes them. Before bringing the state back, the free device memory must hold it plus
   `--train-memory-margin-bytes` (miles' margin), else the step fails with a message naming the flag instead
   of an out-of-memory error halfway through.
@@ -150,14 +152,14 @@ class StateOffload:
 
     def _to_host(self) -> None:
         for _, module in self._modules():
-            module.to("cpu")
+            module.to("cpu", non_blocking=True)
         self._optimizer_devices = {}
         for index, key, state in self._optimizer_tensors():
             value = state[key]
             if value.device.type != "cpu":
                 self._optimizer_devices[(index, key)] = value.device
-                state[key] = value.to("cpu")
-        torch.cuda.synchronize(self.device)
+                state[key] = value.to("cpu", non_blocking=True)
+        torch.cuda.synchronize(self.device)  # the copies are done before their device blocks are reused
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -173,11 +175,11 @@ class StateOffload:
 
     def _to_device(self) -> None:
         for _, module in self._modules():
-            module.to(self.device)
+            module.to(self.device, non_blocking=True)
         for index, key, state in self._optimizer_tensors():
             device = self._optimizer_devices.get((index, key))
             if device is not None:
-                state[key] = state[key].to(device)
+                state[key] = state[key].to(device, non_blocking=True)
         self._optimizer_devices = {}
         torch.cuda.synchronize(self.device)
 

@@ -59,6 +59,14 @@ class TrainSettings:
     # <= 0 disables clipping; the norm is still reported.
     clip_grad: float = 1.0
     max_tokens_per_micro_batch: int = 8192
+    # Positions whose logits are computed at once (`--log-probs-chunk-size`): None = chunks of at most 256 MiB of
+    # float32 logits; <= 0 = the whole micro-batch at once (slime's -1); > 0 = that many positions.
+    log_probs_chunk_size: int | None = None
+    # "auto": FSDP2 on CUDA, replicas on CPU; "fsdp": FSDP2 on CPU (gloo) too; "replicate": never sharded.
+    data_parallel: str = "auto"
+    # The process group's timeout once the first step is done (the start-up's, model load included, is the
+    # environment's RAYLESS_PG_TIMEOUT_S); None or 0 keeps the start-up's.
+    train_pg_timeout_s: float | None = 300.0
     # Samples per micro-batch (None: pack by max_tokens_per_micro_batch).
     micro_batch_size: int | None = None
     seed: int = 1234
@@ -131,6 +139,10 @@ class TrainSettings:
                 raise SettingsError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise SettingsError(f"adam betas must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+        if self.data_parallel not in ("auto", "fsdp", "replicate"):
+            raise SettingsError(f"data_parallel must be auto, fsdp or replicate, got {self.data_parallel!r}")
+        if self.train_pg_timeout_s is not None and self.train_pg_timeout_s < 0:
+            raise SettingsError(f"train_pg_timeout_s must be >= 0, got {self.train_pg_timeout_s}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise SettingsError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.train_memory_margin_bytes < 0:

@@ -1,7 +1,8 @@
 """slime's `--custom-tis-function-path` on a training rank: a user's function in place of the built-in
 truncated-importance-sampling weight (with `--use-tis`).
 
-Owns the conversion between our padded `[B, T]` per-token tensors and slime's call, which is per sample:
+Owns the conversion between our `[B, T]` per-token tensors (packed or padded; each sample's response is a span
+of the flattened layout) and slime's call, which is per sample:
 `fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths)`
 with `pg_loss` the response tokens of every sample concatenated, the others lists of one 1-D tensor per sample
 (its response tokens), returning `(pg_loss, loss_masks, metrics)`: the weighted loss in the same layout, the
@@ -42,15 +43,18 @@ class TisHook:
     def __call__(self, *, pg_loss: torch.Tensor, train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
                  loss_mask: torch.Tensor, spans: Sequence[tuple[int, int]], total_lengths: Sequence[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """[B, T] tensors in, [B, T] loss and mask out, plus the metrics summed over the original loss tokens."""
+        """[B, T] tensors in, [B, T] loss and mask out, plus the metrics summed over the original loss tokens.
+        `spans`: each sample's response as [start, end) of the flattened [B × T] layout."""
         rows = list(enumerate(spans))
-        flat_mask = torch.cat([loss_mask[row, start:end] for row, (start, end) in rows])
+        flat_pg, flat_train = pg_loss.reshape(-1), train_log_probs.reshape(-1)
+        flat_rollout, flat_loss_mask = rollout_log_probs.reshape(-1), loss_mask.reshape(-1)
+        flat_mask = torch.cat([flat_loss_mask[start:end] for start, end in spans])
         result = self.fn(
             self.args,
-            pg_loss=torch.cat([pg_loss[row, start:end] for row, (start, end) in rows]),
-            train_log_probs=[train_log_probs[row, start:end] for row, (start, end) in rows],
-            rollout_log_probs=[rollout_log_probs[row, start:end] for row, (start, end) in rows],
-            loss_masks=[loss_mask[row, start:end] for row, (start, end) in rows],
+            pg_loss=torch.cat([flat_pg[start:end] for start, end in spans]),
+            train_log_probs=[flat_train[start:end] for start, end in spans],
+            rollout_log_probs=[flat_rollout[start:end] for start, end in spans],
+            loss_masks=[flat_loss_mask[start:end] for start, end in spans],
             total_lengths=list(total_lengths),
             response_lengths=[end - start for start, end in spans],
         )
@@ -64,16 +68,16 @@ class TisHook:
         if not isinstance(masks, list | tuple) or len(masks) != len(rows):
             raise TisHookError(f"{where} returned {type(masks).__name__} loss_masks; expected one per sample "
                                f"({len(rows)})")
-        weighted, kept = pg_loss.clone(), loss_mask.clone()
+        weighted, kept = flat_pg.clone(), flat_loss_mask.clone()
         offset = 0
         for (row, (start, end)), mask in zip(rows, masks, strict=True):
             if not isinstance(mask, torch.Tensor) or mask.shape != (end - start,):
                 raise TisHookError(f"{where} returned a loss mask of shape {getattr(mask, 'shape', None)} for "
                                    f"sample {row}; expected ({end - start},)")
-            weighted[row, start:end] = flat_loss[offset : offset + end - start]
-            kept[row, start:end] = mask.to(kept.dtype)
+            weighted[start:end] = flat_loss[offset : offset + end - start]
+            kept[start:end] = mask.to(kept.dtype)
             offset += end - start
-        return weighted, kept, self._metrics(metrics, flat_mask, where)
+        return weighted.view_as(pg_loss), kept.view_as(loss_mask), self._metrics(metrics, flat_mask, where)
 
     @staticmethod
     def _metrics(metrics: Any, flat_mask: torch.Tensor, where: str) -> dict[str, float]:

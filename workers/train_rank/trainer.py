@@ -10,6 +10,7 @@ back for the command and offloads it again after (`handle`).
 
 from __future__ import annotations
 
+import datetime
 import functools
 import time
 from typing import Any
@@ -17,15 +18,20 @@ from typing import Any
 import torch
 
 from workers import protocol
-from workers.train_rank import checkpoint, lora, weight_buckets, weight_export
-from workers.train_rank.batching import MicroBatch, make_micro_batches, token_entropy, token_log_probs
+from workers.train_rank import checkpoint, lora, packing, weight_buckets, weight_export
+from workers.train_rank.batching import MicroBatch
 from workers.train_rank.loss import LossConfig, policy_loss
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
 from workers.train_rank.offload import StateOffload
 from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler, clip_gradients
-from workers.train_rank.parallel import apply_data_parallel
+from workers.train_rank.parallel import FullySharded, Replicated, shard_model, use_fsdp
+from workers.train_rank.placement import load_sharded
 from workers.train_rank.settings import TrainSettings
 from workers.train_rank.tis_hook import TisHook
+from workers.train_rank.token_scores import token_scores
+
+#: in place of a step's old logprobs: the step runs on the policy that defines them (the rollout's first step)
+SAME_POLICY = object()
 
 
 class NotInitialised(RuntimeError):
@@ -48,6 +54,7 @@ class Trainer:
         self.tis_hook: TisHook | None = None
         self.state: StateOffload | None = None
         self.lora: lora.LoraSpec | None = None
+        self.steps_done = 0
 
     # ------------------------------------------------------------------------------------------ commands
 
@@ -55,21 +62,12 @@ class Trainer:
         settings = TrainSettings.from_dict(command.config)
         torch.manual_seed(settings.seed)
         dtype = getattr(torch, settings.dtype)
-        model = load_causal_lm(
-            settings.model_path,
-            dtype=dtype,
-            device=self.device,
-            attn_implementation=settings.attn_implementation,
-        )
         self.lora = lora.LoraSpec.from_dict(settings.lora) if settings.lora is not None else None
-        if self.lora is not None:
-            lora.apply_lora(model, self.lora)  # before sharding: FSDP2 and the replicas' broadcast see adapters
-        if settings.gradient_checkpointing:
-            enable_activation_checkpointing(model)
+        model = self._load(settings, settings.model_path, dtype, trainable=True, adapters=self.lora)
         if settings.needs_reference:
             self.reference = self._load_reference(settings, dtype)
-        compute_dtype = getattr(torch, settings.compute_dtype) if settings.compute_dtype else None
-        self.parallel = apply_data_parallel(model, device=self.device, compute_dtype=compute_dtype)
+        self.parallel = (FullySharded(model, self.device) if use_fsdp(settings.data_parallel, self.device)
+                         else Replicated(model))
         self.model = model
         self.optimizer = build_optimizer(
             model,
@@ -92,23 +90,44 @@ class Trainer:
         trainable, total = lora.trainable_counts(model)
         return {"num_parameters": total, "trainable_parameters": trainable, "device": str(self.device)}
 
+    def _load(self, settings: TrainSettings, path: str, dtype: torch.dtype, *, trainable: bool,
+              adapters: lora.LoraSpec | None = None) -> Any:
+        """Sharded: built on the meta device and loaded shard by shard (`placement`); else whole on the device.
+        `adapters`: LoRA adapters injected before sharding (FSDP2 and the replicas' broadcast see them)."""
+        if not use_fsdp(settings.data_parallel, self.device):
+            model = load_causal_lm(path, dtype=dtype, device=self.device,
+                                   attn_implementation=settings.attn_implementation, trainable=trainable)
+            if adapters is not None:
+                lora.apply_lora(model, adapters)
+            if trainable and settings.gradient_checkpointing:
+                enable_activation_checkpointing(model)
+            return model
+        compute_dtype = getattr(torch, settings.compute_dtype) if settings.compute_dtype else None
+
+        def shard(model: Any) -> None:
+            if trainable and settings.gradient_checkpointing:
+                enable_activation_checkpointing(model)
+            shard_model(model, device=self.device, compute_dtype=compute_dtype)
+
+        return load_sharded(
+            path, dtype=dtype, device=self.device, shard=shard, attn_implementation=settings.attn_implementation,
+            trainable=trainable,
+            # the adapters' structure on the meta model; on rank 0's full copy their weights too (broadcast)
+            adapt=(lambda model: lora.inject_lora(model, adapters)) if adapters is not None else None,
+            adapt_full=(lambda model: lora.apply_lora(model, adapters)) if adapters is not None else None)
+
     def _load_reference(self, settings: TrainSettings, dtype: torch.dtype) -> Any:
-        """The frozen reference: `reference_path` when it is a Hugging Face directory; the policy's
-        architecture with a rayless checkpoint's weights when it is one; else the policy's own start."""
+        """The frozen reference, sharded as the policy: `reference_path` when it is a Hugging Face directory;
+        the policy's architecture with a rayless checkpoint's weights when it is one; else the policy's start."""
         source = settings.reference_path or settings.model_path
         from_checkpoint = checkpoint.is_checkpoint(source)
-        reference = load_causal_lm(
-            settings.model_path if from_checkpoint else source,
-            dtype=dtype,
-            device=self.device,
-            attn_implementation=settings.attn_implementation,
-            trainable=False,
-        )
+        # a LoRA run's checkpoint: its adapters on the Hugging Face base, injected before any sharding
+        adapters = checkpoint.checkpoint_adapters(source) if from_checkpoint else None
+        reference = self._load(settings, settings.model_path if from_checkpoint else source, dtype, trainable=False,
+                               adapters=lora.LoraSpec.from_dict(adapters) if adapters is not None else None)
+        if adapters is not None:
+            reference.requires_grad_(False)
         if from_checkpoint:
-            adapters = checkpoint.checkpoint_adapters(source)
-            if adapters is not None:  # a LoRA run's checkpoint: its adapters on the Hugging Face base
-                lora.apply_lora(reference, lora.LoraSpec.from_dict(adapters))
-                reference.requires_grad_(False)
             checkpoint.load_model_weights(source, reference)
         return reference
 
@@ -132,28 +151,55 @@ class Trainer:
         )
         batches = [self._micro_batches(samples) for samples in command.steps]
         # slime's old logprobs: the policy before this rollout's first update, so the ratio of every step of
-        # the rollout is taken against the same policy.
-        with lora.dropout_off(self.model):  # miles' forward-only passes: dropout (--lora-dropout) off
-            old = ([[self._log_probs(batch) for batch in step] for step in batches]
-                   if settings.recomputes_old_log_probs else [[None] * len(step) for step in batches])
+        # the rollout is taken against the same policy. The first step runs on that policy itself, so its old
+        # logprobs are its own forward's, detached (SAME_POLICY): no second forward of the same weights — except
+        # with --lora-dropout, where the old logprobs are a forward-only pass with dropout off (miles').
+        recompute = settings.recomputes_old_log_probs
+        reuse_first = self.lora is None or self.lora.dropout == 0
+        with lora.dropout_off(self.model):
+            old: list[list[Any]] = [
+                [(SAME_POLICY if index == 0 and reuse_first else self._log_probs(batch)) if recompute else None
+                 for batch in step]
+                for index, step in enumerate(batches)]
         steps = []
         for step_batches, step_old, global_tokens in zip(batches, old, command.step_loss_tokens, strict=True):
             steps.append(self._train_step(step_batches, step_old, int(global_tokens), loss_config))
+            self._after_step(settings)
         return protocol.TrainResult(steps).to_wire()
 
+    def _after_step(self, settings: TrainSettings) -> None:
+        """After the first step (model load, first gathers) the process group's timeout is shortened, as
+        torchtitan does: a rank that hangs later is reported in `train_pg_timeout_s`, not the start-up's."""
+        self.steps_done += 1
+        if self.steps_done == 1 and torch.distributed.is_initialized() and settings.train_pg_timeout_s:
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            _set_pg_timeout(datetime.timedelta(seconds=settings.train_pg_timeout_s))
+
     def _micro_batches(self, samples: list[protocol.WireSample]) -> list[MicroBatch]:
+        """Packed micro-batches: first-fit-decreasing bins (or `micro_batch_size` groups), as many on every
+        sharded rank."""
         settings, _, _ = self._require()
-        return [batch.to(self.device) for batch in make_micro_batches(
-            samples, max_tokens=settings.max_tokens_per_micro_batch, pad_token_id=self.pad_token_id,
-            micro_batch_size=settings.micro_batch_size)]
+        groups = packing.plan(samples, max_tokens=settings.max_tokens_per_micro_batch,
+                              micro_batch_size=settings.micro_batch_size)
+        count = self.parallel.agree_count(len(groups))
+        if count > len(groups):
+            groups = packing.split_to_count(groups, [len(sample.tokens) for sample in samples], count)
+        return [packing.pack([samples[i] for i in group], self.pad_token_id).to(self.device) for group in groups]
+
+    def _scores(self, batch: MicroBatch, model: Any, *, with_entropy: bool, entropy_grad: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        settings, _, _ = self._require()
+        return token_scores(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            position_ids=batch.position_ids, chunk_size=settings.log_probs_chunk_size,
+                            with_entropy=with_entropy, entropy_grad=entropy_grad, scored=batch.response_positions())
 
     @torch.no_grad()
     def _log_probs(self, batch: MicroBatch, model: Any = None) -> torch.Tensor:
-        logits = (self.model if model is None else model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return token_log_probs(logits, batch.input_ids)
+        return self._scores(batch, self.model if model is None else model, with_entropy=False)[0]
 
     def _train_step(
-        self, micro_batches: list[MicroBatch], old_log_probs: list[torch.Tensor | None], global_tokens: int,
+        self, micro_batches: list[MicroBatch], old_log_probs: list[Any], global_tokens: int,
         loss_config: LossConfig,
     ) -> protocol.StepMetrics:
         settings, model, optimizer = self._require()
@@ -162,13 +208,10 @@ class Trainer:
         sums: dict[str, float] = {"num_tokens": 0.0}
         maxima: dict[str, float] = {}
         for batch, old in zip(micro_batches, old_log_probs, strict=True):
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            log_probs = token_log_probs(logits, batch.input_ids)
-            if settings.entropy_coef:
-                entropy = token_entropy(logits)
-            else:
-                with torch.no_grad():
-                    entropy = token_entropy(logits.detach())
+            log_probs, entropy = self._scores(batch, model, with_entropy=True, entropy_grad=bool(settings.entropy_coef))
+            assert entropy is not None
+            if old is SAME_POLICY:
+                old = log_probs.detach()
             ref_log_probs = self._log_probs(batch, self.reference) if self.reference is not None else None
             loss, batch_sums, batch_maxima = policy_loss(
                 log_probs=log_probs,
@@ -182,6 +225,7 @@ class Trainer:
                 ref_log_probs=ref_log_probs,
                 tis_hook=None if self.tis_hook is None else functools.partial(
                     self.tis_hook, spans=batch.spans, total_lengths=batch.total_lengths),
+                sample_ids=batch.sample_ids,
             )
             loss.backward()
             for key, value in batch_sums.items():

@@ -1,0 +1,180 @@
+"""The pieces of `bench.train_shapes`: the batch (long-tailed lengths), the model directory, and the measured
+processes (the rank's train command, its same-run floors), each in a fresh spawned process so its peak memory
+is its own.
+
+Owns nothing but measurement. A child regenerates the batch from its parameters (nothing is pickled across
+but plain numbers and dicts). Memory is the process's peak RSS (VmHWM) on CPU, `max_memory_allocated` on CUDA.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from replay.sample import Sample, SampleStatus
+
+QWEN3_VOCAB = 151_936
+
+
+@dataclass(frozen=True)
+class Shape:
+    prompts: int = 64
+    samples_per_prompt: int = 8
+    prompt_median: int = 256
+    response_median: int = 1536
+    response_cap: int = 8192
+    max_tokens_per_gpu: int = 8192
+    seed: int = 0
+
+
+def lengths(shape: Shape) -> list[tuple[int, int]]:
+    """(prompt, response) tokens per sample: a prompt per group, lognormal responses capped (a long tail)."""
+    rng = random.Random(shape.seed)
+    out = []
+    for _ in range(shape.prompts):
+        prompt = max(4, min(4 * shape.prompt_median, int(rng.lognormvariate(0, 0.5) * shape.prompt_median)))
+        for _ in range(shape.samples_per_prompt):
+            response = int(rng.lognormvariate(0, 0.9) * shape.response_median)
+            out.append((prompt, max(1, min(shape.response_cap, response))))
+    return out
+
+
+def samples(shape: Shape, vocab_size: int) -> list[Sample]:
+    rng = random.Random(shape.seed + 1)
+    batch = []
+    for index, (prompt, response) in enumerate(lengths(shape)):
+        tokens = [rng.randrange(vocab_size) for _ in range(prompt + response)]
+        batch.append(Sample(group_index=index // shape.samples_per_prompt,
+                            sample_index=index % shape.samples_per_prompt, tokens=tokens, response_length=response,
+                            loss_mask=[1] * response, rollout_log_probs=[-11.9] * response, reward=1.0,
+                            status=SampleStatus.COMPLETED, advantage=rng.choice((-1.0, 1.0))))
+    return batch
+
+
+def build_model(directory: Path, *, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int,
+                vocab_size: int, head_dim: int | None = None) -> Path:
+    from workers.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(directory, TinyModelSpec(hidden_size=hidden, num_hidden_layers=layers,
+                                                     intermediate_size=intermediate, num_attention_heads=heads,
+                                                     num_key_value_heads=kv_heads, vocab_size=vocab_size,
+                                                     head_dim=head_dim, max_position_embeddings=40_960))
+
+
+def _peak_bytes(device: Any) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM")
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wire(shape: Shape, vocab_size: int) -> list[Any]:
+    from workers.protocol import WireSample
+
+    return [WireSample.from_sample(sample) for sample in samples(shape, vocab_size)]
+
+
+def _settings(model_dir: str, shape: Shape, dtype: str, attn: str | None) -> dict[str, Any]:
+    return {"model_path": model_dir, "lr": 1e-5, "max_tokens_per_micro_batch": shape.max_tokens_per_gpu,
+            "dtype": dtype, "attn_implementation": attn, "data_parallel": "replicate"}
+
+
+def _forward_backward(model: Any, batches: list[Any]) -> float:
+    """The floor's work: forward (chunked logprobs of the responses, as the trainer computes them) + backward on
+    each packed micro-batch; seconds."""
+    from workers.train_rank.token_scores import token_scores
+
+    started = time.perf_counter()
+    for batch in batches:
+        log_probs, _ = token_scores(model, input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                    with_entropy=False, scored=batch.response_positions())
+        log_probs.sum().backward()
+        model.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
+
+
+def rank_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int, device_name: str, dtype: str,
+                 attn: str | None, threads: int) -> dict[str, Any]:
+    """The rank's whole train command (one optimizer step over the batch), then, in the same process and
+    state, the throughput floor: forward + backward alone on the same packed micro-batches."""
+    import torch
+
+    from workers import protocol
+    from workers.train_rank import packing
+    from workers.train_rank.trainer import Trainer
+
+    torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    shape = Shape(**shape_fields)
+    wire = _wire(shape, vocab_size)
+    trainer = Trainer(rank=0, world_size=1, device=device)
+    trainer.init(protocol.InitCommand(_settings(model_dir, shape, dtype, attn)))
+    groups = packing.plan(wire, max_tokens=shape.max_tokens_per_gpu, micro_batch_size=None)
+    batches = [packing.pack([wire[i] for i in group], 0).to(device) for group in groups]
+    _forward_backward(trainer.model, batches[-1:])  # warm-up: the smallest micro-batch
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        Path("/proc/self/clear_refs").write_text("5")
+    started = time.perf_counter()
+    answer = trainer.train(protocol.TrainCommand(0, [wire], [sum(len(s.loss_mask) for s in wire)]))
+    _sync(device)
+    train_s = time.perf_counter() - started
+    peak = _peak_bytes(device)
+    step = protocol.TrainResult.from_wire(answer).steps[0]
+    floor_s = _forward_backward(trainer.model, batches)
+    _sync(device)
+    return {"train_s": train_s, "floor_s": floor_s, "peak_bytes": peak, "real_tokens": step.num_tokens,
+            "computed_tokens": sum(batch.computed_tokens for batch in batches), "micro_batches": len(batches),
+            "loss": step.loss, "grad_norm": step.grad_norm,
+            "parameters": sum(p.numel() for p in trainer.model.parameters())}
+
+
+def floor_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int, device_name: str, dtype: str,
+                  attn: str | None, threads: int) -> dict[str, Any]:
+    """The memory floor: the same model and AdamW, and one forward + backward + step of the largest packed
+    micro-batch with chunked logprobs: what training one micro-batch needs at least."""
+    import torch
+
+    from workers.train_rank import packing
+    from workers.train_rank.model import load_causal_lm
+    from workers.train_rank.optim import build_optimizer
+    from workers.train_rank.token_scores import token_scores
+
+    torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    shape = Shape(**shape_fields)
+    wire = _wire(shape, vocab_size)
+    model = load_causal_lm(model_dir, dtype=getattr(torch, dtype), device=device, attn_implementation=attn)
+    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    groups = packing.plan(wire, max_tokens=shape.max_tokens_per_gpu, micro_batch_size=None)
+    largest = max(groups, key=lambda group: sum(len(wire[i].tokens) for i in group))
+    batch = packing.pack([wire[i] for i in largest], 0).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        Path("/proc/self/clear_refs").write_text("5")
+    log_probs, _ = token_scores(model, input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                with_entropy=False, scored=batch.response_positions())
+    log_probs.sum().backward()
+    optimizer.step()
+    _sync(device)
+    return {"peak_bytes": _peak_bytes(device), "tokens": batch.num_tokens}
+
+
+def shape_fields(shape: Shape) -> dict[str, Any]:
+    return asdict(shape)

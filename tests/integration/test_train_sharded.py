@@ -1,0 +1,71 @@
+"""The sharded path on CPU: a real torchrun group of 2 ranks running FSDP2 over gloo (`data_parallel: "fsdp"`),
+the policy and the reference built on the meta device and loaded shard by shard, packed micro-batches whose
+first-fit-decreasing counts differ between the ranks (so the ranks must agree on one count, or FSDP2's
+collectives would hang). The update equals one process training the same steps unsharded; after the first
+step the process group's timeout is the short one, so a rank that stops is reported in seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from coordinator.train.errors import RankCommandError, RankFailure
+from coordinator.train.group import TrainGroup
+from coordinator.train.planning import plan_steps
+from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
+from workers import protocol
+from workers.train_rank.packing import first_fit_decreasing
+from workers.train_rank.trainer import Trainer
+
+BUDGET = 14
+
+
+def config_for(model_dir: Path, **extra: object) -> dict[str, object]:
+    return {**TRAIN_CONFIG, "model_path": str(model_dir), "max_tokens_per_micro_batch": BUDGET,
+            "log_probs_chunk_size": 4, "global_batch_size": 6, **extra}
+
+
+async def test_fsdp_on_cpu_matches_one_process_and_a_stopped_rank_times_out_fast(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    raw = synthetic_samples(tiny_model_dir, 12, seed=21)
+    steps = plan_steps(raw, {"global_batch_size": 6}, 2)
+    counts = [[len(first_fit_decreasing([len(s.tokens) for s in shard], BUDGET)) for shard in step.shards]
+              for step in steps]
+    assert any(len(set(step)) > 1 for step in counts), f"the ranks' plans should differ somewhere: {counts}"
+    config = config_for(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3)
+    with anyio.fail_after(200):
+        async with anyio.create_task_group() as tg:
+            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
+            await group.init(config)
+            metrics = await group.train(0, as_samples(raw))
+            exported = await group.export_weights(tmp_path / "weights", weight_version=1)
+
+            # After the first step, a stopped rank: the other's collective gives up after 3 s, not 600.
+            victim = group.ranks[1].pid
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                with anyio.fail_after(60), pytest.raises((RankCommandError, RankFailure)) as failure:
+                    await group.train(1, as_samples(raw))
+            finally:
+                os.kill(victim, signal.SIGCONT)
+            assert "rank(s) 0" in str(failure.value) and "Timed out waiting 3000ms" in str(failure.value)
+            tg.cancel_scope.cancel()
+    assert metrics["num_steps"] == 2 and metrics["kl"] == pytest.approx(0.0, abs=1e-7)
+
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(protocol.InitCommand(config_for(tiny_model_dir)))
+    trainer.train(protocol.TrainCommand(0, [raw[:6], raw[6:]], [sum(sum(s.loss_mask) for s in part)
+                                                                 for part in (raw[:6], raw[6:])]))
+    expected = trainer.model.state_dict()
+    got = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).state_dict()
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
