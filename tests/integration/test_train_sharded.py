@@ -69,3 +69,38 @@ async def test_fsdp_on_cpu_matches_one_process_and_a_stopped_rank_times_out_fast
     assert set(got) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+async def test_lora_adapters_under_fsdp_on_cpu_train_as_one_process_does(tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """LoRA on the sharded path: the adapters are injected into the meta model before sharding and their initial
+    weights broadcast from rank 0, so 2 FSDP2 ranks train the same adapters as one unsharded process (same seed)
+    and the engines get the same merged weights."""
+    from transformers import AutoModelForCausalLM
+
+    lora = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
+            "exclude_modules": [], "adapter_path": None}
+    raw = synthetic_samples(tiny_model_dir, 12, seed=22)
+    config = config_for(tiny_model_dir, data_parallel="fsdp", lora=lora, lr=1e-2)
+    with anyio.fail_after(200):
+        async with anyio.create_task_group() as tg:
+            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
+            info = await group.init(config)
+            await group.train(0, as_samples(raw))
+            exported = await group.export_weights(tmp_path / "weights", weight_version=1)
+            tg.cancel_scope.cancel()
+    assert 0 < info["trainable_parameters"] < info["num_parameters"]
+
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(protocol.InitCommand(config_for(tiny_model_dir, lora=lora, lr=1e-2)))
+    trainer.train(protocol.TrainCommand(0, [raw[:6], raw[6:]], [sum(sum(s.loss_mask) for s in part)
+                                                                 for part in (raw[:6], raw[6:])]))
+    one_process = trainer.export_weights(protocol.ExportWeightsCommand(str(tmp_path / "one"), "1"))["path"]
+    expected = AutoModelForCausalLM.from_pretrained(str(one_process), dtype=torch.float32)
+    got = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).state_dict()
+    moved = 0
+    for name, tensor in expected.state_dict().items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+        moved += not torch.equal(tensor, base[name])
+    assert moved > 0, "the adapters trained: merged weights differ from the base model"
