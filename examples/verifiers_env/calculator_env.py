@@ -37,8 +37,7 @@ class CalculatorEnv(vf.MultiTurnEnv):
 
     def __init__(self, call: str = CALL, **kwargs: Any) -> None:
         self.call = re.compile(call)
-        stop = {"stop_regex": [f"[0-9]|{call}"]}
-        super().__init__(max_turns=2, sampling_args={"extra_body": stop}, **kwargs)
+        super().__init__(max_turns=2, sampling_args={"stop_regex": [f"[0-9]|{call}"]}, **kwargs)
 
     def calls_tool(self, text: str) -> bool:
         return bool(text) and self.call.fullmatch(text[-1]) is not None

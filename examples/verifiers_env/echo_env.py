@@ -48,4 +48,4 @@ def dataset(repeats: int = 4) -> Dataset:
 
 def load_environment(repeats: int = 4, **kwargs: Any) -> vf.Environment:
     return vf.SingleTurnEnv(dataset=dataset(repeats), rubric=vf.Rubric(funcs=[copied_digit]),
-                            sampling_args={"extra_body": {"stop_regex": [DIGIT.pattern]}}, **kwargs)
+                            sampling_args={"stop_regex": [DIGIT.pattern]}, **kwargs)
