@@ -1,7 +1,8 @@
 """A single-turn verifiers environment (`vf.SingleTurnEnv`) with its own dataset: the prompt is a digit, the
 answer is that digit. The model's turn ends at its first digit (a stop *regex*: SGLang trims a matched stop
 string from the content, a regex match stays in it, so the rubric sees the digit). Reward 1.0 when the digit
-is the prompt's. A random policy scores about 0.1; copying the prompt scores 1.0.
+is the prompt's. The untrained tiny model scores about 0.03 (most turns end before a digit); copying the
+prompt scores 1.0. Measured learning curve: docs/openai.md.
 
 Nothing here imports rayless: `verifiers.load_environment("examples.verifiers_env.echo_env")` loads it as it
 loads any environment.
