@@ -22,7 +22,8 @@ from transformers import AutoTokenizer
 from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
-from replay.format import dump_path, read_dump
+from replay.format import dump_path
+from replay.reader import read_dump
 
 ROLLOUTS = 2
 

@@ -27,7 +27,8 @@ from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from coordinator.sessions.verifiers_agent import ARGS_VAR, ENV_VAR, export_dataset, load_env
-from replay.format import dump_path, read_dump
+from replay.format import dump_path
+from replay.reader import read_dump
 
 pytest.importorskip("verifiers", reason="the `verifiers` extra (in `dev`) is not installed")
 
