@@ -101,8 +101,8 @@ def channel(shape: Shape, vocab_size: int, world_size: int) -> dict[str, float]:
     started = time.perf_counter()
     wire = [protocol.WireSample.from_sample(sample) for sample in batch]
     plan = plan_steps(wire, {}, world_size)
-    frames = [protocol.frame(protocol.encode_message(protocol.Request(rank + 1, protocol.TrainCommand(
-        0, [step.shards[rank] for step in plan], [step.loss_tokens for step in plan]))), 2**40)
+    frames = [protocol.encode_frame(protocol.Request(rank + 1, protocol.TrainCommand(
+        0, [step.shards[rank] for step in plan], [step.loss_tokens for step in plan])), 2**40)
         for rank in range(world_size)]
     encode_s = time.perf_counter() - started
     peak_holding = rss_bytes()
