@@ -90,6 +90,3 @@ def checked_versions() -> str:
     return ", ".join(versions)
 
 
-def generic_rows() -> list[Row]:
-    """The rows the parser adds itself (not a field of a slice): ignored and refused flags."""
-    return [row for row in upstream_rows().values() if row.disposition in ("ignored", "refused")]
