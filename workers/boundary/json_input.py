@@ -1,0 +1,87 @@
+"""Bounded JSON decoding: size, nesting depth and element count checked, off the event loop when large.
+
+Invariant: `decode_json` either returns plain JSON values (dict, list, str, int, float, bool, None) within
+`JsonLimits`, or raises `BoundaryError`; never RecursionError, never NaN or Infinity (not JSON), and the
+element count is bounded before anything is built, so a body of `[[],[],...]` cannot take a gigabyte.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import msgspec
+
+from workers.boundary.errors import BoundaryError
+
+PARSE_IN_THREAD_BYTES = 1 << 20  # above this, decoding takes long enough (>~5 ms) to move off the loop
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+@dataclass(frozen=True)
+class JsonLimits:
+    """What one document may hold. Defaults fit SGLang-shaped requests and replies of 128k-token samples."""
+
+    max_bytes: int = 64 << 20
+    max_depth: int = 64
+    max_items: int = 2_000_000  # values of any kind, containers included (2M empty lists: ~110 MiB)
+
+    def __post_init__(self) -> None:
+        if min(self.max_bytes, self.max_depth, self.max_items) < 1:
+            raise ValueError(f"JSON limits must be positive, not {self}")
+
+
+DEFAULT_LIMITS = JsonLimits()
+
+
+def _items_upper_bound(data: bytes) -> int:
+    # Every value but the first is preceded by a ',' or a '[' / ':' opening its place; counting those bytes
+    # bounds the element count from above without building anything (C speed).
+    return data.count(b",") + data.count(b"[") + data.count(b":") + 1
+
+
+def _count_items(data: bytes) -> int:
+    """Items outside strings; only when the cheap bound is over the limit (strings may hold ',' and '[')."""
+    return _items_upper_bound(_STRING.sub(b'""', data))
+
+
+def _check_depth(value: Any, source: str, max_depth: int) -> None:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > max_depth:
+            raise BoundaryError(source, f"JSON nested deeper than {max_depth} levels")
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, (list, dict)):
+                stack.append((child, depth + 1))
+
+
+def decode_json(data: bytes | str, source: str, limits: JsonLimits = DEFAULT_LIMITS) -> Any:
+    """One JSON document from `source` (a peer or a file, named in the error), within `limits`."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if len(raw) > limits.max_bytes:
+        raise BoundaryError(source, f"JSON of {len(raw)} bytes is over the limit of {limits.max_bytes}")
+    if _items_upper_bound(raw) > limits.max_items and _count_items(raw) > limits.max_items:
+        raise BoundaryError(source, f"JSON holds more than {limits.max_items} values")
+    try:
+        value = msgspec.json.decode(raw)
+    except RecursionError:  # msgspec's own guard, raised before the C stack is at risk
+        raise BoundaryError(source, f"JSON nested deeper than {limits.max_depth} levels") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BoundaryError(source, f"not valid JSON ({_short(str(exc))})") from None
+    if isinstance(value, (list, dict)):
+        _check_depth(value, source, limits.max_depth)
+    return value
+
+
+async def decode_json_async(data: bytes | str, source: str, limits: JsonLimits = DEFAULT_LIMITS) -> Any:
+    """`decode_json`, in a worker thread when the document is large enough to stall the event loop."""
+    if len(data) > PARSE_IN_THREAD_BYTES:
+        return await anyio.to_thread.run_sync(decode_json, data, source, limits)
+    return decode_json(data, source, limits)
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
