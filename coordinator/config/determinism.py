@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 #: SGLang's attention backends with deterministic kernels (sglang/srt/arg_groups/choices.py,
 #: DETERMINISTIC_ATTENTION_BACKEND_CHOICES; `--enable-deterministic-inference` appeared in SGLang 0.5.3).
 SGLANG_DETERMINISTIC_ATTENTION = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")
-#: the environment variable both our engine and the ranks read for their intra-op thread count
-THREADS_ENV = ("RAYLESS_ENGINE_THREADS", "RAYLESS_TORCH_THREADS")
+#: SGLang's flags choosing an attention backend (as passed through, without the --sglang- prefix)
+ATTENTION_FLAGS = ("--attention-backend", "--decode-attention-backend", "--prefill-attention-backend")
+#: our engine's intra-op thread count (1 when unset); the ranks get the same count in their settings
+THREADS_ENV = "RAYLESS_ENGINE_THREADS"
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,11 @@ class DeterminismConfig(Slice):
     def threads() -> int:
         """The one intra-op thread count of every engine and rank: RAYLESS_ENGINE_THREADS (the engine's own
         variable; 1 when unset, as both sides default to)."""
-        raw = os.environ.get(THREADS_ENV[0], "1")
+        raw = os.environ.get(THREADS_ENV, "1")
         try:
             return max(1, int(raw))
         except ValueError:
-            raise ConfigError(f"{THREADS_ENV[0]}={raw!r}: the thread count of deterministic mode must be an "
+            raise ConfigError(f"{THREADS_ENV}={raw!r}: the thread count of deterministic mode must be an "
                               "integer") from None
 
 
@@ -74,11 +76,13 @@ def engine_args(config: Config, backend: str) -> tuple[str, ...]:
         chunk = config.train.log_probs_chunk_size
         if chunk is not None:
             extra += ["--log-probs-chunk-size", str(chunk)]
+        if config.train.attn_implementation:  # the trainer's attention kernel, so both run the same one
+            extra += ["--attn-implementation", config.train.attn_implementation]
     return tuple(extra)
 
 
 def engine_env(config: Config) -> tuple[tuple[str, str], ...]:
-    return ((THREADS_ENV[0], str(DeterminismConfig.threads())),) if config.determinism.active else ()
+    return ((THREADS_ENV, str(DeterminismConfig.threads())),) if config.determinism.active else ()
 
 
 def rank_settings(config: Config) -> dict[str, Any]:
@@ -132,12 +136,11 @@ def check_engine_backends(config: Config, backends: Sequence[str]) -> None:
                           "our engine (--engine-backend rayless), or --deterministic-mode alone")
     given = config.sglang.sglang_passthrough
     for index, arg in enumerate(given):
-        backend = None
-        if arg.startswith("--attention-backend="):
-            backend = arg.split("=", 1)[1]
-        elif arg == "--attention-backend" and index + 1 < len(given):
-            backend = given[index + 1]
-        if backend is not None and backend not in SGLANG_DETERMINISTIC_ATTENTION:
-            raise ConfigError(f"--deterministic-mode and --sglang-attention-backend {backend}: SGLang has "
+        name, _, value = arg.partition("=")
+        if name not in ATTENTION_FLAGS:
+            continue
+        backend = value or (given[index + 1] if index + 1 < len(given) else "")
+        if backend not in SGLANG_DETERMINISTIC_ATTENTION:
+            raise ConfigError(f"--deterministic-mode and --sglang-{name[2:]} {backend}: SGLang has "
                               f"deterministic kernels only for {', '.join(SGLANG_DETERMINISTIC_ATTENTION)} "
                               "(--enable-deterministic-inference, SGLang >= 0.5.3): pick one of them")

@@ -20,7 +20,7 @@ from coordinator.run import run_training
 ROLLOUTS = 2
 FLAGS = ["--prompt-data", "builtin:first_digit", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8",
          "--rollout-max-response-len", "4", "--rollout-seed", "7", "--rollout-shuffle", "--lr", "3e-3", "--num-rollout", str(ROLLOUTS),
-         "--rollout-num-engines", "2", "--actor-num-gpus-per-node", "1", "--no-progress", "--true-on-policy-mode"]
+         "--rollout-num-engines", "1", "--actor-num-gpus-per-node", "1", "--no-progress", "--true-on-policy-mode"]
 
 
 def wall_clock(key: str) -> bool:

@@ -57,6 +57,7 @@ class EngineArgs:
     # SGLang's --rl-on-policy-target fsdp: output logprobs rescored by the trainer's function (`rescoring`).
     rl_on_policy_target: str | None = None
     log_probs_chunk_size: int | None = None  # the trainer's --log-probs-chunk-size, for that rescoring
+    attn_implementation: str | None = None  # the trainer's --attn-implementation (transformers' name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["fsdp"],
         help="SGLang's flag: the logprobs of the sampled tokens are rescored, once a sequence ends, by the rayless "
         "trainer's own scoring function (implies --enable-deterministic-inference)",
+    )
+    parser.add_argument(
+        "--attn-implementation",
+        default=None,
+        help="transformers' attn_implementation of the model (default sdpa); the trainer's, for equal logprobs",
     )
     parser.add_argument(
         "--log-probs-chunk-size",
@@ -213,4 +219,5 @@ def parse_args(argv: list[str] | None) -> EngineArgs:
         deterministic_inference=ns.enable_deterministic_inference or ns.rl_on_policy_target is not None,
         rl_on_policy_target=ns.rl_on_policy_target,
         log_probs_chunk_size=ns.log_probs_chunk_size,
+        attn_implementation=ns.attn_implementation,
     )

@@ -142,6 +142,7 @@ def serve(args: EngineArgs) -> int:
             dtype=args.dtype,
             device=args.device,
             weight_spill_dir=args.weight_spill_dir,
+            attn_implementation=args.attn_implementation,
         )
     except (OSError, ValueError) as exc:  # FileNotFoundError included: a bad --model-path is the usual cause
         log.error("cannot load the model from %s: %s", args.model_path, exc)
