@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from coordinator.config.determinism import deterministic_runs_can_hold
+from coordinator.config.determinism_rules import deterministic_runs_can_hold
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 

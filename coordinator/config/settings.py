@@ -21,7 +21,6 @@ from coordinator.config.checkpoint import CheckpointConfig, LoadPlan, resolve_lo
 from coordinator.config.cluster import ClusterConfig, resolve_colocation
 from coordinator.config.debug import DebugConfig
 from coordinator.config.determinism import DeterminismConfig
-from coordinator.config.determinism import rank_settings as determinism_rank_settings
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
 from coordinator.config.fields import ConfigError
@@ -244,7 +243,7 @@ class Config:
             # CPU ranks spill their state to a file here (a real disk, so the memory is freed, not moved)
             settings["offload_dir"] = str(self.logging.resolved_run_dir / "train-offload")
             settings["train_memory_margin_bytes"] = self.cluster.train_memory_margin_bytes
-        settings.update(determinism_rank_settings(self))
+        settings.update(self.determinism.rank_settings())
         return settings
 
     # --- validation and the resolved config ------------------------------------------------------------------

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from coordinator.config import determinism
+from coordinator.config import determinism_rules as determinism
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
 from coordinator.engines.launch import engine_launch_spec, engine_log_path, free_port
