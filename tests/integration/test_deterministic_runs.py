@@ -1,4 +1,4 @@
-"""`--true-on-policy-mode` through whole runs: our CPU engine over HTTP and a torchrun/gloo rank.
+"""`--true-on-policy-mode` through whole runs: our CPU engine over HTTP and two torchrun/gloo ranks.
 
 One run pair feeds both checks: the trainer's logprobs of the sampled tokens equal the engine's exactly (the
 recorded train/rollout difference is 0.0, not small), and a second run with the same seeds writes the same
@@ -20,7 +20,7 @@ from coordinator.run import run_training
 ROLLOUTS = 2
 FLAGS = ["--prompt-data", "builtin:first_digit", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8",
          "--rollout-max-response-len", "4", "--rollout-seed", "7", "--rollout-shuffle", "--lr", "3e-3", "--num-rollout", str(ROLLOUTS),
-         "--rollout-num-engines", "1", "--actor-num-gpus-per-node", "1", "--no-progress", "--true-on-policy-mode"]
+         "--rollout-num-engines", "1", "--actor-num-gpus-per-node", "2", "--no-progress", "--true-on-policy-mode"]
 
 
 def wall_clock(key: str) -> bool:
