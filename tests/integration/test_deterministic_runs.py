@@ -17,6 +17,8 @@ from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 
+pytestmark = pytest.mark.slow  # two whole runs, each an engine and two ranks
+
 ROLLOUTS = 2
 FLAGS = ["--prompt-data", "builtin:first_digit", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8",
          "--rollout-max-response-len", "4", "--rollout-seed", "7", "--rollout-shuffle", "--lr", "3e-3", "--num-rollout", str(ROLLOUTS),
