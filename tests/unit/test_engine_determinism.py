@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from workers.engine.batch_invariant import BatchInvariantRunner
@@ -59,3 +60,15 @@ def test_rescored_logprobs_are_the_trainers_exactly(tiny_model_dir: Path) -> Non
     assert trainer.requires_grad
     assert engine == trainer[0, len(PROMPT) - 1:].tolist()  # equal floats, not close ones
     assert len(engine) == len(output) and all(value < 0 for value in engine)
+
+
+def test_the_engine_flags_are_sglangs_and_rl_on_policy_target_implies_determinism() -> None:
+    from workers.engine.args import parse_args
+
+    args = parse_args(["--model-path", "/m", "--rl-on-policy-target", "fsdp", "--log-probs-chunk-size", "64"])
+    assert args.enable_deterministic_inference and args.rl_on_policy_target == "fsdp"
+    assert args.log_probs_chunk_size == 64
+    assert not parse_args(["--model-path", "/m"]).enable_deterministic_inference
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--model-path", "/m", "--log-probs-chunk-size", "64"])
+    assert caught.value.code == 2

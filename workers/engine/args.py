@@ -52,8 +52,8 @@ class EngineArgs:
     max_seqs_per_request: int = 4096
     max_request_bytes: int = 64 << 20
     weight_spill_dir: str | None = None
-    # SGLang's --enable-deterministic-inference (implied by --rl-on-policy-target): batch-invariant decoding.
-    deterministic_inference: bool = False
+    # SGLang's --enable-deterministic-inference (implied by --rl-on-policy-target), under its server-info name.
+    enable_deterministic_inference: bool = False
     # SGLang's --rl-on-policy-target fsdp: output logprobs rescored by the trainer's function (`rescoring`).
     rl_on_policy_target: str | None = None
     log_probs_chunk_size: int | None = None  # the trainer's --log-probs-chunk-size, for that rescoring
@@ -216,7 +216,7 @@ def parse_args(argv: list[str] | None) -> EngineArgs:
         max_seqs_per_request=ns.max_seqs_per_request,
         max_request_bytes=ns.max_request_bytes,
         weight_spill_dir=ns.weight_spill_dir,
-        deterministic_inference=ns.enable_deterministic_inference or ns.rl_on_policy_target is not None,
+        enable_deterministic_inference=ns.enable_deterministic_inference or ns.rl_on_policy_target is not None,
         rl_on_policy_target=ns.rl_on_policy_target,
         log_probs_chunk_size=ns.log_probs_chunk_size,
         attn_implementation=ns.attn_implementation,

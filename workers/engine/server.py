@@ -135,7 +135,7 @@ def serve(args: EngineArgs) -> int:
     # The first line of the log: the launcher reads "the engine writes its log" as "it is loading".
     log.info("loading the model from %s on %s (%s)", args.model_path, args.device, args.dtype)
     try:
-        runner_class = BatchInvariantRunner if args.deterministic_inference else ModelRunner
+        runner_class = BatchInvariantRunner if args.enable_deterministic_inference else ModelRunner
         runner = runner_class(
             args.model_path,
             tokenizer_path=args.tokenizer_path,
