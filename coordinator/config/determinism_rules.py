@@ -71,9 +71,14 @@ def deterministic_runs_can_hold(config: Config) -> None:
         raise ConfigError(f"--true-on-policy-mode and --{'bf16' if config.train.bf16 else 'fp16'}: our engine "
                           "serves float32 weights, so its logprobs and a mixed-precision trainer's cannot be "
                           "equal: drop the precision flag")
-    if det.true_on_policy_mode and config.lora.enabled and config.lora.lora_dropout:
-        raise ConfigError(f"--true-on-policy-mode and --lora-dropout {config.lora.lora_dropout}: the trainer's "
-                          "forward drops adapter inputs, the engine's does not: use --lora-dropout 0")
+    if det.true_on_policy_mode and config.lora.enabled:
+        raise ConfigError("--true-on-policy-mode and LoRA (--lora-rank): the engines serve merged weights "
+                          "(W + s·BA), the trainer computes W·x + s·B(A·x), so the sums differ in the last bits: "
+                          "drop one (--deterministic-mode alone holds with LoRA)")
+    if config.sglang.router_address is not None and config.needs_engines:
+        raise ConfigError(f"{name} and --sglang-router-ip/--sglang-router-port: a running router may route to "
+                          "engines rayless did not launch, without deterministic inference: let rayless launch "
+                          "the router (--use-sglang-router) or drop one")
 
 
 def check_engine_backends(config: Config, backends: Sequence[str]) -> None:

@@ -37,6 +37,7 @@ def test_the_flags_parse_and_true_on_policy_implies_deterministic_settings() -> 
     (["--partial-rollout"], "--partial-rollout"),
     (["--over-sampling-batch-size", "16"], "--over-sampling-batch-size 16"),
     (["--rollout-external-engine-addrs", "127.0.0.1:30000"], "--rollout-external-engine-addrs"),
+    (["--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "30000"], "--sglang-router-ip"),
 ])
 def test_what_makes_two_runs_differ_is_refused_naming_the_flag(flags: list[str], named: str) -> None:
     with pytest.raises(ConfigError) as caught:
@@ -44,9 +45,13 @@ def test_what_makes_two_runs_differ_is_refused_naming_the_flag(flags: list[str],
     assert "--deterministic-mode" in str(caught.value) and named in str(caught.value)
 
 
-def test_true_on_policy_with_mixed_precision_is_refused() -> None:
+def test_true_on_policy_with_mixed_precision_or_merged_lora_is_refused() -> None:
     with pytest.raises(ConfigError, match="--true-on-policy-mode and --bf16"):
         config("--rollout-num-engines", "1", "--true-on-policy-mode", "--bf16")
+    with pytest.raises(ConfigError, match=r"--true-on-policy-mode and LoRA \(--lora-rank\): the engines serve merged"):
+        config("--rollout-num-engines", "1", "--true-on-policy-mode", "--lora-rank", "4", "--target-modules", "all-linear")
+    assert config("--rollout-num-engines", "1", "--deterministic-mode", "--lora-rank", "4",
+                  "--target-modules", "all-linear").determinism.active
 
 
 def test_our_engines_get_the_deterministic_flags_and_the_pinned_threads() -> None:
