@@ -9,6 +9,7 @@ score each sample exactly as the engine rescores it (`workers.engine.rescoring`)
 
 from __future__ import annotations
 
+import os
 import random
 
 import torch
@@ -21,6 +22,8 @@ def apply(settings: TrainSettings) -> None:
         return
     # A reduction split over another number of threads adds in another order; the engine pins the same count.
     torch.set_num_threads(settings.deterministic_threads)
+    # cuBLAS is deterministic only with a fixed workspace (read when its first handle is made, after this).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Megatron's deterministic mode: the same switches (cuDNN is the GPU's; on CPU they change nothing).
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.deterministic = True
