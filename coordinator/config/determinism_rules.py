@@ -7,6 +7,7 @@ Invariant: when the mode is off nothing here refuses, adds a flag or an environm
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 #: SGLang's attention backends with deterministic kernels (sglang/srt/arg_groups/choices.py,
 #: DETERMINISTIC_ATTENTION_BACKEND_CHOICES; `--enable-deterministic-inference` appeared in SGLang 0.5.3).
 SGLANG_DETERMINISTIC_ATTENTION = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")
+#: the first SGLang release with `--enable-deterministic-inference`
+SGLANG_DETERMINISTIC_SINCE = (0, 5, 3)
 #: SGLang's flags choosing an attention backend (as passed through, without the --sglang- prefix)
 ATTENTION_FLAGS = ("--attention-backend", "--decode-attention-backend", "--prefill-attention-backend")
 
@@ -81,12 +84,38 @@ def deterministic_runs_can_hold(config: Config) -> None:
                           "the router (--use-sglang-router) or drop one")
 
 
-def check_engine_backends(config: Config, backends: Sequence[str]) -> None:
+def installed_sglang_version() -> str | None:
+    """The version of the sglang distribution installed here (read from its metadata, never imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """'0.5.3rc0' → (0, 5, 3): the leading digits of the first three parts."""
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
+def check_engine_backends(config: Config, backends: Sequence[str], *, sglang_version: str | None = None) -> None:
     """At planning time, once each group's backend is chosen: SGLang cannot give what these flags promise
-    unless its own deterministic kernels run, and never the trainer's exact logprobs."""
+    unless its own deterministic kernels run, and never the trainer's exact logprobs. `sglang_version`: the
+    installed one, where it is known."""
     det = config.determinism
     if not det.active or "sglang" not in backends:
         return
+    if sglang_version is not None and _release(sglang_version) < SGLANG_DETERMINISTIC_SINCE:
+        raise ConfigError(f"{det.flag_name} on SGLang {sglang_version}: its deterministic inference "
+                          "(--enable-deterministic-inference) arrived in SGLang 0.5.3: upgrade SGLang, or use our "
+                          "engine (--engine-backend rayless)")
     if det.true_on_policy_mode:
         raise ConfigError("--true-on-policy-mode on SGLang engines: equal logprobs need the trainer to run "
                           "SGLang's batch-invariant kernels (miles patches its FSDP model with them; "

@@ -57,7 +57,8 @@ def build_plan(config: Config, gpus: GpuInventory, *, has_sglang: bool | None = 
         layout_warnings = [*layout_warnings, *found]
     has_sglang = sglang_installed() if has_sglang is None else has_sglang
     rollout, eval_, warnings = choose_engines(config, has_sglang=has_sglang, lenient=lenient)
-    determinism.check_engine_backends(config, [choice.backend for choice in (rollout, eval_) if choice])
+    determinism.check_engine_backends(config, [choice.backend for choice in (rollout, eval_) if choice],
+                                      sglang_version=determinism.installed_sglang_version() if has_sglang else None)
     warnings = [*layout_warnings, *warnings]
     policy = "colocate" if config.colocated else "separate"
     gpus = gpus.at_most(config.cluster.num_gpus_per_node)

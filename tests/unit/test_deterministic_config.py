@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from coordinator.config import ConfigError, parse_config
+from coordinator.config.determinism_rules import check_engine_backends
 from coordinator.plan import GpuInventory, build_plan
 
 BASE = ["--hf-checkpoint", "/m", "--rollout-batch-size", "8", "--num-rollout", "2", "--prompt-data",
@@ -86,3 +87,14 @@ def test_the_cli_exits_2_before_launching_anything() -> None:
                              "--true-on-policy-mode", "--async-rollout"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--async-rollout" in result.stderr and "which weights a sample sees" in result.stderr
+
+
+def test_an_sglang_older_than_its_deterministic_inference_is_refused() -> None:
+    on = config("--rollout-num-gpus", "1", "--debug-rollout-only", "--deterministic-mode")
+    with pytest.raises(ConfigError, match=r"on SGLang 0\.5\.2: its deterministic inference .* arrived in SGLang 0\.5\.3"):
+        check_engine_backends(on, ["sglang"], sglang_version="0.5.2")
+    with pytest.raises(ConfigError, match=r"on SGLang 0\.5\.2rc9:"):
+        check_engine_backends(on, ["sglang"], sglang_version="0.5.2rc9")
+    for version in ("0.5.3", "0.5.3rc0", "0.5.23", "1.0.0"):
+        check_engine_backends(on, ["sglang"], sglang_version=version)
+    check_engine_backends(on, ["rayless"], sglang_version="0.4.0")  # our engine: SGLang's version is beside the point
