@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp
 
 from workers.engine.args import EngineArgs
+from workers.engine.batch_invariant import BatchInvariantRunner
 from workers.engine.control_routes import ControlRoutes
 from workers.engine.generate_request import RequestBuilder
 from workers.engine.generate_routes import GenerateRoutes
@@ -34,6 +35,7 @@ from workers.engine.http_input import ApiKeyMiddleware, BodyLimitMiddleware
 from workers.engine.info_routes import InfoRoutes
 from workers.engine.memory_routes import MemoryRoutes
 from workers.engine.openai_routes import OpenAIRoutes
+from workers.engine.rescoring import Rescorer
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequences import Seq
@@ -58,6 +60,8 @@ class EngineServer:
             weight_version=args.weight_version,
             seed=args.random_seed,
         )
+        if args.rl_on_policy_target is not None:
+            self.scheduler.rescorer = Rescorer(runner, chunk_size=args.log_probs_chunk_size).rescore
         self.serving = False
         self.probe_ids: list[int] = runner.tokenizer.encode("1", add_special_tokens=False) or [0]
         self.requests = RequestBuilder(self)
@@ -131,12 +135,14 @@ def serve(args: EngineArgs) -> int:
     # The first line of the log: the launcher reads "the engine writes its log" as "it is loading".
     log.info("loading the model from %s on %s (%s)", args.model_path, args.device, args.dtype)
     try:
-        runner = ModelRunner(
+        runner_class = BatchInvariantRunner if args.enable_deterministic_inference else ModelRunner
+        runner = runner_class(
             args.model_path,
             tokenizer_path=args.tokenizer_path,
             dtype=args.dtype,
             device=args.device,
             weight_spill_dir=args.weight_spill_dir,
+            attn_implementation=args.attn_implementation,
         )
     except (OSError, ValueError) as exc:  # FileNotFoundError included: a bad --model-path is the usual cause
         log.error("cannot load the model from %s: %s", args.model_path, exc)
