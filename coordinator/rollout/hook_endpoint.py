@@ -22,8 +22,6 @@ import json
 import logging
 from typing import Any
 
-import anyio
-import anyio.abc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -45,7 +43,7 @@ from workers.boundary.http_gates import (
     reply_handler,
 )
 from workers.boundary.http_guard import ServerLimits
-from workers.boundary.http_server import HttpService
+from workers.boundary.http_server import AppServer
 
 ENGINE_HEADER = "X-Rayless-Engine"
 
@@ -66,7 +64,7 @@ def json_reply(body: Any, headers: dict[str, str] | None = None) -> Response:
                     headers=headers)
 
 
-class HookEndpoint:
+class HookEndpoint(AppServer):
     """The coordinator's `/generate` for hooks; `await task_group.start(endpoint.run)` returns once it listens.
 
     Args:
@@ -82,19 +80,13 @@ class HookEndpoint:
     def __init__(self, *, dispatcher: Dispatcher, routes: HookRoutes, seed: int, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, max_connections: int = 1024,
                  max_body_bytes: int = 64 * 1024 * 1024, limits: ServerLimits | None = None) -> None:
+        super().__init__(host=host, port=port, limits=limits or ServerLimits(max_connections=max_connections))
         self.dispatcher = dispatcher
         self.routes = routes
         self.seed = seed
         self.api_key = api_key
-        self.host = host
-        self.port = port
-        self.limits = limits or ServerLimits(max_connections=max_connections)
         self.max_body_bytes = max_body_bytes
         self.requests = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     def app(self) -> ASGIApp:
         routes = [Route("/health", self._health, methods=["GET"]),
@@ -102,14 +94,6 @@ class HookEndpoint:
         app = Starlette(routes=routes, exception_handlers={HttpReply: reply_handler, 404: self._not_found,
                                                            405: reply_handler})
         return guarded(app, max_body_bytes=self.max_body_bytes, api_key=self.api_key)
-
-    async def run(self, *, task_status: anyio.abc.TaskStatus[HookEndpoint] = anyio.TASK_STATUS_IGNORED) -> None:
-        service = HttpService(app=self.app(), host=self.host, port=self.port, limits=self.limits,
-                              description=self.DESCRIPTION)
-        async with anyio.create_task_group() as group:
-            await group.start(service.run)  # the socket is bound and listening from here on
-            self.port = service.port
-            task_status.started(self)
 
     # --- routes ----------------------------------------------------------------------------------------------
     async def _health(self, _request: Request) -> Response:

@@ -2,7 +2,8 @@
 `ConnectionGuard`, by uvicorn's h11 protocol.
 
 Owns `bind`, `HttpService` (an app served inside the caller's anyio task group: `await tg.start(service.run)`
-returns once the socket is bound and listening, and the server stops when the task is cancelled) and
+returns once the socket is bound and listening, and the server stops when the task is cancelled), `AppServer`
+(the base of the coordinator's servers, on `HttpService`) and
 `serve_process` (an app that is the whole process, the engine: uvicorn's signal handling kept).
 
 Invariants: the port is bound (and listening) before anyone is told it is; the process's soft limit of open
@@ -127,6 +128,33 @@ async def _stop(server: uvicorn.Server, guard: ConnectionGuard) -> None:
         task.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=5.0)
+
+class AppServer:
+    """Base of an in-process server that owns routes: `app()` builds them, `run` serves them on `HttpService`
+    and starts the caller's task with the server itself (its port known)."""
+
+    DESCRIPTION = "HTTP server"
+
+    def __init__(self, *, host: str, port: int, limits: ServerLimits) -> None:
+        self.host = host
+        self.port = port
+        self.limits = limits
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def app(self) -> ASGIApp:
+        raise NotImplementedError
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED) -> None:
+        service = HttpService(app=self.app(), host=self.host, port=self.port, limits=self.limits,
+                              description=self.DESCRIPTION)
+        async with anyio.create_task_group() as group:
+            await group.start(service.run)  # the socket is bound and listening from here on
+            self.port = service.port
+            task_status.started(self)
+
 
 def serve_process(app: ASGIApp, host: str, port: int, *, limits: ServerLimits | None = None,
                   log_level: str = "info", access_log: bool = False, lifespan: str = "on",
