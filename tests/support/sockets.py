@@ -31,7 +31,8 @@ def close_all(held: list[socket.socket]) -> None:
 
 
 def raw_exchange(host: str, port: int, data: bytes, *, timeout: float = 30.0) -> bytes:
-    """Send `data`, read until the server closes (or `timeout` passes with nothing more): the reply's bytes."""
+    """Send `data`, read until the server closes: the reply's bytes. AssertionError when the server is still
+    holding the connection after `timeout` seconds of silence."""
     with socket.create_connection((host, port), timeout=timeout) as sock:
         if data:
             sock.sendall(data)
@@ -39,8 +40,10 @@ def raw_exchange(host: str, port: int, data: bytes, *, timeout: float = 30.0) ->
         while True:
             try:
                 chunk = sock.recv(65536)
-            except (TimeoutError, ConnectionResetError):
+            except ConnectionResetError:
                 break
+            except TimeoutError:
+                raise AssertionError(f"the server held the connection {timeout:g} s without closing it") from None
             if not chunk:
                 break
             chunks.append(chunk)
@@ -48,11 +51,13 @@ def raw_exchange(host: str, port: int, data: bytes, *, timeout: float = 30.0) ->
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
-    """True once the server closed `sock` (a read returns EOF or a reset); never blocks."""
+    """True once the server closed `sock` (reads reach EOF or a reset, after any reply); never blocks."""
     sock.setblocking(False)
     try:
-        return sock.recv(65536) == b""
+        while sock.recv(65536):
+            pass
+        return True
     except BlockingIOError:
         return False
-    except ConnectionResetError:
+    except (ConnectionResetError, OSError):
         return True
