@@ -29,7 +29,7 @@ from coordinator.sessions.tito import resolve_matcher, tito_tokenizer
 from tests.support.sockets import close_all, closed_by_peer, open_idle, raw_exchange
 from tests.support.waiting import wait_until
 from workers.boundary.http_guard import ServerLimits
-from workers.boundary.http_server import raise_open_files_limit
+from workers.boundary.http_server import AppServer, raise_open_files_limit
 
 HOST = "127.0.0.1"
 IDLE = 2000
@@ -42,6 +42,7 @@ class Served:
     name: str
     port: int
     json_path: str  # a route that decodes a JSON body
+    server: AppServer
 
     @property
     def url(self) -> str:
@@ -56,14 +57,14 @@ async def start(kind: str, tg: anyio.abc.TaskGroup, client: EngineClient, tiny_m
         endpoint = HookEndpoint(dispatcher=dispatcher, routes=HookRuntime(args=argparse.Namespace()).routes,
                                 seed=0, limits=limits)
         await tg.start(endpoint.run)
-        return Served(kind, endpoint.port, "/generate")
+        return Served(kind, endpoint.port, "/generate", endpoint)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     server = SessionServer(dispatcher=dispatcher, tito=tito_tokenizer("default", tokenizer),
                            matcher=resolve_matcher("strict"), limits=limits)
     await tg.start(server.run)
     async with httpx.AsyncClient(base_url=server.url) as http:
         session = (await http.post("/sessions")).json()["session_id"]
-    return Served(kind, server.port, f"/sessions/{session}/v1/chat/completions")
+    return Served(kind, server.port, f"/sessions/{session}/v1/chat/completions", server)
 
 
 @pytest.fixture(params=["hook endpoint", "session server"])
@@ -158,15 +159,24 @@ async def test_past_the_cap_an_idle_connection_makes_room_and_a_busy_one_does_no
         try:
             for sock in busy:  # each one inside a request head: not idle, so not to be closed for another
                 sock.sendall(b"GET /health HTTP/1.1\r\n")
+            assert served.server.service is not None and served.server.service.guard is not None
+            guard = served.server.service.guard
+            await wait_until(lambda: sum(not connection.idle for connection in guard.live), until=lambda n: n == 8,
+                             what="the server reading 8 request heads", timeout=30)
             refused = await anyio.to_thread.run_sync(raw_exchange, HOST, served.port, b"")
             assert refused.startswith(b"HTTP/1.1 503 ") and b"connection limit (8)" in refused, refused[:200]
         finally:
             close_all(busy)
+        await wait_until(lambda: len(guard.live), until=lambda n: n == 0, what="the busy connections gone",
+                         timeout=30)
         idle = await anyio.to_thread.run_sync(open_idle, HOST, served.port, 8)
         try:
-            await wait_until(lambda: health(served.url), until=lambda status: status == 200,
-                             what="/health past the cap of idle connections", timeout=30)
-            assert sum(closed_by_peer(sock) for sock in idle) >= 1  # the oldest idle one made room
+            await wait_until(lambda: len(guard.live), until=lambda n: n == 8, what="8 idle connections held",
+                             timeout=30)
+            assert await health(served.url) == 200  # a ninth connection, past the cap: an idle one made room
+            await wait_until(lambda: sum(closed_by_peer(sock) for sock in idle), until=lambda n: n == 1,
+                             what="the oldest idle connection closed", timeout=30)
+            assert closed_by_peer(idle[0])  # the oldest
         finally:
             close_all(idle)
         tg.cancel_scope.cancel()

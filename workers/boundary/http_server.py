@@ -139,6 +139,8 @@ class AppServer:
         self.host = host
         self.port = port
         self.limits = limits
+        #: the service once `run` started it (its `guard` tells what the connections are doing)
+        self.service: HttpService | None = None
 
     @property
     def url(self) -> str:
@@ -148,8 +150,8 @@ class AppServer:
         raise NotImplementedError
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED) -> None:
-        service = HttpService(app=self.app(), host=self.host, port=self.port, limits=self.limits,
-                              description=self.DESCRIPTION)
+        service = self.service = HttpService(app=self.app(), host=self.host, port=self.port, limits=self.limits,
+                                             description=self.DESCRIPTION)
         async with anyio.create_task_group() as group:
             await group.start(service.run)  # the socket is bound and listening from here on
             self.port = service.port
