@@ -5,7 +5,8 @@ the route table built from the route modules — `/generate` (`generate_routes`,
 `generate_request`), health, info and metrics (`info_routes`), generation control (`control_routes`), memory
 release and resume (`memory_routes`), weight updates (`weight_routes`), the OpenAI-compatible `/v1` routes
 (`openai_routes`) — the gates every request passes first (API key, body size: `http_input`), the lifespan,
-and `serve`. Each route module meets the engine through a Protocol of what it uses, so none imports this one.
+and `serve` (on the shared HTTP layer, `workers.boundary.http_server`). Each route module meets the engine
+through a Protocol of what it uses, so none imports this one.
 
 Invariant: the port opens only after the weights are loaded (as SGLang); the scheduler's task runs exactly as
 long as the app serves, and at shutdown every sequence is aborted and every weight-update group left.
@@ -26,12 +27,13 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
+from workers.boundary.http_server import serve_process
 from workers.engine.args import EngineArgs
 from workers.engine.batch_invariant import BatchInvariantRunner
 from workers.engine.control_routes import ControlRoutes
 from workers.engine.generate_request import RequestBuilder
 from workers.engine.generate_routes import GenerateRoutes
-from workers.engine.http_input import ApiKeyMiddleware, BodyLimitMiddleware
+from workers.engine.http_input import LIMIT_NAME, ApiKeyMiddleware, BodyLimitMiddleware
 from workers.engine.info_routes import InfoRoutes
 from workers.engine.memory_routes import MemoryRoutes
 from workers.engine.openai_routes import OpenAIRoutes
@@ -96,7 +98,7 @@ class EngineServer:
             *OpenAIRoutes(self).routes(),  # /v1/chat/completions, /v1/completions, /v1/models
         ]
         app: ASGIApp = Starlette(routes=routes, lifespan=self.lifespan)
-        app = BodyLimitMiddleware(app, self.args.max_request_bytes)
+        app = BodyLimitMiddleware(app, self.args.max_request_bytes, limit_name=LIMIT_NAME)
         if self.args.api_key:
             app = ApiKeyMiddleware(app, self.args.api_key)
         return app
@@ -123,8 +125,6 @@ def _configure_threads() -> None:
 
 
 def serve(args: EngineArgs) -> int:
-    import uvicorn
-
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
@@ -159,14 +159,7 @@ def serve(args: EngineArgs) -> int:
         next(runner.model.parameters()).dtype,
         time.perf_counter() - started,
     )
-    config = uvicorn.Config(
-        server.app(),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=args.log_level == "debug",
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-    )
-    anyio.run(uvicorn.Server(config).serve)
+    # The shared HTTP layer: socket bound first, capped connections, 16 KiB heads, idle and read deadlines.
+    serve_process(server.app(), args.host, args.port, log_level=args.log_level,
+                  access_log=args.log_level == "debug", lifespan="on", graceful_s=5)
     return 0
