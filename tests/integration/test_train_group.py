@@ -25,6 +25,7 @@ from coordinator.train.errors import RankFailure
 from coordinator.train.group import TrainGroup
 from coordinator.train.planning import balance_by_tokens, plan_steps, reduce_step_metrics
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
+from tests.support.train_settings import flat_settings, init_command
 from tests.support.waiting import wait_until
 from workers import protocol
 from workers.train_rank.trainer import Trainer
@@ -77,7 +78,7 @@ async def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
         async with anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=root / "run").run)
             record = FirstRun(
-                rollouts=rollouts, init_info=await group.init(config_for(tiny_model_dir, root / "ckpt"))
+                rollouts=rollouts, init_info=await group.init(flat_settings(config_for(tiny_model_dir, root / "ckpt")))
             )
             record.pids = [info.pid for info in group.ranks.values()] + [group.torchrun_pid or 0]
             record.log_path = group.log_path
@@ -129,7 +130,7 @@ async def test_exported_snapshot_loads_and_equals_single_process_training(
     ).state_dict()
     # The same rollout trained in this process, unsplit: two data-parallel ranks must give the same update.
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
-    trainer.init(protocol.InitCommand(config_for(tiny_model_dir, Path("unused"))))
+    trainer.init(init_command(config_for(tiny_model_dir, Path("unused"))))
     raw = first_run.rollouts[0]
     steps = [raw[:4], raw[4:]]
     trainer.train(protocol.TrainCommand(0, steps, [sum(sum(s.loss_mask) for s in step) for step in steps]))
@@ -160,7 +161,7 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
         async with anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
             pids = [info.pid for info in group.ranks.values()] + [group.torchrun_pid or 0]
-            await group.init(config_for(tiny_model_dir, tmp_path / "ckpt"))
+            await group.init(flat_settings(config_for(tiny_model_dir, tmp_path / "ckpt")))
             info = await group.load_checkpoint(broken)
             assert info.rollout_id == 0 and info.extra == {"data_source": {"epoch": 0, "offset": 8}}
             assert info.path == broken / "rollout_0" and "names rollout_2" in info.warning
@@ -311,7 +312,7 @@ async def test_a_cancelled_group_shuts_its_ranks_down_and_torchrun_exits_0(tiny_
     with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path, grace_s=60).run)
-            await group.init(config_for(tiny_model_dir, tmp_path / "ckpt"))
+            await group.init(flat_settings(config_for(tiny_model_dir, tmp_path / "ckpt")))
             tg.cancel_scope.cancel()
     assert group.torchrun is not None and group.torchrun.proc is not None
     assert group.torchrun.proc.returncode == 0, group.log_path.read_text()[-3000:]
