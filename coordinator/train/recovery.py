@@ -138,7 +138,7 @@ class RankRecovery:
                 f"train FT: the ranks did not all come back within {self.timeout_s:.0f}s "
                 "(torchrun out of --max-restarts?)",
             ) from None
-        save_dir = config.get("save_dir")
+        save_dir = config.checkpoint.save_dir
         if save_dir and await anyio.Path(save_dir, "latest").exists():
             return await group.load_checkpoint(save_dir)
         return None

@@ -28,6 +28,7 @@ from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samp
 from tests.support.train_settings import flat_settings, init_command
 from tests.support.waiting import wait_until
 from workers import protocol
+from workers.protocol.train_settings import BatchingSettings, SettingsError
 from workers.train_rank.trainer import Trainer
 
 METRICS = [
@@ -222,15 +223,15 @@ def wire(length: int, loss_tokens: int) -> protocol.WireSample:
 
 def test_steps_are_cut_in_order_and_balanced_by_tokens() -> None:
     samples = [wire(length, 2) for length in (10, 3, 3, 4, 9, 1, 1, 1)]
-    plan = plan_steps(samples, {"global_batch_size": 4}, world_size=2)
+    plan = plan_steps(samples, BatchingSettings(global_batch_size=4), world_size=2)
     assert len(plan) == 2 and [step.loss_tokens for step in plan] == [8, 8]
     loads = [[sum(len(s.tokens) for s in shard) for shard in step.shards] for step in plan]
     assert loads == [[10, 10], [9, 3]]  # longest first onto the lighter rank
-    assert plan_steps(samples, {"num_steps_per_rollout": 4}, world_size=2)[0].shards == [
+    assert plan_steps(samples, BatchingSettings(num_steps_per_rollout=4), world_size=2)[0].shards == [
         [samples[0]],
         [samples[1]],
     ]
-    assert len(plan_steps(samples, {}, world_size=2)) == 1
+    assert len(plan_steps(samples, BatchingSettings(), world_size=2)) == 1
     assert balance_by_tokens([5, 5, 5, 5, 5], 3) == [[0, 3], [1, 4], [2]]
 
 
@@ -262,13 +263,13 @@ def test_step_metrics_add_up_over_ranks_as_token_means() -> None:
 def test_batch_settings_that_cannot_work_are_rejected_with_the_setting_named() -> None:
     samples = [wire(6, 2) for _ in range(6)]
     with pytest.raises(ValueError, match="not a multiple of global_batch_size=4"):
-        plan_steps(samples, {"global_batch_size": 4}, world_size=2)
+        plan_steps(samples, BatchingSettings(global_batch_size=4), world_size=2)
     with pytest.raises(ValueError, match="smaller than the 4 data-parallel ranks"):
-        plan_steps(samples, {"global_batch_size": 2}, world_size=4)
-    with pytest.raises(ValueError, match="either global_batch_size or num_steps_per_rollout"):
-        plan_steps(samples, {"global_batch_size": 2, "num_steps_per_rollout": 3}, world_size=1)
+        plan_steps(samples, BatchingSettings(global_batch_size=2), world_size=4)
+    with pytest.raises(SettingsError, match=r"either batching\.global_batch_size or batching\.num_steps_per_rollout"):
+        BatchingSettings(global_batch_size=2, num_steps_per_rollout=3)
     with pytest.raises(ValueError, match="no samples"):
-        plan_steps([], {}, world_size=1)
+        plan_steps([], BatchingSettings(), world_size=1)
 
 
 def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:

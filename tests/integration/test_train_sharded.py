@@ -20,6 +20,7 @@ from coordinator.train.planning import plan_steps
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 from tests.support.train_settings import flat_settings, init_command
 from workers import protocol
+from workers.protocol.train_settings import BatchingSettings
 from workers.train_rank.packing import first_fit_decreasing
 from workers.train_rank.trainer import Trainer
 
@@ -37,7 +38,7 @@ async def test_fsdp_on_cpu_matches_one_process_and_a_stopped_rank_times_out_fast
     from transformers import AutoModelForCausalLM
 
     raw = synthetic_samples(tiny_model_dir, 12, seed=21)
-    steps = plan_steps(raw, {"global_batch_size": 6}, 2)
+    steps = plan_steps(raw, BatchingSettings(global_batch_size=6), 2)
     counts = [[len(first_fit_decreasing([len(s.tokens) for s in shard], BUDGET)) for shard in step.shards]
               for step in steps]
     assert any(len(set(step)) > 1 for step in counts), f"the ranks' plans should differ somewhere: {counts}"
