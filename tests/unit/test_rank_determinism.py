@@ -22,7 +22,7 @@ def torch_state() -> Iterator[None]:
 
 
 def test_the_thread_count_is_validated() -> None:
-    with pytest.raises(SettingsError, match="determinism.threads must be >= 1"):
+    with pytest.raises(SettingsError, match=r"determinism\.threads must be >= 1"):
         DeterminismSettings(threads=0)
 
 
