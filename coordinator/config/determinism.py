@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+
+import msgspec
 
 from coordinator.config.fields import ConfigError, Slice, flag
+from workers.protocol.train_settings import DeterminismSettings, TrainSettings
 
 #: our engine's intra-op thread count (1 when unset); the ranks get the same count in their settings
 THREADS_ENV = "RAYLESS_ENGINE_THREADS"
@@ -49,9 +51,10 @@ class DeterminismConfig(Slice):
             raise ConfigError(f"{THREADS_ENV}={raw!r}: the thread count of deterministic mode must be an "
                               "integer") from None
 
-    def rank_settings(self) -> dict[str, Any]:
+    def rank_settings(self, settings: TrainSettings) -> TrainSettings:
         """The ranks' settings this mode changes: one sample per micro-batch (the engine scores one sequence at a
         time; packing several into a row changes the attention kernel's shapes) and the pinned thread count."""
         if not self.active:
-            return {}
-        return {"deterministic_threads": self.threads(), "micro_batch_size": 1}
+            return settings
+        return settings.replace(determinism=DeterminismSettings(threads=self.threads()),
+                                batching=msgspec.structs.replace(settings.batching, micro_batch_size=1))

@@ -26,11 +26,11 @@ def plan(*flags: str, gpus: int = 0, sglang: bool = False):
 
 def test_the_flags_parse_and_true_on_policy_implies_deterministic_settings() -> None:
     off = config("--rollout-num-engines", "1")
-    assert not off.determinism.active and "deterministic_threads" not in off.rank_settings()
+    assert not off.determinism.active and off.rank_settings().determinism.threads is None
     on = config("--rollout-num-engines", "1", "--true-on-policy-mode")
     assert on.determinism.true_on_policy_mode and on.determinism.active
     settings = on.rank_settings()
-    assert settings["deterministic_threads"] == 1 and settings["micro_batch_size"] == 1
+    assert settings.determinism.threads == 1 and settings.batching.micro_batch_size == 1
 
 
 @pytest.mark.parametrize(("flags", "named"), [

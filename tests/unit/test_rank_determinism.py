@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from workers.protocol.train_settings import DeterminismSettings, ModelSettings, SettingsError, TrainSettings
 from workers.train_rank import determinism
-from workers.train_rank.settings import SettingsError, TrainSettings
 
 
 @pytest.fixture
@@ -22,15 +22,15 @@ def torch_state() -> Iterator[None]:
 
 
 def test_the_thread_count_is_validated() -> None:
-    with pytest.raises(SettingsError, match="deterministic_threads must be >= 1"):
-        TrainSettings.from_dict({"model_path": "/m", "deterministic_threads": 0})
+    with pytest.raises(SettingsError, match=r"determinism\.threads must be >= 1"):
+        DeterminismSettings(threads=0)
 
 
 def test_apply_pins_threads_algorithms_and_seeds(torch_state: None) -> None:
     torch.set_num_threads(2)
-    determinism.apply(TrainSettings.from_dict({"model_path": "/m"}))
+    determinism.apply(TrainSettings(model=ModelSettings(path="/m")))
     assert torch.get_num_threads() == 2 and not torch.are_deterministic_algorithms_enabled()
-    settings = TrainSettings.from_dict({"model_path": "/m", "deterministic_threads": 1, "seed": 5})
+    settings = TrainSettings(model=ModelSettings(path="/m"), determinism=DeterminismSettings(threads=1), seed=5)
     determinism.apply(settings)
     assert torch.get_num_threads() == 1 and torch.are_deterministic_algorithms_enabled()
     drawn = (random.random(), torch.rand(3).tolist())

@@ -2,7 +2,7 @@
 every random source seeded from the run's seed.
 
 Owns `apply`, called once at `init` before the model is built (so initialisation and dropout draw from the
-seeded generators). Invariant: with `deterministic_threads` None nothing is changed. One sample per
+seeded generators). Invariant: with `determinism.threads` None nothing is changed. One sample per
 micro-batch, the other half of the mode, is the coordinator's setting (`micro_batch_size` 1), so the ranks
 score each sample exactly as the engine rescores it (`workers.engine.rescoring`).
 """
@@ -14,14 +14,15 @@ import random
 
 import torch
 
-from workers.train_rank.settings import TrainSettings
+from workers.protocol.train_settings import TrainSettings
 
 
 def apply(settings: TrainSettings) -> None:
-    if settings.deterministic_threads is None:
+    threads = settings.determinism.threads
+    if threads is None:
         return
     # A reduction split over another number of threads adds in another order; the engine pins the same count.
-    torch.set_num_threads(settings.deterministic_threads)
+    torch.set_num_threads(threads)
     # cuBLAS is deterministic only with a fixed workspace (read when its first handle is made, after this).
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Megatron's deterministic mode: the same switches (cuDNN is the GPU's; on CPU they change nothing).
