@@ -1,0 +1,158 @@
+"""The status server: `/status` (JSON), `/metrics` (Prometheus), `/timeline.json` and the page at `/`.
+
+Owns the HTTP side of the run's status (Starlette served by uvicorn, in the run's event loop) and the file
+`<run_dir>/status_url`, which tells `rayless status` where to ask while the run goes on. Invariants: the socket
+is bound before `task_status.started()` (a request right after start-up is answered); the run's API key guards
+every path but the page (static, no data; it sends the key from the URL's `#key=` fragment, which no server
+sees) and `/metrics` (SGLang's rule, the engine's `ApiKeyMiddleware`); a document is built at most every
+`min_interval` seconds however often it is asked for (a page polled 10 times a second costs the loop no more
+than one polled 4 times); no await holds anything the run needs; the server ends with the run and removes
+its URL file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from importlib import resources
+from typing import Any
+
+import anyio
+import anyio.abc
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from coordinator.engines.launch import engine_log_path
+from coordinator.status import prometheus
+from coordinator.status.host import host_facts
+from coordinator.status.rates import EngineRates
+from coordinator.status.sources import StatusSources, snapshot
+from workers.engine.http_input import ApiKeyMiddleware
+
+log = logging.getLogger("rayless")
+
+URL_FILE = "status_url"
+#: how long the end of the run waits for uvicorn to close its connections
+SHUTDOWN_S = 5.0
+
+
+def page_html() -> str:
+    return resources.files("coordinator.status").joinpath("page.html").read_text(encoding="utf-8")
+
+
+class StatusServer:
+    """Start with `await task_group.start(server.run)`; `url` is known once started."""
+
+    def __init__(self, sources: StatusSources, *, host: str, port: int, api_key: str | None,
+                 rates: EngineRates | None = None, min_interval: float = 0.25) -> None:
+        self.sources = sources
+        self.host = host
+        self.port = port
+        self.api_key = api_key
+        self.rates = rates
+        self.min_interval = min_interval
+        self.documents_built = 0
+        self._document: tuple[float, dict[str, Any]] | None = None
+        self._page = page_html()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"http://{host}:{self.port}"
+
+    async def document(self) -> dict[str, Any]:
+        """The `/status` document, at most `min_interval` old."""
+        cached = self._document
+        if cached is not None and time.monotonic() - cached[0] < self.min_interval:
+            return cached[1]
+        s = self.sources
+        logs = {h.name: engine_log_path(s.run_dir, h.name) for fleet in s.fleets for h in fleet.engines
+                if h.launched}
+        pids = {rank: info.pid for rank, info in s.train_group.ranks.items() if info.node_rank == 0} \
+            if s.train_group is not None else {}
+        host = await anyio.to_thread.run_sync(host_facts, logs, pids)
+        document = snapshot(s, rates=self.rates.rates if self.rates is not None else None, host=host)
+        self._document = (time.monotonic(), document)
+        self.documents_built += 1
+        return document
+
+    def app(self) -> ASGIApp:
+        async def status(request: Request) -> Response:
+            return JSONResponse(await self.document())
+
+        async def metrics(request: Request) -> Response:
+            return Response(prometheus.render(await self.document()), media_type=prometheus.CONTENT_TYPE)
+
+        async def timeline(request: Request) -> Response:
+            return JSONResponse(self.sources.timeline.document())
+
+        data: ASGIApp = Starlette(routes=[Route("/status", status), Route("/metrics", metrics),
+                                          Route("/timeline.json", timeline)])
+        if self.api_key:
+            data = ApiKeyMiddleware(data, self.api_key)
+        page = HTMLResponse(self._page, headers={"Cache-Control": "no-store"})
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http" and scope["path"] in ("/", "/index.html"):
+                await page(scope, receive, send)
+            else:
+                await data(scope, receive, send)
+
+        return app
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[StatusServer] = anyio.TASK_STATUS_IGNORED) -> None:
+        sock = _listen(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        server = _RunServer(uvicorn.Config(self.app(), log_level="warning", log_config=None, access_log=False,
+                                             lifespan="off", timeout_graceful_shutdown=1))
+        url_file = self.sources.run_dir / URL_FILE
+        with sock:
+            async with anyio.create_task_group() as group:
+                serving = anyio.CancelScope(shield=True)  # uvicorn ends by should_exit, within a deadline
+                group.start_soon(_serve, server, sock, serving)
+                for fleet in self.sources.fleets:
+                    group.start_soon(self.sources.changes.watch, fleet, self.sources.released)
+                if self.rates is not None:
+                    group.start_soon(self.rates.run)
+                url_file.write_text(self.url + "\n", encoding="utf-8")
+                log.info("status page: %s (JSON at /status, Prometheus at /metrics)", self.url)
+                task_status.started(self)
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    url_file.unlink(missing_ok=True)
+                    server.should_exit = True
+                    serving.deadline = anyio.current_time() + SHUTDOWN_S
+
+
+async def _serve(server: Any, sock: socket.socket, scope: anyio.CancelScope) -> None:
+    with scope:
+        await server.serve(sockets=[sock])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(f"--status-port {port}: cannot listen on {host}:{port}: {error.strerror}") from error
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+class _RunServer(uvicorn.Server):
+    """uvicorn's Server without its signal handlers: the run's own (`coordinator.lifecycle.signals`) stay."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        return contextlib.nullcontext()
