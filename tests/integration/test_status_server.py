@@ -78,6 +78,9 @@ class Probe:
         if rollout_id == ROLLOUTS - 1:
             with anyio.fail_after(240):
                 await self.recovered.wait()
+            await self.page.wait_for_function(  # the page has drawn the run's last rollout
+                f"() => document.getElementById('run').textContent.includes('rollout {ROLLOUTS}/{ROLLOUTS}')",
+                timeout=60_000)
             await self.page.screenshot(path=str(self.run_dir / "status_page.png"), full_page=True)
 
 
