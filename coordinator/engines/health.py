@@ -228,7 +228,7 @@ class HealthMonitor:
                 except EngineError:
                     progress = None
 
-        with span("health probe", ("health", handle.name)):
+        with span("health probe", ("health", handle.name), lanes=True):  # a slow probe overlaps the next
             async with anyio.create_task_group() as tg:
                 tg.start_soon(health)
                 tg.start_soon(metrics)

@@ -9,8 +9,8 @@ Events are "X" (complete) events with `ts` / `dur` in microseconds since the run
 by an "M" metadata event. Every event's args carry the rollout id and the weight version current when it began.
 
 Invariants: a span never raises into the code it measures (no timeline: a no-op); two spans open at once on one
-row are nested (concurrent spans without a named row get a lane of their own, the lowest free one), so every
-row is a valid flame; memory is bounded (at most `max_events_per_group` events per row group, the oldest
+row are nested (spans that may overlap — `lanes=True`, or no row named — get a lane of their own, the lowest free
+one: "lane 0", ... or "<row>", "<row> #1", ...), so every row is a valid flame; memory is bounded (at most `max_events_per_group` events per row group, the oldest
 dropped first); the file is replaced atomically, so a crash leaves the last complete write.
 """
 
@@ -48,7 +48,7 @@ class Timeline:
         self._events: dict[int, deque[dict[str, Any]]] = {}
         self._pids: dict[str, int] = {}
         self._tids: dict[tuple[int, str], int] = {}
-        self._busy_lanes: dict[int, set[int]] = {}
+        self._busy_lanes: dict[tuple[str, str], set[int]] = {}
         self.dropped = 0
         self._open: list[str] = []  # the loop's phases open now, outermost first
 
@@ -83,15 +83,18 @@ class Timeline:
                        "args": self._args(args)})
 
     @contextmanager
-    def span(self, name: str, track: tuple[str, str | None] = PHASES, **args: Any) -> Iterator[None]:
-        """Record the body as one event on `track` = (group, row); row None: the lowest lane free now."""
-        group, row = track
+    def span(self, name: str, track: tuple[str, str | None] = PHASES, *, lanes: bool = False,
+             **args: Any) -> Iterator[None]:
+        """Record the body as one event on `track` = (group, row); with `lanes` (or row None) on the lowest
+        lane of that row free now."""
+        group, base = track
+        row = base or ""
         lane = None
-        if row is None:
-            busy = self._busy_lanes.setdefault(self._row(group, "")[0], set())
+        if lanes or base is None:
+            busy = self._busy_lanes.setdefault((group, row), set())
             lane = next(i for i in range(len(busy) + 1) if i not in busy)
             busy.add(lane)
-            row = f"lane {lane}"
+            row = f"lane {lane}" if base is None else (row if lane == 0 else f"{row} #{lane}")
         tagged = {"rollout_id": self.rollout_id, "weight_version": self.weight_version, **args}
         started = time.monotonic()
         failed: str | None = None
@@ -106,7 +109,7 @@ class Timeline:
             if track == PHASES:
                 self._open.remove(name)
             if lane is not None:
-                self._busy_lanes[self._pids[group]].discard(lane)
+                self._busy_lanes[(group, base or "")].discard(lane)
             if failed is not None:
                 tagged["error"] = failed
             self.complete(name, started, time.monotonic() - started, (group, row), **tagged)
@@ -179,10 +182,11 @@ def current() -> Timeline | None:
     return _CURRENT.get()
 
 
-def span(name: str, track: tuple[str, str | None] = PHASES, **args: Any) -> AbstractContextManager[None]:
+def span(name: str, track: tuple[str, str | None] = PHASES, *, lanes: bool = False,
+         **args: Any) -> AbstractContextManager[None]:
     """`with span("train"):` records on the current timeline; a no-op when the run records none."""
     timeline = _CURRENT.get()
-    return nullcontext() if timeline is None else timeline.span(name, track, **args)
+    return nullcontext() if timeline is None else timeline.span(name, track, lanes=lanes, **args)
 
 
 def ranks_trained(step_times: Iterable[Iterable[float]], rollout_id: int) -> None:

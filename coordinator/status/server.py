@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -58,7 +59,7 @@ class StatusServer:
         self.rates = rates
         self.min_interval = min_interval
         self.documents_built = 0
-        self._document: tuple[float, dict[str, Any]] | None = None
+        self._document: _Built | None = None
         self._page = page_html()
 
     @property
@@ -68,9 +69,12 @@ class StatusServer:
 
     async def document(self) -> dict[str, Any]:
         """The `/status` document, at most `min_interval` old."""
+        return (await self._built()).document
+
+    async def _built(self) -> _Built:
         cached = self._document
-        if cached is not None and time.monotonic() - cached[0] < self.min_interval:
-            return cached[1]
+        if cached is not None and time.monotonic() - cached.at < self.min_interval:
+            return cached
         s = self.sources
         logs = {h.name: engine_log_path(s.run_dir, h.name) for fleet in s.fleets for h in fleet.engines
                 if h.launched}
@@ -78,16 +82,16 @@ class StatusServer:
             if s.train_group is not None else {}
         host = await anyio.to_thread.run_sync(host_facts, logs, pids)
         document = snapshot(s, rates=self.rates.rates if self.rates is not None else None, host=host)
-        self._document = (time.monotonic(), document)
+        self._document = built = _Built(time.monotonic(), document)
         self.documents_built += 1
-        return document
+        return built
 
     def app(self) -> ASGIApp:
         async def status(request: Request) -> Response:
-            return JSONResponse(await self.document())
+            return Response((await self._built()).json(), media_type="application/json")
 
         async def metrics(request: Request) -> Response:
-            return Response(prometheus.render(await self.document()), media_type=prometheus.CONTENT_TYPE)
+            return Response((await self._built()).metrics(), media_type=prometheus.CONTENT_TYPE)
 
         async def timeline(request: Request) -> Response:
             return JSONResponse(self.sources.timeline.document())
@@ -129,6 +133,26 @@ class StatusServer:
                     url_file.unlink(missing_ok=True)
                     server.should_exit = True
                     serving.deadline = anyio.current_time() + SHUTDOWN_S
+
+
+class _Built:
+    """One document and its two renderings, each made once, when first asked for."""
+
+    def __init__(self, at: float, document: dict[str, Any]) -> None:
+        self.at = at
+        self.document = document
+        self._json: bytes | None = None
+        self._metrics: bytes | None = None
+
+    def json(self) -> bytes:
+        if self._json is None:
+            self._json = msgspec.json.encode(self.document)
+        return self._json
+
+    def metrics(self) -> bytes:
+        if self._metrics is None:
+            self._metrics = prometheus.render(self.document)
+        return self._metrics
 
 
 async def _serve(server: Any, sock: socket.socket, scope: anyio.CancelScope) -> None:

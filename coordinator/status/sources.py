@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 RECENT_ROWS = 500
 RECENT_EVENTS = 50
-TIMELINE_S = 120.0
-TIMELINE_EVENTS = 3000
+TIMELINE_S = 30.0
+TIMELINE_EVENTS = 1500
 CHANGES_PER_ENGINE = 12
 #: the engine states the status document names (the fleet's three, told apart by incarnation and colocation)
 ENGINE_STATES = ("starting", "healthy", "released", "dead", "relaunching", "stopped")
