@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import socket
 from pathlib import Path
 
 import anyio
@@ -121,3 +122,20 @@ def test_rayless_status_names_what_it_cannot_read(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.5}) + "\n")
     code, text = run_status([str(tmp_path)])
     assert code == 0 and "rollout 1/4" in text and "does not answer" in text and "0.500" in text
+
+
+def test_a_status_port_in_use_stops_the_run_before_anything_launches(tiny_model_dir: Path, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from coordinator.cli import train_main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code = train_main(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "builtin:first_digit",
+                           "--rollout-num-engines", "1", "--num-rollout", "1", "--rollout-batch-size", "1",
+                           "--n-samples-per-prompt", "1", "--run-dir", str(tmp_path / "run"),
+                           "--status-port", str(port)])
+    assert code == 2
+    assert f"--status-port {port}: 127.0.0.1:{port} is in use" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "nothing was launched or written"
