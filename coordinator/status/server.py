@@ -4,9 +4,9 @@ Owns the HTTP side of the run's status (Starlette served by uvicorn, in the run'
 `<run_dir>/status_url`, which tells `rayless status` where to ask while the run goes on. Invariants: the socket
 is bound before `task_status.started()` (a request right after start-up is answered); the run's API key guards
 every path but the page (static, no data; it sends the key from the URL's `#key=` fragment, which no server
-sees) and `/metrics` (SGLang's rule, the engine's `ApiKeyMiddleware`); a document is built at most every
-`min_interval` seconds however often it is asked for (a page polled 10 times a second costs the loop no more
-than one polled 4 times); no await holds anything the run needs; the server ends with the run and removes
+sees) and `/metrics` (SGLang's rule, the engine's `ApiKeyMiddleware`); a document is built and serialised at
+most every `min_interval` seconds however often it is asked for (a page polled 10 times a second builds no more
+than one polled twice; the other requests are sent the bytes already made); no await holds anything the run needs; the server ends with the run and removes
 its URL file.
 """
 
@@ -51,7 +51,7 @@ class StatusServer:
     """Start with `await task_group.start(server.run)`; `url` is known once started."""
 
     def __init__(self, sources: StatusSources, *, host: str, port: int, api_key: str | None,
-                 rates: EngineRates | None = None, min_interval: float = 0.25) -> None:
+                 rates: EngineRates | None = None, min_interval: float = 0.5) -> None:
         self.sources = sources
         self.host = host
         self.port = port

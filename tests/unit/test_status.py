@@ -139,3 +139,20 @@ def test_a_status_port_in_use_stops_the_run_before_anything_launches(tiny_model_
     assert code == 2
     assert f"--status-port {port}: 127.0.0.1:{port} is in use" in capsys.readouterr().err
     assert not (tmp_path / "run").exists(), "nothing was launched or written"
+
+
+def test_engine_states_as_the_status_names_them() -> None:
+    from coordinator.engines.fleet import EngineHandle, EngineState
+    from coordinator.status.sources import engine_state
+
+    def handle(state: EngineState, incarnation: int) -> EngineHandle:
+        return EngineHandle(name="rollout-0", url="http://127.0.0.1:1", launched=True, state=state,
+                            incarnation=incarnation)
+
+    nothing: frozenset[str] = frozenset()
+    assert engine_state(handle(EngineState.STARTING, 0), nothing) == "starting"
+    assert engine_state(handle(EngineState.ALIVE, 1), nothing) == "healthy"
+    assert engine_state(handle(EngineState.ALIVE, 1), frozenset({"rollout-0"})) == "released"
+    assert engine_state(handle(EngineState.DEAD, 1), nothing) == "dead"
+    assert engine_state(handle(EngineState.STARTING, 1), nothing) == "relaunching"
+    assert engine_state(handle(EngineState.DEAD, 2), nothing, finished=True) == "stopped"
