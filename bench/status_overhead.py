@@ -6,14 +6,16 @@ from this process (as a browser would be: another process), alternates blocks of
 `/status` fetched every 0.1 s (fixed rate, as the page at `?poll=100`) and blocks with nothing fetched.
 Interleaving the two conditions in one run keeps the machine's load and the model's state the same for both;
 the first block is dropped (warm-up). Each rollout's seconds are the loop's own `step/time_s` in metrics.jsonl.
-Prints rollouts/s of each condition, their ratio (goal: polled within 3% of not polled), the number of
-`/status` answers and their median latency. Usage:
+Prints rollouts/s of each condition, their ratio (goal: polled within 3% of not polled), the coordinator's
+median CPU milliseconds per rollout in each (the server's own cost, whatever else the machine runs), the
+number of `/status` answers and their median latency. Usage:
 python -m bench.status_overhead [--rollouts 25] [--block 4] [--model DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from bench.soak import DEFAULT_JOB
 
@@ -93,14 +96,20 @@ def main() -> int:
     thread = threading.Thread(target=poller.run, daemon=True)
     thread.start()
     condition: dict[int, bool] = {}  # rollout id -> polled while it ran
+    cpu_at: dict[int, float] = {}  # rollout id -> the coordinator's CPU seconds when it began
     with open(work / "train.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        coordinator = psutil.Process(process.pid)
         try:
             while process.poll() is None:
                 done = len(rows(run_dir / "metrics.jsonl"))
                 polled = (done // options.block) % 2 == 1
                 (poller.on.set if polled else poller.on.clear)()
-                condition.setdefault(done, polled)
+                if done not in condition:
+                    condition[done] = polled
+                    with contextlib.suppress(psutil.Error):
+                        times = coordinator.cpu_times()
+                        cpu_at[done] = times.user + times.system
                 time.sleep(0.02)  # a bench's sampling cadence, not a wait for a condition
         finally:
             poller.stop.set()
@@ -116,10 +125,17 @@ def main() -> int:
         if step >= options.block and step in condition:  # the first block warms up
             seconds[condition[step]].append(row["step/time_s"])
     rate = {polled: len(s) / sum(s) for polled, s in seconds.items() if s}
+    cpu: dict[bool, list[float]] = {True: [], False: []}  # the coordinator's CPU seconds per rollout
+    for step, polled in condition.items():
+        if step >= options.block and step in cpu_at and step + 1 in cpu_at:
+            cpu[polled].append(cpu_at[step + 1] - cpu_at[step])
+    cpu_ms = {polled: statistics.median(v) * 1e3 for polled, v in cpu.items() if v}
     result = {
         "rollouts": {("polled" if k else "not_polled"): len(v) for k, v in seconds.items()},
         "rollouts_per_s_not_polled": rate.get(False), "rollouts_per_s_polled": rate.get(True),
         "polled_over_not_polled": rate[True] / rate[False] if True in rate and False in rate else None,
+        "coordinator_cpu_ms_per_rollout_not_polled": cpu_ms.get(False),
+        "coordinator_cpu_ms_per_rollout_polled": cpu_ms.get(True),
         "status_answers": len(poller.latencies), "status_failures": poller.failures,
         "status_latency_median_ms": statistics.median(poller.latencies) * 1e3 if poller.latencies else None,
         "cpu_count": os.cpu_count(), "load_1min": os.getloadavg()[0],
