@@ -62,6 +62,12 @@ def _run(run: dict[str, Any]) -> Iterator[Metric]:
     yield from _gauge("rayless_rollouts_planned", "rollouts this run makes (--num-rollout)", run["num_rollout"])
     yield from _gauge("rayless_run_elapsed_seconds", "seconds since the run began", run["elapsed_s"])
     yield from _gauge("rayless_run_eta_seconds", "estimated seconds left", run["eta_s"])
+    for key, name, doc in (("train_recoveries", "rayless_train_recoveries", "train steps resent after ranks "
+                            "were brought back (train FT)"),
+                           ("weight_sync_recoveries", "rayless_weight_sync_recoveries", "dead engines the weight "
+                            "sync relaunched before an update")):
+        if run.get(key) is not None:
+            yield CounterMetricFamily(name, doc, value=float(run[key]))
     version = run["weight_version"]
     yield from _gauge("rayless_weight_version", "optimizer updates applied to the policy",
                       int(version) if isinstance(version, str) and version.isdigit() else None)

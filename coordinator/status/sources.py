@@ -124,6 +124,8 @@ def _run(s: StatusSources) -> dict[str, Any]:
         "weight_version": s.weight_sync.current_version if s.weight_sync is not None
         and s.weight_sync.current_version is not None else t.weight_version,
         "phase": p.phase or t.phase_now() or ("finished" if s.finished else ""),
+        "train_recoveries": s.train_group.recoveries if s.train_group is not None else None,
+        "weight_sync_recoveries": s.weight_sync.recoveries if s.weight_sync is not None else None,
     }
 
 
