@@ -69,7 +69,8 @@ def from_files(run_dir: Path) -> dict[str, Any]:
     planned = _planned_rollouts(config)
     last = rows[-1] if rows else {}
     return {
-        "run": {"run_dir": str(run_dir), "config_digest": "", "state": "finished" if summary else "unknown",
+        "run": {"run_dir": str(run_dir), "config_digest": "",
+                "state": "finished" if summary else "not finished (no status server: running, or killed)",
                 "rollouts_done": summary.get("rollouts", (last.get("step", -1) + 1) if rows else 0),
                 "num_rollout": planned, "elapsed_s": summary.get("wall_s"), "eta_s": None,
                 "weight_version": summary.get("final_weight_version", last.get("weight_version")), "phase": ""},
