@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from coordinator.observe.startup import PhaseObserver
+from coordinator.observe.timeline import ranks_trained
 from coordinator.train.channel import ControlServer
 from coordinator.train.planning import (
     StepPlan,
@@ -65,6 +66,8 @@ class TrainCommands:
     settings: TrainSettings | None
     #: one dict of metrics per optimizer step of the last `train()`
     step_metrics: list[dict[str, float]]
+    #: each rank's seconds in the last `train()` (the sum of its steps' `step_time_s`; the status server's)
+    rank_step_s: tuple[float, ...] = ()
 
     async def init(self, settings: TrainSettings) -> dict[str, Any]:
         """Load the model on every rank and build the optimizer. Returns rank 0's summary."""
@@ -110,6 +113,9 @@ class TrainCommands:
         }
         results = await self.server.call(commands)
         by_rank = [protocol.TrainResult.from_wire(results[rank]).steps for rank in range(self.world_size)]
+        step_times = [[step.step_time_s for step in steps] for steps in by_rank]
+        self.rank_step_s = tuple(sum(times) for times in step_times)
+        ranks_trained(step_times, rollout_id)
         self.step_metrics = [
             reduce_step_metrics([steps[index] for steps in by_rank]) for index in range(len(plan))
         ]
