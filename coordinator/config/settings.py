@@ -30,6 +30,7 @@ from coordinator.config.lora import LoraConfig
 from coordinator.config.megatron import MegatronConfig
 from coordinator.config.rollout import RolloutConfig
 from coordinator.config.secrets import MASK, mask_argv
+from coordinator.config.sft import SftConfig
 from coordinator.config.sglang import SglangConfig
 from coordinator.config.training import TrainConfig
 from coordinator.config.upstream import Row
@@ -45,6 +46,7 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -70,8 +72,8 @@ class Config:
 
     @property
     def train_only(self) -> bool:
-        """No engines: replay mode forces it, `--debug-train-only` asks for it."""
-        return self.debug.debug_train_only or self.replay_mode
+        """No engines: replay mode forces it, `--debug-train-only` asks for it, an SFT run needs none."""
+        return self.debug.debug_train_only or self.replay_mode or self.sft.enabled
 
     @property
     def builds_rollout_fn(self) -> bool:
@@ -232,6 +234,8 @@ class Config:
             lr_decay_steps=self.total_train_steps, reference_path=self.reference_path(),
             save_retain_interval=self.checkpoint.save_retain_interval,
             policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
+        if self.sft.enabled:
+            settings["loss_type"] = self.sft.loss_type
         if self.train.custom_tis_function_path is not None:
             # its `args` (slime's namespace, built by the hooks layer) are added by `hooks.args.rank_settings`
             settings["tis_function_path"] = self.train.custom_tis_function_path

@@ -181,13 +181,13 @@ def test_secrets_on_the_command_line_are_never_echoed_in_errors(tiny_model_dir: 
     base = [a if a != "/model" else str(tiny_model_dir) for a in BASE] + ["--rollout-num-engines", "1"]
     secrets = ["--wandb-key", "SENTINEL-W", "--sglang-api-key", "SENTINEL-S", "--sglang-hf-token", "SENTINEL-H"]
     outcomes = run_cli_batch([
-        [*base, *secrets, "--loss-type", "x", "--my-secret-token", "SENTINEL-U"],
+        [*base, *secrets, "--custom-loss-function-path", "x", "--my-secret-token", "SENTINEL-U"],
         [*base, *secrets, "--lr", "nan"],
         [*base, "--wandb-key", "SENTINEL-W", "--wandb-key"],
     ])
     for outcome in outcomes:
         assert outcome["status"] == 2 and "SENTINEL" not in outcome["stderr"], outcome["stderr"]
-    assert "--loss-type" in outcomes[0]["stderr"] and "\n" in outcomes[0]["stderr"].strip()
+    assert "--custom-loss-function-path" in outcomes[0]["stderr"] and "\n" in outcomes[0]["stderr"].strip()
 
 
 def test_no_secret_reaches_any_output_or_file_of_a_run(tiny_model_dir: Path, tmp_path: Path) -> None:

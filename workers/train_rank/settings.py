@@ -18,6 +18,7 @@ class SettingsError(ValueError):
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 POLICY_LOSSES = ("ppo", "gspo")
+LOSS_TYPES = ("policy_loss", "sft_loss")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class TrainSettings:
     eps_clip_high: float | None = None
     # "ppo": per-token ratio; "gspo": the sequence's mean log-ratio, broadcast to its tokens.
     policy_loss: str = "ppo"
+    # "policy_loss" or "sft_loss" (the NLL of the loss-mask tokens: no old logprobs, reference or advantages).
+    loss_type: str = "policy_loss"
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "k1"
@@ -101,7 +104,7 @@ class TrainSettings:
 
     @property
     def recomputes_old_log_probs(self) -> bool:
-        return not self.use_rollout_logprobs
+        return not self.use_rollout_logprobs and self.loss_type != "sft_loss"
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> TrainSettings:
@@ -134,7 +137,8 @@ class TrainSettings:
             raise SettingsError(f"compute_dtype must be float32, bfloat16 or float16, got {self.compute_dtype!r}")
         for name, value, choices in (("kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES),
                                      ("lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES),
-                                     ("policy_loss", self.policy_loss, POLICY_LOSSES)):
+                                     ("policy_loss", self.policy_loss, POLICY_LOSSES),
+                                     ("loss_type", self.loss_type, LOSS_TYPES)):
             if value not in choices:
                 raise SettingsError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):

@@ -20,13 +20,14 @@ import torch
 from workers import protocol
 from workers.train_rank import checkpoint, lora, packing, weight_buckets, weight_export
 from workers.train_rank.batching import MicroBatch
-from workers.train_rank.loss import LossConfig, policy_loss
+from workers.train_rank.loss import LossConfig
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
 from workers.train_rank.offload import StateOffload
 from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler, clip_gradients
 from workers.train_rank.parallel import FullySharded, Replicated, shard_model, use_fsdp
 from workers.train_rank.placement import load_sharded
 from workers.train_rank.settings import TrainSettings
+from workers.train_rank.sft_loss import loss_function
 from workers.train_rank.tis_hook import TisHook
 from workers.train_rank.token_scores import token_scores
 
@@ -213,7 +214,7 @@ class Trainer:
             if old is SAME_POLICY:
                 old = log_probs.detach()
             ref_log_probs = self._log_probs(batch, self.reference) if self.reference is not None else None
-            loss, batch_sums, batch_maxima = policy_loss(
+            loss, batch_sums, batch_maxima = loss_function(settings.loss_type)(
                 log_probs=log_probs,
                 rollout_log_probs=batch.rollout_log_probs,
                 advantages=batch.advantages,
