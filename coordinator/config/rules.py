@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
-from coordinator.config.sft import SFT_RULES
+from coordinator.config.sft_rules import SFT_RULES
 
 if TYPE_CHECKING:
     from coordinator.config.settings import Config

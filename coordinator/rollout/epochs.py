@@ -1,8 +1,8 @@
 """slime's `--num-epoch`: the number of rollouts, counted from the data before anything starts.
 
 Owns `with_epoch_rollouts`: a Config whose `--num-rollout` is unset but whose `--num-epoch` is given comes back
-with `num_rollout = num_epoch × records // rollout_batch_size` (slime's `get_num_rollout_per_epoch` times the
-epochs), so the ranks' learning-rate schedule, the loop and `config.json` all see the same count. Invariant: a
+with `num_rollout = num_epoch × (records // rollout_batch_size)` (slime's `get_num_rollout_per_epoch` times
+the epochs), so the ranks' learning-rate schedule, the loop and `config.json` all see the same count. Invariant: a
 config with `--num-rollout` (or without `--num-epoch`) is returned unchanged, without reading any data; the data
 is read once, as the data source reads it (time and memory linear in the file).
 """

@@ -56,7 +56,7 @@ def sft_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def test_the_loss_falls_over_epochs_and_num_epoch_sets_the_rollouts(sft_run: Path) -> None:
     rows = read_metrics(sft_run / "run" / "metrics.jsonl")
     summary = json.loads((sft_run / "run" / "summary.json").read_text())
-    assert summary["rollouts"] == 50 * 8 // 4 == len(rows)  # slime: epochs × records // rollout batch size
+    assert summary["rollouts"] == 50 * (8 // 4) == len(rows)  # slime: epochs × (records // rollout batch size)
     losses = [row["train/loss"] for row in rows]
     first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
     assert last < 0.25 * first, losses
