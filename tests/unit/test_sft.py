@@ -130,3 +130,37 @@ def test_the_sft_loss_is_the_token_mean_nll_over_the_mask_whatever_the_split() -
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sft_loss(log_probs=log_probs, loss_mask=torch.zeros(2, 6), global_loss_tokens=0)  # no token: loss 0
+
+
+def test_a_rank_with_sft_loss_trains_the_nll_of_the_masked_tokens(tiny_model_dir: Path) -> None:
+    """The rank's first step reports the NLL the untouched model gives the masked response tokens (computed here
+    with transformers alone), packed several to a micro-batch or not, and the advantages play no part."""
+    from transformers import AutoModelForCausalLM
+
+    from workers import protocol
+    from workers.train_rank.trainer import Trainer
+
+    torch.manual_seed(1)
+    samples = []
+    for length, response, mask in ((9, 5, [1, 1, 0, 1, 1]), (7, 3, [1, 1, 1]), (11, 6, [0, 0, 1, 1, 1, 1])):
+        tokens = torch.randint(5, 60, (length,)).tolist()
+        samples.append(protocol.WireSample(tokens=tokens, response_length=response, loss_mask=mask,
+                                           rollout_log_probs=[0.0] * response, advantage=float(length)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for sample in samples:
+            log_probs = model(torch.tensor([sample.tokens])).logits[0].log_softmax(-1)
+            start = len(sample.tokens) - sample.response_length
+            for offset, trained in enumerate(sample.loss_mask):
+                if trained:
+                    nll -= float(log_probs[start + offset - 1, sample.tokens[start + offset]])
+                    count += 1
+    for budget in (10**6, 12):  # one micro-batch, or one per sample
+        trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+        trainer.init(protocol.InitCommand({"model_path": str(tiny_model_dir), "lr": 1e-3, "loss_type": "sft_loss",
+                                           "max_tokens_per_micro_batch": budget}))
+        answer = trainer.train(protocol.TrainCommand(0, [samples], [count]))
+        step = protocol.TrainResult.from_wire(answer).steps[0]
+        assert step.loss == pytest.approx(nll / count, rel=1e-5) and step.loss_tokens == count
+        assert step.kl_sum == 0.0 and step.clipped_tokens == 0.0
