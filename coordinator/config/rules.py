@@ -244,6 +244,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     eval_gpus_fill_whole_engines,
     ft_components_need_fault_tolerance,
     fault_injection_needs_monitored_engines,
+    *SFT_RULES,  # before the engine rules: an SFT run's refusal says why engines cannot mean anything in it
     generation_needs_engines,
     router_needs_engines,
     generation_needs_num_rollout,
@@ -264,7 +265,6 @@ RULES: tuple[Callable[[Config], None], ...] = (
     session_server_does_not_abort_on_update,
     colocation_is_not_async,
     colocation_needs_both_halves,
-    *SFT_RULES,
 )
 
 
