@@ -164,3 +164,18 @@ def test_a_rank_with_sft_loss_trains_the_nll_of_the_masked_tokens(tiny_model_dir
         step = protocol.TrainResult.from_wire(answer).steps[0]
         assert step.loss == pytest.approx(nll / count, rel=1e-5) and step.loss_tokens == count
         assert step.kl_sum == 0.0 and step.clipped_tokens == 0.0
+
+
+async def test_sft_samples_dump_and_replay_into_an_sft_run_unchanged(tiny_model_dir: Path, tmp_path: Path) -> None:
+    data = write_chats(tmp_path / "chats.jsonl", 4)
+    template = str(tmp_path / "dumps" / "{rollout_id}.rld")
+    producing = RolloutManager.build(parse_config(sft_argv(tiny_model_dir, data, "--num-rollout", "1",
+                                                           "--save-debug-rollout-data", template)))
+    made = await producing.get_rollout(0, "0")
+    replaying = RolloutManager.build(parse_config(["--hf-checkpoint", str(tiny_model_dir), "--loss-type", "sft_loss",
+                                                   "--disable-compute-advantages-and-returns",
+                                                   "--load-debug-rollout-data", template]))
+    replayed = await replaying.get_rollout(0, "0")
+    fields = ("prompt", "tokens", "response_length", "loss_mask", "rollout_log_probs", "advantage")
+    assert [[getattr(s, f) for f in fields] for s in replayed.samples] == \
+        [[getattr(s, f) for f in fields] for s in made.samples]
