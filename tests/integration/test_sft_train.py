@@ -71,9 +71,14 @@ def test_the_loss_falls_over_epochs_and_num_epoch_sets_the_rollouts(sft_run: Pat
 
 
 def test_no_engine_was_started(sft_run: Path) -> None:
+    """The plan (every process the run launches) holds the ranks only; no engine log, monitor or eval fleet."""
     plan = (sft_run / "run" / "plan.txt").read_text()
-    assert "workers.engine" not in plan and "sglang" not in plan.lower().replace("sglang-router", "")
     assert "workers.train_rank" in plan
+    assert "workers.engine" not in plan and "sglang.launch_server" not in plan and "sglang_router" not in plan
+    summary = json.loads((sft_run / "run" / "summary.json").read_text())
+    assert summary["ft"]["monitors"] == [] and summary["ft"]["evals"] == []
+    logs = sorted(path.name for path in (sft_run / "run").glob("*.log"))
+    assert logs == ["coordinator.log", "train_ranks.log"], logs
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.load in one process
