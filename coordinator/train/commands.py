@@ -24,10 +24,10 @@ from coordinator.train.planning import (
     plan_steps,
     reduce_rollout_metrics,
     reduce_step_metrics,
-    steps_config,
 )
 from coordinator.train.recovery import RankRecovery
 from workers import protocol
+from workers.protocol.train_settings import TrainSettings
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +62,15 @@ class TrainCommands:
     world_size: int
     observer: PhaseObserver
     recovery: RankRecovery | None
-    train_config: dict[str, Any] | None
+    settings: TrainSettings | None
     #: one dict of metrics per optimizer step of the last `train()`
     step_metrics: list[dict[str, float]]
 
-    async def init(self, train_config: dict[str, Any]) -> dict[str, Any]:
+    async def init(self, settings: TrainSettings) -> dict[str, Any]:
         """Load the model on every rank and build the optimizer. Returns rank 0's summary."""
-        steps_config(train_config)  # reject contradictory batch settings before any rank loads a model
         self.observer.phase(self.NAME, "loading", "model and optimizer on every rank")
-        results = await self.server.call_all(protocol.InitCommand(dict(train_config)))
-        self.train_config = dict(train_config)
+        results = await self.server.call_all(protocol.InitCommand(settings))
+        self.settings = settings
         self.observer.phase(self.NAME, "ready")
         if self.recovery is not None:
             self.recovery.initialised()
@@ -85,19 +84,20 @@ class TrainCommands:
         by token count. Returns the rollout's metrics; `step_metrics` keeps one dict per step. With train FT
         (`max_restarts > 0`) a step lost to dead ranks is sent again once they are back (`recovery`).
         """
-        if self.train_config is None:
-            raise RuntimeError("TrainGroup.train() before init(): call init(train_config) first")
+        if self.settings is None:
+            raise RuntimeError("TrainGroup.train() before init(): call init(settings) first")
         if self.recovery is None:
             return await self._train_once(rollout_id, samples)
         return await self.recovery.run_step(rollout_id, lambda: self._train_once(rollout_id, samples))
 
     async def _train_once(self, rollout_id: int, samples: Sequence[Any]) -> dict[str, float]:
-        config = self.train_config or {}
+        assert self.settings is not None  # train() checked
+        batching = self.settings.batching
 
         def prepare() -> list[StepPlan]:
             # Converting and splitting thousands of samples would stall the event loop.
             wire = [protocol.WireSample.from_sample(sample) for sample in samples]
-            return plan_steps(wire, config, self.world_size)
+            return plan_steps(wire, batching, self.world_size)
 
         plan = await anyio.to_thread.run_sync(prepare)
         commands: dict[int, protocol.Command] = {
@@ -119,10 +119,10 @@ class TrainCommands:
         self, rollout_id: int, extra: dict[str, Any] | None = None, directory: str | Path | None = None
     ) -> Path:
         """Write a resumable checkpoint to `<save_dir>/rollout_<id>` (atomic; `latest` updated)."""
-        target = directory or (self.train_config or {}).get("save_dir")
+        target = directory or (self.settings.checkpoint.save_dir if self.settings is not None else None)
         if not target:
             raise ValueError(
-                "save() needs a directory: pass directory= or set 'save_dir' in the train config"
+                "save() needs a directory: pass directory= or set checkpoint.save_dir in the settings"
             )
         command = protocol.SaveCommand(
             rollout_id=int(rollout_id), directory=str(target), extra=dict(extra or {})

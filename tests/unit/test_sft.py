@@ -48,7 +48,8 @@ def test_slimes_sft_args_parse_into_the_sft_slice_and_start_no_engines(tiny_mode
         assert not config.needs_engines and config.num_rollout_engines == 0 and config.needs_train_ranks
         assert config.rollout.rollout_function_path == "coordinator.rollout.sft:SftRollout"
         assert SLIME_SFT in (porting_notice(config) or "")
-        assert config.rank_settings()["loss_type"] == "sft_loss"
+        assert config.rank_settings().loss.loss_type == "sft_loss"
+        assert not config.rank_settings().loss.recomputes_old_log_probs
     # without --debug-train-only an SFT run starts no engines either; replaying its dumps trains them again
     without = [a for a in sft_argv(tiny_model_dir, data, "--num-rollout", "2") if a != "--debug-train-only"]
     assert not parse_config(without).needs_engines
@@ -137,6 +138,7 @@ def test_a_rank_with_sft_loss_trains_the_nll_of_the_masked_tokens(tiny_model_dir
     with transformers alone), packed several to a micro-batch or not, and the advantages play no part."""
     from transformers import AutoModelForCausalLM
 
+    from tests.support.train_settings import init_command
     from workers import protocol
     from workers.train_rank.trainer import Trainer
 
@@ -158,10 +160,9 @@ def test_a_rank_with_sft_loss_trains_the_nll_of_the_masked_tokens(tiny_model_dir
                     count += 1
     for budget in (10**6, 12):  # one micro-batch, or one per sample
         trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
-        trainer.init(protocol.InitCommand({"model_path": str(tiny_model_dir), "lr": 1e-3, "loss_type": "sft_loss",
-                                           "max_tokens_per_micro_batch": budget}))
-        answer = trainer.train(protocol.TrainCommand(0, [samples], [count]))
-        step = protocol.TrainResult.from_wire(answer).steps[0]
+        trainer.init(init_command({"model_path": str(tiny_model_dir), "lr": 1e-3, "loss_type": "sft_loss",
+                                   "max_tokens_per_micro_batch": budget}))
+        step = trainer.train(protocol.TrainCommand(0, [samples], [count])).steps[0]
         assert step.loss == pytest.approx(nll / count, rel=1e-5) and step.loss_tokens == count
         assert step.kl_sum == 0.0 and step.clipped_tokens == 0.0
 

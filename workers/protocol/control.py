@@ -20,6 +20,7 @@ import msgspec
 from workers.protocol import codec
 from workers.protocol.frames import framed
 from workers.protocol.messages import Family, Int31, Message, Record, Token, union_of
+from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
     from anyio.abc import ByteStream
@@ -136,7 +137,9 @@ class Command(ControlMessage):
 
 
 class InitCommand(Command, tag="init"):
-    config: dict[str, Any]
+    """The trainer's settings, by component, in the same types on both ends."""
+
+    settings: TrainSettings
 
 
 class TrainCommand(Command, tag="train"):
