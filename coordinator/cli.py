@@ -79,6 +79,9 @@ def train_main(argv: Sequence[str]) -> int:
             if not config.debug.dry_run:
                 preflight(config)
                 from coordinator.plan import plan_for_launch
+                from coordinator.rollout.epochs import with_epoch_rollouts
+
+                config = with_epoch_rollouts(config)  # --num-epoch: the rollouts counted from the data
 
                 plan = plan_for_launch(config, layout)
         except ConfigError as error:

@@ -34,6 +34,7 @@ from coordinator.lifecycle.signals import run_until_signalled
 from coordinator.nodes.head import reporting_outcome
 from coordinator.observe.progress import MetricsLog, ProgressDisplay, plot_rewards
 from coordinator.observe.timeline import recording
+from coordinator.rollout.epochs import with_epoch_rollouts
 from workers.errors import RaylessError
 
 if sys.version_info < (3, 11):
@@ -101,6 +102,7 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
     from coordinator.plan import describe_plan, plan_for_launch, where_text
 
     clock = StartupClock()
+    config = with_epoch_rollouts(config)  # --num-epoch: the rollouts, counted from the data (unchanged otherwise)
     run_dir = config.logging.resolved_run_dir
     plan = plan or plan_for_launch(config)
     secret_values = config_secrets(config)

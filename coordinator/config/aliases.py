@@ -12,6 +12,7 @@ from typing import Any
 from coordinator.config.fields import ConfigError, flag_name
 from coordinator.config.hooks import AGENTIC_GENERATE, MULTI_TURN_GENERATE
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
+from coordinator.config.sft import SFT_ROLLOUT_FUNCTION
 
 _NONZERO_STD = "coordinator.rollout.filters:reward_std_positive"
 
@@ -37,6 +38,8 @@ HOOK_ALIASES: dict[tuple[str, str], HookAlias] = {
         HookAlias(DEFAULT_ROLLOUT_FUNCTION, async_rollout=True),
     ("rollout_function_path", "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"):
         HookAlias(DEFAULT_ROLLOUT_FUNCTION, async_rollout=True),
+    ("rollout_function_path", "slime.rollout.sft_rollout.generate_rollout"): HookAlias(SFT_ROLLOUT_FUNCTION),
+    ("rollout_function_path", "miles.rollout.sft_rollout.generate_rollout"): HookAlias(SFT_ROLLOUT_FUNCTION),
     ("custom_generate_function_path", "miles.rollout.generate_hub.multi_turn.generate"):
         HookAlias(MULTI_TURN_GENERATE),
     ("custom_generate_function_path", "miles.rollout.generate_hub.agentic_tool_call.generate"):

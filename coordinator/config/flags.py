@@ -15,6 +15,7 @@ from coordinator.config.logs import LoggingConfig
 from coordinator.config.lora import LoraConfig
 from coordinator.config.megatron import MegatronConfig
 from coordinator.config.rollout import RolloutConfig
+from coordinator.config.sft import SftConfig
 from coordinator.config.sglang import SglangConfig
 from coordinator.config.training import TrainConfig
 
@@ -28,6 +29,7 @@ SLICES: tuple[tuple[str, type[Slice]], ...] = (
     ("fault_tolerance", FaultToleranceConfig),
     ("debug", DebugConfig),
     ("train", TrainConfig),
+    ("sft", SftConfig),
     ("lora", LoraConfig),
     ("checkpoint", CheckpointConfig),
     ("logging", LoggingConfig),

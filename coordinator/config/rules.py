@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from coordinator.config.determinism_rules import deterministic_runs_can_hold
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
+from coordinator.config.sft_rules import SFT_RULES
 
 if TYPE_CHECKING:
     from coordinator.config.settings import Config
@@ -72,8 +73,9 @@ def router_needs_engines(config: Config) -> None:
 
 
 def generation_needs_num_rollout(config: Config) -> None:
-    if config.rollout.num_rollout is None and not config.replay_mode:
-        raise ConfigError("--num-rollout is required (how many rollouts to run)")
+    if config.rollout.num_rollout is None and config.sft.num_epoch is None and not config.replay_mode:
+        raise ConfigError("--num-rollout is required (how many rollouts to run), or --num-epoch (passes over "
+                          "--prompt-data)")
 
 
 def generation_needs_batch_size(config: Config) -> None:
@@ -174,7 +176,8 @@ def eval_datasets_need_interval(config: Config) -> None:
 def eval_needs_engines(config: Config) -> None:
     """Eval on the rollout engines needs them; replay and --debug-train-only start none (slime would fail)."""
     if config.eval.eval_interval is not None and not config.needs_engines:
-        mode = ("--load-debug-rollout-data" if config.replay_mode else "--debug-train-only")
+        mode = ("--load-debug-rollout-data" if config.replay_mode else "--debug-train-only"
+                if config.debug.debug_train_only else "--loss-type sft_loss")
         warnings.warn(f"{mode} starts no engines: --eval-interval is ignored and nothing is evaluated",
                       ConfigWarning, stacklevel=3)
 
@@ -242,6 +245,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     eval_gpus_fill_whole_engines,
     ft_components_need_fault_tolerance,
     fault_injection_needs_monitored_engines,
+    *SFT_RULES,  # before the engine rules: an SFT run's refusal says why engines cannot mean anything in it
     generation_needs_engines,
     router_needs_engines,
     generation_needs_num_rollout,

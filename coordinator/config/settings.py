@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from coordinator.config.aliases import apply_hook_aliases
 from coordinator.config.checkpoint import CheckpointConfig, LoadPlan, resolve_load, resolve_ref_load
 from coordinator.config.cluster import ClusterConfig, resolve_colocation
@@ -31,6 +33,7 @@ from coordinator.config.lora import LoraConfig
 from coordinator.config.megatron import MegatronConfig
 from coordinator.config.rollout import RolloutConfig
 from coordinator.config.secrets import MASK, mask_argv
+from coordinator.config.sft import SftConfig
 from coordinator.config.sglang import SglangConfig
 from coordinator.config.training import TrainConfig
 from coordinator.config.upstream import Row
@@ -47,6 +50,7 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -73,8 +77,8 @@ class Config:
 
     @property
     def train_only(self) -> bool:
-        """No engines: replay mode forces it, `--debug-train-only` asks for it."""
-        return self.debug.debug_train_only or self.replay_mode
+        """No engines: replay mode forces it, `--debug-train-only` asks for it, an SFT run needs none."""
+        return self.debug.debug_train_only or self.replay_mode or self.sft.enabled
 
     @property
     def builds_rollout_fn(self) -> bool:
@@ -238,6 +242,8 @@ class Config:
         settings = self.train.rank_settings(
             model=model, checkpoint=checkpoint, lr_decay_steps=self.total_train_steps,
             policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
+        if self.sft.enabled:  # slime's --loss-type sft_loss: the NLL on the ranks
+            settings = settings.replace(loss=msgspec.structs.replace(settings.loss, loss_type=self.sft.loss_type))
         if self.offloads_train:
             # CPU ranks spill their state to a file here (a real disk, so the memory is freed, not moved)
             settings = settings.replace(memory=MemorySettings(

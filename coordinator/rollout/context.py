@@ -30,6 +30,8 @@ def not_built(piece: str, config: Config) -> NotBuiltError:
         why = f"--load-debug-rollout-data {config.debug.load_debug_rollout_data!r} replays dumps"
     elif config.debug.debug_train_only:
         why = "--debug-train-only starts no engines"
+    elif config.sft.enabled:
+        why = "--loss-type sft_loss starts no engines"
     else:
         why = "this run's configuration does not need it"
     return NotBuiltError(f"{piece} is not built in this run: {why}")

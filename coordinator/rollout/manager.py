@@ -195,7 +195,8 @@ class RolloutManager:
             custom_generate = CustomGenerate.load(config.hooks.custom_generate_function_path, runtime=runtime,
                                                   dispatcher=dispatcher)
         data_source = (build_data_source(rollout, tokenizer,
-                                         raw_prompts=config.hooks.custom_generate_function_path is not None)
+                                         raw_prompts=config.hooks.custom_generate_function_path is not None,
+                                         chat_template=not config.sft.enabled)  # SFT templates whole chats
                        if rollout.prompt_data and not rollout.disable_rollout_global_dataset else None)
         if data_source is not None:
             self.counts.data_sources += 1
@@ -279,7 +280,9 @@ class RolloutManager:
             batch = await self.rollout_fn(rollout_id, weight_version)
             self._check_shape(batch)
         rollout = self.config.rollout
-        if self.reward_post_process is not None:
+        if self.config.sft.disable_compute_advantages_and_returns:
+            pass  # slime's --disable-compute-advantages-and-returns: the rollout fn's advantages stay
+        elif self.reward_post_process is not None:
             self.reward_post_process.apply(batch.groups, normalize_advantages=rollout.normalize_advantages)
         else:
             self._advantages(batch)
@@ -355,8 +358,10 @@ def sampling_params(rollout: RolloutConfig) -> dict[str, Any]:
     return params
 
 
-def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bool = False) -> PromptDataSource:
-    """`raw_prompts`: prompts may be any JSON value (a custom generate function reads them)."""
+def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bool = False,
+                      chat_template: bool = True) -> PromptDataSource:
+    """`raw_prompts`: prompts may be any JSON value (a custom generate function reads them); `chat_template`
+    False: chats stay messages whatever `--apply-chat-template` says (the SFT rollout templates them itself)."""
     from coordinator.rollout.tasks import open_prompt_source
 
     return open_prompt_source(
@@ -364,7 +369,7 @@ def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bo
         input_key=rollout.input_key,
         label_key=rollout.label_key,
         metadata_key=rollout.metadata_key,
-        apply_chat_template=rollout.apply_chat_template,
+        apply_chat_template=rollout.apply_chat_template and chat_template,
         tokenizer=tokenizer,
         shuffle=rollout.rollout_shuffle,
         seed=rollout.rollout_seed,

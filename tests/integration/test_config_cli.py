@@ -181,13 +181,13 @@ def test_secrets_on_the_command_line_are_never_echoed_in_errors(tiny_model_dir: 
     base = [a if a != "/model" else str(tiny_model_dir) for a in BASE] + ["--rollout-num-engines", "1"]
     secrets = ["--wandb-key", "SENTINEL-W", "--sglang-api-key", "SENTINEL-S", "--sglang-hf-token", "SENTINEL-H"]
     outcomes = run_cli_batch([
-        [*base, *secrets, "--loss-type", "x", "--my-secret-token", "SENTINEL-U"],
+        [*base, *secrets, "--custom-loss-function-path", "x", "--my-secret-token", "SENTINEL-U"],
         [*base, *secrets, "--lr", "nan"],
         [*base, "--wandb-key", "SENTINEL-W", "--wandb-key"],
     ])
     for outcome in outcomes:
         assert outcome["status"] == 2 and "SENTINEL" not in outcome["stderr"], outcome["stderr"]
-    assert "--loss-type" in outcomes[0]["stderr"] and "\n" in outcomes[0]["stderr"].strip()
+    assert "--custom-loss-function-path" in outcomes[0]["stderr"] and "\n" in outcomes[0]["stderr"].strip()
 
 
 def test_no_secret_reaches_any_output_or_file_of_a_run(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -205,3 +205,18 @@ def test_no_secret_reaches_any_output_or_file_of_a_run(tiny_model_dir: Path, tmp
     assert json.loads((run_dir / "config.json").read_text())["sglang_api_key"] == "***"
     engine_logs = list(run_dir.rglob("engine-*.log"))
     assert engine_logs and "--api-key ***" in engine_logs[0].read_text()
+
+
+def test_contradictory_sft_runs_exit_2_naming_the_flags_before_launching(tiny_model_dir: Path) -> None:
+    """slime's SFT flags with what cannot mean anything in an SFT run (one process for all cases)."""
+    base = ["--hf-checkpoint", str(tiny_model_dir), "--rollout-batch-size", "4", "--num-rollout", "3",
+            "--prompt-data", "builtin:first_digit"]
+    sft = ["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss"]
+    assert_refused([
+        ([*sft, "--rollout-num-engines", "2", "--use-sglang-router"],
+         ["--loss-type sft_loss", "--rollout-num-engines, --use-sglang-router", "cannot mean anything"]),
+        ([*sft, "--use-kl-loss", "--use-tis"], ["--use-kl-loss, --use-tis: terms of the policy loss"]),
+        ([*sft[:2], "--debug-train-only"], ["slime.rollout.sft_rollout.generate_rollout", "add --loss-type sft_loss"]),
+        ([*sft, "--n-samples-per-prompt", "4"], ["--n-samples-per-prompt 4", "one sample per chat"]),
+        ([*sft, "--loss-type", "custom_loss"], ["--loss-type custom_loss", "refused"]),
+    ], base)

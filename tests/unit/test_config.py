@@ -212,6 +212,14 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                 "--colocate and --async-rollout: colocated engines and ranks take turns"),
     "colocation_needs_both_halves": (None, ["--rollout-num-engines", "1", "--colocate", "--debug-rollout-only"],
                                      "warning: --colocate has no effect with --debug-rollout-only"),
+    "sft_trains_without_engines": (None, ["--loss-type", "sft_loss", "--rollout-num-engines", "1"],
+                                   "--rollout-num-engines cannot mean anything in such a run"),
+    "sft_has_no_policy_terms": (None, ["--loss-type", "sft_loss", "--use-kl-loss"],
+                                "--use-kl-loss: terms of the policy loss (policy_loss)"),
+    "sft_rollout_pairs_with_sft_loss": (None, ["--loss-type", "sft_loss"],
+                                        "the default rollout function cannot generate"),
+    "num_epoch_needs_a_dataset": ("--num-rollout", ["--num-epoch", "2", "--load-debug-rollout-data", "d/{rollout_id}"],
+                                  "--num-epoch counts passes over --prompt-data; --load-debug-rollout-data replays"),
 }
 
 

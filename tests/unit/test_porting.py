@@ -15,6 +15,7 @@ from coordinator.checks.preflight import check_checkpoints
 from coordinator.config import ConfigError, parse_config
 from coordinator.config.aliases import HOOK_ALIASES
 from coordinator.config.porting import architecture_disagreements, porting_notice
+from coordinator.config.sft import SFT_ROLLOUT_FUNCTION
 from tests.support.train_samples import synthetic_samples
 from tests.support.train_settings import flat_view, init_command
 from workers import protocol
@@ -28,6 +29,12 @@ torch.set_num_threads(1)
 def argv(model: Path, *extra: str) -> list[str]:
     return ["--hf-checkpoint", str(model), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--num-rollout", "3", "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1", *extra]
+
+
+def sft_argv(model: Path, *extra: str) -> list[str]:
+    """An SFT run's flags: no engines, one sample per chat."""
+    return ["--hf-checkpoint", str(model), "--rollout-batch-size", "2", "--num-rollout", "3", "--prompt-data",
+            "builtin:first_digit", "--loss-type", "sft_loss", *extra]
 
 
 def trainer_for(settings: dict) -> Trainer:
@@ -230,7 +237,8 @@ def test_slime_and_miles_hook_paths_resolve_to_ours(tiny_model_dir: Path) -> Non
     for (field, theirs), alias in HOOK_ALIASES.items():
         extra = multi_turn if field == "custom_generate_function_path" else []
         extra = agentic if theirs.endswith("agentic_tool_call.generate") else extra
-        config = parse_config(argv(tiny_model_dir, "--" + field.replace("_", "-"), theirs, *extra))
+        make = sft_argv if alias.ours == SFT_ROLLOUT_FUNCTION else argv
+        config = parse_config(make(tiny_model_dir, "--" + field.replace("_", "-"), theirs, *extra))
         slice_ = config.hooks if field == "custom_generate_function_path" else config.rollout
         assert getattr(slice_, field) == alias.ours
         assert config.rollout.async_rollout is alias.async_rollout

@@ -18,6 +18,7 @@ import msgspec
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 POLICY_LOSSES = ("ppo", "gspo")
+LOSS_TYPES = ("policy_loss", "sft_loss")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_PARALLEL = ("auto", "fsdp", "replicate")
 
@@ -112,9 +113,12 @@ class OptimizerSettings(_Settings):
 
 
 class LossSettings(_Settings):
-    """slime's policy loss: the clipped ratio, TIS, the KL to the reference and the entropy bonus."""
+    """slime's policy loss: the clipped ratio, TIS, the KL to the reference and the entropy bonus; or, with
+    `loss_type` "sft_loss", the NLL of the loss-mask tokens (`train_rank.sft_loss`: no old logprobs, reference or
+    advantages)."""
 
     policy_loss: str = "ppo"  # per-token ratio; "gspo": the sequence's
+    loss_type: str = "policy_loss"  # slime's --loss-type: policy_loss | sft_loss
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # None: eps_clip
     use_kl_loss: bool = False
@@ -133,6 +137,7 @@ class LossSettings(_Settings):
         _at_least("loss.eps_clip_high", self.eps_clip_high, 0)
         _choose("loss.kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
         _choose("loss.policy_loss", self.policy_loss, POLICY_LOSSES)
+        _choose("loss.loss_type", self.loss_type, LOSS_TYPES)
         if self.use_tis and self.use_rollout_logprobs:
             raise SettingsError("use_tis (--use-tis) weights the loss by train/rollout logprob ratios; "
                                 "use_rollout_logprobs (--use-rollout-logprobs) takes the rollout logprobs as the "
@@ -152,7 +157,7 @@ class LossSettings(_Settings):
 
     @property
     def recomputes_old_log_probs(self) -> bool:
-        return not self.use_rollout_logprobs
+        return not self.use_rollout_logprobs and self.loss_type != "sft_loss"
 
 
 class BatchingSettings(_Settings):

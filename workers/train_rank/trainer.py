@@ -22,12 +22,12 @@ from workers import protocol
 from workers.protocol.train_settings import LoraSettings, TrainSettings
 from workers.train_rank import checkpoint, determinism, lora, packing, weight_buckets, weight_export
 from workers.train_rank.batching import MicroBatch
-from workers.train_rank.loss import policy_loss
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
 from workers.train_rank.offload import StateOffload
 from workers.train_rank.optim import build_optimizer, build_scheduler, clip_gradients, lr_schedule
 from workers.train_rank.parallel import FullySharded, Replicated, shard_model, use_fsdp
 from workers.train_rank.placement import load_sharded
+from workers.train_rank.sft_loss import loss_function
 from workers.train_rank.tis_hook import TisHook
 from workers.train_rank.token_scores import token_scores
 
@@ -202,7 +202,7 @@ class Trainer:
             if old is SAME_POLICY:
                 old = log_probs.detach()
             ref_log_probs = self._log_probs(batch, self.reference) if self.reference is not None else None
-            loss, batch_sums, batch_maxima = policy_loss(
+            loss, batch_sums, batch_maxima = loss_function(settings.loss.loss_type)(
                 log_probs=log_probs,
                 rollout_log_probs=batch.rollout_log_probs,
                 advantages=batch.advantages,
