@@ -73,7 +73,7 @@ def check_paths(config: Config) -> list[str]:
     where = "--eval-config" if config.eval.eval_config is not None else "--eval-prompt-data"
     for name, path in config.eval.eval_datasets:
         if path.startswith("builtin:"):
-            from coordinator.rollout.tasks import builtin_task_name
+            from coordinator.data.tasks import builtin_task_name
 
             try:
                 builtin_task_name(path)
@@ -123,7 +123,7 @@ def check_data(config: Config) -> list[str]:
 
 def _peek(flag: str, path: str, input_key: str, label_key: str | None, metadata_key: str | None, *,
           raw_prompts: bool = False) -> str:
-    from coordinator.rollout.data_source import DataSourceError, read_prompt_file
+    from coordinator.data.source import DataSourceError, read_prompt_file
 
     if path.startswith("builtin:"):
         return f"{flag} {path}: a built-in task"

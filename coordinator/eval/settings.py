@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from coordinator.data.source import PromptDataSource, PromptRecord
+from coordinator.data.tasks import builtin_task_name, make_task_prompts
 from coordinator.rewards.rules import REMOTE_RM, base_rule, require_libraries
-from coordinator.rollout.data_source import PromptDataSource, PromptRecord
 from coordinator.rollout.reward_choice import RewardChoice
 from coordinator.rollout.rewards import RewardModel
-from coordinator.rollout.tasks import builtin_task_name, make_task_prompts
 
 if TYPE_CHECKING:
     from coordinator.config import EvalConfig, RolloutConfig, SglangConfig

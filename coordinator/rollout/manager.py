@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 
 from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config, RolloutConfig
+from coordinator.data.source import PromptDataSource
 from coordinator.hooks.args import build_hook_args, hook_sampling_params
 from coordinator.hooks.forms import HookForm, read_rollout_fn
 from coordinator.hooks.runtime import HookRuntime
@@ -35,7 +36,6 @@ from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
 from coordinator.rollout.chat_kwargs import with_chat_template_kwargs
 from coordinator.rollout.context import NotBuiltError, RolloutContext, not_built
-from coordinator.rollout.data_source import PromptDataSource
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate
@@ -357,7 +357,7 @@ def sampling_params(rollout: RolloutConfig) -> dict[str, Any]:
 
 def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bool = False) -> PromptDataSource:
     """`raw_prompts`: prompts may be any JSON value (a custom generate function reads them)."""
-    from coordinator.rollout.tasks import open_prompt_source
+    from coordinator.data.tasks import open_prompt_source
 
     return open_prompt_source(
         rollout.prompt_data or "",

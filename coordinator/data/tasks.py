@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.rollout.data_source import ChatTokenizer, PromptDataSource, PromptRecord
+from coordinator.data.source import ChatTokenizer, PromptDataSource, PromptRecord
 
 NUM_DIGITS = 3
 
