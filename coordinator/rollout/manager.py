@@ -369,6 +369,7 @@ def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bo
         shuffle=rollout.rollout_shuffle,
         seed=rollout.rollout_seed,
         raw_prompts=raw_prompts,
+        max_line_bytes=rollout.data_max_line_bytes,
     )
 
 
