@@ -9,18 +9,12 @@ import pytest
 
 from coordinator.config import FLAGS, ConfigError, parse_config, parse_config_mapping
 from coordinator.config.eval_file import read_eval_config
+from tests.support.hostile_files import laughs
 
 SCALAR_FLAGS = sorted(name for name, (_, spec) in FLAGS.items()
                       if spec.container is None and spec.kind in (int, float, str))
 BASE = ["--hf-checkpoint", "/model", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--num-rollout", "3", "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1"]
-
-
-def laughs(levels: int = 9) -> str:
-    """The classic "billion laughs": 9 levels of 9 aliases each, ~340 bytes expanding to 9**9 strings."""
-    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
-    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
-    return "\n".join(lines) + "\n"
 
 
 def test_every_flag_taking_a_number_or_text_refuses_null_naming_the_key() -> None:

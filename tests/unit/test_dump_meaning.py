@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle  # noqa: TID251 - writes hostile test inputs; rayless never unpickles with it
-import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from replay.format import DumpError
 from replay.meaning import INT32_MAX, MeaningCheck, sample_problems
 from replay.sample import Sample, SampleStatus
 from replay.torch_import import convert_torch_dump
+from tests.support.hostile_dumps import BAD_BUILDS, torch_zip
 
 
 @st.composite
@@ -122,30 +122,6 @@ def test_any_plain_structure_converts_or_is_one_dump_error(tmp_path: Path, dump:
         convert_torch_dump(src, tmp_path / "x.rld", n_samples_per_prompt=n, allow_missing_logprobs=True)
     except DumpError:
         pass
-
-
-def torch_zip(path: Path, data_pkl: bytes) -> Path:
-    """A zip laid out as torch.save writes it, holding these pickle bytes as its data.pkl."""
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr("archive/data.pkl", data_pkl)
-        archive.writestr("archive/version", "3\n")
-        archive.writestr("archive/byteorder", "little")
-    return path
-
-
-#: pickles that build an allowed global (set, frozenset, OrderedDict) in a way it cannot be built
-BAD_BUILDS = {
-    "set of a list": b"\x80\x02cbuiltins\nset\n]]K\x01aa\x85R.",
-    "set of three arguments": b"\x80\x02cbuiltins\nset\nK\x01K\x02K\x03\x87R.",
-    "OrderedDict of an int": b"\x80\x02ccollections\nOrderedDict\nK\x05\x85R.",
-    "OrderedDict with a list key": b"\x80\x02ccollections\nOrderedDict\n)R(]K\x01u.",
-    "set given state": b"\x80\x02cbuiltins\nset\n)R}X\x01\x00\x00\x00aK\x01sb.",
-    "set appended to": b"\x80\x02cbuiltins\nset\n)R(K\x01e.",
-    "set item assigned": b"\x80\x02cbuiltins\nset\n)RK\x01K\x02s.",
-    "frozenset of an int": b"\x80\x02cbuiltins\nfrozenset\nK\x01\x85\x81.",
-    "a memo never stored": b"\x80\x02h\x05.",
-    "protocol 4 set of a list": b"\x80\x04\x8f(]\x90.",
-}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_BUILDS))
