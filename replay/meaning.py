@@ -59,23 +59,34 @@ def sample_problems(sample: Sample, vocab_size: int | None = None) -> list[str]:
             problems.append(problem)
     if not _finite(sample.advantage):
         problems.append(f"advantage {sample.advantage!r} is not a finite number")
-    mask = next((value for value in sample.loss_mask if value not in (0, 1)), None)
-    if mask is not None:
+    if not set(sample.loss_mask) <= {0, 1}:
+        mask = next(value for value in sample.loss_mask if value not in (0, 1))
         problems.append(f"loss_mask holds {mask}; entries are 0 or 1")
-    bad = next((i for i, value in enumerate(sample.rollout_log_probs) if not math.isfinite(value)), None)
-    if bad is not None:
-        problems.append(f"rollout logprob {sample.rollout_log_probs[bad]} at response token {bad} is not finite")
-    high = max(sample.rollout_log_probs, default=0.0)
-    if bad is None and high > LOGPROB_MAX:
-        problems.append(f"rollout logprob {high} is above 0 (not a log-probability)")
+    problem = logprob_problem(sample.rollout_log_probs)
+    if problem is not None:
+        problems.append(problem)
     return problems
+
+
+def logprob_problem(logprobs: list[float]) -> str | None:
+    # C-speed first: a sum of values ≤ ~0 is finite exactly when they all are (one pass of `sum` and `max`);
+    # the Python scan only runs to name the bad one.
+    if not logprobs or (math.isfinite(sum(logprobs)) and max(logprobs) <= LOGPROB_MAX):
+        return None
+    bad = next((i for i, value in enumerate(logprobs) if not math.isfinite(value)), None)
+    if bad is not None:
+        return f"rollout logprob {logprobs[bad]} at response token {bad} is not finite"
+    high = max(logprobs)
+    return f"rollout logprob {high} is above 0 (not a log-probability)" if high > LOGPROB_MAX else None
 
 
 class MeaningCheck:
     """Feed every sample of one dump in file order; `problems` and `first` say what is wrong."""
 
-    def __init__(self, vocab_size: int | None = None) -> None:
+    def __init__(self, vocab_size: int | None = None, *, repeats: bool = True) -> None:
+        """`repeats`: also count a (group, sample_index) or an `index` given twice (harmless to training)."""
         self.vocab_size = vocab_size
+        self.repeats = repeats
         self.problems = 0
         self.first: str | None = None
         self._positions: set[tuple[int, int]] = set()
@@ -85,7 +96,13 @@ class MeaningCheck:
     def add(self, sample: Sample) -> None:
         where = f"sample #{self._count} ({sample.group_index}/{sample.sample_index})"
         self._count += 1
-        found = sample_problems(sample, self.vocab_size)
+        found = sample_problems(sample, self.vocab_size) + (self._repeated(sample) if self.repeats else [])
+        if found:
+            self.problems += len(found)
+            self.first = self.first or f"{where}: {found[0]}"
+
+    def _repeated(self, sample: Sample) -> list[str]:
+        found = []
         position = (sample.group_index, sample.sample_index)
         if position in self._positions:
             found.append(f"group {position[0]} holds sample_index {position[1]} twice")
@@ -94,9 +111,7 @@ class MeaningCheck:
             if sample.index in self._indices:
                 found.append(f"index {sample.index} is given to two samples")
             self._indices.add(sample.index)
-        if found:
-            self.problems += len(found)
-            self.first = self.first or f"{where}: {found[0]}"
+        return found
 
     def summary(self) -> str | None:
         """`sample #k (g/s): reason (and N further problem(s))`, or None when every sample means something."""

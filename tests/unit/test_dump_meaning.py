@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replay.format import DumpError
+from replay.format import DumpError, write_dump
+from replay.loader import ReplayLoader
 from replay.meaning import INT32_MAX, MeaningCheck, sample_problems
 from replay.sample import Sample, SampleStatus
 from replay.torch_import import convert_torch_dump
@@ -146,3 +147,22 @@ def test_a_torch_zip_of_plain_data_still_converts(tmp_path: Path) -> None:
     assert out.is_file()
     with open(out, "rb") as handle:
         assert handle.read(8) == b"\x89RLDUMP\n"
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"reward": float("nan")}, "reward nan is not a finite number"),
+    ({"group_index": -2}, "group_index -2 is negative"),
+    ({"tokens": [1, 2**40, 3]}, f"token id {2**40} does not fit int32"),
+])
+def test_replay_refuses_a_dump_whose_samples_mean_nothing_naming_the_file(tmp_path: Path, change: dict[str, Any],
+                                                                         reason: str) -> None:
+    template = str(tmp_path / "{rollout_id}.rld")
+    good = Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_log_probs=[-0.5], reward=1.0,
+                  status=SampleStatus.COMPLETED)
+    samples = [good, dataclasses.replace(good, sample_index=1, **change)]
+    path = write_dump(tmp_path / "0.rld", 0, samples, config_facts={})
+    with pytest.raises(DumpError, match=f"^{path}: sample #1 \\(.*\\): {reason}"):
+        ReplayLoader(template).load_rollout(0)
+    # repeats are harmless to training: a dump giving one sample_index twice still replays
+    write_dump(tmp_path / "0.rld", 0, [good, good], config_facts={})
+    assert len(ReplayLoader(template).load_rollout(0).samples) == 2
