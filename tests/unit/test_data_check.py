@@ -129,3 +129,17 @@ def test_an_empty_or_missing_file_is_named(tmp_path: Path) -> None:
         check_data_file(empty, RecordKeys())
     with pytest.raises(DataSourceError, match="no such file"):
         check_data_file(tmp_path / "nope.jsonl", RecordKeys())
+
+
+def test_reward_score_reads_its_rows_through_the_same_boundary(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from coordinator.cli import main
+
+    data = write_lines(tmp_path / "rows.jsonl", [b'{"response": "Answer: 3", "label": "3"}',
+                                                b'{"response": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                                b'{"response": "caf\xe9", "label": "3"}'])
+    assert main(["reward", "score", "--rm-type", "dapo", str(data)]) == 1
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[0] == {"index": 0, "reward": {"score": 1.0, "acc": 1.0}}
+    assert "line 2 is not JSON within bounds (JSON nested deeper than 64 levels)" in rows[1]["error"]
+    assert "line 3 is not JSON within bounds" in rows[2]["error"] and "UTF-8" in rows[2]["error"]
