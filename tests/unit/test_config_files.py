@@ -59,3 +59,9 @@ def test_an_alias_alone_is_refused_too_and_plain_yaml_still_reads(tmp_path: Path
     path.write_text("datasets:\n  - {name: a, path: builtin:copy}\n  - *x\n")
     with pytest.raises(ConfigError, match=f"^--eval-config {path}:3: anchors and aliases"):
         read_eval_config(str(path))
+
+
+@pytest.mark.parametrize("key", ["apply-chat-template-kwargs", "train-env-vars"])
+def test_a_json_valued_flag_nested_50k_deep_is_one_error_not_a_recursion_error(key: str) -> None:
+    with pytest.raises(ConfigError, match=f"key '{key}': .* is not JSON: JSON nested deeper than 64 levels"):
+        parse_config_mapping({key: "[" * 50_000 + "]" * 50_000}, origin="--config job.yaml")
