@@ -9,6 +9,7 @@ can recurse, expand past its limits or raise anything but `BoundaryError`; each 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -86,10 +87,27 @@ def decode_row(line: bytes, where: str, limits: JsonLimits) -> Row | BoundaryErr
             line.decode("utf-8")
         except UnicodeDecodeError as bad:
             return BoundaryError(where, f"not UTF-8 text (byte {bad.start} of the line is {line[bad.start]:#04x})")
-        return error
+        if "out of range" not in error.reason or line.count(b"[") + line.count(b"{") > limits.max_depth:
+            return error
+        row = _with_big_numbers(line, where)  # JSON has no size limit on numbers; data sets hold big ids
+        if isinstance(row, BoundaryError):
+            return row
     if not isinstance(row, dict):
         return BoundaryError(where, f"each line must be a JSON object, got {type(row).__name__}")
     return row
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _with_big_numbers(line: bytes, where: str) -> Row | BoundaryError:
+    """A shallow line (its brackets fewer than the depth limit, so the stdlib parser's recursion is bounded)
+    holding integers beyond 64 bits or floats beyond double range, which msgspec refuses: as `json` reads them."""
+    try:
+        return json.loads(line, parse_constant=_refuse_constant)
+    except ValueError as error:
+        return BoundaryError(where, f"not valid JSON ({error})")
 
 
 def _parquet_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[str, Row | BoundaryError]]:

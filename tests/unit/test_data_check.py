@@ -143,3 +143,15 @@ def test_reward_score_reads_its_rows_through_the_same_boundary(tmp_path: Path,
     assert rows[0] == {"index": 0, "reward": {"score": 1.0, "acc": 1.0}}
     assert "line 2 is not JSON within bounds (JSON nested deeper than 64 levels)" in rows[1]["error"]
     assert "line 3 is not JSON within bounds" in rows[2]["error"] and "UTF-8" in rows[2]["error"]
+
+
+def test_numbers_beyond_64_bits_read_as_json_reads_them(tmp_path: Path) -> None:
+    big = 123456789012345678901234567890
+    path = write_lines(tmp_path / "big.jsonl", [json.dumps({"prompt": "p", "label": big, "m": {"id": big}}).encode()])
+    assert check_data_file(path, RecordKeys(label_key="label", metadata_key="m")) == 1
+    (record,) = read_prompt_file(path, label_key="label", metadata_key="m")
+    assert record.label == str(big) and record.metadata == {"id": big}
+    deep = write_lines(tmp_path / "deep_big.jsonl", [b'{"prompt": "p", "x": ' + b"[" * 40 + str(big).encode()
+                                                      + b"]" * 40 + b"}"])
+    with pytest.raises(DataSourceError, match=f"^{deep}:1: not valid JSON"):
+        check_data_file(deep, RecordKeys())
