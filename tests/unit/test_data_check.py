@@ -153,5 +153,5 @@ def test_numbers_beyond_64_bits_read_as_json_reads_them(tmp_path: Path) -> None:
     assert record.label == str(big) and record.metadata == {"id": big}
     deep = write_lines(tmp_path / "deep_big.jsonl", [b'{"prompt": "p", "x": ' + b"[" * 40 + str(big).encode()
                                                       + b"]" * 40 + b"}"])
-    with pytest.raises(DataSourceError, match=f"^{deep}:1: not valid JSON"):
+    with pytest.raises(DataSourceError, match=f"^{deep}:1: "):  # too deep for the fallback: refused
         check_data_file(deep, RecordKeys())
