@@ -20,6 +20,7 @@ from coordinator.config.aliases import apply_hook_aliases
 from coordinator.config.checkpoint import CheckpointConfig, LoadPlan, resolve_load, resolve_ref_load
 from coordinator.config.cluster import ClusterConfig, resolve_colocation
 from coordinator.config.debug import DebugConfig
+from coordinator.config.determinism import DeterminismConfig
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
 from coordinator.config.fields import ConfigError
@@ -49,6 +50,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # type: ignore[valid-type]
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     #: `--config FILE`, when one supplied flags.
     config_file: str | None = None
     #: The flags the user gave (command line or file), by field name; rules use it to warn about no-ops.
@@ -241,6 +243,7 @@ class Config:
             # CPU ranks spill their state to a file here (a real disk, so the memory is freed, not moved)
             settings["offload_dir"] = str(self.logging.resolved_run_dir / "train-offload")
             settings["train_memory_margin_bytes"] = self.cluster.train_memory_margin_bytes
+        settings.update(self.determinism.rank_settings())
         return settings
 
     # --- validation and the resolved config ------------------------------------------------------------------

@@ -83,7 +83,8 @@ class TrainConfig(Slice):
     attn_implementation: str | None = flag(None, help="the training model's attention (transformers' "
                                            "attn_implementation; default sdpa): flash_attention_2 runs packed "
                                            "micro-batches as varlen on CUDA, sdpa/eager with a block-diagonal mask",
-                                           choices=("eager", "sdpa", "flash_attention_2", "flex_attention"))
+                                           choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3",
+                                                    "flex_attention"))
     train_pg_timeout_s: float = flag(300.0, help="the training ranks' collective timeout after their first step "
                                      "(0: keep the start-up's, RAYLESS_PG_TIMEOUT_S or 600 s)", minimum=0)
     micro_batch_size: int | None = flag(None, help="samples per micro-batch (without --use-dynamic-batch-size; "

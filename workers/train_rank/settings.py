@@ -87,6 +87,8 @@ class TrainSettings:
     # the device memory that must stay free beyond the state when CUDA ranks bring it back.
     offload_dir: str | None = None
     train_memory_margin_bytes: int = 0
+    # --deterministic-mode: the intra-op thread count every rank pins (`determinism.apply`); None: off.
+    deterministic_threads: int | None = None
     # LoRA adapters instead of the full model (`lora.LoraSpec` as a dict; None: full fine-tuning).
     lora: dict[str, Any] | None = None
 
@@ -145,6 +147,8 @@ class TrainSettings:
             raise SettingsError(f"train_pg_timeout_s must be >= 0, got {self.train_pg_timeout_s}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise SettingsError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.deterministic_threads is not None and self.deterministic_threads < 1:
+            raise SettingsError(f"deterministic_threads must be >= 1, got {self.deterministic_threads}")
         if self.train_memory_margin_bytes < 0:
             raise SettingsError(f"train_memory_margin_bytes must be >= 0, got {self.train_memory_margin_bytes}")
         if self.lora is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from workers import protocol
-from workers.train_rank import checkpoint, lora, packing, weight_buckets, weight_export
+from workers.train_rank import checkpoint, determinism, lora, packing, weight_buckets, weight_export
 from workers.train_rank.batching import MicroBatch
 from workers.train_rank.loss import LossConfig, policy_loss
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
@@ -61,6 +61,7 @@ class Trainer:
     def init(self, command: protocol.InitCommand) -> dict[str, Any]:
         settings = TrainSettings.from_dict(command.config)
         torch.manual_seed(settings.seed)
+        determinism.apply(settings)
         dtype = getattr(torch, settings.dtype)
         self.lora = lora.LoraSpec.from_dict(settings.lora) if settings.lora is not None else None
         model = self._load(settings, settings.model_path, dtype, trainable=True, adapters=self.lora)
