@@ -7,7 +7,9 @@ nor `workers`.
 
 Invariants: groups are rebuilt from `group_index` in the order they first appear in the dump (the order the
 generate path wrote them), samples within a group keep their file order; subsampling keeps whole groups and
-depends only on (seed, rollout_id, the dump), so two replays with the same seed see identical batches.
+depends only on (seed, rollout_id, the dump), so two replays with the same seed see identical batches; a
+dump whose samples do not mean what training needs (`replay.meaning`: a NaN reward, a negative index) is a
+`DumpError`, never trained on.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import anyio.to_thread
 
 from replay.format import ROLLOUT_ID_FIELD, DumpError, check_template, dump_path
+from replay.meaning import MeaningCheck
 from replay.reader import read_dump
 from replay.sample import RolloutBatch, Sample
 
@@ -101,6 +104,12 @@ class ReplayLoader:
                 f"{path}: header says rollout {dump.header.rollout_id} but the template maps it to "
                 f"rollout {rollout_id}; rename the file or fix the template"
             )
+        # what `rayless dump verify` checks of each sample: a NaN reward or logprob is never trained on
+        meaning = MeaningCheck(repeats=False)
+        for sample in dump.samples:
+            meaning.add(sample)
+        if meaning.summary() is not None:
+            raise DumpError(f"{path}: {meaning.summary()} (rayless dump verify {path} checks the whole file)")
         groups = group_samples(dump.samples)
         self._check_group_sizes(path, dump.header.config, groups)
         total_groups = len(groups)

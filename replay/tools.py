@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from replay.format import DumpError
+from replay.meaning import MeaningCheck
 from replay.reader import iter_samples, read_header
 from replay.sample import Sample
 
@@ -51,6 +52,16 @@ class _Stats:
         return [name, str(self.n), f"{self.mean:.4g}", f"{std:.4g}", f"{self.min:.4g}", f"{self.max:.4g}"]
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rayless dump", description="Inspect, check and import rollout dumps."
@@ -60,8 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("file", type=Path)
     show.add_argument("--tokenizer", type=Path, default=None, help="tokenizer dir: decode the first samples")
     show.add_argument("--first", type=int, default=3, help="how many samples to print (default 3)")
-    verify = sub.add_parser("verify", help="check dumps end to end; exit 1 if any is corrupt")
+    verify = sub.add_parser("verify", help="check dumps end to end, form and meaning; exit 1 if any is not sound")
     verify.add_argument("files", type=Path, nargs="+")
+    vocabulary = verify.add_mutually_exclusive_group()
+    vocabulary.add_argument("--tokenizer", type=Path, default=None,
+                            help="model or tokenizer dir: token ids must be in its vocabulary")
+    vocabulary.add_argument("--vocab-size", type=_positive, default=None, help="token ids must be below this")
     convert = sub.add_parser("convert", help="import a slime/miles .pt dump into the rayless format")
     convert.add_argument("src", type=Path)
     convert.add_argument("dst", type=Path)
@@ -81,7 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "show":
         return _show(console, args.file, args.tokenizer, args.first)
     if args.command == "verify":
-        return _verify(console, args.files)
+        vocab_size = _vocab_size(console, args.tokenizer) if args.tokenizer is not None else args.vocab_size
+        if args.tokenizer is not None and vocab_size is None:
+            return 1
+        return _verify(console, args.files, vocab_size)
     return _convert(console, args)
 
 
@@ -184,20 +202,51 @@ def _load_tokenizer(console: Console, tokenizer_dir: Path) -> Any:
         return None
 
 
-def _verify(console: Console, files: list[Path]) -> int:
-    bad = 0
+def _verify(console: Console, files: list[Path], vocab_size: int | None = None) -> int:
+    corrupt = invalid = 0
     for path in files:
+        meaning = MeaningCheck(vocab_size)
         try:
             header = read_header(path)
-            count = sum(1 for _ in iter_samples(path))
+            count = 0
+            for sample in iter_samples(path):
+                meaning.add(sample)
+                count += 1
         except DumpError as exc:
-            bad += 1
+            corrupt += 1
             console.print(f"CORRUPT {exc}")
             continue
+        problem = meaning.summary()
+        if problem is not None:
+            invalid += 1
+            console.print(f"INVALID {path}: {problem}")
+            continue
         console.print(f"ok {path} ({header.kind} {header.rollout_id}, {count} samples)")
-    if bad:
-        console.print(f"{bad} of {len(files)} file(s) corrupt")
-    return 1 if bad else 0
+    if corrupt and invalid:
+        console.print(f"{corrupt} corrupt and {invalid} invalid of {len(files)} file(s)")
+    elif corrupt or invalid:
+        console.print(f"{corrupt or invalid} of {len(files)} file(s) {'corrupt' if corrupt else 'invalid'}")
+    return 1 if corrupt or invalid else 0
+
+
+def _vocab_size(console: Console, directory: Path) -> int | None:
+    """The larger of the tokenizer's length and config.json's `vocab_size` (models pad their embedding)."""
+    tokenizer = _load_tokenizer(console, directory)
+    if tokenizer is None:
+        return None
+    size = len(tokenizer)
+    config = directory / "config.json"
+    if config.is_file():
+        from workers.boundary.errors import BoundaryError
+        from workers.boundary.json_input import decode_json
+
+        try:
+            declared = decode_json(config.read_bytes(), str(config))
+        except (BoundaryError, OSError):
+            declared = None
+        if isinstance(declared, dict) and type(declared.get("vocab_size")) is int:
+            size = max(size, declared["vocab_size"])
+    return size
 
 
 def _convert(console: Console, args: argparse.Namespace) -> int:

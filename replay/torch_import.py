@@ -101,11 +101,13 @@ def _check_zip(path: Path, size: int) -> None:
         )
 
 
+_REFUSAL = (
+    "refused to load {path}: it holds something other than plain containers, numbers, strings and "
+    "tensors ({detail}); it was not executed. If you trust the file, re-save its samples as plain dicts."
+)
+
+
 def _load(path: Path, size: int) -> Any:
-    refusal = (
-        "refused to load {path}: it holds something other than plain containers, numbers, strings and "
-        "tensors ({detail}); it was not executed. If you trust the file, re-save its samples as plain dicts."
-    )
     if zipfile.is_zipfile(path):
         _check_zip(path, size)
         # Fast path: slime's Sample.to_dict() dumps hold lists, not tensors, so the pickle inside the zip
@@ -114,38 +116,40 @@ def _load(path: Path, size: int) -> Any:
         try:
             return _load_zip_plain(path)
         except _Refused as exc:
-            raise DumpError(refusal.format(path=path, detail=exc)) from None
+            raise DumpError(_REFUSAL.format(path=path, detail=exc)) from None
         except (_NeedsTorch, KeyError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError):
             pass
-        import torch
-
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise DumpError(refusal.format(path=path, detail=_torch_detail(exc))) from None
-        except (RuntimeError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-            raise DumpError(f"{path}: not a readable torch.save file: {exc}") from None
+        except Exception as exc:  # an allowed global (set, OrderedDict) built from bad arguments
+            raise DumpError(_unreadable(path, exc)) from None
+        return _torch_load(path)
     data = path.read_bytes()
     try:
         return _PlainUnpickler(io.BytesIO(data)).load()
     except _Refused as exc:
-        raise DumpError(refusal.format(path=path, detail=exc)) from None
+        raise DumpError(_REFUSAL.format(path=path, detail=exc)) from None
     except _NeedsTorch as exc:
         detail = f"torch global {exc} in a bare pickle; only torch.save files may hold tensors"
-        raise DumpError(refusal.format(path=path, detail=detail)) from None
-    except (
-        pickle.UnpicklingError,
-        EOFError,
-        ValueError,
-        TypeError,
-        IndexError,
-        KeyError,
-        AttributeError,
-        MemoryError,
-    ) as exc:
+        raise DumpError(_REFUSAL.format(path=path, detail=detail)) from None
+    except Exception as exc:  # any fault of untrusted bytes is the file's, never ours
         raise DumpError(f"{path}: neither a torch.save file nor a readable pickle ({exc!r:.120})") from None
+
+
+def _torch_load(path: Path) -> Any:
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise DumpError(_REFUSAL.format(path=path, detail=_torch_detail(exc))) from None
+    except Exception as exc:  # torch's loader on untrusted bytes: any fault is the file's
+        raise DumpError(_unreadable(path, exc)) from None
+
+
+def _unreadable(path: Path, exc: BaseException) -> str:
+    """What the pickle asked for that cannot be built (`set([[1]])`, `OrderedDict(5)`, a missing memo)."""
+    return f"{path}: not a readable torch.save file: its pickle fails to build ({type(exc).__name__}: {exc!s:.160})"
 
 
 def _load_zip_plain(path: Path) -> Any:

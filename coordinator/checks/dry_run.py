@@ -114,8 +114,8 @@ def check_tokenizer(config: Config) -> list[str]:
 
 
 def _first_prompt(config: Config, tokenizer: object) -> str | None:
-    from coordinator.rollout.data_source import DataSourceError, PromptDataSource, read_prompt_file
-    from coordinator.rollout.tasks import builtin_task_name, make_task_prompts
+    from coordinator.data.source import DataSourceError, PromptDataSource, read_prompt_file
+    from coordinator.data.tasks import builtin_task_name, make_task_prompts
 
     rollout = config.rollout
     prompt_data = str(rollout.prompt_data)

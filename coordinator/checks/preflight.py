@@ -22,9 +22,6 @@ from coordinator.config.fields import ConfigError
 from coordinator.config.porting import PortingNotice, porting_notice
 from coordinator.config.settings import Config
 
-#: Records of each data file read at start-up: enough to find a wrong key, never the whole file.
-PEEK_RECORDS = 3
-
 
 def preflight(config: Config) -> list[str]:
     """Every check; the notes of what was found (`--dry-run` prints them)."""
@@ -87,7 +84,7 @@ def check_paths(config: Config) -> list[str]:
     where = "--eval-config" if config.eval.eval_config is not None else "--eval-prompt-data"
     for name, path in config.eval.eval_datasets:
         if path.startswith("builtin:"):
-            from coordinator.rollout.tasks import builtin_task_name
+            from coordinator.data.tasks import builtin_task_name
 
             try:
                 builtin_task_name(path)
@@ -112,9 +109,10 @@ def _check_writable(flag: str, directory: Path) -> str:
 
 
 def check_data(config: Config) -> list[str]:
-    """The first records of `--prompt-data` and of each eval dataset hold their input key (and label and
-    metadata keys when given), with values of the right kinds. Eval datasets are read with their own keys
-    (`--eval-input-key`, `--eval-config`), falling back to the rollout's."""
+    """Every record of `--prompt-data` and of each eval dataset, streamed once (`coordinator.data.check`):
+    valid bounded JSON holding the input key (and label and metadata keys when given) with values of the right
+    kinds. Eval datasets are read with their own keys (`--eval-input-key`, `--eval-config`), falling back to
+    the rollout's."""
     if config.replay_mode:
         return []
     rollout = config.rollout
@@ -131,24 +129,26 @@ def check_data(config: Config) -> list[str]:
         settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
         sources += [(f"{where} {d.name}", d.path, d.input_key, d.label_key, d.metadata_key)
                     for d in settings.datasets]
-    return [_peek(*source, raw_prompts=custom and (source[0] == "--prompt-data" or not config.eval_fleet_enabled))
+    return [_check_file(*source, max_line_bytes=rollout.data_max_line_bytes,
+                        raw_prompts=custom and (source[0] == "--prompt-data" or not config.eval_fleet_enabled))
             for source in sources]
 
 
-def _peek(flag: str, path: str, input_key: str, label_key: str | None, metadata_key: str | None, *,
-          raw_prompts: bool = False) -> str:
-    from coordinator.rollout.data_source import DataSourceError, read_prompt_file
+def _check_file(flag: str, path: str, input_key: str, label_key: str | None, metadata_key: str | None, *,
+                max_line_bytes: int, raw_prompts: bool = False) -> str:
+    from coordinator.data.check import RecordKeys, check_data_file
+    from coordinator.data.source import DataSourceError
 
     if path.startswith("builtin:"):
         return f"{flag} {path}: a built-in task"
+    keys = RecordKeys(input_key=input_key, label_key=label_key, metadata_key=metadata_key, raw_prompts=raw_prompts)
     try:
-        records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-                                   limit=PEEK_RECORDS, raw_prompts=raw_prompts)
+        count = check_data_file(path, keys, max_line_bytes=max_line_bytes)
     except DataSourceError as error:
         raise ConfigError(f"{flag}: {error}") from None
-    keys = [f"input key {input_key!r}"] + [f"label key {label_key!r}"] * bool(label_key)
-    keys += [f"metadata key {metadata_key!r}"] * bool(metadata_key)
-    return f"{flag} {path}: the first {len(records)} record(s) hold {', '.join(keys)}"
+    named = [f"input key {input_key!r}"] + [f"label key {label_key!r}"] * bool(label_key)
+    named += [f"metadata key {metadata_key!r}"] * bool(metadata_key)
+    return f"{flag} {path}: all {count} record(s) hold {', '.join(named)}"
 
 
 def hooks_in_use(config: Config) -> list[tuple[str, str]]:

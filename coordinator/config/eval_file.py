@@ -117,15 +117,17 @@ def read_text(value: str) -> str:
         raise ConfigError(f"{origin}: not UTF-8 text") from None
 
 
+def _load(value: str, origin: str) -> Any:
+    """The YAML of an `--eval-config` value, without anchors or aliases (`workers.boundary.yaml_input`)."""
+    from coordinator.config.yaml_files import load_config_yaml
+
+    return load_config_yaml(read_text(value), origin)
+
+
 def read_eval_config(value: str) -> tuple[EvalDatasetSpec, ...]:
     """The datasets of an `--eval-config` value, each with the file's `defaults` under its own keys."""
-    import yaml
-
     origin = describe(value)
-    try:
-        data = yaml.safe_load(read_text(value))
-    except (yaml.YAMLError, RecursionError) as error:
-        raise ConfigError(f"{origin}: not valid YAML ({str(error).splitlines()[0] if str(error) else error})") from None
+    data = _load(value, origin)
     if isinstance(data, Mapping) and set(data) == {"eval"}:
         data = data["eval"]
     if not isinstance(data, Mapping):
@@ -218,9 +220,7 @@ def _check_delegate(entries: Any, origin: str) -> None:
 def delegate_names(value: str) -> list[str]:
     """The names of miles' `delegate` task groups in an `--eval-config` value (after `read_eval_config`
     accepted it)."""
-    import yaml
-
-    data = yaml.safe_load(read_text(value))
+    data = _load(value, describe(value))
     if isinstance(data, Mapping) and set(data) == {"eval"}:
         data = data["eval"]
     entries = data.get("delegate") if isinstance(data, Mapping) else None

@@ -15,13 +15,13 @@ the flags that steer SGLang's LoRA serving are accepted with no effect (`--lora-
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from coordinator.config.fields import ConfigError, ConfigWarning, Slice, flag
+from workers.boundary.json_input import decode_json
 from workers.protocol.train_settings import LoraSettings
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -154,7 +154,7 @@ def _to_hf(names: list[str]) -> list[str]:
 
 def _read_json(path: Path, flag_name: str) -> dict[str, Any]:
     try:
-        value = json.loads(path.read_text())
+        value = decode_json(path.read_bytes(), str(path))  # BoundaryError is a ValueError
     except (OSError, ValueError) as error:
         raise ConfigError(f"{flag_name}: cannot read {path}: {error}") from None
     if not isinstance(value, dict):

@@ -27,6 +27,7 @@ from coordinator.config.rules import validate
 from coordinator.config.settings import Config, build_config
 from coordinator.config.unknown import closest_flag, unknown_flags_report
 from coordinator.config.upstream_args import add_upstream_arguments, take_upstream
+from coordinator.config.yaml_files import load_config_yaml
 
 _METAVARS = {int: "N", float: "X", str: "VALUE"}
 
@@ -120,8 +121,8 @@ def apply_custom_config(values: dict[str, Any], path: str) -> tuple[dict[str, An
     if not file.is_file():
         raise ConfigError(f"{origin}: no such file")
     try:
-        data = _load_yaml(file.read_text(encoding="utf-8"), path)
-    except (OSError, UnicodeDecodeError) as error:
+        data = _load_yaml(file.read_bytes(), path, "--custom-config-path")
+    except OSError as error:
         raise ConfigError(f"{origin}: cannot be read: {error}") from None
     if not isinstance(data, dict) or not all(isinstance(key, str) and key.isidentifier() for key in data):
         raise ConfigError(f"{origin}: the top level must be a mapping of argument names (identifiers) to values")
@@ -130,7 +131,7 @@ def apply_custom_config(values: dict[str, Any], path: str) -> tuple[dict[str, An
     for key, value in data.items():
         name = key.replace("-", "_")
         if name in FLAGS and name != "custom_config_path":
-            converted = convert(FLAGS[name][1], value, f"{origin}: key {key!r}")
+            converted = file_value(FLAGS[name][1], value, f"{origin}: key {key!r}")
             if name in values and values[name] != converted:
                 warnings.warn(f"{origin}: {key} = {value!r} overrides {FLAGS[name][1].flag} (as slime, the file "
                               "wins)", ConfigWarning, stacklevel=2)
@@ -170,7 +171,11 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: no such file")
     if file.suffix not in (".toml", ".yaml", ".yml"):
         raise ConfigError(f"--config {path}: expected a .yaml, .yml or .toml file")
+    from workers.boundary.yaml_input import MAX_YAML_BYTES
+
     try:
+        if file.stat().st_size > MAX_YAML_BYTES:
+            raise ConfigError(f"--config {path}: larger than {MAX_YAML_BYTES} bytes; a config file is small text")
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"--config {path}: cannot be read: {error}") from None
@@ -189,14 +194,22 @@ def _load_toml(text: str, path: str) -> Any:
         raise ConfigError(f"--config {path}: not valid TOML: {error}") from None
 
 
-def _load_yaml(text: str, path: str) -> Any:
-    import yaml
-
-    try:
-        data = yaml.safe_load(text)
-    except (yaml.YAMLError, RecursionError) as error:
-        raise ConfigError(f"--config {path}: not valid YAML: {error}") from None
+def _load_yaml(text: str | bytes, path: str, flag: str = "--config") -> Any:
+    data = load_config_yaml(text, f"{flag} {path}")
     return {} if data is None else data
+
+
+def file_value(spec: FlagSpec, raw: Any, where: str) -> Any:
+    """A config file's value for one flag: null is no value for a flag taking a number or text (the command
+    line cannot give one either), so it is refused rather than left for later code to trip on."""
+    if raw is None and spec.container is None and spec.kind in (int, float, str):
+        raise ConfigError(f"{where}: null is not a value for {spec.flag} (it takes {_kind_text(spec)}); "
+                          "omit the key to keep the default")
+    return convert(spec, raw, where)
+
+
+def _kind_text(spec: FlagSpec) -> str:
+    return {int: "an integer", float: "a number", str: "text"}[spec.kind]
 
 
 def config_file_values(data: Any, *, origin: str) -> dict[str, Any]:
@@ -214,7 +227,7 @@ def config_file_values(data: Any, *, origin: str) -> dict[str, Any]:
         if name in keys:
             raise ConfigError(f"{origin}: {_key_text(keys[name])} and {_key_text(key)} set the same flag")
         keys[name] = key
-        result[name] = convert(FLAGS[name][1], value, f"{origin}: key {_key_text(key)}")
+        result[name] = file_value(FLAGS[name][1], value, f"{origin}: key {_key_text(key)}")
     return result
 
 

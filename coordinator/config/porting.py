@@ -10,13 +10,13 @@ Invariant: every failure is a ConfigError naming the flag; reading `config.json`
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coordinator.config.fields import ConfigWarning, flag_name
 from coordinator.config.megatron import CATEGORIES, CATEGORY_OF
+from workers.boundary.json_input import decode_json
 
 if TYPE_CHECKING:
     from coordinator.config.checkpoint import LoadPlan
@@ -58,7 +58,7 @@ _SAME_FACT: dict[str, tuple[str, ...]] = {
 def _model_config(config: Config) -> dict[str, Any]:
     path = Path(config.rollout.hf_checkpoint or "") / "config.json"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = decode_json(path.read_bytes(), str(path))  # BoundaryError is a ValueError
     except (OSError, ValueError):
         return {}
     if not isinstance(data, dict):

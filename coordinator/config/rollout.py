@@ -14,6 +14,7 @@ from typing import Any
 
 from coordinator.config import values
 from coordinator.config.fields import ConfigError, Slice, flag
+from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES
 
 DEFAULT_ROLLOUT_FUNCTION = "coordinator.rollout.generate:DefaultRollout"
 
@@ -49,6 +50,9 @@ class RolloutConfig(Slice):
     input_key: str = flag("prompt", help="prompt field in --prompt-data", secret=False)
     label_key: str | None = flag(None, help="label field in --prompt-data", secret=False)
     metadata_key: str | None = flag(None, help="metadata field in --prompt-data", secret=False)
+    data_max_line_bytes: int = flag(
+        DEFAULT_MAX_LINE_BYTES, help="largest line (or Parquet row) of --prompt-data and eval data files; a "
+        "longer one is refused at start-up", minimum=1)
     apply_chat_template: bool = flag(False, help="wrap prompts with the tokenizer's chat template")
     apply_chat_template_kwargs: str | None = flag(
         None, help="slime's JSON object of keyword arguments for every chat-template rendering, e.g. "

@@ -89,13 +89,19 @@ def rollout_id_template(text: str) -> str:
     return text
 
 
-def _env_object(text: str) -> dict[str, object]:
-    import json
+def _json(text: str) -> object:
+    """A flag's JSON value, through the boundary layer (no RecursionError on a value nested 50k deep)."""
+    from workers.boundary.errors import BoundaryError
+    from workers.boundary.json_input import decode_json
 
     try:
-        data = json.loads(text)
-    except ValueError as error:
-        raise ValueError(f"is not JSON: {error}") from None
+        return decode_json(text, "value")
+    except BoundaryError as error:
+        raise ValueError(f"is not JSON: {error.reason}") from None
+
+
+def _env_object(text: str) -> dict[str, object]:
+    data = _json(text)
     if not isinstance(data, dict):
         raise ValueError("must be a JSON object of environment variable names to values")
     for name, value in data.items():
@@ -122,12 +128,7 @@ def env_pairs(text: str | None) -> tuple[tuple[str, str], ...]:
 
 def json_object(text: str) -> str:
     """A JSON object (slime's `--apply-chat-template-kwargs`)."""
-    import json
-
-    try:
-        data = json.loads(text)
-    except ValueError as error:
-        raise ValueError(f"is not JSON: {error}") from None
+    data = _json(text)
     if not isinstance(data, dict):
         raise ValueError("must be a JSON object of keyword arguments")
     return text

@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES
+from coordinator.data.source import PromptDataSource, PromptRecord
+from coordinator.data.tasks import builtin_task_name, make_task_prompts
 from coordinator.rewards.rules import REMOTE_RM, base_rule, require_libraries
-from coordinator.rollout.data_source import PromptDataSource, PromptRecord
 from coordinator.rollout.reward_choice import RewardChoice
 from coordinator.rollout.rewards import RewardModel
-from coordinator.rollout.tasks import builtin_task_name, make_task_prompts
 
 if TYPE_CHECKING:
     from coordinator.config import EvalConfig, RolloutConfig, SglangConfig
@@ -55,6 +56,7 @@ class EvalDatasetSettings:
     metadata_key: str | None = None
     apply_chat_template: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)  # merged into every record's metadata
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES  # --data-max-line-bytes
 
     @property
     def reward_key(self) -> str | None:
@@ -117,6 +119,7 @@ class EvalDatasetSettings:
             metadata_key=_first(spec.metadata_key, rollout.metadata_key),
             apply_chat_template=_first(spec.apply_chat_template, rollout.apply_chat_template),
             metadata=metadata,
+            max_line_bytes=rollout.data_max_line_bytes,
         )
 
 
@@ -169,7 +172,8 @@ def _records(dataset: EvalDatasetSettings, *, seed: int, tokenizer: Any, raw_pro
     else:
         source = PromptDataSource(dataset.path, input_key=dataset.input_key, label_key=dataset.label_key,
                                   metadata_key=dataset.metadata_key, apply_chat_template=dataset.apply_chat_template,
-                                  tokenizer=tokenizer, shuffle=False, seed=seed, raw_prompts=raw_prompts)
+                                  tokenizer=tokenizer, shuffle=False, seed=seed, raw_prompts=raw_prompts,
+                                  max_line_bytes=dataset.max_line_bytes)
     records = source.take(len(source))
     for record in records:
         if not isinstance(record.prompt, str) and not raw_prompts:

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from workers.boundary.json_input import JsonLimits
+
 EXCERPT_CHARS = 60
+LINE_LIMITS = JsonLimits(max_bytes=16 << 20, max_depth=64)  # one row: a response and its label
 
 
 class ScoreInputError(Exception):
@@ -54,20 +57,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _rows(path: Path) -> Iterator[tuple[int, str]]:
-    with path.open(encoding="utf-8") as handle:
+def _rows(path: Path) -> Iterator[tuple[int, bytes]]:
+    with path.open("rb") as handle:
         for number, line in enumerate(handle, start=1):
             if line.strip():
                 yield number, line
 
 
-def _sample(line: str, number: int, keys: Keys, needs_label: bool) -> Any:
+def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Any:
     from replay.sample import Sample, SampleStatus
+    from workers.boundary.errors import BoundaryError
+    from workers.boundary.json_input import decode_json
 
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ScoreInputError(f"line {number} is not JSON ({error})") from None
+    try:  # through the boundary layer: a line nested 100k deep is one row's error, not a RecursionError
+        row = decode_json(line, f"line {number}", LINE_LIMITS)
+    except BoundaryError as error:
+        raise ScoreInputError(f"line {number} is not JSON within bounds ({error.reason})") from None
     if not isinstance(row, dict):
         raise ScoreInputError(f"line {number} is a JSON {type(row).__name__}, not an object")
     response = row.get(keys.response)

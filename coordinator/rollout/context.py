@@ -12,8 +12,8 @@ from workers.errors import RaylessError
 
 if TYPE_CHECKING:
     from coordinator.config import Config
+    from coordinator.data.source import PromptDataSource
     from coordinator.hooks.runtime import HookRuntime
-    from coordinator.rollout.data_source import PromptDataSource
     from coordinator.rollout.dispatch import Dispatcher
     from coordinator.rollout.filters import DynamicFilter
     from coordinator.rollout.hook_generate import CustomGenerate

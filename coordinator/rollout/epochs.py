@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 
 from coordinator.config import Config, ConfigError
-from coordinator.rollout.data_source import DataSourceError
+from coordinator.data.source import DataSourceError
 
 
 def count_records(config: Config) -> int:
-    from coordinator.rollout.tasks import open_prompt_source
+    from coordinator.data.tasks import open_prompt_source
 
     rollout = config.rollout
     source = open_prompt_source(rollout.prompt_data or "", input_key=rollout.input_key, label_key=rollout.label_key,

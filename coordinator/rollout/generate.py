@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from coordinator.data.source import PromptRecord
 from coordinator.observe.timeline import span
 from coordinator.rewards.pass_rate import pass_rates
-from coordinator.rollout.data_source import PromptRecord
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate

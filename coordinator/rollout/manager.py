@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 
 from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config, RolloutConfig
+from coordinator.data.source import PromptDataSource
 from coordinator.hooks.args import build_hook_args, hook_sampling_params
 from coordinator.hooks.forms import HookForm, read_rollout_fn
 from coordinator.hooks.runtime import HookRuntime
@@ -35,7 +36,6 @@ from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
 from coordinator.rollout.chat_kwargs import with_chat_template_kwargs
 from coordinator.rollout.context import NotBuiltError, RolloutContext, not_built
-from coordinator.rollout.data_source import PromptDataSource
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate
@@ -362,7 +362,7 @@ def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bo
                       chat_template: bool = True) -> PromptDataSource:
     """`raw_prompts`: prompts may be any JSON value (a custom generate function reads them); `chat_template`
     False: chats stay messages whatever `--apply-chat-template` says (the SFT rollout templates them itself)."""
-    from coordinator.rollout.tasks import open_prompt_source
+    from coordinator.data.tasks import open_prompt_source
 
     return open_prompt_source(
         rollout.prompt_data or "",
@@ -374,6 +374,7 @@ def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bo
         shuffle=rollout.rollout_shuffle,
         seed=rollout.rollout_seed,
         raw_prompts=raw_prompts,
+        max_line_bytes=rollout.data_max_line_bytes,
     )
 
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from coordinator.rollout.data_source import PromptRecord
+from coordinator.data.source import PromptRecord
 from coordinator.rollout.dispatch import Dispatcher
 from replay.sample import FINISH_STATUS, Sample, SampleStatus
 

@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from coordinator.data.tasks import builtin_task_name, get_task
 from coordinator.rollout.rewards import RewardModel
-from coordinator.rollout.tasks import builtin_task_name, get_task
 
 if TYPE_CHECKING:
     from coordinator.config import RolloutConfig

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import anyio.to_thread
 
-from coordinator.rollout.data_source import DataSourceError, PromptRecord
+from coordinator.data.source import DataSourceError, PromptRecord
 from coordinator.rollout.sft_mask import ChatLossMask, LossMaskError, response_length
 from replay.sample import RolloutBatch, Sample, SampleStatus
 

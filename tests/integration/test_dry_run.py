@@ -61,7 +61,7 @@ def test_a_dry_run_of_an_8_gpu_plan_checks_everything_prints_the_plan_and_launch
     assert outcome["children"] == 0 and not outcome["launcher_imported"]
     assert not (tmp_path / "run").exists() and not (tmp_path / "ckpt").exists()
     out = outcome["stdout"]
-    assert "the first 3 record(s) hold input key 'question', label key 'answer'" in out
+    assert "all 5 record(s) hold input key 'question', label key 'answer'" in out
     assert "--apply-chat-template: the first prompt renders as:" in out and "0 7 1=" in out
     assert "tokenizer: " in out and f"--save {tmp_path / 'ckpt'}: writable" in out
     assert "--rollout-function-path coordinator.rollout.generate:DefaultRollout: class" in out

@@ -12,13 +12,13 @@ import anyio
 import pytest
 
 from coordinator.config import parse_config
+from coordinator.data.source import PromptRecord
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.eval.fleet import EvalFleet, EvalSkip
 from coordinator.eval.settings import EVAL_SEED, EvalSettings
 from coordinator.lifecycle.processes import terminate_process_group_blocking
 from coordinator.observe.progress import MetricsLog, read_metrics
-from coordinator.rollout.data_source import PromptRecord
 from coordinator.rollout.requests import GenerateState, apply_response, new_sample
 from coordinator.run import run_training
 from coordinator.services import Services

@@ -3,7 +3,8 @@
 Owns the builders the hostile-input tests share: `framed_dump` puts arbitrary payload bytes into frames with
 correct CRCs and a correct trailer chain (so only the structure can be refused), `nested_tuple_dump` is the
 extension type nested N deep that used to overflow the C stack, and the `.pt` bombs (shared references,
-a deflated storage far larger than its zip, self-reference, deep nesting). `peak_rss_growth` runs a
+a deflated storage far larger than its zip, self-reference, deep nesting), and `torch_zip` with the pickles
+that build an allowed global badly (`BAD_BUILDS`: a set of a list, an OrderedDict of an int). `peak_rss_growth` runs a
 statement in a fresh interpreter and reports how far its peak memory rose while it ran.
 """
 
@@ -202,3 +203,27 @@ def peak_rss_growth(setup: str, statement: str, *, timeout_s: float = 120.0) -> 
     if done.returncode != 0:
         raise AssertionError(f"the child exited with {done.returncode}: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def torch_zip(path: Path, data_pkl: bytes) -> Path:
+    """A zip laid out as torch.save writes it, holding these pickle bytes as its data.pkl."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", data_pkl)
+        archive.writestr("archive/version", "3\n")
+        archive.writestr("archive/byteorder", "little")
+    return path
+
+
+#: pickles that build an allowed global (set, frozenset, OrderedDict) in a way it cannot be built
+BAD_BUILDS = {
+    "set of a list": b"\x80\x02cbuiltins\nset\n]]K\x01aa\x85R.",
+    "set of three arguments": b"\x80\x02cbuiltins\nset\nK\x01K\x02K\x03\x87R.",
+    "OrderedDict of an int": b"\x80\x02ccollections\nOrderedDict\nK\x05\x85R.",
+    "OrderedDict with a list key": b"\x80\x02ccollections\nOrderedDict\n)R(]K\x01u.",
+    "set given state": b"\x80\x02cbuiltins\nset\n)R}X\x01\x00\x00\x00aK\x01sb.",
+    "set appended to": b"\x80\x02cbuiltins\nset\n)R(K\x01e.",
+    "set item assigned": b"\x80\x02cbuiltins\nset\n)RK\x01K\x02s.",
+    "frozenset of an int": b"\x80\x02cbuiltins\nfrozenset\nK\x01\x85\x81.",
+    "a memo never stored": b"\x80\x02h\x05.",
+    "protocol 4 set of a list": b"\x80\x04\x8f(]\x90.",
+}

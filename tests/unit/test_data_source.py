@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.rollout.data_source import DataSourceError, PromptDataSource, PromptRecord, read_prompt_file
-from coordinator.rollout.tasks import (
+from coordinator.data.source import DataSourceError, PromptDataSource, PromptRecord, read_prompt_file
+from coordinator.data.tasks import (
     BUILTIN_TASK_SIZE,
     builtin_task_name,
     get_task,

@@ -8,12 +8,12 @@ import logging
 import pytest
 
 from coordinator.config import ConfigError
+from coordinator.data.source import DataSourceError
 from coordinator.engines.errors import EngineHTTPError, EngineStreamError, EngineTimeout, EngineUnreachable
 from coordinator.engines.launch import EngineLaunchError
 from coordinator.engines.router import RouterError
 from coordinator.lifecycle.failures import FILE_ONLY, ToFileOnly, is_user_facing, log_failure, user_code_frame
 from coordinator.rollout.advantages import AdvantageError
-from coordinator.rollout.data_source import DataSourceError
 from coordinator.rollout.dispatch import NoEngineAvailable
 from coordinator.rollout.filters import FilterError
 from coordinator.rollout.manager import NotBuiltError

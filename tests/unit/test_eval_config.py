@@ -120,9 +120,9 @@ def test_mapping_form_root_without_eval_and_dataset_keys(tmp_path: Path) -> None
 def test_a_bad_eval_config_is_refused_naming_the_file_dataset_and_key(tmp_path: Path, text: str,
                                                                        message: str) -> None:
     path = write(tmp_path, text)
-    with pytest.raises(ConfigError, match=f"--eval-config {path}: ") as error:
+    with pytest.raises(ConfigError) as error:
         read_eval_config(str(path))
-    assert message in str(error.value)
+    assert str(error.value).startswith(f"--eval-config {path}") and message in str(error.value)
     # and at start-up, through the flag: the same error, before anything runs
     with pytest.raises(ConfigError, match="--eval-config"):
         parse_config([*BASE, "--eval-config", str(path), "--eval-interval", "1"])

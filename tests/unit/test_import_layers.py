@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS: list[set[str]] = [
-    {"rewards"},  # the graders: pure functions of a response and a label
+    {"rewards", "data"},  # the graders: pure functions of a response and a label; prompt and eval data
     {"config"},  # the flags: slices, the parser, derived facts
     {"lifecycle"},  # process groups, stop signals, failure reports, logging set-up
     {"observe"},  # start-up board, progress, metrics log

@@ -170,9 +170,9 @@ def test_routing_replay_is_a_no_op_for_a_dense_model_and_refused_for_moe(tmp_pat
 def test_apply_chat_template_kwargs_reach_every_rendering(tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
+    from coordinator.data.source import PromptDataSource, PromptRecord
     from coordinator.hooks.args import build_hook_args
     from coordinator.rollout.chat_kwargs import with_chat_template_kwargs
-    from coordinator.rollout.data_source import PromptDataSource, PromptRecord
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
     tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -12,7 +12,7 @@ import torch
 
 from coordinator.config import ConfigError, ConfigWarning, parse_config
 from coordinator.config.porting import porting_notice
-from coordinator.rollout.data_source import DataSourceError
+from coordinator.data.source import DataSourceError
 from coordinator.rollout.epochs import with_epoch_rollouts
 from coordinator.rollout.manager import RolloutManager
 from coordinator.rollout.sft_mask import ChatLossMask

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.rollout.data_source import ChatTokenizer, PromptDataSource, PromptRecord
+from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES
+from coordinator.data.source import ChatTokenizer, PromptDataSource, PromptRecord
 
 NUM_DIGITS = 3
 
@@ -125,6 +126,7 @@ def open_prompt_source(
     shuffle: bool,
     seed: int,
     raw_prompts: bool = False,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> PromptDataSource:
     """The data source for a `--prompt-data` value: a built-in task (`builtin:NAME`) or a JSONL/Parquet file.
 
@@ -143,6 +145,7 @@ def open_prompt_source(
             shuffle=shuffle,
             seed=seed,
             raw_prompts=raw_prompts,
+            max_line_bytes=max_line_bytes,
         )
     return PromptDataSource.from_records(
         make_task_prompts(task, BUILTIN_TASK_SIZE, seed),

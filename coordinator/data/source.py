@@ -7,19 +7,22 @@ same data and seed continues with exactly the prompts the original would have re
 Within an epoch every record is returned exactly once; epoch `e` uses the permutation drawn from
 `random.Random(f"rayless-data:{seed}:{e}")` (or the file order when `shuffle` is false).
 
-Files are read once at construction with plain I/O (start-up, before the event loop is busy). The chat
+Files are read once at construction with plain I/O (start-up, before the event loop is busy), each line
+through the boundary layer (`coordinator.data.lines`). The chat
 template is applied when records are taken (a few prompts per rollout), not to the whole file up front.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES, iter_rows, line_limits
+from workers.boundary.errors import BoundaryError
+from workers.boundary.json_input import decode_json
 from workers.errors import RaylessError
 
 ChatMessages = list[dict[str, Any]]
@@ -89,46 +92,14 @@ def _check_metadata(value: Any, *, where: str, key: str) -> dict[str, Any]:
         return {}
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise DataSourceError(
-                f"{where}: metadata key {key!r} is a string but not JSON: {error}"
-            ) from error
+            value = decode_json(value, where, line_limits(4 * len(value) + 1))
+        except BoundaryError as error:
+            raise DataSourceError(f"{where}: metadata key {key!r} is a string but not JSON: {error.reason}") from None
     if not isinstance(value, dict):
         raise DataSourceError(
             f"{where}: metadata key {key!r} holds {type(value).__name__}; expected an object (dict)"
         )
     return value
-
-
-def _rows_from_jsonl(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
-    with path.open("r", encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataSourceError(f"{where}: not valid JSON: {error}") from error
-            if not isinstance(row, dict):
-                raise DataSourceError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
-            yield where, row
-
-
-def _rows_from_parquet(path: Path, limit: int | None = None) -> Iterable[tuple[str, dict[str, Any]]]:
-    import pyarrow.parquet as pq
-
-    try:
-        if limit is None:
-            rows = pq.read_table(path).to_pylist()
-        else:  # the first batch only: a start-up check must not read a large file whole
-            batch = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
-            rows = batch.to_pylist() if batch is not None else []
-    except Exception as error:  # pyarrow raises several types for unreadable files
-        raise DataSourceError(f"{path}: cannot read as Parquet: {error}") from error
-    for row_number, row in enumerate(rows, start=1):
-        yield f"{path}: row {row_number}", row
 
 
 def read_prompt_file(
@@ -139,28 +110,34 @@ def read_prompt_file(
     metadata_key: str | None = None,
     limit: int | None = None,
     raw_prompts: bool = False,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> list[PromptRecord]:
     """Read the records of a `.parquet` file or a JSONL file (any other suffix), checking the keys: every
-    record, or the first `limit` (start-up checks and `--dry-run` read a few). `raw_prompts`: a prompt may be
-    any JSON value (a custom generate function reads it: tau-bench's task index), as slime keeps it."""
+    record, or the first `limit`. `raw_prompts`: a prompt may be any JSON value (a custom generate function
+    reads it: tau-bench's task index), as slime keeps it. The first bad line is a DataSourceError naming it
+    (`coordinator.data.check` reports every bad line of a file at start-up)."""
     path = Path(path)
     if not path.is_file():
         raise DataSourceError(f"--prompt-data {str(path)!r}: no such file")
-    parquet = path.suffix.lower() in {".parquet", ".pq"}
-    rows = _rows_from_parquet(path, limit) if parquet else _rows_from_jsonl(path)
     records: list[PromptRecord] = []
-    for where, row in rows:
-        if limit is not None and len(records) >= limit:
-            break
-        records.append(_record(where, row, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-                               index=len(records), raw_prompts=raw_prompts))
+    try:
+        for where, row in iter_rows(path, max_line_bytes):
+            if limit is not None and len(records) >= limit:
+                break
+            if isinstance(row, BoundaryError):
+                raise DataSourceError(str(row))
+            records.append(build_record(where, row, input_key=input_key, label_key=label_key,
+                                        metadata_key=metadata_key, index=len(records), raw_prompts=raw_prompts))
+    except BoundaryError as error:
+        raise DataSourceError(str(error)) from None
     if not records:
         raise DataSourceError(f"--prompt-data {str(path)!r}: the file holds no records")
     return records
 
 
-def _record(where: str, row: dict[str, Any], *, input_key: str, label_key: str | None, metadata_key: str | None,
-            index: int, raw_prompts: bool = False) -> PromptRecord:
+def build_record(where: str, row: dict[str, Any], *, input_key: str, label_key: str | None,
+                 metadata_key: str | None, index: int, raw_prompts: bool = False) -> PromptRecord:
+    """One row as a record: the keys the run reads present, each value of a kind it can use."""
     keys = [("--input-key", input_key)]
     keys += [("--label-key", label_key)] if label_key is not None else []
     keys += [("--metadata-key", metadata_key)] if metadata_key is not None else []
@@ -194,9 +171,10 @@ class PromptDataSource:
         shuffle: bool,
         seed: int,
         raw_prompts: bool = False,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     ) -> None:
         records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-                                   raw_prompts=raw_prompts)
+                                   raw_prompts=raw_prompts, max_line_bytes=max_line_bytes)
         self._setup(
             records,
             apply_chat_template=apply_chat_template,
