@@ -11,6 +11,7 @@ import json
 import aiohttp
 import httpx
 
+from workers.boundary.errors import BoundaryError
 from workers.errors import RaylessError
 
 #: the error type our engine answers with while its memory is released (503)
@@ -49,6 +50,21 @@ class EngineHTTPError(EngineError):
 
 class EngineStreamError(EngineHTTPError):
     """A streamed generate reported `data: {"error": ...}` in the middle of an HTTP 200 stream."""
+
+
+class EngineReplyError(EngineError, BoundaryError):
+    """The peer answered 200 with a reply rayless refuses: over its size limit, not bounded JSON, or not the
+    shape SGLang gives (float or out-of-vocabulary ids, a NaN logprob, ids and logprobs of different lengths).
+    The dispatch treats it like a dead engine's failed request: retried on another engine, counted."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        BoundaryError.__init__(self, f"engine {url}", reason)
+        self.message = f"engine {url} sent a reply refused: {reason}"
+        self.url = url
+        self.args = (self.message,)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class EngineUnreachable(EngineError):

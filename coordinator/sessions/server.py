@@ -24,7 +24,8 @@ from typing import Any
 
 import h11
 
-from coordinator.engines.client import EngineError, EngineHTTPError
+from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReplyError
+from coordinator.engines.replies import check_chat_reply
 from coordinator.hooks.runtime import HookRoutes
 from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from coordinator.rollout.hook_endpoint import HookEndpoint, HttpReply
@@ -186,6 +187,11 @@ class SessionServer(HookEndpoint):
             except SessionRequestError as error:
                 raise HttpReply(400, str(error)) from None
             response, url = await self._engine_call(session, "POST", CHAT_PATH, request)
+            try:  # the turn's ids and logprobs are trained on: refused if out of the vocabulary or not finite
+                check_chat_reply(response, url, self.dispatcher.client.vocab_size)
+            except EngineReplyError as error:
+                self.dispatcher.refused[url] += 1
+                raise HttpReply(502, str(error)) from None
             prompt_ids = request.pop("input_ids")
             del request["messages"]  # both kept once, in the session (`Session.describe` puts them back)
             record = {"method": "POST", "path": "/v1/chat/completions", "status_code": 200, "request": request,
