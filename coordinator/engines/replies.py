@@ -32,11 +32,13 @@ _NUMBER_FIELDS = ("e2e_latency", "spec_accept_rate", "spec_accept_length")
 @dataclass(frozen=True, slots=True)
 class ReplyRules:
     """What a reply must satisfy beyond SGLang's shape: the vocabulary, whether logprobs were asked for, and
-    whether it is a streamed chunk (then `finish_reason` may be None and `text` null)."""
+    whether it is a streamed chunk (then `finish_reason` may be None and `text` null), whether it may be empty."""
 
     vocab_size: int | None = None
     logprobs: bool = False
     stream: bool = False
+    #: the request let it generate (max_new_tokens > 0): a finished reply that is not an abort has a token
+    expect_tokens: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +184,8 @@ def check_generate_reply(value: Any, url: str, rules: ReplyRules) -> GenerateRep
         if mismatch is not None:
             raise _fail(url, f"output_token_logprobs[{mismatch}] names token {triples[mismatch][1]}, but "
                              f"output_ids[{mismatch}] is {ids[mismatch]}")
+    if not ids and rules.expect_tokens and not rules.stream and finish is not None and finish.type != "abort":
+        raise _fail(url, f"no output ids, though it finished with {finish.type!r} (only an abort ends empty)")
     if "input_token_logprobs" in meta:
         _check_triples(meta["input_token_logprobs"], url, "input_token_logprobs", rules.vocab_size,
                        first_may_be_null=True)
@@ -193,12 +197,20 @@ def check_generate_reply(value: Any, url: str, rules: ReplyRules) -> GenerateRep
                          finish, None if version is None else str(version), None if rid is None else str(rid))
 
 
-def _per_reply(flag: Any, count: int) -> list[bool]:
-    """`return_logprob` of each reply: one flag, or one per prompt (replies are prompt-major, n per prompt)."""
-    if not isinstance(flag, list):
-        return [bool(flag)] * count
-    per_prompt = max(1, count // max(len(flag), 1))
-    return [bool(flag[min(i // per_prompt, len(flag) - 1)]) if flag else False for i in range(count)]
+def _per_reply(values: Any, count: int) -> list[Any]:
+    """A request field of each reply: one value for all, or one per prompt (replies are prompt-major)."""
+    if not isinstance(values, list):
+        return [values] * count
+    if not values:
+        return [None] * count
+    per_prompt = max(1, count // len(values))
+    return [values[min(i // per_prompt, len(values) - 1)] for i in range(count)]
+
+
+def _asks_tokens(params: Any) -> bool:
+    """Whether a prompt's sampling params let it generate (SGLang's max_new_tokens defaults to 128)."""
+    budget = params.get("max_new_tokens") if isinstance(params, dict) else None
+    return not (type(budget) is int and budget <= 0)
 
 
 def check_generate_body(body: Any, url: str, payload: Mapping[str, Any], vocab_size: int | None,
@@ -206,8 +218,9 @@ def check_generate_body(body: Any, url: str, payload: Mapping[str, Any], vocab_s
     """Every reply of one `/generate` answer (a dict, or a list for a batch), each checked."""
     replies = body if isinstance(body, list) else [body]
     asked = _per_reply(payload.get("return_logprob", False), len(replies))
-    return [check_generate_reply(reply, url, ReplyRules(vocab_size, logprobs, stream))
-            for reply, logprobs in zip(replies, asked, strict=True)]
+    budgets = _per_reply(payload.get("sampling_params"), len(replies))
+    return [check_generate_reply(reply, url, ReplyRules(vocab_size, bool(logprobs), stream, _asks_tokens(params)))
+            for reply, logprobs, params in zip(replies, asked, budgets, strict=True)]
 
 
 def check_chat_reply(body: Any, url: str, vocab_size: int | None) -> None:
