@@ -42,7 +42,8 @@ BAD_REPLIES: dict[str, Callable[[], dict[str, Any]]] = {
     "inf_logprob": lambda: _reply([5], [1e999]),  # 1e999 is valid JSON and decodes to inf
 }
 RAW_MODES = ("deep", "huge", "nan_logprob", "not_json")
-MODES = (*BAD_REPLIES, *RAW_MODES)
+BAD_MODES = (*BAD_REPLIES, *RAW_MODES)
+MODES = (*BAD_MODES, "cycle")  # cycle: each /generate gets the next bad mode in turn
 
 
 class HostileEngine:
@@ -58,18 +59,20 @@ class HostileEngine:
         return f"http://127.0.0.1:{self.port}"
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[HostileEngine] = anyio.TASK_STATUS_IGNORED) -> None:
-        handlers: set[asyncio.Task[Any]] = set()
+        # Handlers are never cancelled (asyncio logs a cancelled connection callback as an error): shutdown
+        # closes their connections, and each handler returns.
+        handlers: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             task = asyncio.current_task()
             assert task is not None
-            handlers.add(task)
+            handlers[task] = writer
             try:
                 await self._serve(reader, writer)
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
                 pass  # the client hung up (it refused the reply half-way): that is the point
             finally:
-                handlers.discard(task)
+                handlers.pop(task, None)
                 writer.close()
 
         server = await asyncio.start_server(handle, "127.0.0.1", self.port)
@@ -79,8 +82,8 @@ class HostileEngine:
             await anyio.sleep_forever()
         finally:
             server.close()
-            for task in list(handlers):
-                task.cancel()
+            for writer in list(handlers.values()):
+                writer.close()
             with anyio.CancelScope(shield=True):
                 await asyncio.gather(*handlers, return_exceptions=True)
 
@@ -94,6 +97,8 @@ class HostileEngine:
             if path == "/generate":
                 self.generated += 1
                 await self._generate(json.loads(body or b"{}"), writer)
+                if writer.is_closing():
+                    return
             else:
                 self._answer(writer, 200, json.dumps(self._info(path)).encode())
             await writer.drain()
@@ -114,9 +119,10 @@ class HostileEngine:
                      % (status, len(data)) + data)
 
     async def _generate(self, request: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        mode = BAD_MODES[(self.generated - 1) % len(BAD_MODES)] if self.mode == "cycle" else self.mode
         ids = request.get("input_ids")
         prompts = len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else None
-        if self.mode == "huge":  # chunked, no length declared: only reading it shows how large it is
+        if mode == "huge":  # chunked, no length declared: only reading it shows how large it is
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
             chunk = b"1" * (1 << 20)
             writer.write(b'%x\r\n{"text": "\r\n' % len(b'{"text": "'))
@@ -125,16 +131,22 @@ class HostileEngine:
                 await writer.drain()
             writer.write(b'2\r\n"}\r\n0\r\n\r\n')
             return
-        if self.mode == "deep":
+        if mode == "deep":
             data = b"[" * DEPTH + b"]" * DEPTH
-        elif self.mode == "not_json":
+        elif mode == "not_json":
             data = b'{"text": "x", "output_ids": [1,'
-        elif self.mode == "nan_logprob":  # NaN is not JSON, but Python's json module writes it
+        elif mode == "nan_logprob":  # NaN is not JSON, but Python's json module writes it
             one = json.dumps(_reply([5], [float("nan")]))
             data = (one if prompts is None else "[" + ",".join([one] * prompts) + "]").encode()
         else:
-            make = BAD_REPLIES[self.mode]
+            make = BAD_REPLIES[mode]
             data = json.dumps(make() if prompts is None else [make() for _ in range(prompts)]).encode()
+        if request.get("stream"):  # SGLang's server-sent events: the bad reply as one chunk, then [DONE]
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+                         b"data: " + data + b"\n\ndata: [DONE]\n\n")
+            await writer.drain()
+            writer.close()
+            return
         self._answer(writer, 200, data)
 
 
