@@ -27,6 +27,8 @@ BYTES_PER_TOKEN = 256
 BYTES_PER_TOP_LOGPROB = 96
 #: meta_info and the reply's own fields, per reply
 REPLY_HEADROOM = 64 << 10
+#: what is read of an error answer (its text becomes the error's message; the rest is left unread)
+ERROR_BYTES = 64 << 10
 #: what a request without max_new_tokens is allowed (SGLang's default is 128; a custom engine may differ)
 DEFAULT_TOKENS = 4096
 #: no reply of any size is read whole past this
@@ -89,6 +91,16 @@ async def read_capped(resp: httpx.Response, cap: int, url: str) -> bytes:
         if len(body) > cap:
             raise EngineReplyError(url, f"reply passed the limit of {cap} bytes for this request; not read further")
     return bytes(body)
+
+
+async def read_prefix(resp: httpx.Response, limit: int = ERROR_BYTES) -> bytes:
+    """At most `limit` bytes of `resp`'s body (an error answer: its beginning is its message)."""
+    body = bytearray()
+    async for chunk in resp.aiter_bytes():
+        body += chunk
+        if len(body) >= limit:
+            break
+    return bytes(body[:limit])
 
 
 async def iter_lines_capped(resp: httpx.Response, cap: int, url: str) -> AsyncIterator[bytes]:

@@ -40,7 +40,7 @@ import httpx
 from httpx_aiohttp import AiohttpTransport
 
 from coordinator.engines.api import JSON, EngineAPI
-from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, read_capped
+from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, read_capped, read_prefix
 from coordinator.engines.errors import (
     TRANSPORT_ERRORS,
     EngineError,
@@ -172,7 +172,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         """One exchange, its body read under the cap; the answer rebuilt around the bytes read."""
         async with self.http.stream(method, url, content=content, params=params, headers=headers,
                                     timeout=timeout) as resp:
-            body = await read_capped(resp, max_bytes, url)
+            body = await (read_capped(resp, max_bytes, url) if resp.status_code < 400 else read_prefix(resp))
         kept = [(key, value) for key, value in resp.headers.multi_items() if key.lower() not in _DECODED_HEADERS]
         return httpx.Response(resp.status_code, headers=kept, content=body, request=resp.request)
 

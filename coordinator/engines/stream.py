@@ -15,11 +15,10 @@ from typing import Any
 import httpx
 
 from coordinator.engines.bounded import (
-    DEFAULT_REPLY_BYTES,
     decode_reply,
     generate_reply_limit,
     iter_lines_capped,
-    read_capped,
+    read_prefix,
 )
 from coordinator.engines.errors import (
     TRANSPORT_ERRORS,
@@ -64,6 +63,6 @@ def _stream_error(err: Any, url: str) -> EngineStreamError:
 
 
 async def _capped_answer(resp: httpx.Response, url: str) -> httpx.Response:
-    """An error answer, its body read under the control cap (its text becomes the error's message)."""
-    body = await read_capped(resp, DEFAULT_REPLY_BYTES, url)
+    """An error answer, the beginning of its body read (its text becomes the error's message)."""
+    body = await read_prefix(resp)
     return httpx.Response(resp.status_code, content=body, request=resp.request)

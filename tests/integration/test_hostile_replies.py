@@ -22,6 +22,7 @@ import pytest
 from transformers import AutoConfig
 
 from coordinator.engines import NO_RETRY, EngineClient, EngineFleet
+from coordinator.engines.errors import EngineHTTPError, EngineReplyError
 from coordinator.lifecycle.processes import terminate_process_group_blocking
 from coordinator.rollout.dispatch import Dispatcher
 from tests.support.engine_proc import free_port, start_engine
@@ -70,11 +71,18 @@ async def test_a_hostile_reply_is_refused_counted_and_answered_elsewhere(
 @pytest.mark.parametrize("fleet_with", ["float_ids"], indirect=True)
 async def test_a_hostile_stream_chunk_is_refused(fleet_with: tuple[Dispatcher, HostileEngine]) -> None:
     dispatcher, hostile = fleet_with
-    from coordinator.engines.errors import EngineReplyError
-
     with pytest.raises(EngineReplyError, match=r"6\.5"):
         async for _ in dispatcher.client.engine(hostile.url).generate_stream({"input_ids": [1], "stream": True}):
             pass
+
+
+async def test_a_hostile_error_answer_is_one_http_error() -> None:
+    async with anyio.create_task_group() as group, EngineClient(max_connections=2, retry=NO_RETRY) as client:
+        hostile = await group.start(HostileEngine("deep_error").run)
+        with pytest.raises(EngineHTTPError) as caught:
+            await client.engine(hostile.url).generate({"input_ids": [1]})
+        assert caught.value.status == 500 and len(caught.value.server_message) <= 64 << 10
+        group.cancel_scope.cancel()
 
 
 def test_a_run_beside_a_hostile_engine_completes_and_counts_its_refused_replies(

@@ -43,7 +43,8 @@ BAD_REPLIES: dict[str, Callable[[], dict[str, Any]]] = {
 }
 RAW_MODES = ("deep", "huge", "nan_logprob", "not_json")
 BAD_MODES = (*BAD_REPLIES, *RAW_MODES)
-MODES = (*BAD_MODES, "cycle")  # cycle: each /generate gets the next bad mode in turn
+#: cycle: each /generate gets the next bad mode in turn; deep_error: HTTP 500 with a body nested 100k deep
+MODES = (*BAD_MODES, "cycle", "deep_error")
 
 
 class HostileEngine:
@@ -115,13 +116,16 @@ class HostileEngine:
 
     @staticmethod
     def _answer(writer: asyncio.StreamWriter, status: int, data: bytes) -> None:
-        writer.write(b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        writer.write(b"HTTP/1.1 %d Whatever\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                      % (status, len(data)) + data)
 
     async def _generate(self, request: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         mode = BAD_MODES[(self.generated - 1) % len(BAD_MODES)] if self.mode == "cycle" else self.mode
         ids = request.get("input_ids")
         prompts = len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else None
+        if mode == "deep_error":
+            self._answer(writer, 500, b'{"error": ' + b"[" * DEPTH + b"]" * DEPTH + b"}")
+            return
         if mode == "huge":  # chunked, no length declared: only reading it shows how large it is
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
             chunk = b"1" * (1 << 20)
