@@ -16,7 +16,7 @@ import httpx
 from coordinator.engines.bounded import generate_reply_limit
 from coordinator.engines.errors import EngineHTTPError
 from coordinator.engines.policy import COLLECTIVE, RetryPolicy
-from coordinator.engines.replies import check_generate_body
+from coordinator.engines.replies import check_generate_body_async
 from coordinator.engines.stream import stream_generate
 
 JSON = Any  # parsed JSON value: dict, list, str, number, bool or None
@@ -85,7 +85,7 @@ class EngineAPI:
         body.pop("stream", None)
         t = timeout if timeout is not None else self.client.generate_timeout
         out = await self._post("/generate", body, timeout=t, retry=retry, max_bytes=generate_reply_limit(body))
-        check_generate_body(out, self.url, body, self.client.vocab_size)
+        await check_generate_body_async(out, self.url, body, self.client.vocab_size)
         return out  # type: ignore[no-any-return]
 
     def generate_stream(

@@ -14,10 +14,13 @@ The finish reasons are SGLang's `BaseFinishReason.to_json` (srt/managers/schedul
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import anyio
 
 from coordinator.engines.errors import EngineReplyError
 
@@ -239,3 +242,21 @@ def check_chat_reply(body: Any, url: str, vocab_size: int | None) -> None:
         if "output_token_logprobs" in meta:
             _check_triples(meta["output_token_logprobs"], url, "output_token_logprobs", vocab_size,
                            first_may_be_null=False)
+
+
+#: above this many output ids in one answer the check (~2 µs a token) moves off the event loop
+CHECK_IN_THREAD_TOKENS = 16_384
+
+
+def _tokens_in(body: Any) -> int:
+    replies = body if isinstance(body, list) else [body]
+    return sum(len(r["output_ids"]) for r in replies if isinstance(r, dict) and isinstance(r.get("output_ids"), list))
+
+
+async def check_generate_body_async(body: Any, url: str, payload: Mapping[str, Any], vocab_size: int | None,
+                                    *, stream: bool = False) -> Sequence[GenerateReply]:
+    """`check_generate_body`, in a worker thread when the answer is large enough to stall the event loop."""
+    if _tokens_in(body) > CHECK_IN_THREAD_TOKENS:
+        return await anyio.to_thread.run_sync(
+            functools.partial(check_generate_body, body, url, payload, vocab_size, stream=stream))
+    return check_generate_body(body, url, payload, vocab_size, stream=stream)

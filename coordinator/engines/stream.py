@@ -27,7 +27,7 @@ from coordinator.engines.errors import (
     map_transport_error,
 )
 from coordinator.engines.policy import request_timeout
-from coordinator.engines.replies import check_generate_body
+from coordinator.engines.replies import check_generate_body_async
 
 
 async def stream_generate(
@@ -49,7 +49,7 @@ async def stream_generate(
                 chunk = await decode_reply(data, url, cap)
                 if isinstance(chunk, dict) and "error" in chunk:
                     raise _stream_error(chunk["error"], url)
-                check_generate_body(chunk, url, body, vocab_size, stream=True)
+                await check_generate_body_async(chunk, url, body, vocab_size, stream=True)
                 yield chunk
     except TRANSPORT_ERRORS as exc:
         raise map_transport_error(exc, url, read) from exc

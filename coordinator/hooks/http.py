@@ -21,7 +21,7 @@ from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, gener
 from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineHTTPError, EngineReplyError
 from coordinator.engines.policy import RetryPolicy
-from coordinator.engines.replies import check_generate_body
+from coordinator.engines.replies import check_generate_body_async
 from coordinator.hooks.runtime import ROUTE_HEADER, current_call
 
 #: how the boundary decoder's refusal of a body that is not JSON begins (workers/boundary/json_input.py)
@@ -67,7 +67,7 @@ async def _send(client: EngineClient, method: str, url: str, payload: Any, retry
             return response.text  # slime's helper: a body that is not JSON comes back as its text
         raise
     if generate and not (isinstance(body, dict) and "error" in body):  # an engine's or the router's reply
-        check_generate_body(body, url, payload, client.vocab_size)
+        await check_generate_body_async(body, url, payload, client.vocab_size)
     return body
 
 
