@@ -169,17 +169,16 @@ def check_generate_reply(value: Any, url: str, rules: ReplyRules) -> GenerateRep
     _check_meta_fields(meta, url)
     finish = check_finish(meta.get("finish_reason"), url, stream=rules.stream)
     triples = meta.get("output_token_logprobs")
+    ids = check_ids(value["output_ids"], url, "output_ids", rules.vocab_size) if "output_ids" in value else None
     logprobs = None
     if triples is not None or rules.logprobs:
         if triples is None:
             raise _fail(url, "no meta_info.output_token_logprobs, though the request asked for logprobs")
         logprobs = _check_triples(triples, url, "output_token_logprobs", rules.vocab_size, first_may_be_null=False)
-    if "output_ids" in value:
-        ids = check_ids(value["output_ids"], url, "output_ids", rules.vocab_size)
-    elif triples is not None:  # SGLang before 0.5.1: the triples carry the ids
-        ids = tuple(triple[1] for triple in triples)
-    else:
-        raise _fail(url, "no output_ids (and no output_token_logprobs to read them from)")
+    if ids is None:
+        if triples is None:
+            raise _fail(url, "no output_ids (and no output_token_logprobs to read them from)")
+        ids = tuple(triple[1] for triple in triples)  # SGLang before 0.5.1: the triples carry the ids
     if logprobs is not None:
         if len(logprobs) != len(ids):
             raise _fail(url, f"{len(ids)} output ids but {len(logprobs)} logprobs")

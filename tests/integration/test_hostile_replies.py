@@ -11,6 +11,8 @@ traceback.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -29,8 +31,16 @@ from tests.support.engine_proc import free_port, start_engine
 from tests.support.hostile_engine import BAD_MODES, HostileEngine
 from tests.support.memory import PeakMemory
 
+# 64 tokens each: a cap of ~224 KB, above the 200 KB of the deeply nested reply, so its depth is what is refused
 PAYLOAD = {"input_ids": [[1, 2, 3], [1, 2, 3]], "return_logprob": True,
-           "sampling_params": [{"max_new_tokens": 4, "temperature": 0.0}] * 2}
+           "sampling_params": [{"max_new_tokens": 64, "temperature": 0.0}] * 2}
+#: what each refusal says (the reason logged with the peer)
+REASONS = {
+    "mismatch": r"3 output ids but 2 logprobs", "empty": r"no output ids", "oov": r"token id 1000000, outside",
+    "unhashable_finish": r"finish_reason is \{'type': \['stop'\]\}", "float_ids": r"holds 6\.5 \(float\)",
+    "bool_ids": r"holds True \(bool\)", "inf_logprob": r"Number out of range", "deep": r"nested deeper than",
+    "huge": r"passed the limit of \d+ bytes", "nan_logprob": r"not valid JSON", "not_json": r"not valid JSON",
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +64,18 @@ async def fleet_with(real_engine: str, tiny_model_dir: Path, tmp_path: Path,
 
 @pytest.mark.parametrize("fleet_with", BAD_MODES, indirect=True)
 async def test_a_hostile_reply_is_refused_counted_and_answered_elsewhere(
-        fleet_with: tuple[Dispatcher, HostileEngine], real_engine: str) -> None:
+        fleet_with: tuple[Dispatcher, HostileEngine], real_engine: str, caplog: pytest.LogCaptureFixture) -> None:
     dispatcher, hostile = fleet_with
     (handle,) = [h for h in dispatcher.pool.alive() if h.url == hostile.url]  # type: ignore[union-attr]
     memory = PeakMemory()
-    responses, url = await dispatcher.generate(dict(PAYLOAD), engine=handle)
+    with caplog.at_level(logging.WARNING, logger="coordinator.rollout.dispatch"):
+        responses, url = await dispatcher.generate(dict(PAYLOAD), engine=handle)
     growth = memory.growth_mib
     assert (url, hostile.generated, dict(dispatcher.refused)) == (real_engine, 1, {hostile.url: 1})
-    assert [len(r["output_ids"]) for r in responses] == [4, 4]  # type: ignore[index]
+    (warning,) = [r.getMessage() for r in caplog.records if "refused a reply from" in r.getMessage()]
+    assert hostile.url in warning and re.search(REASONS[hostile.mode], warning), warning
+    for response in responses:  # the real engine's answers, whole
+        assert 1 <= len(response["output_ids"]) == len(response["meta_info"]["output_token_logprobs"]) <= 64
     assert growth < 256, f"{hostile.mode}: the coordinator grew {growth:.0f} MiB refusing one reply"
     # Kept out of picks for a while: the next request goes to the real engine without asking the hostile one.
     _, url = await dispatcher.generate(dict(PAYLOAD))

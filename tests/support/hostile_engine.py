@@ -39,9 +39,8 @@ BAD_REPLIES: dict[str, Callable[[], dict[str, Any]]] = {
     "unhashable_finish": lambda: _reply([5], [-0.1], finish={"type": ["stop"]}),
     "float_ids": lambda: _reply([6.5, 7.0], [-0.1, -0.2]),
     "bool_ids": lambda: _reply([True], [-0.1]),
-    "inf_logprob": lambda: _reply([5], [1e999]),  # 1e999 is valid JSON and decodes to inf
 }
-RAW_MODES = ("deep", "huge", "nan_logprob", "not_json")
+RAW_MODES = ("deep", "huge", "nan_logprob", "inf_logprob", "not_json")
 BAD_MODES = (*BAD_REPLIES, *RAW_MODES)
 #: cycle: each /generate gets the next bad mode in turn; deep_error: HTTP 500 with a body nested 100k deep
 MODES = (*BAD_MODES, "cycle", "deep_error")
@@ -139,8 +138,8 @@ class HostileEngine:
             data = b"[" * DEPTH + b"]" * DEPTH
         elif mode == "not_json":
             data = b'{"text": "x", "output_ids": [1,'
-        elif mode == "nan_logprob":  # NaN is not JSON, but Python's json module writes it
-            one = json.dumps(_reply([5], [float("nan")]))
+        elif mode in ("nan_logprob", "inf_logprob"):  # NaN is not JSON (json.dumps writes it); -1e999 is, out of range
+            one = json.dumps(_reply([5], [-0.125])).replace("-0.125", "NaN" if mode == "nan_logprob" else "-1e999")
             data = (one if prompts is None else "[" + ",".join([one] * prompts) + "]").encode()
         else:
             make = BAD_REPLIES[mode]
