@@ -26,7 +26,7 @@ from transformers import AutoConfig
 from coordinator.engines import NO_RETRY, EngineClient, EngineFleet
 from coordinator.engines.errors import EngineHTTPError, EngineReplyError
 from coordinator.lifecycle.processes import terminate_process_group_blocking
-from coordinator.rollout.dispatch import Dispatcher
+from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from tests.support.engine_proc import free_port, start_engine
 from tests.support.hostile_engine import BAD_MODES, HostileEngine
 from tests.support.memory import PeakMemory
@@ -126,3 +126,14 @@ def test_a_run_beside_a_hostile_engine_completes_and_counts_its_refused_replies(
         terminate_process_group_blocking(hostile, grace=10)  # type: ignore[arg-type]
         if hostile.stdout is not None:
             hostile.stdout.close()
+
+
+async def test_through_a_hostile_router_each_refused_reply_is_resent_then_named() -> None:
+    async with anyio.create_task_group() as group, EngineClient(max_connections=2, retry=NO_RETRY) as client:
+        client.set_vocab_size(1000)
+        router = await group.start(HostileEngine("oov").run)
+        dispatcher = Dispatcher(client=client, pool=None, router_url=router.url, max_attempts=3)
+        with pytest.raises(NoEngineAvailable, match=rf"router at {router.url} gave 3 refused replies"):
+            await dispatcher.generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})
+        assert (router.generated, dict(dispatcher.refused)) == (3, {router.url: 3})
+        group.cancel_scope.cancel()
