@@ -110,8 +110,8 @@ def test_a_run_beside_a_hostile_engine_completes_and_counts_its_refused_replies(
         result = subprocess.run(
             [sys.executable, "-m", "coordinator.cli", "train", "--no-progress", "--hf-checkpoint", str(tiny_model_dir),
              "--prompt-data", "builtin:first_digit", "--debug-rollout-only", "--rollout-external-engine-addrs",
-             real_engine.removeprefix("http://"), f"127.0.0.1:{port}", "--rollout-batch-size", "4",
-             "--n-samples-per-prompt", "2", "--num-rollout", "2", "--rollout-max-response-len", "4",
+             real_engine.removeprefix("http://"), f"127.0.0.1:{port}", "--rollout-batch-size", "2",
+             "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rollout-max-response-len", "4",
              "--run-dir", str(run_dir)],
             capture_output=True, text=True, timeout=300, check=False)
         assert result.returncode == 0, result.stderr[-3000:]
