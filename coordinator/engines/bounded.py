@@ -70,6 +70,16 @@ def generate_reply_limit(payload: Mapping[str, Any]) -> int:
     return min(MAX_REPLY_BYTES, tokens * per_token + (replies + 1) * REPLY_HEADROOM)
 
 
+def chat_reply_limit(body: Mapping[str, Any] | None) -> int:
+    """The byte cap of an OpenAI chat answer with SGLang's meta info: each token comes back twice (OpenAI's
+    `logprobs.content` and `meta_info.output_token_logprobs`); never below `DEFAULT_REPLY_BYTES`."""
+    body = body or {}
+    tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    top = body.get("top_logprobs")
+    asked = {"sampling_params": {"max_new_tokens": tokens, "n": body.get("n")}, "top_logprobs_num": top}
+    return min(MAX_REPLY_BYTES, max(DEFAULT_REPLY_BYTES, 2 * generate_reply_limit(asked)))
+
+
 def limits_for(max_bytes: int) -> JsonLimits:
     # An honest reply holds at most ~5 values per token; a value takes at least 2 bytes ("0,").
     return JsonLimits(max_bytes=max_bytes, max_depth=REPLY_DEPTH, max_items=max(max_bytes // 2, 1024))

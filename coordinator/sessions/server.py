@@ -24,6 +24,7 @@ from typing import Any
 
 import h11
 
+from coordinator.engines.bounded import chat_reply_limit
 from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReplyError
 from coordinator.engines.replies import check_chat_reply
 from coordinator.hooks.runtime import HookRoutes
@@ -235,7 +236,7 @@ class SessionServer(HookEndpoint):
             url = session.engine.url if self.direct else str(dispatcher.router_url)
             try:
                 answer = await client.request_json(url, method, "/" + path, json_body=body, headers=headers,
-                                                   timeout=client.generate_timeout)
+                                                   timeout=client.generate_timeout, max_bytes=chat_reply_limit(body))
                 return answer, url
             except EngineHTTPError as error:
                 if error.status < 500:

@@ -16,7 +16,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.engines.bounded import BYTES_PER_TOKEN, DEFAULT_TOKENS, generate_reply_limit
+from coordinator.engines.bounded import (
+    BYTES_PER_TOKEN,
+    DEFAULT_REPLY_BYTES,
+    DEFAULT_TOKENS,
+    chat_reply_limit,
+    generate_reply_limit,
+)
 from coordinator.engines.errors import EngineReplyError
 from coordinator.engines.replies import (
     ReplyRules,
@@ -174,6 +180,10 @@ def test_the_reply_cap_follows_the_request() -> None:
         "finish_reason": {"type": "length", "length": 8000}, "id": "x" * 32,
         "output_token_logprobs": [[-12.345678901234567, i, "\u00e9"] for i in ids]}}
     assert len(json.dumps(honest).encode()) < long
+    # A chat answer (the session server's): never below the control cap, and twice a generate's per token.
+    assert chat_reply_limit(None) == chat_reply_limit({"max_tokens": 8}) == DEFAULT_REPLY_BYTES
+    assert chat_reply_limit({"max_tokens": 100_000}) > chat_reply_limit({"max_completion_tokens": 50_000}) > (
+        DEFAULT_REPLY_BYTES)
 
 
 async def test_a_large_answer_is_checked_off_the_loop_with_the_same_verdict() -> None:
