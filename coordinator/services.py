@@ -227,7 +227,10 @@ async def start_processes(config: Config, processes: Processes, task_group: Task
         clock.mark("ranks_initialised_s")
 
     async def load_tokenizer() -> None:
-        loaded.append(await anyio.to_thread.run_sync(_load_tokenizer, config))
+        tokenizer, context, vocab = await anyio.to_thread.run_sync(_load_tokenizer, config)
+        if p.client is not None:
+            p.client.set_vocab_size(vocab)  # every /generate reply's ids are checked against it from now on
+        loaded.append((tokenizer, context))
 
     async with anyio.create_task_group() as starting:
         if p.fleet is not None:
@@ -244,13 +247,17 @@ async def start_processes(config: Config, processes: Processes, task_group: Task
     return loaded[0] if loaded else (None, None)
 
 
-def _load_tokenizer(config: Config) -> tuple[Any, int | None]:
+def _load_tokenizer(config: Config) -> tuple[Any, int | None, int]:
+    """The tokenizer, the context length and the vocabulary engines sample from: the model's (its embedding
+    may be padded past the tokenizer's) or the tokenizer's, whichever is larger."""
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.rollout.hf_checkpoint)
     model_config = AutoConfig.from_pretrained(config.rollout.hf_checkpoint)
     context = config.sglang.sglang_context_length or getattr(model_config, "max_position_embeddings", None)
-    return tokenizer, context
+    model_vocab = getattr(model_config, "vocab_size", None) or getattr(
+        getattr(model_config, "text_config", None), "vocab_size", None)
+    return tokenizer, context, max(len(tokenizer), model_vocab if isinstance(model_vocab, int) else 0)
 
 
 def build_fault_tolerance(config: Config, processes: Processes, *, tokenizer: Any, run_dir: Path,

@@ -4,6 +4,7 @@ Owns nothing itself; re-exports the public API of its modules:
   client.py  EngineClient: one pool for all engines, the request loop with its retries
   api.py     EngineAPI: one engine's endpoints; stream.py the streaming /generate reader
   errors.py  the typed EngineError family; policy.py RetryPolicy / NO_RETRY and each request's deadline
+  bounded.py replies read under a byte cap and decoded bounded; replies.py the check of every /generate reply
   launch.py  EngineLaunchSpec / EngineProcess: starting engines (on their planned port, or another with a
              warning; reporting start-up phases) and ending their process groups
   fleet.py   EngineFleet / EngineHandle / EngineState: the only owner of engine states
@@ -15,6 +16,7 @@ from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import (
     EngineError,
     EngineHTTPError,
+    EngineReplyError,
     EngineStreamError,
     EngineTimeout,
     EngineUnreachable,
@@ -42,6 +44,7 @@ __all__ = [
     "EngineLaunchError",
     "EngineLaunchSpec",
     "EngineProcess",
+    "EngineReplyError",
     "EngineState",
     "EngineStreamError",
     "EngineTimeout",

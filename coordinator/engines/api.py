@@ -13,8 +13,10 @@ from typing import Any, Protocol
 
 import httpx
 
+from coordinator.engines.bounded import generate_reply_limit
 from coordinator.engines.errors import EngineHTTPError
 from coordinator.engines.policy import COLLECTIVE, RetryPolicy
+from coordinator.engines.replies import check_generate_body_async
 from coordinator.engines.stream import stream_generate
 
 JSON = Any  # parsed JSON value: dict, list, str, number, bool or None
@@ -25,6 +27,7 @@ class Requester(Protocol):
 
     connect_timeout: float
     generate_timeout: float
+    vocab_size: int | None
 
     @property
     def http(self) -> httpx.AsyncClient: ...
@@ -74,11 +77,16 @@ class EngineAPI:
     async def generate(
         self, payload: Mapping[str, Any], *, timeout: float | None = None, retry: RetryPolicy | None = None
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """POST /generate; a dict for one prompt with n=1, else a list (prompts × n, prompt by prompt)."""
+        """POST /generate; a dict for one prompt with n=1, else a list (prompts × n, prompt by prompt).
+
+        The reply is read under the cap its request allows (`generate_reply_limit`) and every result checked
+        (`check_generate_body`): a reply out of SGLang's shape or the vocabulary raises `EngineReplyError`."""
         body = dict(payload)
         body.pop("stream", None)
         t = timeout if timeout is not None else self.client.generate_timeout
-        return await self._post("/generate", body, timeout=t, retry=retry)
+        out = await self._post("/generate", body, timeout=t, retry=retry, max_bytes=generate_reply_limit(body))
+        await check_generate_body_async(out, self.url, body, self.client.vocab_size)
+        return out  # type: ignore[no-any-return]
 
     def generate_stream(
         self, payload: Mapping[str, Any], *, timeout: float | None = None
@@ -90,7 +98,8 @@ class EngineAPI:
         body = dict(payload, stream=True)
         read = timeout if timeout is not None else self.client.generate_timeout
         return stream_generate(
-            self.client.http, self.url + "/generate", body, connect=self.client.connect_timeout, read=read
+            self.client.http, self.url + "/generate", body, connect=self.client.connect_timeout, read=read,
+            vocab_size=self.client.vocab_size,
         )
 
     # -- health and info -----------------------------------------------------------------------------

@@ -11,6 +11,9 @@ Invariants:
   * Only transport errors and 5xx are retried, with exponential backoff inside a total budget; a 4xx raises
     `EngineHTTPError` at once with the server's own message.
   * Callers see only `EngineError` subclasses, never an httpx/aiohttp exception.
+  * Every body is read under a byte cap as it streams (`bounded`) and decoded through the boundary layer;
+    every `/generate` reply is checked against SGLang's shape and the vocabulary (`replies`) before a
+    caller sees it, so a hostile or broken peer's reply is one `EngineReplyError`.
 
 Transport choice (bench/client_transport.py, 4000 POSTs to a trivial local uvicorn server, 2 cores):
 httpx default transport ~280 req/s at concurrency 64 and ~160 at 512; httpx over AiohttpTransport ~2,050-2,700
@@ -37,10 +40,10 @@ import httpx
 from httpx_aiohttp import AiohttpTransport
 
 from coordinator.engines.api import JSON, EngineAPI
+from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, read_capped, read_prefix
 from coordinator.engines.errors import (
     TRANSPORT_ERRORS,
     EngineError,
-    EngineHTTPError,
     error_from_response,
     map_transport_error,
 )
@@ -83,6 +86,8 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         self.generate_timeout = generate_timeout
         self.retry = retry
         self.transport = transport
+        #: the model's vocabulary (`set_vocab_size`, once the tokenizer is loaded): ids a reply may hold
+        self.vocab_size: int | None = None
         self._http: httpx.AsyncClient | None = None
 
     @asynccontextmanager
@@ -103,6 +108,12 @@ class EngineClient(anyio.AsyncContextManagerMixin):
                 yield self
             finally:
                 self._http = None
+
+    def set_vocab_size(self, size: int | None) -> None:
+        """Bound the token ids every `/generate` reply may hold to `[0, size)` from now on."""
+        if size is not None and size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {size}")
+        self.vocab_size = size
 
     def engine(self, url: str) -> EngineAPI:
         """A light handle bound to one engine's base URL (shares this client's pool)."""
@@ -125,9 +136,11 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
         headers: Mapping[str, str] | None = None,
+        max_bytes: int = DEFAULT_REPLY_BYTES,
     ) -> httpx.Response:
         """Send one request with retries; return the 2xx response or raise an `EngineError`. `headers` are
-        added to this request only (the client's own, e.g. the API key, are sent as well)."""
+        added to this request only (the client's own, e.g. the API key, are sent as well). The body is read
+        as it streams in and refused (`EngineReplyError`, not retried) past `max_bytes`."""
         url = base_url.rstrip("/") + path
         policy = retry or self.retry
         read = timeout if timeout is not None else self.read_timeout
@@ -140,9 +153,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
             attempt += 1
             error: EngineError
             try:
-                resp = await self.http.request(
-                    method, url, content=content, params=params, headers=headers, timeout=req_timeout
-                )
+                resp = await self._send_capped(method, url, content, params, headers, req_timeout, max_bytes)
             except TRANSPORT_ERRORS as exc:
                 error = map_transport_error(exc, url, read)
             else:
@@ -156,11 +167,20 @@ class EngineClient(anyio.AsyncContextManagerMixin):
                 raise error
             await anyio.sleep(wait)
 
+    async def _send_capped(self, method: str, url: str, content: bytes | None, params: Mapping[str, str] | None,
+                           headers: Mapping[str, str], timeout: httpx.Timeout, max_bytes: int) -> httpx.Response:
+        """One exchange, its body read under the cap; the answer rebuilt around the bytes read."""
+        async with self.http.stream(method, url, content=content, params=params, headers=headers,
+                                    timeout=timeout) as resp:
+            body = await (read_capped(resp, max_bytes, url) if resp.status_code < 400 else read_prefix(resp))
+        kept = [(key, value) for key, value in resp.headers.multi_items() if key.lower() not in _DECODED_HEADERS]
+        return httpx.Response(resp.status_code, headers=kept, content=body, request=resp.request)
+
     async def request_json(self, base_url: str, method: str, path: str, **kw: Any) -> JSON:
+        """`request`, its body decoded through the boundary layer (bounded in size, depth and element count)."""
         resp = await self.request(base_url, method, path, **kw)
-        try:
-            return resp.json()
-        except ValueError as exc:
-            raise EngineHTTPError(
-                resp.status_code, f"response is not JSON: {resp.text[:200]!r}", str(resp.url)
-            ) from exc
+        return await decode_reply(resp.content, str(resp.url), kw.get("max_bytes", DEFAULT_REPLY_BYTES))
+
+
+#: headers that described the bytes on the wire, not the decoded body a rebuilt answer holds
+_DECODED_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encoding"})

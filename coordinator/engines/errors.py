@@ -7,10 +7,13 @@ Invariant: callers of the engine client see only `EngineError` subclasses, never
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import aiohttp
 import httpx
 
+from workers.boundary.errors import BoundaryError
+from workers.boundary.json_input import decode_json
 from workers.errors import RaylessError
 
 #: the error type our engine answers with while its memory is released (503)
@@ -51,6 +54,21 @@ class EngineStreamError(EngineHTTPError):
     """A streamed generate reported `data: {"error": ...}` in the middle of an HTTP 200 stream."""
 
 
+class EngineReplyError(EngineError, BoundaryError):
+    """The peer answered 200 with a reply rayless refuses: over its size limit, not bounded JSON, or not the
+    shape SGLang gives (float or out-of-vocabulary ids, a NaN logprob, ids and logprobs of different lengths).
+    The dispatch treats it like a dead engine's failed request: retried on another engine, counted."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        BoundaryError.__init__(self, f"engine {url}", reason)
+        self.message = f"engine {url} sent a reply refused: {reason}"
+        self.url = url
+        self.args = (self.message,)
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class EngineUnreachable(EngineError):
     """No answer: connection refused or reset, or the engine closed the connection (it died)."""
 
@@ -70,12 +88,20 @@ class EngineTimeout(EngineError):
         self.cause = cause
 
 
+def _decoded(resp: httpx.Response) -> Any:
+    """The error answer's JSON (bounded: a hostile error body cannot recurse), or `_NOT_JSON`."""
+    try:
+        return decode_json(resp.content, "engine error answer")
+    except BoundaryError:
+        return _NOT_JSON
+
+
+_NOT_JSON = object()
+
+
 def server_error_type(resp: httpx.Response) -> str | None:
     """`error.type` of a `{"error": {"type": ...}}` body, else None."""
-    try:
-        body = json.loads(resp.text)
-    except ValueError:
-        return None
+    body = _decoded(resp)
     error = body.get("error") if isinstance(body, dict) else None
     kind = error.get("type") if isinstance(error, dict) else None
     return kind if isinstance(kind, str) else None
@@ -84,9 +110,8 @@ def server_error_type(resp: httpx.Response) -> str | None:
 def server_message(resp: httpx.Response) -> str:
     """The server's error text: SGLang's `{"error": {"message"}}`, `{"error": str}`, FastAPI `detail`, text."""
     text = resp.text
-    try:
-        body = json.loads(text)
-    except ValueError:
+    body = _decoded(resp)
+    if body is _NOT_JSON:
         return text.strip() or resp.reason_phrase
     if isinstance(body, dict):
         err = body.get("error")

@@ -222,10 +222,12 @@ class RouterHandle:
 
     async def _workers(self) -> list[dict[str, Any]]:
         if self.api == "workers":
-            body = (await self.client.request(self.url, "GET", "/workers", timeout=10.0)).json()
-            return [w for w in body.get("workers", []) if isinstance(w, dict) and "url" in w]
-        body = (await self.client.request(self.url, "GET", "/list_workers", timeout=10.0)).json()
-        return [{"url": u} for u in body.get("urls", [])]
+            body = await self.client.request_json(self.url, "GET", "/workers", timeout=10.0)  # decoded bounded
+            workers = body.get("workers", []) if isinstance(body, dict) else []
+            return [w for w in workers if isinstance(w, dict) and isinstance(w.get("url"), str)]
+        body = await self.client.request_json(self.url, "GET", "/list_workers", timeout=10.0)
+        urls = body.get("urls", []) if isinstance(body, dict) else []
+        return [{"url": u} for u in urls if isinstance(u, str)]
 
     async def add_worker(self, url: str) -> None:
         """Register an engine and wait until the router lists it."""

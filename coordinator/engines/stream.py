@@ -2,17 +2,24 @@
 
 Owns: reading `data:` lines until `[DONE]`, and turning an error status, an error event in the middle of an
 HTTP 200 stream, or a transport failure into an `EngineError`. Invariant: never retried once the status
-line arrived (the engine has started generating); every read has the caller's deadline.
+line arrived (the engine has started generating); every read has the caller's deadline; each line is read
+under the request's reply cap and each chunk is decoded bounded and checked like a plain reply
+(`replies`, with `finish_reason` null until the last), so a hostile chunk is one `EngineReplyError`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import httpx
 
+from coordinator.engines.bounded import (
+    decode_reply,
+    generate_reply_limit,
+    iter_lines_capped,
+    read_prefix,
+)
 from coordinator.engines.errors import (
     TRANSPORT_ERRORS,
     EngineStreamError,
@@ -20,26 +27,29 @@ from coordinator.engines.errors import (
     map_transport_error,
 )
 from coordinator.engines.policy import request_timeout
+from coordinator.engines.replies import check_generate_body_async
 
 
 async def stream_generate(
-    http: httpx.AsyncClient, url: str, body: Mapping[str, Any], *, connect: float, read: float
+    http: httpx.AsyncClient, url: str, body: Mapping[str, Any], *, connect: float, read: float,
+    vocab_size: int | None = None,
 ) -> AsyncGenerator[dict[str, Any]]:
-    """POST `body` to `url` (a `/generate` URL) and yield each SSE chunk until `[DONE]`."""
+    """POST `body` to `url` (a `/generate` URL) and yield each SSE chunk, checked, until `[DONE]`."""
+    cap = generate_reply_limit(body)
     try:
         async with http.stream("POST", url, json=body, timeout=request_timeout(connect, read)) as resp:
             if resp.status_code >= 400:
-                await resp.aread()
-                raise error_from_response(resp, url)
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+                raise error_from_response(await _capped_answer(resp, url), url)
+            async for line in iter_lines_capped(resp, cap, url):
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     return
-                chunk = json.loads(data)
+                chunk = await decode_reply(data, url, cap)
                 if isinstance(chunk, dict) and "error" in chunk:
                     raise _stream_error(chunk["error"], url)
+                await check_generate_body_async(chunk, url, body, vocab_size, stream=True)
                 yield chunk
     except TRANSPORT_ERRORS as exc:
         raise map_transport_error(exc, url, read) from exc
@@ -50,3 +60,9 @@ def _stream_error(err: Any, url: str) -> EngineStreamError:
     msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
     status = err.get("code", 200) if isinstance(err, dict) else 200
     return EngineStreamError(int(status) if isinstance(status, int) else 200, msg, url)
+
+
+async def _capped_answer(resp: httpx.Response, url: str) -> httpx.Response:
+    """An error answer, the beginning of its body read (its text becomes the error's message)."""
+    body = await read_prefix(resp)
+    return httpx.Response(resp.status_code, content=body, request=resp.request)

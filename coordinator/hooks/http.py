@@ -7,21 +7,25 @@ key added when the URL is the run's own address (the coordinator's endpoint or t
 hook tested on its own) each call opens a short-lived client.
 
 Invariant: a hook sees the parsed JSON body (or the text when the body is not JSON), or an `EngineError`
-subclass naming the URL; never an httpx or aiohttp exception.
+subclass naming the URL; never an httpx or aiohttp exception. Bodies are read under a cap and decoded bounded
+(`coordinator.engines.bounded`); a `/generate` reply is checked like the dispatcher's (`EngineReplyError`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, generate_reply_limit
 from coordinator.engines.client import EngineClient
-from coordinator.engines.errors import EngineHTTPError
+from coordinator.engines.errors import EngineHTTPError, EngineReplyError
 from coordinator.engines.policy import RetryPolicy
+from coordinator.engines.replies import check_generate_body_async
 from coordinator.hooks.runtime import ROUTE_HEADER, current_call
 
+#: how the boundary decoder's refusal of a body that is not JSON begins (workers/boundary/json_input.py)
+NOT_JSON = "not valid JSON"
 #: Read deadline of one hook request: a generate call can take long (slime's router waits up to 4 hours).
 REQUEST_TIMEOUT_S = 3600.0
 
@@ -52,13 +56,19 @@ def outgoing_headers(url: str, headers: Mapping[str, str] | None) -> dict[str, s
 async def _send(client: EngineClient, method: str, url: str, payload: Any, retry: RetryPolicy,
                 headers: dict[str, str]) -> Any:
     base, path = _split(url)
+    generate = path.split("?", 1)[0].endswith("/generate") and isinstance(payload, dict)
+    cap = generate_reply_limit(payload) if generate else DEFAULT_REPLY_BYTES
     response = await client.request(base, method, path, json_body=payload, timeout=REQUEST_TIMEOUT_S,
-                                    retry=retry, headers=headers)
-    text = response.text
+                                    retry=retry, headers=headers, max_bytes=cap)
     try:
-        return json.loads(text)
-    except ValueError:
-        return text
+        body = await decode_reply(response.content, url, cap)
+    except EngineReplyError as error:
+        if error.reason.startswith(NOT_JSON):
+            return response.text  # slime's helper: a body that is not JSON comes back as its text
+        raise
+    if generate and not (isinstance(body, dict) and "error" in body):  # an engine's or the router's reply
+        await check_generate_body_async(body, url, payload, client.vocab_size)
+    return body
 
 
 async def _request(method: str, url: str, payload: Any, max_retries: int, headers: Mapping[str, str] | None

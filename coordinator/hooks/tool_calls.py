@@ -12,12 +12,12 @@ SGLang's parser does), never executed; the tool tokens are exactly a suffix of t
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from coordinator.config.hooks import TOOL_CALL_PARSERS
+from workers.boundary.json_input import decode_json
 
 #: `--generate-tool-call-parser` values: both write `<tool_call>` JSON blocks (SGLang's Qwen2.5 / Hermes).
 PARSERS = TOOL_CALL_PARSERS
@@ -39,6 +39,9 @@ def tool_names(specs: list[dict[str, Any]]) -> set[str]:
     return {spec["function"]["name"] for spec in specs}
 
 
+SOURCE = "tool call in the engine's reply"
+
+
 def parse_tool_calls(text: str, specs: list[dict[str, Any]], parser: str) -> list[ToolCall]:
     """The calls of known tools in `text`, in order."""
     if parser not in PARSERS:
@@ -47,7 +50,7 @@ def parse_tool_calls(text: str, specs: list[dict[str, Any]], parser: str) -> lis
     calls = []
     for block in _BLOCK.findall(text):
         try:
-            data = json.loads(block)
+            data = decode_json(block, SOURCE)  # model output: bounded (a deep nest is refused)
         except ValueError:
             continue
         if not isinstance(data, dict) or data.get("name") not in known:
@@ -55,7 +58,7 @@ def parse_tool_calls(text: str, specs: list[dict[str, Any]], parser: str) -> lis
         arguments = data.get("arguments", data.get("parameters", {}))
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = decode_json(arguments, SOURCE)
             except ValueError:
                 continue
         if isinstance(arguments, dict):

@@ -7,12 +7,16 @@ died. With `--use-sglang-router` every request goes to the router instead, which
 Invariant: `generate()` returns exactly one response per request or raises. A request is re-sent to another
 engine only after the fleet confirmed its first engine is dead (a request still waiting on an engine the fleet
 marks dead is abandoned then, not at its timeout), so no response is counted twice; a request
-whose engine is alive but answered 4xx raises at once (the request is wrong, retrying cannot help).
+whose engine is alive but answered 4xx raises at once (the request is wrong, retrying cannot help). A reply
+the engine client refused (`EngineReplyError`: too large, not bounded JSON, out of SGLang's shape or the
+vocabulary) is counted per peer (`refused`), its engine kept out of picks for `quarantine_s`, and the request
+re-sent to another engine, as a dead engine's would be: a hostile peer costs retries, never the run.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -21,7 +25,7 @@ from typing import Any, Protocol
 import anyio
 
 from coordinator.engines.client import EngineClient
-from coordinator.engines.errors import EngineError, EngineHTTPError, EngineUnreachable
+from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReplyError, EngineUnreachable
 from workers.errors import RaylessError
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,7 @@ class Dispatcher:
         engine_wait: float = 120.0,
         max_attempts: int = 8,
         watch_engine_state: bool = True,
+        quarantine_s: float = 30.0,
     ) -> None:
         """`watch_engine_state`: abandon a request as soon as the fleet marks its engine dead. Only a health
         monitor marks a live-but-hung engine dead, so runs without one skip the per-request watcher task."""
@@ -78,10 +83,30 @@ class Dispatcher:
         # least-loaded must count assignments too, or every group of a burst lands on the first engine.
         self.assigned: Counter[str] = Counter()
         self.retried = 0
+        #: replies refused per peer (`EngineReplyError`), and until when (monotonic) a peer is kept out of picks
+        self.refused: Counter[str] = Counter()
+        self.quarantine_s = quarantine_s
+        self._quarantined: dict[str, float] = {}
+
+    @property
+    def refused_total(self) -> int:
+        return sum(self.refused.values())
+
+    def _refused(self, url: str, error: EngineReplyError, attempt: int) -> None:
+        self.refused[url] += 1
+        self._quarantined[url] = time.monotonic() + self.quarantine_s
+        log.warning("refused a reply from %s (%s); %d refused from it so far; re-sending the request "
+                    "(attempt %d)", url, error.reason, self.refused[url], attempt)
+
+    def _in_quarantine(self, url: str) -> bool:
+        until = self._quarantined.get(url)
+        return until is not None and time.monotonic() < until
 
     def _least_loaded(self, exclude: set[str]) -> Any | None:
         assert self.pool is not None
         candidates = [handle for handle in self.pool.alive() if handle.url not in exclude]
+        # A peer whose reply was just refused gets requests only when no other engine is left.
+        candidates = [handle for handle in candidates if not self._in_quarantine(handle.url)] or candidates
         if not candidates:
             return None
         return min(candidates, key=lambda handle: (self.assigned[handle.url], self.in_flight[handle.url]))
@@ -125,7 +150,7 @@ class Dispatcher:
     ) -> tuple[dict[str, Any], str]:
         """Send one /generate request; return (response, url of the engine that answered)."""
         if self.router_url is not None:
-            return await self._send(self.router_url, payload), self.router_url
+            return await self._through_router(self.router_url, payload), self.router_url
         handle = engine if engine is not None else await self.pick()
         failed: set[str] = set()
         for attempt in range(1, self.max_attempts + 1):
@@ -135,6 +160,11 @@ class Dispatcher:
                     return response, handle.url
                 # The fleet marked the engine dead (the health monitor saw it hang) while we waited.
                 last_error: EngineError = EngineUnreachable(handle.url, "the fleet marked the engine dead")
+            except EngineReplyError as error:  # alive, but its reply is refused: another engine gets it
+                self._refused(handle.url, error, attempt)
+                failed.add(handle.url)
+                handle = await self.pick(exclude=failed)
+                continue
             except EngineHTTPError as error:
                 if error.status < 500:
                     raise
@@ -157,7 +187,18 @@ class Dispatcher:
                 attempt,
             )
             handle = await self.pick(exclude=failed)
-        raise NoEngineAvailable(f"request failed on {self.max_attempts} engines in a row")
+        raise NoEngineAvailable(f"request failed on {self.max_attempts} engines in a row (replies refused: "
+                                f"{dict(self.refused)})")
+
+    async def _through_router(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """The router balances and retries dead workers itself; a refused reply is re-sent (another worker
+        may answer it) up to `max_attempts` times."""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return await self._send(url, payload)
+            except EngineReplyError as error:
+                self._refused(url, error, attempt)
+        raise NoEngineAvailable(f"the router at {url} gave {self.max_attempts} refused replies in a row")
 
     async def _send_unless_dead(self, handle: Any, payload: dict[str, Any]) -> dict[str, Any] | None:
         """`_send`, abandoned (None) as soon as the fleet marks `handle` dead: a request blocked on a hung
@@ -200,7 +241,7 @@ class Dispatcher:
         expected = len(payload.get("input_ids") or payload["text"]) if _is_batched(payload) else 1
         results = response if isinstance(response, list) else [response]
         if len(results) != expected:
-            raise EngineHTTPError(200, f"expected {expected} generate result(s), got {len(results)}", url)
+            raise EngineReplyError(url, f"expected {expected} generate result(s), got {len(results)}")
         return results if _is_batched(payload) else results[0]  # type: ignore[return-value]
 
     async def abort_all(self) -> None:

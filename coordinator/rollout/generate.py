@@ -272,6 +272,7 @@ class DefaultRollout:
             "rollout/aborted_stragglers": float(progress.aborted),
             "rollout/filtered_groups": float(progress.filtered),
             "rollout/engine_retries": float(self.dispatcher.retried),
+            "rollout/refused_replies": float(self.dispatcher.refused_total),
             "rollout/time_s": seconds,
             "rollout/tokens_per_s": progress.generated_tokens / max(seconds, 1e-9),
             "rollout/partial_buffer": float(len(self.partial_buffer)),

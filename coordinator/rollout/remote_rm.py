@@ -9,7 +9,9 @@ Invariants (those of our engine client, `coordinator.engines.client`, which carr
   within the budget); a 4xx fails the sample at once with the service's own message;
 - the engines' `--sglang-api-key` is never sent to the reward service (its own client, no credentials);
 - the samples of one group are scored concurrently, and one failure cancels the others and is raised alone,
-  as a `RewardError` naming `--rm-url` and the sample.
+  as a `RewardError` naming `--rm-url` and the sample;
+- the answer is read under `REPLY_BYTES` and decoded bounded (the boundary layer), then checked by the reward
+  model (`rewards.RewardModel._check`: a finite number, or an object of finite numbers with `--reward-key`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import anyio
 
 from coordinator.engines.client import EngineClient
-from coordinator.engines.errors import EngineError, EngineHTTPError
+from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReplyError
 from coordinator.engines.policy import RetryPolicy
 from coordinator.rewards.rules import RewardError
 from replay.sample import Sample
@@ -28,6 +30,8 @@ from replay.sample import Sample
 #: slime's remote rm: up to 10 attempts, backoff min(2**attempt, 30) s; a total budget bounds them here.
 REMOTE_RETRY = RetryPolicy(attempts=10, backoff=1.0, backoff_max=30.0, budget=300.0)
 REMOTE_TIMEOUT = 120.0
+#: a reward is a number or a small object of numbers; a reply past this is refused unread
+REPLY_BYTES = 1 << 20
 
 
 def _where(sample: Sample) -> str:
@@ -62,8 +66,12 @@ class RemoteReward:
                     # Errors are carried out by hand: raised inside, they would arrive in an ExceptionGroup.
                     nonlocal failure
                     try:
-                        results[index] = await client.request_json(self.url, "POST", "",
+                        results[index] = await client.request_json(self.url, "POST", "", max_bytes=REPLY_BYTES,
                                                                    json_body=self.payload(sample))
+                    except EngineReplyError as error:  # too large, too deep, not JSON: no retry helps
+                        failure = RewardError(f"--rm-url {self.url} sent a refused reply for {_where(sample)}: "
+                                              f"{error.reason}")
+                        group.cancel_scope.cancel()
                     except EngineHTTPError as error:
                         if error.status < 500 and error.status != 200:
                             failure = RewardError(f"--rm-url {self.url} refused {_where(sample)}: HTTP "

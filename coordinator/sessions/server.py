@@ -28,7 +28,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from coordinator.engines.client import EngineError, EngineHTTPError
+from coordinator.engines.bounded import chat_reply_limit
+from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReplyError
+from coordinator.engines.replies import check_chat_reply
 from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from coordinator.rollout.hook_endpoint import ENGINE_HEADER, guarded
 from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
@@ -212,6 +214,11 @@ class SessionServer(AppServer):
             except SessionRequestError as error:
                 raise HttpReply(400, str(error)) from None
             response, url = await self._engine_call(session, "POST", CHAT_PATH, request)
+            try:  # the turn's ids and logprobs are trained on: refused if out of the vocabulary or not finite
+                check_chat_reply(response, url, self.dispatcher.client.vocab_size)
+            except EngineReplyError as error:
+                self.dispatcher.refused[url] += 1
+                raise HttpReply(502, str(error)) from None
             prompt_ids = request.pop("input_ids")
             del request["messages"]  # both kept once, in the session (`Session.describe` puts them back)
             record = {"method": "POST", "path": "/v1/chat/completions", "status_code": 200, "request": request,
@@ -255,7 +262,7 @@ class SessionServer(AppServer):
             url = session.engine.url if self.direct else str(dispatcher.router_url)
             try:
                 answer = await client.request_json(url, method, "/" + path, json_body=body, headers=headers,
-                                                   timeout=client.generate_timeout)
+                                                   timeout=client.generate_timeout, max_bytes=chat_reply_limit(body))
                 return answer, url
             except EngineHTTPError as error:
                 if error.status < 500:

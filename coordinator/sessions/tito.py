@@ -14,10 +14,10 @@ first mismatch; `qwen3` inserts the newline the template writes after `<|im_end|
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
+from workers.boundary.json_input import decode_json
 from workers.engine.openai_protocol import normalise_messages
 from workers.errors import RaylessError
 from workers.hook_loading import load_object
@@ -53,7 +53,7 @@ def _tool_calls(value: Any) -> Any:
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
-                function["arguments"] = json.loads(arguments)
+                function["arguments"] = decode_json(arguments, "tool-call arguments in the engine's reply")
             except ValueError:
                 pass
         calls.append({"type": call.get("type", "function"), "function": function})

@@ -4,6 +4,7 @@ It answers `POST /score` with `{"prompt", "response", "label"}` by the label:
 - `dict:<x>`: `{"score": 1.0 if response == x else -1.0, "acc": ...}`;
 - `refuse`: HTTP 400 `{"error": "label refused by the reward service"}`;
 - `flaky:<n>:<x>`: HTTP 503 for the first n requests of that label, then as `<x>`;
+- `hostile:<kind>`: a bad 200 answer (`HOSTILE`: nested 100k deep, 20 MB, NaN, a list, a NaN in a dict);
 - anything else: 1.0 when the response equals the label, else 0.0.
 Every request's body and headers are recorded. `serve()` is a context manager that stops it on exit.
 """
@@ -18,6 +19,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+#: the bad answers of a hostile reward service, as raw bytes (NaN is not JSON; json.dumps writes it anyway)
+HOSTILE: dict[str, bytes] = {
+    "deep": b"[" * 100_000 + b"]" * 100_000,
+    "huge": b"[" + b"1.0," * (5 << 20) + b"1.0]",
+    "nan": b"NaN",
+    "inf": b"1e999",
+    "list": b"[1.0, 2.0]",
+    "nan_in_dict": b'{"score": NaN}',
+}
 
 
 @dataclass
@@ -37,6 +48,8 @@ class RewardService:
             _, failures, label = label.split(":", 2)
             if seen <= int(failures):
                 return 503, {"error": "warming up"}
+        if label.startswith("hostile:"):
+            return 200, HOSTILE[label.removeprefix("hostile:")]
         if label == "refuse":
             return 400, {"error": "label refused by the reward service"}
         if label.startswith("dict:"):
@@ -56,7 +69,7 @@ def serve() -> Iterator[RewardService]:
                 service.bodies.append(body)
                 service.headers.append(dict(self.headers))
             status, payload = service.answer(body)
-            data = json.dumps(payload).encode()
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))

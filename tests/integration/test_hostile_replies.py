@@ -1,0 +1,139 @@
+"""A hostile engine (tests/support/hostile_engine.py, a real server) beside one real CPU engine.
+
+Each bad `/generate` reply of issue 24 (nested 100k deep, 300 MB, ids and logprobs of different lengths, empty
+or out-of-vocabulary ids, an unhashable finish reason, a NaN logprob, float ids) is refused by the engine client
+as one `EngineReplyError`, counted per peer by the dispatcher, and its request answered by the real engine; the
+300 MB reply is cut at its cap (memory growth bounded). Then one real `rayless train` run with the hostile engine
+attached by `--rollout-external-engine-addrs`: it completes, the refused replies are in its metrics, no
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from transformers import AutoConfig
+
+from coordinator.engines import NO_RETRY, EngineClient, EngineFleet
+from coordinator.engines.errors import EngineHTTPError, EngineReplyError
+from coordinator.lifecycle.processes import terminate_process_group_blocking
+from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
+from tests.support.engine_proc import free_port, start_engine
+from tests.support.hostile_engine import BAD_MODES, HostileEngine
+from tests.support.memory import PeakMemory
+
+# 64 tokens each: a cap of ~224 KB, above the 200 KB of the deeply nested reply, so its depth is what is refused
+PAYLOAD = {"input_ids": [[1, 2, 3], [1, 2, 3]], "return_logprob": True,
+           "sampling_params": [{"max_new_tokens": 64, "temperature": 0.0}] * 2}
+#: what each refusal says (the reason logged with the peer)
+REASONS = {
+    "mismatch": r"3 output ids but 2 logprobs", "empty": r"no output ids", "oov": r"token id 1000000, outside",
+    "unhashable_finish": r"finish_reason is \{'type': \['stop'\]\}", "float_ids": r"holds 6\.5 \(float\)",
+    "bool_ids": r"holds True \(bool\)", "inf_logprob": r"Number out of range", "deep": r"nested deeper than",
+    "huge": r"passed the limit of \d+ bytes", "nan_logprob": r"not valid JSON", "not_json": r"not valid JSON",
+}
+
+
+@pytest.fixture(scope="module")
+def real_engine(tiny_model_dir: Path) -> Iterator[str]:
+    with start_engine(tiny_model_dir) as url:
+        yield url
+
+
+@pytest.fixture
+async def fleet_with(real_engine: str, tiny_model_dir: Path, tmp_path: Path,
+                     request: pytest.FixtureRequest) -> AsyncIterator[tuple[Dispatcher, HostileEngine]]:
+    async with anyio.create_task_group() as group, EngineClient(max_connections=8, retry=NO_RETRY) as client:
+        client.set_vocab_size(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
+        hostile = await group.start(HostileEngine(request.param).run)
+        addrs = [real_engine.removeprefix("http://"), hostile.url.removeprefix("http://")]
+        fleet = EngineFleet(client=client, external_urls=addrs, run_dir=tmp_path, group="hostile")
+        await group.start(fleet.run)
+        yield Dispatcher(client=client, pool=fleet, watch_engine_state=False), hostile
+        group.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("fleet_with", BAD_MODES, indirect=True)
+async def test_a_hostile_reply_is_refused_counted_and_answered_elsewhere(
+        fleet_with: tuple[Dispatcher, HostileEngine], real_engine: str, caplog: pytest.LogCaptureFixture) -> None:
+    dispatcher, hostile = fleet_with
+    (handle,) = [h for h in dispatcher.pool.alive() if h.url == hostile.url]  # type: ignore[union-attr]
+    memory = PeakMemory()
+    with caplog.at_level(logging.WARNING, logger="coordinator.rollout.dispatch"):
+        responses, url = await dispatcher.generate(dict(PAYLOAD), engine=handle)
+    growth = memory.growth_mib
+    assert (url, hostile.generated, dict(dispatcher.refused)) == (real_engine, 1, {hostile.url: 1})
+    (warning,) = [r.getMessage() for r in caplog.records if "refused a reply from" in r.getMessage()]
+    assert hostile.url in warning and re.search(REASONS[hostile.mode], warning), warning
+    for response in responses:  # the real engine's answers, whole
+        assert 1 <= len(response["output_ids"]) == len(response["meta_info"]["output_token_logprobs"]) <= 64
+    assert growth < 256, f"{hostile.mode}: the coordinator grew {growth:.0f} MiB refusing one reply"
+    # Kept out of picks for a while: the next request goes to the real engine without asking the hostile one.
+    _, url = await dispatcher.generate(dict(PAYLOAD))
+    assert (url, hostile.generated) == (real_engine, 1)
+
+
+@pytest.mark.parametrize("fleet_with", ["float_ids"], indirect=True)
+async def test_a_hostile_stream_chunk_is_refused(fleet_with: tuple[Dispatcher, HostileEngine]) -> None:
+    dispatcher, hostile = fleet_with
+    with pytest.raises(EngineReplyError, match=r"6\.5"):
+        async for _ in dispatcher.client.engine(hostile.url).generate_stream({"input_ids": [1], "stream": True}):
+            pass
+
+
+async def test_a_hostile_error_answer_is_one_http_error() -> None:
+    async with anyio.create_task_group() as group, EngineClient(max_connections=2, retry=NO_RETRY) as client:
+        hostile = await group.start(HostileEngine("deep_error").run)
+        with pytest.raises(EngineHTTPError) as caught:
+            await client.engine(hostile.url).generate({"input_ids": [1]})
+        assert caught.value.status == 500 and len(caught.value.server_message) <= 64 << 10
+        group.cancel_scope.cancel()
+
+
+def test_a_run_beside_a_hostile_engine_completes_and_counts_its_refused_replies(
+        real_engine: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    hostile = subprocess.Popen([sys.executable, "-m", "tests.support.hostile_engine", "cycle", str(port)],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert hostile.stdout is not None and hostile.stdout.readline().startswith("ready")
+        run_dir = tmp_path / "run"
+        result = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "train", "--no-progress", "--hf-checkpoint", str(tiny_model_dir),
+             "--prompt-data", "builtin:first_digit", "--debug-rollout-only", "--rollout-external-engine-addrs",
+             real_engine.removeprefix("http://"), f"127.0.0.1:{port}", "--rollout-batch-size", "2",
+             "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rollout-max-response-len", "4",
+             "--run-dir", str(run_dir)],
+            capture_output=True, text=True, timeout=300, check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        served = httpx.get(f"http://127.0.0.1:{port}/hostile_stats", timeout=10).json()["generated"]
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        refused = [line["rollout/refused_replies"] for line in lines if "rollout/refused_replies" in line]
+        assert served >= 1 and refused and refused[-1] == served  # every hostile reply refused, none trained on
+        assert result.stderr.count("refused a reply from") == served
+        print(f"hostile replies served and refused: {served}")
+    finally:
+        terminate_process_group_blocking(hostile, grace=10)  # type: ignore[arg-type]
+        if hostile.stdout is not None:
+            hostile.stdout.close()
+
+
+async def test_through_a_hostile_router_each_refused_reply_is_resent_then_named() -> None:
+    async with anyio.create_task_group() as group, EngineClient(max_connections=2, retry=NO_RETRY) as client:
+        client.set_vocab_size(1000)
+        router = await group.start(HostileEngine("oov").run)
+        dispatcher = Dispatcher(client=client, pool=None, router_url=router.url, max_attempts=3)
+        with pytest.raises(NoEngineAvailable, match=rf"router at {router.url} gave 3 refused replies"):
+            await dispatcher.generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})
+        assert (router.generated, dict(dispatcher.refused)) == (3, {router.url: 3})
+        group.cancel_scope.cancel()
