@@ -9,8 +9,10 @@ engine only after the fleet confirmed its first engine is dead (a request still 
 marks dead is abandoned then, not at its timeout), so no response is counted twice; a request
 whose engine is alive but answered 4xx raises at once (the request is wrong, retrying cannot help). A reply
 the engine client refused (`EngineReplyError`: too large, not bounded JSON, out of SGLang's shape or the
-vocabulary) is counted per peer (`refused`), its engine kept out of picks for `quarantine_s`, and the request
-re-sent to another engine, as a dead engine's would be: a hostile peer costs retries, never the run.
+vocabulary), and a request an engine that still answers its probe failed (a 5xx, a dropped connection), are
+counted per peer (`refused`), the engine kept out of picks for `quarantine_s`, and the request re-sent to
+another engine, as a dead engine's would be: a hostile peer costs retries, never the run. A request that fails
+on `max_attempts` engines in a row raises NoEngineAvailable with the counts.
 """
 
 from __future__ import annotations
@@ -98,6 +100,12 @@ class Dispatcher:
         log.warning("refused a reply from %s (%s); %d refused from it so far; re-sending the request "
                     "(attempt %d)", url, error.reason, self.refused[url], attempt)
 
+    def _failed_alive(self, url: str, error: EngineError, attempt: int) -> None:
+        self.refused[url] += 1
+        self._quarantined[url] = time.monotonic() + self.quarantine_s
+        log.warning("engine %s failed a request but answers its probe (%s); %d refused from it so far; "
+                    "re-sending the request (attempt %d)", url, error, self.refused[url], attempt)
+
     def _in_quarantine(self, url: str) -> bool:
         until = self._quarantined.get(url)
         return until is not None and time.monotonic() < until
@@ -174,7 +182,12 @@ class Dispatcher:
             assert self.pool is not None
             # The engine failed this request after the client's own retries: ask the fleet whether it is dead.
             if _still_alive(handle) and await self.pool.check(handle):
-                raise last_error
+                # Alive, but it fails the request (a 5xx, a dropped connection): another engine gets it, as a
+                # refused reply's; a request every engine fails ends in NoEngineAvailable naming the counts.
+                self._failed_alive(handle.url, last_error, attempt)
+                failed.add(handle.url)
+                handle = await self.pick(exclude=failed)
+                continue
             # A failed request and a failed probe: take it out of dispatch (the health monitor, when rollout
             # FT is on, relaunches it; otherwise the run goes on with the others).
             self.pool.mark_dead(handle, f"request failed ({last_error}) and the engine did not answer a probe")

@@ -137,3 +137,16 @@ async def test_through_a_hostile_router_each_refused_reply_is_resent_then_named(
             await dispatcher.generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})
         assert (router.generated, dict(dispatcher.refused)) == (3, {router.url: 3})
         group.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("fleet_with", ["deep_error"], indirect=True)
+async def test_an_engine_failing_every_request_but_answering_probes_costs_retries_not_the_run(
+        fleet_with: tuple[Dispatcher, HostileEngine], real_engine: str) -> None:
+    dispatcher, hostile = fleet_with
+    (handle,) = [h for h in dispatcher.pool.alive() if h.url == hostile.url]  # type: ignore[union-attr]
+    _, url = await dispatcher.generate(dict(PAYLOAD), engine=handle)
+    assert (url, hostile.generated, dict(dispatcher.refused)) == (real_engine, 1, {hostile.url: 1})
+    # still in the fleet (it answers its probe), but kept out of picks: the next request is the real engine's
+    assert hostile.url in [h.url for h in dispatcher.pool.alive()]  # type: ignore[union-attr]
+    _, url = await dispatcher.generate(dict(PAYLOAD))
+    assert (url, hostile.generated) == (real_engine, 1)
