@@ -91,10 +91,13 @@ def _as_async(fn: Callable[[int, str], Any], path: str, what: str) -> RolloutCal
 class BuildCounts:
     """What a RolloutManager constructed, counted, so tests pin the gates down instead of assuming them."""
 
+    #: slime-style functions loaded: the rollout's and the eval's
     rollout_fns: int = 0
     eval_fns: int = 0
+    #: what generation needs: per-rollout states and dispatchers (none in replay)
     generate_states: int = 0
     dispatchers: int = 0
+    #: where samples come from: dump loaders (replay) and prompt sources
     replay_loaders: int = 0
     data_sources: int = 0
     extra: dict[str, int] = field(default_factory=dict)
