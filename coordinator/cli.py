@@ -127,15 +127,9 @@ def make_tiny_model_main(argv: Sequence[str]) -> int:
 
     from workers.tiny_model import build_tiny_model, count_parameters
 
-    spec = TinyModelSpec(
-        hidden_size=options.hidden_size,
-        num_hidden_layers=options.num_hidden_layers,
-        intermediate_size=options.intermediate_size,
-        num_attention_heads=options.num_attention_heads,
-        num_key_value_heads=options.num_key_value_heads,
-        seed=options.seed,
-        words=tuple(options.words),
-    )
+    shape = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+             "seed")  # each the flag of its name
+    spec = TinyModelSpec(**{name: getattr(options, name) for name in shape}, words=tuple(options.words))
     directory = build_tiny_model(options.directory, spec)
     print(f"wrote {directory} ({count_parameters(directory):,} parameters)")
     return 0

@@ -38,7 +38,7 @@ class RolloutSource(Protocol):
 
 
 class Checkpoint(Protocol):
-    """What a trainer's `load_checkpoint` returns (`coordinator.train.commands.CheckpointInfo`)."""
+    """What a trainer's `load_checkpoint` returns (`workers.train_rank.checkpoint.LoadedCheckpoint`)."""
 
     @property
     def rollout_id(self) -> int: ...
@@ -97,41 +97,26 @@ class LoopResult:
     saved: list[int] = field(default_factory=list)
 
 
+@dataclass(kw_only=True, eq=False, repr=False)
 class TrainingLoop:
-    def __init__(
-        self,
-        *,
-        rollout: RolloutConfig,
-        checkpoint: CheckpointConfig,
-        rollouts: RolloutSource,
-        trainer: Trainer | None,
-        weight_sync: Syncer | None,
-        metrics: MetricsLog,
-        num_rollout: int,
-        resume_from: Path | None = None,
-        hooks: list[StepHook] | None = None,
-        phases: list[LoopPhase] | None = None,
-        progress: RunProgress | None = None,
-        colocation: Swap | None = None,
-    ) -> None:
-        self.settings = rollout
-        self.checkpoint = checkpoint
-        self.rollouts = rollouts
-        self.trainer = trainer
-        self.weight_sync = weight_sync
-        self.metrics = metrics
-        #: a checkpoint to resume from (`--load` resolved); only with a trainer
-        self.resume_from = resume_from
-        self.start_rollout = 0
-        self.num_rollout = num_rollout
-        self.hooks = hooks or []
-        self.phases = phases or []
-        #: rollouts done and the ETA, for the run-level bar (`coordinator.observe.progress`)
-        self.progress = progress or RunProgress()
-        self.colocation = colocation
-        self.version = 0  # optimizer updates applied so far
-        self._version_changed = anyio.Event()
-        self._result = LoopResult()
+    rollout: RolloutConfig
+    checkpoint: CheckpointConfig
+    rollouts: RolloutSource
+    trainer: Trainer | None
+    weight_sync: Syncer | None
+    metrics: MetricsLog
+    num_rollout: int
+    #: a checkpoint to resume from (`--load` resolved); only with a trainer
+    resume_from: Path | None = None
+    hooks: list[StepHook] = field(default_factory=list)
+    phases: list[LoopPhase] = field(default_factory=list)
+    #: rollouts done and the ETA, for the run-level bar (`coordinator.observe.progress`)
+    progress: RunProgress = field(default_factory=RunProgress)
+    colocation: Swap | None = None
+    start_rollout: int = field(default=0, init=False)
+    version: int = field(default=0, init=False)  # optimizer updates applied so far
+    _version_changed: anyio.Event = field(default_factory=anyio.Event, init=False)
+    _result: LoopResult = field(default_factory=LoopResult, init=False)
 
     @property
     def weight_version(self) -> str:
@@ -151,7 +136,7 @@ class TrainingLoop:
         for phase in self.phases:
             await phase.before_loop(self.start_rollout, self.weight_version)
         self.progress.begin(self.start_rollout, self.num_rollout)
-        if self.settings.async_rollout and self.trainer is not None:
+        if self.rollout.async_rollout and self.trainer is not None:
             await self._run_async(result)
         else:
             for rollout_id in range(self.start_rollout, self.num_rollout):
@@ -185,7 +170,7 @@ class TrainingLoop:
 
     async def _run_async(self, result: LoopResult) -> None:
         send, receive = anyio.create_memory_object_stream[tuple[RolloutBatch, float]](max_buffer_size=0)
-        staleness = self.settings.max_weight_staleness
+        staleness = self.rollout.max_weight_staleness
 
         async def produce() -> None:
             async with send:
@@ -214,7 +199,7 @@ class TrainingLoop:
         rollout_id = batch.rollout_id
         record: dict[str, Any] = dict(batch.metrics)
         record["rollout/samples"] = float(len(batch.samples))
-        rewards = [s.scalar_reward(self.settings.reward_key) for s in batch.samples if s.reward is not None]
+        rewards = [s.scalar_reward(self.rollout.reward_key) for s in batch.samples if s.reward is not None]
         if rewards and "rollout/reward_mean" not in record:
             record["rollout/reward_mean"] = sum(rewards) / len(rewards)
         result.rollouts += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 _HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 _HOSTNAME = re.compile(rf"^{_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?$")
@@ -42,15 +42,20 @@ def engine_address(text: str) -> str:
     return text
 
 
-def _split_url(url: str, original: str) -> None:
-    reason = "is not an address: expected HOST:PORT or http://HOST:PORT"
+def _url_parts(url: str, original: str, reason: str) -> tuple[SplitResult, int | None]:
+    """The URL's parts and port; ValueError(reason) for whitespace or what urlsplit cannot read."""
     if any(character.isspace() for character in original):
         raise ValueError(reason)
     try:
         parts = urlsplit(url)
-        port = parts.port
+        return parts, parts.port
     except ValueError:
         raise ValueError(reason) from None
+
+
+def _split_url(url: str, original: str) -> None:
+    reason = "is not an address: expected HOST:PORT or http://HOST:PORT"
+    parts, port = _url_parts(url, original, reason)
     if parts.scheme not in ("", "http", "https") or parts.query or parts.fragment or parts.username:
         raise ValueError(reason)
     if parts.path not in ("", "/") or not parts.hostname or port is None or port == 0:
@@ -61,13 +66,7 @@ def _split_url(url: str, original: str) -> None:
 def http_url(text: str) -> str:
     """http(s)://HOST[:PORT][/PATH] of a service (a reward model)."""
     reason = "is not a URL: expected http://HOST[:PORT][/PATH]"
-    if any(character.isspace() for character in text):
-        raise ValueError(reason)
-    try:
-        parts = urlsplit(text)
-        port = parts.port
-    except ValueError:
-        raise ValueError(reason) from None
+    parts, port = _url_parts(text, text, reason)
     if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or parts.username:
         raise ValueError(reason)
     host(parts.hostname)

@@ -23,8 +23,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES
 from coordinator.data.source import ChatTokenizer, PromptDataSource, PromptRecord
 
 NUM_DIGITS = 3
@@ -118,35 +118,22 @@ def builtin_task_name(prompt_data: str | None) -> str | None:
 def open_prompt_source(
     prompt_data: str,
     *,
-    input_key: str = "prompt",
-    label_key: str | None = None,
-    metadata_key: str | None = None,
     apply_chat_template: bool = False,
     tokenizer: ChatTokenizer | None = None,
     shuffle: bool,
     seed: int,
-    raw_prompts: bool = False,
-    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    **file_options: Any,
 ) -> PromptDataSource:
     """The data source for a `--prompt-data` value: a built-in task (`builtin:NAME`) or a JSONL/Parquet file.
 
     A built-in task's prompts are drawn from `seed`, so the same `--rollout-seed` gives the same data.
-    `raw_prompts`: a file's prompts may be any JSON value (read by a custom generate function).
+    `file_options` are `PromptDataSource`'s for a file (input_key, label_key, metadata_key, raw_prompts,
+    max_line_bytes); a built-in task's records have their own keys and sizes.
     """
     task = builtin_task_name(prompt_data)
     if task is None:
-        return PromptDataSource(
-            prompt_data,
-            input_key=input_key,
-            label_key=label_key,
-            metadata_key=metadata_key,
-            apply_chat_template=apply_chat_template,
-            tokenizer=tokenizer,
-            shuffle=shuffle,
-            seed=seed,
-            raw_prompts=raw_prompts,
-            max_line_bytes=max_line_bytes,
-        )
+        return PromptDataSource(prompt_data, apply_chat_template=apply_chat_template, tokenizer=tokenizer,
+                                shuffle=shuffle, seed=seed, **file_options)
     return PromptDataSource.from_records(
         make_task_prompts(task, BUILTIN_TASK_SIZE, seed),
         apply_chat_template=apply_chat_template,

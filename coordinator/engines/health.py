@@ -61,12 +61,16 @@ class Pausing(Protocol):
 class MonitorStats:
     """What one monitor did, counted (tests and the run summary read these)."""
 
+    #: probes sent, and those that failed (no answer in time, or an error)
     probes: int = 0
     probe_failures: int = 0
+    #: probes that timed out while requests kept finishing (overloaded, not hung), and probes discarded
+    #: because they overlapped a weight update or a pin (they say nothing about health)
     slow: int = 0
     discarded: int = 0
     #: probes answered "memory released": alive, neither a success nor a failure
     released: int = 0
+    #: engines declared dead, relaunched back to healthy, and relaunches that failed
     deaths: int = 0
     recoveries: int = 0
     recovery_errors: int = 0

@@ -21,7 +21,7 @@ import contextlib
 import hmac
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,6 +66,7 @@ class _Session:
             await wire.send(self.stream, message)
 
 
+@dataclass(kw_only=True, eq=False, repr=False)
 class NodeRegistry:
     """Start with `await task_group.start(registry.run)`; `watch(fleet)` for each fleet with remote engines.
 
@@ -79,38 +80,37 @@ class NodeRegistry:
         on_node_lost: awaited with (node, reason) when a node is lost (node 0 drops its ranks' connections).
     """
 
-    def __init__(self, *, layout: NodeLayout, token: str, engine_nodes: Mapping[str, int],
-                 shared_dirs: list[Path], disk_sync_dir: Path | None = None, save_dir: Path | None = None,
-                 before_welcome: Callable[[], Awaitable[None]] | None = None,
-                 on_node_lost: Callable[[int, str], Awaitable[None]] | None = None,
-                 handshake_timeout_s: float = 10.0, max_pending: int = 64) -> None:
-        self.layout = layout
-        self.token = token
-        self.engine_nodes = dict(engine_nodes)
-        self.shared_dirs = shared_dirs
-        self.disk_sync_dir = disk_sync_dir
-        self.save_dir = save_dir
-        self.before_welcome = before_welcome
-        self.on_node_lost = on_node_lost
-        self.handshake_timeout_s = handshake_timeout_s
-        #: connections that have not proven the token yet, and how many may
-        self.pending = 0
-        self.max_pending = max_pending
-        #: connected nodes now, by node rank
-        self.nodes: dict[int, _Session] = {}
-        #: each node's address as node 0 sees it (the last connection's), by node rank
-        self.hosts: dict[int, str] = {}
-        #: why connections were refused: the last 100 in order (`refusal_log.total` counts them all)
-        self.refusal_log = RefusalLog()
-        #: "joined" / "lost" / "back" events, in order: (node, what, detail)
-        self.events: list[tuple[int, str, str]] = []
-        self._reports: dict[str, tuple[str, int]] = {}
-        self._failed: dict[str, str] = {}
-        self._serials = itertools.count(1)
-        self._changed = anyio.Event()
-        self._fleets: list[EngineFleet] = []
-        self._outcome = wire.NodeShutdown(ok=False, reason="the coordinator stopped before the run finished")
-        self._markers: list[list[str]] = []
+    layout: NodeLayout
+    token: str
+    engine_nodes: Mapping[str, int]
+    shared_dirs: list[Path]
+    disk_sync_dir: Path | None = None
+    save_dir: Path | None = None
+    before_welcome: Callable[[], Awaitable[None]] | None = None
+    on_node_lost: Callable[[int, str], Awaitable[None]] | None = None
+    handshake_timeout_s: float = 10.0
+    #: how many connections may be waiting to prove the token at once, and how many are now
+    max_pending: int = 64
+    pending: int = field(default=0, init=False)
+    #: connected nodes now, by node rank
+    nodes: dict[int, _Session] = field(default_factory=dict, init=False)
+    #: each node's address as node 0 sees it (the last connection's), by node rank
+    hosts: dict[int, str] = field(default_factory=dict, init=False)
+    #: why connections were refused: the last 100 in order (`refusal_log.total` counts them all)
+    refusal_log: RefusalLog = field(default_factory=RefusalLog, init=False)
+    #: "joined" / "lost" / "back" events, in order: (node, what, detail)
+    events: list[tuple[int, str, str]] = field(default_factory=list, init=False)
+    _reports: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
+    _failed: dict[str, str] = field(default_factory=dict, init=False)
+    _serials: Iterator[int] = field(default_factory=lambda: itertools.count(1), init=False)
+    _changed: anyio.Event = field(default_factory=anyio.Event, init=False)
+    _fleets: list[EngineFleet] = field(default_factory=list, init=False)
+    _outcome: wire.NodeShutdown = field(init=False, default_factory=lambda: wire.NodeShutdown(
+        ok=False, reason="the coordinator stopped before the run finished"))
+    _markers: list[list[str]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.engine_nodes = dict(self.engine_nodes)
 
     @property
     def refusals(self) -> list[str]:

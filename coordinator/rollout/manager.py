@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -87,23 +87,16 @@ def _as_async(fn: Callable[[int, str], Any], path: str, what: str) -> RolloutCal
     return call
 
 
-@dataclass
-class BuildCounts:
-    """What a RolloutManager constructed, counted, so tests pin the gates down instead of assuming them."""
-
-    rollout_fns: int = 0
-    eval_fns: int = 0
-    generate_states: int = 0
-    dispatchers: int = 0
-    replay_loaders: int = 0
-    data_sources: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
+#: what a RolloutManager constructs, counted by name (rollout_fns, eval_fns: slime-style functions loaded;
+#: generate_states, dispatchers: what generation needs, none in replay; replay_loaders, data_sources: where
+#: samples come from), so tests pin the gates down instead of assuming them
+BUILT_PIECES = ("rollout_fns", "eval_fns", "generate_states", "dispatchers", "replay_loaders", "data_sources")
 
 
 class RolloutManager:
     def __init__(self, *, config: Config) -> None:
         self.config = config
-        self.counts = BuildCounts()
+        self.counts: Counter[str] = Counter(dict.fromkeys(BUILT_PIECES, 0))
         self._rollout_fn: RolloutCallable | None = None
         self._eval_fn: RolloutCallable | None = None
         self._replay_loader: Any = None
@@ -154,7 +147,7 @@ class RolloutManager:
             seed=config.rollout.rollout_seed,
             n_samples_per_prompt=None,
         )
-        self.counts.replay_loaders += 1
+        self.counts["replay_loaders"] += 1
 
     def _build_generate_path(
         self, runtime: HookRuntime, *, tokenizer: Any, client: Any, pool: Any, router_url: str | None,
@@ -175,10 +168,10 @@ class RolloutManager:
             concurrency=config.generate_concurrency,
             seed=rollout.rollout_seed,
         )
-        self.counts.generate_states += 1
+        self.counts["generate_states"] += 1
         dispatcher = Dispatcher(client=client, pool=pool, router_url=router_url,
                                 watch_engine_state=config.health_monitor_enabled)
-        self.counts.dispatchers += 1
+        self.counts["dispatchers"] += 1
         assert generate_state.request_slots is not None
         runtime.attach_generate_state(tokenizer=tokenizer, sampling_params=hook_sampling_params(config),
                                       slots=generate_state.request_slots)
@@ -199,7 +192,7 @@ class RolloutManager:
                                          chat_template=not config.sft.enabled)  # SFT templates whole chats
                        if rollout.prompt_data and not rollout.disable_rollout_global_dataset else None)
         if data_source is not None:
-            self.counts.data_sources += 1
+            self.counts["data_sources"] += 1
         reward_model = build_reward_model(rollout, args=runtime.args)
         dynamic_filter = (
             DynamicFilter.load(rollout.dynamic_sampling_filter_path, reward_key=rollout.reward_key,
@@ -226,14 +219,14 @@ class RolloutManager:
         self._rollout_fn = instantiate_rollout_fn(
             rollout.rollout_function_path, context, what="--rollout-function-path"
         )
-        self.counts.rollout_fns += 1
+        self.counts["rollout_fns"] += 1
         if rollout.shares_rollout_and_eval_fn:
             self._eval_fn = self._rollout_fn
         else:
             self._eval_fn = instantiate_rollout_fn(
                 rollout.effective_eval_function_path, context, what="--eval-function-path"
             )
-            self.counts.eval_fns += 1
+            self.counts["eval_fns"] += 1
 
     # --- gated pieces -------------------------------------------------------------------------------------
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -45,20 +46,21 @@ def page_html() -> str:
     return resources.files("coordinator.status").joinpath("page.html").read_text(encoding="utf-8")
 
 
+@dataclass(eq=False, repr=False)
 class StatusServer:
     """Start with `await task_group.start(server.run)`; `url` is known once started."""
 
-    def __init__(self, sources: StatusSources, *, host: str, port: int, api_key: str | None,
-                 rates: EngineRates | None = None, min_interval: float = 0.5) -> None:
-        self.sources = sources
-        self.host = host
-        self.port = port
-        self.api_key = api_key
-        self.rates = rates
-        self.min_interval = min_interval
-        self.documents_built = 0
-        self._document: _Built | None = None
-        self._page = page_html()
+    sources: StatusSources
+    _: KW_ONLY
+    host: str
+    port: int
+    api_key: str | None
+    rates: EngineRates | None = None
+    #: a document is built at most this often, however often it is asked for
+    min_interval: float = 0.5
+    documents_built: int = field(default=0, init=False)
+    _document: _Built | None = field(default=None, init=False)
+    _page: str = field(default_factory=page_html, init=False)
 
     @property
     def url(self) -> str:

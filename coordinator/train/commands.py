@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -30,6 +29,9 @@ from coordinator.train.recovery import RankRecovery
 from workers import protocol
 from workers.protocol.train_settings import TrainSettings
 
+if TYPE_CHECKING:
+    from workers.train_rank.checkpoint import LoadedCheckpoint
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,15 +45,6 @@ def state_moves(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     if any("digest" in r for r in per_rank):
         summary["digests"] = [r.get("digest") for r in per_rank]
     return summary
-
-
-@dataclass
-class CheckpointInfo:
-    rollout_id: int
-    extra: dict[str, Any]
-    path: Path
-    #: set when the save dir's `latest` was broken and the newest complete checkpoint was loaded instead
-    warning: str = ""
 
 
 class TrainCommands:
@@ -135,11 +128,15 @@ class TrainCommands:
         )
         return Path((await self.server.call_all(command))[0]["path"])
 
-    async def load_checkpoint(self, path: str | Path) -> CheckpointInfo:
+    async def load_checkpoint(self, path: str | Path) -> LoadedCheckpoint:
         """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank. When
         `latest` is broken the ranks load the newest complete checkpoint instead, and this logs why."""
+        from workers.train_rank.checkpoint import (
+            LoadedCheckpoint,  # the rank's own record (torch: imported late)
+        )
+
         first = (await self.server.call_all(protocol.LoadCommand(str(path))))[0]
-        info = CheckpointInfo(
+        info = LoadedCheckpoint(
             rollout_id=int(first["rollout_id"]), extra=dict(first["extra"]), path=Path(first["path"]),
             warning=str(first.get("warning") or ""),
         )

@@ -89,7 +89,7 @@ async def test_rollout_against_two_engines_returns_the_full_consistent_batch(tin
         manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "6",
                                 "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
                                 "--save-debug-rollout-data", template, "--log-passrate")
-        assert manager.counts.generate_states == 1 and manager.counts.dispatchers == 1
+        assert manager.counts["generate_states"] == 1 and manager.counts["dispatchers"] == 1
         assert manager.built_generate_state is not None
         assert manager.built_generate_state.concurrency == 2 * 512
         batch = await manager.get_rollout(0, "0")

@@ -46,8 +46,8 @@ async def test_replay_mode_builds_only_the_replay_loader_and_opens_nothing(tmp_p
 
     manager = RolloutManager.build(config)  # no client, no fleet: replay must not need them
     counts = manager.counts
-    assert (counts.rollout_fns, counts.eval_fns, counts.generate_states, counts.dispatchers,
-            counts.data_sources, counts.replay_loaders) == (0, 0, 0, 0, 0, 1)
+    assert (counts["rollout_fns"], counts["eval_fns"], counts["generate_states"], counts["dispatchers"],
+            counts["data_sources"], counts["replay_loaders"]) == (0, 0, 0, 0, 0, 1)
     assert manager.context is None and manager.built_generate_state is None
     for piece in ("rollout_fn", "eval_fn"):
         with pytest.raises(NotBuiltError, match="--load-debug-rollout-data"):
@@ -65,8 +65,8 @@ async def test_debug_train_only_builds_the_rollout_fn_but_no_generate_state(tmp_
     rollout_fns.CONSTRUCTED.clear()
     config = _config(tmp_path, "--debug-train-only", "--rollout-function-path", "tests.support.rollout_fns:CountingRollout")
     manager = RolloutManager.build(config)
-    assert manager.counts.rollout_fns == 1 and manager.counts.generate_states == 0
-    assert manager.counts.dispatchers == 0 and manager.counts.replay_loaders == 0
+    assert manager.counts["rollout_fns"] == 1 and manager.counts["generate_states"] == 0
+    assert manager.counts["dispatchers"] == 0 and manager.counts["replay_loaders"] == 0
     assert rollout_fns.CONSTRUCTED == ["CountingRollout"]  # one instance serves rollout and eval
     assert manager.eval_fn is manager.rollout_fn
     with pytest.raises(NotBuiltError, match="--debug-train-only"):
@@ -79,7 +79,7 @@ async def test_debug_train_only_builds_the_rollout_fn_but_no_generate_state(tmp_
 
 async def test_default_rollout_fn_in_train_only_mode_fails_clearly_when_called(tmp_path: Path) -> None:
     manager = RolloutManager.build(_config(tmp_path, "--debug-train-only"))
-    assert manager.counts.rollout_fns == 1
+    assert manager.counts["rollout_fns"] == 1
     with pytest.raises(NotBuiltError, match=r"GenerateState .* --debug-train-only starts no engines"):
         await manager.get_rollout(0, "0")
 
@@ -90,7 +90,7 @@ def test_distinct_eval_fn_gets_its_own_instance(tmp_path: Path) -> None:
                      "--eval-function-path", "tests.support.rollout_fns.OtherCountingRollout")
     manager = RolloutManager.build(config)
     assert rollout_fns.CONSTRUCTED == ["CountingRollout", "OtherCountingRollout"]
-    assert manager.counts.eval_fns == 1 and manager.eval_fn is not manager.rollout_fn
+    assert manager.counts["eval_fns"] == 1 and manager.eval_fn is not manager.rollout_fn
 
 
 async def test_plain_function_rollout_is_called_with_the_context(tmp_path: Path) -> None:

@@ -87,7 +87,7 @@ async def test_the_sft_rollout_makes_slimes_samples_one_per_chat_in_epochs(tiny_
     data = write_chats(tmp_path / "chats.jsonl", 6)
     chats = [json.loads(line)["messages"] for line in data.read_text().splitlines()]
     manager = RolloutManager.build(parse_config(sft_argv(tiny_model_dir, data, "--num-rollout", "3")))
-    assert manager.counts.generate_states == 0 and manager.counts.dispatchers == 0
+    assert manager.counts["generate_states"] == 0 and manager.counts["dispatchers"] == 0
     mask = ChatLossMask(AutoTokenizer.from_pretrained(tiny_model_dir), "qwen")
     seen = []
     for rollout_id in range(3):

@@ -19,7 +19,7 @@ one careless request from growing the engine without limit.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 # SGLang's --dtype spellings, mapped to ours.
 _DTYPES = {
@@ -197,27 +197,9 @@ def parse_args(argv: list[str] | None) -> EngineArgs:
     if ns.log_probs_chunk_size is not None and ns.rl_on_policy_target is None:
         parser.error("--log-probs-chunk-size is the rescoring's chunk: it needs --rl-on-policy-target fsdp")
     device = resolve_device(parser, ns.device, ns.base_gpu_id)
-    return EngineArgs(
-        model_path=ns.model_path,
-        tokenizer_path=ns.tokenizer_path or ns.model_path,
-        host=ns.host,
-        port=ns.port,
-        api_key=ns.api_key,
-        random_seed=ns.random_seed,
-        weight_version=ns.weight_version,
-        skip_server_warmup=ns.skip_server_warmup,
-        max_running_requests=ns.max_running_requests,
-        context_length=ns.context_length,
-        enable_metrics=ns.enable_metrics,
-        log_level=ns.log_level,
-        dtype=_DTYPES[ns.dtype],
-        device=device,
-        max_n=ns.max_n,
-        max_seqs_per_request=ns.max_seqs_per_request,
-        max_request_bytes=ns.max_request_bytes,
-        weight_spill_dir=ns.weight_spill_dir,
-        enable_deterministic_inference=ns.enable_deterministic_inference or ns.rl_on_policy_target is not None,
-        rl_on_policy_target=ns.rl_on_policy_target,
-        log_probs_chunk_size=ns.log_probs_chunk_size,
-        attn_implementation=ns.attn_implementation,
-    )
+    # every field is the flag of its name, but for the few the parser's value is resolved for
+    resolved = {"tokenizer_path": ns.tokenizer_path or ns.model_path, "dtype": _DTYPES[ns.dtype], "device": device,
+                "enable_deterministic_inference": ns.enable_deterministic_inference
+                or ns.rl_on_policy_target is not None}
+    return EngineArgs(**{f.name: resolved[f.name] if f.name in resolved else getattr(ns, f.name)
+                         for f in fields(EngineArgs)})

@@ -30,12 +30,17 @@ def load_causal_lm(
     except OSError as exc:
         raise FileNotFoundError(f"cannot load a causal LM from {path!r}: {exc}") from exc
     model.to(device)
+    return prepare_for_training(model, trainable=trainable)
+
+
+def prepare_for_training(model: Any, *, trainable: bool) -> Any:
+    """Train mode (the policy) or eval mode with every weight frozen (the reference, a copy); no KV cache,
+    which is for generation (training forwards never reuse it)."""
     if trainable:
         model.train()
     else:
         model.eval()
         model.requires_grad_(False)
-    # The KV cache is for generation; training forwards never reuse it.
     model.config.use_cache = False
     return model
 

@@ -33,6 +33,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,23 +51,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+@dataclass(kw_only=True, eq=False, repr=False)
 class StateOffload:
     """Offloads one rank's model, optimizer and reference model; see the module docstring."""
 
-    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 reference: torch.nn.Module | None, device: torch.device, offload_dir: str | None = None,
-                 memory_margin_bytes: int = 0) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.reference = reference
-        self.device = device
-        self.offload_dir = offload_dir
-        self.memory_margin_bytes = memory_margin_bytes
-        self.offloaded = False
-        self._state_bytes = 0
-        self._spill: Path | None = None
-        self._optimizer_devices: dict[tuple[int, str], torch.device] = {}
-        self._grads: set[str] = set()
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    reference: torch.nn.Module | None
+    device: torch.device
+    offload_dir: str | None = None
+    memory_margin_bytes: int = 0
+    offloaded: bool = field(default=False, init=False)
+    _state_bytes: int = field(default=0, init=False)
+    _spill: Path | None = field(default=None, init=False)
+    _optimizer_devices: dict[tuple[int, str], torch.device] = field(default_factory=dict, init=False)
+    _grads: set[str] = field(default_factory=set, init=False)
 
     # -- what the state is ---------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.train_rank.model import load_causal_lm
+from workers.train_rank.model import load_causal_lm, prepare_for_training
 
 
 @contextmanager
@@ -73,10 +73,4 @@ def load_sharded(path: str, *, dtype: torch.dtype, device: torch.device, shard: 
         del copy
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
-    if trainable:
-        model.train()
-    else:
-        model.eval()
-        model.requires_grad_(False)
-    model.config.use_cache = False
-    return model
+    return prepare_for_training(model, trainable=trainable)
