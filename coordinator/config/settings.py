@@ -20,6 +20,7 @@ from coordinator.config.aliases import apply_hook_aliases
 from coordinator.config.checkpoint import CheckpointConfig, LoadPlan, resolve_load, resolve_ref_load
 from coordinator.config.cluster import ClusterConfig, resolve_colocation
 from coordinator.config.debug import DebugConfig
+from coordinator.config.distill import DistillConfig
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
 from coordinator.config.fields import ConfigError
@@ -46,6 +47,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # type: ignore[valid-type]
@@ -235,6 +237,8 @@ class Config:
         if self.train.custom_tis_function_path is not None:
             # its `args` (slime's namespace, built by the hooks layer) are added by `hooks.args.rank_settings`
             settings["tis_function_path"] = self.train.custom_tis_function_path
+        if self.distill.use_opd:
+            settings["opd"] = self.distill.rank_opd(self.distill.teacher_path())
         if self.lora.enabled:
             settings["lora"] = self.lora.rank_lora(str(self.rollout.hf_checkpoint))
         if self.offloads_train:
