@@ -233,6 +233,22 @@ def tis_hook_needs_tis(config: Config) -> None:
                       stacklevel=3)
 
 
+def distillation_has_a_teacher(config: Config) -> None:
+    """`--opd-type sglang` asks a teacher engine during the rollout: one must be named (a replayed dump holds
+    the teacher logprobs already); slime's OPD reward hooks are that teacher, so they need `--use-opd`."""
+    distill = config.distill
+    opd_hooks = [path for path in (config.rollout.custom_rm_path, config.rollout.custom_reward_post_process_path)
+                 if path is not None and path.startswith("coordinator.rollout.teacher:")]
+    if opd_hooks and not distill.engine_teacher:
+        raise ConfigError(f"{opd_hooks[0]} (slime's on-policy distillation hook) asks the teacher at --rm-url; "
+                          "add --use-opd --opd-type sglang (rayless asks the teacher itself)")
+    if (distill.engine_teacher and not config.replay_mode and not distill.launches_teacher
+            and not distill.teacher_routes(config.rollout.rm_url)):
+        raise ConfigError("--use-opd --opd-type sglang needs its teacher: --opd-teacher-urls NAME=URL (running "
+                          "engines), --opd-teacher-load DIR (rayless serves it) or --rm-url (slime's single "
+                          "teacher)")
+
+
 RULES: tuple[Callable[[Config], None], ...] = (
     replay_has_no_eval_fleet,
     routing_replay_needs_a_dense_model,
@@ -261,6 +277,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     session_server_does_not_abort_on_update,
     colocation_is_not_async,
     colocation_needs_both_halves,
+    distillation_has_a_teacher,
 )
 
 

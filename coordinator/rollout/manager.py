@@ -43,6 +43,7 @@ from coordinator.rollout.requests import GenerateState
 from coordinator.rollout.reward_choice import RewardChoice
 from coordinator.rollout.reward_post import RewardPostProcess
 from coordinator.rollout.rewards import RewardModel
+from coordinator.rollout.teacher import TeacherScorer
 from replay.sample import RolloutBatch
 from workers.hook_loading import load_object
 
@@ -110,6 +111,8 @@ class RolloutManager:
         self.context: RolloutContext | None = None
         #: slime's --custom-reward-post-process-path (not in replay: the dumps are re-scored by the estimator)
         self.reward_post_process: RewardPostProcess | None = None
+        #: on-policy distillation's `sglang` teacher: asks teacher logprobs of each generated sample
+        self.teacher: TeacherScorer | None = None
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -123,6 +126,7 @@ class RolloutManager:
         router_url: str | None = None,
         context_length: int | None = None,
         progress: ProgressDisplay | None = None,
+        teacher_urls: dict[str, str] | None = None,
     ) -> RolloutManager:
         """The manager of `config`'s mode: the replay loader alone in replay mode; else the generate path (when
         the run has engines), the context a rollout fn is built with, and the rollout and eval fns."""
@@ -142,6 +146,10 @@ class RolloutManager:
         manager.context = manager._build_context(runtime, tokenizer=tokenizer, generate_state=generate_state,
                                                  dispatcher=dispatcher, progress=progress)
         manager._build_rollout_fns(manager.context)
+        if config.distill.engine_teacher:  # routes: the flags' running teachers, or the one rayless launched
+            routes = {**config.distill.teacher_routes(config.rollout.rm_url), **(teacher_urls or {})}
+            manager.teacher = TeacherScorer(client, routes, key=config.distill.opd_teacher_key,
+                                            concurrency=config.sglang.sglang_server_concurrency)
         return manager
 
     def _build_replay_loader(self) -> None:
@@ -278,6 +286,8 @@ class RolloutManager:
         else:
             batch = await self.rollout_fn(rollout_id, weight_version)
             self._check_shape(batch)
+            if self.teacher is not None:
+                await self.teacher.score(batch.samples)
         rollout = self.config.rollout
         if self.reward_post_process is not None:
             self.reward_post_process.apply(batch.groups, normalize_advantages=rollout.normalize_advantages)

@@ -89,6 +89,8 @@ class TrainSettings:
     train_memory_margin_bytes: int = 0
     # LoRA adapters instead of the full model (`lora.LoraSpec` as a dict; None: full fine-tuning).
     lora: dict[str, Any] | None = None
+    # On-policy distillation (`distill.OpdSpec` as a dict; None: off).
+    opd: dict[str, Any] | None = None
 
     @property
     def clip_high(self) -> float:
@@ -154,5 +156,12 @@ class TrainSettings:
                 LoraSpec.from_dict(self.lora)
             except (LoraError, KeyError, TypeError) as exc:
                 raise SettingsError(f"lora: {exc}") from exc
+        if self.opd is not None:
+            from workers.train_rank.distill import DistillError, OpdSpec
+
+            try:
+                OpdSpec.from_dict(self.opd)
+            except (DistillError, TypeError, ValueError) as exc:
+                raise SettingsError(f"opd: {exc}") from exc
         if self.use_tis and self.use_rollout_logprobs:
             raise SettingsError("use_tis needs recomputed logprobs; it contradicts use_rollout_logprobs")
