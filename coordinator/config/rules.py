@@ -239,9 +239,9 @@ def distillation_has_a_teacher(config: Config) -> None:
     distill = config.distill
     opd_hooks = [path for path in (config.rollout.custom_rm_path, config.rollout.custom_reward_post_process_path)
                  if path is not None and path.startswith("coordinator.rollout.teacher:")]
-    if opd_hooks and not distill.engine_teacher:
-        raise ConfigError(f"{opd_hooks[0]} (slime's on-policy distillation hook) asks the teacher at --rm-url; "
-                          "add --use-opd --opd-type sglang (rayless asks the teacher itself)")
+    if opd_hooks and not distill.use_opd:
+        raise ConfigError(f"{opd_hooks[0]} (slime's on-policy distillation reward: 0, the teacher gives the "
+                          "signal) without --use-opd would train on nothing: add --use-opd --opd-type sglang")
     if (distill.engine_teacher and not config.replay_mode and not distill.launches_teacher
             and not distill.teacher_routes(config.rollout.rm_url)):
         raise ConfigError("--use-opd --opd-type sglang needs its teacher: --opd-teacher-urls NAME=URL (running "
