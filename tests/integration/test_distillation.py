@@ -1,7 +1,7 @@
 """On-policy distillation end to end: a tiny student is pulled towards a different tiny teacher.
 
-Both teacher types on real processes: `sglang` (the teacher served by a CPU engine, asked during the rollout
-through `--opd-teacher-urls`) and `megatron` (the teacher loaded on the torchrun rank). The student and the
+Both teacher types on real processes: `sglang` (the teacher served by a CPU engine that rayless launches from
+`--opd-teacher-load`, asked during the rollout) and `megatron` (the teacher loaded on the torchrun rank). The student and the
 teacher are tiny models of different seeds, the teacher taught to prefer one token, so the KL between the two
 is large and a few rollouts can move it. The reward is pure distillation's 0: the only learning signal is the
 reverse-KL term. The sglang run's dumps hold the teacher
@@ -10,7 +10,6 @@ logprobs, and replaying them trains the same first step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from replay.format import dump_path
 from replay.reader import read_dump
-from tests.support.engine_proc import RunningEngine, start_engine_process
 from workers.tiny_model import TinyModelSpec, build_tiny_model, vocabulary
 
 ROLLOUTS = 6
@@ -55,12 +53,6 @@ def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module")
-def teacher_engine(teacher_dir: Path) -> Iterator[RunningEngine]:
-    with start_engine_process(teacher_dir) as engine:
-        yield engine
-
-
 def reverse_kls(run_dir: Path) -> list[float]:
     return [row["train/opd_reverse_kl"] for row in read_metrics(run_dir / "metrics.jsonl")]
 
@@ -76,11 +68,12 @@ def assert_pulled_towards_the_teacher(run_dir: Path) -> list[float]:
 
 @pytest.mark.anyio
 async def test_sglang_teacher_pulls_the_student_and_its_logprobs_replay(
-        tiny_model_dir: Path, teacher_engine: RunningEngine, tmp_path: Path) -> None:
+        tiny_model_dir: Path, teacher_dir: Path, tmp_path: Path) -> None:
+    """rayless serves the teacher from --opd-teacher-load on an engine of its own (group "teacher")."""
     run_dir = tmp_path / "sglang"
     template = str(run_dir / "dumps" / "{rollout_id}.rld")
     config = parse_config(["--hf-checkpoint", str(tiny_model_dir), "--run-dir", str(run_dir), *COMMON,
-                           "--opd-type", "sglang", "--opd-teacher-urls", f"default={teacher_engine.url}/generate",
+                           "--opd-type", "sglang", "--opd-teacher-load", str(teacher_dir),
                            "--rollout-num-engines", "1", "--num-rollout", str(ROLLOUTS),
                            "--save-debug-rollout-data", template])
     summary = await run_training(config)
