@@ -90,7 +90,7 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
                                 rollout_engines=len(rollout_indices), eval_engines=len(eval_indices)))
     teacher = teacher_choice(config, node_rank, rollout or eval_)
     if teacher is not None and teacher.on_gpu:
-        demands += (GpuDemand("teacher", "the distillation teacher engine", "--opd-teacher-load", 1,
+        demands += (GpuDemand("teacher", "distillation teacher engine", "--opd-teacher-load", 1,
                               config.cluster.rollout_num_gpus_per_engine),)
     placed = POLICIES[policy](demands)
     needed = max((gpu for units in placed.values() for unit in units for gpu in unit), default=-1) + 1
