@@ -146,7 +146,7 @@ class RolloutManager:
         manager.context = manager._build_context(runtime, tokenizer=tokenizer, generate_state=generate_state,
                                                  dispatcher=dispatcher, progress=progress)
         manager._build_rollout_fns(manager.context)
-        if config.distill.engine_teacher:  # routes: the flags' running teachers, or the one rayless launched
+        if config.distill.engine_teacher and config.needs_engines:  # the flags' teachers, or the one launched
             routes = {**config.distill.teacher_routes(config.rollout.rm_url), **(teacher_urls or {})}
             manager.teacher = TeacherScorer(client, routes, key=config.distill.opd_teacher_key,
                                             concurrency=config.sglang.sglang_server_concurrency)

@@ -210,6 +210,8 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                 "--colocate and --async-rollout: colocated engines and ranks take turns"),
     "colocation_needs_both_halves": (None, ["--rollout-num-engines", "1", "--colocate", "--debug-rollout-only"],
                                      "warning: --colocate has no effect with --debug-rollout-only"),
+    "distillation_has_a_teacher": (None, ["--rollout-num-engines", "1", "--use-opd", "--opd-type", "sglang"],
+                                   "--use-opd --opd-type sglang needs its teacher"),
 }
 
 
