@@ -106,10 +106,16 @@ class DistillConfig(Slice):
         """The ranks load the teacher and compute its logprobs (`megatron`)."""
         return self.use_opd and self.opd_type == "megatron"
 
-    def teacher_routes(self, rm_url: str | None) -> dict[str, str]:
+    def teacher_routes(self, rm_url: str | None, rm_type: str | None = None) -> dict[str, str]:
         """Teacher name → base URL of its engine: `--opd-teacher-urls`, else slime's single teacher at
-        `--rm-url` (as 'default'); {} when neither (a launched teacher's URL is known only once it runs)."""
+        `--rm-url` (as 'default'; not when `--rm-type remote_rm` makes it the reward service); {} when neither
+        (a launched teacher's URL is known only once it runs)."""
         routes = parse_teacher_urls(self.opd_teacher_urls)
+        if rm_type is not None:
+            from coordinator.rewards.rules import REMOTE_RM, base_rule
+
+            if base_rule(rm_type)[0].name == REMOTE_RM:
+                rm_url = None
         if not routes and rm_url is not None and not self.launches_teacher:
             routes = {DEFAULT_TEACHER: engine_base_url(rm_url)}
         return routes

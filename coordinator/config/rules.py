@@ -243,7 +243,7 @@ def distillation_has_a_teacher(config: Config) -> None:
         raise ConfigError(f"{opd_hooks[0]} (slime's on-policy distillation reward: 0, the teacher gives the "
                           "signal) without --use-opd would train on nothing: add --use-opd --opd-type sglang")
     if (distill.engine_teacher and not config.replay_mode and not distill.launches_teacher
-            and not distill.teacher_routes(config.rollout.rm_url)):
+            and not distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type)):
         raise ConfigError("--use-opd --opd-type sglang needs its teacher: --opd-teacher-urls NAME=URL (running "
                           "engines), --opd-teacher-load DIR (rayless serves it) or --rm-url (slime's single "
                           "teacher)")

@@ -43,7 +43,7 @@ from coordinator.rollout.requests import GenerateState
 from coordinator.rollout.reward_choice import RewardChoice
 from coordinator.rollout.reward_post import RewardPostProcess
 from coordinator.rollout.rewards import RewardModel
-from coordinator.rollout.teacher import TeacherScorer
+from coordinator.rollout.teacher import TeacherScorer, settle_teacher_log_probs
 from replay.sample import RolloutBatch
 from workers.hook_loading import load_object
 
@@ -147,7 +147,8 @@ class RolloutManager:
                                                  dispatcher=dispatcher, progress=progress)
         manager._build_rollout_fns(manager.context)
         if config.distill.engine_teacher and config.needs_engines:  # the flags' teachers, or the one launched
-            routes = {**config.distill.teacher_routes(config.rollout.rm_url), **(teacher_urls or {})}
+            routes = {**config.distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type),
+                      **(teacher_urls or {})}
             manager.teacher = TeacherScorer(client, routes, key=config.distill.opd_teacher_key,
                                             concurrency=config.sglang.sglang_server_concurrency)
         return manager
@@ -291,6 +292,7 @@ class RolloutManager:
         rollout = self.config.rollout
         if self.reward_post_process is not None:
             self.reward_post_process.apply(batch.groups, normalize_advantages=rollout.normalize_advantages)
+            settle_teacher_log_probs(batch.samples)  # slime's OPD post-process sets them (as a tensor)
         else:
             self._advantages(batch)
         if self.config.debug.save_debug_rollout_data is not None and not self.config.replay_mode:

@@ -98,6 +98,20 @@ class TeacherScorer:
         sample.teacher_log_probs = response_log_probs(answer, sample.response_length, where)
 
 
+def settle_teacher_log_probs(samples: Sequence[Sample]) -> None:
+    """A hook's `teacher_log_probs` (slime's OPD post-process leaves a tensor) as a list of floats, one per
+    response token; TeacherError naming the sample otherwise."""
+    for sample in samples:
+        values = sample.teacher_log_probs
+        if values is None or (isinstance(values, list) and all(type(v) is float for v in values)):
+            continue
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        if len(values) != sample.response_length:
+            raise TeacherError(f"sample {sample.group_index}/{sample.sample_index}: a hook set {len(values)} "
+                               f"teacher_log_probs for {sample.response_length} response tokens")
+        sample.teacher_log_probs = [float(value) for value in values]
+
+
 def distill_reward(args: Any, sample: Any, **kwargs: Any) -> float:
     """Stands in for slime's / miles' `on_policy_distillation.reward_func` (which posts to the teacher at
     `--rm-url`): rayless asks the teacher itself (`TeacherScorer`), so the task reward is pure distillation's 0."""

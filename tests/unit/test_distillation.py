@@ -11,7 +11,13 @@ import torch
 
 from coordinator.config import ConfigError, parse_config
 from coordinator.plan import GpuInventory, build_plan
-from coordinator.rollout.teacher import TeacherError, TeacherScorer, response_log_probs, score_payload
+from coordinator.rollout.teacher import (
+    TeacherError,
+    TeacherScorer,
+    response_log_probs,
+    score_payload,
+    settle_teacher_log_probs,
+)
 from replay.format import write_dump
 from replay.reader import read_dump
 from replay.sample import Sample, SampleError, SampleStatus
@@ -91,6 +97,19 @@ def test_slimes_single_teacher_is_rm_url_and_miles_routes_by_metadata() -> None:
         scorer.route(Sample(metadata={"opd_teacher": "poetry"}))  # no 'default': never the wrong teacher
     with_default = TeacherScorer(client=None, routes={**routes, "default": "http://h3:1"})
     assert with_default.route(Sample()) == "http://h3:1"
+    # --rm-type remote_rm makes --rm-url the reward service, never the teacher
+    with pytest.raises(ConfigError, match="needs its teacher"):
+        parse_config([*BASE, *SGLANG, "--rm-type", "remote_rm", "--rm-url", "http://h:1/score"])
+
+
+def test_a_hooks_tensor_of_teacher_logprobs_becomes_floats() -> None:
+    sample = Sample(tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], rollout_log_probs=[0.0, 0.0],
+                    teacher_log_probs=torch.tensor([-0.5, -0.25]))  # type: ignore[arg-type]
+    settle_teacher_log_probs([sample])
+    assert sample.teacher_log_probs == [-0.5, -0.25]
+    sample.teacher_log_probs = torch.tensor([-0.5])  # type: ignore[assignment]
+    with pytest.raises(TeacherError, match="a hook set 1 teacher_log_probs for 2 response tokens"):
+        settle_teacher_log_probs([sample])
 
 
 def test_the_teacher_is_asked_from_the_prompts_end_and_its_answer_checked() -> None:
