@@ -35,6 +35,7 @@ from coordinator.engines.client import EngineClient
 from coordinator.plan.snapshots import TMPFS
 from coordinator.train.group import TrainGroup
 from tests.support.engine_proc import start_engine_process
+from tests.support.train_settings import flat_settings
 from workers.tiny_model import build_tiny_model, count_parameters
 
 
@@ -97,7 +98,7 @@ async def run_bench(model_dir: Path, scratch: Path, snapshots: Path, url: str,
     async with anyio.create_task_group() as tg:
         group: TrainGroup = await tg.start(
             TrainGroup(nproc_per_node=1, run_dir=scratch / "run", extra_env=env, torch_threads=args.threads).run)
-        info = await group.init({"model_path": str(model_dir), "lr": 0.0})
+        info = await group.init(flat_settings({"model_path": str(model_dir), "lr": 0.0}))
         print(f"rank on {info['device']}")
         async with EngineClient(max_connections=4, read_timeout=900.0) as client:
             for repeat in range(args.repeats):

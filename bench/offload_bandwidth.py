@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.support.train_settings import init_command
+
 
 def floor_gbps(state_bytes: int, device_name: str, repeats: int) -> tuple[float, float]:
     """(device→host, host→device) GB/s of one flat buffer of `state_bytes` (pinned on CUDA; a file on CPU)."""
@@ -81,7 +83,7 @@ def main() -> None:
                                 intermediate=options.intermediate, heads=max(1, options.hidden // 64),
                                 kv_heads=max(1, options.hidden // 128), vocab_size=options.vocab)
         trainer = Trainer(rank=0, world_size=1, device=device)
-        info = trainer.init(protocol.InitCommand({"model_path": str(model_dir), "lr": 1e-5,
+        info = trainer.init(init_command({"model_path": str(model_dir), "lr": 1e-5,
                                                   "data_parallel": "replicate", "offload_dir": work}))
         samples = synthetic_samples(model_dir, 4, seed=0)
         trainer.train(protocol.TrainCommand(0, [samples], [sum(len(s.loss_mask) for s in samples)]))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.sample import Sample, SampleStatus
+from tests.support.train_settings import init_command
 
 QWEN3_VOCAB = 151_936
 
@@ -122,7 +123,7 @@ def rank_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int, 
     shape = Shape(**shape_fields)
     wire = _wire(shape, vocab_size)
     trainer = Trainer(rank=0, world_size=1, device=device)
-    trainer.init(protocol.InitCommand(_settings(model_dir, shape, dtype, attn)))
+    trainer.init(init_command(_settings(model_dir, shape, dtype, attn)))
     groups = packing.plan(wire, max_tokens=shape.max_tokens_per_gpu, micro_batch_size=None)
     batches = [packing.pack([wire[i] for i in group], 0).to(device) for group in groups]
     _forward_backward(trainer.model, batches[-1:])  # warm-up: the smallest micro-batch

@@ -94,13 +94,14 @@ def channel(shape: Shape, vocab_size: int, world_size: int) -> dict[str, float]:
     """Encode and ship the batch's per-rank train commands; the same bytes raw over a loopback socket."""
     from coordinator.train.planning import plan_steps
     from workers import protocol
+    from workers.protocol.train_settings import BatchingSettings
 
     before = rss_bytes()
     batch = samples(shape, vocab_size)
     holding = rss_bytes()
     started = time.perf_counter()
     wire = [protocol.WireSample.from_sample(sample) for sample in batch]
-    plan = plan_steps(wire, {}, world_size)
+    plan = plan_steps(wire, BatchingSettings(), world_size)
     frames = [protocol.encode_frame(protocol.Request(rank + 1, protocol.TrainCommand(
         0, [step.shards[rank] for step in plan], [step.loss_tokens for step in plan])), 2**40)
         for rank in range(world_size)]

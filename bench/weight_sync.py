@@ -39,6 +39,7 @@ from coordinator.engines.client import EngineClient
 from coordinator.train.group import TrainGroup
 from coordinator.weights.distributed import FLATTENED_BUCKET, DistributedUpdate
 from tests.support.engine_proc import start_engine_process
+from tests.support.train_settings import flat_settings
 from workers.tiny_model import TinyModelSpec, build_tiny_model, count_parameters
 
 
@@ -138,7 +139,7 @@ async def run_bench(
         group: TrainGroup = await tg.start(
             TrainGroup(nproc_per_node=args.ranks, run_dir=scratch / "run", torch_threads=args.threads).run
         )
-        await group.init({"model_path": str(model_dir), "lr": 0.0})
+        await group.init(flat_settings({"model_path": str(model_dir), "lr": 0.0}))
         async with EngineClient(max_connections=8, read_timeout=600.0) as client:
             for repeat in range(args.repeats):
                 results["floor"].append(await anyio.to_thread.run_sync(floor.measure, repeat))

@@ -1,4 +1,4 @@
-"""The `rayless` command: `train`, `engine`, `make-tiny-model`, `dump` and `reward`.
+"""The `rayless` command: `train`, `engine`, `make-tiny-model`, `dump`, `reward` and `status`.
 
 Owns argument dispatch and exit statuses only: 0 success, 1 a failure during the run, 2 bad flags (reported
 before any process is launched or port opened). Each subcommand's work lives in its own module and is imported
@@ -20,6 +20,7 @@ commands:
   make-tiny-model   write a tiny local Hugging Face model directory (nothing fetched from a hub)
   dump              show | verify | convert rollout dumps
   reward            score: run a built-in reward type over a JSONL file (--compare T2: where two differ)
+  status            a run's status: from its status server (--status-port) or its run directory
 """
 
 
@@ -45,6 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coordinator.rewards.score import main as reward_main
 
         return reward_main(rest)
+    if command == "status":
+        from coordinator.status.command import main as status_main
+
+        return status_main(rest)
     print(f"rayless: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

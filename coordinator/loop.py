@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import anyio
 
 from coordinator.config import CheckpointConfig, RolloutConfig
+from coordinator.observe import timeline
 from coordinator.observe.progress import MetricsLog, RunProgress
 from replay.sample import RolloutBatch
 
@@ -155,7 +156,9 @@ class TrainingLoop:
         else:
             for rollout_id in range(self.start_rollout, self.num_rollout):
                 started = time.monotonic()
-                batch = await self.rollouts.get_rollout(rollout_id, self.weight_version)
+                timeline.at_step(rollout_id, self.weight_version)
+                with timeline.span("generate"):
+                    batch = await self.rollouts.get_rollout(rollout_id, self.weight_version)
                 await self._train_and_sync(batch, result, started)
         for phase in self.phases:
             await phase.after_loop()
@@ -190,7 +193,8 @@ class TrainingLoop:
                     while self.version < rollout_id - staleness:
                         await self._version_changed.wait()
                     started = time.monotonic()
-                    batch = await self.rollouts.get_rollout(rollout_id, self.weight_version)
+                    with timeline.span("generate", ("rollout", "generate ahead"), rollout_id=rollout_id):
+                        batch = await self.rollouts.get_rollout(rollout_id, self.weight_version)
                     await send.send((batch, started))
 
         async with anyio.create_task_group() as group:
@@ -216,13 +220,16 @@ class TrainingLoop:
         result.rollouts += 1
         if self.trainer is not None:
             swap = self.colocation
+            timeline.at_step(rollout_id, self.weight_version)
             if swap is not None:
-                record.update(await swap.before_train(rollout_id, time.monotonic() - started))
+                with timeline.span("colocation swap"):
+                    record.update(await swap.before_train(rollout_id, time.monotonic() - started))
             train_started = time.monotonic()
             async with anyio.create_task_group() as beside:
                 if swap is not None:
                     beside.start_soon(swap.during_train)
-                train_metrics = await self.trainer.train(rollout_id, batch.samples)
+                with timeline.span("train"):
+                    train_metrics = await self.trainer.train(rollout_id, batch.samples)
             record.update({key if key.startswith("train/") else f"train/{key}": value
                            for key, value in train_metrics.items()})
             record["train/time_s"] = time.monotonic() - train_started
@@ -236,16 +243,20 @@ class TrainingLoop:
                 if save_due:  # while the ranks still hold their state on the device
                     await self.save(rollout_id)
                     save_due = False
-                record.update(await swap.after_train(rollout_id, self.weight_version, record["train/time_s"]))
+                with timeline.span("colocation swap"):
+                    record.update(await swap.after_train(rollout_id, self.weight_version, record["train/time_s"]))
             if self.weight_sync is not None:
-                record.update(await self.weight_sync.update(self.weight_version))
+                with timeline.span("weight sync", version=self.weight_version):
+                    record.update(await self.weight_sync.update(self.weight_version))
             if swap is not None:
-                record.update(await swap.after_update())
+                with timeline.span("colocation swap"):
+                    record.update(await swap.after_update())
             if save_due:
                 await self.save(rollout_id)
         record["weight_version"] = self.weight_version
         record["step/time_s"] = time.monotonic() - started
         self.metrics.log(rollout_id, record)
+        await timeline.step_done(rollout_id, started, record["step/time_s"])
         self.progress.rollout_done(rollout_id)
         log.info("%s  %s", _summary(rollout_id, self.num_rollout, record), self.progress.timing_text())
         for hook in self.hooks:
@@ -255,7 +266,8 @@ class TrainingLoop:
         assert self.trainer is not None
         extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
                  "rollout_state": self.rollouts.state_dict()}
-        path = await self.trainer.save(rollout_id, extra)
+        with timeline.span("save"):
+            path = await self.trainer.save(rollout_id, extra)
         self._result.saved.append(rollout_id)
         log.info("saved checkpoint of rollout %d to %s", rollout_id, path)
 

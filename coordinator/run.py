@@ -33,6 +33,7 @@ from coordinator.lifecycle.processes import leaf_exceptions
 from coordinator.lifecycle.signals import run_until_signalled
 from coordinator.nodes.head import reporting_outcome
 from coordinator.observe.progress import MetricsLog, ProgressDisplay, plot_rewards
+from coordinator.observe.timeline import recording
 from workers.errors import RaylessError
 
 if sys.version_info < (3, 11):
@@ -45,6 +46,7 @@ from coordinator.services import (
     build_processes,
     start_processes,
 )
+from coordinator.status.service import RunStatus
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -113,6 +115,8 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
                                mask=lambda text: mask_text(text, secret_values))
     for slot in plan.local.processes():
         progress.board.expect(slot.name, where_text(slot))
+    status = RunStatus(config, run_dir, progress=progress, metrics=metrics,
+                       mask=lambda text: mask_text(text, secret_values))
     if plan.weight_sync is not None and plan.weight_sync.snapshots.tmpfs:
         log.info("weight snapshots for the engines go to %s (%s)", plan.weight_sync.snapshots.directory,
                  plan.weight_sync.snapshots.why)
@@ -120,9 +124,11 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
         # The HTTP client (in `resources`) closes only after every service's task has ended: an attached
         # router's workers are taken off it with that client as the run stops.
         async with AsyncExitStack() as resources, anyio.create_task_group() as task_group:
+            resources.enter_context(recording(status.timeline))  # every task started from here records to it
             await task_group.start(progress.run_view)
             services = await _start_services(config, plan, run_dir, task_group, resources, clock, progress,
                                              metrics)
+            await status.start(services, task_group)
             clock.mark("services_ready_s")
             with reporting_outcome(services.nodes):  # multi-node: the other nodes learn how the run ended
                 summary = await _train(config, services, metrics, progress, clock, task_group, extra_hooks)
@@ -134,6 +140,7 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
                 summary["nodes"] = services.nodes.summary()
             task_group.cancel_scope.cancel()
     finally:
+        status.finish()
         metrics.close()
         if plan.weight_sync is not None:
             from coordinator.plan import remove_tmpfs_snapshots

@@ -31,7 +31,7 @@ def preflight(config: Config) -> list[str]:
     notes = [*check_paths(config)]
     load_notes, load = check_checkpoints(config)
     notes += [*load_notes, *check_data(config), *check_hooks(config), *check_rewards(config),
-              *check_metric_backends(config)]
+              *check_metric_backends(config), *check_status_port(config)]
     from coordinator.checks.trainable import check_trainable
 
     notes += check_trainable(config)  # with LoRA: the targets against the model
@@ -39,6 +39,20 @@ def preflight(config: Config) -> list[str]:
     if notice is not None:
         warnings.warn(notice, PortingNotice, stacklevel=2)
     return notes
+
+
+def check_status_port(config: Config) -> list[str]:
+    """`--status-port` free on `--status-host` now (it is bound again once the services are up)."""
+    settings = config.logging
+    if not settings.status_port:
+        return []
+    from coordinator.engines.launch import port_is_free
+
+    where = f"{settings.status_host}:{settings.status_port}"
+    if ":" not in settings.status_host and not port_is_free(settings.status_host, settings.status_port):
+        raise ConfigError(f"--status-port {settings.status_port}: {where} is in use or cannot be bound; give "
+                          "another port")
+    return [f"--status-port {settings.status_port}: the status page at http://{where}"]
 
 
 def check_checkpoints(config: Config) -> tuple[list[str], LoadPlan]:

@@ -15,6 +15,8 @@ import struct
 import warnings
 from pathlib import Path
 
+import msgspec
+
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
 
@@ -52,9 +54,9 @@ def check_trainable(config: Config, *, always: bool = False) -> list[str]:
     lora = config.lora.rank_lora(str(model_dir)) if config.lora.enabled else None
     if lora is None:
         return [f"trainable parameters: {total:,} (the full model)"]
-    from workers.train_rank.lora import LoraError, LoraSpec, apply_lora
+    from workers.train_rank.lora import LoraError, apply_lora
 
-    spec = LoraSpec.from_dict({**lora, "adapter_path": None})  # the adapter file's weights load on the ranks
+    spec = msgspec.structs.replace(lora, adapter_path=None)  # the adapter file's weights load on the ranks
     try:
         apply_lora(model, spec)
     except LoraError as error:
@@ -73,11 +75,10 @@ def check_resume_adapters(config: Config) -> None:
     if not load.resume or load.path is None:
         return
     from workers.train_rank import checkpoint
-    from workers.train_rank.lora import LoraSpec
 
     directory = checkpoint.resolve_checkpoint(load.path)
     lora = config.lora.rank_lora(str(config.rollout.hf_checkpoint)) if config.lora.enabled else None
-    current = LoraSpec.from_dict(lora).record() if lora is not None else None
+    current = lora.record() if lora is not None else None
     try:
         checkpoint.check_adapters(directory, checkpoint.checkpoint_adapters(directory), current)
     except checkpoint.CheckpointError as error:

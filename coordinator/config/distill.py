@@ -18,10 +18,10 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from coordinator.config import checkpoint
 from coordinator.config.fields import ConfigError, ConfigWarning, Slice, flag
+from workers.protocol.train_settings import OpdSettings
 
 OPD_TYPES = ("sglang", "megatron")
 TOP_K_STRATEGIES = ("only-student", "only-teacher", "intersection", "union", "xor")
@@ -142,12 +142,12 @@ class DistillConfig(Slice):
                                                                    else ", which the teacher engine serves")
         raise ConfigError(f"--opd-teacher-load {path}: not {kinds}")
 
-    def rank_opd(self, teacher_path: str | None) -> dict[str, Any] | None:
+    def rank_opd(self, teacher_path: str | None) -> OpdSettings | None:
         """The ranks' `opd` setting (None: no distillation)."""
-        if not self.use_opd:
+        if not self.use_opd or self.opd_type is None:
             return None
-        return {"type": self.opd_type, "kl_coef": self.opd_kl_coef,
-                "teacher_path": teacher_path if self.rank_teacher else None}
+        return OpdSettings(type=self.opd_type, kl_coef=self.opd_kl_coef,
+                           teacher_path=teacher_path if self.rank_teacher else None)
 
 
 def engine_base_url(url: str) -> str:

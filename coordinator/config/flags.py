@@ -6,6 +6,7 @@ from __future__ import annotations
 from coordinator.config.checkpoint import CheckpointConfig
 from coordinator.config.cluster import ClusterConfig
 from coordinator.config.debug import DebugConfig
+from coordinator.config.determinism import DeterminismConfig
 from coordinator.config.distill import DistillConfig
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
@@ -33,6 +34,7 @@ SLICES: tuple[tuple[str, type[Slice]], ...] = (
     ("checkpoint", CheckpointConfig),
     ("logging", LoggingConfig),
     ("megatron", MegatronConfig),
+    ("determinism", DeterminismConfig),
 )
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.config.fields import Slice, flag
+from coordinator.config import values
+from coordinator.config.fields import ConfigError, Slice, flag
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -34,7 +35,17 @@ class LoggingConfig(Slice):
     log_passrate: bool = flag(False, help="log slime's pass@k of each rollout's prompt groups (passrate/pass@1, "
                               "@2, @4 ... up to --n-samples-per-prompt; a sample passes with reward 1)")
     no_progress: bool = flag(False, help="plain log lines instead of live progress")
+    status_port: int = flag(0, help="serve the run's status page (/), JSON (/status) and Prometheus metrics "
+                            "(/metrics) on this port (0 = no status server; docs/observability.md)",
+                            minimum=0, maximum=65535, metavar="PORT")
+    status_host: str = flag("127.0.0.1", help="address the status server listens on (with --status-port)",
+                            parse=values.host, metavar="HOST")
     log_level: str = flag("INFO", help="logging level", choices=LOG_LEVELS)
+
+    def check(self) -> None:
+        if self.status_host != "127.0.0.1" and not self.status_port:
+            raise ConfigError(f"--status-host {self.status_host} is for the status server, which only "
+                              "--status-port PORT starts (0, the default, starts none): give --status-port")
 
     def wandb_init_kwargs(self, *, suffix: str) -> dict[str, Any]:
         """Keyword arguments of `wandb.init` (slime's: the run is named after the group, plus `suffix`

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config.fields import ConfigError, ConfigWarning, Slice, flag
+from workers.protocol.train_settings import LoraSettings
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_NAMES = ("all", "all-linear", "all_linear")  # miles' convert_target_modules_to_megatron
@@ -115,7 +116,7 @@ class LoraConfig(Slice):
             raise ConfigError(f"--exclude-modules {self.exclude_modules} leaves none of --target-modules {raw}")
         return targets
 
-    def rank_lora(self, hf_checkpoint: str) -> dict[str, Any] | None:
+    def rank_lora(self, hf_checkpoint: str) -> LoraSettings | None:
         """The ranks' `lora` setting (None: full fine-tuning)."""
         if not self.enabled:
             return None
@@ -132,9 +133,9 @@ class LoraConfig(Slice):
             if rank < 1:
                 raise ConfigError(f"--lora-adapter-path {self.lora_adapter_path}: its adapter_config.json gives "
                                   "no rank 'r': pass --lora-rank")
-        return {"rank": rank, "alpha": alpha, "dropout": self.lora_dropout,
-                "target_modules": list(self.resolved_targets(hf_checkpoint)),
-                "exclude_modules": [], "adapter_path": self.lora_adapter_path}
+        return LoraSettings(rank=rank, alpha=alpha, dropout=self.lora_dropout,
+                            target_modules=tuple(self.resolved_targets(hf_checkpoint)),
+                            adapter_path=self.lora_adapter_path)
 
 
 def _split(value: str) -> list[str]:

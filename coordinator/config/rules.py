@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from coordinator.config.determinism_rules import deterministic_runs_can_hold
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 
@@ -277,6 +278,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     session_server_does_not_abort_on_update,
     colocation_is_not_async,
     colocation_needs_both_halves,
+    deterministic_runs_can_hold,
     distillation_has_a_teacher,
 )
 

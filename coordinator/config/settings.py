@@ -20,6 +20,7 @@ from coordinator.config.aliases import apply_hook_aliases
 from coordinator.config.checkpoint import CheckpointConfig, LoadPlan, resolve_load, resolve_ref_load
 from coordinator.config.cluster import ClusterConfig, resolve_colocation
 from coordinator.config.debug import DebugConfig
+from coordinator.config.determinism import DeterminismConfig
 from coordinator.config.distill import DistillConfig
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
@@ -34,6 +35,7 @@ from coordinator.config.secrets import MASK, mask_argv
 from coordinator.config.sglang import SglangConfig
 from coordinator.config.training import TrainConfig
 from coordinator.config.upstream import Row
+from workers.protocol.train_settings import CheckpointSettings, MemorySettings, ModelSettings, TrainSettings
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # type: ignore[valid-type]
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     #: `--config FILE`, when one supplied flags.
     config_file: str | None = None
     #: The flags the user gave (command line or file), by field name; rules use it to warn about no-ops.
@@ -226,26 +229,25 @@ class Config:
         `--use-kl-loss`, as slime."""
         return resolve_ref_load(self.checkpoint, use_kl_loss=self.train.use_kl_loss)
 
-    def rank_settings(self) -> dict[str, Any]:
+    def rank_settings(self) -> TrainSettings:
         """The training ranks' settings: the train slice plus what other slices decide for them (a TIS hook's
         `args` aside: `coordinator.hooks.args.rank_settings` gives the whole of what the ranks receive)."""
+        hf_checkpoint = str(self.rollout.hf_checkpoint)
+        model = ModelSettings(path=hf_checkpoint, reference_path=self.reference_path(),
+                              lora=self.lora.rank_lora(hf_checkpoint))
+        checkpoint = CheckpointSettings(save_dir=self.checkpoint.save,
+                                        save_retain_interval=self.checkpoint.save_retain_interval)
         settings = self.train.rank_settings(
-            model_path=str(self.rollout.hf_checkpoint), save_dir=self.checkpoint.save,
-            lr_decay_steps=self.total_train_steps, reference_path=self.reference_path(),
-            save_retain_interval=self.checkpoint.save_retain_interval,
+            model=model, checkpoint=checkpoint, lr_decay_steps=self.total_train_steps,
             policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
-        if self.train.custom_tis_function_path is not None:
-            # its `args` (slime's namespace, built by the hooks layer) are added by `hooks.args.rank_settings`
-            settings["tis_function_path"] = self.train.custom_tis_function_path
         if self.distill.use_opd:
-            settings["opd"] = self.distill.rank_opd(self.distill.teacher_path())
-        if self.lora.enabled:
-            settings["lora"] = self.lora.rank_lora(str(self.rollout.hf_checkpoint))
+            settings = settings.replace(opd=self.distill.rank_opd(self.distill.teacher_path()))
         if self.offloads_train:
             # CPU ranks spill their state to a file here (a real disk, so the memory is freed, not moved)
-            settings["offload_dir"] = str(self.logging.resolved_run_dir / "train-offload")
-            settings["train_memory_margin_bytes"] = self.cluster.train_memory_margin_bytes
-        return settings
+            settings = settings.replace(memory=MemorySettings(
+                offload_dir=str(self.logging.resolved_run_dir / "train-offload"),
+                train_memory_margin_bytes=self.cluster.train_memory_margin_bytes))
+        return self.determinism.rank_settings(settings)
 
     # --- validation and the resolved config ------------------------------------------------------------------
     def flat(self) -> dict[str, Any]:

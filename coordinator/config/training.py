@@ -1,7 +1,8 @@
 """The train slice: what the training ranks are told (optimizer, schedule, loss, batching, memory, seed).
 
-Owns these flags and `rank_settings`, the one mapping from them to the settings dict the ranks validate
-(`workers.train_rank.settings.TrainSettings`): the ranks never see the coordinator's Config. Flag names and
+Owns these flags and `rank_settings`, the one mapping from them to the settings the ranks receive
+(`workers.protocol.train_settings.TrainSettings`, whose components hold the rules that span fields, such as
+--use-tis against --use-rollout-logprobs): the ranks never see the coordinator's Config. Flag names and
 meanings are slime's (Megatron's for the optimizer and schedule); the README's "Porting from slime / miles"
 lists where a default differs. Megatron flags with an equivalent here (`--micro-batch-size`,
 `--use-dynamic-batch-size`, `--bf16`/`--fp16`, `--recompute-*`, `--optimizer-cpu-offload`) are declared here
@@ -11,13 +12,23 @@ too; the ones without one are in the `megatron` slice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+import msgspec
 
 from coordinator.config import values
 from coordinator.config.fields import ConfigError, Slice, flag
-
-KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+from workers.protocol.train_settings import (
+    KL_LOSS_TYPES,
+    LR_DECAY_STYLES,
+    BatchingSettings,
+    CheckpointSettings,
+    LossSettings,
+    ModelSettings,
+    OptimizerSettings,
+    ParallelSettings,
+    SettingsError,
+    TrainSettings,
+)
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,8 @@ class TrainConfig(Slice):
     attn_implementation: str | None = flag(None, help="the training model's attention (transformers' "
                                            "attn_implementation; default sdpa): flash_attention_2 runs packed "
                                            "micro-batches as varlen on CUDA, sdpa/eager with a block-diagonal mask",
-                                           choices=("eager", "sdpa", "flash_attention_2", "flex_attention"))
+                                           choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3",
+                                                    "flex_attention"))
     train_pg_timeout_s: float = flag(300.0, help="the training ranks' collective timeout after their first step "
                                      "(0: keep the start-up's, RAYLESS_PG_TIMEOUT_S or 600 s)", minimum=0)
     micro_batch_size: int | None = flag(None, help="samples per micro-batch (without --use-dynamic-batch-size; "
@@ -121,11 +133,12 @@ class TrainConfig(Slice):
                 raise ConfigError(f"{name}: must be < 1, got {value}")
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 both choose the compute dtype: give one")
-        if self.tis_clip_low > self.tis_clip:
-            raise ConfigError(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}")
-        if self.use_tis and self.use_rollout_logprobs:
-            raise ConfigError("--use-tis weights the loss by train/rollout logprob ratios; --use-rollout-logprobs "
-                              "uses the rollout logprobs as the train ones: slime allows only one of them")
+        try:  # the rules the ranks' settings hold (one copy: workers.protocol.train_settings)
+            self.optimizer_settings()
+            self.loss_settings()
+            self.batching_settings()
+        except SettingsError as exc:
+            raise ConfigError(str(exc)) from None
         if self.min_lr > self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
@@ -139,54 +152,42 @@ class TrainConfig(Slice):
     def compute_dtype(self) -> str | None:
         return "bfloat16" if self.bf16 else "float16" if self.fp16 else None
 
-    def rank_settings(self, *, model_path: str, save_dir: str | None, lr_decay_steps: int | None = None,
-                      reference_path: str | None = None, save_retain_interval: int | None = None,
-                      policy_loss: str = "ppo") -> dict[str, Any]:
-        """What the ranks need to know, and nothing else.
+    def optimizer_settings(self, lr_decay_steps: int | None = None) -> OptimizerSettings:
+        """lr_decay_steps: the optimizer steps of the whole run (the decay's default span)."""
+        return OptimizerSettings(
+            lr=self.lr, min_lr=self.min_lr, lr_decay_style=self.lr_decay_style,
+            lr_decay_steps=self.lr_decay_iters or lr_decay_steps, warmup_steps=self.lr_warmup_iters,
+            warmup_fraction=self.lr_warmup_fraction, warmup_init_lr=self.lr_warmup_init,
+            weight_decay=self.weight_decay, adam_beta1=self.adam_beta1, adam_beta2=self.adam_beta2,
+            adam_eps=self.adam_eps, clip_grad=self.clip_grad)
 
-        lr_decay_steps: the optimizer steps of the whole run (the decay's default span); reference_path: where
-        the reference model comes from (`--ref-load`; default: `model_path`); policy_loss: "ppo" (per-token
-        ratio) or "gspo" (sequence ratio), from `--advantage-estimator`.
-        """
-        return {
-            "model_path": model_path,
-            "reference_path": reference_path,
-            "seed": self.seed,
-            "lr": self.lr,
-            "min_lr": self.min_lr,
-            "lr_decay_style": self.lr_decay_style,
-            "lr_decay_steps": self.lr_decay_iters or lr_decay_steps,
-            "warmup_steps": self.lr_warmup_iters,
-            "warmup_fraction": self.lr_warmup_fraction,
-            "warmup_init_lr": self.lr_warmup_init,
-            "weight_decay": self.weight_decay,
-            "adam_beta1": self.adam_beta1,
-            "adam_beta2": self.adam_beta2,
-            "adam_eps": self.adam_eps,
-            "clip_grad": self.clip_grad,
-            "eps_clip": self.eps_clip,
-            "eps_clip_high": self.eps_clip_high if self.eps_clip_high is not None else self.eps_clip,
-            "policy_loss": policy_loss,
-            "use_kl_loss": self.use_kl_loss,
-            "kl_loss_coef": self.kl_loss_coef,
-            "kl_loss_type": self.kl_loss_type,
-            "entropy_coef": self.entropy_coef,
-            "use_rollout_logprobs": self.use_rollout_logprobs,
-            "use_tis": self.use_tis,
-            "tis_clip": self.tis_clip,
-            "tis_clip_low": self.tis_clip_low,
-            "max_tokens_per_micro_batch": self.max_tokens_per_gpu,
-            "log_probs_chunk_size": self.log_probs_chunk_size,
-            "attn_implementation": self.attn_implementation,
-            "train_pg_timeout_s": self.train_pg_timeout_s,
-            "micro_batch_size": None if self.use_dynamic_batch_size else self.micro_batch_size,
-            "compute_dtype": self.compute_dtype,
-            "gradient_checkpointing": self.activation_checkpointing,
-            "global_batch_size": self.global_batch_size,  # None: one optimizer step per rollout
-            "num_steps_per_rollout": self.num_steps_per_rollout if self.global_batch_size is None else None,
-            "save_dir": save_dir,
-            "save_retain_interval": save_retain_interval,
-        }
+    def loss_settings(self, policy_loss: str = "ppo") -> LossSettings:
+        """policy_loss: "ppo" (per-token ratio) or "gspo" (sequence ratio), from `--advantage-estimator`."""
+        return LossSettings(
+            policy_loss=policy_loss, eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high,
+            use_kl_loss=self.use_kl_loss, kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type,
+            entropy_coef=self.entropy_coef, use_rollout_logprobs=self.use_rollout_logprobs,
+            use_tis=self.use_tis, tis_clip=self.tis_clip, tis_clip_low=self.tis_clip_low,
+            tis_function_path=self.custom_tis_function_path)
+
+    def batching_settings(self) -> BatchingSettings:
+        return BatchingSettings(
+            max_tokens_per_micro_batch=self.max_tokens_per_gpu, log_probs_chunk_size=self.log_probs_chunk_size,
+            micro_batch_size=None if self.use_dynamic_batch_size else self.micro_batch_size,
+            global_batch_size=self.global_batch_size,  # None: one optimizer step per rollout
+            num_steps_per_rollout=self.num_steps_per_rollout if self.global_batch_size is None else None)
+
+    def rank_settings(self, *, model: ModelSettings, checkpoint: CheckpointSettings,
+                      lr_decay_steps: int | None = None, policy_loss: str = "ppo") -> TrainSettings:
+        """What the ranks need to know, and nothing else, by component (`model` and `checkpoint`: what other
+        slices decide about where the policy, its reference and the saves are)."""
+        model = msgspec.structs.replace(model, attn_implementation=self.attn_implementation,
+                                        compute_dtype=self.compute_dtype,
+                                        gradient_checkpointing=self.activation_checkpointing)
+        return TrainSettings(
+            model=model, seed=self.seed, optimizer=self.optimizer_settings(lr_decay_steps),
+            loss=self.loss_settings(policy_loss), batching=self.batching_settings(), checkpoint=checkpoint,
+            parallel=ParallelSettings(train_pg_timeout_s=self.train_pg_timeout_s))
 
     @property
     def train_env(self) -> tuple[tuple[str, str], ...]:

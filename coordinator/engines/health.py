@@ -35,6 +35,7 @@ from coordinator.engines.errors import EngineError, EngineHTTPError, EngineTimeo
 from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
 from coordinator.engines.policy import NO_RETRY
 from coordinator.engines.recovery import EngineRecovery, RouterLike
+from coordinator.observe.timeline import span
 
 if TYPE_CHECKING:
     from coordinator.config import Config, FaultToleranceConfig
@@ -227,9 +228,10 @@ class HealthMonitor:
                 except EngineError:
                     progress = None
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(health)
-            tg.start_soon(metrics)
+        with span("health probe", ("health", handle.name), lanes=True):  # a slow probe overlaps the next
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(health)
+                tg.start_soon(metrics)
         if self._pause_marks() != marks or not all(set_ for _, set_ in marks):
             self.stats.discarded += 1  # overlapped a weight update or a pin: says nothing about health
             return
@@ -276,7 +278,8 @@ class HealthMonitor:
         while handle.state is EngineState.DEAD:
             await self._wait_not_paused()
             try:
-                await self.recovery.recover(handle, timeout=self.relaunch_timeout)
+                with span("recovery", ("health", f"{handle.name} recovery")):
+                    await self.recovery.recover(handle, timeout=self.relaunch_timeout)
             except Exception as error:  # a failed recovery is retried; the run goes on with the others
                 self.stats.recovery_errors += 1
                 self.events.append(HealthEvent(time.monotonic(), handle.name, "recovery_failed", repr(error)))

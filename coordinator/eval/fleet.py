@@ -32,6 +32,7 @@ from coordinator.engines.fleet import EngineFleet
 from coordinator.eval.pin import EvalPin, EvalSkip, PinnedPool
 from coordinator.eval.run import evaluate_dataset, generate_state
 from coordinator.eval.settings import EvalDataset, EvalSettings, load_eval_datasets
+from coordinator.observe.timeline import span
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.requests import GenerateState, RequestSlots
 
@@ -144,7 +145,8 @@ class EvalFleet:
             job = self._waiting.popleft()
             self._running = job
             try:
-                await self._run_job(job)
+                with span("eval", ("eval", "eval fleet"), eval_id=job.eval_id, pinned_step=job.pinned_step):
+                    await self._run_job(job)
             finally:
                 self._running = None
                 self._notify()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.eval.run import evaluate_dataset, generate_state
 from coordinator.eval.settings import EvalDataset, EvalSettings, load_eval_datasets
+from coordinator.observe.timeline import span
 
 if TYPE_CHECKING:
     from coordinator.config import Config
@@ -96,7 +97,8 @@ class RolloutEngineEval:
     async def after_step(self, rollout_id: int, weight_version: str) -> None:
         """Training-loop hook: evaluate the weights just synced to the engines when an evaluation is due."""
         if self.due(rollout_id):
-            await self.evaluate(rollout_id, weight_version)
+            with span("eval", ("eval", "rollout engines"), step=rollout_id):
+                await self.evaluate(rollout_id, weight_version)
 
     async def evaluate(self, step: int, weight_version: str) -> dict[str, Any]:
         """Evaluate every dataset now; the metrics row is logged at `step` and returned."""

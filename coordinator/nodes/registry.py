@@ -6,7 +6,9 @@ lost nodes (connection closed, or silent for `wire.SILENCE_S`): their engines ar
 It is the engine fleets' `RemoteEngines`. Lost and returning nodes: docs/multi-node.md.
 
 Invariants:
-- Before a peer proves the token only its bounded hello is read; a refused peer is named in the log.
+- Before a peer proves the token only its bounded hello is read, within `handshake_timeout_s`; at most
+  `max_pending` connections wait for their hello at once (one past it is closed unread, at once); a refused
+  peer is named in the log, a flood of them summed up in one line per interval (`refusals.RefusalLog`).
 - A node is welcomed only once `before_welcome` returned (node 0's control channel listens); at most one
   connection per node rank.
 - With the disk weight sync a node that does not see node 0's run directory ends the run at start-up
@@ -31,6 +33,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.engines.errors import EngineError
 from coordinator.nodes import shared, wire
+from coordinator.nodes.refusals import RefusalLog
 from coordinator.plan.layout import NodeLayout
 from coordinator.train.connection import STREAM_ERRORS
 from workers.errors import RaylessError
@@ -80,7 +83,7 @@ class NodeRegistry:
                  shared_dirs: list[Path], disk_sync_dir: Path | None = None, save_dir: Path | None = None,
                  before_welcome: Callable[[], Awaitable[None]] | None = None,
                  on_node_lost: Callable[[int, str], Awaitable[None]] | None = None,
-                 handshake_timeout_s: float = 30.0) -> None:
+                 handshake_timeout_s: float = 10.0, max_pending: int = 64) -> None:
         self.layout = layout
         self.token = token
         self.engine_nodes = dict(engine_nodes)
@@ -90,12 +93,15 @@ class NodeRegistry:
         self.before_welcome = before_welcome
         self.on_node_lost = on_node_lost
         self.handshake_timeout_s = handshake_timeout_s
+        #: connections that have not proven the token yet, and how many may
+        self.pending = 0
+        self.max_pending = max_pending
         #: connected nodes now, by node rank
         self.nodes: dict[int, _Session] = {}
         #: each node's address as node 0 sees it (the last connection's), by node rank
         self.hosts: dict[int, str] = {}
-        #: why connections were refused, in order
-        self.refusals: list[str] = []
+        #: why connections were refused: the last 100 in order (`refusal_log.total` counts them all)
+        self.refusal_log = RefusalLog()
         #: "joined" / "lost" / "back" events, in order: (node, what, detail)
         self.events: list[tuple[int, str, str]] = []
         self._reports: dict[str, tuple[str, int]] = {}
@@ -105,6 +111,10 @@ class NodeRegistry:
         self._fleets: list[EngineFleet] = []
         self._outcome = wire.NodeShutdown(ok=False, reason="the coordinator stopped before the run finished")
         self._markers: list[list[str]] = []
+
+    @property
+    def refusals(self) -> list[str]:
+        return list(self.refusal_log.recent)
 
     # -- lifetime ------------------------------------------------------------------------------------------
 
@@ -128,6 +138,7 @@ class NodeRegistry:
                     f"({error.strerror or error}): every node dials that port; choose another MASTER_PORT or "
                     "--control-port (the registry takes the port after the control channel's)") from None
             async with listener, anyio.create_task_group() as tg:
+                await tg.start(self.refusal_log.run)
                 tg.start_soon(listener.serve, self._handle, tg)
                 log.info("node registry listening on %s:%d for nodes 1..%d", self.layout.control_bind,
                          self.layout.registry_port, self.layout.num_nodes - 1)
@@ -181,9 +192,8 @@ class NodeRegistry:
         self._changed.set()
         self._changed = anyio.Event()
 
-    async def _refuse(self, stream: anyio.abc.ByteStream, peer: str, reason: str) -> None:
-        self.refusals.append(f"{peer}: {reason}")
-        log.warning("node registry refused a connection from %s: %s", peer, reason)
+    async def _refuse(self, stream: anyio.abc.ByteStream, peer: str, reason: str, kind: str) -> None:
+        self.refusal_log.note(peer, reason, kind=kind)
         with contextlib.suppress(*STREAM_ERRORS, wire.WireError), anyio.move_on_after(self.handshake_timeout_s):
             await wire.send(stream, wire.NodeRefused(reason=reason))
         with contextlib.suppress(*STREAM_ERRORS):
@@ -203,20 +213,43 @@ class NodeRegistry:
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         peer_address = stream.extra(SocketAttribute.remote_address, ("?", 0))
         peer = f"{peer_address[0]}:{peer_address[1]}" if isinstance(peer_address, tuple) else str(peer_address)
+        if self.pending >= self.max_pending:  # a flood: closed unread, so it holds no file for long
+            self.refusal_log.note(peer, f"over the {self.max_pending} connections that may await their hello",
+                                  kind="over the cap of connections awaiting their hello")
+            with contextlib.suppress(*STREAM_ERRORS):
+                await stream.aclose()
+            return
+        self.pending += 1
+        try:
+            proven = await self._hello(stream, peer)
+        finally:
+            self.pending -= 1
+        if proven is not None:
+            await self._welcome(stream, peer, peer_address, proven)
+
+    async def _hello(self, stream: anyio.abc.ByteStream, peer: str
+                     ) -> tuple[wire.NodeHello, BufferedByteReceiveStream] | None:
+        """The peer's hello once it proved the token; None once it was refused."""
         buffered = BufferedByteReceiveStream(stream)
         try:
             with anyio.fail_after(self.handshake_timeout_s):
                 hello = await wire.receive_hello(buffered)
         except wire.WireError as exc:
-            await self._refuse(stream, peer, f"bad hello: {exc}")
-            return
+            await self._refuse(stream, peer, f"bad hello: {exc}", "with a bad hello")
+            return None
         except (TimeoutError, *STREAM_ERRORS) as exc:
-            await self._refuse(stream, peer, f"no hello within {self.handshake_timeout_s:g} s ({type(exc).__name__})")
-            return
+            await self._refuse(stream, peer, f"no hello within {self.handshake_timeout_s:g} s ({type(exc).__name__})",
+                               "without a hello")
+            return None
         reason = self._check(hello)
         if reason is not None:
-            await self._refuse(stream, peer, reason)
-            return
+            await self._refuse(stream, peer, reason, "with a hello refused")
+            return None
+        return hello, buffered
+
+    async def _welcome(self, stream: anyio.abc.ByteStream, peer: str, peer_address: object,
+                       proven: tuple[wire.NodeHello, BufferedByteReceiveStream]) -> None:
+        hello, buffered = proven
         if self.before_welcome is not None:
             await self.before_welcome()
         old = self.nodes.get(hello.node_rank)

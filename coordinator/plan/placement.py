@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from coordinator.config import determinism_rules as determinism
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
 from coordinator.engines.launch import engine_launch_spec, engine_log_path, free_port
@@ -56,6 +57,8 @@ def build_plan(config: Config, gpus: GpuInventory, *, has_sglang: bool | None = 
         layout_warnings = [*layout_warnings, *found]
     has_sglang = sglang_installed() if has_sglang is None else has_sglang
     rollout, eval_, warnings = choose_engines(config, has_sglang=has_sglang, lenient=lenient)
+    determinism.check_engine_backends(config, [choice.backend for choice in (rollout, eval_) if choice],
+                                      sglang_version=determinism.installed_sglang_version() if has_sglang else None)
     warnings = [*layout_warnings, *warnings]
     policy = "colocate" if config.colocated else "separate"
     gpus = gpus.at_most(config.cluster.num_gpus_per_node)
@@ -202,6 +205,10 @@ def _engine_slots(config: Config, group: str, indices: range, choice: EngineChoi
             spill_dir=str(run_dir / "engine-spill" / name) if releases and choice.device == "cpu" else None)
         if python != spec.python or host != spec.host:
             spec = dataclasses.replace(spec, python=python, host=host)
+        if config.determinism.active:  # the engine's deterministic flags and the one pinned thread count
+            spec = dataclasses.replace(
+                spec, extra_args=spec.extra_args + determinism.engine_args(config, choice.backend),
+                env=spec.env + determinism.engine_env(config))
         slots.append(EngineSlot(name=name, group=group, gpus=positions, choice=choice, spec=spec,
                                 log=engine_log_path(run_dir, name)))
     return tuple(slots)

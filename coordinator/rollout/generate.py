@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from coordinator.observe.timeline import span
 from coordinator.rewards.pass_rate import pass_rates
 from coordinator.rollout.data_source import PromptRecord
 from coordinator.rollout.dispatch import Dispatcher
@@ -192,10 +193,12 @@ class DefaultRollout:
 
     async def _keep(self, samples: list[Sample], progress: RolloutProgress) -> bool:
         """Score a finished group; False when the dynamic filter drops it."""
-        await self.reward_model.score_group(samples, keep_given=self.custom_generate is not None)
+        with span("reward", ("rollout", None)):
+            await self.reward_model.score_group(samples, keep_given=self.custom_generate is not None)
         if self.filter is None:
             return True
-        keep = (await self.filter(samples)).keep
+        with span("filter", ("rollout", None)):
+            keep = (await self.filter(samples)).keep
         if not keep:
             progress.filtered += 1
         return keep

@@ -7,7 +7,7 @@ Owns `SessionServer` and its routes (miles' `setup_session_routes`): `POST /sess
 recorded; the engine's JSON passed back, as SSE when the agent asked to stream), `POST /sessions/{id}/samples`
 (the trajectory as a sample's fields), any other `/sessions/{id}/<path>` proxied to the session's engine, and
 `GET /health`. The HTTP side (bounded connections, heads and bodies, deadlines, the API key of
-`--sglang-api-key`) is the hook endpoint's.
+`--sglang-api-key`) is the shared layer's (`workers.boundary.http_server`), behind the hook endpoint's gates.
 
 Invariants: every call of one session goes to one engine, picked when the session is created (another one only
 after the dispatcher's fleet found it dead), the router bypassed (it drops `input_ids` and `return_meta_info`)
@@ -22,14 +22,22 @@ import json
 import logging
 from typing import Any
 
-import h11
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from coordinator.engines.client import EngineError, EngineHTTPError
-from coordinator.hooks.runtime import HookRoutes
 from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
-from coordinator.rollout.hook_endpoint import HookEndpoint, HttpReply
+from coordinator.rollout.hook_endpoint import ENGINE_HEADER, guarded
 from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
 from coordinator.sessions.trajectory import Session, assemble
+from workers.boundary.errors import BoundaryError
+from workers.boundary.http_gates import BodyTooLarge, HttpReply, read_body, reply_handler
+from workers.boundary.http_guard import ServerLimits
+from workers.boundary.http_server import AppServer
+from workers.boundary.json_input import JsonLimits, decode_json_async
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +68,22 @@ def _sse(response: dict[str, Any]) -> bytes:
     return b"data: " + _json(chunk) + b"\n\ndata: [DONE]\n\n"
 
 
-class SessionServer(HookEndpoint):
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+class SessionServer(AppServer):
     """The session routes over the rollout's dispatcher. `await task_group.start(server.run)` listens."""
 
     DESCRIPTION = "session server (/sessions for agents on the OpenAI API, over the rollout's dispatcher)"
 
     def __init__(self, *, dispatcher: Dispatcher, tito: TitoTokenizer, matcher: Matcher, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, max_sessions: int = 65536,
-                 max_body_bytes: int = 64 * 1024 * 1024) -> None:
-        super().__init__(dispatcher=dispatcher, routes=HookRoutes(), seed=0, api_key=api_key, host=host, port=port,
-                         max_body_bytes=max_body_bytes)
+                 max_body_bytes: int = 64 * 1024 * 1024, limits: ServerLimits | None = None) -> None:
+        super().__init__(host=host, port=port, limits=limits or ServerLimits())
+        self.dispatcher = dispatcher
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.requests = 0
         self.tito = tito
         self.matcher = matcher
         self.max_sessions = max_sessions
@@ -109,13 +123,20 @@ class SessionServer(HookEndpoint):
                 self.dispatcher.assigned[session.engine.url] -= 1
 
     # --- routes -------------------------------------------------------------------------------------------
-    async def _respond(self, request: h11.Request, body: bytes) -> tuple[int, bytes, str | None]:
+    def app(self) -> ASGIApp:
+        app = Starlette(routes=[Route("/{path:path}", self._route, methods=METHODS)],
+                        exception_handlers={HttpReply: reply_handler})
+        return guarded(app, max_body_bytes=self.max_body_bytes, api_key=self.api_key)
+
+    async def _route(self, request: Request) -> Response:
+        status, data, served_by = await self._respond(request)
+        kind = "text/event-stream" if data.startswith(b"data: ") else "application/json"
+        return Response(data, status_code=status, media_type=kind,
+                        headers={ENGINE_HEADER: served_by} if served_by else None)
+
+    async def _respond(self, request: Request) -> tuple[int, bytes, str | None]:
         self.requests += 1
-        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in request.headers}
-        self._authorise(headers)
-        target = request.target.decode("latin-1")
-        path, _, query = target.partition("?")
-        method = request.method.decode("latin-1")
+        path, query, method = request.url.path, request.url.query, request.method
         parts = [part for part in path.split("/") if part]
         if parts == ["health"]:
             return 200, b'{"status":"ok"}', None
@@ -132,19 +153,24 @@ class SessionServer(HookEndpoint):
                 return 200, b"{}", None
             raise HttpReply(405, f"{method} {path}: use GET or DELETE")
         if rest == "samples" and method == "POST":
-            return 200, _json(self._samples(self.get(session_id), self._body(body))), None
+            return 200, _json(self._samples(self.get(session_id), await self._body(request))), None
         if rest == CHAT_PATH and method == "POST":
-            return await self._chat(self.get(session_id), self._body(body))
-        return await self._proxy(self.get(session_id), method, rest + (f"?{query}" if query else ""), body)
+            return await self._chat(self.get(session_id), await self._body(request))
+        session = self.get(session_id)
+        payload = await self._body(request, proxied=True)
+        return await self._proxy(session, method, rest + (f"?{query}" if query else ""), payload)
 
-    @staticmethod
-    def _body(body: bytes) -> dict[str, Any]:
-        if not body.strip():
-            return {}
+    async def _body(self, request: Request, *, proxied: bool = False) -> Any:
+        """The request's JSON object, bounded by the shared decoder; no body is {} (None when `proxied`)."""
         try:
-            value = json.loads(body)
-        except ValueError as error:
-            raise HttpReply(400, f"invalid JSON body: {error}") from None
+            body = await read_body(request, self.max_body_bytes)
+            if not body.strip():
+                return None if proxied else {}
+            value = await decode_json_async(body, "request body", JsonLimits(max_bytes=self.max_body_bytes))
+        except BodyTooLarge as error:
+            raise HttpReply(413, str(error)) from None
+        except BoundaryError as error:
+            raise HttpReply(400, f"invalid JSON body: {error.reason}") from None
         if not isinstance(value, dict):
             raise HttpReply(400, "the body must be a JSON object")
         return value
@@ -213,8 +239,8 @@ class SessionServer(HookEndpoint):
         return {"reply": reply, "output_ids": [int(p[1]) for p in pairs], "logprobs": [float(p[0]) for p in pairs],
                 "finish": choice.get("finish_reason"), "weight_version": meta.get("weight_version")}
 
-    async def _proxy(self, session: Session, method: str, path: str, body: bytes) -> tuple[int, bytes, str | None]:
-        payload = self._body(body) if body.strip() else None
+    async def _proxy(self, session: Session, method: str, path: str,
+                     payload: dict[str, Any] | None) -> tuple[int, bytes, str | None]:
         response, url = await self._engine_call(session, method, path, payload)
         return 200, _json(response), url
 
@@ -257,9 +283,3 @@ class SessionServer(HookEndpoint):
             raise HttpReply(503, str(error)) from None
         self.dispatcher.assigned[handle.url] += 1
         return handle
-
-    async def _send(self, connection: h11.Connection, stream: Any, status: int, data: bytes, *,
-                    close: bool = False, extra: list[tuple[str, str]] | None = None) -> None:
-        if data.startswith(b"data: "):
-            extra = [*(extra or []), ("content-type", "text/event-stream")]
-        await super()._send(connection, stream, status, data, close=close, extra=extra)

@@ -18,16 +18,17 @@ from typing import Any
 import anyio
 
 from coordinator.observe.startup import PhaseObserver
+from coordinator.observe.timeline import ranks_trained
 from coordinator.train.channel import ControlServer
 from coordinator.train.planning import (
     StepPlan,
     plan_steps,
     reduce_rollout_metrics,
     reduce_step_metrics,
-    steps_config,
 )
 from coordinator.train.recovery import RankRecovery
 from workers import protocol
+from workers.protocol.train_settings import TrainSettings
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +63,17 @@ class TrainCommands:
     world_size: int
     observer: PhaseObserver
     recovery: RankRecovery | None
-    train_config: dict[str, Any] | None
+    settings: TrainSettings | None
     #: one dict of metrics per optimizer step of the last `train()`
     step_metrics: list[dict[str, float]]
+    #: each rank's seconds in the last `train()` (the sum of its steps' `step_time_s`; the status server's)
+    rank_step_s: tuple[float, ...] = ()
 
-    async def init(self, train_config: dict[str, Any]) -> dict[str, Any]:
+    async def init(self, settings: TrainSettings) -> dict[str, Any]:
         """Load the model on every rank and build the optimizer. Returns rank 0's summary."""
-        steps_config(train_config)  # reject contradictory batch settings before any rank loads a model
         self.observer.phase(self.NAME, "loading", "model and optimizer on every rank")
-        results = await self.server.call_all(protocol.InitCommand(dict(train_config)))
-        self.train_config = dict(train_config)
+        results = await self.server.call_all(protocol.InitCommand(settings))
+        self.settings = settings
         self.observer.phase(self.NAME, "ready")
         if self.recovery is not None:
             self.recovery.initialised()
@@ -85,19 +87,20 @@ class TrainCommands:
         by token count. Returns the rollout's metrics; `step_metrics` keeps one dict per step. With train FT
         (`max_restarts > 0`) a step lost to dead ranks is sent again once they are back (`recovery`).
         """
-        if self.train_config is None:
-            raise RuntimeError("TrainGroup.train() before init(): call init(train_config) first")
+        if self.settings is None:
+            raise RuntimeError("TrainGroup.train() before init(): call init(settings) first")
         if self.recovery is None:
             return await self._train_once(rollout_id, samples)
         return await self.recovery.run_step(rollout_id, lambda: self._train_once(rollout_id, samples))
 
     async def _train_once(self, rollout_id: int, samples: Sequence[Any]) -> dict[str, float]:
-        config = self.train_config or {}
+        assert self.settings is not None  # train() checked
+        batching = self.settings.batching
 
         def prepare() -> list[StepPlan]:
             # Converting and splitting thousands of samples would stall the event loop.
             wire = [protocol.WireSample.from_sample(sample) for sample in samples]
-            return plan_steps(wire, config, self.world_size)
+            return plan_steps(wire, batching, self.world_size)
 
         plan = await anyio.to_thread.run_sync(prepare)
         commands: dict[int, protocol.Command] = {
@@ -110,6 +113,9 @@ class TrainCommands:
         }
         results = await self.server.call(commands)
         by_rank = [protocol.TrainResult.from_wire(results[rank]).steps for rank in range(self.world_size)]
+        step_times = [[step.step_time_s for step in steps] for steps in by_rank]
+        self.rank_step_s = tuple(sum(times) for times in step_times)
+        ranks_trained(step_times, rollout_id)
         self.step_metrics = [
             reduce_step_metrics([steps[index] for steps in by_rank]) for index in range(len(plan))
         ]
@@ -119,10 +125,10 @@ class TrainCommands:
         self, rollout_id: int, extra: dict[str, Any] | None = None, directory: str | Path | None = None
     ) -> Path:
         """Write a resumable checkpoint to `<save_dir>/rollout_<id>` (atomic; `latest` updated)."""
-        target = directory or (self.train_config or {}).get("save_dir")
+        target = directory or (self.settings.checkpoint.save_dir if self.settings is not None else None)
         if not target:
             raise ValueError(
-                "save() needs a directory: pass directory= or set 'save_dir' in the train config"
+                "save() needs a directory: pass directory= or set checkpoint.save_dir in the settings"
             )
         command = protocol.SaveCommand(
             rollout_id=int(rollout_id), directory=str(target), extra=dict(extra or {})

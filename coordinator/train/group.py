@@ -32,6 +32,7 @@ from coordinator.train.errors import ControlPortError, RankFailure
 from coordinator.train.recovery import RankRecovery
 from coordinator.train.torchrun import TorchrunProcess, TorchrunSpec
 from workers import protocol
+from workers.protocol.train_settings import TrainSettings
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class TrainGroup(TrainCommands):
         )
         self.recovery = RankRecovery(self, max_recoveries=max_restarts) if max_restarts > 0 else None
         self.address: str | None = None
-        self.train_config: dict[str, Any] | None = None
+        self.settings: TrainSettings | None = None
         #: one dict of metrics per optimizer step of the last `train()`
         self.step_metrics: list[dict[str, float]] = []
         # Set once the listener is bound (`address` known) and once every rank has said Hello.
@@ -224,7 +225,7 @@ class TrainGroup(TrainCommands):
             return listener
 
     def _connected(self, connected: int) -> None:
-        if connected == self.world_size and self.train_config is not None:
+        if connected == self.world_size and self.settings is not None:
             self.observer.phase(self.NAME, "ready", "every rank is back")  # after a restart (train FT)
         else:
             self.observer.phase(self.NAME, f"connected {connected}/{self.world_size}")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from workers.protocol import StepMetrics, WireSample
+from workers.protocol.train_settings import BatchingSettings
 
 
 @dataclass
@@ -24,25 +24,11 @@ class StepPlan:
     loss_tokens: int
 
 
-def steps_config(train_config: dict[str, Any]) -> tuple[int | None, int | None]:
-    """(global_batch_size, num_steps_per_rollout) of a train config; ValueError naming a bad setting."""
-    global_batch_size = train_config.get("global_batch_size")
-    num_steps = train_config.get("num_steps_per_rollout")
-    if global_batch_size is not None and num_steps is not None:
-        raise ValueError(
-            "set either global_batch_size or num_steps_per_rollout in the train config, not both"
-        )
-    for name, value in (("global_batch_size", global_batch_size), ("num_steps_per_rollout", num_steps)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return global_batch_size, num_steps
-
-
-def plan_steps(samples: list[WireSample], train_config: dict[str, Any], world_size: int) -> list[StepPlan]:
+def plan_steps(samples: list[WireSample], batching: BatchingSettings, world_size: int) -> list[StepPlan]:
     """Cut samples into optimizer steps (in order) and each step into per-rank shards by token count."""
     if not samples:
         raise ValueError("train() got no samples")
-    global_batch_size, num_steps = steps_config(train_config)
+    global_batch_size, num_steps = batching.global_batch_size, batching.num_steps_per_rollout
     if num_steps is not None:
         if len(samples) % num_steps:
             raise ValueError(

@@ -22,6 +22,7 @@ import anyio
 
 from coordinator.train.connection import RankInfo
 from coordinator.train.errors import RankFailure
+from workers.protocol.train_settings import TrainSettings
 
 # The run's narrative logger: these lines belong beside the loop's step lines.
 log = logging.getLogger("rayless")
@@ -38,14 +39,14 @@ class RestartableGroup(Protocol):
     """What recovery needs of the group it serves (`coordinator.train.group.TrainGroup`)."""
 
     world_size: int
-    train_config: dict[str, Any] | None
+    settings: TrainSettings | None
 
     @property
     def ranks(self) -> dict[int, RankInfo]: ...
 
     async def wait_for_ranks(self, *, replacing: Collection[tuple[int, int]] = ()) -> dict[int, RankInfo]: ...
 
-    async def init(self, train_config: dict[str, Any]) -> dict[str, Any]: ...
+    async def init(self, settings: TrainSettings) -> dict[str, Any]: ...
 
     async def load_checkpoint(self, path: str | Path) -> LoadedCheckpoint: ...
 
@@ -116,7 +117,7 @@ class RankRecovery:
         of the save dir when there is one. Returns the checkpoint loaded, or None (the initial model)."""
         group = self.group
         failed_generation = set((self._generation or {}).values())
-        config = group.train_config
+        config = group.settings
         if config is None:
             raise RuntimeError("train FT recovery before init(): nothing to initialise the ranks with")
         try:
@@ -137,7 +138,7 @@ class RankRecovery:
                 f"train FT: the ranks did not all come back within {self.timeout_s:.0f}s "
                 "(torchrun out of --max-restarts?)",
             ) from None
-        save_dir = config.get("save_dir")
+        save_dir = config.checkpoint.save_dir
         if save_dir and await anyio.Path(save_dir, "latest").exists():
             return await group.load_checkpoint(save_dir)
         return None

@@ -27,6 +27,7 @@ import anyio
 from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError, EngineHTTPError
 from coordinator.engines.fleet import EngineFleet, EngineHandle
+from coordinator.observe.timeline import span
 from workers.errors import RaylessError
 
 log = logging.getLogger("rayless")
@@ -91,6 +92,13 @@ class Colocation:
         self._step_started = time.monotonic()
         self._update_started = time.monotonic()
         self._step_deaths: list[str] = []
+
+    def released_engines(self) -> frozenset[str]:
+        """The engines whose memory is released now (the status server's "released"): those this swap
+        released, same incarnation, while the swap is on (`updating` clear)."""
+        if self.updating.is_set():
+            return frozenset()
+        return frozenset(h.name for h in self.fleet.alive() if self._released.get(h.name) == h.incarnation)
 
     # -- start-up --------------------------------------------------------------------------------------
 
@@ -286,7 +294,8 @@ class Colocation:
         self._enter(phase)
         started = time.monotonic()
         try:
-            yield
+            with span(phase, ("colocation", "swap")):
+                yield
         finally:
             self._seconds[phase] = self._seconds.get(phase, 0.0) + time.monotonic() - started
 

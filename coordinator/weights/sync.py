@@ -29,6 +29,7 @@ from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError
 from coordinator.engines.fleet import EngineFleet, EngineHandle
 from coordinator.engines.recovery import EngineRecovery, RouterLike
+from coordinator.observe.timeline import span
 from coordinator.weights.distributed import FLATTENED_BUCKET, BucketSender, DistributedUpdate, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -233,7 +234,8 @@ class WeightSync:
 
         async def one(engine: Any) -> None:
             try:
-                await fn(engine)
+                with span(what, ("weight sync", engine.name)):  # pause, transfer, verify, resume: per engine
+                    await fn(engine)
             except EngineError as error:
                 errors[engine.name] = str(error)
 

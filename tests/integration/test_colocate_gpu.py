@@ -23,6 +23,7 @@ from coordinator.train.errors import RankCommandError
 from coordinator.train.group import TrainGroup
 from tests.support.engine_proc import MID_MODEL_SPEC
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
+from tests.support.train_settings import flat_settings
 from workers.tiny_model import build_tiny_model
 
 pytestmark = [
@@ -38,7 +39,7 @@ async def test_a_cuda_rank_offloads_to_host_memory_and_onloads_bit_identical(tmp
               "kl_loss_coef": 0.0, "warmup_steps": 0, "compute_dtype": "bfloat16"}
     async with anyio.create_task_group() as tg:
         group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=1, run_dir=tmp_path / "run").run)
-        await group.init(config)
+        await group.init(flat_settings(config))
         await group.train(0, samples)  # gradients and optimizer state exist from here on
         out = await group.offload(verify=True)
         print("offload", {k: v for k, v in out.items() if k != "digests"})
@@ -52,7 +53,7 @@ async def test_a_cuda_rank_offloads_to_host_memory_and_onloads_bit_identical(tmp
         assert back["cuda_allocated_bytes"] >= out["state_bytes"]
         assert torch.isfinite(torch.tensor((await group.train(1, samples))["loss"]))
 
-        await group.init({**config, "train_memory_margin_bytes": 10**15})  # more than any GPU has
+        await group.init(flat_settings({**config, "train_memory_margin_bytes": 10**15}))  # more than any GPU has
         await group.offload()
         with pytest.raises(RankCommandError, match="--train-memory-margin-bytes"):
             await group.onload()

@@ -18,7 +18,9 @@ import httpx
 import pytest
 
 from tests.support.engine_proc import RunningEngine, start_engine_process
+from tests.support.sockets import close_all, open_idle, raw_exchange
 from tests.support.waiting import wait_until_sync
+from workers.boundary.http_server import raise_open_files_limit
 
 VICTIM_TOKENS = 200
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -178,3 +180,20 @@ def test_disconnect_mid_body_is_one_log_line(engine: RunningEngine) -> None:
     assert len(logged()) == 5
     log = engine.log_path.read_text()
     assert "Traceback" not in log and "ClientDisconnect" not in log
+
+
+def test_a_head_over_16_KiB_is_431_and_2000_idle_connections_leave_health_answering(engine: RunningEngine) -> None:
+    """The engine on the shared HTTP layer (workers.boundary.http_server): its head limit and connection cap."""
+    host, port = engine.url.removeprefix("http://").split(":")
+    pad = b"a" * 20_000
+    refused = raw_exchange(host, int(port), b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + pad + b"\r\n\r\n")
+    assert refused.startswith(b"HTTP/1.1 431 "), refused[:200]
+    if raise_open_files_limit() < 2 * 2000 + 512:
+        pytest.skip("the open-files limit is too low for 2,000 connections")
+    held = open_idle(host, int(port), 2000)  # past the engine's cap of 1,024: the oldest idle ones make room
+    try:
+        with httpx.Client(base_url=engine.url, timeout=30) as http:
+            assert http.get("/health").status_code == 200
+            assert http.post("/generate", json=text_body()).status_code == 200
+    finally:
+        close_all(held)

@@ -15,6 +15,7 @@ import torch
 
 from coordinator.train.group import TrainGroup
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
+from tests.support.train_settings import flat_settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,7 +31,7 @@ async def one_step(model_dir: Path, run_dir: Path, samples: list[Any], *, cuda: 
         config["compute_dtype"] = compute_dtype
     async with anyio.create_task_group() as tg:
         group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=1, run_dir=run_dir, extra_env=env).run)
-        info = await group.init(config)
+        info = await group.init(flat_settings(config))
         metrics = await group.train(0, samples)
         await group.shutdown()
         tg.cancel_scope.cancel()

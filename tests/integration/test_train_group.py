@@ -25,8 +25,10 @@ from coordinator.train.errors import RankFailure
 from coordinator.train.group import TrainGroup
 from coordinator.train.planning import balance_by_tokens, plan_steps, reduce_step_metrics
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
+from tests.support.train_settings import flat_settings, init_command
 from tests.support.waiting import wait_until
 from workers import protocol
+from workers.protocol.train_settings import BatchingSettings, SettingsError
 from workers.train_rank.trainer import Trainer
 
 METRICS = [
@@ -77,7 +79,7 @@ async def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
         async with anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=root / "run").run)
             record = FirstRun(
-                rollouts=rollouts, init_info=await group.init(config_for(tiny_model_dir, root / "ckpt"))
+                rollouts=rollouts, init_info=await group.init(flat_settings(config_for(tiny_model_dir, root / "ckpt")))
             )
             record.pids = [info.pid for info in group.ranks.values()] + [group.torchrun_pid or 0]
             record.log_path = group.log_path
@@ -129,7 +131,7 @@ async def test_exported_snapshot_loads_and_equals_single_process_training(
     ).state_dict()
     # The same rollout trained in this process, unsplit: two data-parallel ranks must give the same update.
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
-    trainer.init(protocol.InitCommand(config_for(tiny_model_dir, Path("unused"))))
+    trainer.init(init_command(config_for(tiny_model_dir, Path("unused"))))
     raw = first_run.rollouts[0]
     steps = [raw[:4], raw[4:]]
     trainer.train(protocol.TrainCommand(0, steps, [sum(sum(s.loss_mask) for s in step) for step in steps]))
@@ -160,7 +162,7 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
         async with anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
             pids = [info.pid for info in group.ranks.values()] + [group.torchrun_pid or 0]
-            await group.init(config_for(tiny_model_dir, tmp_path / "ckpt"))
+            await group.init(flat_settings(config_for(tiny_model_dir, tmp_path / "ckpt")))
             info = await group.load_checkpoint(broken)
             assert info.rollout_id == 0 and info.extra == {"data_source": {"epoch": 0, "offset": 8}}
             assert info.path == broken / "rollout_0" and "names rollout_2" in info.warning
@@ -221,15 +223,15 @@ def wire(length: int, loss_tokens: int) -> protocol.WireSample:
 
 def test_steps_are_cut_in_order_and_balanced_by_tokens() -> None:
     samples = [wire(length, 2) for length in (10, 3, 3, 4, 9, 1, 1, 1)]
-    plan = plan_steps(samples, {"global_batch_size": 4}, world_size=2)
+    plan = plan_steps(samples, BatchingSettings(global_batch_size=4), world_size=2)
     assert len(plan) == 2 and [step.loss_tokens for step in plan] == [8, 8]
     loads = [[sum(len(s.tokens) for s in shard) for shard in step.shards] for step in plan]
     assert loads == [[10, 10], [9, 3]]  # longest first onto the lighter rank
-    assert plan_steps(samples, {"num_steps_per_rollout": 4}, world_size=2)[0].shards == [
+    assert plan_steps(samples, BatchingSettings(num_steps_per_rollout=4), world_size=2)[0].shards == [
         [samples[0]],
         [samples[1]],
     ]
-    assert len(plan_steps(samples, {}, world_size=2)) == 1
+    assert len(plan_steps(samples, BatchingSettings(), world_size=2)) == 1
     assert balance_by_tokens([5, 5, 5, 5, 5], 3) == [[0, 3], [1, 4], [2]]
 
 
@@ -261,13 +263,13 @@ def test_step_metrics_add_up_over_ranks_as_token_means() -> None:
 def test_batch_settings_that_cannot_work_are_rejected_with_the_setting_named() -> None:
     samples = [wire(6, 2) for _ in range(6)]
     with pytest.raises(ValueError, match="not a multiple of global_batch_size=4"):
-        plan_steps(samples, {"global_batch_size": 4}, world_size=2)
+        plan_steps(samples, BatchingSettings(global_batch_size=4), world_size=2)
     with pytest.raises(ValueError, match="smaller than the 4 data-parallel ranks"):
-        plan_steps(samples, {"global_batch_size": 2}, world_size=4)
-    with pytest.raises(ValueError, match="either global_batch_size or num_steps_per_rollout"):
-        plan_steps(samples, {"global_batch_size": 2, "num_steps_per_rollout": 3}, world_size=1)
+        plan_steps(samples, BatchingSettings(global_batch_size=2), world_size=4)
+    with pytest.raises(SettingsError, match=r"either batching\.global_batch_size or batching\.num_steps_per_rollout"):
+        BatchingSettings(global_batch_size=2, num_steps_per_rollout=3)
     with pytest.raises(ValueError, match="no samples"):
-        plan_steps([], {}, world_size=1)
+        plan_steps([], BatchingSettings(), world_size=1)
 
 
 def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
@@ -311,7 +313,7 @@ async def test_a_cancelled_group_shuts_its_ranks_down_and_torchrun_exits_0(tiny_
     with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path, grace_s=60).run)
-            await group.init(config_for(tiny_model_dir, tmp_path / "ckpt"))
+            await group.init(flat_settings(config_for(tiny_model_dir, tmp_path / "ckpt")))
             tg.cancel_scope.cancel()
     assert group.torchrun is not None and group.torchrun.proc is not None
     assert group.torchrun.proc.returncode == 0, group.log_path.read_text()[-3000:]

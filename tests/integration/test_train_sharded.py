@@ -18,7 +18,9 @@ from coordinator.train.errors import RankCommandError, RankFailure
 from coordinator.train.group import TrainGroup
 from coordinator.train.planning import plan_steps
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
+from tests.support.train_settings import flat_settings, init_command
 from workers import protocol
+from workers.protocol.train_settings import BatchingSettings
 from workers.train_rank.packing import first_fit_decreasing
 from workers.train_rank.trainer import Trainer
 
@@ -36,7 +38,7 @@ async def test_fsdp_on_cpu_matches_one_process_and_a_stopped_rank_times_out_fast
     from transformers import AutoModelForCausalLM
 
     raw = synthetic_samples(tiny_model_dir, 12, seed=21)
-    steps = plan_steps(raw, {"global_batch_size": 6}, 2)
+    steps = plan_steps(raw, BatchingSettings(global_batch_size=6), 2)
     counts = [[len(first_fit_decreasing([len(s.tokens) for s in shard], BUDGET)) for shard in step.shards]
               for step in steps]
     assert any(len(set(step)) > 1 for step in counts), f"the ranks' plans should differ somewhere: {counts}"
@@ -44,7 +46,7 @@ async def test_fsdp_on_cpu_matches_one_process_and_a_stopped_rank_times_out_fast
     with anyio.fail_after(200):
         async with anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
-            await group.init(config)
+            await group.init(flat_settings(config))
             metrics = await group.train(0, as_samples(raw))
             exported = await group.export_weights(tmp_path / "weights", weight_version=1)
 
@@ -61,7 +63,7 @@ async def test_fsdp_on_cpu_matches_one_process_and_a_stopped_rank_times_out_fast
     assert metrics["num_steps"] == 2 and metrics["kl"] == pytest.approx(0.0, abs=1e-7)
 
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
-    trainer.init(protocol.InitCommand(config_for(tiny_model_dir)))
+    trainer.init(init_command(config_for(tiny_model_dir)))
     trainer.train(protocol.TrainCommand(0, [raw[:6], raw[6:]], [sum(sum(s.loss_mask) for s in part)
                                                                  for part in (raw[:6], raw[6:])]))
     expected = trainer.model.state_dict()
@@ -85,14 +87,14 @@ async def test_lora_adapters_under_fsdp_on_cpu_train_as_one_process_does(tiny_mo
     with anyio.fail_after(200):
         async with anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
-            info = await group.init(config)
+            info = await group.init(flat_settings(config))
             await group.train(0, as_samples(raw))
             exported = await group.export_weights(tmp_path / "weights", weight_version=1)
             tg.cancel_scope.cancel()
     assert 0 < info["trainable_parameters"] < info["num_parameters"]
 
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
-    trainer.init(protocol.InitCommand(config_for(tiny_model_dir, lora=lora, lr=1e-2)))
+    trainer.init(init_command(config_for(tiny_model_dir, lora=lora, lr=1e-2)))
     trainer.train(protocol.TrainCommand(0, [raw[:6], raw[6:]], [sum(sum(s.loss_mask) for s in part)
                                                                  for part in (raw[:6], raw[6:])]))
     one_process = trainer.export_weights(protocol.ExportWeightsCommand(str(tmp_path / "one"), "1"))["path"]

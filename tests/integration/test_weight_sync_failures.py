@@ -25,6 +25,7 @@ from coordinator.weights.distributed import WeightSyncError
 from coordinator.weights.sync import WeightSync
 from tests.support.engine_proc import start_engine_process
 from tests.support.train_samples import TRAIN_CONFIG
+from tests.support.train_settings import flat_settings
 from workers.tiny_model import TinyModelSpec, build_tiny_model
 
 JOIN_TIMEOUT_S = 3.0
@@ -38,7 +39,7 @@ async def test_engines_that_never_join_fail_the_update_in_one_line_within_the_jo
         with anyio.fail_after(240):
             async with EngineClient(max_connections=8) as client, anyio.create_task_group() as tg:
                 group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=1, run_dir=tmp_path / "run").run)
-                await group.init({**TRAIN_CONFIG, "model_path": str(tiny_model_dir)})
+                await group.init(flat_settings({**TRAIN_CONFIG, "model_path": str(tiny_model_dir)}))
                 fleet = EngineFleet(client=client, external_urls=[first.url, second.url], run_dir=tmp_path)
                 await tg.start(fleet.run)
                 sync = WeightSync(mode="distributed", fleet=fleet, client=client, trainer=group,
@@ -84,7 +85,7 @@ async def test_an_engine_that_cannot_load_the_weights_fails_alone_and_at_once(
         with anyio.fail_after(240):
             async with EngineClient(max_connections=8) as client, anyio.create_task_group() as tg:
                 group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=1, run_dir=tmp_path / "run").run)
-                await group.init({**TRAIN_CONFIG, "model_path": str(tiny_model_dir)})
+                await group.init(flat_settings({**TRAIN_CONFIG, "model_path": str(tiny_model_dir)}))
                 fleet = EngineFleet(client=client, external_urls=[good.url, wrong.url], run_dir=tmp_path)
                 await tg.start(fleet.run)
                 sync = WeightSync(mode="distributed", fleet=fleet, client=client, trainer=group,

@@ -26,6 +26,7 @@ from coordinator.weights.distributed import FLATTENED_BUCKET
 from coordinator.weights.sync import WeightSync
 from tests.support.engine_proc import RunningEngine, start_engine_process
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
+from tests.support.train_settings import flat_settings
 from workers import protocol
 
 BUCKET_BYTES = 24 * 1024  # the tiny model's 320 KB in more than ten buckets, some holding several tensors
@@ -64,7 +65,7 @@ async def test_sglangs_receive_code_gets_our_trainers_weights_by_bucket_and_per_
     with anyio.fail_after(240):
         async with EngineClient(max_connections=8) as client, anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
-            await group.init({**TRAIN, "model_path": str(tiny_model_dir)})
+            await group.init(flat_settings({**TRAIN, "model_path": str(tiny_model_dir)}))
             fleet = EngineFleet(client=client, external_urls=[receiver.url], run_dir=tmp_path)
             await tg.start(fleet.run)
             sync = WeightSync(mode="broadcast", fleet=fleet, client=client, trainer=group,
@@ -106,7 +107,7 @@ async def test_tensor_parallel_engines_count_every_tp_rank_in_the_group(
         with anyio.fail_after(240):
             async with EngineClient(max_connections=8) as client, anyio.create_task_group() as tg:
                 group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=1, run_dir=tmp_path / "run").run)
-                await group.init({**TRAIN, "model_path": str(tiny_model_dir)})
+                await group.init(flat_settings({**TRAIN, "model_path": str(tiny_model_dir)}))
                 fleet = EngineFleet(client=client, external_urls=[tp2.url, ours.url], run_dir=tmp_path)
                 await tg.start(fleet.run)
                 sync = WeightSync(mode="distributed", fleet=fleet, client=client, trainer=group,

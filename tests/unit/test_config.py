@@ -195,6 +195,8 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                                   "m:generate"],
                                            "warning: the dedicated eval fleet (--eval-num-engines/--eval-num-gpus) "
                                            "evaluates with the built-in"),
+    "deterministic_runs_can_hold": (None, ["--rollout-num-engines", "1", "--deterministic-mode", "--partial-rollout"],
+                                    "--deterministic-mode and --partial-rollout"),
     "tis_hook_needs_tis": (None, ["--rollout-num-engines", "1", "--custom-tis-function-path", "m:tis"],
                            "warning: --custom-tis-function-path replaces the TIS weight of --use-tis, which is off"),
     "async_rollout_does_not_abort_on_update": (None, ["--rollout-num-engines", "1", "--async-rollout",

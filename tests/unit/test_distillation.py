@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -22,7 +23,8 @@ from replay.format import write_dump
 from replay.reader import read_dump
 from replay.sample import Sample, SampleError, SampleStatus
 from workers.protocol import WireSample
-from workers.train_rank.distill import Distiller, DistillError, OpdSpec, teacher_tensor
+from workers.protocol.train_settings import OpdSettings
+from workers.train_rank.distill import Distiller, DistillError, teacher_tensor
 
 BASE = ["--rollout-num-engines", "1", "--hf-checkpoint", "/m", "--num-rollout", "1", "--rollout-batch-size", "1",
         "--prompt-data", "builtin:first_digit", "--run-dir", "/runs/x"]
@@ -40,8 +42,8 @@ def test_upstream_defaults_and_the_ranks_setting(tmp_path: Path) -> None:
     teacher = model_dir(tmp_path)
     config = parse_config([*BASE, "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", str(teacher)])
     assert config.distill.opd_kl_coef == 1.0 and config.distill.opd_teacher_key == "opd_teacher"
-    assert config.rank_settings()["opd"] == {"type": "megatron", "kl_coef": 1.0, "teacher_path": str(teacher)}
-    assert "opd" not in parse_config(BASE).rank_settings()
+    assert config.rank_settings().opd == OpdSettings(type="megatron", kl_coef=1.0, teacher_path=str(teacher))
+    assert parse_config(BASE).rank_settings().opd is None
     assert '"opd_teacher_key": "opd_teacher"' in config.to_json()  # a metadata key, not a secret
 
 
@@ -130,7 +132,7 @@ def test_the_reverse_kl_term_is_slimes_and_only_on_loss_tokens() -> None:
     student = torch.tensor([[9.0, -1.0, -2.0, -3.0]], requires_grad=True)
     teacher = torch.tensor([[0.0, -1.5, -1.0, -3.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
-    shaped, sums = Distiller(OpdSpec(type="sglang", kl_coef=2.0)).advantages(
+    shaped, sums = Distiller(OpdSettings(type="sglang", kl_coef=2.0)).advantages(
         advantages=advantages, student_log_probs=student, teacher_log_probs=teacher, loss_mask=mask)
     assert shaped.tolist() == [[0.0, 1.0 - 2.0 * 0.5, 1.0 - 2.0 * -1.0, 1.0]]
     assert sums == {"opd_reverse_kl": pytest.approx(-0.5)}
@@ -147,8 +149,8 @@ def test_teacher_logprobs_reach_the_rank_in_its_layout() -> None:
     bare = WireSample(tokens=[4, 5], response_length=1, loss_mask=[1], rollout_log_probs=[0.0])
     with pytest.raises(DistillError, match="needs the teacher's logprob"):
         teacher_tensor([bare], [(0, 1)], torch.Size([1, 1]))
-    with pytest.raises(DistillError, match="type 'megatron' needs teacher_path"):
-        OpdSpec.from_dict({"type": "megatron"})
+    with pytest.raises(msgspec.ValidationError, match=r"opd\.type 'megatron' needs opd\.teacher_path"):
+        msgspec.convert({"type": "megatron"}, OpdSettings)  # as the rank decodes its init command
 
 
 def test_dumps_keep_teacher_logprobs_and_read_older_samples_without_them(tmp_path: Path) -> None:

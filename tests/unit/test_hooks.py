@@ -311,13 +311,12 @@ def test_multi_turn_metrics_are_slimes() -> None:
 
 def test_a_tis_hook_and_its_args_travel_to_the_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
     from coordinator.hooks.args import rank_settings
-    from workers.train_rank.settings import TrainSettings
 
     path = tmp_path / "mis.yaml"
     path.write_text("use_tis: true\ntis_level: token\n")
     config = parse_config(["--hf-checkpoint", str(tiny_model_dir), *BASE, "--custom-config-path", str(path),
                            "--custom-tis-function-path", "tests.support.tis_hooks:vanilla", "--sglang-api-key", "k"])
-    settings = TrainSettings.from_dict(rank_settings(config))
+    settings = rank_settings(config).loss
     assert settings.use_tis and settings.tis_function_path == "tests.support.tis_hooks:vanilla"
     assert settings.hook_args is not None and settings.hook_args["tis_level"] == "token"
     assert settings.hook_args["tis_clip"] == 2.0 and settings.hook_args["sglang_api_key"] is None

@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"plan"},  # the placement plan and the multi-node layout
     {"nodes"},  # node 0's registry, node k's agent
     {"checks"},  # start-up checks and the dry run
+    {"status"},  # the status server, its document and metrics, `rayless status`
     {"loop"},  # the training loop, against its protocols
     {"services"},  # the run's services, built complete, then started
     {"run"},  # `rayless train`'s wiring

@@ -8,6 +8,7 @@ import io
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,6 +17,8 @@ from coordinator.checks.dry_run import dry_run
 from coordinator.checks.trainable import check_trainable
 from coordinator.config import parse_config
 from coordinator.config.fields import ConfigError, ConfigWarning
+from tests.support.train_settings import flat_view
+from workers.protocol.train_settings import LoraSettings
 from workers.train_rank import checkpoint as ckpt
 from workers.train_rank import lora, weight_buckets, weight_export
 from workers.train_rank.optim import build_optimizer
@@ -25,11 +28,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def spec(rank: int = 4, targets: list[str] = ALL, alpha: float = 8.0) -> lora.LoraSpec:
-    return lora.LoraSpec.from_dict({"rank": rank, "alpha": alpha, "target_modules": targets})
+def spec(rank: int = 4, targets: list[str] = ALL, alpha: float = 8.0) -> LoraSettings:
+    return LoraSettings(rank=rank, alpha=alpha, target_modules=tuple(targets))
 
 
-def adapted(model_dir: Path, the_spec: lora.LoraSpec | None = None, *, seed: int = 0) -> torch.nn.Module:
+def adapted(model_dir: Path, the_spec: LoraSettings | None = None, *, seed: int = 0) -> torch.nn.Module:
     """The tiny model with adapters whose B is random (as after training: a zero B would merge to nothing)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora.apply_lora(model, the_spec or spec())
@@ -91,7 +94,7 @@ def test_a_checkpoint_holds_the_adapters_and_loads_only_into_the_same_adapters(t
                                                                                tmp_path: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    def state(seed: int, the_spec: lora.LoraSpec | None = None) -> dict:
+    def state(seed: int, the_spec: LoraSettings | None = None) -> dict:
         model = adapted(tiny_model_dir, the_spec, seed=seed)
         optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
         model(input_ids=torch.tensor([[5, 9, 12]]), labels=torch.tensor([[5, 9, 12]])).loss.backward()
@@ -118,7 +121,7 @@ def test_a_checkpoint_holds_the_adapters_and_loads_only_into_the_same_adapters(t
 
     # --ref-load of a LoRA checkpoint: the Hugging Face base with the checkpoint's adapters (as the trainer builds it)
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    lora.apply_lora(reference, lora.LoraSpec.from_dict(ckpt.checkpoint_adapters(tmp_path) or {}))
+    lora.apply_lora(reference, msgspec.convert(ckpt.checkpoint_adapters(tmp_path), LoraSettings))
     ckpt.load_model_weights(tmp_path, reference)
     assert (logits(reference) - logits(saved["model"])).abs().max() == 0
 
@@ -144,7 +147,7 @@ def test_the_peft_format_adapter_loads_back_as_lora_adapter_path(tiny_model_dir:
     lora.write_adapter(model, spec(), tmp_path, base_model_path=str(tiny_model_dir), write=True)
     assert json.loads((tmp_path / lora.ADAPTER_CONFIG).read_text())["r"] == 4
     fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    lora.apply_lora(fresh, lora.LoraSpec(**{**spec().__dict__, "adapter_path": str(tmp_path)}))
+    lora.apply_lora(fresh, msgspec.structs.replace(spec(), adapter_path=str(tmp_path)))
     assert (logits(fresh) - logits(model)).abs().max() == 0
     # peft itself reads it as its own format
     from peft import PeftModel
@@ -153,7 +156,7 @@ def test_the_peft_format_adapter_loads_back_as_lora_adapter_path(tiny_model_dir:
     assert (logits(peft_model) - logits(model)).abs().max() <= 1e-6
     with pytest.raises(lora.LoraError, match="has shape"):
         lora.apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                        lora.LoraSpec(**{**spec(rank=2).__dict__, "adapter_path": str(tmp_path)}))
+                        msgspec.structs.replace(spec(rank=2), adapter_path=str(tmp_path)))
 
 
 def job(model_dir: Path, *flags: str) -> list[str]:
@@ -164,12 +167,12 @@ def job(model_dir: Path, *flags: str) -> list[str]:
 def test_miles_flags_resolve_to_the_ranks_adapters(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = parse_config(job(tiny_model_dir, "--lora-rank", "8", "--lora-alpha", "32", "--lora-dropout", "0.05",
                               "--target-modules", "linear_qkv,linear_fc2", "--exclude-modules", "k_proj"))
-    assert config.rank_settings()["lora"] == {
+    assert flat_view(config.rank_settings())["lora"] == {
         "rank": 8, "alpha": 32.0, "dropout": 0.05, "target_modules": ["q_proj", "v_proj", "down_proj"],
         "exclude_modules": [], "adapter_path": None}
-    assert "lora" not in parse_config(job(tiny_model_dir)).rank_settings()
+    assert flat_view(parse_config(job(tiny_model_dir)).rank_settings())["lora"] is None
     all_linear = parse_config(job(tiny_model_dir, "--lora-rank", "4", "--target-modules", "all-linear"))
-    assert all_linear.rank_settings()["lora"]["target_modules"] == ALL
+    assert flat_view(all_linear.rank_settings())["lora"]["target_modules"] == ALL
     # an MLA config adds its projections to all-linear, as miles
     mla = tmp_path / "mla"
     mla.mkdir()
@@ -179,10 +182,10 @@ def test_miles_flags_resolve_to_the_ranks_adapters(tiny_model_dir: Path, tmp_pat
     # --lora-adapter-path alone takes the adapter's rank, alpha and targets
     lora.write_adapter(adapted(tiny_model_dir), spec(), tmp_path / "adapter", base_model_path="x", write=True)
     from_file = parse_config(job(tiny_model_dir, "--lora-adapter-path", str(tmp_path / "adapter")))
-    assert from_file.rank_settings()["lora"]["rank"] == 4 and from_file.rank_settings()["lora"]["alpha"] == 8.0
+    assert flat_view(from_file.rank_settings())["lora"]["rank"] == 4 and flat_view(from_file.rank_settings())["lora"]["alpha"] == 8.0
     with pytest.raises(ConfigError, match="--lora-rank 8 differs from the rank 4"):
-        parse_config(job(tiny_model_dir, "--lora-rank", "8", "--target-modules", "q_proj",
-                         "--lora-adapter-path", str(tmp_path / "adapter"))).rank_settings()
+        flat_view(parse_config(job(tiny_model_dir, "--lora-rank", "8", "--target-modules", "q_proj",
+                         "--lora-adapter-path", str(tmp_path / "adapter"))).rank_settings())
 
 
 @pytest.mark.parametrize(("flags", "message"), [

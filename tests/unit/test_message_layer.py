@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.nodes import wire
+from tests.support.train_settings import init_command
 from workers import protocol
 from workers.protocol import messages
 
@@ -45,7 +46,7 @@ def control_messages() -> list[protocol.ControlMessage]:
         protocol.Hello(protocol.PROTOCOL_VERSION, "t" * 64, 1, 2, 1, 4242, node_rank=1),
         protocol.Welcome(),
         protocol.ErrorMessage("no"),
-        protocol.Request(1, protocol.InitCommand({"model_path": "/m", "nested": {"a": [1, 2]}})),
+        protocol.Request(1, init_command({"model_path": "/m", "hook_args": {"a": [1, 2]}})),
         protocol.Request(2, protocol.TrainCommand(3, [[sample, sample], []], [2, 0])),
         protocol.Request(3, protocol.SaveCommand(3, "/ckpt", {"epoch": 1})),
         protocol.Request(4, protocol.BroadcastWeightsCommand("127.0.0.1", 29500, 3)),

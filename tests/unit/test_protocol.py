@@ -22,6 +22,7 @@ import torch
 from coordinator.train.errors import RankCommandError, RankFailure
 from coordinator.train.group import TrainGroup
 from tests.support.memory import PeakMemory
+from tests.support.train_settings import init_command
 from workers import protocol
 
 
@@ -67,7 +68,7 @@ def test_every_message_kind_round_trips() -> None:
         hello("secret"),
         protocol.Welcome(),
         protocol.ErrorMessage("no"),
-        protocol.Request(7, protocol.InitCommand({"model_path": "/m", "lr": 1e-3, "nested": {"a": [1, 2]}})),
+        protocol.Request(7, init_command({"model_path": "/m", "lr": 1e-3, "hook_args": {"a": [1, 2]}})),
         protocol.Request(
             8,
             protocol.TrainCommand(

@@ -11,17 +11,19 @@ import torch
 from msgspec.structs import replace
 
 from tests.support.train_samples import synthetic_samples
+from tests.support.train_settings import init_command
 from workers import protocol
 from workers.host_memory import resident_bytes
+from workers.train_rank.commands import handle
 from workers.train_rank.offload import StateOffload
-from workers.train_rank.trainer import Trainer, handle
+from workers.train_rank.trainer import Trainer
 
 torch.set_num_threads(1)
 
 
 def trainer(model_dir: Path, offload_dir: Path) -> Trainer:
     rank = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
-    rank.init(protocol.InitCommand({"model_path": str(model_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 32,
+    rank.init(init_command({"model_path": str(model_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 32,
                                     "seed": 3, "use_kl_loss": True, "offload_dir": str(offload_dir)}))
     return rank
 

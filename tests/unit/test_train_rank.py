@@ -8,19 +8,27 @@ import math
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from msgspec.structs import replace
 
 from tests.support.train_samples import synthetic_samples
+from tests.support.train_settings import init_command
 from workers import protocol
+from workers.protocol.train_settings import (
+    BatchingSettings,
+    LossSettings,
+    ModelSettings,
+    SettingsError,
+    TrainSettings,
+)
 from workers.train_rank import weight_export
 from workers.train_rank.batching import BatchError, collate, token_log_probs
-from workers.train_rank.loss import LossConfig, approx_kl, policy_loss
+from workers.train_rank.loss import approx_kl, policy_loss
 from workers.train_rank.model import load_causal_lm
 from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler
 from workers.train_rank.packing import first_fit_decreasing, pack, plan
-from workers.train_rank.settings import SettingsError, TrainSettings
 from workers.train_rank.trainer import Trainer
 
 torch.set_num_threads(1)
@@ -63,7 +71,7 @@ def test_malformed_samples_are_rejected_with_the_field_named() -> None:
 
 
 def test_policy_loss_is_a_global_token_mean_with_ppo_clipping() -> None:
-    config = LossConfig(eps_clip=0.2, eps_clip_high=0.3)
+    config = LossSettings(eps_clip=0.2, eps_clip_high=0.3)
     rollout = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
     advantages = torch.tensor([[1.0, 1.0, -1.0, 2.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
@@ -100,7 +108,7 @@ def test_policy_loss_is_a_global_token_mean_with_ppo_clipping() -> None:
 
 
 def test_k3_kl_is_zero_against_itself_and_positive_otherwise() -> None:
-    config = LossConfig(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3")
+    config = LossSettings(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3")
     base = dict(
         rollout_log_probs=torch.full((1, 3), -1.0),
         advantages=torch.zeros(1, 3),
@@ -162,7 +170,7 @@ def test_kl_estimators_are_slimes() -> None:
     assert float(far) > 10 and float(approx_kl(torch.tensor([-20.0]), torch.tensor([-1.0]), "low_var_kl")) == 10.0
 
 
-def _loss(config: LossConfig, **overrides: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def _loss(config: LossSettings, **overrides: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     base: dict = dict(
         log_probs=torch.tensor([[-1.0, -1.2, -0.8]], requires_grad=True),
         rollout_log_probs=torch.full((1, 3), -1.0),
@@ -179,25 +187,25 @@ def _loss(config: LossConfig, **overrides: torch.Tensor) -> tuple[torch.Tensor, 
 
 def test_kl_loss_coef_adds_the_kl_term_only_with_use_kl_loss() -> None:
     reference = torch.full((1, 3), -1.5)
-    plain, _ = _loss(LossConfig(eps_clip=0.2, eps_clip_high=0.2))
+    plain, _ = _loss(LossSettings(eps_clip=0.2, eps_clip_high=0.2))
     for kl_type in ("k1", "k2", "k3", "low_var_kl"):
-        config = LossConfig(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.1,
+        config = LossSettings(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.1,
                             kl_loss_type=kl_type)
         with_kl, sums = _loss(config, ref_log_probs=reference)
         kl = approx_kl(torch.tensor([[-1.0, -1.2, -0.8]]), reference, kl_type)
         assert math.isclose(float(with_kl - plain), 0.1 * float(kl.mean()), rel_tol=1e-5, abs_tol=1e-7)
         assert math.isclose(sums["kl_sum"], float(kl.sum()), rel_tol=1e-5)
     # slime's `--use-kl-loss --kl-loss-coef 0`: the KL is measured, the loss is unchanged.
-    zero, sums = _loss(LossConfig(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.0),
+    zero, sums = _loss(LossSettings(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.0),
                        ref_log_probs=reference)
     assert float(zero) == float(plain) and sums["kl_sum"] != 0
     # Without --use-kl-loss a coefficient does nothing.
-    off, _ = _loss(LossConfig(eps_clip=0.2, eps_clip_high=0.2, kl_loss_coef=0.1), ref_log_probs=reference)
+    off, _ = _loss(LossSettings(eps_clip=0.2, eps_clip_high=0.2, kl_loss_coef=0.1), ref_log_probs=reference)
     assert float(off) == float(plain)
 
 
 def test_ratio_is_against_old_logprobs_and_tis_weights_by_old_over_rollout() -> None:
-    config = LossConfig(eps_clip=0.2, eps_clip_high=0.2)
+    config = LossSettings(eps_clip=0.2, eps_clip_high=0.2)
     log_probs = torch.tensor([[-1.0, -1.0, -1.0]])
     # On-policy against the recomputed old logprobs: ratio 1, nothing clipped, although the engine disagrees.
     _, sums = _loss(config, log_probs=log_probs, old_log_probs=log_probs.clone(),
@@ -207,7 +215,7 @@ def test_ratio_is_against_old_logprobs_and_tis_weights_by_old_over_rollout() -> 
     _, sums = _loss(config, log_probs=log_probs, rollout_log_probs=torch.full((1, 3), -3.0))
     assert sums["clipped_tokens"] == 3
     # TIS: weight clamp(exp(old - rollout), 0, 2): exp(0.5) ≈ 1.65 kept, exp(2) clamped to 2, exp(-1) kept.
-    tis = LossConfig(eps_clip=0.2, eps_clip_high=0.2, use_tis=True, tis_clip=2.0, tis_clip_low=0.0)
+    tis = LossSettings(eps_clip=0.2, eps_clip_high=0.2, use_tis=True, tis_clip=2.0, tis_clip_low=0.0)
     rollout = torch.tensor([[-1.5, -3.0, 0.0]])
     loss, sums = _loss(tis, log_probs=log_probs, old_log_probs=log_probs.clone(), rollout_log_probs=rollout)
     weights = [math.exp(0.5), 2.0, math.exp(-1.0)]
@@ -218,9 +226,9 @@ def test_ratio_is_against_old_logprobs_and_tis_weights_by_old_over_rollout() -> 
 def test_gspo_clips_the_sequence_ratio() -> None:
     # Token log-ratios +0.3, -0.3, 0: per token one is clipped; the sequence's mean ratio is 1, nothing is.
     log_probs = torch.tensor([[-0.7, -1.3, -1.0]], requires_grad=True)
-    _, per_token = _loss(LossConfig(eps_clip=0.2, eps_clip_high=0.2), log_probs=log_probs)
+    _, per_token = _loss(LossSettings(eps_clip=0.2, eps_clip_high=0.2), log_probs=log_probs)
     assert per_token["clipped_tokens"] == 1
-    loss, per_sequence = _loss(LossConfig(eps_clip=0.2, eps_clip_high=0.2, policy_loss="gspo"),
+    loss, per_sequence = _loss(LossSettings(eps_clip=0.2, eps_clip_high=0.2, policy_loss="gspo"),
                                log_probs=log_probs)
     assert per_sequence["clipped_tokens"] == 0
     assert math.isclose(float(loss), -1.0, rel_tol=1e-6)  # -A · exp(mean log-ratio) = -1
@@ -235,14 +243,24 @@ def test_micro_batch_size_cuts_by_count() -> None:
     assert pack(samples[:2], pad_token_id=0).input_ids.shape == (1, 3 + 4)
 
 
-def test_settings_reject_unknown_keys_and_bad_values(tiny_model_dir: Path) -> None:
-    with pytest.raises(SettingsError, match=r"unknown train config keys \['lrr'\]"):
-        TrainSettings.from_dict({"model_path": str(tiny_model_dir), "lrr": 1.0})
-    with pytest.raises(SettingsError, match="needs 'model_path'"):
-        TrainSettings.from_dict({"lr": 1.0})
-    with pytest.raises(SettingsError, match="max_tokens_per_micro_batch must be > 0"):
-        TrainSettings.from_dict({"model_path": "x", "max_tokens_per_micro_batch": 0})
-    assert TrainSettings.from_dict({"model_path": "x", "eps_clip": 0.1}).clip_high == 0.1
+def test_settings_reject_unknown_keys_and_bad_values_on_both_ends_of_the_wire() -> None:
+    settings = TrainSettings(model=ModelSettings(path="x"), loss=LossSettings(eps_clip=0.1))
+    assert settings.loss.clip_high == 0.1
+    wire = msgspec.to_builtins(settings)
+    assert msgspec.convert(wire, TrainSettings) == settings
+    # what the rank decodes is held to the same rules the coordinator's build is
+    with pytest.raises(msgspec.ValidationError, match=r"unknown field `lrr`"):
+        msgspec.convert({**wire, "optimizer": {"lrr": 1.0}}, TrainSettings)
+    with pytest.raises(msgspec.ValidationError, match=r"missing required field `model`"):
+        msgspec.convert({"seed": 1}, TrainSettings)
+    with pytest.raises(msgspec.ValidationError, match="max_tokens_per_micro_batch must be >= 1"):
+        msgspec.convert({**wire, "batching": {"max_tokens_per_micro_batch": 0}}, TrainSettings)
+    with pytest.raises(SettingsError, match="slime allows only one of them"):
+        LossSettings(use_tis=True, use_rollout_logprobs=True)
+    with pytest.raises(SettingsError, match="not both"):
+        BatchingSettings(global_batch_size=4, num_steps_per_rollout=2)
+    with pytest.raises(SettingsError, match="kl_loss_type must be one of"):
+        settings.replace(loss=LossSettings(kl_loss_type="k9"))
 
 
 def test_snapshot_is_loadable_complete_and_pruned(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -277,7 +295,7 @@ def run_single_process(
 ) -> list[protocol.StepMetrics]:
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
     trainer.init(
-        protocol.InitCommand(
+        init_command(
             # Ratios against the fixed rollout logprobs, so the loss of the same data falls step after step
             # (against recomputed old logprobs every train() call starts at ratio 1, the same loss).
             {"model_path": str(model_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 32, "seed": 3,
@@ -287,7 +305,7 @@ def run_single_process(
     results = []
     for _ in range(steps):
         answer = trainer.train(protocol.TrainCommand(0, [samples], [sum(len(s.loss_mask) for s in samples)]))
-        results.append(protocol.TrainResult.from_wire(answer).steps[0])
+        results.append(answer.steps[0])
     return results
 
 
@@ -353,7 +371,7 @@ def multi_turn_samples(model_dir: Path, count: int, seed: int, tool_log_prob: fl
 def train_steps(model_dir: Path, samples: list[protocol.WireSample], steps: int,
                 **settings: object) -> list[protocol.StepMetrics]:
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
-    trainer.init(protocol.InitCommand({"model_path": str(model_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 32,
+    trainer.init(init_command({"model_path": str(model_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 32,
                                        "seed": 3, **settings}))
     loss_tokens = sum(sum(s.loss_mask) for s in samples)  # the coordinator's count: the mask's sum
     return [protocol.TrainResult.from_wire(trainer.train(protocol.TrainCommand(0, [samples], [loss_tokens]))).steps[0]
@@ -379,7 +397,7 @@ def test_tool_tokens_count_nowhere_in_the_loss_and_not_in_the_logprob_comparison
 
 
 def test_the_loss_at_a_masked_token_is_zero_and_has_no_gradient() -> None:
-    config = LossConfig(eps_clip=0.2, eps_clip_high=0.28, use_kl_loss=True, kl_loss_coef=0.5, entropy_coef=0.1,
+    config = LossSettings(eps_clip=0.2, eps_clip_high=0.28, use_kl_loss=True, kl_loss_coef=0.5, entropy_coef=0.1,
                         use_tis=True)
     mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
     log_probs = torch.tensor([[-1.0, -7.0, -9.0, -2.0]], requires_grad=True)

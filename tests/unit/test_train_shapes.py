@@ -13,10 +13,12 @@ import torch
 from coordinator.train.planning import balance_by_tokens
 from tests.support.memory import PeakMemory
 from tests.support.train_samples import synthetic_samples
+from tests.support.train_settings import init_command
 from workers import protocol
+from workers.protocol.train_settings import LossSettings
 from workers.tiny_model import TinyModelSpec, build_tiny_model
 from workers.train_rank.batching import collate, token_entropy, token_log_probs
-from workers.train_rank.loss import LossConfig, policy_loss
+from workers.train_rank.loss import policy_loss
 from workers.train_rank.model import load_causal_lm
 from workers.train_rank.packing import first_fit_decreasing, pack, split_to_count
 from workers.train_rank.token_scores import chunk_tokens, token_scores
@@ -131,7 +133,7 @@ def test_gspo_sequence_ratio_is_per_sample_in_a_packed_row(tiny_model_dir: Path)
     samples = synthetic_samples(tiny_model_dir, 5, seed=6)
     for index, sample in enumerate(samples):
         sample.advantage = 1.0 if index % 2 else -0.5
-    config = LossConfig(eps_clip=0.2, eps_clip_high=0.2, policy_loss="gspo")
+    config = LossSettings(eps_clip=0.2, eps_clip_high=0.2, policy_loss="gspo")
     results = []
     for batch in (collate(samples, 0), pack(samples, 0)):
         shifted = batch.rollout_log_probs + 0.07 * (batch.sample_ids + 1) * batch.loss_mask  # a ratio per sample
@@ -144,10 +146,10 @@ def test_gspo_sequence_ratio_is_per_sample_in_a_packed_row(tiny_model_dir: Path)
 
 def train_once(model_dir: Path, samples: list[protocol.WireSample], **config: object) -> protocol.StepMetrics:
     trainer = Trainer(rank=0, world_size=1, device=CPU)
-    trainer.init(protocol.InitCommand({"model_path": str(model_dir), "lr": 1e-3, "seed": 3, "use_kl_loss": True,
+    trainer.init(init_command({"model_path": str(model_dir), "lr": 1e-3, "seed": 3, "use_kl_loss": True,
                                        "kl_loss_coef": 0.1, "entropy_coef": 0.01, **config}))
     answer = trainer.train(protocol.TrainCommand(0, [samples], [sum(len(s.loss_mask) for s in samples)]))
-    return protocol.TrainResult.from_wire(answer).steps[0]
+    return answer.steps[0]
 
 
 @pytest.mark.parametrize("policy", ["ppo", "gspo"])
@@ -201,15 +203,14 @@ def test_balanced_packing_across_two_ranks_gives_equal_tokens_and_micro_batch_co
 
 def test_the_flags_reach_the_rank_settings(tiny_model_dir: Path) -> None:
     from coordinator.config.parser import parse_config
-    from workers.train_rank.settings import TrainSettings
 
     base = ["--hf-checkpoint", str(tiny_model_dir), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--num-rollout", "1", "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1"]
-    default = TrainSettings.from_dict(parse_config(base).rank_settings())
-    assert (default.log_probs_chunk_size, default.train_pg_timeout_s, default.attn_implementation) == (None, 300.0,
-                                                                                                       None)
+    default = parse_config(base).rank_settings()
+    assert (default.batching.log_probs_chunk_size, default.parallel.train_pg_timeout_s,
+            default.model.attn_implementation) == (None, 300.0, None)
     config = parse_config([*base, "--log-probs-chunk-size", "-1", "--train-pg-timeout-s", "30",
                            "--attn-implementation", "eager"])
-    settings = TrainSettings.from_dict(config.rank_settings())
-    assert (settings.log_probs_chunk_size, settings.train_pg_timeout_s, settings.attn_implementation) == (-1, 30.0,
-                                                                                                        "eager")
+    settings = config.rank_settings()
+    assert (settings.batching.log_probs_chunk_size, settings.parallel.train_pg_timeout_s,
+            settings.model.attn_implementation) == (-1, 30.0, "eager")

@@ -52,6 +52,12 @@ class EngineArgs:
     max_seqs_per_request: int = 4096
     max_request_bytes: int = 64 << 20
     weight_spill_dir: str | None = None
+    # SGLang's --enable-deterministic-inference (implied by --rl-on-policy-target), under its server-info name.
+    enable_deterministic_inference: bool = False
+    # SGLang's --rl-on-policy-target fsdp: output logprobs rescored by the trainer's function (`rescoring`).
+    rl_on_policy_target: str | None = None
+    log_probs_chunk_size: int | None = None  # the trainer's --log-probs-chunk-size, for that rescoring
+    attn_implementation: str | None = None  # the trainer's --attn-implementation (transformers' name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +117,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="where weights released on CPU are kept until resumed (default: the system temp dir)",
     )
     parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="SGLang's flag: every sequence is decoded alone, so its tokens and logprobs never depend on the batch",
+    )
+    parser.add_argument(
+        "--rl-on-policy-target",
+        default=None,
+        choices=["fsdp"],
+        help="SGLang's flag: the logprobs of the sampled tokens are rescored, once a sequence ends, by the rayless "
+        "trainer's own scoring function (implies --enable-deterministic-inference)",
+    )
+    parser.add_argument(
+        "--attn-implementation",
+        default=None,
+        help="transformers' attn_implementation of the model (default sdpa); the trainer's, for equal logprobs",
+    )
+    parser.add_argument(
+        "--log-probs-chunk-size",
+        type=int,
+        default=None,
+        help="with --rl-on-policy-target: the trainer's --log-probs-chunk-size, so both score in the same chunks",
+    )
     # Accepted for launch-line compatibility with GPU SGLang; they change nothing in this engine.
     for flag in ("--mem-fraction-static", "--chunked-prefill-size", "--dp-size"):
         parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
@@ -165,6 +194,8 @@ def parse_args(argv: list[str] | None) -> EngineArgs:
         )
     if ns.max_request_bytes < 1024:
         parser.error(f"--max-request-bytes must be >= 1024, got {ns.max_request_bytes}")
+    if ns.log_probs_chunk_size is not None and ns.rl_on_policy_target is None:
+        parser.error("--log-probs-chunk-size is the rescoring's chunk: it needs --rl-on-policy-target fsdp")
     device = resolve_device(parser, ns.device, ns.base_gpu_id)
     return EngineArgs(
         model_path=ns.model_path,
@@ -185,4 +216,8 @@ def parse_args(argv: list[str] | None) -> EngineArgs:
         max_seqs_per_request=ns.max_seqs_per_request,
         max_request_bytes=ns.max_request_bytes,
         weight_spill_dir=ns.weight_spill_dir,
+        enable_deterministic_inference=ns.enable_deterministic_inference or ns.rl_on_policy_target is not None,
+        rl_on_policy_target=ns.rl_on_policy_target,
+        log_probs_chunk_size=ns.log_probs_chunk_size,
+        attn_implementation=ns.attn_implementation,
     )

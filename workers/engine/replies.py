@@ -1,8 +1,8 @@
 """The engine's error replies, shared by its route modules.
 
-Owns the shapes: SGLang's `{"error": {"message": ...}}` (a 4xx unless said otherwise), the 503 of a released
-engine (`type: MemoryReleased` and the released tags, which a health monitor tells from a dead engine), and
-`handle`, which reads a JSON body and turns a `RequestError` anywhere in the action into that 400.
+Owns the shapes: SGLang's `{"error": {"message": ...}}` (`workers.boundary.http_gates`; a 4xx unless said
+otherwise), the 503 of a released engine (`type: MemoryReleased` and the released tags, which a health monitor
+tells from a dead engine), and `handle`, which reads a JSON body and turns a `RequestError` anywhere in the action into that 400.
 
 Invariant: a rejected input is one of these replies, never a 500 from the exception that found it.
 """
@@ -15,13 +15,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from workers.boundary.http_gates import error_response
 from workers.engine.http_input import read_json
 from workers.engine.sampling_params import RequestError
 from workers.engine.sequences import MemoryReleasedError
 
 
 def error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=status)
+    return error_response(message, status)  # the one error shape of every rayless server
 
 
 def released_error(exc: MemoryReleasedError) -> JSONResponse:

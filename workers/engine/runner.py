@@ -84,6 +84,7 @@ class ModelRunner:
         dtype: str = "float32",
         device: str = "cpu",
         weight_spill_dir: str | None = None,
+        attn_implementation: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -100,7 +101,9 @@ class ModelRunner:
         torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, dtype)
         # transformers places a model on a device at load only through accelerate (not a dependency): load on
         # the host, then move. Later weight loads go from disk to the device tensor by tensor.
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        # attn_implementation: the trainer's, under --rl-on-policy-target (None: transformers' default, sdpa)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **extra)
         self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or path))

@@ -65,6 +65,9 @@ class Scheduler:
         self.generation_tokens_total = 0
         self.requests_total = 0
         self._throughput: deque[tuple[float, int]] = deque(maxlen=4096)
+        # --rl-on-policy-target: a sequence that ends is rescored (`rescoring`) before it is finished.
+        self.rescorer: Callable[[list[tuple[list[int], list[int]]]], list[list[float]]] | None = None
+        self._ending: list[tuple[Seq, dict[str, Any]]] = []
 
     # ---- bookkeeping helpers ---------------------------------------------------------------------------
 
@@ -320,6 +323,8 @@ class Scheduler:
             if seq is None:  # aborted while the step ran; its cache row is dropped next step
                 continue
             generated += self._apply(seq, output)
+        if self._ending:
+            await self._rescore_ending()
         if generated:
             self.generation_tokens_total += generated
             self._throughput.append((time.monotonic(), generated))
@@ -351,10 +356,20 @@ class Scheduler:
             max_new_tokens=seq.max_new_tokens,
             decode=self._decode_for_stops,
         )
-        if reason is not None:
+        if reason is not None and self.rescorer is not None:
+            self._ending.append((seq, reason))
+        elif reason is not None:
             self._finish(seq, reason)
         elif seq.group.stream:
             seq.group.changed.set()
+
+    async def _rescore_ending(self) -> None:
+        ending, self._ending = [(seq, reason) for seq, reason in self._ending if not seq.finished], []
+        assert self.rescorer is not None
+        scores = await anyio.to_thread.run_sync(self.rescorer, [(seq.prompt_ids, seq.output_ids) for seq, _ in ending])
+        for (seq, reason), logprobs in zip(ending, scores, strict=True):
+            seq.output_logprobs[:] = logprobs
+            self._finish(seq, reason)
 
     def _decode_for_stops(self, ids: Any) -> str:
         # Special tokens included, as SGLang's tail check decodes them: stop=["<|im_end|>"] matches.

@@ -5,7 +5,8 @@ the route table built from the route modules — `/generate` (`generate_routes`,
 `generate_request`), health, info and metrics (`info_routes`), generation control (`control_routes`), memory
 release and resume (`memory_routes`), weight updates (`weight_routes`), the OpenAI-compatible `/v1` routes
 (`openai_routes`) — the gates every request passes first (API key, body size: `http_input`), the lifespan,
-and `serve`. Each route module meets the engine through a Protocol of what it uses, so none imports this one.
+and `serve` (on the shared HTTP layer, `workers.boundary.http_server`). Each route module meets the engine
+through a Protocol of what it uses, so none imports this one.
 
 Invariant: the port opens only after the weights are loaded (as SGLang); the scheduler's task runs exactly as
 long as the app serves, and at shutdown every sequence is aborted and every weight-update group left.
@@ -26,14 +27,17 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
+from workers.boundary.http_server import serve_process
 from workers.engine.args import EngineArgs
+from workers.engine.batch_invariant import BatchInvariantRunner
 from workers.engine.control_routes import ControlRoutes
 from workers.engine.generate_request import RequestBuilder
 from workers.engine.generate_routes import GenerateRoutes
-from workers.engine.http_input import ApiKeyMiddleware, BodyLimitMiddleware
+from workers.engine.http_input import LIMIT_NAME, ApiKeyMiddleware, BodyLimitMiddleware
 from workers.engine.info_routes import InfoRoutes
 from workers.engine.memory_routes import MemoryRoutes
 from workers.engine.openai_routes import OpenAIRoutes
+from workers.engine.rescoring import Rescorer
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequences import Seq
@@ -58,6 +62,8 @@ class EngineServer:
             weight_version=args.weight_version,
             seed=args.random_seed,
         )
+        if args.rl_on_policy_target is not None:
+            self.scheduler.rescorer = Rescorer(runner, chunk_size=args.log_probs_chunk_size).rescore
         self.serving = False
         self.probe_ids: list[int] = runner.tokenizer.encode("1", add_special_tokens=False) or [0]
         self.requests = RequestBuilder(self)
@@ -92,7 +98,7 @@ class EngineServer:
             *OpenAIRoutes(self).routes(),  # /v1/chat/completions, /v1/completions, /v1/models
         ]
         app: ASGIApp = Starlette(routes=routes, lifespan=self.lifespan)
-        app = BodyLimitMiddleware(app, self.args.max_request_bytes)
+        app = BodyLimitMiddleware(app, self.args.max_request_bytes, limit_name=LIMIT_NAME)
         if self.args.api_key:
             app = ApiKeyMiddleware(app, self.args.api_key)
         return app
@@ -119,8 +125,6 @@ def _configure_threads() -> None:
 
 
 def serve(args: EngineArgs) -> int:
-    import uvicorn
-
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
@@ -131,12 +135,14 @@ def serve(args: EngineArgs) -> int:
     # The first line of the log: the launcher reads "the engine writes its log" as "it is loading".
     log.info("loading the model from %s on %s (%s)", args.model_path, args.device, args.dtype)
     try:
-        runner = ModelRunner(
+        runner_class = BatchInvariantRunner if args.enable_deterministic_inference else ModelRunner
+        runner = runner_class(
             args.model_path,
             tokenizer_path=args.tokenizer_path,
             dtype=args.dtype,
             device=args.device,
             weight_spill_dir=args.weight_spill_dir,
+            attn_implementation=args.attn_implementation,
         )
     except (OSError, ValueError) as exc:  # FileNotFoundError included: a bad --model-path is the usual cause
         log.error("cannot load the model from %s: %s", args.model_path, exc)
@@ -153,14 +159,7 @@ def serve(args: EngineArgs) -> int:
         next(runner.model.parameters()).dtype,
         time.perf_counter() - started,
     )
-    config = uvicorn.Config(
-        server.app(),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=args.log_level == "debug",
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-    )
-    anyio.run(uvicorn.Server(config).serve)
+    # The shared HTTP layer: socket bound first, capped connections, 16 KiB heads, idle and read deadlines.
+    serve_process(server.app(), args.host, args.port, log_level=args.log_level,
+                  access_log=args.log_level == "debug", lifespan="on", graceful_s=5)
     return 0

@@ -20,13 +20,14 @@ import msgspec
 from workers.protocol import codec
 from workers.protocol.frames import framed
 from workers.protocol.messages import Family, Int31, Message, Record, Token, union_of
+from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
     from anyio.abc import ByteStream
     from anyio.streams.buffered import BufferedByteReceiveStream
 
 # 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node_rank;
-# 6: WireSample.teacher_log_probs (on-policy distillation)
+# 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation)
 PROTOCOL_VERSION = 6
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
@@ -148,7 +149,9 @@ class Command(ControlMessage):
 
 
 class InitCommand(Command, tag="init"):
-    config: dict[str, Any]
+    """The trainer's settings, by component, in the same types on both ends."""
+
+    settings: TrainSettings
 
 
 class TrainCommand(Command, tag="train"):

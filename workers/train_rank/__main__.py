@@ -52,7 +52,7 @@ def _connect() -> protocol.RankChannel:
 
 
 def serve(channel: protocol.RankChannel, trainer: object) -> None:
-    from workers.train_rank.trainer import handle
+    from workers.train_rank.commands import handle
 
     while True:
         try:

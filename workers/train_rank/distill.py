@@ -1,6 +1,6 @@
 """On-policy distillation on the rank: the reverse-KL term of slime's `apply_opd_kl_to_advantages`.
 
-Owns `OpdSpec` (the ranks' `opd` setting), `teacher_tensor` (the samples' `teacher_log_probs` laid out as a
+Owns `teacher_tensor` (the samples' `teacher_log_probs` laid out as a
 micro-batch's per-token tensors) and `Distiller`, which turns a micro-batch's advantages into
 `A - kl_coef * (student - teacher)` per token, slime's and miles' formula, where `student` is the logprob the PPO
 ratio is taken against (the trainer's own recomputed logprobs, or the engine's with `--use-rollout-logprobs`) and
@@ -15,38 +15,17 @@ of `student - teacher` over loss tokens (the coordinator divides by the step's l
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-OPD_TYPES = ("sglang", "megatron")
+from workers.protocol.train_settings import OpdSettings
+
 METRIC = "opd_reverse_kl"  # slime's and miles' name
 
 
 class DistillError(ValueError):
-    """The `opd` setting is malformed, or a sample lacks the teacher logprobs distillation needs."""
-
-
-@dataclass(frozen=True)
-class OpdSpec:
-    type: str
-    kl_coef: float = 1.0
-    #: the teacher model of `megatron` (a Hugging Face directory or a rayless checkpoint)
-    teacher_path: str | None = None
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> OpdSpec:
-        unknown = sorted(set(raw) - {"type", "kl_coef", "teacher_path"})
-        if unknown:
-            raise DistillError(f"opd: unknown keys {unknown}")
-        spec = cls(type=str(raw.get("type")), kl_coef=float(raw.get("kl_coef", 1.0)),
-                   teacher_path=raw.get("teacher_path"))
-        if spec.type not in OPD_TYPES:
-            raise DistillError(f"opd: type {spec.type!r} is not one of {OPD_TYPES}")
-        if spec.type == "megatron" and not spec.teacher_path:
-            raise DistillError("opd: type 'megatron' needs teacher_path (the teacher model the rank loads)")
-        return spec
+    """A sample lacks the teacher logprobs distillation needs."""
 
 
 def teacher_tensor(samples: Sequence[Any], spans: Sequence[tuple[int, int]], shape: torch.Size) -> torch.Tensor:
@@ -68,7 +47,7 @@ def teacher_tensor(samples: Sequence[Any], spans: Sequence[tuple[int, int]], sha
 class Distiller:
     """The reverse-KL term for one rank: `teacher` is the frozen teacher model (`megatron`) or None (`sglang`)."""
 
-    def __init__(self, spec: OpdSpec, teacher: Any = None) -> None:
+    def __init__(self, spec: OpdSettings, teacher: Any = None) -> None:
         self.spec, self.teacher = spec, teacher
 
     def advantages(self, *, advantages: torch.Tensor, student_log_probs: torch.Tensor,

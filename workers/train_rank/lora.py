@@ -1,8 +1,7 @@
 """LoRA on the rank: peft adapters injected into the Hugging Face model, and the merged weights engines load.
 
-Owns `LoraSpec` (the adapter settings the coordinator resolved from `--lora-*` / `--target-modules`),
-`apply_lora` (peft's `inject_adapter_in_model`: the model keeps its class and names, each targeted Linear
-becomes `<name>.base_layer` + `<name>.lora_A/B.default`, and only the adapters require grad), and
+Owns `apply_lora` (peft's `inject_adapter_in_model`, with the `LoraSettings` the coordinator resolved from
+`--lora-*` / `--target-modules`: the model keeps its class and names, each targeted Linear becomes `<name>.base_layer` + `<name>.lora_A/B.default`, and only the adapters require grad), and
 `engine_tensors`: the (name, tensor) list an engine loads, under the plain model's names, with each adapted
 weight given as `MergedWeight` (base + scaling · B · A, computed when gathered).
 
@@ -18,12 +17,12 @@ import contextlib
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from workers.protocol.train_settings import LoraSettings
 from workers.train_rank.model import tied_parameter_names
 
 ADAPTER_NAME = "default"  # peft's name of the one adapter
@@ -35,40 +34,7 @@ class LoraError(ValueError):
     """Adapter settings or an adapter file the model cannot take."""
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    dropout: float = 0.0
-    exclude_modules: tuple[str, ...] = ()
-    # A pre-trained adapter (HF PEFT format) to start from: miles' --lora-adapter-path.
-    adapter_path: str | None = None
-
-    @classmethod
-    def from_dict(cls, value: dict[str, Any]) -> LoraSpec:
-        known = {"rank", "alpha", "target_modules", "dropout", "exclude_modules", "adapter_path"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise LoraError(f"unknown lora settings {unknown}; known: {sorted(known)}")
-        spec = cls(rank=int(value["rank"]), alpha=float(value["alpha"]),
-                   target_modules=tuple(value["target_modules"]), dropout=float(value.get("dropout", 0.0)),
-                   exclude_modules=tuple(value.get("exclude_modules") or ()), adapter_path=value.get("adapter_path"))
-        if spec.rank < 1:
-            raise LoraError(f"lora rank must be >= 1, got {spec.rank}")
-        if not spec.target_modules:
-            raise LoraError("lora needs at least one target module")
-        if not 0 <= spec.dropout < 1:
-            raise LoraError(f"lora dropout must be in [0, 1), got {spec.dropout}")
-        return spec
-
-    def record(self) -> dict[str, Any]:
-        """What a checkpoint records of the adapters: what must agree for a resume to load them."""
-        return {"rank": self.rank, "alpha": self.alpha, "target_modules": sorted(self.target_modules),
-                "exclude_modules": sorted(self.exclude_modules)}
-
-
-def peft_config(spec: LoraSpec) -> Any:
+def peft_config(spec: LoraSettings) -> Any:
     try:
         from peft import LoraConfig
     except ImportError as exc:
@@ -84,7 +50,7 @@ def linear_leaf_names(model: Any) -> set[str]:
             if isinstance(module, torch.nn.Linear) and name}
 
 
-def check_targets(model: Any, spec: LoraSpec) -> None:
+def check_targets(model: Any, spec: LoraSettings) -> None:
     """Each target names a Linear of the model, and none is tied to the embeddings (its merge would be lost)."""
     leaves = linear_leaf_names(model)
     missing = sorted(set(spec.target_modules) - leaves)
@@ -98,7 +64,7 @@ def check_targets(model: Any, spec: LoraSpec) -> None:
                         "(tie_word_embeddings): an adapter there cannot be merged into one tensor; drop them")
 
 
-def inject_lora(model: Any, spec: LoraSpec) -> None:
+def inject_lora(model: Any, spec: LoraSettings) -> None:
     """Inject the adapters in place (B = 0: the model's function is unchanged until it trains) and freeze the
     rest; on a meta-device model this gives the structure only (the sharded load fills the weights)."""
     check_targets(model, spec)
@@ -109,7 +75,7 @@ def inject_lora(model: Any, spec: LoraSpec) -> None:
         parameter.requires_grad_(".lora_" in name)
 
 
-def apply_lora(model: Any, spec: LoraSpec) -> None:
+def apply_lora(model: Any, spec: LoraSettings) -> None:
     """`inject_lora`, then `spec.adapter_path`'s weights when given."""
     inject_lora(model, spec)
     if spec.adapter_path is not None:
@@ -240,7 +206,7 @@ def load_adapter_weights(model: Any, directory: Path) -> None:
             params[name].copy_(tensor.to(params[name].dtype))
 
 
-def write_adapter(model: Any, spec: LoraSpec, directory: Path, *, base_model_path: str, write: bool) -> None:
+def write_adapter(model: Any, spec: LoraSettings, directory: Path, *, base_model_path: str, write: bool) -> None:
     """The adapters in the Hugging Face PEFT format (for `--lora-adapter-path`, peft's `from_pretrained`,
     SGLang's `--lora-paths`). Collective under FSDP (every rank gathers); only the rank with `write` writes."""
     from workers.train_rank.weight_export import write_safetensors

@@ -16,24 +16,11 @@ token mean over the global batch whatever the split into ranks and micro-batches
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True)
-class LossConfig:
-    eps_clip: float
-    eps_clip_high: float
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k1"
-    entropy_coef: float = 0.0
-    policy_loss: str = "ppo"
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
+from workers.protocol.train_settings import LossSettings
 
 
 def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
@@ -71,7 +58,7 @@ def policy_loss(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     global_loss_tokens: int,
-    config: LossConfig,
+    config: LossSettings,
     entropy: torch.Tensor,
     old_log_probs: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
@@ -94,7 +81,7 @@ def policy_loss(
         log_ratio = _sequence_mean(log_ratio, mask, sample_ids)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - config.eps_clip, 1.0 + config.eps_clip_high)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - config.eps_clip, 1.0 + config.clip_high)
     per_token = torch.maximum(unclipped, clipped)
     sums: dict[str, float] = {}
     if config.use_tis and tis_hook is not None:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from workers.protocol.train_settings import OptimizerSettings
+
 
 def build_optimizer(
     model: Any, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
@@ -68,3 +70,9 @@ def clip_gradients(model: Any, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def lr_schedule(settings: OptimizerSettings) -> LrSchedule:
+    return LrSchedule(lr=settings.lr, min_lr=settings.min_lr, style=settings.lr_decay_style,
+                      decay_steps=settings.lr_decay_steps, warmup_steps=settings.warmup,
+                      warmup_init_lr=settings.warmup_init_lr)

@@ -15,18 +15,19 @@ import functools
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 from workers import protocol
-from workers.train_rank import checkpoint, distill, lora, packing, weight_buckets, weight_export
+from workers.protocol.train_settings import LoraSettings, TrainSettings
+from workers.train_rank import checkpoint, determinism, distill, lora, packing, weight_buckets, weight_export
 from workers.train_rank.batching import MicroBatch
-from workers.train_rank.loss import LossConfig, policy_loss
+from workers.train_rank.loss import policy_loss
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
 from workers.train_rank.offload import StateOffload
-from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler, clip_gradients
+from workers.train_rank.optim import build_optimizer, build_scheduler, clip_gradients, lr_schedule
 from workers.train_rank.parallel import FullySharded, Replicated, shard_model, use_fsdp
 from workers.train_rank.placement import load_sharded
-from workers.train_rank.settings import TrainSettings
 from workers.train_rank.tis_hook import TisHook
 from workers.train_rank.token_scores import token_scores
 
@@ -53,69 +54,70 @@ class Trainer:
         self.sender = weight_buckets.WeightSender()
         self.tis_hook: TisHook | None = None
         self.state: StateOffload | None = None
-        self.lora: lora.LoraSpec | None = None
+        self.lora: LoraSettings | None = None
         self.distiller: distill.Distiller | None = None
         self.steps_done = 0
 
     # ------------------------------------------------------------------------------------------ commands
 
     def init(self, command: protocol.InitCommand) -> dict[str, Any]:
-        settings = TrainSettings.from_dict(command.config)
+        settings = command.settings
         torch.manual_seed(settings.seed)
-        dtype = getattr(torch, settings.dtype)
-        self.lora = lora.LoraSpec.from_dict(settings.lora) if settings.lora is not None else None
-        model = self._load(settings, settings.model_path, dtype, trainable=True, adapters=self.lora)
-        if settings.needs_reference:
+        determinism.apply(settings)
+        dtype = getattr(torch, settings.model.dtype)
+        self.lora = settings.model.lora
+        model = self._load(settings, settings.model.path, dtype, trainable=True, adapters=self.lora)
+        if settings.loss.needs_reference:
             self.reference = self._load_reference(settings, dtype)
         if settings.opd is not None:
-            spec = distill.OpdSpec.from_dict(settings.opd)
-            teacher = self._load_frozen(settings, spec.teacher_path, dtype) if spec.teacher_path else None
-            self.distiller = distill.Distiller(spec, teacher)
-        self.parallel = (FullySharded(model, self.device) if use_fsdp(settings.data_parallel, self.device)
+            teacher = (self._load_frozen(settings, settings.opd.teacher_path, dtype)
+                       if settings.opd.teacher_path else None)
+            self.distiller = distill.Distiller(settings.opd, teacher)
+        self.parallel = (FullySharded(model, self.device) if use_fsdp(settings.parallel.data_parallel, self.device)
                          else Replicated(model))
         self.model = model
         self.optimizer = build_optimizer(
             model,
-            lr=settings.lr,
-            weight_decay=settings.weight_decay,
-            betas=(settings.adam_beta1, settings.adam_beta2),
-            eps=settings.adam_eps,
+            lr=settings.optimizer.lr,
+            weight_decay=settings.optimizer.weight_decay,
+            betas=(settings.optimizer.adam_beta1, settings.optimizer.adam_beta2),
+            eps=settings.optimizer.adam_eps,
         )
-        self.scheduler = build_scheduler(self.optimizer, lr_schedule(settings))
+        self.scheduler = build_scheduler(self.optimizer, lr_schedule(settings.optimizer))
         pad = getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
-        if settings.tis_function_path is not None and settings.use_tis:
-            self.tis_hook = TisHook.load(settings.tis_function_path, settings.hook_args)
+        if settings.loss.tis_function_path is not None and settings.loss.use_tis:
+            self.tis_hook = TisHook.load(settings.loss.tis_function_path, settings.loss.hook_args)
         if self.state is not None:
             self.state.discard()  # a re-init (train FT) replaces a state offloaded before it
         self.state = StateOffload(model=model, optimizer=self.optimizer, reference=self.reference,
-                                  device=self.device, offload_dir=settings.offload_dir,
-                                  memory_margin_bytes=settings.train_memory_margin_bytes)
+                                  device=self.device, offload_dir=settings.memory.offload_dir,
+                                  memory_margin_bytes=settings.memory.train_memory_margin_bytes)
         self.settings = settings
         trainable, total = lora.trainable_counts(model)
         return {"num_parameters": total, "trainable_parameters": trainable, "device": str(self.device)}
 
     def _load(self, settings: TrainSettings, path: str, dtype: torch.dtype, *, trainable: bool,
-              adapters: lora.LoraSpec | None = None) -> Any:
+              adapters: LoraSettings | None = None) -> Any:
         """Sharded: built on the meta device and loaded shard by shard (`placement`); else whole on the device.
         `adapters`: LoRA adapters injected before sharding (FSDP2 and the replicas' broadcast see them)."""
-        if not use_fsdp(settings.data_parallel, self.device):
+        if not use_fsdp(settings.parallel.data_parallel, self.device):
             model = load_causal_lm(path, dtype=dtype, device=self.device,
-                                   attn_implementation=settings.attn_implementation, trainable=trainable)
+                                   attn_implementation=settings.model.attn_implementation, trainable=trainable)
             if adapters is not None:
                 lora.apply_lora(model, adapters)
-            if trainable and settings.gradient_checkpointing:
+            if trainable and settings.model.gradient_checkpointing:
                 enable_activation_checkpointing(model)
             return model
-        compute_dtype = getattr(torch, settings.compute_dtype) if settings.compute_dtype else None
+        compute_dtype = getattr(torch, settings.model.compute_dtype) if settings.model.compute_dtype else None
 
         def shard(model: Any) -> None:
-            if trainable and settings.gradient_checkpointing:
+            if trainable and settings.model.gradient_checkpointing:
                 enable_activation_checkpointing(model)
             shard_model(model, device=self.device, compute_dtype=compute_dtype)
 
         return load_sharded(
-            path, dtype=dtype, device=self.device, shard=shard, attn_implementation=settings.attn_implementation,
+            path, dtype=dtype, device=self.device, shard=shard, attn_implementation=settings.model.attn_implementation,
             trainable=trainable,
             # the adapters' structure on the meta model; on rank 0's full copy their weights too (broadcast)
             adapt=(lambda model: lora.inject_lora(model, adapters)) if adapters is not None else None,
@@ -124,7 +126,7 @@ class Trainer:
     def _load_reference(self, settings: TrainSettings, dtype: torch.dtype) -> Any:
         """The frozen reference, sharded as the policy: `reference_path` when it is a Hugging Face directory;
         the policy's architecture with a rayless checkpoint's weights when it is one; else the policy's start."""
-        return self._load_frozen(settings, settings.reference_path or settings.model_path, dtype)
+        return self._load_frozen(settings, settings.model.reference_path or settings.model.path, dtype)
 
     def _load_frozen(self, settings: TrainSettings, source: str, dtype: torch.dtype) -> Any:
         """A frozen model (the reference, or on-policy distillation's teacher) from a Hugging Face directory or
@@ -132,38 +134,26 @@ class Trainer:
         from_checkpoint = checkpoint.is_checkpoint(source)
         # a LoRA run's checkpoint: its adapters on the Hugging Face base, injected before any sharding
         adapters = checkpoint.checkpoint_adapters(source) if from_checkpoint else None
-        reference = self._load(settings, settings.model_path if from_checkpoint else source, dtype, trainable=False,
-                               adapters=lora.LoraSpec.from_dict(adapters) if adapters is not None else None)
+        reference = self._load(settings, settings.model.path if from_checkpoint else source, dtype, trainable=False,
+                               adapters=msgspec.convert(adapters, LoraSettings) if adapters is not None else None)
         if adapters is not None:
             reference.requires_grad_(False)
         if from_checkpoint:
             checkpoint.load_model_weights(source, reference)
         return reference
 
-    def train(self, command: protocol.TrainCommand) -> dict[str, Any]:
+    def train(self, command: protocol.TrainCommand) -> protocol.TrainResult:
         settings, _, _ = self._require()
         if len(command.steps) != len(command.step_loss_tokens):
             raise ValueError(
                 f"train command has {len(command.steps)} steps but {len(command.step_loss_tokens)} token counts"
             )
-        loss_config = LossConfig(
-            eps_clip=settings.eps_clip,
-            eps_clip_high=settings.clip_high,
-            use_kl_loss=settings.use_kl_loss,
-            kl_loss_coef=settings.kl_loss_coef,
-            kl_loss_type=settings.kl_loss_type,
-            entropy_coef=settings.entropy_coef,
-            policy_loss=settings.policy_loss,
-            use_tis=settings.use_tis,
-            tis_clip=settings.tis_clip,
-            tis_clip_low=settings.tis_clip_low,
-        )
         batches = [self._micro_batches(samples) for samples in command.steps]
         # slime's old logprobs: the policy before this rollout's first update, so the ratio of every step of
         # the rollout is taken against the same policy. The first step runs on that policy itself, so its old
         # logprobs are its own forward's, detached (SAME_POLICY): no second forward of the same weights — except
         # with --lora-dropout, where the old logprobs are a forward-only pass with dropout off (miles').
-        recompute = settings.recomputes_old_log_probs
+        recompute = settings.loss.recomputes_old_log_probs
         reuse_first = self.lora is None or self.lora.dropout == 0
         with lora.dropout_off(self.model):
             old: list[list[Any]] = [
@@ -172,25 +162,25 @@ class Trainer:
                 for index, step in enumerate(batches)]
         steps = []
         for step_batches, step_old, global_tokens in zip(batches, old, command.step_loss_tokens, strict=True):
-            steps.append(self._train_step(step_batches, step_old, int(global_tokens), loss_config))
+            steps.append(self._train_step(step_batches, step_old, int(global_tokens)))
             self._after_step(settings)
-        return protocol.TrainResult(steps).to_wire()
+        return protocol.TrainResult(steps)
 
     def _after_step(self, settings: TrainSettings) -> None:
         """After the first step (model load, first gathers) the process group's timeout is shortened, as
         torchtitan does: a rank that hangs later is reported in `train_pg_timeout_s`, not the start-up's."""
         self.steps_done += 1
-        if self.steps_done == 1 and torch.distributed.is_initialized() and settings.train_pg_timeout_s:
+        if self.steps_done == 1 and torch.distributed.is_initialized() and settings.parallel.train_pg_timeout_s:
             from torch.distributed.distributed_c10d import _set_pg_timeout
 
-            _set_pg_timeout(datetime.timedelta(seconds=settings.train_pg_timeout_s))
+            _set_pg_timeout(datetime.timedelta(seconds=settings.parallel.train_pg_timeout_s))
 
     def _micro_batches(self, samples: list[protocol.WireSample]) -> list[MicroBatch]:
         """Packed micro-batches: first-fit-decreasing bins (or `micro_batch_size` groups), as many on every
         sharded rank."""
         settings, _, _ = self._require()
-        groups = packing.plan(samples, max_tokens=settings.max_tokens_per_micro_batch,
-                              micro_batch_size=settings.micro_batch_size)
+        groups = packing.plan(samples, max_tokens=settings.batching.max_tokens_per_micro_batch,
+                              micro_batch_size=settings.batching.micro_batch_size)
         count = self.parallel.agree_count(len(groups))
         if count > len(groups):
             groups = packing.split_to_count(groups, [len(sample.tokens) for sample in samples], count)
@@ -207,7 +197,7 @@ class Trainer:
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         settings, _, _ = self._require()
         return token_scores(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            position_ids=batch.position_ids, chunk_size=settings.log_probs_chunk_size,
+                            position_ids=batch.position_ids, chunk_size=settings.batching.log_probs_chunk_size,
                             with_entropy=with_entropy, entropy_grad=entropy_grad, scored=batch.response_positions())
 
     @torch.no_grad()
@@ -216,7 +206,6 @@ class Trainer:
 
     def _train_step(
         self, micro_batches: list[MicroBatch], old_log_probs: list[Any], global_tokens: int,
-        loss_config: LossConfig,
     ) -> protocol.StepMetrics:
         settings, model, optimizer = self._require()
         started = time.perf_counter()
@@ -224,7 +213,7 @@ class Trainer:
         sums: dict[str, float] = {"num_tokens": 0.0}
         maxima: dict[str, float] = {}
         for batch, old in zip(micro_batches, old_log_probs, strict=True):
-            log_probs, entropy = self._scores(batch, model, with_entropy=True, entropy_grad=bool(settings.entropy_coef))
+            log_probs, entropy = self._scores(batch, model, with_entropy=True, entropy_grad=bool(settings.loss.entropy_coef))
             assert entropy is not None
             if old is SAME_POLICY:
                 old = log_probs.detach()
@@ -236,7 +225,7 @@ class Trainer:
                 advantages=advantages,
                 loss_mask=batch.loss_mask,
                 global_loss_tokens=global_tokens,
-                config=loss_config,
+                config=settings.loss,
                 entropy=entropy,
                 old_log_probs=old,
                 ref_log_probs=ref_log_probs,
@@ -254,7 +243,7 @@ class Trainer:
         extra = {key: sums.pop(key) for key in [key for key in sums
                                                 if key.startswith("tis_hook/") or key == distill.METRIC]}
         self.parallel.reduce_gradients()
-        grad_norm = clip_gradients(model, settings.clip_grad)
+        grad_norm = clip_gradients(model, settings.optimizer.clip_grad)
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
         self.scheduler.step()
@@ -282,7 +271,7 @@ class Trainer:
             optimizer=optimizer,
             scheduler=self.scheduler,
             extra=command.extra,
-            retain_interval=self.settings.save_retain_interval if self.settings is not None else None,
+            retain_interval=self.settings.checkpoint.save_retain_interval if self.settings is not None else None,
             adapters=self.lora.record() if self.lora is not None else None,
             write_files=self._write_adapter if self.lora is not None else None,
         )
@@ -291,7 +280,7 @@ class Trainer:
     def _write_adapter(self, directory: Any) -> None:
         """A LoRA checkpoint's adapters also in the PEFT format, in `<checkpoint>/adapter/`."""
         assert self.lora is not None and self.settings is not None
-        lora.write_adapter(self.model, self.lora, directory / "adapter", base_model_path=self.settings.model_path,
+        lora.write_adapter(self.model, self.lora, directory / "adapter", base_model_path=self.settings.model.path,
                            write=self.rank == 0)
 
     def load(self, command: protocol.LoadCommand) -> dict[str, Any]:
@@ -310,7 +299,7 @@ class Trainer:
             return {}
         path = weight_export.write_snapshot(
             state,
-            source_dir=settings.model_path,
+            source_dir=settings.model.path,
             directory=command.directory,
             weight_version=command.weight_version,
             keep=command.keep,
@@ -360,46 +349,3 @@ class Trainer:
         if self.settings is None or self.model is None or self.optimizer is None:
             raise NotInitialised("the trainer got a command before 'init'; call TrainGroup.init first")
         return self.settings, self.model, self.optimizer
-
-
-def lr_schedule(settings: TrainSettings) -> LrSchedule:
-    warmup = (settings.warmup_fraction * settings.lr_decay_steps
-              if settings.warmup_fraction is not None and settings.lr_decay_steps else settings.warmup_steps)
-    return LrSchedule(lr=settings.lr, min_lr=settings.min_lr, style=settings.lr_decay_style,
-                      decay_steps=settings.lr_decay_steps, warmup_steps=warmup,
-                      warmup_init_lr=settings.warmup_init_lr)
-
-
-#: commands that read or write the training state: run with the state on the device
-_NEEDS_STATE = (protocol.TrainCommand, protocol.SaveCommand, protocol.LoadCommand, protocol.ExportWeightsCommand,
-                protocol.WeightManifestCommand, protocol.BroadcastWeightsCommand)
-
-
-def handle(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:
-    state = trainer.state
-    if state is not None and state.offloaded and isinstance(command, _NEEDS_STATE):
-        state.onload()  # e.g. a checkpoint save, or an export for an engine's recovery, between steps
-        try:
-            return _dispatch(trainer, command)
-        finally:
-            state.offload()
-    return _dispatch(trainer, command)
-
-
-def _dispatch(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:
-    handlers = {
-        protocol.InitCommand: trainer.init,
-        protocol.TrainCommand: trainer.train,
-        protocol.SaveCommand: trainer.save,
-        protocol.LoadCommand: trainer.load,
-        protocol.ExportWeightsCommand: trainer.export_weights,
-        protocol.WeightManifestCommand: trainer.weight_manifest,
-        protocol.BroadcastWeightsCommand: trainer.broadcast_weights,
-        protocol.DestroyWeightGroupCommand: trainer.destroy_weight_group,
-        protocol.OffloadCommand: trainer.offload,
-        protocol.OnloadCommand: trainer.onload,
-    }
-    handler = handlers.get(type(command))
-    if handler is None:
-        raise protocol.ProtocolError(f"the rank has no handler for command {command.kind!r}")
-    return handler(command)

@@ -1,0 +1,169 @@
+"""`rayless status RUN_DIR` / `rayless status --url URL`: a run's status in the terminal.
+
+Owns where the document comes from — the run's status server (its URL from `--url`, or from
+`<run_dir>/status_url` while the run goes on), else `<run_dir>/status.json` (the last document of a run that
+ended), else what the run directory's files say (config.json, metrics.jsonl, summary.json, timeline.json) —
+and the text made of it. Exit status: 0 shown, 1 nothing to show (no server answers, no such run), 2 bad
+arguments. Everything read (a peer's reply, a file) is decoded through `workers.boundary`, bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from workers.boundary.errors import BoundaryError
+from workers.boundary.json_input import JsonLimits, decode_json
+
+LIMITS = JsonLimits(max_bytes=32 << 20)
+TIMEOUT_S = 5.0
+
+
+class NoStatus(Exception):
+    """Nothing to show; the message says what was tried."""
+
+
+def from_server(url: str, api_key: str | None) -> dict[str, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url.rstrip("/") + "/status", headers=headers, timeout=TIMEOUT_S)
+    except httpx.HTTPError as error:
+        raise NoStatus(f"the status server at {url} does not answer: {error}") from None
+    if response.status_code == 401:
+        raise NoStatus(f"the status server at {url} wants the run's API key: give --api-key")
+    if response.status_code != 200:
+        raise NoStatus(f"the status server at {url} answered {response.status_code}")
+    document = decode_json(response.content, f"{url}/status", LIMITS)
+    if not isinstance(document, dict) or "run" not in document:
+        raise NoStatus(f"{url}/status is not a rayless status document")
+    return document
+
+
+def _json_file(path: Path) -> Any:
+    return decode_json(path.read_bytes(), str(path), LIMITS)
+
+
+def from_files(run_dir: Path) -> dict[str, Any]:
+    """The last document (`status.json`), else one pieced together from the run's files."""
+    final = run_dir / "status.json"
+    if final.is_file():
+        return _json_file(final)
+    if not (run_dir / "config.json").is_file():
+        raise NoStatus(f"{run_dir} is not a run directory (no config.json, no status.json)")
+    rows = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for number, line in enumerate(metrics.read_bytes().splitlines(), 1):
+            if line.strip():
+                row = decode_json(line, f"{metrics}:{number}", LIMITS)
+                if isinstance(row, dict):
+                    rows.append(row)
+    summary = _json_file(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
+    config = _json_file(run_dir / "config.json")
+    planned = _planned_rollouts(config)
+    last = rows[-1] if rows else {}
+    return {
+        "run": {"run_dir": str(run_dir), "config_digest": "",
+                "state": "finished" if summary else "not finished (no status server: running, or killed)",
+                "rollouts_done": summary.get("rollouts", (last.get("step", -1) + 1) if rows else 0),
+                "num_rollout": planned, "elapsed_s": summary.get("wall_s"), "eta_s": None,
+                "weight_version": summary.get("final_weight_version", last.get("weight_version")), "phase": ""},
+        "engines": [], "ranks": [], "eval": None, "events": [], "metrics": rows[-500:], "timeline": [],
+    }
+
+
+def _planned_rollouts(config: Any) -> int | None:
+    value = config.get("num_rollout") if isinstance(config, dict) else None
+    return value if isinstance(value, int) else None
+
+
+def load(run_dir: Path | None, url: str | None, api_key: str | None) -> tuple[dict[str, Any], str]:
+    """(document, where it came from)."""
+    if url is not None:
+        return from_server(url, api_key), f"status server {url}"
+    assert run_dir is not None
+    if not run_dir.is_dir():
+        raise NoStatus(f"{run_dir}: no such run directory")
+    url_file = run_dir / "status_url"
+    tried = ""
+    if url_file.is_file():
+        recorded = url_file.read_text(encoding="utf-8", errors="replace").strip()
+        try:
+            return from_server(recorded, api_key), f"status server {recorded}"
+        except NoStatus as error:
+            tried = f" ({error}; the run may have been killed)"
+    return from_files(run_dir), f"files in {run_dir}{tried}"
+
+
+def _clock(seconds: Any) -> str:
+    if not isinstance(seconds, int | float):
+        return "?"
+    s = max(0, int(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _num(value: Any, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, int | float) else "-"
+
+
+def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
+    return ["  " + "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            for row in [list(header), *rows]]
+
+
+def render(document: dict[str, Any], source: str) -> str:
+    run = document["run"]
+    lines = [f"run {run['run_dir']}: {run['state']} · rollout {run['rollouts_done']}/{run['num_rollout'] or '?'} · "
+             f"elapsed {_clock(run.get('elapsed_s'))} · ETA {_clock(run.get('eta_s'))} · weights "
+             f"{run.get('weight_version') or '-'}" + (f" · phase {run['phase']}" if run.get("phase") else ""),
+             f"(from {source})"]
+    if document.get("engines"):
+        lines.append("engines:")
+        lines += _table(("ENGINE", "STATE", "ADDRESS", "IN FLIGHT", "WEIGHTS", "TOKENS/S", "LAST LOG LINE"), [
+            [e["name"], e["state"], e["address"] or "-", str(e["in_flight"]), e.get("weight_version") or "-",
+             _num(e.get("tokens_per_s"), ".1f"), (e.get("dead_reason") or e.get("log_line") or "")[:70]]
+            for e in document["engines"]])
+    if document.get("ranks"):
+        lines.append("ranks:")
+        lines += _table(("RANK", "NODE", "STATE", "LAST STEP", "MEMORY"), [
+            [str(r["rank"]), str(r["node"] if r["node"] is not None else "-"), r["state"],
+             _num(r.get("last_step_s"), ".2f") + " s", _num((r.get("memory_bytes") or 0) / 2**20, ".0f") + " MiB"
+             if r.get("memory_bytes") else "-"] for r in document["ranks"]])
+    rows = document.get("metrics") or []
+    if rows:
+        lines.append("last rollouts:")
+        lines += _table(("ROLLOUT", "REWARD", "RESPONSE LEN", "GENERATE", "TRAIN", "SYNC"), [
+            [str(row.get("step")), _num(row.get("rollout/reward_mean"), ".3f"),
+             _num(row.get("rollout/response_len_mean"), ".1f"), _num(row.get("rollout/time_s"), ".2f") + " s",
+             _num(row.get("train/time_s"), ".2f") + " s", _num(row.get("sync/time_s"), ".2f") + " s"]
+            for row in rows[-5:]])
+    if document.get("events"):
+        lines.append("failures and recoveries:")
+        lines += [f"  {e['engine']}: {e['kind']} {e.get('detail', '')[:90]}" for e in document["events"][-10:]]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rayless status", description="Show a run's status: from its status "
+                                     "server while it runs (--status-port), else from its run directory.")
+    parser.add_argument("run_dir", nargs="?", type=Path, help="the run's --run-dir")
+    parser.add_argument("--url", help="the status server's address (http://HOST:PORT), instead of RUN_DIR")
+    parser.add_argument("--api-key", help="the run's --sglang-api-key, when it has one")
+    parser.add_argument("--json", action="store_true", help="print the status document as JSON")
+    options = parser.parse_args(list(argv))
+    if (options.run_dir is None) == (options.url is None):
+        parser.error("give RUN_DIR or --url (one of them)")
+    try:
+        document, source = load(options.run_dir, options.url, options.api_key)
+    except (NoStatus, BoundaryError, OSError) as error:
+        print(f"rayless status: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(document, indent=2) if options.json else render(document, source))
+    return 0
