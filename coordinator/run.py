@@ -192,9 +192,11 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
     from coordinator.rollout.manager import RolloutManager
 
     router_url = services.router.url if services.router is not None else None
+    teachers = services.teacher_engines  # --opd-teacher-load of --opd-type sglang: the teacher rayless serves
     manager = RolloutManager.build(
         config, tokenizer=services.tokenizer, client=services.client, pool=services.fleet, router_url=router_url,
         context_length=services.context_length, progress=progress,
+        teacher_urls={"default": teachers.alive()[0].url} if teachers is not None else None,
     )
     await start_hook_services(manager, task_group=task_group, seed=config.rollout.rollout_seed,
                               router_url=router_url, api_key=config.sglang.sglang_api_key)

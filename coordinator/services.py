@@ -80,6 +80,7 @@ class Processes:
     client: EngineClient | None = None
     fleet: EngineFleet | None = None
     eval_engines: EngineFleet | None = None  # the EngineFleet of group "eval"
+    teacher_engines: EngineFleet | None = None  # group "teacher": on-policy distillation's, never trained
     router: RouterHandle | None = None
     train_group: TrainGroup | None = None
     weight_sync: WeightSync | None = None
@@ -100,12 +101,14 @@ class Services(Processes):
 def build_processes(config: Config, plan: PlacementPlan, run_dir: Path, *, client: EngineClient | None,
                     nodes: Head | None, progress: ProgressDisplay) -> Processes:
     """Every process-owning service of the plan, constructed and wired to each other; nothing started."""
-    fleet = eval_engines = router = None
+    fleet = eval_engines = teacher_engines = router = None
     if config.needs_engines:
         assert client is not None, "a run with engines opens the engine client first"
         fleet = _fleet(config, plan, run_dir, client, nodes, progress, "rollout")
         if config.eval_fleet_enabled:  # dedicated eval engines: their own group and GPUs; never trained weights
             eval_engines = _fleet(config, plan, run_dir, client, nodes, progress, "eval")
+        if plan.local.teacher_engines:  # --opd-teacher-load of --opd-type sglang: the teacher, never trained
+            teacher_engines = _fleet(config, plan, run_dir, client, nodes, progress, "teacher")
         router = _router(config, plan, run_dir, client, progress)
     train_group = _train_group(plan, run_dir, nodes, progress) if config.needs_train_ranks else None
     weight_sync = None
@@ -120,7 +123,8 @@ def build_processes(config: Config, plan: PlacementPlan, run_dir: Path, *, clien
             fleet=fleet, client=client, trainer=train_group, weight_sync=weight_sync,
             offload_train=config.offloads_train, offload_rollout=config.offloads_rollout,
             recovers_engines=config.rollout_ft_enabled, on_phase=progress.run.set_phase)
-    return Processes(client=client, fleet=fleet, eval_engines=eval_engines, router=router, train_group=train_group,
+    return Processes(client=client, fleet=fleet, eval_engines=eval_engines, teacher_engines=teacher_engines,
+                     router=router, train_group=train_group,
                      weight_sync=weight_sync, colocation=colocation, nodes=nodes)
 
 
@@ -128,7 +132,8 @@ def _fleet(config: Config, plan: PlacementPlan, run_dir: Path, client: EngineCli
            progress: ProgressDisplay, group: str) -> EngineFleet:
     from coordinator.engines.fleet import EngineFleet
 
-    slots = plan.local.rollout_engines if group == "rollout" else plan.local.eval_engines
+    slots = {"rollout": plan.local.rollout_engines, "eval": plan.local.eval_engines,
+             "teacher": plan.local.teacher_engines}[group]
     fleet = EngineFleet(
         client=client, group=group, launch=[slot.spec for slot in slots],
         external_urls=plan.external_engines if group == "rollout" else (), run_dir=run_dir,
@@ -238,6 +243,8 @@ async def start_processes(config: Config, processes: Processes, task_group: Task
             starting.start_soon(load_tokenizer)
         if p.eval_engines is not None:
             starting.start_soon(start_engines, p.eval_engines, "eval_engines_ready_s")
+        if p.teacher_engines is not None:
+            starting.start_soon(start_engines, p.teacher_engines, "teacher_engines_ready_s")
         if p.train_group is not None:
             starting.start_soon(start_ranks, p.train_group)
     if p.colocation is not None:

@@ -64,8 +64,11 @@ assert _EXT_TUPLE == bounds.EXT_TUPLE and {c: s for c, (s, _) in bounds.PACKED_A
 _BIG_ENDIAN = sys.byteorder == "big"
 
 SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Sample))
+#: Fields a record holds only when set (on-policy distillation's teacher logprobs).
+OPTIONAL_SAMPLE_FIELDS: frozenset[str] = frozenset({"teacher_log_probs"})
 #: The fields a format-1 record holds (every field but slime's `index`).
-SAMPLE_FIELDS_V1: tuple[str, ...] = tuple(name for name in SAMPLE_FIELDS if name != "index")
+SAMPLE_FIELDS_V1: tuple[str, ...] = tuple(name for name in SAMPLE_FIELDS
+                                          if name != "index" and name not in OPTIONAL_SAMPLE_FIELDS)
 
 
 class DumpError(ValueError):
@@ -211,6 +214,8 @@ def encode_sample(sample: Sample) -> bytes:
         "metadata": sample.metadata,
         "index": sample.index,
     }
+    if sample.teacher_log_probs is not None:  # absent, not null: dumps without distillation read as before
+        record["teacher_log_probs"] = pack_floats(sample.teacher_log_probs)
     return packb(record)
 
 

@@ -22,6 +22,7 @@ from replay.format import (
     FRAME_HEAD,
     KINDS,
     MAGIC,
+    OPTIONAL_SAMPLE_FIELDS,
     SAMPLE_FIELDS,
     SAMPLE_FIELDS_V1,
     SUPPORTED_VERSIONS,
@@ -159,7 +160,7 @@ def _read_header(reader: _Reader) -> DumpHeader:
 
 
 _STATUS = {status.value: status for status in SampleStatus}
-_REQUIRED = {1: frozenset(SAMPLE_FIELDS_V1), 2: frozenset(SAMPLE_FIELDS)}
+_REQUIRED = {1: frozenset(SAMPLE_FIELDS_V1), 2: frozenset(SAMPLE_FIELDS) - OPTIONAL_SAMPLE_FIELDS}
 
 
 def _int_list(value: Any, name: str) -> list[int]:
@@ -173,9 +174,10 @@ def _decode_sample(payload: bytes, version: int) -> Sample:
     if type(record) is not dict:
         raise SchemaError(f"a sample record must be a map, got {type(record).__name__}")
     required = _REQUIRED[version]
-    if record.keys() != required:
+    optional = OPTIONAL_SAMPLE_FIELDS if version == 2 else frozenset()
+    if record.keys() - optional != required:
         missing = sorted(required - record.keys())
-        unknown = sorted(str(k) for k in record.keys() - required)
+        unknown = sorted(str(k) for k in record.keys() - required - optional)
         parts = [f"missing {missing}"] if missing else []
         parts += [f"unknown {unknown}"] if unknown else []
         raise SchemaError(f"fields do not match the schema ({', '.join(parts)})")
@@ -211,6 +213,9 @@ def _decode_sample(payload: bytes, version: int) -> Sample:
     logprobs = record["rollout_log_probs"]
     if type(logprobs) is not array or logprobs.typecode != "d":
         problems.append(f"rollout_log_probs must be a packed float64 array, got {type(logprobs).__name__}")
+    teacher = record.get("teacher_log_probs")
+    if teacher is not None and (type(teacher) is not array or teacher.typecode != "d"):
+        problems.append(f"teacher_log_probs must be a packed float64 array, got {type(teacher).__name__}")
     if problems:
         raise SchemaError("; ".join(problems))
     sample = Sample(
@@ -229,6 +234,7 @@ def _decode_sample(payload: bytes, version: int) -> Sample:
         advantage=record["advantage"],
         metadata=record["metadata"],
         index=index,
+        teacher_log_probs=None if teacher is None else teacher.tolist(),
     )
     try:
         sample.validate()

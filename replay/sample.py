@@ -7,7 +7,8 @@ multi-turn samples and slime's alignment: docs/replay.md.
 
 Invariant kept by `Sample.validate()`: `tokens` holds prompt + response, the response is the last
 `response_length` tokens, and `loss_mask` / `rollout_log_probs` are lists with exactly `response_length`
-entries (slime's `None` is resolved by `settle_hook_fields` when a hook hands a sample back).
+entries (slime's `None` is resolved by `settle_hook_fields` when a hook hands a sample back); so has
+`teacher_log_probs` when it is set (on-policy distillation).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: slime's `index`: the sample's position in its rollout (group_index × n_samples_per_prompt + sample_index).
     index: int | None = None
+    #: slime's: on-policy distillation's teacher logprob of each response token (None: not distilled).
+    teacher_log_probs: list[float] | None = None
 
     #: slime's name for the enum: `Sample.Status.COMPLETED`.
     Status: ClassVar[type[SampleStatus]] = SampleStatus
@@ -208,6 +211,11 @@ class Sample:
             )
         if not isinstance(self.status, SampleStatus):
             raise SampleError(f"{where}: status {self.status!r} is not a SampleStatus")
+        teacher = self.teacher_log_probs
+        if teacher is not None and (not isinstance(teacher, list) or len(teacher) != self.response_length):
+            count = len(teacher) if isinstance(teacher, list) else type(teacher).__name__
+            raise SampleError(f"{where}: teacher_log_probs has {count} entries, response_length is "
+                              f"{self.response_length}")
 
 
 def settle_hook_fields(sample: Sample, *, where: str) -> None:

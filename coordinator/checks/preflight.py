@@ -59,6 +59,10 @@ def check_checkpoints(config: Config) -> tuple[list[str], LoadPlan]:
     ref = config.reference_path()
     if ref is not None:
         notes.append(f"--ref-load {ref}: the reference model")
+    teacher = config.distill.teacher_path()
+    if teacher is not None:
+        served = "served by an engine rayless launches" if config.distill.launches_teacher else "on the ranks"
+        notes.append(f"--opd-teacher-load {teacher}: the distillation teacher, {served}")
     load = config.load_plan()
     if load.resume:
         notes.append(f"--load {load.path}: resumes from this checkpoint")

@@ -15,6 +15,8 @@ from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 from coordinator.config.sft import SFT_ROLLOUT_FUNCTION
 
 _NONZERO_STD = "coordinator.rollout.filters:reward_std_positive"
+_OPD_REWARD = "coordinator.rollout.teacher:distill_reward"
+_OPD_POST_PROCESS = "coordinator.rollout.teacher:distill_post_process"
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,16 @@ HOOK_ALIASES: dict[tuple[str, str], HookAlias] = {
         HookAlias(MULTI_TURN_GENERATE),
     ("custom_generate_function_path", "miles.rollout.generate_hub.agentic_tool_call.generate"):
         HookAlias(AGENTIC_GENERATE),
+    # on-policy distillation's teacher hooks: rayless asks the teacher itself (`coordinator.rollout.teacher`)
+    ("custom_rm_path", "slime.rollout.on_policy_distillation.reward_func"): HookAlias(_OPD_REWARD),
+    ("custom_rm_path", "miles.rollout.on_policy_distillation.reward_func"): HookAlias(_OPD_REWARD),
+    ("custom_reward_post_process_path", "slime.rollout.on_policy_distillation.post_process_rewards"):
+        HookAlias(_OPD_POST_PROCESS),
+    ("custom_reward_post_process_path", "miles.rollout.on_policy_distillation.post_process_rewards"):
+        HookAlias(_OPD_POST_PROCESS),
 }
 _HOOK_FIELDS = ("rollout_function_path", "eval_function_path", "custom_rm_path", "dynamic_sampling_filter_path",
-                "custom_generate_function_path")
+                "custom_generate_function_path", "custom_reward_post_process_path")
 
 
 def apply_hook_aliases(values: dict[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, str, str], ...]]:

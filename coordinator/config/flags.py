@@ -7,6 +7,7 @@ from coordinator.config.checkpoint import CheckpointConfig
 from coordinator.config.cluster import ClusterConfig
 from coordinator.config.debug import DebugConfig
 from coordinator.config.determinism import DeterminismConfig
+from coordinator.config.distill import DistillConfig
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
 from coordinator.config.fields import FlagSpec, Slice
@@ -31,6 +32,7 @@ SLICES: tuple[tuple[str, type[Slice]], ...] = (
     ("train", TrainConfig),
     ("sft", SftConfig),
     ("lora", LoraConfig),
+    ("distill", DistillConfig),
     ("checkpoint", CheckpointConfig),
     ("logging", LoggingConfig),
     ("megatron", MegatronConfig),

@@ -237,6 +237,22 @@ def tis_hook_needs_tis(config: Config) -> None:
                       stacklevel=3)
 
 
+def distillation_has_a_teacher(config: Config) -> None:
+    """`--opd-type sglang` asks a teacher engine during the rollout: one must be named (a replayed dump holds
+    the teacher logprobs already); slime's OPD reward hooks are that teacher, so they need `--use-opd`."""
+    distill = config.distill
+    opd_hooks = [path for path in (config.rollout.custom_rm_path, config.rollout.custom_reward_post_process_path)
+                 if path is not None and path.startswith("coordinator.rollout.teacher:")]
+    if opd_hooks and not distill.use_opd:
+        raise ConfigError(f"{opd_hooks[0]} (slime's on-policy distillation reward: 0, the teacher gives the "
+                          "signal) without --use-opd would train on nothing: add --use-opd --opd-type sglang")
+    if (distill.engine_teacher and not config.replay_mode and not distill.launches_teacher
+            and not distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type)):
+        raise ConfigError("--use-opd --opd-type sglang needs its teacher: --opd-teacher-urls NAME=URL (running "
+                          "engines), --opd-teacher-load DIR (rayless serves it) or --rm-url (slime's single "
+                          "teacher)")
+
+
 RULES: tuple[Callable[[Config], None], ...] = (
     replay_has_no_eval_fleet,
     routing_replay_needs_a_dense_model,
@@ -267,6 +283,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     colocation_is_not_async,
     colocation_needs_both_halves,
     deterministic_runs_can_hold,
+    distillation_has_a_teacher,
 )
 
 

@@ -23,6 +23,7 @@ from coordinator.config.checkpoint import CheckpointConfig, LoadPlan, resolve_lo
 from coordinator.config.cluster import ClusterConfig, resolve_colocation
 from coordinator.config.debug import DebugConfig
 from coordinator.config.determinism import DeterminismConfig
+from coordinator.config.distill import DistillConfig
 from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fault_tolerance import FaultToleranceConfig
 from coordinator.config.fields import ConfigError
@@ -52,6 +53,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SftConfig = field(default_factory=SftConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # type: ignore[valid-type]
@@ -244,6 +246,8 @@ class Config:
             policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
         if self.sft.enabled:  # slime's --loss-type sft_loss: the NLL on the ranks
             settings = settings.replace(loss=msgspec.structs.replace(settings.loss, loss_type=self.sft.loss_type))
+        if self.distill.use_opd:
+            settings = settings.replace(opd=self.distill.rank_opd(self.distill.teacher_path()))
         if self.offloads_train:
             # CPU ranks spill their state to a file here (a real disk, so the memory is freed, not moved)
             settings = settings.replace(memory=MemorySettings(

@@ -25,7 +25,7 @@ from coordinator.config.settings import Config
 from coordinator.engines.launch import engine_launch_spec, engine_log_path, free_port
 from coordinator.engines.router import router_log_path
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
-from coordinator.plan.demands import POLICIES, gpu_demands, oversubscribed_message
+from coordinator.plan.demands import POLICIES, GpuDemand, gpu_demands, oversubscribed_message
 from coordinator.plan.gpus import PLAN_GPU_COUNT_ENV, GpuInventory, detect_gpus
 from coordinator.plan.layout import TORCH_RDZV_STORE_ENV, NodeLayout, resolve_layout
 from coordinator.plan.nodes import engine_share, node_shares, remote_engines
@@ -91,6 +91,10 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
     ranks_on_gpu = gpus.count > 0 or any_engine_on_gpu
     demands = tuple(gpu_demands(config, rollout, eval_, ranks_on_gpu=ranks_on_gpu,
                                 rollout_engines=len(rollout_indices), eval_engines=len(eval_indices)))
+    teacher = teacher_choice(config, node_rank, rollout or eval_)
+    if teacher is not None and teacher.on_gpu:
+        demands += (GpuDemand("teacher", "distillation teacher engine", "--opd-teacher-load", 1,
+                              config.cluster.rollout_num_gpus_per_engine),)
     placed = POLICIES[policy](demands)
     needed = max((gpu for units in placed.values() for unit in units for gpu in unit), default=-1) + 1
     if needed > gpus.count:
@@ -109,6 +113,8 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
                                   placed.get("rollout", ()), gpus, python, host) if rollout is not None else ()
     eval_slots = _engine_slots(config, "eval", eval_indices, eval_, placed.get("eval", ()), gpus,
                                python, host) if eval_ is not None else ()
+    teacher_slots = _engine_slots(config, "teacher", range(1), teacher, placed.get("teacher", ()), gpus, python,
+                                  model_path=config.distill.teacher_path()) if teacher is not None else ()
     router = None
     # --sglang-router-ip/-port attach to a running router: nothing to launch for it
     if node_rank == 0 and config.sglang.use_sglang_router and config.sglang.router_address is None \
@@ -117,7 +123,19 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
                             policy=config.sglang.sglang_router_policy, log=router_log_path(run_dir, "rollout"),
                             python=python, extra_args=config.router_passthrough)
     return NodePlan(node_rank=node_rank, gpus=gpus, demands=demands, ranks=ranks, rollout_engines=rollout_slots,
-                    eval_engines=eval_slots, router=router)
+                    eval_engines=eval_slots, router=router, teacher_engines=teacher_slots)
+
+
+def teacher_choice(config: Config, node_rank: int, engines: EngineChoice | None) -> EngineChoice | None:
+    """The engine kind of on-policy distillation's teacher, on node 0 when rayless serves it
+    (`--opd-type sglang --opd-teacher-load`): the rollout engines' kind, which this node's flags chose."""
+    if not (config.distill.launches_teacher and config.needs_engines and node_rank == 0):
+        return None
+    if engines is None:
+        raise ConfigError("--opd-teacher-load with --opd-type sglang serves the teacher on an engine like the rollout "
+                          "engines, and this run launches none (--rollout-num-engines / --rollout-num-gpus): "
+                          "serve the teacher yourself and give --opd-teacher-urls")
+    return engines
 
 
 def _ranks_slot(config: Config, node_rank: int, units: tuple[tuple[int, ...], ...], gpus: GpuInventory,
@@ -169,7 +187,7 @@ def _engine_host(layout: NodeLayout | None, *, lenient: bool, warnings: list[str
 
 def _engine_slots(config: Config, group: str, indices: range, choice: EngineChoice,
                   units: tuple[tuple[int, ...], ...], gpus: GpuInventory, python: str,
-                  host: str = ENGINE_HOST) -> tuple[EngineSlot, ...]:
+                  host: str = ENGINE_HOST, model_path: str | None = None) -> tuple[EngineSlot, ...]:
     """This node's engines of `group`: engine i (of the whole group) is named `<group>-<i>` on every node."""
     run_dir = config.logging.resolved_run_dir
     slots = []
@@ -178,7 +196,7 @@ def _engine_slots(config: Config, group: str, indices: range, choice: EngineChoi
         positions = units[position] if choice.on_gpu else ()
         releases = group == "rollout" and config.offloads_rollout
         spec = engine_launch_spec(
-            model_path=str(config.rollout.hf_checkpoint), sglang=config.sglang, cluster=config.cluster,
+            model_path=model_path or str(config.rollout.hf_checkpoint), sglang=config.sglang, cluster=config.cluster,
             seed=config.rollout.rollout_seed, enable_metrics=config.health_monitor_enabled,
             backend=choice.backend, device=choice.device, gpus=positions,
             visible_devices=gpus.visible_devices(positions) if positions else None, port=free_port(ENGINE_HOST),

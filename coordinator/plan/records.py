@@ -102,6 +102,8 @@ class NodePlan:
     rollout_engines: tuple[EngineSlot, ...]
     eval_engines: tuple[EngineSlot, ...]
     router: RouterSlot | None
+    #: on-policy distillation's teacher engine, served from --opd-teacher-load (node 0; none otherwise)
+    teacher_engines: tuple[EngineSlot, ...] = ()
 
     @property
     def gpus_needed(self) -> int:
@@ -113,6 +115,7 @@ class NodePlan:
             yield self.ranks
         yield from self.rollout_engines
         yield from self.eval_engines
+        yield from self.teacher_engines
         if self.router is not None:
             yield self.router
 

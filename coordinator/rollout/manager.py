@@ -43,6 +43,7 @@ from coordinator.rollout.requests import GenerateState
 from coordinator.rollout.reward_choice import RewardChoice
 from coordinator.rollout.reward_post import RewardPostProcess
 from coordinator.rollout.rewards import RewardModel
+from coordinator.rollout.teacher import TeacherScorer, settle_teacher_log_probs
 from replay.sample import RolloutBatch
 from workers.hook_loading import load_object
 
@@ -103,6 +104,8 @@ class RolloutManager:
         self.context: RolloutContext | None = None
         #: slime's --custom-reward-post-process-path (not in replay: the dumps are re-scored by the estimator)
         self.reward_post_process: RewardPostProcess | None = None
+        #: on-policy distillation's `sglang` teacher: asks teacher logprobs of each generated sample
+        self.teacher: TeacherScorer | None = None
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -116,6 +119,7 @@ class RolloutManager:
         router_url: str | None = None,
         context_length: int | None = None,
         progress: ProgressDisplay | None = None,
+        teacher_urls: dict[str, str] | None = None,
     ) -> RolloutManager:
         """The manager of `config`'s mode: the replay loader alone in replay mode; else the generate path (when
         the run has engines), the context a rollout fn is built with, and the rollout and eval fns."""
@@ -135,6 +139,11 @@ class RolloutManager:
         manager.context = manager._build_context(runtime, tokenizer=tokenizer, generate_state=generate_state,
                                                  dispatcher=dispatcher, progress=progress)
         manager._build_rollout_fns(manager.context)
+        if config.distill.engine_teacher and config.needs_engines:  # the flags' teachers, or the one launched
+            routes = {**config.distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type),
+                      **(teacher_urls or {})}
+            manager.teacher = TeacherScorer(client, routes, key=config.distill.opd_teacher_key,
+                                            concurrency=config.sglang.sglang_server_concurrency)
         return manager
 
     def _build_replay_loader(self) -> None:
@@ -272,11 +281,14 @@ class RolloutManager:
         else:
             batch = await self.rollout_fn(rollout_id, weight_version)
             self._check_shape(batch)
+            if self.teacher is not None:
+                await self.teacher.score(batch.samples)
         rollout = self.config.rollout
         if self.config.sft.disable_compute_advantages_and_returns:
             pass  # slime's --disable-compute-advantages-and-returns: the rollout fn's advantages stay
         elif self.reward_post_process is not None:
             self.reward_post_process.apply(batch.groups, normalize_advantages=rollout.normalize_advantages)
+            settle_teacher_log_probs(batch.samples)  # slime's OPD post-process sets them (as a tensor)
         else:
             self._advantages(batch)
         if self.config.debug.save_debug_rollout_data is not None and not self.config.replay_mode:

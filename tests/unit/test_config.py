@@ -220,6 +220,8 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                         "the default rollout function cannot generate"),
     "num_epoch_needs_a_dataset": ("--num-rollout", ["--num-epoch", "2", "--load-debug-rollout-data", "d/{rollout_id}"],
                                   "--num-epoch counts passes over --prompt-data; --load-debug-rollout-data replays"),
+    "distillation_has_a_teacher": (None, ["--rollout-num-engines", "1", "--use-opd", "--opd-type", "sglang"],
+                                   "--use-opd --opd-type sglang needs its teacher"),
 }
 
 

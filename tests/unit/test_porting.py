@@ -234,9 +234,12 @@ def test_slime_and_miles_hook_paths_resolve_to_ours(tiny_model_dir: Path) -> Non
                   "--generate-tool-call-parser", "qwen25"]
     # miles' agentic generate needs its agent and the session server
     agentic = ["--custom-agent-function-path", "m.run_agent", "--use-session-server"]
+    # on-policy distillation's teacher hooks are the teacher at --rm-url of --use-opd --opd-type sglang
+    distill = ["--use-opd", "--opd-type", "sglang", "--rm-url", "http://127.0.0.1:30001/generate"]
     for (field, theirs), alias in HOOK_ALIASES.items():
         extra = multi_turn if field == "custom_generate_function_path" else []
         extra = agentic if theirs.endswith("agentic_tool_call.generate") else extra
+        extra = distill if ".on_policy_distillation." in theirs else extra
         make = sft_argv if alias.ours == SFT_ROLLOUT_FUNCTION else argv
         config = parse_config(make(tiny_model_dir, "--" + field.replace("_", "-"), theirs, *extra))
         slice_ = config.hooks if field == "custom_generate_function_path" else config.rollout

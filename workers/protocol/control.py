@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from anyio.abc import ByteStream
     from anyio.streams.buffered import BufferedByteReceiveStream
 
-# 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node_rank
-PROTOCOL_VERSION = 5
+# 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node_rank;
+# 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation)
+PROTOCOL_VERSION = 6
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -55,6 +56,9 @@ class WireSample(Record):
     loss_mask: list[int]
     rollout_log_probs: list[float]
     advantage: float = 0.0
+    #: on-policy distillation's teacher logprob of each response token (None: not distilled, or computed by
+    #: the rank's own teacher)
+    teacher_log_probs: list[float] | None = None
 
     @classmethod
     def from_sample(cls, sample: Any) -> WireSample:
@@ -69,7 +73,15 @@ class WireSample(Record):
             loss_mask=[int(value) for value in sample.loss_mask],
             rollout_log_probs=[float(value) for value in sample.rollout_log_probs],
             advantage=float(sample.advantage),
+            teacher_log_probs=_floats(getattr(sample, "teacher_log_probs", None)),
         )
+
+
+def _floats(values: Any) -> list[float] | None:
+    """A list (or a hook's tensor, as slime's OPD post-process leaves) as plain floats; None stays None."""
+    if values is None:
+        return None
+    return [float(value) for value in (values.tolist() if hasattr(values, "tolist") else values)]
 
 
 class StepMetrics(Record):

@@ -21,6 +21,7 @@ POLICY_LOSSES = ("ppo", "gspo")
 LOSS_TYPES = ("policy_loss", "sft_loss")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_PARALLEL = ("auto", "fsdp", "replicate")
+OPD_TYPES = ("sglang", "megatron")
 
 
 class SettingsError(ValueError):
@@ -212,6 +213,20 @@ class DeterminismSettings(_Settings):
         _at_least("determinism.threads", self.threads, 1)
 
 
+class OpdSettings(_Settings):
+    """On-policy distillation on the rank (`train_rank.distill`): where teacher logprobs come from and the term's
+    weight. `sglang`: with the samples; `megatron`: from the frozen teacher at `teacher_path`."""
+
+    type: str
+    kl_coef: float = 1.0
+    teacher_path: str | None = None
+
+    def __post_init__(self) -> None:
+        _choose("opd.type", self.type, OPD_TYPES)
+        if self.type == "megatron" and not self.teacher_path:
+            raise SettingsError("opd.type 'megatron' needs opd.teacher_path (the teacher model the rank loads)")
+
+
 class TrainSettings(_Settings):
     """Everything a training rank is told, by component."""
 
@@ -223,6 +238,7 @@ class TrainSettings(_Settings):
     memory: MemorySettings = msgspec.field(default_factory=MemorySettings)
     parallel: ParallelSettings = msgspec.field(default_factory=ParallelSettings)
     determinism: DeterminismSettings = msgspec.field(default_factory=DeterminismSettings)
+    opd: OpdSettings | None = None  # None: no on-policy distillation
     seed: int = 1234
 
     def replace(self, **changes: Any) -> TrainSettings:

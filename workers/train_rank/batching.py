@@ -44,6 +44,8 @@ class MicroBatch:
     position_ids: torch.Tensor | None = None
     #: [B, L-1] long: the sample each shifted position belongs to (len(spans) for none): gspo's sequence means.
     sample_ids: torch.Tensor | None = None
+    #: [B, L-1]: on-policy distillation's teacher logprobs from the samples (`distill.teacher_tensor`), or None.
+    teacher_log_probs: torch.Tensor | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -71,6 +73,7 @@ class MicroBatch:
             total_lengths=self.total_lengths,
             position_ids=move(self.position_ids),
             sample_ids=move(self.sample_ids),
+            teacher_log_probs=move(self.teacher_log_probs),
         )
 
 

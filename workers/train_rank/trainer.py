@@ -20,7 +20,7 @@ import torch
 
 from workers import protocol
 from workers.protocol.train_settings import LoraSettings, TrainSettings
-from workers.train_rank import checkpoint, determinism, lora, packing, weight_buckets, weight_export
+from workers.train_rank import checkpoint, determinism, distill, lora, packing, weight_buckets, weight_export
 from workers.train_rank.batching import MicroBatch
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
 from workers.train_rank.offload import StateOffload
@@ -55,6 +55,7 @@ class Trainer:
         self.tis_hook: TisHook | None = None
         self.state: StateOffload | None = None
         self.lora: LoraSettings | None = None
+        self.distiller: distill.Distiller | None = None
         self.steps_done = 0
 
     # ------------------------------------------------------------------------------------------ commands
@@ -68,6 +69,10 @@ class Trainer:
         model = self._load(settings, settings.model.path, dtype, trainable=True, adapters=self.lora)
         if settings.loss.needs_reference:
             self.reference = self._load_reference(settings, dtype)
+        if settings.opd is not None:
+            teacher = (self._load_frozen(settings, settings.opd.teacher_path, dtype)
+                       if settings.opd.teacher_path else None)
+            self.distiller = distill.Distiller(settings.opd, teacher)
         self.parallel = (FullySharded(model, self.device) if use_fsdp(settings.parallel.data_parallel, self.device)
                          else Replicated(model))
         self.model = model
@@ -121,7 +126,11 @@ class Trainer:
     def _load_reference(self, settings: TrainSettings, dtype: torch.dtype) -> Any:
         """The frozen reference, sharded as the policy: `reference_path` when it is a Hugging Face directory;
         the policy's architecture with a rayless checkpoint's weights when it is one; else the policy's start."""
-        source = settings.model.reference_path or settings.model.path
+        return self._load_frozen(settings, settings.model.reference_path or settings.model.path, dtype)
+
+    def _load_frozen(self, settings: TrainSettings, source: str, dtype: torch.dtype) -> Any:
+        """A frozen model (the reference, or on-policy distillation's teacher) from a Hugging Face directory or
+        a rayless checkpoint (the policy's architecture with its weights)."""
         from_checkpoint = checkpoint.is_checkpoint(source)
         # a LoRA run's checkpoint: its adapters on the Hugging Face base, injected before any sharding
         adapters = checkpoint.checkpoint_adapters(source) if from_checkpoint else None
@@ -175,7 +184,14 @@ class Trainer:
         count = self.parallel.agree_count(len(groups))
         if count > len(groups):
             groups = packing.split_to_count(groups, [len(sample.tokens) for sample in samples], count)
-        return [packing.pack([samples[i] for i in group], self.pad_token_id).to(self.device) for group in groups]
+        batches = []
+        for group in groups:
+            batch = packing.pack([samples[i] for i in group], self.pad_token_id)
+            if self.distiller is not None and self.distiller.teacher is None:  # sglang: the samples carry them
+                batch.teacher_log_probs = distill.teacher_tensor([samples[i] for i in group], batch.spans,
+                                                                 batch.loss_mask.shape)
+            batches.append(batch.to(self.device))
+        return batches
 
     def _scores(self, batch: MicroBatch, model: Any, *, with_entropy: bool, entropy_grad: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -202,10 +218,11 @@ class Trainer:
             if old is SAME_POLICY:
                 old = log_probs.detach()
             ref_log_probs = self._log_probs(batch, self.reference) if self.reference is not None else None
+            advantages, opd_sums = self._distilled_advantages(batch, old)
             loss, batch_sums, batch_maxima = loss_function(settings.loss.loss_type)(
                 log_probs=log_probs,
                 rollout_log_probs=batch.rollout_log_probs,
-                advantages=batch.advantages,
+                advantages=advantages,
                 loss_mask=batch.loss_mask,
                 global_loss_tokens=global_tokens,
                 config=settings.loss,
@@ -217,12 +234,14 @@ class Trainer:
                 sample_ids=batch.sample_ids,
             )
             loss.backward()
+            batch_sums.update(opd_sums)
             for key, value in batch_sums.items():
                 sums[key] = sums.get(key, 0.0) + value
             for key, value in batch_maxima.items():
                 maxima[key] = max(maxima.get(key, 0.0), value)
             sums["num_tokens"] += batch.num_tokens
-        extra = {key: sums.pop(key) for key in [key for key in sums if key.startswith("tis_hook/")]}
+        extra = {key: sums.pop(key) for key in [key for key in sums
+                                                if key.startswith("tis_hook/") or key == distill.METRIC]}
         self.parallel.reduce_gradients()
         grad_norm = clip_gradients(model, settings.optimizer.clip_grad)
         lr = float(optimizer.param_groups[0]["lr"])
@@ -231,6 +250,17 @@ class Trainer:
         return protocol.StepMetrics(
             **sums, **maxima, grad_norm=grad_norm, lr=lr, step_time_s=time.perf_counter() - started, extra=extra
         )
+
+    def _distilled_advantages(self, batch: MicroBatch, old: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The advantages with on-policy distillation's term (slime's: against the logprobs the ratio uses)."""
+        if self.distiller is None:
+            return batch.advantages, {}
+        student = batch.rollout_log_probs if old is None else old
+        teacher = (self._log_probs(batch, self.distiller.teacher) if self.distiller.teacher is not None
+                   else batch.teacher_log_probs)
+        assert teacher is not None  # sglang: filled by `_micro_batches`
+        return self.distiller.advantages(advantages=batch.advantages, student_log_probs=student,
+                                         teacher_log_probs=teacher, loss_mask=batch.loss_mask)
 
     def save(self, command: protocol.SaveCommand) -> dict[str, Any]:
         _, model, optimizer = self._require()

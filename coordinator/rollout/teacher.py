@@ -1,0 +1,125 @@
+"""The `sglang` teacher of on-policy distillation: teacher logprobs of every sampled response token.
+
+Owns `TeacherScorer` (asks the teacher's engine, through the engine client's generate path, for the logprobs of
+each sample's tokens: `input_ids`, `max_new_tokens: 0`, `return_logprob`, `logprob_start_len` at the prompt's last
+token, as slime's and miles' `on_policy_distillation.reward_func` do; miles' routing of a sample to the teacher
+named by `metadata[--opd-teacher-key]`, 'default' as the fallback) and the rayless stand-ins for slime's and miles'
+OPD reward hooks (`distill_reward`, `distill_post_process`: pure distillation, a task reward of 0).
+
+Invariants: after `score`, every non-aborted sample with a response holds `teacher_log_probs`, one finite float per
+response token (the last `response_length` of the teacher's `input_token_logprobs`), or `score` raised
+`TeacherError` naming the teacher and the sample; at most `concurrency` requests are in flight; every request has
+the engine client's deadline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+
+from coordinator.config.distill import DEFAULT_TEACHER
+from replay.sample import Sample, SampleStatus
+from workers.errors import RaylessError
+
+
+class TeacherError(RaylessError, RuntimeError):
+    """The teacher could not score a sample: no route to a teacher, or its answer lacks the logprobs."""
+
+
+def score_payload(sample: Sample) -> dict[str, Any]:
+    """The teacher's request for one sample: prefill only, the input logprobs from the prompt's last token."""
+    return {
+        "input_ids": [int(token) for token in sample.tokens],
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 0, "skip_special_tokens": False},
+        "return_logprob": True,
+        "logprob_start_len": max(sample.prompt_length - 1, 0),
+    }
+
+
+def response_log_probs(answer: Any, response_length: int, where: str) -> list[float]:
+    """The teacher's logprobs of the response tokens: the last `response_length` `input_token_logprobs`."""
+    meta = answer.get("meta_info") if isinstance(answer, Mapping) else None
+    entries = meta.get("input_token_logprobs") if isinstance(meta, Mapping) else None
+    if not isinstance(entries, list) or len(entries) < response_length:
+        count = len(entries) if isinstance(entries, list) else "no"
+        raise TeacherError(f"{where}: the teacher's answer has {count} meta_info.input_token_logprobs, the "
+                           f"response has {response_length} tokens")
+    values = []
+    for entry in entries[len(entries) - response_length:]:
+        value = entry[0] if isinstance(entry, list | tuple) and entry else None
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            raise TeacherError(f"{where}: the teacher's logprob {value!r:.40} of a response token is not a finite "
+                               "number")
+        values.append(float(value))
+    return values
+
+
+class TeacherScorer:
+    """Scores a rollout's samples on the teacher engines (`routes`: teacher name → engine base URL)."""
+
+    def __init__(self, client: Any, routes: Mapping[str, str], *, key: str = "opd_teacher",
+                 concurrency: int = 64) -> None:
+        if not routes:
+            raise TeacherError("on-policy distillation (--opd-type sglang) has no teacher: give --opd-teacher-urls "
+                               "NAME=URL, --opd-teacher-load DIR or --rm-url")
+        self.client, self.routes, self.key = client, dict(routes), key
+        self.limit = anyio.CapacityLimiter(max(concurrency, 1))
+
+    def route(self, sample: Sample) -> str:
+        """miles' `_teacher_url_for_sample`: the teacher named in the metadata, else 'default', else an error."""
+        metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
+        name = metadata.get(self.key)
+        if name is not None and str(name) in self.routes:
+            return self.routes[str(name)]
+        if DEFAULT_TEACHER in self.routes:
+            return self.routes[DEFAULT_TEACHER]
+        said = f"metadata[{self.key!r}] = {name!r}" if name is not None else f"no metadata[{self.key!r}]"
+        raise TeacherError(f"sample {sample.group_index}/{sample.sample_index}: {said} names none of the teachers "
+                           f"of --opd-teacher-urls ({sorted(self.routes)}) and there is no 'default' entry")
+
+    async def score(self, samples: Sequence[Sample]) -> None:
+        """Set `teacher_log_probs` on every sample that has a response and was not aborted."""
+        todo = [s for s in samples if s.status is not SampleStatus.ABORTED and s.response_length > 0]
+        routes = [self.route(sample) for sample in todo]  # every routing error before any request
+        async with anyio.create_task_group() as group:
+            for sample, url in zip(todo, routes, strict=True):
+                group.start_soon(self._score_one, sample, url)
+        for sample in samples:
+            if sample.response_length == 0 and sample.teacher_log_probs is None:
+                sample.teacher_log_probs = []
+
+    async def _score_one(self, sample: Sample, url: str) -> None:
+        async with self.limit:
+            answer = await self.client.engine(url).generate(score_payload(sample))
+        where = f"teacher {url}, sample {sample.group_index}/{sample.sample_index}"
+        sample.teacher_log_probs = response_log_probs(answer, sample.response_length, where)
+
+
+def settle_teacher_log_probs(samples: Sequence[Sample]) -> None:
+    """A hook's `teacher_log_probs` (slime's OPD post-process leaves a tensor) as a list of floats, one per
+    response token; TeacherError naming the sample otherwise."""
+    for sample in samples:
+        values = sample.teacher_log_probs
+        if values is None or (isinstance(values, list) and all(type(v) is float for v in values)):
+            continue
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        if len(values) != sample.response_length:
+            raise TeacherError(f"sample {sample.group_index}/{sample.sample_index}: a hook set {len(values)} "
+                               f"teacher_log_probs for {sample.response_length} response tokens")
+        sample.teacher_log_probs = [float(value) for value in values]
+
+
+def distill_reward(args: Any, sample: Any, **kwargs: Any) -> float:
+    """Stands in for slime's / miles' `on_policy_distillation.reward_func` (which posts to the teacher at
+    `--rm-url`): rayless asks the teacher itself (`TeacherScorer`), so the task reward is pure distillation's 0."""
+    return 0.0
+
+
+def distill_post_process(args: Any, samples: Sequence[Any], **kwargs: Any) -> tuple[list[float], list[float]]:
+    """Stands in for slime's / miles' `on_policy_distillation.post_process_rewards`: the teacher logprobs are
+    already on the samples, and the rewards (hence the task advantages) are 0, as theirs for pure distillation."""
+    zeros = [0.0] * len(samples)
+    return zeros, list(zeros)

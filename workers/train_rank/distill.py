@@ -1,0 +1,58 @@
+"""On-policy distillation on the rank: the reverse-KL term of slime's `apply_opd_kl_to_advantages`.
+
+Owns `teacher_tensor` (the samples' `teacher_log_probs` laid out as a
+micro-batch's per-token tensors) and `Distiller`, which turns a micro-batch's advantages into
+`A - kl_coef * (student - teacher)` per token, slime's and miles' formula, where `student` is the logprob the PPO
+ratio is taken against (the trainer's own recomputed logprobs, or the engine's with `--use-rollout-logprobs`) and
+`teacher` comes with the sample (`sglang`) or from the frozen teacher model on this rank (`megatron`, loaded as
+the reference model is).
+
+Invariants: the term carries no gradient (the student logprobs are detached, as slime's are computed before the
+update); tokens outside the loss mask get no term and count in no metric; the metric `opd_reverse_kl` is the sum
+of `student - teacher` over loss tokens (the coordinator divides by the step's loss tokens: a token mean).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from workers.protocol.train_settings import OpdSettings
+
+METRIC = "opd_reverse_kl"  # slime's and miles' name
+
+
+class DistillError(ValueError):
+    """A sample lacks the teacher logprobs distillation needs."""
+
+
+def teacher_tensor(samples: Sequence[Any], spans: Sequence[tuple[int, int]], shape: torch.Size) -> torch.Tensor:
+    """The samples' `teacher_log_probs` in a micro-batch's per-token layout (`spans`: each sample's response in
+    the flattened layout, in sample order); 0 outside responses. DistillError for a sample without them."""
+    flat = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32)
+    for index, (sample, (start, end)) in enumerate(zip(samples, spans, strict=True)):
+        values = sample.teacher_log_probs
+        if values is None or len(values) != end - start:
+            count = "no" if values is None else len(values)
+            raise DistillError(f"sample {index} of the micro-batch has {count} teacher_log_probs for {end - start} "
+                               "response tokens: on-policy distillation (--opd-type sglang) needs the teacher's "
+                               "logprob of each (asked during the rollout, or kept in the replayed dump)")
+        if end > start:
+            flat[start:end] = torch.tensor(values, dtype=torch.float32)
+    return flat.view(shape)
+
+
+class Distiller:
+    """The reverse-KL term for one rank: `teacher` is the frozen teacher model (`megatron`) or None (`sglang`)."""
+
+    def __init__(self, spec: OpdSettings, teacher: Any = None) -> None:
+        self.spec, self.teacher = spec, teacher
+
+    def advantages(self, *, advantages: torch.Tensor, student_log_probs: torch.Tensor,
+                   teacher_log_probs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """(advantages with the term, {METRIC: sum of the reverse KL over loss tokens})."""
+        reverse_kl = (student_log_probs.detach().float() - teacher_log_probs.float()) * loss_mask
+        shaped = advantages - self.spec.kl_coef * reverse_kl
+        return shaped, {METRIC: float(reverse_kl.sum())}
