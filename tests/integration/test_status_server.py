@@ -71,15 +71,14 @@ class Probe:
                 self.unauthorised = (await client.get(f"{self.url}/status")).status_code
                 # a document is up to the server's min_interval old: ask until it shows this step (the loop
                 # waits on this hook, so rollout 4 cannot be counted meanwhile)
-                with anyio.fail_after(30):
-                    while True:
-                        text = (await client.get(f"{self.url}/metrics")).text
-                        self.metrics = {s.name: s for family in text_string_to_metric_families(text)
-                                        for s in family.samples
-                                        if not s.labels or (s.name == "rayless_engine_state" and s.value == 1.0)}
-                        if self.metrics["rayless_rollouts_completed_total"].value >= 4:
-                            break
-                        await anyio.sleep(0.1)
+                async def metrics() -> dict[str, Any]:
+                    text = (await client.get(f"{self.url}/metrics")).text
+                    return {s.name: s for family in text_string_to_metric_families(text) for s in family.samples
+                            if not s.labels or (s.name == "rayless_engine_state" and s.value == 1.0)}
+
+                self.metrics = await wait_until(
+                    metrics, what="/metrics counting rollout 3", timeout=30, interval=0.1,
+                    until=lambda seen: seen["rayless_rollouts_completed_total"].value >= 4)
             code, self.running_text = await anyio.to_thread.run_sync(
                 status_text, [str(self.run_dir), "--api-key", KEY])
             assert code == 0, self.running_text
