@@ -117,6 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="where weights released on CPU are kept until resumed (default: the system temp dir)",
     )
     parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    _add_determinism_flags(parser)
+    # Accepted for launch-line compatibility with GPU SGLang; they change nothing in this engine.
+    for flag in ("--mem-fraction-static", "--chunked-prefill-size", "--dp-size"):
+        parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    for flag in (
+        "--enable-memory-saver",  # release/resume always works here
+        "--enable-weights-cpu-backup",  # released GPU weights always get a host copy here
+        "--trust-remote-code",
+        "--disable-radix-cache",
+        "--disable-cuda-graph",
+    ):
+        parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _add_determinism_flags(parser: argparse.ArgumentParser) -> None:
+    """SGLang's flags of deterministic inference and true on-policy rescoring, and the trainer's settings the
+    rescoring must share (docs/deterministic.md)."""
     parser.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
@@ -140,18 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --rl-on-policy-target: the trainer's --log-probs-chunk-size, so both score in the same chunks",
     )
-    # Accepted for launch-line compatibility with GPU SGLang; they change nothing in this engine.
-    for flag in ("--mem-fraction-static", "--chunked-prefill-size", "--dp-size"):
-        parser.add_argument(flag, default=None, help=argparse.SUPPRESS)
-    for flag in (
-        "--enable-memory-saver",  # release/resume always works here
-        "--enable-weights-cpu-backup",  # released GPU weights always get a host copy here
-        "--trust-remote-code",
-        "--disable-radix-cache",
-        "--disable-cuda-graph",
-    ):
-        parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    return parser
 
 
 def resolve_device(parser: argparse.ArgumentParser, device: str, base_gpu_id: int) -> str:
