@@ -41,7 +41,7 @@ class DistillConfig(Slice):
                                 "during the rollout) or megatron (a frozen teacher on the training ranks)",
                                 choices=OPD_TYPES)
     opd_kl_coef: float = flag(1.0, help="weight of the reverse KL (student - teacher logprob) subtracted from "
-                              "each token's advantage")
+                              "each token's advantage", minimum=0)
     opd_teacher_load: str | None = flag(None, help="the teacher model (Hugging Face directory or rayless "
                                         "checkpoint): loaded on the ranks (megatron), or served by an engine "
                                         "rayless launches (sglang)", metavar="DIR")
