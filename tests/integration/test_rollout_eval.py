@@ -111,7 +111,7 @@ async def test_samples_aborted_under_an_evaluation_are_generated_again(tiny_mode
 
     config = parse_config(run_argv(tiny_model_dir, tmp_path / "run", "--num-rollout", "1", "--eval-interval", "1",
                                    "--eval-prompt-data", "digits", "builtin:first_digit",
-                                   "--n-samples-per-eval-prompt", "2", "--eval-max-response-len", "48"))
+                                   "--n-samples-per-eval-prompt", "2", "--eval-max-response-len", "256"))
     settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     (dataset,) = load_eval_datasets(settings, tokenizer)

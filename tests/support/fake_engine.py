@@ -86,10 +86,14 @@ class FakeEngine:
             server.close()
             self._closing.set()
             self._updates.set()
-            for writer in list(handlers.values()):
-                writer.close()
             with anyio.CancelScope(shield=True):
-                await asyncio.gather(*handlers, return_exceptions=True)
+                # a connection accepted just before close() starts its handler on the next loop pass: let it,
+                # then close and await every handler until none is left (an unawaited one leaks its transport)
+                await asyncio.sleep(0)
+                while handlers:
+                    for writer in list(handlers.values()):
+                        writer.close()
+                    await asyncio.gather(*handlers, return_exceptions=True)
                 await server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
