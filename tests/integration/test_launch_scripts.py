@@ -10,6 +10,7 @@ requires more by itself as the pending issues land. The W&B key is a sentinel th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,16 @@ from tests.support.launch_scripts import (
     wandb_stand_in,
     without_pending,
 )
+from tests.support.warm_cli import WarmCli
 
 SCRIPTS = all_scripts()
+
+
+@pytest.fixture(scope="module")
+def warm_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmCli]:
+    """One server that has imported the CLI's checks; each validation below is a child forked from it."""
+    with WarmCli(tmp_path_factory.mktemp("warm-cli")) as warm:
+        yield warm
 
 
 def _check_validated(code: int, stdout: str, stderr: str, argv: list[str]) -> None:
@@ -46,10 +55,10 @@ def _check_validated(code: int, stdout: str, stderr: str, argv: list[str]) -> No
             assert flag in notice
 
 
-def _run(script: LaunchScript, argv: list[str], workdir: Path, hooks: Path) -> tuple[int, str, str]:
+def _run(script: LaunchScript, argv: list[str], workdir: Path, hooks: Path, warm: WarmCli | None) -> tuple[int, str, str]:
     stand_in = wandb_stand_in(workdir)
     path = [hooks] + ([stand_in] if stand_in is not None else [])
-    return validate_launch_argv(argv, cwd=workdir, python_path=path)
+    return validate_launch_argv(argv, cwd=workdir, python_path=path, warm=warm)
 
 
 def test_the_scripts_cite_their_source_and_are_many() -> None:
@@ -64,11 +73,11 @@ def test_the_scripts_cite_their_source_and_are_many() -> None:
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[script.name for script in SCRIPTS])
 def test_launch_script_validates_or_names_what_is_pending(script: LaunchScript, tiny_model_dir: Path,
-                                                          tmp_path: Path) -> None:
+                                                          tmp_path: Path, warm_cli: WarmCli) -> None:
     argv, hooks = materialize(script, tmp_path, tiny_model_dir)
     found = blockers(argv)
     assert not [flag for flag, why in found.items() if why.startswith("UNEXPECTED")], found
-    code, stdout, stderr = _run(script, argv, tmp_path, hooks)
+    code, stdout, stderr = _run(script, argv, tmp_path, hooks, warm_cli)
     assert WANDB_SENTINEL not in stdout + stderr
     if not found:
         _check_validated(code, stdout, stderr, argv)
@@ -80,14 +89,15 @@ def test_launch_script_validates_or_names_what_is_pending(script: LaunchScript, 
     # Everything but the pending items validates today.
     stripped = without_pending(argv)
     assert not blockers(stripped)
-    _check_validated(*_run(script, stripped, tmp_path, hooks), stripped)
+    _check_validated(*_run(script, stripped, tmp_path, hooks, warm_cli), stripped)
 
 
 def test_the_notice_of_qwen3_4b_says_what_is_ignored_mapped_and_disagreeing(tiny_model_dir: Path,
                                                                             tmp_path: Path) -> None:
+    # A cold process of its own: one launch script validated exactly as a user's shell runs it.
     script = LaunchScript.load(Path(__file__).parents[1] / "data" / "launch_scripts" / "slime__run-qwen3-4B.json")
     argv, hooks = materialize(script, tmp_path, tiny_model_dir)
-    code, _, stderr = _run(script, without_pending(argv), tmp_path, hooks)
+    code, _, stderr = _run(script, without_pending(argv), tmp_path, hooks, None)
     assert code == 0, stderr
     notice = stderr[stderr.index("rayless train: notice:"):]
     assert "--recompute-granularity --recompute-method --recompute-num-layers → activation checkpointing" in notice

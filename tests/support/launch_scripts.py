@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.support.warm_cli import WarmCli
+
 SCRIPTS_DIR = Path(__file__).resolve().parents[1] / "data" / "launch_scripts"
 WANDB_SENTINEL = "wandb-sentinel-3f9c2b7e1d"
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,9 +303,12 @@ def has_dry_run() -> bool:
 
 
 def validate_launch_argv(argv: list[str], *, cwd: Path, python_path: list[Path] = (),
-                         timeout: float = 120.0) -> tuple[int, str, str]:
+                         timeout: float = 120.0, warm: WarmCli | None = None) -> tuple[int, str, str]:
     """`rayless train ARGV` with whatever validates without launching: `--dry-run` where it exists, else the
-    CLI itself with its launch step replaced by `exit 0` (parse, preflight, notices: everything before it)."""
+    CLI itself with its launch step replaced by `exit 0` (parse, preflight, notices: everything before it).
+    With `warm`, the dry run is a child forked from a server that has imported transformers already."""
+    if warm is not None and has_dry_run():
+        return warm.run(["train", *argv, "--dry-run"], cwd=cwd, python_path=list(python_path), timeout=timeout)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*(str(p) for p in python_path), str(ROOT), env.get("PYTHONPATH", "")])
     if has_dry_run():
