@@ -1,45 +1,37 @@
-"""`rayless train --dry-run` through the real CLI, as a subprocess: the checks, the printed plan, the exit
-status, and that nothing is launched (no child process, no run directory, the launcher never imported)."""
+"""`rayless train --dry-run` through the real CLI, each run a process of its own (forked from a warm server):
+the checks, the printed plan, the exit status, and that nothing is launched (no child process, no run directory, the launcher never imported)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-PROBE = textwrap.dedent(
-    """
-    import contextlib, io, json, sys, psutil
-    from coordinator.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(sys.argv[1:])
-    print(json.dumps({
-        "status": status, "stdout": out.getvalue(), "stderr": err.getvalue(),
-        "children": len(psutil.Process().children(recursive=True)),
-        "launcher_imported": "coordinator.run" in sys.modules,
-    }))
-    """
-)
+from tests.support.warm_cli import WarmCli
 
 
-def run_cli(*args: str, gpus: int | None = None, pythonpath: Path | None = None,
+@pytest.fixture(scope="module")
+def warm_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmCli]:
+    """Each dry run below is a child forked from one server that has imported the CLI's checks (transformers,
+    torch) once; the child reports its own live children and whether the launcher was imported."""
+    with WarmCli(tmp_path_factory.mktemp("warm-cli")) as warm:
+        yield warm
+
+
+@pytest.fixture
+def run_cli(warm_cli: WarmCli) -> Callable[..., dict]:
+    def run(*args: str, gpus: int | None = None, pythonpath: Path | None = None,
             extra_env: dict[str, str] | None = None) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "RAYLESS_PLAN_GPU_COUNT"}
-    env.update(extra_env or {})
-    if gpus is not None:
-        env["RAYLESS_PLAN_GPU_COUNT"] = str(gpus)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", PROBE, "train", *args], capture_output=True, text=True,
-                            timeout=120, check=False, env=env)
-    assert result.stdout.strip(), result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+        env = dict(extra_env or {})
+        if gpus is not None:
+            env["RAYLESS_PLAN_GPU_COUNT"] = str(gpus)
+        return warm_cli.run_probed(["train", *args], cwd=Path.cwd(), env=env,
+                                   python_path=[pythonpath] if pythonpath is not None else [],
+                                   unset=() if gpus is not None else ("RAYLESS_PLAN_GPU_COUNT",))
+    return run
 
 
 @pytest.fixture
@@ -53,7 +45,7 @@ def job(tiny_model_dir: Path, tmp_path: Path) -> list[str]:
 
 
 def test_a_dry_run_of_an_8_gpu_plan_checks_everything_prints_the_plan_and_launches_nothing(
-        job: list[str], tmp_path: Path) -> None:
+        run_cli: Callable[..., dict], job: list[str], tmp_path: Path) -> None:
     outcome = run_cli(*job, "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2",
                       "--actor-num-gpus-per-node", "4", "--engine-backend", "sglang", "--sglang-api-key", "SENTINEL",
                       gpus=8)
@@ -73,7 +65,7 @@ def test_a_dry_run_of_an_8_gpu_plan_checks_everything_prints_the_plan_and_launch
     assert "every check passed; nothing was launched" in out
 
 
-def test_what_this_machine_lacks_is_a_warning_in_a_dry_run(job: list[str]) -> None:
+def test_what_this_machine_lacks_is_a_warning_in_a_dry_run(run_cli: Callable[..., dict], job: list[str]) -> None:
     # 2 GPUs shown, 8 planned; and no sglang package here (the auto backend then plans our engine on CUDA).
     outcome = run_cli(*job, "--rollout-num-gpus", "4", "--actor-num-gpus-per-node", "4", gpus=2)
     assert outcome["status"] == 0, outcome["stderr"]
@@ -86,7 +78,8 @@ def test_what_this_machine_lacks_is_a_warning_in_a_dry_run(job: list[str]) -> No
     assert outcome["children"] == 0
 
 
-def test_a_dry_run_reports_every_problem_it_finds_and_exits_2(job: list[str], tmp_path: Path) -> None:
+def test_a_dry_run_reports_every_problem_it_finds_and_exits_2(run_cli: Callable[..., dict], job: list[str],
+                                                              tmp_path: Path) -> None:
     hooks = tmp_path / "hooks_dry_run.py"
     hooks.write_text("def reward(sample, extra, more):\n    return 0.0\n")  # neither rayless' form nor slime's
     locked = tmp_path / "locked"
@@ -107,7 +100,8 @@ def test_a_dry_run_reports_every_problem_it_finds_and_exits_2(job: list[str], tm
     assert "problem(s), see above; nothing was launched" in outcome["stdout"]
 
 
-def test_a_launch_that_needs_more_gpus_than_the_node_shows_exits_2_before_launching(job: list[str]) -> None:
+def test_a_launch_that_needs_more_gpus_than_the_node_shows_exits_2_before_launching(
+        run_cli: Callable[..., dict], job: list[str]) -> None:
     flags = [flag for flag in job if flag != "--dry-run"]
     # More GPUs than any node has, so this holds on a GPU machine too.
     outcome = run_cli(*flags, "--rollout-num-gpus", "64", "--actor-num-gpus-per-node", "64",
@@ -120,7 +114,7 @@ def test_a_launch_that_needs_more_gpus_than_the_node_shows_exits_2_before_launch
     assert injected["status"] == 2 and "unset it to launch" in injected["stderr"] and injected["children"] == 0
 
 
-def test_a_dry_run_of_a_colocated_8_gpu_plan(job: list[str], tmp_path: Path) -> None:
+def test_a_dry_run_of_a_colocated_8_gpu_plan(run_cli: Callable[..., dict], job: list[str], tmp_path: Path) -> None:
     """Issue 12: engines on the ranks' GPUs (tp 1, then tp 2), the hand-over, and where snapshots go."""
     flags = [*job, "--colocate", "--actor-num-gpus-per-node", "8", "--rollout-batch-size", "8"]
     outcome = run_cli(*flags, "--rollout-num-gpus-per-engine", "1", "--engine-backend", "rayless", gpus=8)
@@ -147,7 +141,8 @@ def test_a_dry_run_of_a_colocated_8_gpu_plan(job: list[str], tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("node", [0, 1])
-def test_a_dry_run_of_a_2_node_8_gpu_plan_shows_each_nodes_share(job: list[str], tmp_path: Path, node: int) -> None:
+def test_a_dry_run_of_a_2_node_8_gpu_plan_shows_each_nodes_share(run_cli: Callable[..., dict], job: list[str],
+                                                                 tmp_path: Path, node: int) -> None:
     token = "SENTINEL-token-0123456789abcdef"
     slurm = {"SLURM_NODEID": str(node), "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu-node[07-08]",
              "RAYLESS_CONTROL_TOKEN": token}

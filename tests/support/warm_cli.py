@@ -20,6 +20,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,6 +31,8 @@ _SERVER = textwrap.dedent("""
 
     def run_child(request):
         os.chdir(request["cwd"])
+        for name in request["unset"]:
+            os.environ.pop(name, None)
         os.environ.update(request["env"])
         sys.path[0:0] = request["path"]
         for fd, name in ((1, request["stdout"]), (2, request["stderr"])):
@@ -47,6 +50,10 @@ _SERVER = textwrap.dedent("""
             code = 1
         sys.stdout.flush()
         sys.stderr.flush()
+        import psutil
+        with open(request["facts"], "w") as facts:  # what the dry-run tests check of the process itself
+            json.dump({"children": len(psutil.Process().children(recursive=True)),
+                       "launcher_imported": "coordinator.run" in sys.modules}, facts)
         os._exit(code or 0)
 
     for line in sys.stdin:
@@ -90,16 +97,26 @@ class WarmCli:
                 self.process.stdout.close()
 
     def run(self, argv: list[str], *, cwd: Path, python_path: list[Path] = (), env: dict[str, str] | None = None,
-            timeout: float = 120.0) -> tuple[int, str, str]:
-        """(exit status, stdout, stderr) of `rayless ARGV` run in `cwd` with `python_path` first on the path."""
+            unset: tuple[str, ...] = (), timeout: float = 120.0) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr) of `rayless ARGV` run in `cwd` with `python_path` first on the path,
+        `env` added to this process's environment and `unset` taken out of it."""
+        outcome = self.run_probed(argv, cwd=cwd, python_path=python_path, env=env, unset=unset, timeout=timeout)
+        return outcome["status"], outcome["stdout"], outcome["stderr"]
+
+    def run_probed(self, argv: list[str], *, cwd: Path, python_path: list[Path] = (),
+                   env: dict[str, str] | None = None, unset: tuple[str, ...] = (),
+                   timeout: float = 120.0) -> dict[str, Any]:
+        """`run`, as a dict (status, stdout, stderr) with what the child saw of itself once `main` returned:
+        `children` (its live child processes) and `launcher_imported` (whether `coordinator.run` was imported)."""
         assert self.process is not None and self.process.stdin is not None and self.process.stdout is not None
         self.runs += 1
         out, err = self.scratch / f"run-{self.runs}.out", self.scratch / f"run-{self.runs}.err"
+        facts = self.scratch / f"run-{self.runs}.json"
         path = [str(p) for p in python_path]
         merged_env = {"PYTHONPATH": os.pathsep.join([*path, str(ROOT), os.environ.get("PYTHONPATH", "")]),
                       **(env or {})}
-        request = {"argv": argv, "cwd": str(cwd), "path": path, "env": merged_env, "stdout": str(out),
-                   "stderr": str(err)}
+        request = {"argv": argv, "cwd": str(cwd), "path": path, "env": merged_env, "unset": list(unset),
+                   "stdout": str(out), "stderr": str(err), "facts": str(facts)}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         ready, _, _ = select.select([self.process.stdout], [], [], timeout)
@@ -109,4 +126,5 @@ class WarmCli:
         line = self.process.stdout.readline()
         if not line:
             raise RuntimeError(f"the warm CLI server ended (exit {self.process.wait()})")
-        return json.loads(line)["code"], out.read_text(), err.read_text()
+        seen = json.loads(facts.read_text()) if facts.exists() else {}
+        return {"status": json.loads(line)["code"], "stdout": out.read_text(), "stderr": err.read_text(), **seen}
