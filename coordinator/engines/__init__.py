@@ -5,6 +5,7 @@ Owns nothing itself; re-exports the public API of its modules:
   api.py     EngineAPI: one engine's endpoints; stream.py the streaming /generate reader
   errors.py  the typed EngineError family; policy.py RetryPolicy / NO_RETRY and each request's deadline
   bounded.py replies read under a byte cap and decoded bounded; replies.py the check of every /generate reply
+  reply_decode.py  a /generate answer read from its bytes: typed decode, the same verdict as replies.py
   launch.py  EngineLaunchSpec / EngineProcess: starting engines (on their planned port, or another with a
              warning; reporting start-up phases) and ending their process groups
   fleet.py   EngineFleet / EngineHandle / EngineState: the only owner of engine states

@@ -13,10 +13,10 @@ from typing import Any, Protocol
 
 import httpx
 
-from coordinator.engines.bounded import generate_reply_limit
+from coordinator.engines.bounded import generate_reply_limit, limits_for
 from coordinator.engines.errors import EngineHTTPError
 from coordinator.engines.policy import COLLECTIVE, RetryPolicy
-from coordinator.engines.replies import check_generate_body_async
+from coordinator.engines.reply_decode import read_generate_answer_async
 from coordinator.engines.stream import stream_generate
 
 JSON = Any  # parsed JSON value: dict, list, str, number, bool or None
@@ -84,8 +84,11 @@ class EngineAPI:
         body = dict(payload)
         body.pop("stream", None)
         t = timeout if timeout is not None else self.client.generate_timeout
-        out = await self._post("/generate", body, timeout=t, retry=retry, max_bytes=generate_reply_limit(body))
-        await check_generate_body_async(out, self.url, body, self.client.vocab_size)
+        cap = generate_reply_limit(body)
+        resp = await self.client.request(self.url, "POST", "/generate", json_body=body, timeout=t, retry=retry,
+                                         max_bytes=cap)
+        out, _ = await read_generate_answer_async(resp.content, self.url, body, self.client.vocab_size,
+                                                  limits_for(cap), source=str(resp.url))
         return out  # type: ignore[no-any-return]
 
     def generate_stream(

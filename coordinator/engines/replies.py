@@ -199,7 +199,7 @@ def check_generate_reply(value: Any, url: str, rules: ReplyRules) -> GenerateRep
                          finish, None if version is None else str(version), None if rid is None else str(rid))
 
 
-def _per_reply(values: Any, count: int) -> list[Any]:
+def per_reply(values: Any, count: int) -> list[Any]:
     """A request field of each reply: one value for all, or one per prompt (replies are prompt-major)."""
     if not isinstance(values, list):
         return [values] * count
@@ -209,7 +209,7 @@ def _per_reply(values: Any, count: int) -> list[Any]:
     return [values[min(i // per_prompt, len(values) - 1)] for i in range(count)]
 
 
-def _asks_tokens(params: Any) -> bool:
+def asks_tokens(params: Any) -> bool:
     """Whether a prompt's sampling params let it generate (SGLang's max_new_tokens defaults to 128)."""
     budget = params.get("max_new_tokens") if isinstance(params, dict) else None
     return not (type(budget) is int and budget <= 0)
@@ -219,9 +219,9 @@ def check_generate_body(body: Any, url: str, payload: Mapping[str, Any], vocab_s
                         *, stream: bool = False) -> Sequence[GenerateReply]:
     """Every reply of one `/generate` answer (a dict, or a list for a batch), each checked."""
     replies = body if isinstance(body, list) else [body]
-    asked = _per_reply(payload.get("return_logprob", False), len(replies))
-    budgets = _per_reply(payload.get("sampling_params"), len(replies))
-    return [check_generate_reply(reply, url, ReplyRules(vocab_size, bool(logprobs), stream, _asks_tokens(params)))
+    asked = per_reply(payload.get("return_logprob", False), len(replies))
+    budgets = per_reply(payload.get("sampling_params"), len(replies))
+    return [check_generate_reply(reply, url, ReplyRules(vocab_size, bool(logprobs), stream, asks_tokens(params)))
             for reply, logprobs, params in zip(replies, asked, budgets, strict=True)]
 
 

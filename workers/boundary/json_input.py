@@ -47,8 +47,9 @@ def _count_items(data: bytes) -> int:
     return _items_upper_bound(_STRING.sub(b'""', data))
 
 
-def _check_depth(value: Any, source: str, max_depth: int) -> None:
-    stack: list[tuple[Any, int]] = [(value, 1)]
+def check_depth(value: Any, source: str, max_depth: int, *, level: int = 1) -> None:
+    """`value`, found at nesting `level` of its document, takes it at most `max_depth` deep, or `BoundaryError`."""
+    stack: list[tuple[Any, int]] = [(value, level)]
     while stack:
         item, depth = stack.pop()
         if depth > max_depth:
@@ -58,13 +59,18 @@ def _check_depth(value: Any, source: str, max_depth: int) -> None:
                 stack.append((child, depth + 1))
 
 
-def decode_json(data: bytes | str, source: str, limits: JsonLimits = DEFAULT_LIMITS) -> Any:
-    """One JSON document from `source` (a peer or a file, named in the error), within `limits`."""
-    raw = data.encode() if isinstance(data, str) else bytes(data)
+def check_bounds(raw: bytes, source: str, limits: JsonLimits) -> None:
+    """The checks made before decoding: size, and the element count (bounded from the bytes, C speed)."""
     if len(raw) > limits.max_bytes:
         raise BoundaryError(source, f"JSON of {len(raw)} bytes is over the limit of {limits.max_bytes}")
     if _items_upper_bound(raw) > limits.max_items and _count_items(raw) > limits.max_items:
         raise BoundaryError(source, f"JSON holds more than {limits.max_items} values")
+
+
+def decode_json(data: bytes | str, source: str, limits: JsonLimits = DEFAULT_LIMITS) -> Any:
+    """One JSON document from `source` (a peer or a file, named in the error), within `limits`."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    check_bounds(raw, source, limits)
     try:
         value = msgspec.json.decode(raw)
     except RecursionError:  # msgspec's own guard, raised before the C stack is at risk
@@ -73,7 +79,7 @@ def decode_json(data: bytes | str, source: str, limits: JsonLimits = DEFAULT_LIM
         raise BoundaryError(source, f"not valid JSON ({_short(str(exc))})") from None
     # Depth is at most the number of '[' and '{' bytes: most documents are shallower than the limit by count.
     if isinstance(value, (list, dict)) and raw.count(b"[") + raw.count(b"{") > limits.max_depth:
-        _check_depth(value, source, limits.max_depth)
+        check_depth(value, source, limits.max_depth)
     return value
 
 
