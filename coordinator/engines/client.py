@@ -29,7 +29,6 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncGenerator, Mapping
 from contextlib import asynccontextmanager
@@ -37,6 +36,7 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 from httpx_aiohttp import AiohttpTransport
 
 from coordinator.engines.api import JSON, EngineAPI
@@ -145,7 +145,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         policy = retry or self.retry
         read = timeout if timeout is not None else self.read_timeout
         req_timeout = request_timeout(self.connect_timeout, read)
-        content = None if json_body is None else json.dumps(json_body).encode()
+        content = None if json_body is None else msgspec.json.encode(json_body)  # ~3x json.dumps, same JSON
         headers = {**({"Content-Type": "application/json"} if content is not None else {}), **(headers or {})}
         start = time.monotonic()
         attempt = 0
