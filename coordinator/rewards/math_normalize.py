@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import re
 
-from pylatexenc import latex2text
-
 BOXED = "\\boxed"
 _BOXED_OPEN = "\\boxed{"
 _WHOLE_TEXT = re.compile(r"^\\text\{(?P<text>.+?)\}$")  # slime's: the whole answer in one `\text{...}`
@@ -195,6 +193,8 @@ def latex_to_text(expression: str) -> str:
     """slime's LaTeX pass: pylatexenc's text rendering, with its symbols spelled as sympy reads them."""
     expression = expression.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac")
     expression = expression.replace("\\frac", " \\frac")  # a mixed number `2\frac12` becomes `2 1/2`
+    from pylatexenc import latex2text  # here, not at the top: its tables cost every run's start-up ~40 ms
+
     expression = latex2text.LatexNodes2Text().latex_to_text(expression)
     for symbol, name in _LATEX_SYMBOLS:
         expression = expression.replace(symbol, name)
