@@ -86,17 +86,18 @@ if [[ "$MODE" == gpu ]]; then
         --layers 28 --intermediate 3072 --heads 16 --kv-heads 8 --head-dim 128 --max-tokens-per-gpu 16384
     step offload "${OFFLOAD_LIMIT:-90}" "$PY" -m bench.offload_bandwidth --device cuda --repeats 3
 else
+    # (limits: a loaded 2-core CI machine runs these many times slower than an idle one)
     # the same steps, small: only the files holding gpu-marked tests (they skip here), the colocated schedule
     # alone, a model of 0.1 M parameters whose sync is all fixed per-request costs (so no target: figures only)
-    step gpu-tests 60 "$PY" -m pytest -m gpu $(grep -l "pytest.mark.gpu" tests/integration/*.py) -q \
+    step gpu-tests 120 "$PY" -m pytest -m gpu $(grep -l "pytest.mark.gpu" tests/integration/*.py) -q \
         -p no:randomly -rs
-    step colocate 90 "$PY" -m bench.colocate --device cpu --rollouts 2 --schedules colocated \
-        --save-runs "$OUT_DIR/colocate-runs" --timeout 80
-    step weight-sync 60 "$PY" -m bench.colocated_sync --device cpu --hidden 64 --layers 2 --intermediate 128 \
+    step colocate 150 "$PY" -m bench.colocate --device cpu --rollouts 2 --schedules colocated \
+        --save-runs "$OUT_DIR/colocate-runs" --timeout 140
+    step weight-sync 120 "$PY" -m bench.colocated_sync --device cpu --hidden 64 --layers 2 --intermediate 128 \
         --repeats 2 --target inf
     # 4 prompts × 8 short samples on the real vocabulary: the bench's every figure, none gated at this size
-    step train-shapes 120 "$PY" -m bench.train_shapes --quick --prompts 4 --report-only
-    step offload 60 "$PY" -m bench.offload_bandwidth --device cpu --hidden 64 --layers 2 --intermediate 128 \
+    step train-shapes 150 "$PY" -m bench.train_shapes --quick --prompts 4 --report-only
+    step offload 90 "$PY" -m bench.offload_bandwidth --device cpu --hidden 64 --layers 2 --intermediate 128 \
         --vocab 1024 --repeats 2
 fi
 

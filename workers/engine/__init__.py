@@ -29,10 +29,18 @@ from __future__ import annotations
 
 def main(argv: list[str] | None = None) -> int:
     """Parse SGLang-style flags, load the model, then serve until SIGINT/SIGTERM. Returns the exit code."""
-    from workers.engine.args import parse_args
+    import sys
+
+    from workers.engine.args import model_path_problem, parse_args
+
+    args = parse_args(argv)
+    problem = model_path_problem(args.model_path)
+    if problem:  # before torch is imported: a bad path fails at once, not after seconds of imports
+        print(f"rayless engine: cannot load the model from {args.model_path}: {problem}", file=sys.stderr)
+        return 2
     from workers.engine.server import serve
 
-    return serve(parse_args(argv))
+    return serve(args)
 
 
 __all__ = ["main"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 # SGLang's --dtype spellings, mapped to ours.
 _DTYPES = {
@@ -209,3 +210,14 @@ def parse_args(argv: list[str] | None) -> EngineArgs:
                 or ns.rl_on_policy_target is not None}
     return EngineArgs(**{f.name: resolved[f.name] if f.name in resolved else getattr(ns, f.name)
                          for f in fields(EngineArgs)})
+
+
+def model_path_problem(model_path: str) -> str | None:
+    """Why a local --model-path cannot hold a Hugging Face model, or None (a hub id is left to the loader).
+    `main` checks it before torch is imported: a bad path fails in a fraction of a second, not after the imports."""
+    path = Path(model_path)
+    if path.is_dir():
+        return None if (path / "config.json").is_file() else "no config.json in that directory"
+    if path.is_absolute() or model_path.startswith("."):
+        return "no such directory" if not path.exists() else "not a directory"
+    return None
