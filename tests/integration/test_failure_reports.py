@@ -14,11 +14,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+import pytest
 
 from coordinator.lifecycle.processes import terminate_process_group_blocking
+from tests.support.engine_proc import start_engine_process
 from tests.support.replay_inputs import write_sample_dump
 from tests.support.waiting import wait_until_sync
 
@@ -60,9 +63,17 @@ def failure_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-def rollout_only(model: Path, run_dir: Path, *flags: str) -> list[str]:
-    return ["--hf-checkpoint", str(model), "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1",
-            "--debug-rollout-only", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[str]:
+    """One CPU engine (host:port) that every rollout-only run here attaches to: what fails is the user's code
+    or the router, never the engine, so each run need not launch its own."""
+    with start_engine_process(tiny_model_dir) as running:
+        yield running.url.removeprefix("http://")
+
+
+def rollout_only(model: Path, engine: str, run_dir: Path, *flags: str) -> list[str]:
+    return ["--hf-checkpoint", str(model), "--prompt-data", "builtin:first_digit",
+            "--rollout-external-engine-addrs", engine, "--debug-rollout-only", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
             "--rollout-max-response-len", "4", "--run-dir", str(run_dir), *flags]
 
 
@@ -75,9 +86,10 @@ def replay(model: Path, tmp_path: Path, rollouts: int, *flags: str) -> list[str]
             "--num-rollout", str(rollouts), "--run-dir", str(tmp_path / "run"), *flags]
 
 
-def test_a_reward_function_that_raises_is_named_by_its_file_and_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_reward_function_that_raises_is_named_by_its_file_and_line(tiny_model_dir: Path, engine: str,
+                                                                     tmp_path: Path) -> None:
     (tmp_path / "my_hooks.py").write_text(FAILING_HOOKS)
-    result = train(*rollout_only(tiny_model_dir, tmp_path / "run", "--custom-rm-path", "my_hooks:reward"),
+    result = train(*rollout_only(tiny_model_dir, engine, tmp_path / "run", "--custom-rm-path", "my_hooks:reward"),
                    pythonpath=tmp_path)
     line = failure_line(result)
     assert "ValueError: the grader cannot parse this answer" in line
@@ -86,16 +98,17 @@ def test_a_reward_function_that_raises_is_named_by_its_file_and_line(tiny_model_
     assert "Traceback" in log and 'raise ValueError("the grader cannot parse this answer")' in log
 
 
-def test_a_rollout_function_that_raises_is_named_by_its_file_and_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_rollout_function_that_raises_is_named_by_its_file_and_line(tiny_model_dir: Path, engine: str,
+                                                                      tmp_path: Path) -> None:
     (tmp_path / "my_hooks.py").write_text(FAILING_HOOKS)
-    result = train(*rollout_only(tiny_model_dir, tmp_path / "run", "--rm-type", "first_digit",
+    result = train(*rollout_only(tiny_model_dir, engine, tmp_path / "run", "--rm-type", "first_digit",
                                  "--rollout-function-path", "my_hooks:Rollout"), pythonpath=tmp_path)
     line = failure_line(result)
     assert "KeyError: 'expected_field'" in line and f"{tmp_path / 'my_hooks.py'}:15 (in __call__)" in line
 
 
-def test_an_attached_router_that_is_not_there(tiny_model_dir: Path, tmp_path: Path) -> None:
-    result = train(*rollout_only(tiny_model_dir, tmp_path / "run", "--rm-type", "first_digit",
+def test_an_attached_router_that_is_not_there(tiny_model_dir: Path, engine: str, tmp_path: Path) -> None:
+    result = train(*rollout_only(tiny_model_dir, engine, tmp_path / "run", "--rm-type", "first_digit",
                                  "--use-sglang-router", "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "9"))
     line = failure_line(result)
     assert "RouterError: no sglang-router answers at 127.0.0.1:9 (--sglang-router-ip/--sglang-router-port)" in line

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.nodes import GATE_ENV, NodeProcess, wait_for
+from tests.support.nodes import GATE_ENV, LOOK_EVERY_S, NodeProcess, look_at, wait_for
 from tests.support.waiting import wait_until_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -45,9 +45,11 @@ def free_port_run(count: int = 3) -> int:
     raise RuntimeError("no run of free ports")
 
 
-def node_args(model: Path, run_dir: Path, *flags: str, rollouts: int = 3) -> list[str]:
+def node_args(model: Path, run_dir: Path, *flags: str, rollouts: int = 2, engines: int = 2) -> list[str]:
+    """Two rollouts show every update reaching every engine (and, killed in the second, a recovery); with
+    `engines` 1 node 1 holds only its rank."""
     return [
-        "--hf-checkpoint", str(model), "--engine-backend", "cpu", "--rollout-num-engines", "2",
+        "--hf-checkpoint", str(model), "--engine-backend", "cpu", "--rollout-num-engines", str(engines),
         "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1", "--prompt-data", "builtin:first_digit",
         "--num-rollout", str(rollouts), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "4", "--sglang-server-concurrency", "8", "--run-dir", str(run_dir),
@@ -67,17 +69,20 @@ def assert_no_survivors(*nodes: NodeProcess) -> None:
                     timeout=10, interval=0.2, what="no process of the nodes left behind")
 
 
-@pytest.mark.parametrize("mode", ["disk", "distributed"])
+# The refused impostor (the node registry's check, whatever the transfer mode) in the disk run only.
+@pytest.mark.parametrize(("mode", "impostor_first"), [("disk", True), ("distributed", False)])
 def test_two_nodes_train_in_one_world_and_both_engines_take_every_update(tiny_model_dir: Path, tmp_path: Path,
-                                                                          mode: str) -> None:
+                                                                          mode: str, impostor_first: bool) -> None:
     run_dir, port = tmp_path / "run", free_port_run()
     args = node_args(tiny_model_dir, run_dir, "--update-weight-transfer-mode", mode)
     node0 = NodeProcess(0, args, master_port=port, token=TOKEN, log=tmp_path / "node0.out")
-    impostor = NodeProcess(1, args, master_port=port, token="not-the-token-at-all-0123", log=tmp_path / "bad.out")
-    node1 = None
+    impostor = node1 = None
     try:
-        assert impostor.wait(120) == 1
-        assert "node 0 refused node 1: wrong token from node 1" in impostor.output()
+        if impostor_first:
+            impostor = NodeProcess(1, args, master_port=port, token="not-the-token-at-all-0123",
+                                   log=tmp_path / "bad.out")
+            assert impostor.wait(120) == 1
+            assert "node 0 refused node 1: wrong token from node 1" in impostor.output()
         node1 = NodeProcess(1, args, master_port=port, token=TOKEN, log=tmp_path / "node1.out")
         assert node0.wait(300, others=(node1,)) == 0, node0.output()[-4000:]
         assert node1.wait(60) == 0, node1.output()[-4000:]
@@ -86,15 +91,16 @@ def test_two_nodes_train_in_one_world_and_both_engines_take_every_update(tiny_mo
             if node is not None and node.proc.poll() is None:
                 node.kill_tree()
     coordinator_log = (run_dir / "coordinator.log").read_text()
-    assert "node registry refused a connection from 127.0.0.1" in coordinator_log
-    assert f"wrong token from node 1 (pid {impostor.proc.pid}" in coordinator_log
+    if impostor is not None:
+        assert "node registry refused a connection from 127.0.0.1" in coordinator_log
+        assert f"wrong token from node 1 (pid {impostor.proc.pid}" in coordinator_log
     assert TOKEN not in coordinator_log + node0.output() + node1.output() + (run_dir / "node1.log").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["rollouts"] == 3 and summary["train_steps"] == 3 and summary["final_weight_version"] == "3"
+    assert summary["rollouts"] == 2 and summary["train_steps"] == 2 and summary["final_weight_version"] == "2"
     assert [event["event"] for event in summary["nodes"]["events"]] == ["joined"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "train/grad_norm" in row]
-    assert len(steps) == 3
+    assert len(steps) == 2
     # one world of two ranks, one per node: each rank trained its own samples, and the gradients were
     # all-reduced across the nodes before clipping, so both ranks report the same (non-zero) grad norm
     assert all(row["train/grad_norm"] > 0 and row["train/grad_norm_rank_spread"] == 0.0 for row in steps)
@@ -102,12 +108,12 @@ def test_two_nodes_train_in_one_world_and_both_engines_take_every_update(tiny_mo
         assert "--nnodes 2" in (run_dir / log).read_text(), f"node {node}'s torchrun joined the two-node world"
     # both engines served and took every update: WeightSync checks that every engine it updated reports the new
     # version (else the run fails), and it updated both each time
-    assert [row["sync/engines"] for row in rows if "sync/engines" in row] == [2.0, 2.0, 2.0]
+    assert [row["sync/engines"] for row in rows if "sync/engines" in row] == [2.0, 2.0]
     if mode == "disk":  # each loaded rank 0's snapshot from the shared run directory
-        assert engine_versions(run_dir, "rollout-0") == ["1", "2", "3"]
-        assert engine_versions(run_dir, "rollout-1") == ["1", "2", "3"]
+        assert engine_versions(run_dir, "rollout-0") == ["1", "2"]
+        assert engine_versions(run_dir, "rollout-1") == ["1", "2"]
     assert "node 1: engine rollout-1 answers at http://127.0.0.1:" in coordinator_log
-    assert_no_survivors(node0, impostor, node1)
+    assert_no_survivors(*(node for node in (node0, impostor, node1) if node is not None))
 
 
 def start_and_kill_node1(tmp_path: Path, args: list[str], port: int, gate: Path) -> tuple[NodeProcess, NodeProcess]:
@@ -130,7 +136,7 @@ def wait_for_log(path: Path, text: str, timeout: float, node: NodeProcess) -> No
     def logged() -> bool:
         if path.exists() and text in path.read_text():
             return True
-        node.look()
+        look_at((node,), at_most_every=LOOK_EVERY_S)
         assert node.proc.poll() is None, node.output()[-4000:]
         return False
 
@@ -140,7 +146,7 @@ def wait_for_log(path: Path, text: str, timeout: float, node: NodeProcess) -> No
 def test_without_train_ft_a_lost_node_ends_the_run_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     gate.mkdir()
-    args = node_args(tiny_model_dir, tmp_path / "run")
+    args = node_args(tiny_model_dir, tmp_path / "run", engines=1)  # the lost node's rank ends the run
     node0, node1 = start_and_kill_node1(tmp_path, args, free_port_run(), gate)
     try:
         (gate / "go").write_text("")
@@ -174,13 +180,13 @@ def test_with_train_ft_the_run_recovers_when_node1_runs_again(tiny_model_dir: Pa
             if node.proc.poll() is None:
                 node.kill_tree()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["rollouts"] == 3 and summary["final_weight_version"] == "3"
+    assert summary["rollouts"] == 2 and summary["final_weight_version"] == "2"
     assert summary["train_recoveries"] >= 1
     assert [event["event"] for event in summary["nodes"]["events"]] == ["joined", "lost", "back"]
     log = (run_dir / "coordinator.log").read_text()
     assert "ranks are back from checkpoint" in log
     # node 1's engine died with it, came back with its node and was given the current weights: it reports
     # the last version like the engine on node 0
-    assert engine_versions(run_dir, "rollout-0")[-1] == "3"
-    assert engine_versions(run_dir, "rollout-1")[-1] == "3"
+    assert engine_versions(run_dir, "rollout-0")[-1] == "2"
+    assert engine_versions(run_dir, "rollout-1")[-1] == "2"
     assert_no_survivors(node0, dead, node1)

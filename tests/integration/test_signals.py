@@ -28,12 +28,13 @@ from tests.support.waiting import wait_until_sync
 GONE_WITHIN_S = 10.0
 
 
-def start_run(model: Path, run_dir: Path, *flags: str) -> tuple[subprocess.Popen[bytes], Path]:
-    """A long `rayless train` in its own process group; stderr into a file read afterwards."""
+def start_run(model: Path, run_dir: Path, *flags: str, ranks: int = 1) -> tuple[subprocess.Popen[bytes], Path]:
+    """A long `rayless train` (one engine, `ranks` ranks, 4 samples a rollout: one process of each kind is
+    what the checks need) in its own process group; stderr into a file read afterwards."""
     stderr = run_dir.parent / f"{run_dir.name}.stderr"
     command = [sys.executable, "-m", "coordinator.cli", "train", "--hf-checkpoint", str(model),
-               "--prompt-data", "builtin:first_digit", "--rm-type", "first_digit", "--rollout-num-engines", "2",
-               "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
+               "--prompt-data", "builtin:first_digit", "--rm-type", "first_digit", "--rollout-num-engines", "1",
+               "--actor-num-gpus-per-node", str(ranks), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
                "--num-rollout", "100000", "--rollout-max-response-len", "4", "--run-dir", str(run_dir),
                "--no-progress", *flags]
     with open(stderr, "wb") as err:
@@ -104,24 +105,30 @@ def end_leftovers(proc: subprocess.Popen[bytes], processes: list[psutil.Process]
             continue
 
 
-def assert_every_kind_launched(processes: list[psutil.Process], *, router: bool) -> None:
-    lines = command_lines(processes)
-    assert lines.count("-m workers.engine") >= 2, lines
-    assert "-m torch.distributed.run" in lines and "-m workers.train_rank" in lines, lines
-    if router:
-        assert "sglang_router.launch_router" in lines, lines
+def assert_every_kind_launched(processes: list[psutil.Process], *, router: bool, ranks: int = 1) -> None:
+    """One engine, torchrun and its `ranks` ranks (and the router) among the run's processes; the lifeline's
+    watchers (which carry their command's arguments) not counted."""
+    lines = [line for line in command_lines(processes).splitlines() if "lifeline.py" not in line]
+    every = "\n".join(lines)
+    assert sum("-m workers.engine" in line for line in lines) == 1, every
+    assert sum("-m torch.distributed.run" in line for line in lines) == 1, every
+    assert sum(line.endswith("-m workers.train_rank") and "torch.distributed.run" not in line
+               for line in lines) == ranks, every
+    if router:  # the router names itself sglang::router once started
+        assert any("sglang::router" in line or "sglang_router" in line for line in lines), every
 
 
-@pytest.mark.parametrize(("sig", "router"), [(signal.SIGTERM, True), (signal.SIGHUP, False)])
+# SIGTERM with the router and two ranks (torchrun stops both cleanly), SIGHUP with neither
+@pytest.mark.parametrize(("sig", "router", "ranks"), [(signal.SIGTERM, True, 2), (signal.SIGHUP, False, 1)])
 def test_a_stop_signal_stops_every_process_and_exits_128_plus_the_signal(
-        tiny_model_dir: Path, tmp_path: Path, sig: signal.Signals, router: bool) -> None:
+        tiny_model_dir: Path, tmp_path: Path, sig: signal.Signals, router: bool, ranks: int) -> None:
     run_dir = tmp_path / "run"
-    proc, stderr = start_run(tiny_model_dir, run_dir, *(["--use-sglang-router"] if router else []))
+    proc, stderr = start_run(tiny_model_dir, run_dir, *(["--use-sglang-router"] if router else []), ranks=ranks)
     processes: list[psutil.Process] = []
     try:
         wait_training(proc, run_dir, stderr)
         processes = the_runs_processes(proc)
-        assert_every_kind_launched(processes, router=router)
+        assert_every_kind_launched(processes, router=router, ranks=ranks)
         signalled = time.monotonic()
         os.kill(proc.pid, sig)
         code = proc.wait(timeout=GONE_WITHIN_S)
@@ -153,6 +160,6 @@ def test_children_of_a_sigkilled_coordinator_end_by_themselves(tiny_model_dir: P
         end_leftovers(proc, processes)
     logs = [*(run_dir / "logs").glob("engine-*.log"), run_dir / "logs" / "router-rollout.log",
             run_dir / "train_ranks.log"]
-    assert len(logs) == 4
+    assert len(logs) == 3
     for log in logs:  # each watcher says why it stopped its process group
         assert "rayless: the coordinator is gone; stopping process group" in log.read_text(), log

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ from tests.support.waiting import wait_until, wait_until_sync
 
 GATE_ENV = "RAYLESS_TEST_GATE"
 SAMPLES_PER_ROLLOUT = 4  # --rollout-batch-size 2 × --n-samples-per-prompt 2
+#: How often the waits below look at a node's tree: psutil finds children by reading every process on the
+#: machine (~10 ms on a shared one), so looking at each 0.2 s poll cost more CPU than the node processes' idling;
+#: the run's processes live for seconds, and kill_tree() always looks first.
+LOOK_EVERY_S = 1.0
 _scored = 0
 
 
@@ -58,25 +63,28 @@ class NodeProcess:
         #: reused later by an unrelated process is not taken for it)
         self.seen: dict[int, tuple[psutil.Process, str]] = {self.proc.pid: (psutil.Process(self.proc.pid),
                                                                              "rayless train")}
+        self.looked_at = -float("inf")
 
-    def look(self) -> None:
-        """Record the processes below the node process now."""
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return
-        for child in children:
+    def look(self, *, tree: dict[int, list[int]] | None = None) -> None:
+        """Record the processes below the node process now; `tree`: a `children_by_parent()` to walk."""
+        self.looked_at = time.monotonic()
+        tree = children_by_parent() if tree is None else tree
+        pending = list(tree.get(self.proc.pid, ()))
+        while pending:
+            pid = pending.pop()
+            pending += tree.get(pid, ())
+            if pid in self.seen:
+                continue
             try:
-                if child.pid not in self.seen:
-                    self.seen[child.pid] = (child, " ".join(child.cmdline())[:200])
+                child = psutil.Process(pid)
+                self.seen[pid] = (child, " ".join(child.cmdline())[:200])
             except psutil.Error:
                 continue
 
     def wait(self, timeout: float, *, others: tuple[NodeProcess, ...] = ()) -> int:
-        """The node process's exit status, looking at its tree (and `others`') every half second meanwhile."""
+        """The node process's exit status, looking at its tree (and `others`') every `LOOK_EVERY_S` meanwhile."""
         def exit_status() -> int | None:
-            for node in (self, *others):
-                node.look()
+            look_at((self, *others), at_most_every=LOOK_EVERY_S)
             return self.proc.poll()
 
         try:
@@ -116,13 +124,30 @@ class NodeProcess:
         return alive
 
 
+def children_by_parent() -> dict[int, list[int]]:
+    """Every process's pid under its parent's: one pass over the machine's processes, however many trees."""
+    tree: dict[int, list[int]] = {}
+    for process in psutil.process_iter(["ppid"]):
+        tree.setdefault(process.info["ppid"], []).append(process.pid)
+    return tree
+
+
+def look_at(nodes: tuple[NodeProcess, ...], *, at_most_every: float = 0.0) -> None:
+    """`look()` at the nodes not looked at in the last `at_most_every` s, from one pass over the processes."""
+    due = [node for node in nodes if time.monotonic() - node.looked_at >= at_most_every]
+    if due:
+        tree = children_by_parent()
+        for node in due:
+            node.look(tree=tree)
+
+
 def wait_for(path: Path, timeout: float, *, nodes: tuple[NodeProcess, ...] = ()) -> None:
     """Wait for `path` to exist (failing early, with its output, when a node process exits meanwhile)."""
     def appeared() -> bool:
         if path.exists():
             return True
+        look_at(nodes, at_most_every=LOOK_EVERY_S)
         for node in nodes:
-            node.look()
             if node.proc.poll() is not None:
                 raise AssertionError(f"node {node.node_rank} exited ({node.proc.returncode}) while waiting for "
                                      f"{path.name}; its output:\n{node.output()[-4000:]}")
