@@ -13,6 +13,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 USAGE = """usage: rayless COMMAND [ARGS]
 
@@ -137,12 +138,17 @@ def make_tiny_model_main(argv: Sequence[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run_and_exit() -> NoReturn:
+    """The `rayless` command (and `python -m coordinator.cli`): `main`, then an exit without the interpreter's
+    teardown of what it imported (torch and transformers for `train`: ~1.2 CPU-s, and on a loaded machine
+    seconds past the stop that signal handling promises, with every launched process already stopped). The logs
+    and stdio are flushed first; an error raised out of `main` propagates as usual."""
     code = main()
-    # A finished command exits without the interpreter's teardown of what it imported (torch and transformers
-    # for `train`: ~1.2 CPU-s, and on a loaded machine seconds past the stop that signal handling promises,
-    # with every launched process already stopped); the logs and stdio are flushed first. Errors raise as usual.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    run_and_exit()
