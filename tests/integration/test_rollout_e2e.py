@@ -174,7 +174,7 @@ async def test_stragglers_are_aborted_and_partial_rollout_continues_them_next_ti
     built = len(RecordedDefaultRollout.BUILT)
     manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "2",
                             "--over-sampling-batch-size", "12", "--n-samples-per-prompt", "2",
-                            "--rollout-max-response-len", "200", "--sglang-server-concurrency", "4",
+                            "--rollout-max-response-len", "64", "--sglang-server-concurrency", "4",
                             "--partial-rollout",
                             "--rollout-function-path", "tests.support.rollout_fns:RecordedDefaultRollout")
     rollout_fn = RecordedDefaultRollout.BUILT[built]  # the rollout function (the eval one comes next)
