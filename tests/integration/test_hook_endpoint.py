@@ -43,7 +43,7 @@ async def test_the_endpoint_keeps_groups_on_their_engine_and_routes_around_a_dea
         await tg.start(fleet.run)
         for handle in fleet.engines:  # each engine answers with its own name as its weight version
             await client.engine(handle.url).update_weight_version(handle.name)
-        dispatcher = Dispatcher(client=client, pool=fleet)
+        dispatcher = Dispatcher(client=client, pool=fleet, engine_wait=5.0)  # how long a request waits for one
         runtime = HookRuntime(args=argparse.Namespace(), api_key=KEY)
         endpoint = HookEndpoint(dispatcher=dispatcher, routes=runtime.routes, seed=7, api_key=KEY,
                                 max_body_bytes=4096)
@@ -103,5 +103,19 @@ async def test_the_endpoint_keeps_groups_on_their_engine_and_routes_around_a_dea
                 assert big.status_code == 413
                 # the connection survives answered errors: one more request on the same client
                 assert (await http.post(url, json=payload([5, 6]), headers=auth)).status_code == 200
+
+            # The last engine dies too: a request gets a JSON 503, not a traceback, whether it finds the engine
+            # dead on the way (the first, which marks it dead) or its route's engine already dead (the second).
+            assert second.process is not None and second.process.pid is not None
+            os.killpg(second.process.pid, signal.SIGKILL)
+            auth = {"Authorization": f"Bearer {KEY}"}
+            group = GroupRoute(rollout_id=3, group_index=1, engine=second)
+            async with httpx.AsyncClient(timeout=60) as http:
+                unrouted = await http.post(url, json=payload([5, 6]), headers=auth)
+                assert not second.alive
+                with runtime.routes.open(Route(group, 0)) as token:
+                    routed = await http.post(url, json=payload([5, 6]), headers={**auth, ROUTE_HEADER: token})
+            for gone in (unrouted, routed):
+                assert gone.status_code == 503 and "no rollout engine alive" in gone.json()["error"]["message"]
         tg.cancel_scope.cancel()
 
