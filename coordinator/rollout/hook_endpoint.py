@@ -121,7 +121,10 @@ class HookEndpoint(AppServer):
         if route is not None and self.dispatcher.router_url is None:
             group = route.group
             if group.engine is None or not getattr(group.engine, "alive", True):
-                group.engine = await self.dispatcher.pick()
+                try:
+                    group.engine = await self.dispatcher.pick()
+                except NoEngineAvailable as error:  # the group's engine died and none is left: 503, as below
+                    raise HttpReply(503, str(error)) from None
             engine = group.engine
             params = payload.get("sampling_params")
             if isinstance(params, dict) and "sampling_seed" not in params:

@@ -3,8 +3,9 @@
 A hook's `post` (inside the hook call the rollout opens) reaches the endpoint with its route: every request of
 one prompt group lands on the group's engine, two groups on two engines (the default path's least-in-flight
 pick), each request seeded from its route, so the same request draws the same tokens. When the group's engine
-is killed the next request is served by the other one. The engines' API key is required from clients and
-sent by `post` to this address only; bad requests get JSON errors with the status a client can act on.
+is killed the next request is served by the other one; one without a route (a hook's own HTTP client) is
+dispatched like any. The engines' API key is required from clients and sent by `post` to this address only;
+bad requests get JSON errors with the status a client can act on.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ async def test_the_endpoint_keeps_groups_on_their_engine_and_routes_around_a_dea
         await tg.start(fleet.run)
         for handle in fleet.engines:  # each engine answers with its own name as its weight version
             await client.engine(handle.url).update_weight_version(handle.name)
-        dispatcher = Dispatcher(client=client, pool=fleet)
+        dispatcher = Dispatcher(client=client, pool=fleet, engine_wait=5.0)  # how long a request waits for one
         runtime = HookRuntime(args=argparse.Namespace(), api_key=KEY)
         endpoint = HookEndpoint(dispatcher=dispatcher, routes=runtime.routes, seed=7, api_key=KEY,
                                 max_body_bytes=4096)
@@ -85,8 +86,10 @@ async def test_the_endpoint_keeps_groups_on_their_engine_and_routes_around_a_dea
                 refused = await http.post(url, json=payload([5, 6]))
                 assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
                 auth = {"Authorization": f"Bearer {KEY}"}
-                ok = await http.post(url, json=payload([5, 6]), headers=auth)
+                # A request without a route (a hook with its own HTTP client) is dispatched like any request.
+                ok = await http.post(url, json=payload([5, 6], n=2), headers=auth)
                 assert ok.status_code == 200 and ok.headers[ENGINE_HEADER] == second.url
+                assert len(ok.json()["output_ids"]) == 2
                 assert (await http.get(f"{endpoint.url}/health", headers=auth)).status_code == 200
                 missing = await http.post(f"{endpoint.url}/v1/chat/completions", json={}, headers=auth)
                 assert missing.status_code == 404 and "POST /generate" in missing.json()["error"]["message"]
@@ -100,19 +103,19 @@ async def test_the_endpoint_keeps_groups_on_their_engine_and_routes_around_a_dea
                 assert big.status_code == 413
                 # the connection survives answered errors: one more request on the same client
                 assert (await http.post(url, json=payload([5, 6]), headers=auth)).status_code == 200
+
+            # The last engine dies too: a request gets a JSON 503, not a traceback, whether it finds the engine
+            # dead on the way (the first, which marks it dead) or its route's engine already dead (the second).
+            assert second.process is not None and second.process.pid is not None
+            os.killpg(second.process.pid, signal.SIGKILL)
+            auth = {"Authorization": f"Bearer {KEY}"}
+            group = GroupRoute(rollout_id=3, group_index=1, engine=second)
+            async with httpx.AsyncClient(timeout=60) as http:
+                unrouted = await http.post(url, json=payload([5, 6]), headers=auth)
+                assert not second.alive
+                with runtime.routes.open(Route(group, 0)) as token:
+                    routed = await http.post(url, json=payload([5, 6]), headers={**auth, ROUTE_HEADER: token})
+            for gone in (unrouted, routed):
+                assert gone.status_code == 503 and "no rollout engine alive" in gone.json()["error"]["message"]
         tg.cancel_scope.cancel()
 
-
-async def test_a_request_without_a_route_is_dispatched_like_any(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A request without a route (a hook with its own HTTP client) is dispatched like any request."""
-    spec = EngineLaunchSpec(kind="rayless", model_path=str(tiny_model_dir), env=ENV, start_timeout=120.0)
-    async with EngineClient(max_connections=8) as client, anyio.create_task_group() as tg:
-        fleet = EngineFleet(client=client, launch=spec, num_engines=1, run_dir=tmp_path)
-        await tg.start(fleet.run)
-        endpoint = HookEndpoint(dispatcher=Dispatcher(client=client, pool=fleet),
-                                routes=HookRuntime(args=argparse.Namespace()).routes, seed=7)
-        await tg.start(endpoint.run)
-        async with httpx.AsyncClient(timeout=30) as http:
-            answer = await http.post(f"{endpoint.url}/generate", json=payload([5, 6, 7], n=2))
-        assert answer.status_code == 200 and len(answer.json()["output_ids"]) == 2
-        tg.cancel_scope.cancel()

@@ -1,4 +1,8 @@
-"""The generate path end to end against real CPU engines launched by the real fleet."""
+"""The generate path end to end against real CPU engines launched by the real fleet.
+
+The tests that leave their engines as they found them share one two-engine fleet (`shared_fleet`, started
+once per module: engines take seconds of CPU to start); the one that kills an engine starts its own.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +40,14 @@ async def running_fleet(model_dir: Path, run_dir: Path, engines: int = 2) -> Asy
         await group.start(fleet.run)
         yield client, fleet
         group.cancel_scope.cancel()
+
+
+@pytest.fixture(scope="module")
+async def shared_fleet(tiny_model_dir: Path,
+                       tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[EngineClient, EngineFleet]]:
+    """Two engines for the tests that kill none (each builds its own manager, so no rollout state is shared)."""
+    async with running_fleet(tiny_model_dir, tmp_path_factory.mktemp("shared-fleet")) as pair:
+        yield pair
 
 
 def build_manager(model_dir: Path, client: EngineClient, fleet: EngineFleet, *flags: str,
@@ -82,18 +94,18 @@ def assert_consistent(batch: RolloutBatch, groups: int, n: int, *, one_engine_pe
             seen.add(key)
 
 
-async def test_rollout_against_two_engines_returns_the_full_consistent_batch(tiny_model_dir: Path,
-                                                                            tmp_path: Path) -> None:
+async def test_rollout_against_two_engines_returns_the_full_consistent_batch(
+        tiny_model_dir: Path, tmp_path: Path, shared_fleet: tuple[EngineClient, EngineFleet]) -> None:
     template = str(tmp_path / "dumps" / "{rollout_id}.rld")
-    async with running_fleet(tiny_model_dir, tmp_path) as (client, fleet):
-        manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "6",
-                                "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
-                                "--save-debug-rollout-data", template, "--log-passrate")
-        assert manager.counts["generate_states"] == 1 and manager.counts["dispatchers"] == 1
-        assert manager.built_generate_state is not None
-        assert manager.built_generate_state.concurrency == 2 * 512
-        batch = await manager.get_rollout(0, "0")
-        used_engines = {s.metadata["engine"] for s in batch.samples}
+    client, fleet = shared_fleet
+    manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "6",
+                            "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
+                            "--save-debug-rollout-data", template, "--log-passrate")
+    assert manager.counts["generate_states"] == 1 and manager.counts["dispatchers"] == 1
+    assert manager.built_generate_state is not None
+    assert manager.built_generate_state.concurrency == 2 * 512
+    batch = await manager.get_rollout(0, "0")
+    used_engines = {s.metadata["engine"] for s in batch.samples}
     assert_consistent(batch, groups=6, n=4)
     assert len(used_engines) == 2, "least-in-flight dispatch spreads groups over both engines"
     assert batch.metrics["rollout/reward_mean"] == sum(s.reward for s in batch.samples) / 24  # type: ignore[misc]
@@ -112,8 +124,9 @@ async def test_killing_an_engine_mid_rollout_loses_and_duplicates_nothing(tiny_m
                                                                           tmp_path: Path) -> None:
     async with running_fleet(tiny_model_dir, tmp_path) as (client, fleet):
         display = ProgressDisplay(enabled=False)
-        manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "12",
-                                "--n-samples-per-prompt", "4", "--rollout-max-response-len", "48",
+        # 32 requests of 32 tokens, 16 in flight: the kill at 200 tokens finds requests running on both engines
+        manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "8",
+                                "--n-samples-per-prompt", "4", "--rollout-max-response-len", "32",
                                 "--sglang-server-concurrency", "8", progress=display)
         victim = fleet.engines[0]
         result: list[RolloutBatch] = []
@@ -131,19 +144,19 @@ async def test_killing_an_engine_mid_rollout_loses_and_duplicates_nothing(tiny_m
         assert manager.context is not None and manager.context.dispatcher.retried > 0
     batch = result[0]
     # requests retried after the kill finish on the other engine, so a group may span both here
-    assert_consistent(batch, groups=12, n=4, one_engine_per_group=False)
+    assert_consistent(batch, groups=8, n=4, one_engine_per_group=False)
     assert {s.metadata["engine"] for s in batch.samples} >= {fleet.engines[1].url}
 
 
-async def test_dynamic_filter_drops_constant_reward_groups_and_replaces_them(tiny_model_dir: Path,
-                                                                             tmp_path: Path) -> None:
-    async with running_fleet(tiny_model_dir, tmp_path, engines=1) as (client, fleet):
-        manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "4",
-                                "--n-samples-per-prompt", "2", "--rollout-max-response-len", "2",
-                                "--custom-rm-path", "tests.support.rollout_fns:alternating_constant_reward",
-                                "--dynamic-sampling-filter-path",
-                                "coordinator.rollout.filters:reward_std_positive")
-        batch = await manager.get_rollout(0, "0")
+async def test_dynamic_filter_drops_constant_reward_groups_and_replaces_them(
+        tiny_model_dir: Path, shared_fleet: tuple[EngineClient, EngineFleet]) -> None:
+    client, fleet = shared_fleet
+    manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "4",
+                            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "2",
+                            "--custom-rm-path", "tests.support.rollout_fns:alternating_constant_reward",
+                            "--dynamic-sampling-filter-path",
+                            "coordinator.rollout.filters:reward_std_positive")
+    batch = await manager.get_rollout(0, "0")
     assert len(batch.groups) == 4
     for group in batch.groups:
         assert group[0].metadata["prompt_index"] % 2 == 1
@@ -155,28 +168,29 @@ async def test_dynamic_filter_drops_constant_reward_groups_and_replaces_them(tin
     assert batch.metrics["rollout/filtered_groups"] == dropped
 
 
-async def test_stragglers_are_aborted_and_partial_rollout_continues_them_next_time(tiny_model_dir: Path,
-                                                                                   tmp_path: Path) -> None:
-    async with running_fleet(tiny_model_dir, tmp_path, engines=1) as (client, fleet):
-        built = len(RecordedDefaultRollout.BUILT)
-        manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "2",
-                                "--over-sampling-batch-size", "12", "--n-samples-per-prompt", "2",
-                                "--rollout-max-response-len", "200", "--sglang-server-concurrency", "4",
-                                "--partial-rollout",
-                                "--rollout-function-path", "tests.support.rollout_fns:RecordedDefaultRollout")
-        rollout_fn = RecordedDefaultRollout.BUILT[built]  # the rollout function (the eval one comes next)
-        first = await manager.get_rollout(0, "0")
-        assert len(first.groups) == 2 and first.metrics["rollout/aborted_stragglers"] > 0
-        buffered = rollout_fn.partial_buffer
-        assert first.metrics["rollout/partial_buffer"] == len(buffered)
-        assert buffered, "aborted stragglers go to the partial-rollout buffer"
-        started = {(g.record.index, s.sample_index): s.response_length for g in buffered for s in g.samples}
-        assert any(length > 0 for length in started.values()), "some stragglers had generated tokens"
-        # nothing is still running on the engine: the stragglers were aborted, not awaited
-        metrics = await client.engine(fleet.engines[0].url).metrics()
+async def test_stragglers_are_aborted_and_partial_rollout_continues_them_next_time(
+        tiny_model_dir: Path, shared_fleet: tuple[EngineClient, EngineFleet]) -> None:
+    client, fleet = shared_fleet
+    built = len(RecordedDefaultRollout.BUILT)
+    manager = build_manager(tiny_model_dir, client, fleet, "--rollout-batch-size", "2",
+                            "--over-sampling-batch-size", "12", "--n-samples-per-prompt", "2",
+                            "--rollout-max-response-len", "64", "--sglang-server-concurrency", "4",
+                            "--partial-rollout",
+                            "--rollout-function-path", "tests.support.rollout_fns:RecordedDefaultRollout")
+    rollout_fn = RecordedDefaultRollout.BUILT[built]  # the rollout function (the eval one comes next)
+    first = await manager.get_rollout(0, "0")
+    assert len(first.groups) == 2 and first.metrics["rollout/aborted_stragglers"] > 0
+    buffered = rollout_fn.partial_buffer
+    assert first.metrics["rollout/partial_buffer"] == len(buffered)
+    assert buffered, "aborted stragglers go to the partial-rollout buffer"
+    started = {(g.record.index, s.sample_index): s.response_length for g in buffered for s in g.samples}
+    assert any(length > 0 for length in started.values()), "some stragglers had generated tokens"
+    # nothing is still running on either engine: the stragglers were aborted, not awaited
+    for engine in fleet.engines:
+        metrics = await client.engine(engine.url).metrics()
         running = [line for line in metrics.splitlines() if line.startswith("sglang:num_running_reqs")]
-        assert running and float(running[0].rsplit(" ", 1)[1]) == 0.0, running
-        second = await manager.get_rollout(1, "1")
+        assert running and float(running[0].rsplit(" ", 1)[1]) == 0.0, (engine.url, running)
+    second = await manager.get_rollout(1, "1")
     assert len(second.groups) == 2
     continued = [s for s in second.samples if started.get((s.metadata["prompt_index"], s.sample_index), 0) > 0]
     # resumed groups are submitted first and need fewer tokens, so they are among the accepted ones;

@@ -1,5 +1,6 @@
 """A real slime example, ported by changing its imports only: search-r1's generate and reward functions
-(tests/data/slime_ports/search_r1, from THUDM/slime@624b824) run for 3 rollouts on CPU engines and torchrun.
+(tests/data/slime_ports/search_r1, from THUDM/slime@624b824) run for 2 rollouts on CPU engines and torchrun
+(the second after a training step and a weight sync).
 
 Its external service, the retrieval server, is replaced by a STAND-IN serving the same `/retrieve`
 (tests/support/search_standin.py, a real HTTP server on 127.0.0.1). The model is the tiny one with Search-R1's
@@ -39,6 +40,9 @@ TEMPLATE = ("Answer the given question. You must conduct reasoning inside <think
             "<information> and </information>. You can search as many times as your want. If you find no "
             "further external knowledge needed, you can directly provide the answer inside <answer> and "
             "</answer>, without detailed illustrations. For example, <answer> Beijing </answer>. Question: {}\n")
+# Each training step costs more than its rollout (~450-token samples: the observations are long); the third
+# rollout of the first version of this test only added the costliest step.
+ROLLOUTS = 2
 QUESTIONS = [("What is the capital of France?", ["Paris"]), ("Who created Python?", ["Guido van Rossum"]),
              ("What is the highest mountain?", ["Mount Everest", "Everest"]), ("What orbits Earth?", ["the Moon"])]
 
@@ -96,7 +100,7 @@ def test_slimes_search_r1_pair_runs_on_our_engines(search_model: Path, search_st
         "--custom-generate-function-path", "generate_with_search.generate",
         "--custom-rm-path", "generate_with_search.reward_func",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "96",
-        "--num-rollout", "3", "--rollout-num-engines", "1", "--actor-num-gpus-per-node", "1", "--lr", "1e-3",
+        "--num-rollout", str(ROLLOUTS), "--rollout-num-engines", "1", "--actor-num-gpus-per-node", "1", "--lr", "1e-3",
         "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld"), "--run-dir", str(run_dir),
         "--no-progress"])
     notes = preflight(config)  # the start-up checks take slime's signatures
@@ -105,13 +109,13 @@ def test_slimes_search_r1_pair_runs_on_our_engines(search_model: Path, search_st
     assert any("reward_func(args, sample, **kwargs) (slime's form)" in n for n in notes), notes
 
     summary = anyio.run(run_training, config)
-    assert summary["rollouts"] == 3 and summary["train_steps"] == 3
+    assert summary["rollouts"] == ROLLOUTS and summary["train_steps"] == ROLLOUTS
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert max(row["train/train_rollout_logprob_abs_diff_max"] for row in rows) <= 1e-4
 
-    samples = [s for r in range(3) for s in read_dump(dump_path(str(run_dir / "dumps" / "{rollout_id}.rld"),
+    samples = [s for r in range(ROLLOUTS) for s in read_dump(dump_path(str(run_dir / "dumps" / "{rollout_id}.rld"),
                                                                 r)).samples]
-    assert len(samples) == 3 * 16
+    assert len(samples) == ROLLOUTS * 16
     assert all(isinstance(s.label, dict) and "ground_truth" in s.label for s in samples)
     assert all(s.reward in (0.0, 1.0) for s in samples)  # exact match of the last <answer>
     multi_turn = [s for s in samples if s.is_multi_turn]
