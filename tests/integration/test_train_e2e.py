@@ -1,8 +1,9 @@
 """Whole runs: generate → train → sync on real CPU engines and torchrun ranks; replay; resume.
 
 One generating run (module fixture) feeds several checks: the reward rises, training logprobs match the
-engines', dumps replay with no engine process, two replays give identical losses, and a resumed run continues
-with the same data order and losses. Runs are kept short: CI has 2 cores.
+engines', dumps replay with no engine process, two replays give identical losses, and a resumed run (a second
+module fixture, its weights synced by distributed sync) continues with the same data order and losses and
+serves engines the exact weights. Runs are kept short: CI has 2 cores.
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ async def test_replay_trains_with_no_engine_and_repeats_losses_exactly(generated
     results = []
     for attempt in range(2):
         run_dir = tmp_path / f"replay{attempt}"
-        config = config_for(tiny_model_dir, run_dir, "--load-debug-rollout-data", template, "--num-rollout", "4")
+        config = config_for(tiny_model_dir, run_dir, "--load-debug-rollout-data", template, "--num-rollout", "2")
         summary, children = await run_watched(config)
-        assert summary["train_steps"] == 4
+        assert summary["train_steps"] == 2
         assert not [c for c in children if "workers.engine" in c or "sglang" in c], children
         assert any("workers.train_rank" in c for c in children)
         results.append(losses(run_dir))
@@ -114,42 +115,50 @@ async def test_replay_trains_with_no_engine_and_repeats_losses_exactly(generated
     assert results[0][0] == pytest.approx(losses(generated_run)[0], abs=1e-6)
 
 
-async def test_resume_continues_with_the_same_data_order_and_losses(generated_run: Path, tiny_model_dir: Path,
-                                                                    tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def resumed_run(generated_run: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The generating run resumed from its rollout-5 checkpoint, its weights pushed by distributed sync (the
+    generating run pushed them by disk): one run shows both the resume and the distributed sync."""
     checkpoint = generated_run / "ckpt" / "rollout_5"
     assert checkpoint.is_dir(), sorted(p.name for p in (generated_run / "ckpt").iterdir())
-    run_dir = tmp_path / "resumed"
+    run_dir = tmp_path_factory.mktemp("resumed")
     # the same run directory as the run that crashed: its metrics.jsonl holds steps 0..11 already
-    run_dir.mkdir()
     shutil.copy(generated_run / "metrics.jsonl", run_dir / "metrics.jsonl")
     config = config_for(tiny_model_dir, run_dir, "--rollout-num-engines", "2", "--num-rollout", "8",
-                        "--load", str(checkpoint),
+                        "--load", str(checkpoint), "--update-weight-transfer-mode", "distributed",
                         "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld"))
-    summary = await run_training(config)
+    summary = anyio.run(run_training, config)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir
+
+
+def test_resume_continues_with_the_same_data_order_and_losses(generated_run: Path, resumed_run: Path) -> None:
+    summary = json.loads((resumed_run / "summary.json").read_text())
     assert summary["rollouts"] == 2  # rollouts 6 and 7
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(resumed_run / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(8)), "each step once: the resumed ones replaced"
     for rollout_id in (6, 7):
         original = read_dump(dump_path(str(generated_run / "dumps" / "{rollout_id}.rld"), rollout_id)).samples
-        resumed = read_dump(dump_path(str(run_dir / "dumps" / "{rollout_id}.rld"), rollout_id)).samples
+        resumed = read_dump(dump_path(str(resumed_run / "dumps" / "{rollout_id}.rld"), rollout_id)).samples
         assert [s.metadata["prompt_index"] for s in resumed] == [s.metadata["prompt_index"] for s in original]
         assert [s.tokens for s in resumed] == [s.tokens for s in original]
-    assert losses(run_dir)[6:] == pytest.approx(losses(generated_run)[6:8], abs=1e-6)
+    assert losses(resumed_run)[6:] == pytest.approx(losses(generated_run)[6:8], abs=1e-6)
 
 
-async def test_distributed_sync_gives_engines_the_exact_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = config_for(tiny_model_dir, tmp_path, "--rollout-num-engines", "2", "--num-rollout", "3",
-                        "--update-weight-transfer-mode", "distributed")
-    summary = await run_training(config)
-    assert summary["train_steps"] == 3 and summary["final_weight_version"] == "3"
-    rows = read_metrics(tmp_path / "metrics.jsonl")
+def test_distributed_sync_gives_engines_the_exact_weights(resumed_run: Path) -> None:
+    summary = json.loads((resumed_run / "summary.json").read_text())
+    assert summary["train_steps"] == 2 and summary["final_weight_version"] == "8"
+    # rollout 6 ran on the checkpoint's weights, rollout 7 on step 6's: both pushed by distributed sync
+    rows = read_metrics(resumed_run / "metrics.jsonl")[6:]
     assert max(row["train/train_rollout_logprob_abs_diff_max"] for row in rows) <= 1e-4
     assert all(row["sync/engines"] == 2 for row in rows)
 
 
 async def test_async_rollout_overlaps_generation_within_the_staleness_bound(tiny_model_dir: Path,
                                                                             tmp_path: Path) -> None:
-    config = config_for(tiny_model_dir, tmp_path, "--rollout-num-engines", "2", "--num-rollout", "4",
+    # the staleness bound needs neither a second engine nor a second rank, nor big batches
+    config = config_for(tiny_model_dir, tmp_path, "--rollout-num-engines", "1", "--num-rollout", "4",
+                        "--actor-num-gpus-per-node", "1", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
                         "--async-rollout", "--max-weight-staleness", "1",
                         "--save-debug-rollout-data", str(tmp_path / "dumps" / "{rollout_id}.rld"))
     summary = await run_training(config)
@@ -165,10 +174,11 @@ async def test_debug_rollout_only_generates_and_dumps_without_training_ranks(tin
                                                                            tmp_path: Path) -> None:
     template = str(tmp_path / "dumps" / "{rollout_id}.rld")
     config = config_for(tiny_model_dir, tmp_path, "--rollout-num-engines", "1", "--num-rollout", "2",
-                        "--debug-rollout-only", "--save-debug-rollout-data", template)
+                        "--debug-rollout-only", "--save-debug-rollout-data", template,
+                        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2")  # what is checked needs few
     summary, children = await run_watched(config)
     assert summary["rollouts"] == 2 and summary["train_steps"] == 0
     assert not [c for c in children if "train_rank" in c or "torch.distributed.run" in c], children
     assert any("workers.engine" in c for c in children)
     for rollout_id in range(2):
-        assert len(read_dump(dump_path(template, rollout_id)).samples) == 32 * 8
+        assert len(read_dump(dump_path(template, rollout_id)).samples) == 4 * 2

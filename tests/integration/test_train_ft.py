@@ -1,6 +1,7 @@
 """Train FT end to end: a rank killed mid-run is restarted by torchrun, reloaded from the last checkpoint and
 sent the step again; every rollout completes and the engines are never relaunched. Without train FT the same
-kill ends the run with a RankFailure naming the rank."""
+kill ends the run with a RankFailure naming the rank: that run replays the FT run's dumps, as the kill needs
+no engine (one engine process fewer)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from coordinator.config import parse_config
@@ -32,7 +35,8 @@ class RankKiller:
         self.engine_incarnations: list[dict[str, int]] = []
 
     async def after_step(self, rollout_id: int, weight_version: str) -> None:
-        self.engine_incarnations.append({h.name: h.incarnation for h in self.services.fleet.engines})
+        if self.services.fleet is not None:  # a replay has no engines
+            self.engine_incarnations.append({h.name: h.incarnation for h in self.services.fleet.engines})
         if rollout_id == self.at_rollout:
             pid = self.services.train_group.ranks[0].pid
             os.kill(pid, signal.SIGKILL)
@@ -41,20 +45,41 @@ class RankKiller:
 
 def train_config(model_dir: Path, tmp_path: Path, *flags: str) -> Any:
     return parse_config([
-        "--hf-checkpoint", str(model_dir), "--engine-backend", "cpu", "--rollout-num-engines", "1",
-        "--actor-num-gpus-per-node", "1", "--prompt-data", "builtin:first_digit", "--num-rollout", "3",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
-        "--sglang-server-concurrency", "8", "--run-dir", str(tmp_path / "run"), "--no-progress",
+        "--hf-checkpoint", str(model_dir), "--actor-num-gpus-per-node", "1", "--prompt-data", "builtin:first_digit",
+        "--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "4", "--run-dir", str(tmp_path / "run"), "--no-progress",
         "--save", str(tmp_path / "ckpt"), "--save-interval", "1", *flags,
     ])
 
 
-async def test_a_killed_rank_is_restarted_and_the_run_completes_without_touching_engines(
-        tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="rayless")
-    config = train_config(tiny_model_dir, tmp_path, "--use-fault-tolerance", "--ft-components", "train",
-                          "--max-restarts", "2")
-    assert config.train_ft_enabled and not config.rollout_ft_enabled
+class Messages(logging.Handler):
+    """The messages of the run's narrative logger ("rayless") while a module fixture runs (caplog is per test)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@dataclass
+class FtRun:
+    summary: dict[str, Any]
+    killer: RankKiller
+    services: Services
+    ft_enabled: tuple[bool, bool]
+    messages: list[str]
+    dumps: str
+
+
+@pytest.fixture(scope="module")
+def ft_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FtRun:
+    tmp_path = tmp_path_factory.mktemp("train-ft")
+    dumps = str(tmp_path / "dumps" / "{rollout_id}.rld")
+    config = train_config(tiny_model_dir, tmp_path, "--engine-backend", "cpu", "--rollout-num-engines", "1",
+                          "--sglang-server-concurrency", "8", "--save-debug-rollout-data", dumps,
+                          "--use-fault-tolerance", "--ft-components", "train", "--max-restarts", "2")
     killers: list[RankKiller] = []
     seen: list[Services] = []
 
@@ -63,24 +88,38 @@ async def test_a_killed_rank_is_restarted_and_the_run_completes_without_touching
         killers.append(RankKiller(services, at_rollout=0))
         return killers
 
-    summary = await run_training(config, extra_hooks=hooks)
-    killer = killers[0]
+    handler = Messages()
+    logger = logging.getLogger("rayless")
+    logger.addHandler(handler)
+    try:
+        summary = anyio.run(lambda: run_training(config, extra_hooks=hooks))
+    finally:
+        logger.removeHandler(handler)
+    return FtRun(summary, killers[0], seen[0], (config.train_ft_enabled, config.rollout_ft_enabled),
+                 handler.messages, dumps)
+
+
+def test_a_killed_rank_is_restarted_and_the_run_completes_without_touching_engines(ft_run: FtRun) -> None:
+    assert ft_run.ft_enabled == (True, False)  # train FT on, rollout FT off
+    summary, killer = ft_run.summary, ft_run.killer
     assert killer.killed, "the hook killed rank 0"
     assert summary["rollouts"] == 3 and summary["train_steps"] == 3 and summary["final_weight_version"] == "3"
     assert summary["train_recoveries"] == 1
     ft = summary["ft"]
     assert ft["monitors"] == [] and not ft["injection_armed"] and ft["weight_sync_recoveries"] == 0
     # engines stayed up with their weights: never relaunched
+    assert len(killer.engine_incarnations) == 3  # one per step
     assert all(inc == {"rollout-0": 1} for inc in killer.engine_incarnations)
-    assert seen[0].fleet.engines[0].incarnation == 1
-    assert "--max-restarts" in seen[0].train_group.torchrun_command()
+    assert ft_run.services.fleet.engines[0].incarnation == 1
+    assert "--max-restarts" in ft_run.services.train_group.torchrun_command()
     # the restarted rank was given the last checkpoint (rollout 0's) before the step was sent again
-    assert any("ranks are back from checkpoint" in r.getMessage() and "rollout_0" in r.getMessage()
-               for r in caplog.records)
+    assert any("ranks are back from checkpoint" in m and "rollout_0" in m for m in ft_run.messages), ft_run.messages
 
 
-async def test_without_train_ft_a_killed_rank_ends_the_run_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = train_config(tiny_model_dir, tmp_path)  # the kill after rollout 0 ends it at rollout 1's step
+async def test_without_train_ft_a_killed_rank_ends_the_run_naming_it(ft_run: FtRun, tiny_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    # the FT run's dumps replayed: the kill after rollout 0 ends it at rollout 1's step
+    config = train_config(tiny_model_dir, tmp_path, "--load-debug-rollout-data", ft_run.dumps)
 
     def hooks(services: Services) -> list[Any]:
         return [RankKiller(services, at_rollout=0)]

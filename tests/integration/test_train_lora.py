@@ -106,7 +106,7 @@ async def test_a_colocated_resume_continues_with_the_same_losses(lora_run: Path,
     run_dir = tmp_path / "resumed"
     run_dir.mkdir()
     shutil.copy(lora_run / "metrics.jsonl", run_dir / "metrics.jsonl")
-    config = config_for(untied_model, run_dir, "--rollout-num-engines", "2", "--num-rollout", "8", "--colocate",
+    config = config_for(untied_model, run_dir, "--rollout-num-engines", "1", "--num-rollout", "8", "--colocate",
                         "--load", str(lora_run / "ckpt" / "rollout_5"))
     summary = await run_training(config)
     assert summary["rollouts"] == 2  # rollouts 6 and 7

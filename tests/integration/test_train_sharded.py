@@ -1,14 +1,18 @@
 """The sharded path on CPU: a real torchrun group of 2 ranks running FSDP2 over gloo (`data_parallel: "fsdp"`),
 the policy and the reference built on the meta device and loaded shard by shard, packed micro-batches whose
 first-fit-decreasing counts differ between the ranks (so the ranks must agree on one count, or FSDP2's
-collectives would hang). The update equals one process training the same steps unsharded; after the first
-step the process group's timeout is the short one, so a rank that stops is reported in seconds."""
+collectives would hang). The update equals one process training the same steps unsharded, with and without
+LoRA; after the first step the process group's timeout is the short one, so a rank that stops is reported in
+seconds. One group (module fixture) is initialised twice, full then LoRA (a re-init replaces the model, as
+train FT's does), and stopped last: one torchrun and two ranks serve every test here."""
 
 from __future__ import annotations
 
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -32,74 +36,93 @@ def config_for(model_dir: Path, **extra: object) -> dict[str, object]:
             "log_probs_chunk_size": 4, "global_batch_size": 6, **extra}
 
 
-async def test_fsdp_on_cpu_matches_one_process_and_a_stopped_rank_times_out_fast(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    from transformers import AutoModelForCausalLM
+LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
+        "exclude_modules": [], "adapter_path": None}
 
+
+@dataclass
+class ShardedRun:
+    raw: list[protocol.WireSample]
+    lora_raw: list[protocol.WireSample]
+    metrics: dict[str, Any]
+    exported: Path
+    lora_info: dict[str, Any]
+    lora_exported: Path
+    failure: BaseException
+
+
+@pytest.fixture(scope="module")
+async def sharded_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> ShardedRun:
+    tmp_path = tmp_path_factory.mktemp("sharded")
     raw = synthetic_samples(tiny_model_dir, 12, seed=21)
-    steps = plan_steps(raw, BatchingSettings(global_batch_size=6), 2)
-    counts = [[len(first_fit_decreasing([len(s.tokens) for s in shard], BUDGET)) for shard in step.shards]
-              for step in steps]
-    assert any(len(set(step)) > 1 for step in counts), f"the ranks' plans should differ somewhere: {counts}"
-    config = config_for(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3)
-    with anyio.fail_after(200):
+    lora_raw = synthetic_samples(tiny_model_dir, 12, seed=22)
+    with anyio.fail_after(300):
         async with anyio.create_task_group() as tg:
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
-            await group.init(flat_settings(config))
+            await group.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3)))
             metrics = await group.train(0, as_samples(raw))
             exported = await group.export_weights(tmp_path / "weights", weight_version=1)
+            # the process group's timeout is the short one from here on (set after that first step)
+            lora_info = await group.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", lora=LORA,
+                                                                  lr=1e-2, train_pg_timeout_s=3)))
+            await group.train(0, as_samples(lora_raw))
+            lora_exported = await group.export_weights(tmp_path / "lora-weights", weight_version=1)
 
-            # After the first step, a stopped rank: the other's collective gives up after 3 s, not 600.
+            # A stopped rank: the other's collective gives up after 3 s, not 600.
             victim = group.ranks[1].pid
             os.kill(victim, signal.SIGSTOP)
             try:
                 with anyio.fail_after(60), pytest.raises((RankCommandError, RankFailure)) as failure:
-                    await group.train(1, as_samples(raw))
+                    await group.train(1, as_samples(lora_raw))
             finally:
                 os.kill(victim, signal.SIGCONT)
-            assert "rank(s) 0" in str(failure.value) and "Timed out waiting 3000ms" in str(failure.value)
             tg.cancel_scope.cancel()
-    assert metrics["num_steps"] == 2 and metrics["kl"] == pytest.approx(0.0, abs=1e-7)
+    return ShardedRun(raw, lora_raw, metrics, exported, lora_info, lora_exported, failure.value)
 
+
+def one_process(model_dir: Path, raw: list[protocol.WireSample], **extra: object) -> Trainer:
+    """The same rollout trained unsharded in this process (the same seed, so the same initial adapters)."""
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
-    trainer.init(init_command(config_for(tiny_model_dir)))
+    trainer.init(init_command(config_for(model_dir, **extra)))
     trainer.train(protocol.TrainCommand(0, [raw[:6], raw[6:]], [sum(sum(s.loss_mask) for s in part)
                                                                  for part in (raw[:6], raw[6:])]))
-    expected = trainer.model.state_dict()
-    got = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).state_dict()
+    return trainer
+
+
+async def test_fsdp_on_cpu_matches_one_process(sharded_run: ShardedRun, tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    raw = sharded_run.raw
+    steps = plan_steps(raw, BatchingSettings(global_batch_size=6), 2)
+    counts = [[len(first_fit_decreasing([len(s.tokens) for s in shard], BUDGET)) for shard in step.shards]
+              for step in steps]
+    assert any(len(set(step)) > 1 for step in counts), f"the ranks' plans should differ somewhere: {counts}"
+    assert sharded_run.metrics["num_steps"] == 2 and sharded_run.metrics["kl"] == pytest.approx(0.0, abs=1e-7)
+
+    expected = one_process(tiny_model_dir, raw).model.state_dict()
+    got = AutoModelForCausalLM.from_pretrained(str(sharded_run.exported), dtype=torch.float32).state_dict()
     assert set(got) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
 
 
-async def test_lora_adapters_under_fsdp_on_cpu_train_as_one_process_does(tiny_model_dir: Path,
-                                                                           tmp_path: Path) -> None:
+async def test_a_stopped_rank_times_out_fast_after_the_first_step(sharded_run: ShardedRun) -> None:
+    assert "rank(s) 0" in str(sharded_run.failure) and "Timed out waiting 3000ms" in str(sharded_run.failure)
+
+
+async def test_lora_adapters_under_fsdp_on_cpu_train_as_one_process_does(sharded_run: ShardedRun, tiny_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
     """LoRA on the sharded path: the adapters are injected into the meta model before sharding and their initial
     weights broadcast from rank 0, so 2 FSDP2 ranks train the same adapters as one unsharded process (same seed)
     and the engines get the same merged weights."""
     from transformers import AutoModelForCausalLM
 
-    lora = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
-            "exclude_modules": [], "adapter_path": None}
-    raw = synthetic_samples(tiny_model_dir, 12, seed=22)
-    config = config_for(tiny_model_dir, data_parallel="fsdp", lora=lora, lr=1e-2)
-    with anyio.fail_after(200):
-        async with anyio.create_task_group() as tg:
-            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
-            info = await group.init(flat_settings(config))
-            await group.train(0, as_samples(raw))
-            exported = await group.export_weights(tmp_path / "weights", weight_version=1)
-            tg.cancel_scope.cancel()
+    info = sharded_run.lora_info
     assert 0 < info["trainable_parameters"] < info["num_parameters"]
-
-    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
-    trainer.init(init_command(config_for(tiny_model_dir, lora=lora, lr=1e-2)))
-    trainer.train(protocol.TrainCommand(0, [raw[:6], raw[6:]], [sum(sum(s.loss_mask) for s in part)
-                                                                 for part in (raw[:6], raw[6:])]))
-    one_process = trainer.export_weights(protocol.ExportWeightsCommand(str(tmp_path / "one"), "1"))["path"]
-    expected = AutoModelForCausalLM.from_pretrained(str(one_process), dtype=torch.float32)
-    got = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).state_dict()
+    trainer = one_process(tiny_model_dir, sharded_run.lora_raw, lora=LORA, lr=1e-2)
+    one = trainer.export_weights(protocol.ExportWeightsCommand(str(tmp_path / "one"), "1"))["path"]
+    expected = AutoModelForCausalLM.from_pretrained(str(one), dtype=torch.float32)
+    got = AutoModelForCausalLM.from_pretrained(str(sharded_run.lora_exported), dtype=torch.float32).state_dict()
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).state_dict()
     moved = 0
     for name, tensor in expected.state_dict().items():
