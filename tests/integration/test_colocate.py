@@ -2,7 +2,9 @@
 each step — generate → engines release → ranks onload → train → ranks offload → engines take their weights
 back → weight update → engines take their KV cache back.
 
-One colocated default job (12 rollouts, as tests/integration/test_train_e2e.py) whose reward at least doubles;
+One colocated job of the default task (12 rollouts as in tests/integration/test_train_e2e.py, with half its
+samples, 16 prompts × 8, and lr 1e-2: the reward rises 5× there, 3.8× at test_train_e2e's size, for half the
+CPU) whose reward at least doubles;
 a run of a ~22 M-parameter model in which the engine's resident set during the train phase is lower by at least
 80% of its weights' bytes; and fault tolerance during the swap: an engine killed while released is relaunched
 with the current weights, a rank killed while offloaded is recovered by train FT. In every run, no request
@@ -56,8 +58,9 @@ def check_swapped(rows: list[dict[str, Any]], *, engine_killed_at: int | None = 
 @pytest.fixture(scope="module")
 def colocated_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     run_dir = tmp_path_factory.mktemp("colocated")
-    config = config_for(tiny_model_dir, run_dir, "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
-                        "--actor-num-gpus-per-node", "2", "--rollout-num-engines", "2", "--num-rollout", "12")
+    config = config_for(tiny_model_dir, run_dir, "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
+                        "--lr", "1e-2", "--actor-num-gpus-per-node", "2", "--rollout-num-engines", "2",
+                        "--num-rollout", "12")
     summary = anyio.run(run_training, config)
     return run_dir, summary
 

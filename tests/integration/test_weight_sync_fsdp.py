@@ -12,6 +12,8 @@ wait alone in the first gather) within the join timeout.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,8 @@ import anyio
 import httpx
 import pytest
 import torch
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.engines.client import EngineClient
 from coordinator.weights.distributed import FLATTENED_BUCKET, DistributedUpdate, WeightSyncError
@@ -35,12 +39,46 @@ BUCKET_BYTES = 24 * 1024
 
 class TorchrunSender:
     """The trainer side DistributedUpdate drives: its weight_buckets from the unsharded model, its
-    broadcast_weights one torchrun of FSDP_SENDER."""
+    broadcast_weights and destroy_weight_group commands to one torchrun of FSDP_SENDER, launched once (an
+    async context: leaving it ends the ranks by closing their input, and `exit_code` is torchrun's)."""
 
     def __init__(self, model_dir: Path, log_path: Path, ranks: int = 2) -> None:
         self.model_dir, self.log_path, self.ranks = model_dir, log_path, ranks
         self.world_size_override: int | None = None
-        self.exit_codes: list[int] = []
+        self.answers: list[dict[str, Any]] = []
+        self.exit_code: int | None = None
+        self.process: Process | None = None
+        self.lines: BufferedByteReceiveStream | None = None
+
+    async def __aenter__(self) -> TorchrunSender:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}",
+                   "-m", "tests.support.fsdp_sender", str(self.model_dir)]
+        with self.log_path.open("ab") as log:
+            self.process = await anyio.open_process(command, stderr=log, start_new_session=True)
+        assert self.process.stdout is not None
+        self.lines = BufferedByteReceiveStream(self.process.stdout)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self.process is not None and self.process.stdin is not None
+        with anyio.CancelScope(shield=True):  # also when the test failed or timed out: no rank left behind
+            await self.process.stdin.aclose()  # end of input: every rank leaves its loop
+            with anyio.move_on_after(60):
+                self.exit_code = await self.process.wait()
+            if self.exit_code is None:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            await self.process.aclose()
+
+    async def ask(self, command: dict[str, Any]) -> dict[str, Any]:
+        assert self.process is not None and self.process.stdin is not None and self.lines is not None
+        await self.process.stdin.send((json.dumps(command) + "\n").encode())
+        try:
+            while not (line := (await self.lines.receive_until(b"\n", 1 << 20)).decode()).startswith("{"):
+                pass
+        except (anyio.EndOfStream, anyio.IncompleteRead):
+            raise AssertionError(f"torchrun ended:\n{self.log_path.read_text()[-3000:]}") from None
+        self.answers.append(json.loads(line))
+        return self.answers[-1]
 
     async def weight_buckets(self, bucket_bytes: int) -> list[list[tuple[str, str, list[int]]]]:
         model = load_causal_lm(str(self.model_dir), dtype=torch.float32, device=torch.device("cpu"))
@@ -49,20 +87,12 @@ class TorchrunSender:
     async def broadcast_weights(self, master_address: str, master_port: int, world_size: int, group_name: str,
                                 timeout_s: float, *, backend: str, bucket_bytes: int,
                                 load_format: str | None) -> dict[str, Any]:
-        settings = {"model_path": str(self.model_dir), "master_port": master_port, "group_name": group_name,
-                    "world_size": self.world_size_override or world_size, "timeout_s": timeout_s,
-                    "bucket_bytes": bucket_bytes, "load_format": load_format}
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}",
-                   "-m", "tests.support.fsdp_sender", json.dumps(settings)]
-        with self.log_path.open("ab") as log:
-            process = await anyio.run_process(command, stderr=log, check=False)
-        self.exit_codes.append(process.returncode)
-        lines = [line for line in process.stdout.decode().splitlines() if line.startswith("{")]
-        assert process.returncode == 0 and lines, f"torchrun exited {process.returncode}:\n{self.log_path.read_text()[-3000:]}"
-        return json.loads(lines[-1])
+        return await self.ask({"op": "broadcast", "master_port": master_port, "group_name": group_name,
+                               "world_size": self.world_size_override or world_size, "timeout_s": timeout_s,
+                               "bucket_bytes": bucket_bytes, "load_format": load_format})
 
     async def destroy_weight_group(self, group_name: str) -> bool:
-        return False  # the ranks' processes ended with their groups
+        return bool((await self.ask({"op": "destroy", "group_name": group_name}))["destroyed"])
 
 
 class Engine:
@@ -80,12 +110,12 @@ def receiver(tiny_model_dir: Path, tmp_path: Path) -> Any:
 async def test_fsdp2_ranks_gather_each_bucket_together_and_rank0_sends_it(
     tiny_model_dir: Path, tmp_path: Path, receiver: RunningEngine
 ) -> None:
-    sender = TorchrunSender(tiny_model_dir, tmp_path / "torchrun.log")
     samples = synthetic_samples(tiny_model_dir, 4, seed=5)
     expected_model = load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device=torch.device("cpu")).eval()
     perturb(expected_model)
+    sender = TorchrunSender(tiny_model_dir, tmp_path / "torchrun.log")
     with anyio.fail_after(240):
-        async with EngineClient(max_connections=8) as client:
+        async with EngineClient(max_connections=8) as client, sender:
             update = DistributedUpdate(client=client, trainer=sender, host="127.0.0.1", backend="gloo",
                                        bucket_bytes=BUCKET_BYTES, load_format=FLATTENED_BUCKET, join_timeout_s=60)
             await update.run([Engine(receiver.url)], "fsdp-1")
@@ -106,4 +136,5 @@ async def test_fsdp2_ranks_gather_each_bucket_together_and_rank0_sends_it(
             with pytest.raises(WeightSyncError, match=r"did not form within 3 s"):
                 await update.run([Engine(receiver.url)], "fsdp-2")
             assert time.monotonic() - started < 60
-            assert sender.exit_codes == [0, 0]
+            assert [a["joined"] for a in sender.answers if "joined" in a] == [True, False]
+        assert sender.exit_code == 0  # both ranks came out of the failed update and ended when told to
