@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -282,39 +281,15 @@ def wandb_stand_in(workdir: Path) -> Path | None:
 # ---------------------------------------------------------------------------------------------------------
 # Running the CLI up to the launch
 # ---------------------------------------------------------------------------------------------------------
-_UP_TO_LAUNCH = textwrap.dedent("""
-    import sys
-    import coordinator.run
-
-    def _stop_before_launch(config):
-        print("validated: the run would launch now")
-        return 0
-
-    coordinator.run.run_training_sync = _stop_before_launch
-    from coordinator.cli import main
-    sys.exit(main(["train", *sys.argv[1:]]))
-""")
-
-
-def has_dry_run() -> bool:
-    from coordinator.config.parser import known_flags
-
-    return "--dry-run" in known_flags()
-
-
 def validate_launch_argv(argv: list[str], *, cwd: Path, python_path: list[Path] = (),
                          timeout: float = 120.0, warm: WarmCli | None = None) -> tuple[int, str, str]:
-    """`rayless train ARGV` with whatever validates without launching: `--dry-run` where it exists, else the
-    CLI itself with its launch step replaced by `exit 0` (parse, preflight, notices: everything before it).
+    """`rayless train ARGV --dry-run`: everything before the launch (parse, preflight, notices), nothing launched.
     With `warm`, the dry run is a child forked from a server that has imported transformers already."""
-    if warm is not None and has_dry_run():
+    if warm is not None:
         return warm.run(["train", *argv, "--dry-run"], cwd=cwd, python_path=list(python_path), timeout=timeout)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*(str(p) for p in python_path), str(ROOT), env.get("PYTHONPATH", "")])
-    if has_dry_run():
-        command = [sys.executable, "-m", "coordinator.cli", "train", *argv, "--dry-run"]
-    else:
-        command = [sys.executable, "-c", _UP_TO_LAUNCH, *argv]
+    command = [sys.executable, "-m", "coordinator.cli", "train", *argv, "--dry-run"]
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     return done.returncode, done.stdout, done.stderr
 
