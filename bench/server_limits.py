@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from transformers import AutoTokenizer
 
-from coordinator.engines import EngineClient
+from coordinator.engines.client import EngineClient
 from coordinator.hooks.runtime import HookRuntime
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.hook_endpoint import HookEndpoint

@@ -43,7 +43,7 @@ def check_status_port(config: Config) -> list[str]:
     settings = config.logging
     if not settings.status_port:
         return []
-    from coordinator.engines.launch import port_is_free
+    from coordinator.engines.spec import port_is_free
 
     where = f"{settings.status_host}:{settings.status_port}"
     if ":" not in settings.status_host and not port_is_free(settings.status_host, settings.status_port):

@@ -10,13 +10,14 @@ decoder. Invariant: a reader never holds more than its cap plus one network chun
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from coordinator.engines.errors import EngineReplyError
 from workers.boundary.errors import BoundaryError
 from workers.boundary.json_input import JsonLimits, decode_json_async
+
+if TYPE_CHECKING:
+    import httpx
 
 #: the cap of any reply but /generate's (model and server info, control answers, a reward service's answer)
 DEFAULT_REPLY_BYTES = 16 << 20

@@ -41,13 +41,14 @@ from httpx_aiohttp import AiohttpTransport
 
 from coordinator.engines.api import JSON, EngineAPI
 from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, read_capped, read_prefix
-from coordinator.engines.errors import (
+from coordinator.engines.errors import EngineError
+from coordinator.engines.policy import RetryPolicy
+from coordinator.engines.transport import (
     TRANSPORT_ERRORS,
-    EngineError,
     error_from_response,
     map_transport_error,
+    request_timeout,
 )
-from coordinator.engines.policy import RetryPolicy, request_timeout
 
 
 class EngineClient(anyio.AsyncContextManagerMixin):

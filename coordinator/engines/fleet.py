@@ -27,8 +27,9 @@ import anyio
 
 from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError, EngineUnreachable
-from coordinator.engines.launch import EngineLaunchError, EngineLaunchSpec, EngineProcess, engine_log_path
+from coordinator.engines.launch import EngineLaunchError, EngineProcess
 from coordinator.engines.policy import NO_RETRY
+from coordinator.engines.spec import EngineLaunchSpec, engine_log_path
 from coordinator.lifecycle.processes import leaf_exceptions
 from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
 

@@ -1,19 +1,14 @@
 """The engine client's retry and deadline policy.
 
-Owns: how often a failed request to an engine is tried again (`RetryPolicy`) and the deadline each attempt
-runs under (`request_timeout`). Invariants: every attempt has a connect and a read deadline; retries are
-bounded both in number and in total time; a collective call (`COLLECTIVE`) is never repeated.
+Owns: how often a failed request to an engine is tried again (`RetryPolicy`); the deadline each attempt runs
+under is `transport.request_timeout`. Invariants: retries are bounded both in number and in total time; a
+collective call (`COLLECTIVE`) is never repeated. Imports no HTTP library (hooks and the replay path use it).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-
-import httpx
-
-#: seconds to send a request body
-WRITE_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -38,9 +33,3 @@ NO_RETRY = RetryPolicy(attempts=1)
 
 # Calls that must not be repeated: the server joins a collective / consumes broadcasts in order.
 COLLECTIVE = NO_RETRY
-
-
-def request_timeout(connect: float, read: float | None) -> httpx.Timeout:
-    """One attempt's deadlines. pool=None: waiting for a free socket is bounded by the caller's concurrency
-    (the pool is sized to it), not by a timeout."""
-    return httpx.Timeout(connect=connect, read=read, write=WRITE_TIMEOUT, pool=None)

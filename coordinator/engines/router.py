@@ -26,8 +26,8 @@ import anyio
 
 from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError, EngineHTTPError
-from coordinator.engines.launch import claim_port
 from coordinator.engines.policy import NO_RETRY
+from coordinator.engines.spec import claim_port, router_command, router_log_path
 from coordinator.lifecycle.processes import (
     exit_status,
     read_tail,
@@ -41,22 +41,6 @@ from workers.errors import RaylessError
 
 class RouterError(RaylessError, RuntimeError):
     """The router failed to start, or did not take a worker change."""
-
-
-def router_command(*, python: str, host: str, port: int, prometheus_port: int, policy: str,
-                   extra_args: Sequence[str] = ()) -> list[str]:
-    """The sglang-router command line (both ports always given: their defaults collide)."""
-    return [
-        python, "-m", "sglang_router.launch_router",
-        "--host", host, "--port", str(port),
-        "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
-        "--policy", policy,
-        *extra_args,
-    ]  # fmt: skip
-
-
-def router_log_path(run_dir: Path, name: str) -> Path:
-    return Path(run_dir) / "logs" / f"router-{name}.log"
 
 
 class RouterHandle:

@@ -20,14 +20,14 @@ from coordinator.engines.bounded import (
     iter_lines_capped,
     read_prefix,
 )
-from coordinator.engines.errors import (
+from coordinator.engines.errors import EngineStreamError
+from coordinator.engines.replies import check_generate_body_async
+from coordinator.engines.transport import (
     TRANSPORT_ERRORS,
-    EngineStreamError,
     error_from_response,
     map_transport_error,
+    request_timeout,
 )
-from coordinator.engines.policy import request_timeout
-from coordinator.engines.replies import check_generate_body_async
 
 
 async def stream_generate(

@@ -14,15 +14,17 @@ subclass naming the URL; never an httpx or aiohttp exception. Bodies are read un
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, generate_reply_limit
-from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineHTTPError, EngineReplyError
 from coordinator.engines.policy import RetryPolicy
 from coordinator.engines.replies import check_generate_body_async
 from coordinator.hooks.runtime import ROUTE_HEADER, current_call
+
+if TYPE_CHECKING:
+    from coordinator.engines.client import EngineClient
 
 #: how the boundary decoder's refusal of a body that is not JSON begins (workers/boundary/json_input.py)
 NOT_JSON = "not valid JSON"
@@ -79,6 +81,10 @@ async def _request(method: str, url: str, payload: Any, max_retries: int, header
     client = call.runtime.http if call is not None else None
     if client is not None:
         return await _send(client, method, url, payload, retry, sent)
+    # Outside a run only: imported here so that importing `coordinator.hooks` (what user code and a replay
+    # run do) does not import httpx and aiohttp.
+    from coordinator.engines.client import EngineClient
+
     async with EngineClient(max_connections=4) as own:
         return await _send(own, method, url, payload, retry, sent)
 

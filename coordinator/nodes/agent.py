@@ -34,7 +34,8 @@ if sys.version_info < (3, 11):
 if TYPE_CHECKING:
     from coordinator.config import Config
     from coordinator.engines.client import EngineClient
-    from coordinator.engines.launch import EngineLaunchSpec, EngineProcess
+    from coordinator.engines.launch import EngineProcess
+    from coordinator.engines.spec import EngineLaunchSpec
     from coordinator.plan import EngineSlot, PlacementPlan
     from coordinator.plan.layout import NodeLayout
     from coordinator.train.torchrun import TorchrunProcess

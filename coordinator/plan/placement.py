@@ -22,8 +22,7 @@ from pathlib import Path
 from coordinator.config import determinism_rules as determinism
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
-from coordinator.engines.launch import engine_launch_spec, engine_log_path, free_port
-from coordinator.engines.router import router_log_path
+from coordinator.engines.spec import engine_launch_spec, engine_log_path, free_port, router_log_path
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
 from coordinator.plan.demands import POLICIES, GpuDemand, gpu_demands, oversubscribed_message
 from coordinator.plan.gpus import PLAN_GPU_COUNT_ENV, GpuInventory, detect_gpus

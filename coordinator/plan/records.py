@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.engines.launch import EngineLaunchSpec
-from coordinator.engines.router import router_command
+from coordinator.engines.spec import EngineLaunchSpec, router_command
 from coordinator.plan.backend import EngineChoice
 from coordinator.plan.demands import GpuDemand
 from coordinator.plan.gpus import GpuInventory

@@ -22,13 +22,15 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReplyError, EngineUnreachable
 from workers.errors import RaylessError
+
+if TYPE_CHECKING:
+    from coordinator.engines.client import EngineClient
 
 log = logging.getLogger(__name__)
 

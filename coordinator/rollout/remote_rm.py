@@ -21,7 +21,6 @@ from typing import Any
 
 import anyio
 
-from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReplyError
 from coordinator.engines.policy import RetryPolicy
 from coordinator.rewards.rules import RewardError
@@ -56,6 +55,10 @@ class RemoteReward:
 
     async def score(self, samples: Sequence[Sample]) -> list[Any]:
         """The service's answer for each sample, in order (one connection pool for the call)."""
+        from coordinator.engines.client import (
+            EngineClient,  # here: a run without remote_rm never imports httpx
+        )
+
         results: list[Any] = [None] * len(samples)
         failure: RewardError | None = None
         async with EngineClient(max_connections=min(self.max_connections, max(len(samples), 1)),

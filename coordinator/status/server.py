@@ -28,7 +28,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from coordinator.engines.launch import engine_log_path
+from coordinator.engines.spec import engine_log_path
 from coordinator.status import prometheus
 from coordinator.status.host import host_facts
 from coordinator.status.rates import EngineRates

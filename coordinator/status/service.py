@@ -118,7 +118,7 @@ class RunStatus:
         s.finished = True
         try:
             self.timeline.write()
-            from coordinator.engines.launch import engine_log_path
+            from coordinator.engines.spec import engine_log_path
 
             logs = {h.name: engine_log_path(s.run_dir, h.name) for fleet in s.fleets for h in fleet.engines
                     if h.launched}

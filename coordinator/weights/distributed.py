@@ -29,8 +29,8 @@ import anyio
 
 from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError, EngineHTTPError, EngineTimeout
-from coordinator.engines.launch import free_port
 from coordinator.engines.policy import NO_RETRY
+from coordinator.engines.spec import free_port
 from workers.errors import RaylessError
 
 log = logging.getLogger(__name__)

@@ -18,16 +18,11 @@ import anyio
 import httpx
 import pytest
 
-from coordinator.engines import (
-    NO_RETRY,
-    EngineClient,
-    EngineHTTPError,
-    EngineLaunchSpec,
-    EngineProcess,
-    EngineTimeout,
-    EngineUnreachable,
-    RetryPolicy,
-)
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineHTTPError, EngineTimeout, EngineUnreachable
+from coordinator.engines.launch import EngineProcess
+from coordinator.engines.policy import NO_RETRY, RetryPolicy
+from coordinator.engines.spec import EngineLaunchSpec
 from tests.support.waiting import wait_until
 
 API_KEY = "test-key-123"
@@ -201,7 +196,7 @@ async def test_read_timeout_is_typed(client: EngineClient, keyed_engine: str) ->
 
 
 async def test_refused_connection_is_unreachable() -> None:
-    from coordinator.engines import free_port
+    from coordinator.engines.spec import free_port
 
     async with EngineClient(max_connections=2, retry=RetryPolicy(attempts=2, backoff=0.01)) as c:
         with pytest.raises(EngineUnreachable) as err:
@@ -255,7 +250,7 @@ async def test_distributed_weight_update_methods(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from coordinator.engines import free_port
+    from coordinator.engines.spec import free_port
     from workers.engine.weight_group import flatten_bucket, join_weight_update_group, send
 
     e = client.engine(keyed_engine)

@@ -18,17 +18,12 @@ import anyio
 import psutil
 import pytest
 
-from coordinator.engines import (
-    NO_RETRY,
-    EngineClient,
-    EngineFleet,
-    EngineHandle,
-    EngineLaunchError,
-    EngineLaunchSpec,
-    EngineProcess,
-    EngineState,
-    EngineUnreachable,
-)
+from coordinator.engines.client import EngineClient
+from coordinator.engines.errors import EngineUnreachable
+from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
+from coordinator.engines.launch import EngineLaunchError, EngineProcess
+from coordinator.engines.policy import NO_RETRY
+from coordinator.engines.spec import EngineLaunchSpec
 from tests.support.waiting import wait_until
 
 ENGINE_ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))

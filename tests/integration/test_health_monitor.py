@@ -15,7 +15,7 @@ from coordinator.config import parse_config
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet, EngineState
 from coordinator.engines.health import HealthMonitor
-from coordinator.engines.launch import EngineLaunchSpec
+from coordinator.engines.spec import EngineLaunchSpec
 from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.manager import RolloutManager
 from replay.sample import RolloutBatch, SampleStatus

@@ -18,7 +18,9 @@ from pathlib import Path
 import anyio
 import httpx
 
-from coordinator.engines import EngineClient, EngineFleet, EngineLaunchSpec
+from coordinator.engines.client import EngineClient
+from coordinator.engines.fleet import EngineFleet
+from coordinator.engines.spec import EngineLaunchSpec
 from coordinator.hooks import post
 from coordinator.hooks.http import outgoing_headers
 from coordinator.hooks.runtime import ROUTE_HEADER, GroupRoute, HookRuntime, Route, hook_call

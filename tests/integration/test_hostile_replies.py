@@ -23,8 +23,10 @@ import httpx
 import pytest
 from transformers import AutoConfig
 
-from coordinator.engines import NO_RETRY, EngineClient, EngineFleet
+from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineHTTPError, EngineReplyError
+from coordinator.engines.fleet import EngineFleet
+from coordinator.engines.policy import NO_RETRY
 from coordinator.lifecycle.processes import terminate_process_group_blocking
 from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from tests.support.engine_proc import free_port, start_engine

@@ -20,7 +20,7 @@ import pytest
 from coordinator.config import parse_config
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
-from coordinator.engines.launch import EngineLaunchSpec
+from coordinator.engines.spec import EngineLaunchSpec
 from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.manager import RolloutManager
 from replay.format import dump_path

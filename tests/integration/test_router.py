@@ -11,8 +11,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from coordinator.engines import NO_RETRY, EngineClient, EngineFleet, EngineLaunchSpec, RouterHandle
-from coordinator.engines.router import RouterError
+from coordinator.engines.client import EngineClient
+from coordinator.engines.fleet import EngineFleet
+from coordinator.engines.policy import NO_RETRY
+from coordinator.engines.router import RouterError, RouterHandle
+from coordinator.engines.spec import EngineLaunchSpec
 
 pytest.importorskip("sglang_router")
 

@@ -22,7 +22,9 @@ import httpx
 import openai
 from transformers import AutoTokenizer
 
-from coordinator.engines import EngineClient, EngineFleet, EngineLaunchSpec
+from coordinator.engines.client import EngineClient
+from coordinator.engines.fleet import EngineFleet
+from coordinator.engines.spec import EngineLaunchSpec
 from coordinator.hooks.runtime import GenerateFnInput, HookRoutes
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.sessions.agentic import generate

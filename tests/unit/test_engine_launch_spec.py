@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.config import parse_config
-from coordinator.engines.launch import engine_launch_spec
+from coordinator.engines.spec import engine_launch_spec
 
 BASE = ["--hf-checkpoint", "/model", "--rollout-batch-size", "4", "--num-rollout", "1", "--prompt-data",
         "builtin:first_digit", "--rollout-seed", "7", "--sglang-server-concurrency", "16"]

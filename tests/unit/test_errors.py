@@ -58,7 +58,7 @@ def test_a_subclass_can_declare_itself_a_bug() -> None:
 
 def test_known_failures_are_logged_as_one_line_and_others_with_their_traceback(
         caplog: pytest.LogCaptureFixture) -> None:
-    from coordinator.engines.launch import EngineLaunchSpec
+    from coordinator.engines.spec import EngineLaunchSpec
 
     log = logging.getLogger("rayless.test")
     with caplog.at_level(logging.ERROR, logger="rayless.test"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from coordinator.engines.launch import claim_port, port_is_free
+from coordinator.engines.spec import claim_port, port_is_free
 from coordinator.train.group import TrainGroup
 
 
