@@ -1,7 +1,7 @@
 """Whole runs: generate → train → sync on real CPU engines and torchrun ranks; replay; resume.
 
 One generating run (module fixture) feeds several checks: the reward rises, training logprobs match the
-engines', dumps replay with no engine process, two replays give identical losses, and a resumed run (a second
+engines', dumps replay with no engine process and repeat the generating run's losses, and a resumed run (a second
 module fixture, its weights synced by distributed sync) continues with the same data order and losses and
 serves engines the exact weights. Runs are kept short: CI has 2 cores.
 """
@@ -98,21 +98,21 @@ def test_training_logprobs_match_the_engines_by_disk_sync(generated_run: Path) -
     assert worst <= 1e-4, worst  # every rollout after the first ran on weights pushed by disk sync
 
 
-async def test_replay_trains_with_no_engine_and_repeats_losses_exactly(generated_run: Path, tiny_model_dir: Path,
-                                                                       tmp_path: Path) -> None:
+async def test_replay_trains_with_no_engine_and_repeats_the_generating_runs_losses(generated_run: Path,
+                                                                                  tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
     template = str(generated_run / "dumps" / "{rollout_id}.rld")
-    results = []
-    for attempt in range(2):
-        run_dir = tmp_path / f"replay{attempt}"
-        config = config_for(tiny_model_dir, run_dir, "--load-debug-rollout-data", template, "--num-rollout", "2")
-        summary, children = await run_watched(config)
-        assert summary["train_steps"] == 2
-        assert not [c for c in children if "workers.engine" in c or "sglang" in c], children
-        assert any("workers.train_rank" in c for c in children)
-        results.append(losses(run_dir))
-    assert results[0] == results[1]
-    # the replayed batches are the generated ones, so the first step's loss is the generating run's
-    assert results[0][0] == pytest.approx(losses(generated_run)[0], abs=1e-6)
+    run_dir = tmp_path / "replay"
+    config = config_for(tiny_model_dir, run_dir, "--load-debug-rollout-data", template, "--num-rollout", "2")
+    summary, children = await run_watched(config)
+    assert summary["train_steps"] == 2
+    assert not [c for c in children if "workers.engine" in c or "sglang" in c], children
+    assert any("workers.train_rank" in c for c in children)
+    # The replayed batches are the generated ones and the replay starts from the same weights, so a second set of
+    # processes computes every step's loss again: the first step's as the generating run had it, and the second's
+    # after an optimizer step taken again on the same data (training is deterministic, not just the data).
+    replayed, generated = losses(run_dir), losses(generated_run)[:2]
+    assert replayed == pytest.approx(generated, abs=1e-6), (replayed, generated)
 
 
 @pytest.fixture(scope="module")
