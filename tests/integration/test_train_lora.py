@@ -30,7 +30,7 @@ from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from coordinator.services import Services
 
-ROLLOUTS = 12
+ROLLOUTS = 9
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
 COMMON = ["--prompt-data", "builtin:first_digit", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
           "--rollout-max-response-len", "4", "--rollout-shuffle", "--lr", "1e-2", "--clip-grad", "1.0",
