@@ -93,7 +93,7 @@ def assert_one_world(run_dir: Path, *nodes: NodeProcess) -> list[dict]:
     coordinator_log = (run_dir / "coordinator.log").read_text()
     assert "node 1: engine rollout-1 answers at http://127.0.0.1:" in coordinator_log
     logs = [coordinator_log, (run_dir / "node1.log").read_text(), *(node.output() for node in nodes)]
-    assert not [text for text in logs if TOKEN in text]
+    assert all(TOKEN not in text for text in logs)
     return rows
 
 
