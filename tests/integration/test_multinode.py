@@ -206,11 +206,12 @@ def test_with_train_ft_the_run_recovers_when_node1_runs_again(tiny_model_dir: Pa
     assert f"wrong token from node 1 (pid {impostor.proc.pid}" in log
     # both engines took update 1 before node 1 was killed (the sync checks each engine it updated)
     assert next(row["sync/engines"] for row in rows if "sync/engines" in row) == 2.0
-    # each engine loaded rank 0's snapshot of every version from the shared run directory: node 0's once each;
-    # node 1's died with it after version 1, came back with its node and was given the current weights (again
-    # version 1, or version 2 when it came back after that sync), and reports the last version like node 0's
-    assert engine_loads(run_dir, "rollout-0") == [("weights-1", "1"), ("weights-2", "2")]
-    loads = engine_loads(run_dir, "rollout-1")
-    assert loads[0] == ("weights-1", "1") and loads[-1] == ("weights-2", "2"), loads
-    assert all(snapshot == f"weights-{version}" for snapshot, version in loads), loads
+    # each engine loaded rank 0's snapshot of every version from the shared run directory, in order. Node 1's
+    # died with it after version 1, came back with its node and was given the current weights (again version 1,
+    # or version 2 when it came back after that sync); node 0's loads each version once unless rollout FT
+    # relaunched it under load, which reloads the current one. Either way: version 1 first, version 2 last.
+    for engine in ("rollout-0", "rollout-1"):
+        loads = engine_loads(run_dir, engine)
+        assert loads[0] == ("weights-1", "1") and loads[-1] == ("weights-2", "2"), (engine, loads)
+        assert all(snapshot == f"weights-{version}" for snapshot, version in loads), (engine, loads)
     assert_no_survivors(node0, impostor, dead, node1)
