@@ -22,7 +22,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import anyio
 
@@ -41,9 +41,6 @@ from coordinator.lifecycle.processes import (
 )
 from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
 from workers.errors import RaylessError
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("rayless")
 
