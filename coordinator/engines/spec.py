@@ -26,6 +26,7 @@ log = logging.getLogger("rayless")
 _RESERVED: dict[int, float] = {}
 _RESERVE_SECONDS = 60.0
 
+
 def port_is_free(host: str, port: int) -> bool:
     """Whether a server could bind `host:port` now (as servers bind: with SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
