@@ -34,6 +34,7 @@ from coordinator.lifecycle.signals import run_until_signalled
 from coordinator.nodes.head import reporting_outcome
 from coordinator.observe.progress import MetricsLog, ProgressDisplay, plot_rewards
 from coordinator.observe.timeline import recording
+from coordinator.observe.watchdog import LoopWatchdog
 from coordinator.rollout.epochs import with_epoch_rollouts
 from workers.errors import RaylessError
 
@@ -128,6 +129,10 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
         async with AsyncExitStack() as resources, anyio.create_task_group() as task_group:
             resources.enter_context(recording(status.timeline))  # every task started from here records to it
             await task_group.start(progress.run_view)
+            watchdog = LoopWatchdog(config.logging.loop_stall_warn_s)
+            await task_group.start(watchdog.run)
+            status.sources.loop = watchdog.stats
+            metrics.row_sources.append(lambda: {"perf/loop_lag_max_s": watchdog.stats.take_window_max()})
             services = await _start_services(config, plan, run_dir, task_group, resources, clock, progress,
                                              metrics)
             await status.start(services, task_group)

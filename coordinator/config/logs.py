@@ -41,6 +41,10 @@ class LoggingConfig(Slice):
     status_host: str = flag("127.0.0.1", help="address the status server listens on (with --status-port)",
                             parse=values.host, metavar="HOST")
     log_level: str = flag("INFO", help="logging level", choices=LOG_LEVELS)
+    loop_stall_warn_s: float = flag(10.0, help="seconds the coordinator's event loop may go without running "
+                                    "before its watchdog logs the blocking stack (a hook or reward function "
+                                    "doing blocking work on the loop) and the loop's tasks", above=0,
+                                    metavar="SECONDS")
 
     def check(self) -> None:
         if self.status_host != "127.0.0.1" and not self.status_port:

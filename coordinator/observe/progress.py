@@ -192,6 +192,8 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         self._file: TextIO = self.path.open("a", encoding="utf-8")
         self.history: list[dict[str, Any]] = []
+        #: more figures for every row, read as it is written (the loop watchdog's lag over the step)
+        self.row_sources: list[Callable[[], dict[str, Any]]] = []
         self._tensorboard: Any = None
         self._wandb: Any = None
         self._tensorboard_dir = run_dir / "tensorboard"
@@ -209,6 +211,8 @@ class MetricsLog:
                                             **(wandb_init or {}))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for source in self.row_sources:
+            metrics = {**source(), **metrics}
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
         self.history.append({key: record[key] for key in _KEPT if key in record})
         self._file.write(json.dumps(record, sort_keys=True) + "\n")

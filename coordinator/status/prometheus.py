@@ -68,6 +68,13 @@ def _run(run: dict[str, Any]) -> Iterator[Metric]:
                             "sync relaunched before an update")):
         if run.get(key) is not None:
             yield CounterMetricFamily(name, doc, value=float(run[key]))
+    yield from _gauge("rayless_loop_lag_seconds", "how late the coordinator's event loop last ran a timer "
+                      "(its watchdog's tick)", run.get("loop_lag_s"))
+    yield from _gauge("rayless_loop_lag_max_seconds", "the largest event-loop lag of the run",
+                      run.get("loop_lag_max_s"))
+    if run.get("loop_stalls") is not None:
+        yield CounterMetricFamily("rayless_loop_stalls", "times the event loop did not run for more than "
+                                  "--loop-stall-warn-s", value=float(run["loop_stalls"]))
     version = run["weight_version"]
     yield from _gauge("rayless_weight_version", "optimizer updates applied to the policy",
                       int(version) if isinstance(version, str) and version.isdigit() else None)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from coordinator.observe.progress import MetricsLog, RunProgress
     from coordinator.observe.startup import StartupBoard
     from coordinator.observe.timeline import Timeline
+    from coordinator.observe.watchdog import LagStats
     from coordinator.train.group import TrainGroup
     from coordinator.weights.colocate import Colocation
     from coordinator.weights.sync import WeightSync
@@ -89,6 +90,8 @@ class StatusSources:
     injector: FaultInjector | None = None
     eval_fleet: EvalFleet | None = None
     changes: Changes = field(default_factory=Changes)
+    #: the coordinator's event-loop lag (`LoopWatchdog.stats`)
+    loop: LagStats | None = None
     #: the run's secret mask (`coordinator.config.secrets.mask_text` over the config's secrets)
     mask: Callable[[str], str] = lambda text: text
     finished: bool = False
@@ -126,6 +129,9 @@ def _run(s: StatusSources) -> dict[str, Any]:
         "phase": p.phase or t.phase_now() or ("finished" if s.finished else ""),
         "train_recoveries": s.train_group.recoveries if s.train_group is not None else None,
         "weight_sync_recoveries": s.weight_sync.recoveries if s.weight_sync is not None else None,
+        "loop_lag_s": s.loop.last_s if s.loop is not None else None,
+        "loop_lag_max_s": s.loop.max_s if s.loop is not None else None,
+        "loop_stalls": s.loop.stalls if s.loop is not None else None,
     }
 
 
