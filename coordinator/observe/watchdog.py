@@ -133,8 +133,8 @@ class LoopWatchdog:
                  else (f"{stack[-1].name} at {stack[-1].filename}:{stack[-1].lineno}" if stack else "an unknown frame"))
         lines = [f"the coordinator's event loop has not run for {stalled_s:.1f}s (--loop-stall-warn-s "
                  f"{self.warn_s:g}): blocked in {where}; every task waits meanwhile (health probes, timers, "
-                 "signals). A hook doing blocking work should be a plain `def` (rayless runs it in a thread) "
-                 "or await its I/O."]
+                 "signals). A hook doing blocking work should await its I/O or offload it "
+                 "(`await anyio.to_thread.run_sync(...)`)."]
         if first:
             lines.append("blocking stack (innermost last):\n" + "".join(stack.format()).rstrip())
             tasks = self._task_tree()
