@@ -1,4 +1,4 @@
-"""The `rayless` command: `train`, `engine`, `make-tiny-model`, `dump`, `reward` and `status`.
+"""The `rayless` command: `train`, `engine`, `make-tiny-model`, `dump`, `reward`, `status` and `stacks`.
 
 Owns argument dispatch and exit statuses only: 0 success, 1 a failure during the run, 2 bad flags (reported
 before any process is launched or port opened). Each subcommand's work lives in its own module and is imported
@@ -24,6 +24,7 @@ commands:
   dump              show | verify | convert rollout dumps
   reward            score: run a built-in reward type over a JSONL file (--compare T2: where two differ)
   status            a run's status: from its status server (--status-port) or its run directory
+  stacks            the live Python stacks of a running job's coordinator (its event-loop tasks), ranks and engines
 """
 
 
@@ -53,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coordinator.status.command import main as status_main
 
         return status_main(rest)
+    if command == "stacks":
+        from coordinator.observe.stacks import main as stacks_main
+
+        return stacks_main(rest)
     print(f"rayless: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

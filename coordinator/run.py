@@ -33,6 +33,8 @@ from coordinator.lifecycle.processes import leaf_exceptions
 from coordinator.lifecycle.signals import run_until_signalled
 from coordinator.nodes.head import reporting_outcome
 from coordinator.observe.progress import MetricsLog, ProgressDisplay, plot_rewards
+from coordinator.observe.stacks import disable as disable_stacks
+from coordinator.observe.stacks import enable as enable_stacks
 from coordinator.observe.timeline import recording
 from coordinator.observe.watchdog import LoopWatchdog
 from coordinator.rollout.epochs import with_epoch_rollouts
@@ -129,7 +131,9 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
         async with AsyncExitStack() as resources, anyio.create_task_group() as task_group:
             resources.enter_context(recording(status.timeline))  # every task started from here records to it
             await task_group.start(progress.run_view)
-            watchdog = LoopWatchdog(config.logging.loop_stall_warn_s)
+            # `rayless stacks RUN_DIR`: every child started from here registers its stack dump in run_dir/stacks
+            resources.callback(disable_stacks)
+            watchdog = LoopWatchdog(config.logging.loop_stall_warn_s, stacks_dir=enable_stacks(run_dir))
             await task_group.start(watchdog.run)
             status.sources.loop = watchdog.stats
             metrics.row_sources.append(lambda: {"perf/loop_lag_max_s": watchdog.stats.take_window_max()})

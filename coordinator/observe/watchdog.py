@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import sysconfig
 import threading
@@ -36,6 +37,10 @@ _OWN_ROOTS = tuple(str(Path(__file__).resolve().parents[2] / name) for name in (
 _LIBRARY_ROOTS = tuple({str(Path(p).resolve()) for p in (sysconfig.get_paths()["stdlib"],
                                                           sysconfig.get_paths()["purelib"],
                                                           sysconfig.get_paths()["platlib"])})
+#: the file `rayless stacks` creates in the stacks directory to ask for the loop's task tree
+TASKS_REQUEST = "coordinator-tasks.request"
+#: frames shown per task of the loop's task tree (innermost first)
+AWAIT_FRAMES = 4
 #: stack frames kept in a stall report (innermost last)
 STACK_LIMIT = 40
 
@@ -71,7 +76,7 @@ class LagStats:
 class LoopWatchdog:
     """`await task_group.start(watchdog.run)` on the loop to watch; `stats` is the lag (seconds)."""
 
-    def __init__(self, warn_s: float, *, tick: float | None = None) -> None:
+    def __init__(self, warn_s: float, *, tick: float | None = None, stacks_dir: Path | None = None) -> None:
         if warn_s <= 0:
             raise ValueError(f"--loop-stall-warn-s must be > 0, got {warn_s}")
         self.warn_s = warn_s
@@ -85,6 +90,9 @@ class LoopWatchdog:
         self._stop = threading.Event()
         self._loop_thread: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: `rayless stacks` asks for the task tree by creating TASKS_REQUEST here; the thread answers in
+        #: `coordinator-<pid>.tasks.txt` (polled, so it is answered even while the loop is blocked)
+        self.stacks_dir = stacks_dir
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._loop_thread = threading.get_ident()
@@ -112,6 +120,7 @@ class LoopWatchdog:
         reported_beat: float | None = None  # the beat of the stall last reported
         next_report_s = self.warn_s
         while not self._stop.wait(self.check_s):
+            self._answer_task_request()
             beat = self._beat
             if beat != reported_beat:  # the loop ran since the last report (or none yet): thresholds anew
                 next_report_s = self.warn_s
@@ -144,14 +153,34 @@ class LoopWatchdog:
         self.reports.append(report)
         log.warning("%s", report)
 
+    def _answer_task_request(self) -> None:
+        if self.stacks_dir is None:
+            return
+        request = self.stacks_dir / TASKS_REQUEST
+        if not request.exists():
+            return
+        stalled_s = time.monotonic() - self._beat
+        text = (f"--- the coordinator's event loop at {time.strftime('%H:%M:%S')}: last ran "
+                f"{stalled_s:.1f}s ago; largest lag of the run {self.stats.max_s:.2f}s ---\n"
+                f"{self._task_tree() or '  (no task tree: the loop is not asyncio, or it moved while read)'}\n")
+        try:
+            with (self.stacks_dir / f"coordinator-{os.getpid()}.tasks.txt").open("a", encoding="utf-8") as file:
+                file.write(text)
+            request.unlink(missing_ok=True)
+        except OSError as error:
+            log.warning("could not write the loop's task tree for `rayless stacks`: %s", error)
+
     def _task_tree(self) -> str:
         """Each asyncio task of the loop with the frame it waits in (read while the loop is blocked)."""
         if self._loop is None:
             return ""
-        try:
-            tasks = list(asyncio.all_tasks(self._loop))
-        except RuntimeError:  # the set changed under us: the loop moved again, nothing to report
-            return ""
+        tasks: list[asyncio.Task[object]] = []
+        for _ in range(5):  # read from this thread: a running loop may change its task set meanwhile
+            try:
+                tasks = list(asyncio.all_tasks(self._loop))
+                break
+            except RuntimeError:
+                continue
         rows = []
         for task in sorted(tasks, key=lambda t: t.get_name()):
             rows.append(f"  {task.get_name()}: {_awaiting(task)}")
@@ -159,17 +188,18 @@ class LoopWatchdog:
 
 
 def _awaiting(task: asyncio.Task[object]) -> str:
-    """The innermost frame a task's coroutine chain is suspended in, as `function (file:line)`."""
+    """Where a task's coroutine chain is suspended: its innermost `AWAIT_FRAMES` frames, innermost first."""
     coro = task.get_coro()
-    frame: FrameType | None = None
+    frames: list[FrameType] = []
     for _ in range(64):  # bounded walk down cr_await
-        inner_frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-        if inner_frame is not None:
-            frame = inner_frame
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            frames.append(frame)
         awaited = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
         if awaited is None:
             break
         coro = awaited
-    if frame is None:
+    if not frames:
         return "running" if not task.done() else "done"
-    return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+    return " <- ".join(f"{f.f_code.co_name} ({f.f_code.co_filename}:{f.f_lineno})"
+                       for f in reversed(frames[-AWAIT_FRAMES:]))

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ class Probe:
         self.metrics: dict[str, Any] = {}
         self.unauthorised: int | None = None
         self.running_text = ""
+        self.stacks: tuple[int, str, str] = (-1, "", "")
 
     async def after_step(self, rollout_id: int, weight_version: str) -> None:
         if rollout_id == 3:
@@ -82,6 +84,10 @@ class Probe:
             code, self.running_text = await anyio.to_thread.run_sync(
                 status_text, [str(self.run_dir), "--api-key", KEY])
             assert code == 0, self.running_text
+            # `rayless stacks` as a user runs it, while the loop waits on this hook
+            stacks = await anyio.run_process([sys.executable, "-m", "coordinator.cli", "stacks",
+                                              str(self.run_dir)], check=False)
+            self.stacks = (stacks.returncode, stacks.stdout.decode(), stacks.stderr.decode())
         if rollout_id == ROLLOUTS - 1:
             with anyio.fail_after(240):
                 await self.recovered.wait()
@@ -188,6 +194,15 @@ async def test_page_metrics_and_status_follow_a_run_whose_engine_is_killed(tiny_
     assert KEY not in probe.running_text
     assert "running · rollout 4/5" in probe.running_text and f"from status server {url}" in probe.running_text
     assert "rollout-0" in probe.running_text and "healthy" in probe.running_text
+    code, stacks, errors = probe.stacks  # the coordinator's loop tasks, its threads, the rank, both live engines
+    assert code == 0, errors
+    assert "event loop tasks ===" in stacks and "after_step" in stacks and "(no answer)" not in stacks
+    sections = stacks.split("\n=== ")
+    rank = next(section for section in sections if section.startswith("rank0 (pid"))
+    assert "workers/train_rank" in rank, rank
+    engines = [section for section in sections if section.startswith("engine-")]
+    assert len(engines) == 2 and all("workers/engine" in section for section in engines), engines
+    assert list((run_dir / "stacks").glob("dump-*.txt"))
 
     assert_timeline_accounts_for_each_step(run_dir / "timeline.json")
     code, finished = status_text([str(run_dir)])

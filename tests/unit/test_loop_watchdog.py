@@ -43,7 +43,7 @@ def user_module(tmp_path: Path) -> ModuleType:
 
 def test_user_code_is_told_from_rayless_and_libraries(tmp_path: Path) -> None:
     assert is_user_code(str(tmp_path / "my_reward.py"))
-    assert not is_user_code(LoopWatchdog.__module__ and sys.modules[LoopWatchdog.__module__].__file__ or "")
+    assert not is_user_code(str(sys.modules[LoopWatchdog.__module__].__file__))
     assert not is_user_code(json.__file__)  # the standard library
     assert not is_user_code(anyio.__file__)  # site-packages
     assert not is_user_code("<string>")

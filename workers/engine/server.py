@@ -27,6 +27,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
+from workers import stack_dumps
 from workers.boundary.http_server import serve_process
 from workers.engine.args import EngineArgs
 from workers.engine.batch_invariant import BatchInvariantRunner
@@ -129,6 +130,7 @@ def serve(args: EngineArgs) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     _configure_threads()
+    stack_dumps.install(f"engine-{args.port}")  # `rayless stacks` (a run's engines; by hand: no-op)
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     started = time.perf_counter()

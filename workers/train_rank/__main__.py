@@ -17,7 +17,7 @@ import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from workers import protocol
+from workers import protocol, stack_dumps
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -103,6 +103,7 @@ def main() -> None:
     # commands — a shutdown included — without seconds of importing first.
     from workers.train_rank.trainer import Trainer
 
+    stack_dumps.install(f"rank{_env_int('RANK')}")  # `rayless stacks`: SIGUSR1 writes this rank's stacks
     channel = _connect()
     try:
         if torch.cuda.is_available():
