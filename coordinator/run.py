@@ -33,6 +33,7 @@ from coordinator.lifecycle.processes import leaf_exceptions
 from coordinator.lifecycle.signals import run_until_signalled
 from coordinator.nodes.head import reporting_outcome
 from coordinator.observe.progress import MetricsLog, ProgressDisplay, plot_rewards
+from coordinator.observe.rank_watch import RankCallWatch
 from coordinator.observe.stacks import disable as disable_stacks
 from coordinator.observe.stacks import enable as enable_stacks
 from coordinator.observe.timeline import recording
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 
     from coordinator.loop import LoopPhase, StepHook
     from coordinator.plan import PlacementPlan
+    from coordinator.train.channel import ControlServer
 
 log = logging.getLogger("rayless")
 
@@ -133,13 +135,16 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
             await task_group.start(progress.run_view)
             # `rayless stacks RUN_DIR`: every child started from here registers its stack dump in run_dir/stacks
             resources.callback(disable_stacks)
-            watchdog = LoopWatchdog(config.logging.loop_stall_warn_s, stacks_dir=enable_stacks(run_dir))
+            stacks_dir = enable_stacks(run_dir)
+            watchdog = LoopWatchdog(config.logging.loop_stall_warn_s, stacks_dir=stacks_dir)
             await task_group.start(watchdog.run)
             status.sources.loop = watchdog.stats
             metrics.row_sources.append(lambda: {"perf/loop_lag_max_s": watchdog.stats.take_window_max()})
             services = await _start_services(config, plan, run_dir, task_group, resources, clock, progress,
                                              metrics)
             await status.start(services, task_group)
+            if services.train_group is not None:
+                await task_group.start(rank_call_watch(services.train_group.server, config, stacks_dir).run)
             clock.mark("services_ready_s")
             with reporting_outcome(services.nodes):  # multi-node: the other nodes learn how the run ended
                 summary = await _train(config, services, metrics, progress, clock, task_group, extra_hooks)
@@ -165,6 +170,17 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     log.info("run finished in %.1fs; metrics in %s", summary["wall_s"], metrics.path)
     return summary
+
+
+def rank_call_watch(server: ControlServer, config: Config, stacks_dir: Path) -> RankCallWatch:
+    """Names the ranks a command waits on past its bound (`--rank-call-warn-s`), with every process's stacks."""
+
+    def rank_pid(rank: int) -> int | None:
+        info = server.ranks.get(rank)
+        return info.pid if info is not None else None
+
+    return RankCallWatch(in_flight=lambda: server.in_flight, longest_s=lambda kind: server.longest_s.get(kind, 0.0),
+                         rank_pid=rank_pid, floor_s=config.logging.rank_call_warn_s, stacks_dir=stacks_dir)
 
 
 async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, task_group: TaskGroup,

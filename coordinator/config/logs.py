@@ -45,6 +45,10 @@ class LoggingConfig(Slice):
                                     "before its watchdog logs the blocking stack (a hook or reward function "
                                     "doing blocking work on the loop) and the loop's tasks", above=0,
                                     metavar="SECONDS")
+    rank_call_warn_s: float = flag(300.0, help="seconds a command to the training ranks may wait (or 3x the "
+                                   "longest earlier command of its kind, when more) before the ranks that have "
+                                   "not answered are named and every process's stacks collected into "
+                                   "RUN_DIR/stacks", above=0, metavar="SECONDS")
 
     def check(self) -> None:
         if self.status_host != "127.0.0.1" and not self.status_port:

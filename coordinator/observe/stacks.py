@@ -143,6 +143,33 @@ def collect(run_dir: Path, *, timeout: float) -> tuple[str, list[Target]]:
     return "\n".join(sections), missing
 
 
+def collect_to_file(run_dir: Path, *, timeout: float = 10.0) -> Path | None:
+    """`collect`, kept as `<run_dir>/stacks/dump-<time>.txt` (None when nothing live answered or it could not
+    be written). Called by the command and by the rank watch when a command waits past its bound."""
+    text, missing = collect(run_dir, timeout=timeout)
+    if not text:
+        return None
+    if missing:
+        text += "\n" + "no answer within {:g}s from {}\n".format(
+            timeout, ", ".join(f"{t.role} (pid {t.pid}, {_state(t.pid)})" for t in missing))
+    kept = run_dir / "stacks" / f"dump-{time.strftime('%Y%m%d-%H%M%S')}-{time.monotonic_ns() % 10**6:06d}.txt"
+    try:
+        kept.write_text(text, encoding="utf-8")
+    except OSError:
+        return None
+    return kept
+
+
+def _state(pid: int) -> str:
+    """The process's state as `ps` says it: a rank stopped by SIGSTOP or a debugger cannot answer (`stopped`)."""
+    import psutil
+
+    try:
+        return str(psutil.Process(pid).status())
+    except (psutil.Error, OSError):
+        return "gone"
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="rayless stacks",
@@ -175,6 +202,6 @@ def main(argv: Sequence[str]) -> int:
         sys.stdout = open(os.devnull, "w")  # nothing more is written: no flush error at exit
     if missing:
         print("rayless stacks: no answer within {:g}s from {}".format(
-            args.timeout, ", ".join(f"{t.role} (pid {t.pid})" for t in missing)), file=sys.stderr)
+            args.timeout, ", ".join(f"{t.role} (pid {t.pid}, {_state(t.pid)})" for t in missing)), file=sys.stderr)
         return 1
     return 0

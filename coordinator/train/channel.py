@@ -25,6 +25,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
@@ -33,7 +34,15 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.train.calls import encode_frames, gather_replies
-from coordinator.train.connection import STREAM_ERRORS, Call, Connection, Pending, RankInfo, peer_address
+from coordinator.train.connection import (
+    STREAM_ERRORS,
+    Call,
+    Connection,
+    InFlight,
+    Pending,
+    RankInfo,
+    peer_address,
+)
 from coordinator.train.errors import RankCommandError, RankFailure
 from workers import protocol
 
@@ -83,6 +92,10 @@ class ControlServer:
         self._call_lock = anyio.Lock()
         self._request_ids = itertools.count(1)
         self._state = Call()
+        #: the command in flight (None between calls) and the longest each kind of command has taken so far:
+        #: what `coordinator.observe.rank_watch` bounds a wait by
+        self.in_flight: InFlight | None = None
+        self.longest_s: dict[str, float] = {}
 
     @property
     def ranks(self) -> dict[int, RankInfo]:
@@ -324,9 +337,16 @@ class ControlServer:
                     conn.pending.pop(request_id, None)
                     self._fail(RankFailure([rank], f"rank {rank} could not be sent a command ({exc!r})"))
                     pending.resolve(failure=self._failure)
+            kind = next(iter(commands.values())).kind
+            started = time.monotonic()
+            self.in_flight = InFlight(kind, started, pendings)
             try:
-                return await gather_replies(next(iter(commands.values())).kind, call, pendings,
-                                            error_window_s=self.error_window_s, explain=self.explain)
+                replies = await gather_replies(kind, call, pendings, error_window_s=self.error_window_s,
+                                               explain=self.explain)
             except RankCommandError as error:
                 self._broken = error  # the ranks may be out of step: later calls refuse until all reconnect
                 raise
+            finally:
+                self.in_flight = None
+            self.longest_s[kind] = max(self.longest_s.get(kind, 0.0), time.monotonic() - started)
+            return replies

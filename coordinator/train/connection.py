@@ -59,6 +59,19 @@ class Call:
 
 
 @dataclass
+class InFlight:
+    """The command the ranks are working on now: its kind, when it was sent, each rank's pending reply
+    (read by `coordinator.observe.rank_watch` to name a rank that has not answered)."""
+
+    kind: str
+    started: float  # time.monotonic()
+    pendings: dict[int, Pending]
+
+    def waiting(self) -> list[int]:
+        return sorted(rank for rank, pending in self.pendings.items() if not pending.done)
+
+
+@dataclass
 class Pending:
     rank: int
     call: Call
