@@ -68,20 +68,43 @@ class WireSample(Record):
         if validate is not None:
             validate()
         return cls(
-            tokens=[int(token) for token in sample.tokens],
+            tokens=_ints(sample.tokens),
             response_length=int(sample.response_length),
-            loss_mask=[int(value) for value in sample.loss_mask],
-            rollout_log_probs=[float(value) for value in sample.rollout_log_probs],
+            loss_mask=_ints(sample.loss_mask),
+            rollout_log_probs=_floats(sample.rollout_log_probs),
             advantage=float(sample.advantage),
-            teacher_log_probs=_floats(getattr(sample, "teacher_log_probs", None)),
+            teacher_log_probs=_optional_floats(getattr(sample, "teacher_log_probs", None)),
         )
 
 
-def _floats(values: Any) -> list[float] | None:
-    """A list (or a hook's tensor, as slime's OPD post-process leaves) as plain floats; None stays None."""
-    if values is None:
-        return None
+# A list of plain ints / floats (what the generate path and the dump reader produce) is checked and copied by
+# msgspec in C, ~9x faster than a Python loop (8k tokens: 0.24 ms against 2.1 ms); anything else — numpy or
+# torch values from a hook, bools, floats standing for ints — takes the per-value path, with its old meaning.
+_INT_LIST: Any = list[int]
+_FLOAT_LIST: Any = list[float]
+
+
+def _ints(values: Any) -> list[int]:
+    if type(values) is list:
+        try:
+            return msgspec.convert(values, _INT_LIST)
+        except msgspec.ValidationError:
+            pass
+    return [int(value) for value in (values.tolist() if hasattr(values, "tolist") else values)]
+
+
+def _floats(values: Any) -> list[float]:
+    if type(values) is list:
+        try:
+            return msgspec.convert(values, _FLOAT_LIST)
+        except msgspec.ValidationError:
+            pass
     return [float(value) for value in (values.tolist() if hasattr(values, "tolist") else values)]
+
+
+def _optional_floats(values: Any) -> list[float] | None:
+    """A list (or a hook's tensor, as slime's OPD post-process leaves) as plain floats; None stays None."""
+    return None if values is None else _floats(values)
 
 
 class StepMetrics(Record):
