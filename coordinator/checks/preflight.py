@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from coordinator.config.checkpoint import LoadPlan
+from coordinator.config.checkpoint import LoadPlan, save_hf_path
 from coordinator.config.fields import ConfigError
 from coordinator.config.porting import PortingNotice, porting_notice
 from coordinator.config.settings import Config
@@ -71,7 +71,19 @@ def check_checkpoints(config: Config) -> tuple[list[str], LoadPlan]:
     save = config.checkpoint.save
     if save and config.needs_train_ranks:
         notes.append(_check_writable("--save", Path(save)))
+    if config.checkpoint.save_hf and config.needs_train_ranks:
+        notes.append(_check_save_hf(config.checkpoint.save_hf, config.rollout.hf_checkpoint))
     return notes, load
+
+
+def _check_save_hf(template: str, hf_checkpoint: str | None) -> str:
+    """`--save-hf` can be written and never names the model the run starts from (slime's rule: a save there
+    would replace the weights every engine and the next run load)."""
+    first = Path(save_hf_path(template, 0))
+    if hf_checkpoint is not None and first.resolve() == Path(hf_checkpoint).resolve():
+        raise ConfigError(f"--save-hf {template}: the --hf-checkpoint directory itself; name another directory "
+                          "(e.g. with {rollout_id} in it)")
+    return _check_writable("--save-hf", first)
 
 
 def check_paths(config: Config) -> list[str]:
