@@ -113,12 +113,16 @@ def export_checkpoint(source: ExportSource, out: Path) -> Path:
     spec = msgspec.convert(source.adapters, LoraSettings) if source.adapters is not None else None
     if spec is not None:
         lora.inject_lora(model, spec)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         checkpoint.load_model_weights(source.checkpoint, model)
-    except (RuntimeError, ValueError, KeyError) as error:
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as error:
+        # DCP wraps the cause with each rank's traceback: its last line says what did not fit
+        why = ([line for line in str(error).splitlines() if line.strip()] or [type(error).__name__])[-1].strip()
         raise ExportError(f"rayless export: {source.checkpoint}: its weights do not fit the model of "
-                          f"{source.base_model} ({str(error).splitlines()[0][:300]}); pass --hf-checkpoint DIR, "
-                          "the model the run started from") from None
+                          f"{source.base_model} ({why[:300]}); pass --hf-checkpoint DIR, the model the run "
+                          "started from") from None
     state = weight_export.full_state_dict(model, sharded=False)
     adapter = lora.adapter_state(model) if spec is not None else None
 
@@ -141,6 +145,9 @@ def main(argv: Sequence[str]) -> int:
         return 2
     import warnings
 
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one line on success, not a bar per load
     with warnings.catch_warnings():
         # DCP warns that it runs without a process group: this is one process, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
