@@ -18,6 +18,7 @@ from coordinator.cli import main as rayless
 from coordinator.config import parse_config
 from coordinator.config.checkpoint import save_hf_path
 from coordinator.config.fields import ConfigError
+from tests.support.hf_dirs import file_weights, loads_and_generates, max_difference
 from workers.protocol.train_settings import LoraSettings
 from workers.train_rank import checkpoint as ckpt
 from workers.train_rank import lora, weight_export
@@ -94,20 +95,11 @@ def perturbed(model_dir: Path, seed: int) -> torch.nn.Module:
     return model
 
 
-def loaded_state(directory: Path) -> dict[str, torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    return {name: tensor for name, tensor in model.state_dict().items()}
-
-
 def assert_same_weights(directory: Path, expected: dict[str, torch.Tensor]) -> None:
-    """`directory` loads with transformers, generates, and holds `expected` (tied aliases aside) to 1e-6."""
-    got = loaded_state(directory)
-    assert set(expected) <= set(got)
-    worst = max((got[name] - tensor).abs().max().item() for name, tensor in expected.items())
-    assert worst <= 1e-6, worst
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    out = model.generate(torch.tensor([[5, 9, 12]]), max_new_tokens=3, do_sample=False)
-    assert out.shape == (1, 6)
+    """`directory` holds `expected` (tied aliases dropped) to 1e-6, and transformers loads it so and generates."""
+    assert max_difference(file_weights(directory), expected) <= 1e-6
+    loaded = loads_and_generates(directory)
+    assert max_difference({name: loaded[name] for name in expected}, expected) <= 1e-6
 
 
 def test_a_directory_past_the_shard_size_is_sharded_with_an_index_and_replaced_whole(tiny_model_dir: Path,
