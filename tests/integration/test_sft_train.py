@@ -86,18 +86,23 @@ def test_no_engine_was_started(sft_run: Path) -> None:
 def test_the_saved_model_answers_the_mapping_and_export_gives_the_same(sft_run: Path, tmp_path: Path) -> None:
     """--save-hf (no {rollout_id}: one directory, written at the last save) is the model itself: transformers
     loads it with its own tokenizer and it answers every question; `rayless export` of the checkpoint (the
-    trainer's weights) gives the same weights."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    trainer's weights) gives the same weights, which answer the same."""
     from coordinator.cli import main as rayless
     from tests.support.hf_dirs import file_weights, max_difference
 
-    saved = sft_run / "hf"
-    assert rayless(["export", str(sft_run / "ckpt"), str(tmp_path / "out")]) == 0
-    assert max_difference(file_weights(tmp_path / "out"), file_weights(saved)) <= 1e-6
-    tokenizer = AutoTokenizer.from_pretrained(saved)
-    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    saved, out = sft_run / "hf", tmp_path / "out"
+    assert rayless(["export", str(sft_run / "ckpt"), str(out)]) == 0
+    assert max_difference(file_weights(out), file_weights(saved)) <= 1e-6
+    for directory in (saved, out):
+        answer_the_mapping(directory)
+
+
+def answer_the_mapping(directory: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     model.eval()
     for fruit, colour in MAPPING.items():
         prompt = tokenizer.apply_chat_template([SYSTEM, {"role": "user", "content": fruit}], tokenize=False,
