@@ -72,17 +72,23 @@ def check_checkpoints(config: Config) -> tuple[list[str], LoadPlan]:
     if save and config.needs_train_ranks:
         notes.append(_check_writable("--save", Path(save)))
     if config.checkpoint.save_hf and config.needs_train_ranks:
-        notes.append(_check_save_hf(config.checkpoint.save_hf, config.rollout.hf_checkpoint))
+        notes.append(_check_save_hf(config.checkpoint.save_hf, hf_checkpoint=config.rollout.hf_checkpoint,
+                                    save=save))
     return notes, load
 
 
-def _check_save_hf(template: str, hf_checkpoint: str | None) -> str:
-    """`--save-hf` can be written and never names the model the run starts from (slime's rule: a save there
-    would replace the weights every engine and the next run load)."""
+def _check_save_hf(template: str, *, hf_checkpoint: str | None, save: str | None) -> str:
+    """`--save-hf` can be written, never names the model the run starts from (slime's rule: a save there would
+    replace the weights every engine and the next run load) nor `--save`, and its first directory holds nothing
+    a save would refuse to replace (anything but an earlier model)."""
     first = Path(save_hf_path(template, 0))
-    if hf_checkpoint is not None and first.resolve() == Path(hf_checkpoint).resolve():
-        raise ConfigError(f"--save-hf {template}: the --hf-checkpoint directory itself; name another directory "
-                          "(e.g. with {rollout_id} in it)")
+    for flag, other in (("--hf-checkpoint", hf_checkpoint), ("--save", save)):
+        if other is not None and first.resolve() == Path(other).resolve():
+            raise ConfigError(f"--save-hf {template}: the {flag} directory itself; name another directory "
+                              "(e.g. with {rollout_id} in it)")
+    if first.is_dir() and any(first.iterdir()) and not (first / "config.json").is_file():
+        raise ConfigError(f"--save-hf {template}: {first} holds files and is not a Hugging Face model directory "
+                          "(no config.json); a save replaces only an earlier model or an empty directory")
     return _check_writable("--save-hf", first)
 
 

@@ -70,10 +70,18 @@ def test_a_bad_save_hf_exits_2_before_anything_launches(tiny_model_dir: Path, ca
     assert not any(tmp_path.iterdir())
 
 
-def test_save_hf_may_not_name_the_starting_model_and_must_be_writable(tiny_model_dir: Path,
+def test_save_hf_may_not_name_the_starting_model_or_a_busy_directory_and_must_be_writable(tiny_model_dir: Path,
                                                                       tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"--save-hf .*: the --hf-checkpoint directory itself"):
         check_checkpoints(parse_config(job(tiny_model_dir, "--save-hf", str(tiny_model_dir))))
+    with pytest.raises(ConfigError, match=r"--save-hf .*: the --save directory itself"):
+        check_checkpoints(parse_config(job(tiny_model_dir, "--save", str(tmp_path / "ckpt"), "--save-hf",
+                                           str(tmp_path / "ckpt"))))
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"--save-hf .*busy holds files and is not a Hugging Face model directory"):
+        check_checkpoints(parse_config(job(tiny_model_dir, "--save-hf", str(busy))))
     notes, _ = check_checkpoints(parse_config(job(tiny_model_dir, "--save-hf", str(tmp_path / "hf/{rollout_id}"))))
     assert f"--save-hf {tmp_path / 'hf' / '0'}: writable (will be created in {tmp_path})" in notes
     locked = tmp_path / "file"
