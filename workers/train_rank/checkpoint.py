@@ -1,7 +1,8 @@
 """Resumable training state on disk: torch.distributed.checkpoint for model + optimizer, JSON for the rest.
 
-Layout: `<save_dir>/rollout_<id>/` holds the DCP shards, `scheduler.json`, `extra.json` (rollout id and
-whatever the coordinator passes, e.g. the data-source position) and one `rng_rank<r>.json` per rank;
+Layout: `<save_dir>/rollout_<id>/` holds the DCP shards, `scheduler.json`, `extra.json` (rollout id,
+whatever the coordinator passes, e.g. the data-source position, the LoRA record and the base model trained,
+for `rayless export`) and one `rng_rank<r>.json` per rank;
 `<save_dir>/latest` names the newest complete checkpoint. `extra.json` is written last, by rank 0 after a
 barrier: a directory holding it and DCP's `.metadata` is complete.
 
