@@ -97,7 +97,7 @@ def _settings(model_dir: str, shape: Shape, dtype: str, attn: str | None) -> dic
 def _forward_backward(model: Any, batches: list[Any]) -> float:
     """The floor's work: forward (chunked logprobs of the responses, as the trainer computes them) + backward on
     each packed micro-batch; seconds."""
-    from workers.train_rank.token_scores import token_scores
+    from workers.shared_torch.token_scores import token_scores
 
     started = time.perf_counter()
     for batch in batches:
@@ -151,10 +151,10 @@ def floor_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int,
     micro-batch with chunked logprobs: what training one micro-batch needs at least."""
     import torch
 
+    from workers.shared_torch.token_scores import token_scores
     from workers.train_rank import packing
     from workers.train_rank.model import load_causal_lm
     from workers.train_rank.optim import build_optimizer
-    from workers.train_rank.token_scores import token_scores
 
     torch.set_num_threads(threads)
     device = torch.device(device_name)

@@ -251,7 +251,7 @@ async def test_distributed_weight_update_methods(
     from transformers import AutoModelForCausalLM
 
     from coordinator.engines.spec import free_port
-    from workers.engine.weight_group import flatten_bucket, join_weight_update_group, send
+    from workers.shared_torch.weight_group import flatten_bucket, join_weight_update_group, send
 
     e = client.engine(keyed_engine)
     greedy = {

@@ -12,8 +12,8 @@ from workers.engine.batch_invariant import BatchInvariantRunner
 from workers.engine.rescoring import Rescorer
 from workers.engine.runner import PrefillItem
 from workers.engine.sampling import RowSampling
+from workers.shared_torch.token_scores import token_scores
 from workers.train_rank.model import load_causal_lm
-from workers.train_rank.token_scores import token_scores
 
 PROMPT = [3, 17, 42, 5, 9, 11, 2]
 

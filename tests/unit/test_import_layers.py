@@ -34,6 +34,16 @@ LAYERS: list[set[str]] = [
     {"cli"},  # the command line
 ]
 LAYER_OF = {package: index for index, layer in enumerate(LAYERS) for package in layer}
+#: `workers`' packages and top-level modules, from the bottom up, by the same rule: the engine and the training
+#: ranks are separate processes and never import each other; what both run is below them.
+WORKER_LAYERS: list[set[str]] = [
+    {"errors", "host_memory", "lifeline", "stack_dumps"},  # leaves: no import of ours
+    {"boundary"},  # every byte from a peer or a file decoded through it
+    {"protocol", "hook_loading", "tiny_model"},  # the control channel's messages; hook paths; the tiny model
+    {"shared_torch"},  # torch code both the engine and the ranks run
+    {"engine", "train_rank"},  # the two kinds of worker process
+]
+WORKER_LAYER_OF = {part: index for index, layer in enumerate(WORKER_LAYERS) for part in layer}
 OURS = ("coordinator", "workers", "replay")
 
 
@@ -43,10 +53,15 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path) -> list[tuple[str, int]]:
+    """Every module a file imports. `from pkg import name` imports `pkg`, and `pkg.name` too when that is a
+    module of ours (`from workers.train_rank import lora` depends on `lora`, not only on the package)."""
+    modules = set(our_modules())
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found += [(node.module, node.lineno)]
+            found += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names
+                      if f"{node.module}.{alias.name}" in modules]
         elif isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
     return [(name, line) for name, line in found if name.split(".")[0] in OURS]
@@ -59,6 +74,39 @@ def our_modules() -> dict[str, Path]:
 def coordinator_package(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if parts[0] == "coordinator" and len(parts) > 1 else None
+
+
+def worker_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "workers" and len(parts) > 1 else None
+
+
+def worker_layer_violations(modules: dict[str, Path]) -> list[str]:
+    wrong = []
+    for name, path in modules.items():
+        source = worker_part(name)
+        if source is None:
+            continue
+        for target, line in imports_of(path):
+            target_part = worker_part(target)
+            if target_part is None or target_part == source:
+                continue
+            if WORKER_LAYER_OF[target_part] > WORKER_LAYER_OF[source]:
+                wrong.append(f"{name}:{line} imports {target}: workers.{target_part} is above workers.{source}")
+            elif WORKER_LAYER_OF[target_part] == WORKER_LAYER_OF[source]:
+                wrong.append(f"{name}:{line} imports {target}: workers.{target_part} and workers.{source} "
+                             "share a layer")
+    return wrong
+
+
+def test_every_workers_part_has_a_layer() -> None:
+    parts = {worker_part(name) for name in our_modules()} - {None}
+    assert parts == set(WORKER_LAYER_OF), "a new part of workers/ needs its place in WORKER_LAYERS"
+
+
+def test_workers_are_layered_and_the_engine_and_the_ranks_never_import_each_other() -> None:
+    wrong = worker_layer_violations(our_modules())
+    assert not wrong, "\n".join(wrong)
 
 
 def test_every_coordinator_package_has_a_layer() -> None:
@@ -141,6 +189,28 @@ def test_a_package_facade_re_exports_only_its_own_modules() -> None:
     # their users import; that is the one kind of re-export from elsewhere, listed here by name.
     allowed = {"coordinator.hooks/__init__.py", "replay/__init__.py"}
     assert [row for row in wrong if row.split(":")[0] not in allowed] == []
+
+
+def test_the_layer_test_sees_a_module_imported_from_its_package_and_a_worker_crossing(tmp_path: Path) -> None:
+    # `from pkg import module` is a dependency on the module: a planted lora <-> weight_export cycle is found
+    modules = dict(our_modules())
+    planted = tmp_path / "workers" / "train_rank"
+    planted.mkdir(parents=True)
+    (planted / "lora.py").write_text("from workers.train_rank import weight_export\n")
+    (planted / "weight_export.py").write_text("from workers.train_rank import lora\n")
+    modules["workers.train_rank.lora"] = planted / "lora.py"
+    modules["workers.train_rank.weight_export"] = planted / "weight_export.py"
+    assert imports_of(planted / "lora.py") == [("workers.train_rank", 1), ("workers.train_rank.weight_export", 1)]
+    graph = {name: {t for t, _ in imports_of(path) if t in modules and t != name} for name, path in
+             modules.items() if name.startswith("workers.train_rank.")}
+    assert find_cycle(graph) is not None
+    # the engine importing the ranks' code is refused
+    (planted / "crossing.py").write_text("from workers.train_rank import trainer\n")
+    crossing = {"workers.engine.crossing": planted / "crossing.py"}
+    assert worker_layer_violations(crossing) == [
+        "workers.engine.crossing:1 imports workers.train_rank: workers.train_rank and workers.engine share a layer",
+        "workers.engine.crossing:1 imports workers.train_rank.trainer: workers.train_rank and workers.engine "
+        "share a layer"]
 
 
 def test_the_layer_test_sees_an_upward_import(tmp_path: Path) -> None:

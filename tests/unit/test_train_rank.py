@@ -23,8 +23,9 @@ from workers.protocol.train_settings import (
     SettingsError,
     TrainSettings,
 )
+from workers.shared_torch.token_scores import token_log_probs
 from workers.train_rank import weight_export
-from workers.train_rank.batching import BatchError, collate, token_log_probs
+from workers.train_rank.batching import BatchError, collate
 from workers.train_rank.loss import approx_kl, policy_loss
 from workers.train_rank.model import load_causal_lm
 from workers.train_rank.optim import LrSchedule, build_optimizer, build_scheduler

@@ -16,12 +16,12 @@ from tests.support.train_samples import synthetic_samples
 from tests.support.train_settings import init_command
 from workers import protocol
 from workers.protocol.train_settings import LossSettings
+from workers.shared_torch.token_scores import chunk_tokens, token_entropy, token_log_probs, token_scores
 from workers.tiny_model import TinyModelSpec, build_tiny_model
-from workers.train_rank.batching import collate, token_entropy, token_log_probs
+from workers.train_rank.batching import collate
 from workers.train_rank.loss import policy_loss
 from workers.train_rank.model import load_causal_lm
 from workers.train_rank.packing import first_fit_decreasing, pack, split_to_count
-from workers.train_rank.token_scores import chunk_tokens, token_scores
 from workers.train_rank.trainer import Trainer
 
 torch.set_num_threads(1)

@@ -13,7 +13,7 @@ import torch
 from coordinator.weights.distributed import group_layout
 from coordinator.weights.sync import TRANSFER_MODES, WeightSync
 from tests.support import sglang_parts
-from workers.engine.weight_group import bucket_layout, flatten_bucket
+from workers.shared_torch.weight_group import bucket_layout, flatten_bucket
 from workers.train_rank.model import load_causal_lm
 from workers.train_rank.weight_buckets import bucket_manifest, plan_buckets, weight_tensors
 

@@ -18,8 +18,8 @@ Owns nothing itself; it wires the modules below. The HTTP contract is in docs/en
   `memory_routes` (release/resume), `weight_routes` (weight updates and weight-update groups)
 - `openai_routes`, `openai_protocol`, `openai_render`: the OpenAI-compatible `/v1/chat/completions`,
   `/v1/completions` and `/v1/models` (requests mapped onto /generate's validation; SGLang's response shapes)
-- `weight_group`: weight-update groups formed as SGLang's `init_custom_process_group` forms them, SGLang's
-  receive loop, and the flattened-bucket layout (shared with the trainer's sender)
+- weight-update groups (SGLang's `init_custom_process_group`, its receive loop, the flattened-bucket layout)
+  live in `workers.shared_torch.weight_group`, shared with the trainer's sender
 
 Importing this package does not import torch; `main` does.
 """

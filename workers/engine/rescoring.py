@@ -4,7 +4,7 @@ its sampled tokens are recomputed by the trainer's own scoring function.
 Owns `Rescorer`. Why: decoding scores token t from a KV cache in a [1, 1] forward, the trainer scores all of a
 response at once in a [1, L] forward; different GEMM shapes add in different orders, so the two differ in the
 last bits. Here each finished sequence (prompt + output) gets one forward of batch size 1, no padding, positions
-0..L-1, through `workers.train_rank.token_scores.token_scores` — the function the ranks call, on the same
+0..L-1, through `workers.shared_torch.token_scores.token_scores` — the function the ranks call, on the same
 positions (the response's), with the same chunk size — so with the same weights, dtype and thread count the
 engine's logprobs are the trainer's bit for bit. The tokens themselves are still the ones decoding drew.
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from workers.engine.runner import ModelRunner, WeightsReleasedError
-from workers.train_rank.token_scores import token_scores
+from workers.shared_torch.token_scores import token_scores
 
 
 class Rescorer:

@@ -27,7 +27,7 @@ from workers.engine.http_input import read_json
 from workers.engine.replies import handle
 from workers.engine.runner import WeightUpdateError
 from workers.engine.sampling import RequestError
-from workers.engine.weight_group import (
+from workers.shared_torch.weight_group import (
     WeightGroupError,
     WeightUpdateGroup,
     join_weight_update_group,

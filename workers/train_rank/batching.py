@@ -133,13 +133,3 @@ def fill_response(sample: WireSample, loss_mask: torch.Tensor, rollout: torch.Te
     advantages[start:end] = float(sample.advantage)
 
 
-def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, L, V] logits → [B, L-1] logprob of each next token, in float32."""
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """[B, L, V] logits → [B, L-1] entropy of each next-token distribution."""
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return -(log_probs.exp() * log_probs).sum(-1)

@@ -22,6 +22,7 @@ import torch
 
 from workers import protocol
 from workers.protocol.train_settings import LoraSettings, TrainSettings
+from workers.shared_torch.token_scores import token_scores
 from workers.train_rank import checkpoint, determinism, distill, lora, packing, weight_buckets, weight_export
 from workers.train_rank.batching import MicroBatch
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
@@ -31,7 +32,6 @@ from workers.train_rank.parallel import FullySharded, Replicated, shard_model, u
 from workers.train_rank.placement import load_sharded
 from workers.train_rank.sft_loss import loss_function
 from workers.train_rank.tis_hook import TisHook
-from workers.train_rank.token_scores import token_scores
 
 #: in place of a step's old logprobs: the step runs on the policy that defines them (the rollout's first step)
 SAME_POLICY = object()

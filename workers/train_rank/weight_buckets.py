@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.engine.weight_group import (
+from workers.shared_torch.weight_group import (
     FLATTENED_BUCKET,
     WeightGroupError,
     WeightUpdateGroup,

@@ -7,7 +7,7 @@ head's weight is used inside the model's own forward, so FSDP2's hooks (the root
 reduction), PEFT wrappers and activation checkpointing see an ordinary forward.
 
 Invariants: each chunk's logits are computed as the head computes them (the head's dtype, then float32), so
-the result equals `log_softmax(model(...).logits.float())` gathered at the next token (`batching.token_log_probs`)
+the result equals `log_softmax(model(...).logits.float())` gathered at the next token (`token_log_probs`)
 to float32 rounding, gradients included; memory is O(chunk × V): forward keeps only the hidden states, and
 backward recomputes one chunk's logits at a time. Entropy is differentiable only when asked (`entropy_grad`),
 otherwise it is a detached metric computed in the same pass.
@@ -157,15 +157,25 @@ def _head_scoring(head: torch.nn.Linear, targets: torch.Tensor, scored: torch.Te
         del head.forward
 
 
+def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, L, V] logits → [B, L-1] logprob of each next token, in float32."""
+    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[B, L, V] logits → [B, L-1] entropy of each next-token distribution."""
+    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
 def token_scores(model: Any, *, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, chunk_size: int | None = None, with_entropy: bool = True,
                  entropy_grad: bool = False, scored: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, L] inputs → ([B, L-1] logprob of each next token, [B, L-1] entropy or None), float32; position t
-    scores token t + 1, as `batching.token_log_probs`. `scored` [B, L-1] bool: the positions wanted (the
+    scores token t + 1, as `token_log_probs`. `scored` [B, L-1] bool: the positions wanted (the
     responses; a prompt's logprobs are never used), the others 0 and never computed."""
-    from workers.train_rank.batching import token_entropy, token_log_probs
-
     head = output_head(model)
     if head is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
