@@ -8,7 +8,8 @@ returns once the socket is bound and listening, and the server stops when the ta
 
 Invariants: the port is bound (and listening) before anyone is told it is; the process's soft limit of open
 files is raised to its hard limit and the connection cap kept below it, so accepting never fails with EMFILE
-(asyncio would stop accepting for a second, /health included); uvicorn never reconfigures the caller's logging.
+(asyncio would stop accepting for a second, /health included); uvicorn never reconfigures the caller's logging;
+no request line reaches an app in a form h11 cannot answer (CONNECT: `MethodGate`), so none writes a traceback.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import anyio.abc
 import uvicorn
 from starlette.types import ASGIApp
 
+from workers.boundary.http_gates import MethodGate
 from workers.boundary.http_guard import ConnectionGuard, ServerLimits, guarded_protocol
 
 log = logging.getLogger("rayless.http")
@@ -74,7 +76,7 @@ def uvicorn_config(app: ASGIApp, limits: ServerLimits, guard: ConnectionGuard, *
                    lifespan: str = "off", log_config: Any = None, access_log: bool = False,
                    graceful_s: float = 5.0) -> uvicorn.Config:
     return uvicorn.Config(
-        app, http=guarded_protocol(guard), lifespan=lifespan, log_level=log_level, log_config=log_config,
+        MethodGate(app), http=guarded_protocol(guard), lifespan=lifespan, log_level=log_level, log_config=log_config,
         access_log=access_log, backlog=BACKLOG, timeout_keep_alive=limits.idle_s,  # type: ignore[arg-type]
         # h11's own head limit stays above ours, so ours (431) speaks first
         h11_max_incomplete_event_size=4 * limits.max_head_bytes, timeout_graceful_shutdown=int(graceful_s),
