@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from coordinator.hooks.calls import HookEscaped, call_hook
@@ -122,3 +123,16 @@ async def test_a_group_reward_that_escapes_fails_the_group_and_an_exception_stil
     assert all(s.status is SampleStatus.FAILED and s.reward == 0.0 for s in samples) and model.failed == 3
     with pytest.raises(ZeroDivisionError):
         await RewardModel(custom_rm=lambda sample: 1 / 0).score_group(group())
+
+
+async def test_slimes_run_coro_works_from_a_sync_hook_in_its_thread() -> None:
+    from coordinator.hooks import run
+
+    async def answer() -> int:
+        await anyio.lowlevel.checkpoint()
+        return 42
+
+    def hook() -> int:
+        return run(answer())  # slime's async_utils.run: on the run's event loop, from the worker thread
+
+    assert await call_hook(hook, what="h") == 42
