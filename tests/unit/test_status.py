@@ -17,7 +17,7 @@ from coordinator.config import ConfigError, parse_config
 from coordinator.observe import timeline
 from coordinator.observe.progress import MetricsLog, RunProgress
 from coordinator.observe.timeline import Timeline, recording
-from coordinator.status import command, prometheus
+from coordinator.status import command, prometheus, reading
 from coordinator.status.sources import StatusSources, snapshot
 
 
@@ -87,6 +87,7 @@ def test_metrics_parse_as_prometheus_text_with_conventional_names(tmp_path: Path
     assert samples["rayless_run_elapsed_seconds"].value >= 0
     assert all(name.startswith("rayless_") for name in samples)
     assert json.loads(json.dumps(document))["run"]["rollouts_done"] == 3
+    assert reading.check_shape(json.loads(json.dumps(document)), "/status")  # what `rayless status` accepts
 
 
 def test_status_flags_are_checked_at_start_up() -> None:
