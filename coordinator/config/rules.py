@@ -16,6 +16,7 @@ from coordinator.config.determinism_rules import deterministic_runs_can_hold
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 from coordinator.config.sft_rules import SFT_RULES
+from workers.boundary.exposure import exposure_problem
 
 if TYPE_CHECKING:
     from coordinator.config.settings import Config
@@ -253,6 +254,22 @@ def distillation_has_a_teacher(config: Config) -> None:
                           "teacher)")
 
 
+def servers_beyond_loopback_need_a_key(config: Config) -> None:
+    """The status server and the session server listen beyond loopback only with the run's key (they ask every
+    client for it) or an explicit --allow-unauthenticated (engines on other nodes: `plan.placement`)."""
+    servers = []
+    if config.logging.status_port:
+        servers.append(("--status-host", config.logging.status_host))
+    if config.hooks.use_session_server:
+        servers.append(("--session-server-ip", config.hooks.session_server_ip))
+    for flag_name, host in servers:
+        problem = exposure_problem(host, has_key=bool(config.sglang.sglang_api_key),
+                                   allowed=config.sglang.allow_unauthenticated, host_flag=flag_name,
+                                   key_flag="--sglang-api-key")
+        if problem:
+            raise ConfigError(problem)
+
+
 RULES: tuple[Callable[[Config], None], ...] = (
     replay_has_no_eval_fleet,
     routing_replay_needs_a_dense_model,
@@ -284,6 +301,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     colocation_needs_both_halves,
     deterministic_runs_can_hold,
     distillation_has_a_teacher,
+    servers_beyond_loopback_need_a_key,
 )
 
 

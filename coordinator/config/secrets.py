@@ -49,6 +49,29 @@ def secret_values_in_argv(argv: Sequence[str]) -> set[str]:
     return {value for value in found if value}
 
 
+def split_secret_flags(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """`argv` without its secret-looking flags, and those flags' values by name (without the dashes): what a
+    launch hands a child in a file instead (`--x-key V` and `--x-key=V`; a bare switch is kept)."""
+    public: list[str] = []
+    found: dict[str, str] = {}
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        name, equals, value = token.partition("=")
+        if token.startswith("--") and is_secret_flag(name):
+            if equals:
+                found[name[2:]] = value
+                index += 1
+                continue
+            if index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+                found[name[2:]] = argv[index + 1]
+                index += 2
+                continue
+        public.append(token)
+        index += 1
+    return public, found
+
+
 def mask_argv(tokens: Sequence[str]) -> list[str]:
     """A command line (ours, an engine's, the `--sglang-*` passthrough) with the values of secret-looking flags
     masked."""

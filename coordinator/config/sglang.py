@@ -30,7 +30,10 @@ class SglangConfig(Slice):
                                           minimum=1, maximum=65535)
     sglang_router_policy: str = flag("cache_aware", help="sglang-router policy", choices=ROUTER_POLICIES)
     sglang_api_key: str | None = flag(None, help="API key of the engines (sent as Bearer; passed to launched "
-                                      "engines)", secret=True, metavar="KEY")
+                                      "engines in a 0600 file, never on a command line); also asked by every "
+                                      "server of the run", secret=True, metavar="KEY", parse=values.api_key)
+    allow_unauthenticated: bool = flag(False, help="let a server of the run (status server, session server, "
+                                       "engines on other nodes) listen beyond loopback without --sglang-api-key")
     sglang_context_length: int | None = flag(None, help="engine context length", minimum=1)
     update_weight_transfer_mode: str = flag("disk", help="how trained weights reach the engines",
                                             choices=WEIGHT_TRANSFER_MODES)

@@ -12,6 +12,8 @@ import ipaddress
 import re
 from urllib.parse import SplitResult, urlsplit
 
+from workers.boundary.exposure import key_problem
+
 _HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 _HOSTNAME = re.compile(rf"^{_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?$")
 _HOOK_PATH = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)?$")
@@ -27,6 +29,15 @@ def host(text: str) -> str:
         pass
     if len(text) > 253 or not _HOSTNAME.match(text):
         raise ValueError("is not a host name or IP address")
+    return text
+
+
+def api_key(text: str) -> str:
+    """A key sent as `Authorization: Bearer KEY`: printable ASCII without spaces, as an HTTP header carries it
+    (any other character would fail in the client's encoder at the first request, not at start-up)."""
+    problem = key_problem(text)
+    if problem:
+        raise ValueError(problem)
     return text
 
 

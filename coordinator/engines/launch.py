@@ -8,6 +8,8 @@ Invariants:
   * A launch either returns a healthy engine (it answered `/health_generate`) or raises
     `EngineLaunchError` with the tail of the engine's log, and leaves no process behind. A process that
     exits while starting is reported at once, not after the start deadline.
+  * No secret is on an engine's command line: the spec's secrets are in a 0600 file (`secrets_file`) that
+    exists only while the engine starts.
   * `stop()` always ends the whole group: SIGTERM, SIGKILL after a grace period, then reap. It runs shielded,
     so cancellation of the caller cannot leave an orphan.
 
@@ -30,6 +32,7 @@ from coordinator.config.secrets import mask_argv
 from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError
 from coordinator.engines.policy import NO_RETRY
+from coordinator.engines.secrets_file import secrets_file
 from coordinator.engines.spec import EngineLaunchSpec, claim_port, engine_log_path, free_port
 from coordinator.lifecycle.processes import (
     exit_status,
@@ -125,9 +128,14 @@ class EngineProcess:
         raise AssertionError("unreachable")
 
     async def _start_once(self) -> None:
+        # the engine reads its secrets at start-up; the file is gone once it serves (or failed to start)
+        with secrets_file(self.spec.secrets()) as secrets:
+            await self._spawn_and_wait(secrets)
+
+    async def _spawn_and_wait(self, secrets: str | None) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: ASYNC230 - local append-only log, closed in stop()
-        cmd = self.spec.command(self.port or 0)
+        cmd = self.spec.command(self.port or 0, secrets_file=secrets)
         shown = " ".join(mask_argv(cmd))  # the API key (and any other secret flag) never reaches the log
         self._log.write(f"\n=== rayless: starting engine {self.name}: {shown}\n".encode())
         self._log.flush()

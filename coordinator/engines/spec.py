@@ -2,8 +2,10 @@
 
 Owns: the ports this process handed out in the last minute (`free_port` never hands one out twice) and the
 `EngineLaunchSpec` the placement plan builds per engine.
-Invariant: importing it imports no HTTP client and starts nothing, so the placement plan, the dry run and a
-replay run can use it (`coordinator.engines.launch` starts the processes).
+Invariants: importing it imports no HTTP client and starts nothing, so the placement plan, the dry run and a
+replay run can use it (`coordinator.engines.launch` starts the processes); no secret is on an engine's command
+line (`ps` shows command lines to every user): the API key and every secret-looking passthrough flag go in the
+0600 YAML file the command names with `--config` (SGLang's config file, which our engine reads too).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError("could not find a free port")
 
 
+#: What a command line shows for the secrets file before a launch writes one (the plan, `--dry-run`).
+SECRETS_FILE_SHOWN = "<0600 file: {}>"
+
 #: "rayless": our engine (`workers.engine`, CPU or CUDA); "sglang": `sglang.launch_server`.
 ENGINE_KINDS = ("rayless", "sglang")
 
@@ -101,7 +106,19 @@ class EngineLaunchSpec:
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {self.kind!r}")
 
-    def command(self, port: int) -> list[str]:
+    def secrets(self) -> dict[str, str]:
+        """The flags kept off the command line, by name (`api-key`, and any secret-looking passthrough flag):
+        what the launch writes to the 0600 file the command names."""
+        from coordinator.config.secrets import split_secret_flags
+
+        found = split_secret_flags(self.extra_args)[1]
+        return {"api-key": self.api_key, **found} if self.api_key else found
+
+    def command(self, port: int, *, secrets_file: str | None = None) -> list[str]:
+        """The engine's command line; with secrets, `--config FILE` names the file that holds them
+        (`secrets_file`: the launch's; else a placeholder saying what it will hold)."""
+        from coordinator.config.secrets import split_secret_flags
+
         module = "workers.engine" if self.kind == "rayless" else "sglang.launch_server"
         cmd = [
             self.python,
@@ -114,9 +131,10 @@ class EngineLaunchSpec:
             "--port",
             str(port),
         ]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
-        return cmd + list(self.extra_args)
+        secrets = self.secrets()
+        if secrets:
+            cmd += ["--config", secrets_file or SECRETS_FILE_SHOWN.format(", ".join(secrets))]
+        return cmd + split_secret_flags(self.extra_args)[0]
 
 
 def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: ClusterConfig, seed: int,

@@ -40,6 +40,7 @@ from coordinator.plan.records import (
 from coordinator.plan.snapshots import snapshot_place
 from coordinator.train.torchrun import TorchrunSpec
 from workers import protocol
+from workers.boundary.exposure import beyond_loopback, exposure_problem
 
 ENGINE_HOST = "127.0.0.1"
 
@@ -108,6 +109,12 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
                         warnings=warnings, layout=layout) \
         if config.needs_train_ranks else None
     host = _engine_host(layout, lenient=lenient, warnings=warnings) if rollout or eval_ else ENGINE_HOST
+    if problem := exposure_problem(host, has_key=bool(config.sglang.sglang_api_key),
+                                   allowed=config.sglang.allow_unauthenticated,
+                                   host_flag=f"node {node_rank}'s engines listen on", key_flag="--sglang-api-key"):
+        if not lenient:
+            raise ConfigError(problem)
+        warnings.append(problem)
     rollout_slots = _engine_slots(config, "rollout", rollout_indices, rollout,
                                   placed.get("rollout", ()), gpus, python, host) if rollout is not None else ()
     eval_slots = _engine_slots(config, "eval", eval_indices, eval_, placed.get("eval", ()), gpus,
@@ -204,6 +211,9 @@ def _engine_slots(config: Config, group: str, indices: range, choice: EngineChoi
             spill_dir=str(run_dir / "engine-spill" / name) if releases and choice.device == "cpu" else None)
         if python != spec.python or host != spec.host:
             spec = dataclasses.replace(spec, python=python, host=host)
+        if choice.backend == "rayless" and not spec.api_key and beyond_loopback(host):
+            # allowed by --allow-unauthenticated (checked above); our engine refuses such a host otherwise
+            spec = dataclasses.replace(spec, extra_args=(*spec.extra_args, "--allow-unauthenticated"))
         if config.determinism.active:  # the engine's deterministic flags and the one pinned thread count
             spec = dataclasses.replace(
                 spec, extra_args=spec.extra_args + determinism.engine_args(config, choice.backend),

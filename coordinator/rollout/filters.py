@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.hooks.calls import call_hook
 from coordinator.hooks.forms import HookForm, HookSignatureError, read_filter
 from replay.sample import Sample, SampleStatus
 from workers.errors import RaylessError
@@ -82,9 +83,11 @@ class DynamicFilter:
         return cls(load_object(path, what=FILTER_FLAG), name=path, reward_key=reward_key, args=args)
 
     async def __call__(self, group: list[Sample]) -> FilterResult:
-        result = self._fn(self._args, group) if self._slime_form else self._fn(group, **self._kwargs)
-        if inspect.isawaitable(result):
-            result = await result
+        # a sync filter runs in a worker thread a stop signal does not wait for (coordinator.hooks.calls); its exit
+        # or interrupt stops the run as a HookError naming it
+        what = f"{FILTER_FLAG} {self.name!r}"
+        args = (self._args, group) if self._slime_form else (group,)
+        result = await call_hook(self._fn, *args, what=what, **({} if self._slime_form else self._kwargs))
         if isinstance(result, bool):
             result = FilterResult(keep=result, reason=None if result else "filtered")
         elif not isinstance(result, FilterResult) and isinstance(getattr(result, "keep", None), bool):

@@ -270,6 +270,8 @@ class DefaultRollout:
             "rollout/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples)
             / max(len(samples), 1),
             "rollout/aborted_stragglers": float(progress.aborted),
+            # samples whose reward function escaped (exit, interrupt, its own cancellation): reward 0.0
+            "rollout/failed_samples": float(sum(s.status is SampleStatus.FAILED for s in samples)),
             "rollout/filtered_groups": float(progress.filtered),
             "rollout/engine_retries": float(self.dispatcher.retried),
             "rollout/refused_replies": float(self.dispatcher.refused_total),

@@ -8,6 +8,12 @@ of the sampling params and slime's `evaluation=` when the function takes it. Wha
 settled into our invariant (`replay.sample.settle_hook_fields`): a `Sample`, or a list of them (slime's
 multi-sample return: they replace the one sample in its group, in order).
 
+What the function raises: an `Exception` stops the run, naming the function's file and line; `SystemExit`,
+`KeyboardInterrupt` or a `CancelledError` of its own (`coordinator.hooks.calls.HookEscaped`) fails that episode:
+the sample comes back ABORTED with no response (generated again, counted as aborted, logged with the traceback),
+never as a sample without tokens for training; `MAX_ESCAPES_IN_A_ROW` such failures with no success between them
+stop the run (a function that always exits would otherwise be called for ever).
+
 Invariants: a hook's sample keeps its group (`group_index`) and gets `index` / `sample_index` from its place;
 a reward the hook set is kept (the reward model skips it), any other reward is cleared before the call; the
 hook's tokens, response length, loss mask and rollout logprobs agree (else an error naming the hook); the
@@ -17,12 +23,12 @@ number of requests in flight for the group never exceeds the slots the group hol
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 
+from coordinator.hooks.calls import HookEscaped, call_hook, log_escape
 from coordinator.hooks.forms import HookForm, Reading, read_generate
 from coordinator.hooks.runtime import GenerateFnInput, GroupRoute, HookError, HookRuntime, Route, hook_call
 from coordinator.rollout.dispatch import Dispatcher
@@ -31,6 +37,8 @@ from replay.sample import Sample, SampleError, SampleStatus, settle_hook_fields
 from workers.hook_loading import load_object
 
 FLAG = "--custom-generate-function-path"
+#: Escapes (exit, interrupt, own cancellation) in a row, with no call returning between them, that stop the run.
+MAX_ESCAPES_IN_A_ROW = 64
 #: Samples a generate function has nothing more to do for.
 DONE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.FAILED)
 
@@ -45,6 +53,7 @@ class CustomGenerate:
         self.reading: Reading = read_generate(FLAG, path, fn)
         self.runtime = runtime
         self.dispatcher = dispatcher
+        self.escapes_in_a_row = 0
 
     @classmethod
     def load(cls, path: str, *, runtime: HookRuntime, dispatcher: Dispatcher) -> CustomGenerate:
@@ -84,22 +93,42 @@ class CustomGenerate:
         before = sample.response_length
         params = copy.deepcopy(sampling_params)
         with self.runtime.routes.open(Route(route, sample.sample_index)) as token, hook_call(self.runtime, token):
-            returned = await self._call(sample, params, evaluation)
+            try:
+                returned = await self._call(sample, params, evaluation)
+            except HookEscaped as escaped:
+                self._escaped(escaped, sample)
+                return
+        self.escapes_in_a_row = 0
         produced = self._settle(returned, sample)
         results[id(sample)] = produced
         if progress is not None:
             progress.generated_tokens += max(sum(s.response_length for s in produced) - before, 0)
 
+    def _escaped(self, escaped: HookEscaped, sample: Sample) -> None:
+        """The episode failed: the sample goes back ABORTED, without a response, to be generated again."""
+        self.escapes_in_a_row += 1
+        where = f"sample {sample.group_index}/{sample.sample_index}"
+        if self.escapes_in_a_row >= MAX_ESCAPES_IN_A_ROW:
+            raise HookError(f"{escaped} on {self.escapes_in_a_row} calls in a row, none returning: the run stops "
+                            f"(last: {where})") from escaped.original
+        log_escape(escaped, f"{where}'s episode failed; the sample is generated again")
+        sample.status = SampleStatus.ABORTED
+        sample.tokens = sample.tokens[:sample.prompt_length]
+        sample.response_length, sample.response = 0, ""
+        sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [], [], []
+        sample.reward = None
+
     async def _call(self, sample: Sample, params: dict[str, Any], evaluation: bool) -> Any:
         args = self.runtime.args
+        what = f"{FLAG} {self.path!r}"
         if self.reading.form is HookForm.MILES:
-            output = await self.fn(GenerateFnInput(state=self.runtime.generate_state, sample=sample,
-                                                   sampling_params=params, evaluation=evaluation, args=args))
+            output = await call_hook(self.fn, GenerateFnInput(state=self.runtime.generate_state, sample=sample,
+                                                               sampling_params=params, evaluation=evaluation,
+                                                               args=args), what=what)
             return getattr(output, "samples", output)
         if self.reading.passes_evaluation:
-            return await self.fn(args, sample, params, evaluation=evaluation)
-        result = self.fn(args, sample, params)
-        return await result if inspect.isawaitable(result) else result
+            return await call_hook(self.fn, args, sample, params, what=what, evaluation=evaluation)
+        return await call_hook(self.fn, args, sample, params, what=what)
 
     def _settle(self, returned: Any, original: Sample) -> list[Sample]:
         where = f"{FLAG} {self.path!r} (sample {original.group_index}/{original.sample_index})"

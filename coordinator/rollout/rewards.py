@@ -22,10 +22,15 @@ which is kept in the sample's `metadata["reward_info"]`. With a custom generate 
 (`keep_given`: slime skips the rm for such samples); a failed sample (slime's `FAILED`) is not scored and gets
 0.0, as an aborted one.
 Async functions are awaited directly; the per-sample ones of a group run concurrently in a task group (a
-remote reward service is not serialised). Sync functions run inline on the event loop, as slime's run in its
-loop: most built-ins are microseconds, slime's math family milliseconds (sympy; bench/reward_grading.py),
-`math_verify` tens of milliseconds; a slow sync rm (a big model, a sandbox) should be written `async` and
-offload its own work (e.g. `await anyio.to_thread.run_sync(...)`).
+remote reward service is not serialised). A sync custom rm runs in a worker thread (`coordinator.hooks.calls`):
+a stop signal does not wait for one stuck in a blocking call (the warning names it). The built-in types run
+inline on the event loop: most are microseconds, slime's math family milliseconds (sympy;
+bench/reward_grading.py), `math_verify` tens of milliseconds.
+
+What a custom rm raises: an `Exception` stops the run, naming the rm's file and line (it would fail every
+sample); `SystemExit`, `KeyboardInterrupt` or a `CancelledError` of its own (a sandbox's kill or timeout) fails
+that episode only: its samples get status FAILED and reward 0.0, are counted (`rollout/failed_samples`) and
+logged with the traceback.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 
 import anyio
 
+from coordinator.hooks.calls import HookEscaped, call_hook, log_escape
 from coordinator.hooks.forms import HookForm, HookSignatureError, read_reward
 from coordinator.rewards.math_grading import extract_boxed, extract_last_number
 from coordinator.rewards.rules import (
@@ -101,6 +107,8 @@ class RewardModel:
         self.reward_key = reward_key
         self.rm_url = rm_url
         self._remote = remote if remote is not None else RemoteReward(rm_url) if rm_url else None
+        #: samples whose custom rm escaped (exit, interrupt, its own cancellation): FAILED with reward 0.0
+        self.failed = 0
         self._custom: Callable[..., Any] | None = custom_rm
         self._custom_name = getattr(custom_rm, "__qualname__", repr(custom_rm)) if custom_rm else ""
         if self._custom is None and custom_rm_path:
@@ -211,18 +219,31 @@ class RewardModel:
             for (sample, _), value in zip(remote, values, strict=True):
                 sample.reward = self._check(value, sample, f"--rm-url {self._remote.url}")
 
-    async def _score_custom_one(self, sample: Sample) -> None:
+    async def _call_custom(self, subject: Any, samples: Sequence[Sample]) -> tuple[bool, Any]:
+        """(True, the custom rm's value), or (False, None) when it escaped: `samples` then failed (FAILED, 0.0)."""
         assert self._custom is not None
-        value = self._custom(self.args, sample) if self._slime_form else self._custom(sample)
-        if inspect.isawaitable(value):
-            value = await value
-        sample.reward = self._check(value, sample)
+        args = (self.args, subject) if self._slime_form else (subject,)
+        what = f"--custom-rm-path {self._custom_name!r}"
+        try:
+            return True, await call_hook(self._custom, *args, what=what)
+        except HookEscaped as escaped:
+            log_escape(escaped, f"{', '.join(_where(sample) for sample in samples)} failed (status failed, "
+                                "reward 0.0)")
+            for sample in samples:
+                sample.status = SampleStatus.FAILED
+                sample.reward = 0.0
+            self.failed += len(samples)
+            return False, None
+
+    async def _score_custom_one(self, sample: Sample) -> None:
+        scored, value = await self._call_custom(sample, [sample])
+        if scored:
+            sample.reward = self._check(value, sample)
 
     async def _score_custom_group(self, samples: Sequence[Sample]) -> None:
-        assert self._custom is not None
-        values = self._custom(self.args, list(samples)) if self._slime_form else self._custom(list(samples))
-        if inspect.isawaitable(values):
-            values = await values
+        scored, values = await self._call_custom(list(samples), samples)
+        if not scored:
+            return
         if not isinstance(values, (list, tuple)):
             raise RewardError(
                 f"--custom-rm-path {self._custom_name!r} with --group-rm returned {type(values).__name__}; "

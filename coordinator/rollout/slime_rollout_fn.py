@@ -15,15 +15,10 @@ epoch, groups given back with `add_samples` first.
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
-import anyio.from_thread
-import anyio.to_thread
-
+from coordinator.hooks.calls import call_hook
 from coordinator.hooks.runtime import HookError, hook_call
 from replay.sample import RolloutBatch, Sample, SampleError, SampleStatus, settle_hook_fields
 
@@ -87,14 +82,9 @@ class SlimeRolloutFn:
         if runtime is None:
             raise HookError(f"{self.what} {self.path!r}: slime-style rollout functions need the run's hook "
                             "runtime")
-        call = functools.partial(self.fn, runtime.args, rollout_id, self.data_source, evaluation=False)
-        with hook_call(runtime):
-            if inspect.iscoroutinefunction(self.fn):
-                result = await call()
-            else:
-                result = await anyio.to_thread.run_sync(call)
-                if inspect.isawaitable(result):
-                    result = await result
+        with hook_call(runtime):  # a sync function runs in a worker thread a stop signal does not wait for
+            result = await call_hook(self.fn, runtime.args, rollout_id, self.data_source, what=f"{self.what} "
+                                     f"{self.path!r}", evaluation=False)
         return self._batch(result, rollout_id)
 
     def _batch(self, result: Any, rollout_id: int) -> RolloutBatch:

@@ -8,8 +8,10 @@ kept when the chat API has them) and `metadata` (the sample's, plus `max_seq_len
 With `--sglang-api-key`, `api_key` is passed too (the session server asks for it, as the engines do). Its
 returned dict is merged into the sample's metadata (a reward left there is the custom reward's to read).
 
-Invariants: the session is deleted on every path; an agent that raises, or that made no model call, gives
-an ABORTED sample (logged), never a dead run; otherwise the sample's tokens, loss mask, rollout logprobs,
+Invariants: the session is deleted on every path; an agent that raises — any exception, `SystemExit`,
+`KeyboardInterrupt` or a `CancelledError` of its own included (`coordinator.hooks.calls`) — or that made no model
+call, gives an ABORTED sample (logged; generated again), never a dead run or a sample without tokens; a sync
+agent runs in a worker thread a stop signal does not wait for; otherwise the sample's tokens, loss mask, rollout logprobs,
 status and weight versions are the session's trajectory (`coordinator.sessions.trajectory.assemble`).
 """
 
@@ -19,6 +21,7 @@ import inspect
 import logging
 from typing import Any
 
+from coordinator.hooks.calls import call_hook
 from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError, current_call
 from coordinator.sessions.trajectory import assemble
 from replay.sample import Sample, SampleStatus
@@ -85,9 +88,10 @@ def _aborted(sample: Sample) -> Sample:
     return sample
 
 
-async def _run_agent(agent: Any, **kwargs: Any) -> Any:
-    result = agent(**kwargs)
-    return await result if inspect.isawaitable(result) else result
+async def _run_agent(agent: Any, what: str, **kwargs: Any) -> Any:
+    # a sync agent runs in a worker thread a stop abandons; its exit, interrupt or own CancelledError comes out
+    # as HookEscaped (an Exception), never as a cancellation that would end this task as if it had finished
+    return await call_hook(agent, what=what, **kwargs)
 
 
 async def generate(input: GenerateFnInput) -> GenerateFnOutput:
@@ -106,7 +110,7 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
     try:
         # The engines' key (--sglang-api-key) goes to the agent only to reach this run's session server.
         key = {"api_key": server.api_key} if server.api_key else {}
-        returned = await _run_agent(agent, base_url=base_url, prompt=sample.prompt,
+        returned = await _run_agent(agent, f"{FLAG} {args.custom_agent_function_path!r}", base_url=base_url, prompt=sample.prompt,
                                     request_kwargs=build_chat_request_kwargs(input.sampling_params),
                                     metadata=metadata, **key)
     except Exception as error:  # the agent's failure costs this sample, not the run

@@ -4,7 +4,8 @@ Owns where the document comes from — the run's status server (its URL from `--
 `<run_dir>/status_url` while the run goes on), else `<run_dir>/status.json` (the last document of a run that
 ended), else what the run directory's files say (config.json, metrics.jsonl, summary.json, timeline.json) —
 and the text made of it. Exit status: 0 shown, 1 nothing to show (no server answers, no such run), 2 bad
-arguments. Everything read (a peer's reply, a file) is decoded through `workers.boundary`, bounded.
+arguments. Everything read (a peer's reply, a file) is read under a cap and decoded through `workers.boundary`,
+its shape checked and its text stripped of control characters before it is printed (`coordinator.status.reading`).
 """
 
 from __future__ import annotations
@@ -16,37 +17,30 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from coordinator.status.reading import (
+    MAX_BYTES,
+    NoStatus,
+    check_shape,
+    fetch,
+    printable,
+    read_capped,
+    status_endpoint,
+)
 from workers.boundary.errors import BoundaryError
+from workers.boundary.exposure import key_problem
 from workers.boundary.json_input import JsonLimits, decode_json
 
-LIMITS = JsonLimits(max_bytes=32 << 20)
-TIMEOUT_S = 5.0
-
-
-class NoStatus(Exception):
-    """Nothing to show; the message says what was tried."""
+LIMITS = JsonLimits(max_bytes=MAX_BYTES)
+MAX_URL_FILE_BYTES = 4096
 
 
 def from_server(url: str, api_key: str | None) -> dict[str, Any]:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(url.rstrip("/") + "/status", headers=headers, timeout=TIMEOUT_S)
-    except httpx.HTTPError as error:
-        raise NoStatus(f"the status server at {url} does not answer: {error}") from None
-    if response.status_code == 401:
-        raise NoStatus(f"the status server at {url} wants the run's API key: give --api-key")
-    if response.status_code != 200:
-        raise NoStatus(f"the status server at {url} answered {response.status_code}")
-    document = decode_json(response.content, f"{url}/status", LIMITS)
-    if not isinstance(document, dict) or "run" not in document:
-        raise NoStatus(f"{url}/status is not a rayless status document")
-    return document
+    endpoint = status_endpoint(url)
+    return check_shape(decode_json(fetch(url, api_key), endpoint, LIMITS), endpoint)
 
 
 def _json_file(path: Path) -> Any:
-    return decode_json(path.read_bytes(), str(path), LIMITS)
+    return decode_json(read_capped(path), str(path), LIMITS)
 
 
 def from_files(run_dir: Path) -> dict[str, Any]:
@@ -59,7 +53,7 @@ def from_files(run_dir: Path) -> dict[str, Any]:
     rows = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        for number, line in enumerate(metrics.read_bytes().splitlines(), 1):
+        for number, line in enumerate(read_capped(metrics, tail=True).splitlines(), 1):
             if line.strip():
                 row = decode_json(line, f"{metrics}:{number}", LIMITS)
                 if isinstance(row, dict):
@@ -93,12 +87,13 @@ def load(run_dir: Path | None, url: str | None, api_key: str | None) -> tuple[di
     url_file = run_dir / "status_url"
     tried = ""
     if url_file.is_file():
-        recorded = url_file.read_text(encoding="utf-8", errors="replace").strip()
+        with open(url_file, "rb") as file:
+            recorded = file.read(MAX_URL_FILE_BYTES).decode("utf-8", errors="replace").strip()
         try:
             return from_server(recorded, api_key), f"status server {recorded}"
         except NoStatus as error:
             tried = f" ({error}; the run may have been killed)"
-    return from_files(run_dir), f"files in {run_dir}{tried}"
+    return check_shape(from_files(run_dir), str(run_dir)), f"files in {run_dir}{tried}"
 
 
 def _clock(seconds: Any) -> str:
@@ -160,10 +155,13 @@ def main(argv: Sequence[str]) -> int:
     options = parser.parse_args(list(argv))
     if (options.run_dir is None) == (options.url is None):
         parser.error("give RUN_DIR or --url (one of them)")
+    if options.api_key is not None and (problem := key_problem(options.api_key)):
+        parser.error(f"--api-key {problem}")
     try:
         document, source = load(options.run_dir, options.url, options.api_key)
     except (NoStatus, BoundaryError, OSError) as error:
-        print(f"rayless status: {error}", file=sys.stderr)
+        print(f"rayless status: {printable(str(error))}", file=sys.stderr)
         return 1
+    document, source = printable(document), printable(source)
     print(json.dumps(document, indent=2) if options.json else render(document, source))
     return 0

@@ -61,7 +61,7 @@ def test_a_dry_run_of_an_8_gpu_plan_checks_everything_prints_the_plan_and_launch
     assert "train-ranks  0-3" in out and "CUDA_VISIBLE_DEVICES=0,1,2,3" in out
     assert "--tp-size 2 --base-gpu-id 4" in out and "--tp-size 2 --base-gpu-id 6" in out
     assert "weight sync: disk" in out and "bucket size 512 MiB" in out
-    assert "SENTINEL" not in out + outcome["stderr"] and "--api-key '***'" in out
+    assert "SENTINEL" not in out + outcome["stderr"] and "--config '<0600 file: api-key>'" in out
     assert "every check passed; nothing was launched" in out
 
 

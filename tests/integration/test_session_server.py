@@ -136,10 +136,13 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
         assert routed.sessions[session.id].turns[0].prompt_len == len(turn1)
         await routed.delete(session.id)
 
-        # miles' agentic generate over it: the agent's dict lands in the metadata; an agent that raises gives an
-        # aborted sample; either way its session is gone afterwards.
+        # miles' agentic generate over it: the agent's dict lands in the metadata; an agent that raises — an
+        # exception, its own CancelledError, a sync agent's SystemExit — gives an aborted sample (generated again,
+        # never trained without tokens); either way its session is gone afterwards.
         runtime = argparse.Namespace(sessions=routed, routes=HookRoutes())
-        for agent_path, status in (("run_agent", SampleStatus.COMPLETED), ("failing_agent", SampleStatus.ABORTED)):
+        for agent_path, status in (("run_agent", SampleStatus.COMPLETED), ("failing_agent", SampleStatus.ABORTED),
+                                   ("cancelling_agent", SampleStatus.ABORTED),
+                                   ("exiting_agent", SampleStatus.ABORTED)):
             args = argparse.Namespace(custom_agent_function_path=f"tests.support.session_agent.{agent_path}",
                                       max_seq_len=None, _rayless_runtime=runtime)
             sample = Sample(prompt=ASK, metadata={"task": "sum"})

@@ -7,12 +7,14 @@ the generated tokens; the rollout logprobs there are the ones the agent received
 returned dict reached the sample's metadata and the custom reward (the run has an API key: the agent got it and
 the session server asked for it); and the trainer's logprobs match the engine's within 1e-4 on every rollout.
 That multi-turn dumps (tool tokens under loss mask 0) replay to the generating run's losses is checked, on
-the same replay path and bit for bit, by tests/integration/test_hooks_e2e.py.
+the same replay path and bit for bit, by tests/integration/test_hooks_e2e.py. No process of the keyed run shows
+the key on its command line (`ps` shows command lines to every user): each one's is read at every step.
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,10 @@ from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from replay.format import dump_path
 from replay.reader import read_dump
+from tests.support.command_lines import CommandLines
 
 ROLLOUTS = 2
+KEY = "session-e2e-key"
 
 
 def _data(path: Path) -> Path:
@@ -48,15 +52,21 @@ def session_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         "--custom-generate-function-path", "miles.rollout.generate_hub.agentic_tool_call.generate",
         "--custom-agent-function-path", "tests.support.session_agent.run_agent",
         "--custom-rm-path", "tests.support.session_agent.reward",
-        "--use-session-server", "--tito-model", "default", "--sglang-api-key", "session-e2e-key",
+        "--use-session-server", "--tito-model", "default", "--sglang-api-key", KEY,
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", str(ROLLOUTS),
         "--rollout-max-response-len", "6", "--rollout-stop-token-ids", *stops,
         "--lr", "0.003", "--rollout-num-engines", "1", "--actor-num-gpus-per-node", "1",
         "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld"),
         "--run-dir", str(run_dir), "--no-progress",
     ])
-    summary = anyio.run(run_training, config)
+    lines = CommandLines()
+    summary = anyio.run(partial(run_training, config, extra_hooks=lambda _services: [lines]))
     assert summary["rollouts"] == ROLLOUTS and summary["train_steps"] == ROLLOUTS
+    # every child of the keyed run, read while it ran: the engine (its key in a 0600 --config file), torchrun
+    # and its rank; none shows the key
+    assert lines.holding("-m workers.engine") and lines.holding("workers.train_rank"), lines.seen
+    assert not lines.holding(KEY), lines.holding(KEY)
+    assert all("--config " in line and "--api-key" not in line for line in lines.holding("-m workers.engine"))
     return run_dir, tokenizer
 
 

@@ -6,6 +6,7 @@ compare with the dumped sample. The reward rule is the custom reward's (`reward`
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import openai
@@ -77,3 +78,18 @@ async def failing_agent(*, base_url: str, prompt: list[dict[str, Any]], request_
                                   max_retries=0) as client:
         await client.chat.completions.create(model="policy", messages=prompt, extra_body=request_kwargs)
     raise RuntimeError("the environment went away")
+
+
+async def cancelling_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwargs: dict[str, Any],
+                           metadata: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """Makes one model call, then raises a CancelledError of its own (an agent framework's timeout leaking out):
+    nothing of the run's was cancelled, so the sample is aborted, as for any failure."""
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.get("api_key", "EMPTY"),
+                                  max_retries=0) as client:
+        await client.chat.completions.create(model="policy", messages=prompt, extra_body=request_kwargs)
+    raise asyncio.CancelledError
+
+
+def exiting_agent(**kwargs: Any) -> dict[str, Any]:
+    """A synchronous agent calling sys.exit: it runs in a worker thread, and its exit aborts the sample only."""
+    raise SystemExit(3)

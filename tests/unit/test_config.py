@@ -222,6 +222,10 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                   "--num-epoch counts passes over --prompt-data; --load-debug-rollout-data replays"),
     "distillation_has_a_teacher": (None, ["--rollout-num-engines", "1", "--use-opd", "--opd-type", "sglang"],
                                    "--use-opd --opd-type sglang needs its teacher"),
+    "servers_beyond_loopback_need_a_key": (None, ["--rollout-num-engines", "1", "--status-port", "8265",
+                                                  "--status-host", "0.0.0.0"],
+                                           "--status-host 0.0.0.0 listens beyond this machine's loopback without "
+                                           "a key: give --sglang-api-key KEY"),
 }
 
 

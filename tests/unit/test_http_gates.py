@@ -4,12 +4,17 @@
   its size and line endings;
 - a JSON body is echoed when within the depth limit and a 400 naming the limit past it, never a 500;
 - a declared body over the limit is a 413 before the app runs; under it the app reads it;
-- the API key: any Authorization header but the exact Bearer key is a 401 on a guarded path; /health is open.
+- the API key: any Authorization header but the exact Bearer key is a 401 on a guarded path; /health is open;
+- CONNECT, to a path whose app answers any method 200 (as the status page does), is a 405 and logs nothing at
+  ERROR (answered 200, h11 switched the connection to a tunnel and uvicorn logged a traceback);
+- `beyond_loopback`: only 127.0.0.0/8, ::1 and localhost stay on the machine.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +30,13 @@ from starlette.routing import Route
 
 from tests.support.sockets import raw_exchange
 from workers.boundary.errors import BoundaryError
-from workers.boundary.http_gates import ApiKeyMiddleware, BodyLimitMiddleware, error_response, read_json
+from workers.boundary.exposure import beyond_loopback
+from workers.boundary.http_gates import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    error_response,
+    read_json,
+)
 from workers.boundary.http_guard import ServerLimits
 from workers.boundary.http_server import HttpService
 from workers.boundary.json_input import JsonLimits
@@ -51,7 +62,16 @@ async def ok(_request: Request) -> Response:
 
 def app() -> Any:
     routes = [Route("/health", ok, methods=["GET"]), Route("/echo", echo, methods=["POST"])]
-    return ApiKeyMiddleware(BodyLimitMiddleware(Starlette(routes=routes), MAX_BODY), KEY)
+    guarded = ApiKeyMiddleware(BodyLimitMiddleware(Starlette(routes=routes), MAX_BODY), KEY)
+    page = Response("page", media_type="text/html")
+
+    async def served(scope: Any, receive: Any, send: Any) -> None:  # the status server's shape: "/" is open
+        if scope["type"] == "http" and scope["path"] == "/":
+            await page(scope, receive, send)
+        else:
+            await guarded(scope, receive, send)
+
+    return served
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +132,26 @@ def test_only_the_exact_bearer_key_passes_and_health_is_open(http: httpx.Client,
     guarded = http.post("/echo", content=b"{}", headers=headers)
     assert guarded.status_code == (200 if given_key == KEY else 401)
     assert http.get("/health", headers=headers).status_code == 200
+
+
+@pytest.mark.parametrize("target", [b"/", b"x.example:443", b"/health"])
+def test_connect_is_a_405_and_logs_no_traceback(port: int, target: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    request = b"CONNECT " + target + b" HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    reply = raw_exchange(HOST, port, request)
+    assert reply.startswith(b"HTTP/1.1 405 "), reply[:200]
+    assert b"CONNECT is not served" in reply
+    assert raw_exchange(HOST, port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").startswith(
+        b"HTTP/1.1 200 ")  # the page itself is still served
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text[-2000:]
+
+
+@given(address=st.ip_addresses())
+def test_only_loopback_addresses_stay_on_the_machine(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
+    assert beyond_loopback(str(address)) is not address.is_loopback
+    assert beyond_loopback(f"[{address}]") is not address.is_loopback
+
+
+def test_names_and_wildcards_are_beyond_loopback() -> None:
+    assert not beyond_loopback("localhost")
+    assert beyond_loopback("0.0.0.0") and beyond_loopback("::") and beyond_loopback("node1.cluster")

@@ -175,7 +175,8 @@ def test_the_printout_shows_every_process_and_no_secret() -> None:
              "--sglang-api-key", "hunter2-secret", "--update-weight-transfer-mode", "distributed",
              "--update-weight-buffer-size", "16777216", gpus=4)
     text = describe_plan(p)
-    assert "hunter2-secret" not in text and "--api-key '***'" in text and "RAYLESS_CONTROL_TOKEN=***" in text
+    assert "hunter2-secret" not in text and "RAYLESS_CONTROL_TOKEN=***" in text
+    assert "--config '<0600 file: api-key>'" in text and "--api-key" not in text  # the key goes in a file
     for slot in p.local.processes():
         assert slot.name in text
     assert p.local.router is not None and f"http 127.0.0.1:{p.local.router.port}" in text

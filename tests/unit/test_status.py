@@ -17,7 +17,7 @@ from coordinator.config import ConfigError, parse_config
 from coordinator.observe import timeline
 from coordinator.observe.progress import MetricsLog, RunProgress
 from coordinator.observe.timeline import Timeline, recording
-from coordinator.status import command, prometheus
+from coordinator.status import command, prometheus, reading
 from coordinator.status.sources import StatusSources, snapshot
 
 
@@ -87,6 +87,7 @@ def test_metrics_parse_as_prometheus_text_with_conventional_names(tmp_path: Path
     assert samples["rayless_run_elapsed_seconds"].value >= 0
     assert all(name.startswith("rayless_") for name in samples)
     assert json.loads(json.dumps(document))["run"]["rollouts_done"] == 3
+    assert reading.check_shape(json.loads(json.dumps(document)), "/status")  # what `rayless status` accepts
 
 
 def test_status_flags_are_checked_at_start_up() -> None:
@@ -99,6 +100,22 @@ def test_status_flags_are_checked_at_start_up() -> None:
     with pytest.raises(ConfigError, match="--status-host"):
         parse_config([*base, "--status-port", "8265", "--status-host", "not a host"])
     assert parse_config([*base, "--status-port", "8265"]).logging.status_host == "127.0.0.1"
+    # beyond loopback: only with the run's key (every client is asked for it) or the explicit flag
+    for host in ("0.0.0.0", "::", "10.1.2.3"):
+        with pytest.raises(ConfigError, match=r"--status-host .* --sglang-api-key KEY .* --allow-unauthenticated"):
+            parse_config([*base, "--status-port", "8265", "--status-host", host])
+    assert parse_config([*base, "--status-port", "8265", "--status-host", "127.0.0.2"]).logging.status_host
+    assert parse_config([*base, "--status-port", "8265", "--status-host", "0.0.0.0", "--sglang-api-key", "k"])
+    assert parse_config([*base, "--status-port", "8265", "--status-host", "0.0.0.0", "--allow-unauthenticated"])
+    with pytest.raises(ConfigError, match=r"--session-server-ip 0\.0\.0\.0 .*--allow-unauthenticated"):
+        parse_config([*base, "--use-session-server", "--session-server-ip", "0.0.0.0",
+                      "--custom-agent-function-path", "a:b", "--custom-generate-function-path",
+                      "miles.rollout.generate_hub.agentic_tool_call.generate"])
+    # a key is an HTTP header's value: a non-ASCII one is refused here, not by the HTTP client mid-run
+    with pytest.raises(ConfigError, match="--sglang-api-key: '\\*\\*\\*' has a character that is not printable "
+                       "ASCII") as refused:
+        parse_config([*base, "--sglang-api-key", "clé-secrète"])
+    assert "clé" not in str(refused.value)
 
 
 def run_status(argv: list[str]) -> tuple[int, str]:
@@ -156,3 +173,118 @@ def test_engine_states_as_the_status_names_them() -> None:
     assert engine_state(handle(EngineState.DEAD, 1), nothing) == "dead"
     assert engine_state(handle(EngineState.STARTING, 1), nothing) == "relaunching"
     assert engine_state(handle(EngineState.DEAD, 2), nothing, finished=True) == "stopped"
+
+
+class HostileStatusServer:
+    """A real local HTTP server (a thread of this process) whose `/status` misbehaves by path: `/huge` streams
+    2 GiB without declaring a length (1 MiB at a time, until the client hangs up), `/declared` declares 2 GiB,
+    `/doc/N` answers document N of `DOCUMENTS`."""
+
+    HUGE = 2 << 30
+
+    def __init__(self, documents: list[bytes]) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        chunk = b" " * (1 << 20)
+        self.sent = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(handler) -> None:
+                if handler.path == "/huge/status":
+                    handler.send_response(200)
+                    handler.send_header("Content-Type", "application/json")
+                    handler.end_headers()
+                    try:
+                        while self.sent < self.HUGE:
+                            handler.wfile.write(chunk)
+                            self.sent += len(chunk)
+                    except OSError:
+                        return  # the client hung up: what it should do
+                elif handler.path == "/declared/status":
+                    handler.send_response(200)
+                    handler.send_header("Content-Length", str(self.HUGE))
+                    handler.end_headers()
+                else:
+                    body = documents[int(handler.path.split("/")[2])]
+                    handler.send_response(200)
+                    handler.send_header("Content-Length", str(len(body)))
+                    handler.end_headers()
+                    handler.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> HostileStatusServer:
+        import threading
+
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+RUN = {"run_dir": "/r", "config_digest": "", "state": "running", "rollouts_done": 1, "num_rollout": 4,
+       "elapsed_s": 3.0, "eta_s": None, "weight_version": "1", "phase": "train"}
+MALFORMED = [
+    (b"[1, 2]", "not a rayless status document (a JSON list"),
+    (b'{"run": 5}', "run is int, not an object"),
+    (json.dumps({"run": {**RUN, "rollouts_done": "x"}}).encode(), "run.rollouts_done is str"),
+    (json.dumps({"run": {k: v for k, v in RUN.items() if k != "state"}}).encode(), "run has no 'state'"),
+    (json.dumps({"run": RUN, "engines": {"a": 1}}).encode(), "engines is dict, not a list"),
+    (json.dumps({"run": RUN, "engines": [{"name": "e"}]}).encode(), "engines[0] has no 'state'"),
+    (json.dumps({"run": RUN, "ranks": [{"rank": True, "node": 0, "state": "x"}]}).encode(), "ranks[0].rank is bool"),
+    (b'{"run": ' * 100_000, "nested deeper than"),
+    (b"\xff\xfe not json", "/status"),
+]
+
+
+def test_rayless_status_reads_a_hostile_server_under_a_cap_and_prints_no_control_character() -> None:
+    from tests.support.memory import PeakMemory
+
+    hostile_text = json.dumps({"run": {**RUN, "state": "\x1b[2J\x1b[31mrunning\r\x07", "phase": "\u202etrain"},
+                               "engines": [{"name": "e\x1b]0;owned\x07", "state": "healthy", "address": None,
+                                            "in_flight": 0, "log_line": "ok\x1b[1A\x00"}]}).encode()
+    documents = [document for document, _ in MALFORMED] + [hostile_text]
+    with HostileStatusServer(documents) as server:
+        peak = PeakMemory()
+        code, text = run_status(["--url", f"{server.url}/huge"])
+        assert code == 1 and "more than the 16 MiB a status document may have" in text, text
+        assert peak.growth_mib < 100, f"{peak.growth_mib:.0f} MiB for a 2 GiB reply"
+        assert server.sent < HostileStatusServer.HUGE, "the client hung up rather than read it all"
+        code, text = run_status(["--url", f"{server.url}/declared"])
+        assert code == 1 and f"declares {HostileStatusServer.HUGE} bytes" in text, text
+        for index, (_, expected) in enumerate(MALFORMED):
+            code, text = run_status(["--url", f"{server.url}/doc/{index}"])
+            assert code == 1 and expected in text and "Traceback" not in text, (index, text)
+        code, text = run_status(["--url", f"{server.url}/doc/{len(MALFORMED)}"])
+        assert code == 0 and "running" in text and "train" in text, text
+        assert not any((ord(c) < 32 and c != "\n") or 0x7F <= ord(c) < 0xA0 or c == "\u202e" for c in text), repr(text)
+        code, text = run_status(["--url", f"{server.url}/doc/{len(MALFORMED)}", "--json"])
+        assert code == 0 and "\x1b" not in text and "\\u001b" not in text
+    assert peak.growth_mib < 100
+
+
+@pytest.mark.parametrize("url", ["not a url", "ftp://127.0.0.1:1", "http://", "http://127.0.0.1:99999",
+                                 "http://127.0.0.1:1/\x1b[2J", "x" * 10_000])
+def test_a_garbage_status_url_is_a_clear_error(tmp_path: Path, url: str) -> None:
+    code, text = run_status(["--url", url])
+    assert code == 1 and "is not a status server's address (expected http://HOST:PORT)" in text, text
+    assert "\x1b" not in text and len(text) < 400
+    (tmp_path / "config.json").write_text("{}")  # a run directory whose status_url is garbage: the files speak
+    (tmp_path / "status_url").write_text(url)
+    code, text = run_status([str(tmp_path)])
+    assert code == 0 and "not a status server's address" in text
+
+
+def test_a_non_ascii_api_key_is_refused_before_any_request() -> None:
+    with pytest.raises(SystemExit) as exited:
+        run_status(["--url", "http://127.0.0.1:9", "--api-key", "clé"])
+    assert exited.value.code == 2

@@ -2,7 +2,7 @@
 
 Owns `error_response` (SGLang's `{"error": {"message": ...}}`) and `HttpReply` (a route's way to answer
 with it), `ApiKeyMiddleware` (Bearer auth on every path but the health and metrics ones, compared in constant
-time), `BodyLimitMiddleware` (413 on a declared length over the limit before the app runs) and `read_body` / `read_json` (a streamed body cut off at the limit, then
+time), `MethodGate` (CONNECT refused with a 405 before any app sees it), `BodyLimitMiddleware` (413 on a declared length over the limit before the app runs) and `read_body` / `read_json` (a streamed body cut off at the limit, then
 decoded through `json_input`, off the event loop when large). Shared by the engine, the hook endpoint and the
 session server.
 
@@ -77,6 +77,25 @@ class ApiKeyMiddleware:
             if not secrets.compare_digest(header, self.expected):
                 await JSONResponse(self.body, status_code=401)(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class MethodGate:
+    """A 405 for CONNECT, before any app: answered 2xx, h11 would switch the connection to a tunnel and the app's
+    next write would raise inside uvicorn (a traceback in the log for one request line). Every rayless server
+    serves plain requests only."""
+
+    REFUSED = frozenset({"CONNECT"})
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") in self.REFUSED:
+            response = error_response(f"method {scope['method']} is not served here", 405)
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

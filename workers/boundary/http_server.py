@@ -8,7 +8,9 @@ returns once the socket is bound and listening, and the server stops when the ta
 
 Invariants: the port is bound (and listening) before anyone is told it is; the process's soft limit of open
 files is raised to its hard limit and the connection cap kept below it, so accepting never fails with EMFILE
-(asyncio would stop accepting for a second, /health included); uvicorn never reconfigures the caller's logging.
+(asyncio would stop accepting for a second, /health included); uvicorn never reconfigures the caller's logging;
+no request line reaches an app in a form h11 cannot answer (CONNECT: `MethodGate`), so none writes a traceback,
+and a request cancelled because its server stops is not logged as an error either.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import anyio.abc
 import uvicorn
 from starlette.types import ASGIApp
 
+from workers.boundary.http_gates import MethodGate
 from workers.boundary.http_guard import ConnectionGuard, ServerLimits, guarded_protocol
 
 log = logging.getLogger("rayless.http")
@@ -70,11 +73,27 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class RequestCancelledAtStop(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" for a request whose task was cancelled: a server stopping
+    cancels the requests in flight (`_stop`), which is not an error and has no traceback worth showing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, asyncio.CancelledError)
+
+
+def _quiet_cancelled_requests() -> None:
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(existing, RequestCancelledAtStop) for existing in logger.filters):
+        logger.addFilter(RequestCancelledAtStop())
+
+
 def uvicorn_config(app: ASGIApp, limits: ServerLimits, guard: ConnectionGuard, *, log_level: str = "warning",
                    lifespan: str = "off", log_config: Any = None, access_log: bool = False,
                    graceful_s: float = 5.0) -> uvicorn.Config:
+    _quiet_cancelled_requests()
     return uvicorn.Config(
-        app, http=guarded_protocol(guard), lifespan=lifespan, log_level=log_level, log_config=log_config,
+        MethodGate(app), http=guarded_protocol(guard), lifespan=lifespan, log_level=log_level, log_config=log_config,
         access_log=access_log, backlog=BACKLOG, timeout_keep_alive=limits.idle_s,  # type: ignore[arg-type]
         # h11's own head limit stays above ours, so ours (431) speaks first
         h11_max_incomplete_event_size=4 * limits.max_head_bytes, timeout_graceful_shutdown=int(graceful_s),

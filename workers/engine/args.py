@@ -11,6 +11,12 @@ cpu) and `--base-gpu-id N` (SGLang's: the engine runs on `cuda:N` of the GPUs th
 `--dtype` defaults to float32 on every device, so rollout logprobs match a float32 trainer unless asked
 otherwise.
 
+Secrets and exposure: `--config FILE.yaml` is SGLang's (a YAML mapping of flag names to values, merged before the
+command line, which wins), and is how the coordinator hands a launched engine its key: a 0600 file, so the key is
+never on a command line (`ps` shows it to every user). `--api-key` stays for engines started by hand. A key must
+be printable ASCII (an HTTP header carries it); a `--host` beyond loopback needs a key or
+`--allow-unauthenticated` (ours): exit 2 naming the flags otherwise.
+
 Request bounds (ours; SGLang has none): `--max-n` bounds `sampling_params.n`, `--max-seqs-per-request` bounds
 prompts × n of one request, `--max-request-bytes` the body of any request (a larger one is a 413). They keep
 one careless request from growing the engine without limit.
@@ -21,6 +27,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
+
+from workers.boundary.errors import BoundaryError
+from workers.boundary.exposure import exposure_problem, key_problem
+from workers.boundary.yaml_input import load_yaml
+
+#: A config file is a few flags; anything larger is not one.
+MAX_CONFIG_BYTES = 1 << 20
 
 # SGLang's --dtype spellings, mapped to ours.
 _DTYPES = {
@@ -70,7 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health*, /metrics)"
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health*, /metrics); "
+        "visible to every local user in ps: prefer 'api-key: KEY' in a 0600 --config file"
+    )
+    parser.add_argument(
+        "--config", default=None, metavar="FILE.yaml",
+        help="SGLang's config file: a YAML mapping of flag names (without --) to values, read before the command "
+        "line (which wins)",
+    )
+    parser.add_argument(
+        "--allow-unauthenticated", action="store_true",
+        help="serve on a --host beyond loopback without --api-key (refused otherwise)",
     )
     parser.add_argument("--random-seed", type=int, default=None)
     parser.add_argument("--weight-version", default="default")
@@ -182,9 +206,64 @@ def resolve_device(parser: argparse.ArgumentParser, device: str, base_gpu_id: in
     return f"cuda:{base_gpu_id}"
 
 
+def config_file_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` with SGLang's `--config FILE` replaced by the file's flags, put first so the command line wins
+    (SGLang's `ConfigArgumentMerger`: a key is a flag name, `true` sets a switch, a list gives several values)."""
+    positions = [i for i, token in enumerate(argv) if token == "--config" or token.startswith("--config=")]
+    if not positions:
+        return argv
+    if len(positions) > 1:
+        parser.error("--config is given more than once; give one file")
+    at = positions[0]
+    if argv[at] == "--config":
+        if at + 1 >= len(argv):
+            parser.error("--config needs a file")
+        path, rest = argv[at + 1], argv[:at] + argv[at + 2:]
+    else:
+        path, rest = argv[at].partition("=")[2], argv[:at] + argv[at + 1:]
+    if Path(path).suffix.lower() not in (".yaml", ".yml"):
+        parser.error(f"--config {path}: SGLang's config file is YAML (.yaml or .yml)")
+    try:
+        with open(path, "rb") as file:
+            data = load_yaml(file.read(MAX_CONFIG_BYTES + 1), path, max_bytes=MAX_CONFIG_BYTES)
+    except OSError as error:
+        parser.error(f"--config {path}: {error.strerror or error}")
+    except BoundaryError as error:
+        parser.error(f"--config {path}: {error}")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    switches = {action.dest for action in parser._actions if isinstance(action, argparse._StoreTrueAction)}
+    merged: list[str] = []
+    for key, value in data.items():
+        merged += _flag_tokens(parser, path, str(key), value, switches)
+    return merged + rest
+
+
+def _flag_tokens(parser: argparse.ArgumentParser, path: str, key: str, value: Any, switches: set[str]) -> list[str]:
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        if key.replace("-", "_") not in switches:
+            parser.error(f"--config {path}: {key}: true/false is for a switch")
+        return [flag] if value else []
+    if isinstance(value, list):
+        return [flag, *map(str, value)] if value else []
+    if isinstance(value, dict) or value is None:
+        parser.error(f"--config {path}: {key}: expected a value, got {type(value).__name__}")
+    return [f"{flag}={value}"]  # one token: a value starting with '-' stays the value
+
+
 def parse_args(argv: list[str] | None) -> EngineArgs:
+    import sys
+
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(config_file_args(parser, list(sys.argv[1:] if argv is None else argv)))
+    if ns.api_key is not None and (problem := key_problem(ns.api_key)):
+        parser.error(f"--api-key {problem}")
+    if problem := exposure_problem(ns.host, has_key=ns.api_key is not None, allowed=ns.allow_unauthenticated,
+                                   host_flag="--host", key_flag="--api-key"):
+        parser.error(problem)
     if ns.tp_size != 1:
         parser.error(f"--tp-size {ns.tp_size}: the engine runs one process; use --tp-size 1")
     if ns.max_running_requests < 1:
