@@ -42,28 +42,33 @@ class PromptRecord:
     """One prompt: its text (or chat messages when no template is applied), label and metadata."""
 
     prompt: str | ChatMessages
-    #: Text (numbers become their decimal text), or a structured JSON value (a dict of accepted answers, ...).
+    #: The data file's JSON value unchanged (`label_value`): text, a number, a list or an object.
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     # Position in the data (row / non-blank line order); stable across epochs and resumes.
     index: int = -1
 
 
-def _label_text(value: Any, *, where: str, key: str) -> Any:
-    """Labels are text; numbers (common in math sets) become their decimal text; lists and dicts (several
-    accepted answers, test cases, Search-R1's `reward_model`) stay as they are, as slime keeps them."""
+def label_value(value: Any, *, where: str, key: str) -> Any:
+    """The label as the data file holds it, its JSON type kept, as slime's `Sample.label = data[label_key]`:
+    text, a number (a choice index to `gpqa`, a number to `math`), a list or an object (several accepted
+    answers, test cases, Search-R1's `reward_model`), or null. A boolean is refused (a data mistake more often
+    than a label; no built-in reward type reads one). One exception to the type: an integer beyond 64 bits
+    becomes its decimal text, since a rollout dump (msgpack) cannot hold it and the graders that read such a
+    number (the math family) read it as text. `rayless reward score` reads its labels through this too, so it
+    grades what a run grades."""
     if value is None or isinstance(value, str):
         return value
+    if type(value) is int and not -(2**63) <= value < 2**64:
+        return str(value)
     if isinstance(value, bool):
         raise DataSourceError(
-            f"{where}: label key {key!r} holds a boolean ({value!r}); expected text or a number"
+            f"{where}: label key {key!r} holds a boolean ({value!r}); expected text, a number, a list or an object"
         )
-    if isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, (list, dict)):
+    if isinstance(value, (int, float, list, dict)):
         return value
     raise DataSourceError(
-        f"{where}: label key {key!r} holds {type(value).__name__}; expected text or a number"
+        f"{where}: label key {key!r} holds {type(value).__name__}; expected text, a number, a list or an object"
     )
 
 
@@ -148,7 +153,7 @@ def build_record(where: str, row: dict[str, Any], *, input_key: str, label_key: 
     raw = raw_prompts and not isinstance(value, str | list) and value is not None
     return PromptRecord(
         prompt=value if raw else _check_prompt(value, where=where, key=input_key),
-        label=_label_text(row[label_key], where=where, key=label_key) if label_key is not None else None,
+        label=label_value(row[label_key], where=where, key=label_key) if label_key is not None else None,
         metadata=_check_metadata(row[metadata_key], where=where, key=metadata_key)
         if metadata_key is not None
         else {},
