@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES, iter_rows, line_limits
+from replay.sample import SampleError
+from replay.sample import label_value as sample_label_value
 from workers.boundary.errors import BoundaryError
 from workers.boundary.json_input import decode_json
 from workers.errors import RaylessError
@@ -42,7 +44,7 @@ class PromptRecord:
     """One prompt: its text (or chat messages when no template is applied), label and metadata."""
 
     prompt: str | ChatMessages
-    #: The data file's JSON value unchanged (`label_value`): text, a number, a list or an object.
+    #: The data file's JSON value unchanged (`replay.sample.label_value`): text, a number, a list or an object.
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     # Position in the data (row / non-blank line order); stable across epochs and resumes.
@@ -50,26 +52,11 @@ class PromptRecord:
 
 
 def label_value(value: Any, *, where: str, key: str) -> Any:
-    """The label as the data file holds it, its JSON type kept, as slime's `Sample.label = data[label_key]`:
-    text, a number (a choice index to `gpqa`, a number to `math`), a list or an object (several accepted
-    answers, test cases, Search-R1's `reward_model`), or null. A boolean is refused (a data mistake more often
-    than a label; no built-in reward type reads one). One exception to the type: an integer beyond 64 bits
-    becomes its decimal text, since a rollout dump (msgpack) cannot hold it and the graders that read such a
-    number (the math family) read it as text. `rayless reward score` reads its labels through this too, so it
-    grades what a run grades."""
-    if value is None or isinstance(value, str):
-        return value
-    if type(value) is int and not -(2**63) <= value < 2**64:
-        return str(value)
-    if isinstance(value, bool):
-        raise DataSourceError(
-            f"{where}: label key {key!r} holds a boolean ({value!r}); expected text, a number, a list or an object"
-        )
-    if isinstance(value, (int, float, list, dict)):
-        return value
-    raise DataSourceError(
-        f"{where}: label key {key!r} holds {type(value).__name__}; expected text, a number, a list or an object"
-    )
+    """`replay.sample.label_value` (the one rule, shared with `rayless reward score`) as a DataSourceError."""
+    try:
+        return sample_label_value(value, where=where, key=key)
+    except SampleError as error:
+        raise DataSourceError(str(error)) from None
 
 
 def _check_prompt(value: Any, *, where: str, key: str) -> str | ChatMessages:

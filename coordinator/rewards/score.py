@@ -65,8 +65,7 @@ def _rows(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Any:
-    from coordinator.data.source import DataSourceError, label_value
-    from replay.sample import Sample, SampleStatus
+    from replay.sample import Sample, SampleError, SampleStatus, label_value
     from workers.boundary.errors import BoundaryError
     from workers.boundary.json_input import decode_json
 
@@ -81,7 +80,7 @@ def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Any:
         raise ScoreInputError(f"line {number} has no text field {keys.response!r} (--input-key)")
     try:  # the label as a run reads it (`label_value`: its JSON type kept), so both grade alike
         label = label_value(row.get(keys.label), where=f"line {number}", key=keys.label)
-    except DataSourceError as error:
+    except SampleError as error:
         raise ScoreInputError(str(error)) from None
     if needs_label and label is None:
         raise ScoreInputError(f"line {number} has no {keys.label!r} (--label-key): this reward type needs a label")
