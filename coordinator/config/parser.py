@@ -1,7 +1,8 @@
 """From a command line and an optional `--config` file to a validated Config.
 
 Owns the argparse parser, generated from the slices' fields (one group per slice in `--help-all`; the short
-`--help` is `coordinator.config.help`), the reading of YAML/TOML config files, the `--sglang-*` passthrough, and `parse_config`, the one parsing path.
+`--help` is `coordinator.config.help`), the reading of YAML/TOML config files, the `--sglang-*` passthrough,
+and `parse_config`, the one parsing path.
 
 Invariants:
 - argparse only splits the command line into flags and strings (no `type=`, no `choices=`, no defaults:
