@@ -6,7 +6,7 @@ Owns the filter run.sh pipes pip through (it runs with the interpreter that crea
 is installed: standard library only). pip's own lines are long and many (a dependency already there is one
 "Requirement already satisfied" line each); what a person wants from a first install that takes minutes is
 what is being fetched, how big it is and how long it has been. Kept: "Collecting X" (with the size of its
-"Downloading ... (SIZE)" line when one follows), "Installing collected packages", "Successfully installed",
+"Downloading ... (SIZE)" line when one follows), "Processing FILE" (a wheel from a local index), "Installing collected packages", "Successfully installed",
 errors and warnings other than pip's location notice; the satisfied requirements become one count.
 Invariant: every line pip writes that starts with ERROR is passed on whole, and the exit status is pip's
 business (the caller reads it from its pipeline), never this filter's.
@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 _COLLECTING = re.compile(r"^Collecting (\S+)")
+_PROCESSING = re.compile(r"^Processing (\S+)")  # a wheel from a local index or --find-links directory
 _DOWNLOADING = re.compile(r"^\s+Downloading (\S+) \(([^)]+)\)")
 _SATISFIED = re.compile(r"^Requirement already satisfied: ")
 _INSTALLING = re.compile(r"^Installing collected packages: (.*)$")
@@ -55,6 +56,8 @@ def progress(lines: Iterable[str], elapsed: Iterator[float]) -> Iterator[str]:
             pending = None
         if collecting := _COLLECTING.match(line):
             pending = collecting.group(1)
+        elif processing := _PROCESSING.match(line):
+            yield shown(f"collecting {processing.group(1).rsplit('/', 1)[-1]} (local)")
         elif _SATISFIED.match(line):
             satisfied += 1
         elif installing := _INSTALLING.match(line):

@@ -12,6 +12,7 @@ from tools.pip_progress import progress
 
 # pip 24/25's output for a first install (progress bar off), as run.sh asks for it
 PIP_OUTPUT = """\
+Looking in indexes: https://pypi.org/simple, file:///opt/pypi/simple
 Obtaining file:///work/rayless
   Installing build dependencies: started
   Installing build dependencies: finished with status 'done'
@@ -22,6 +23,8 @@ Requirement already satisfied: filelock in ./.venv/lib/python3.11/site-packages 
 Requirement already satisfied: jinja2 in ./.venv/lib/python3.11/site-packages (from torch==2.13.0) (3.1.4)
 Collecting sympy>=1.13.3 (from torch==2.13.0)
   Using cached sympy-1.13.3-py3-none-any.whl.metadata (12 kB)
+WARNING: Location 'file:///opt/pypi-more/simple/six/' is ignored: it is neither a file nor a directory.
+Processing /opt/pypi/files/six-1.17.0-py2.py3-none-any.whl
 Collecting anyio<5,>=4.4 (from rayless==0.1.0)
   Downloading anyio-4.6.2-py3-none-any.whl (90 kB)
 Building wheels for collected packages: rayless
@@ -36,10 +39,11 @@ def test_one_line_per_package_with_its_size_and_the_time() -> None:
     assert shown == [
         "[0:05] downloading torch==2.13.0 (190.5 MB)",
         "[0:35] collecting sympy>=1.13.3",
-        "[1:05] downloading anyio<5,>=4.4 (90 kB)",
-        "[1:35] 2 requirement(s) already installed",
-        "[2:05] installing 4 package(s) (the largest take a minute or two)",
-        "[2:35] installed 4 package(s)",
+        "[1:05] collecting six-1.17.0-py2.py3-none-any.whl (local)",
+        "[1:35] downloading anyio<5,>=4.4 (90 kB)",
+        "[2:05] 2 requirement(s) already installed",
+        "[2:35] installing 4 package(s) (the largest take a minute or two)",
+        "[3:05] installed 4 package(s)",
     ]
 
 
@@ -59,5 +63,5 @@ def test_run_sh_pipes_pip_through_it() -> None:
                           input=PIP_OUTPUT, capture_output=True, text=True, check=True, timeout=60)
     assert done.stdout == ""
     lines = done.stderr.splitlines()
-    assert len(lines) == 6 and lines[0].endswith("downloading torch==2.13.0 (190.5 MB)")
+    assert len(lines) == 7 and lines[0].endswith("downloading torch==2.13.0 (190.5 MB)")
     assert "[run.sh]" in lines[0]
