@@ -15,6 +15,7 @@ business (the caller reads it from its pipeline), never this filter's.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -26,6 +27,19 @@ _DOWNLOADING = re.compile(r"^\s+Downloading (\S+) \(([^)]+)\)")
 _SATISFIED = re.compile(r"^Requirement already satisfied: ")
 _INSTALLING = re.compile(r"^Installing collected packages: (.*)$")
 _DONE = re.compile(r"^Successfully installed (.*)$")
+
+
+def file_size(path: str) -> str | None:
+    """A local wheel's size as pip writes a download's ("190.5 MB"), or None when it cannot be read."""
+    try:
+        size = float(os.path.getsize(path))
+    except OSError:
+        return None
+    for unit in ("bytes", "kB", "MB"):
+        if size < 1000 or unit == "MB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1000
+    return None
 
 
 def clock(seconds: float) -> str:
@@ -57,7 +71,8 @@ def progress(lines: Iterable[str], elapsed: Iterator[float]) -> Iterator[str]:
         if collecting := _COLLECTING.match(line):
             pending = collecting.group(1)
         elif processing := _PROCESSING.match(line):
-            yield shown(f"collecting {processing.group(1).rsplit('/', 1)[-1]} (local)")
+            path = processing.group(1)
+            yield shown(f"collecting {path.rsplit('/', 1)[-1]} ({file_size(path) or 'local'})")
         elif _SATISFIED.match(line):
             satisfied += 1
         elif installing := _INSTALLING.match(line):

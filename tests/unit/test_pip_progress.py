@@ -24,7 +24,7 @@ Requirement already satisfied: jinja2 in ./.venv/lib/python3.11/site-packages (f
 Collecting sympy>=1.13.3 (from torch==2.13.0)
   Using cached sympy-1.13.3-py3-none-any.whl.metadata (12 kB)
 WARNING: Location 'file:///opt/pypi-more/simple/six/' is ignored: it is neither a file nor a directory.
-Processing /opt/pypi/files/six-1.17.0-py2.py3-none-any.whl
+Processing /no/such/mirror/six-1.17.0-py2.py3-none-any.whl
 Collecting anyio<5,>=4.4 (from rayless==0.1.0)
   Downloading anyio-4.6.2-py3-none-any.whl (90 kB)
 Building wheels for collected packages: rayless
@@ -45,6 +45,13 @@ def test_one_line_per_package_with_its_size_and_the_time() -> None:
         "[2:35] installing 4 package(s) (the largest take a minute or two)",
         "[3:05] installed 4 package(s)",
     ]
+
+
+def test_a_local_wheel_is_shown_with_its_size(tmp_path: Path) -> None:
+    wheel = tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"0" * 2_500_000)
+    assert list(progress([f"Processing {wheel}\n"], itertools.count())) == [
+        f"[0:00] collecting {wheel.name} (2.5 MB)"]
 
 
 def test_errors_pass_through_whole_and_an_unfinished_collect_is_shown() -> None:
