@@ -27,12 +27,12 @@ installed_extras() { [ -f "$STAMP" ] && tail -n 1 "$STAMP" | sed -n 's/^extras=/
 installed_base() { [ -f "$STAMP" ] && sed '$d' "$STAMP"; }
 
 # pip, with one line per package (its size when downloaded) and the elapsed time instead of pip's own output
+INSTALL_STARTED="$(date +%s)"  # the clock of the progress lines: one for the whole install
 pip_install() {
-    local started rc
-    started="$(date +%s)"
+    local rc
     set +e
     "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
-        | "$PYTHON" "$ROOT/tools/pip_progress.py" --started "$started"
+        | "$PYTHON" "$ROOT/tools/pip_progress.py" --started "$INSTALL_STARTED"
     rc="${PIPESTATUS[0]}"
     set -e
     return "$rc"
@@ -55,8 +55,6 @@ install_env() {  # $1: run | dev
         log "creating virtual environment in $VENV"
         "$PYTHON" -m venv "$VENV" || return 1
     fi
-    local started
-    started="$(date +%s)"
     if has_gpu; then
         log "GPU found: installing the CUDA build of torch (~2.5 GB download on a first install)"
         pip_install 'torch>=2.6,<2.15' || return 1
@@ -72,7 +70,7 @@ install_env() {  # $1: run | dev
         pip_install -e . || return 1
     fi
     printf '%s\nextras=%s' "$want" "$extras" > "$STAMP"
-    log "installed in $(( $(date +%s) - started )) s; to type \`rayless ...\` as the docs do: source .venv/bin/activate"
+    log "installed in $(( $(date +%s) - INSTALL_STARTED )) s; to type \`rayless ...\` as the docs do: source .venv/bin/activate"
 }
 
 # The real sglang wheel for the tests that run SGLang's own code against ours: its weight-sync code
