@@ -201,6 +201,8 @@ def main(argv: Sequence[str]) -> int:
             return run(options, None if options.compare else sys.stdout, sys.stdout)
         with open(options.out, "w", encoding="utf-8") as handle:
             return run(options, handle, sys.stdout)
+    except BrokenPipeError:  # the reader stopped reading (`| head`): the command line ends it quietly (cli)
+        raise
     except (OSError, UnicodeDecodeError) as error:
         print(f"rayless reward score: error: {options.file} or --out {options.out}: {error}", file=sys.stderr)
         return 2
