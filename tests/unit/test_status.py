@@ -22,6 +22,8 @@ from coordinator.observe.progress import MetricsLog, RunProgress
 from coordinator.observe.timeline import Timeline, recording
 from coordinator.status import command, prometheus
 from coordinator.status.sources import StatusSources, snapshot
+from replay.format import write_dump
+from replay.sample import Sample, SampleStatus
 
 
 def test_spans_nest_concurrent_ones_get_lanes_and_the_file_is_trace_events(tmp_path: Path) -> None:
@@ -128,7 +130,8 @@ def test_rayless_status_names_what_it_cannot_read(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv", [["status", "RUN"], ["--help"],
-                                  ["reward", "score", "--rm-type", "exact_match", "RUN/rows.jsonl"]])
+                                  ["reward", "score", "--rm-type", "exact_match", "RUN/rows.jsonl"],
+                                  ["dump", "show", "RUN/0.rld"]])
 def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path: Path, argv: list[str]) -> None:
     """`rayless status RUN | head -1`: the reader is gone before the command writes (its end of the pipe closed
     at once), so every write meets EPIPE; the command exits 0 with no BrokenPipeError traceback."""
@@ -136,6 +139,9 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path: Path, ar
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.5}) + "\n")
     # more output than a pipe's buffer: the write that meets EPIPE happens inside the command, not at exit
     (tmp_path / "rows.jsonl").write_text((json.dumps({"response": "a", "label": "a"}) + "\n") * 5000)
+    write_dump(tmp_path / "0.rld", 0, [Sample(tokens=[1, 2], response_length=1, loss_mask=[1], rollout_log_probs=[-1.0],
+                                              status=SampleStatus.COMPLETED, reward=1.0, response="x")],
+               config_facts={})
     argv = [arg.replace("RUN", str(tmp_path)) for arg in argv]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     child = subprocess.Popen([sys.executable, "-m", "coordinator.cli", *argv], stdout=subprocess.PIPE,
