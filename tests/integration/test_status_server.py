@@ -195,7 +195,7 @@ async def test_page_metrics_and_status_follow_a_run_whose_engine_is_killed(tiny_
     # One source for a rate: /metrics' per-engine tokens/s are a logged row's, and add up to its total (the
     # terminal's rollout rate), however the requests fell between the two engines.
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(probe.engine_rates) == ["rollout-0", "rollout-1"], probe.engine_rates
+    assert probe.engine_rates and set(probe.engine_rates) <= {"rollout-0", "rollout-1"}, probe.engine_rates
     row = next(r for r in rows if all(r.get(f"rollout/tokens_per_s/{name}") == pytest.approx(rate)
                                       for name, rate in probe.engine_rates.items()))
     assert sum(probe.engine_rates.values()) == pytest.approx(row["rollout/tokens_per_s"])
