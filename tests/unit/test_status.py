@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections import Counter
 import json
 import os
 import socket
@@ -92,6 +93,32 @@ def test_metrics_parse_as_prometheus_text_with_conventional_names(tmp_path: Path
     assert samples["rayless_run_elapsed_seconds"].value >= 0
     assert all(name.startswith("rayless_") for name in samples)
     assert json.loads(json.dumps(document))["run"]["rollouts_done"] == 3
+
+
+def test_an_engines_rate_is_read_from_the_rollouts_row_on_the_page_and_metrics_alike(tmp_path: Path) -> None:
+    """One source: the rollout's per-engine share (what `coordinator.rollout.generate.engine_rates` logs), the
+    same number in `/status` and `/metrics`; an engine without a figure in the row has none in either."""
+    from coordinator.engines.client import EngineClient
+    from coordinator.engines.fleet import EngineFleet
+    from coordinator.rollout.generate import engine_rates
+
+    fleet = EngineFleet(client=EngineClient(max_connections=1), external_urls=["127.0.0.1:1", "127.0.0.1:2"],
+                        run_dir=tmp_path)
+    first, second = fleet.engines
+    shares = engine_rates(Counter({first.url: 300, "http://127.0.0.1:9": 100}), fleet, 2.0)  # :9: no engine's
+    assert shares == {f"rollout/tokens_per_s/{first.name}": 150.0}
+    metrics = MetricsLog(tmp_path)
+    metrics.log(0, {"rollout/tokens_per_s": 200.0, **shares})
+    metrics.close()
+    sources = StatusSources(run_dir=tmp_path, config_digest="abc", progress=RunProgress(), metrics=metrics,
+                            timeline=Timeline(None), fleets=[fleet])
+    document = snapshot(sources)
+    assert [(e["name"], e["tokens_per_s"]) for e in document["engines"]] == [(first.name, 150.0),
+                                                                             (second.name, None)]
+    rates = {s.labels["engine"]: s.value for family in text_string_to_metric_families(prometheus.render(document)
+                                                                                        .decode())
+             for s in family.samples if s.name == "rayless_engine_generation_tokens_per_second"}
+    assert rates == {first.name: 150.0}
 
 
 def test_status_flags_are_checked_at_start_up() -> None:
