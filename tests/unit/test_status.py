@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections import Counter
 import json
 import os
 import socket
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import anyio
