@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # rayless set-up and entry point.
-#   ./run.sh            install (first time), build the tiny model, run the default RL job on CPU engines
-#   ./run.sh test       install (first time) and run the whole test suite
-#   ./run.sh ARGS...    install (first time) and run `rayless ARGS...`
-# Idempotent: the virtual environment is reused and reinstalled only when pyproject.toml changes.
+#   ./run.sh            install what running needs (first time), build the tiny model, run the default RL job
+#   ./run.sh test       install it with the test tools (first time) and run the whole test suite
+#   ./run.sh ARGS...    install (first time) and run `rayless ARGS...` in the directory you called it from
+# Idempotent: the virtual environment (.venv beside this script) is reused and reinstalled only when
+# pyproject.toml changes or the test tools are wanted and missing. To type `rayless ...` as the docs do:
+#   source .venv/bin/activate
 set -euo pipefail
+CALLER_DIR="$PWD"  # `./run.sh ARGS` runs there, so relative paths mean what they meant to the caller
 cd "$(dirname "$0")"
+ROOT="$PWD"
 
 VENV="${RAYLESS_VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.rayless-install-stamp"
 
@@ -15,30 +20,57 @@ log() { printf '\033[1m[run.sh]\033[0m %s\n' "$*" >&2; }
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
-install() {
-    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
-        log "rayless needs Python >= 3.10 (found $("$PYTHON" --version 2>&1)); set PYTHON=..."; exit 1
+# What an install holds, as the stamp records it: pyproject.toml, the torch build, and on the last line the
+# extras ("run": rayless and what running needs; "dev": plus the test tools, a superset of "run").
+install_base() { cat pyproject.toml; has_gpu && echo gpu || echo cpu; }
+installed_extras() { [ -f "$STAMP" ] && tail -n 1 "$STAMP" | sed -n 's/^extras=//p'; }
+installed_base() { [ -f "$STAMP" ] && sed '$d' "$STAMP"; }
+
+# pip, with one line per package (its size when downloaded) and the elapsed time instead of pip's own output
+INSTALL_STARTED="$(date +%s)"  # the clock of the progress lines: one for the whole install
+pip_install() {
+    local rc
+    set +e
+    "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+        | "$PYTHON" "$ROOT/tools/pip_progress.py" --started "$INSTALL_STARTED"
+    rc="${PIPESTATUS[0]}"
+    set -e
+    return "$rc"
+}
+
+install_env() {  # $1: run | dev
+    local extras="$1" want had
+    want="$(install_base)"
+    had="$(installed_extras || true)"
+    # up to date: the same pyproject.toml and torch build, and the extras asked for (dev holds run's)
+    if [ -x "$VENV/bin/python" ] && [ "$(installed_base || true)" = "$want" ] \
+            && { [ "$had" = dev ] || [ "$had" = "$extras" ]; }; then
+        return
+    fi
+    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+        log "rayless needs Python >= 3.10 (found: $("$PYTHON" --version 2>&1 || echo "no $PYTHON")); set PYTHON=..."
+        exit 1
     fi
     if [ ! -x "$VENV/bin/python" ]; then
         log "creating virtual environment in $VENV"
-        "$PYTHON" -m venv "$VENV"
+        "$PYTHON" -m venv "$VENV" || return 1
     fi
-    local want
-    want="$(cat pyproject.toml; has_gpu && echo gpu || echo cpu)"
-    if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
-        return
-    fi
-    local pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
     if has_gpu; then
-        log "GPU found: installing the CUDA build of torch"
-        "${pip[@]}" 'torch>=2.6,<2.15'
+        log "GPU found: installing the CUDA build of torch (~2.5 GB download on a first install)"
+        pip_install 'torch>=2.6,<2.15' || return 1
     else
-        log "no GPU: installing the CPU build of torch"
-        "${pip[@]}" 'torch==2.13.0'
+        log "no GPU: installing the CPU build of torch (~200 MB download on a first install)"
+        pip_install 'torch==2.13.0' || return 1
     fi
-    log "installing rayless and its test tools"
-    "${pip[@]}" -e '.[dev]'
-    printf '%s' "$want" > "$STAMP"
+    if [ "$extras" = dev ]; then
+        log "installing rayless and its test tools (pytest, ruff, hypothesis, playwright, verifiers, ...)"
+        pip_install -e '.[dev]' || return 1
+    else
+        log "installing rayless and what running needs (the test tools come with ./run.sh test)"
+        pip_install -e . || return 1
+    fi
+    printf '%s\nextras=%s' "$want" "$extras" > "$STAMP"
+    log "installed in $(( $(date +%s) - INSTALL_STARTED )) s; to type \`rayless ...\` as the docs do: source .venv/bin/activate"
 }
 
 # The real sglang wheel for the tests that run SGLang's own code against ours: its weight-sync code
@@ -61,22 +93,22 @@ install_sglang_for_tests() {
     log "installing the real sglang wheel for the tests, without dependencies, into $SGLANG_SITE (~1.3 GB, once)"
     rm -rf "$SGLANG_SITE"
     # shellcheck disable=SC2086 # $want is a list of requirement specifiers
-    if ! "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
-            --target "$SGLANG_SITE" $want; then
+    if ! pip_install --no-deps --target "$SGLANG_SITE" $want; then
         log "could not install $want (the tests that run SGLang's own code need it)"; exit 1
     fi
     printf '%s' "$want" > "$stamp"
 }
 
-install 2>&1 | grep -v '^WARNING: Location' >&2 || true
+if [ "${1:-}" = test ]; then extras=dev; else extras=run; fi
+install_env "$extras" || { log "installation failed (pip's errors above)"; exit 1; }
 [ -x "$VENV/bin/rayless" ] || { log "installation failed"; exit 1; }
-export PATH="$PWD/$VENV/bin:$PATH"
+export PATH="$VENV/bin:$PATH"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 case "${1:-}" in
     test)
         shift
-        install_sglang_for_tests 2>&1 | grep -v '^WARNING: Location' >&2 || true
+        install_sglang_for_tests || true
         [ -f "$SGLANG_SITE/.rayless-install-stamp" ] || { log "installing the sglang wheel for the tests failed"; exit 1; }
         RAYLESS_SGLANG_SITE="$(cd "$SGLANG_SITE" && pwd)"
         RAYLESS_SGLANG_FRONTEND_SITE="$RAYLESS_SGLANG_SITE"
@@ -87,6 +119,7 @@ case "${1:-}" in
         exec "$VENV/bin/python" -m pytest -q -n "${RAYLESS_TEST_WORKERS:-2}" --dist loadfile "$@"
         ;;
     "")
+        # The default job runs in the repository root: its paths (runs/default, runs/tiny-model) are the README's.
         RUN_DIR="${RAYLESS_RUN_DIR:-runs/default}"
         MODEL_DIR="runs/tiny-model"
         [ -f "$MODEL_DIR/model.safetensors" ] || "$VENV/bin/rayless" make-tiny-model "$MODEL_DIR"
@@ -102,6 +135,7 @@ case "${1:-}" in
             --run-dir "$RUN_DIR"
         ;;
     *)
+        cd "$CALLER_DIR"  # relative paths in ARGS are the caller's
         exec "$VENV/bin/rayless" "$@"
         ;;
 esac

@@ -152,12 +152,32 @@ def run_and_exit() -> NoReturn:
     """The `rayless` command (and `python -m coordinator.cli`): `main`, then an exit without the interpreter's
     teardown of what it imported (torch and transformers for `train`: ~1.2 CPU-s, and on a loaded machine
     seconds past the stop that signal handling promises, with every launched process already stopped). The logs
-    and stdio are flushed first; an error raised out of `main` propagates as usual."""
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    and stdio are flushed first; an error raised out of `main` propagates as usual.
+
+    A reader that stops reading (`rayless status RUN | head -1`, `rayless dump show D | less` quit early) ends
+    the command quietly with exit 0, for every subcommand: what was asked for was read, and a BrokenPipeError
+    traceback would only hide it."""
+    try:
+        code = main()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:
+        code = _reader_gone()
     os._exit(code if isinstance(code, int) else 0)
+
+
+def _reader_gone() -> int:
+    """The pipe's reader closed it: point stdout and stderr at /dev/null, so the interpreter's last flush of
+    what is still buffered cannot raise again, and exit 0."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # a stream without a descriptor (replaced by a caller): nothing to redirect
+            pass
+    os.close(devnull)
+    return 0
 
 
 if __name__ == "__main__":

@@ -42,6 +42,29 @@ class SampleError(ValueError):
     """A sample whose fields contradict each other."""
 
 
+def label_value(value: Any, *, where: str, key: str) -> Any:
+    """The label as the data file holds it, its JSON type kept, as slime's `Sample.label = data[label_key]`:
+    text, a number (a choice index to `gpqa`, a number to `math`), a list or an object (several accepted
+    answers, test cases, Search-R1's `reward_model`), or null. A boolean is refused (a data mistake more often
+    than a label; no built-in reward type reads one). One exception to the type: an integer beyond 64 bits
+    becomes its decimal text, since a rollout dump (msgpack) cannot hold it and the graders that read such a
+    number (the math family) read it as text. A run's prompt source (`coordinator.data.source`) and `rayless reward
+    score` both read labels through this, so the score command grades what a run grades."""
+    if value is None or isinstance(value, str):
+        return value
+    if type(value) is int and not -(2**63) <= value < 2**64:
+        return str(value)
+    if isinstance(value, bool):
+        raise SampleError(
+            f"{where}: label key {key!r} holds a boolean ({value!r}); expected text, a number, a list or an object"
+        )
+    if isinstance(value, (int, float, list, dict)):
+        return value
+    raise SampleError(
+        f"{where}: label key {key!r} holds {type(value).__name__}; expected text, a number, a list or an object"
+    )
+
+
 @dataclass
 class Sample:
     group_index: int = 0

@@ -103,9 +103,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _convert(console, args)
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader left (`rayless dump show D | head`): raised on, so the command line ends the command the
+        way it ends every other one whose reader left (exit 0, `coordinator.cli`), not rich's exit 1."""
+        raise BrokenPipeError
+
+
 def _console(*, stderr: bool = False) -> Console:
     # markup and emoji off: dump contents (and file names) are data, never formatting instructions
-    return Console(stderr=stderr, soft_wrap=True, highlight=False, markup=False, emoji=False)
+    return _Console(stderr=stderr, soft_wrap=True, highlight=False, markup=False, emoji=False)
 
 
 def _error(console: Console, message: str) -> None:

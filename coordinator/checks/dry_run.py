@@ -1,7 +1,8 @@
 """`rayless train --dry-run`: every start-up check that does not need the GPUs, then the placement plan.
 
 Owns the dry run's report. It runs each check of `checks.preflight` (paths, data keys, hooks and their
-signatures, checkpoint directories, metric backends) and loads the tokenizer (rendering the first prompt
+signatures, checkpoint directories, metric backends, response length against the context, the ports the flags
+fix) and loads the tokenizer (rendering the first prompt
 with `--apply-chat-template`), collecting every failure rather than stopping at the first, then prints the
 plan a launch on this node would follow (`coordinator.plan`, built leniently: too few GPUs here, or no
 `sglang` package on a login node, are warnings).
@@ -37,6 +38,8 @@ def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = 
         check_hooks,
         check_metric_backends,
         check_paths,
+        check_ports,
+        check_response_length,
     )
     from coordinator.config.porting import porting_notice
     from coordinator.plan import describe_plan, plan_for_dry_run
@@ -58,7 +61,7 @@ def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = 
         return check_trainable(config, always=True)
 
     for check in (check_paths, checkpoints, check_data, check_tokenizer, check_hooks, check_metric_backends,
-                  trainable):
+                  check_response_length, check_ports, trainable):
         try:
             notes += check(config)
         except ConfigError as error:

@@ -28,7 +28,7 @@ def preflight(config: Config) -> list[str]:
     notes = [*check_paths(config)]
     load_notes, load = check_checkpoints(config)
     notes += [*load_notes, *check_data(config), *check_hooks(config), *check_rewards(config),
-              *check_metric_backends(config), *check_status_port(config)]
+              *check_metric_backends(config), *check_response_length(config), *check_ports(config)]
     from coordinator.checks.trainable import check_trainable
 
     notes += check_trainable(config)  # with LoRA: the targets against the model
@@ -38,18 +38,84 @@ def preflight(config: Config) -> list[str]:
     return notes
 
 
-def check_status_port(config: Config) -> list[str]:
-    """`--status-port` free on `--status-host` now (it is bound again once the services are up)."""
+def _fixed_ports(config: Config) -> list[tuple[str, str, int, str]]:
+    """(flag as shown, host, port, what listens there) of every port this node binds at a number the flags
+    fix. Engines, the router and the weight-sync groups take free ports (moving off a taken one), so only
+    these can be taken; on a node other than node 0 the control channel and the registry are dialled, not
+    bound."""
+    cluster, ports = config.cluster, []
+    coordinator_node = cluster.actor_node_rank == 0
+    if coordinator_node and config.needs_train_ranks and cluster.control_port:
+        ports.append((f"--control-port {cluster.control_port}", cluster.control_host, cluster.control_port,
+                      "the control channel"))
+    if coordinator_node and cluster.actor_num_nodes > 1 and cluster.control_port:
+        registry = cluster.control_port + 1
+        ports.append((f"--control-port {cluster.control_port} (+1, the node registry)", cluster.control_host,
+                      registry, "the node registry"))
+    hooks = config.hooks
+    if hooks.use_session_server is not None and config.needs_engines and hooks.session_server_port \
+            and hooks.session_server_port[0]:
+        port = hooks.session_server_port[0]
+        ports.append((f"--session-server-port {port}", hooks.session_server_ip, port, "the session server"))
     settings = config.logging
-    if not settings.status_port:
-        return []
+    if settings.status_port:
+        ports.append((f"--status-port {settings.status_port}", settings.status_host, settings.status_port,
+                      "the status page"))
+    return ports
+
+
+def check_ports(config: Config) -> list[str]:
+    """Every port the flags fix is free on its host now, before anything is launched (each is bound again
+    when its server starts; a port taken in between is still reported then, naming the flag)."""
     from coordinator.engines.spec import port_is_free
 
-    where = f"{settings.status_host}:{settings.status_port}"
-    if ":" not in settings.status_host and not port_is_free(settings.status_host, settings.status_port):
-        raise ConfigError(f"--status-port {settings.status_port}: {where} is in use or cannot be bound; give "
-                          "another port")
-    return [f"--status-port {settings.status_port}: the status page at http://{where}"]
+    notes = []
+    for shown, host, port, what in _fixed_ports(config):
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if ":" not in host and not port_is_free(host, port):  # IPv6 hosts: checked when bound
+            raise ConfigError(f"{shown}: {where} is in use or cannot be bound (for {what}); give another port"
+                              + (" (0: any free port)" if shown.startswith("--control-port") and
+                                 config.cluster.actor_num_nodes == 1 else ""))
+        notes.append(f"{shown}: {what} at " + (f"http://{where}" if what == "the status page" else where))
+    return notes
+
+
+def check_response_length(config: Config) -> list[str]:
+    """A `--rollout-max-response-len` (or `--eval-max-response-len`) given that no response can reach: above the
+    engines' context (`--sglang-context-length`, else the model's `max_position_embeddings`) less the shortest
+    prompt, one token. slime clips every request to what the context leaves, silently; here a length that
+    would always be clipped is refused with the choices, unless `--rollout-max-context-len` (slime's cap on
+    prompt + response, which eval shares) says that clipping is meant. The default (1024) is only noted: it is
+    no one's choice."""
+    from coordinator.config.porting import model_context_length
+
+    context, source = model_context_length(config)
+    if context is None:
+        return []
+    room = context - 1  # a prompt has at least one token
+    cap = config.rollout.rollout_max_context_len
+    lengths = [("--rollout-max-response-len", config.rollout.rollout_max_response_len,
+                "rollout_max_response_len" in config.given)]
+    if config.eval.eval_max_response_len is not None:
+        lengths.append(("--eval-max-response-len", config.eval.eval_max_response_len, True))
+    notes = []
+    for flag, length, given in lengths:
+        if length <= room:
+            notes.append(f"{flag} {length}: fits the context of {context} tokens ({source}) beside a prompt of up "
+                         f"to {context - length} tokens; a longer prompt leaves its response less room")
+        elif cap is not None and cap <= context:
+            notes.append(f"{flag} {length}: each prompt + response is capped at --rollout-max-context-len {cap}")
+        elif given:
+            raise ConfigError(
+                f"{flag} {length}: no response can be that long: the context is {context} tokens ({source}) and a "
+                f"prompt takes at least 1, so every response would be cut at {room} tokens or fewer. Choose: "
+                f"{flag} {room} or less (a response of R tokens then fits beside a prompt of up to {context} - R); "
+                "a longer context, --sglang-context-length N (when the model's positions allow it); or "
+                f"--rollout-max-context-len {context} to cap each prompt + response there, as slime clips")
+        else:
+            notes.append(f"{flag} {length} (the default): longer than the context of {context} tokens "
+                         f"({source}); each response is bounded by what the context leaves beside its prompt")
+    return notes
 
 
 def check_checkpoints(config: Config) -> tuple[list[str], LoadPlan]:

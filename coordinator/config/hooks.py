@@ -39,7 +39,7 @@ class HooksConfig(Slice):
 
     custom_generate_function_path: str | None = flag(
         None, help="slime's per-sample generate: async fn(args, sample, sampling_params[, evaluation]) -> Sample "
-        "(README: 'Hooks')", parse=values.hook_path, metavar="MODULE:NAME")
+        "(docs/hooks.md)", parse=values.hook_path, metavar="MODULE:NAME")
     custom_config_path: str | None = flag(
         None, help="slime's YAML of args overrides: a key naming a flag sets it (over the command line, with a "
         "warning); any other key becomes an attribute of the args hooks get", metavar="FILE")

@@ -176,7 +176,7 @@ def _build() -> type[Slice]:
         namespace={
             "TITLE": "Megatron-LM",
             "DESCRIPTION": "Megatron-LM flags of slime/miles launch scripts: parsed, reported in one notice, not "
-                           "used (see the README's 'Porting from slime / miles')",
+                           "used (docs/porting.md)",
             "__module__": __name__,
         },
     )

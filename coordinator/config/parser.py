@@ -1,7 +1,8 @@
 """From a command line and an optional `--config` file to a validated Config.
 
-Owns the argparse parser, generated from the slices' fields (one group per slice in `--help`), the reading
-of YAML/TOML config files, the `--sglang-*` passthrough, and `parse_config`, the one parsing path.
+Owns the argparse parser, generated from the slices' fields (one group per slice in `--help-all`; the short
+`--help` is `coordinator.config.help`), the reading of YAML/TOML config files, the `--sglang-*` passthrough,
+and `parse_config`, the one parsing path.
 
 Invariants:
 - argparse only splits the command line into flags and strings (no `type=`, no `choices=`, no defaults:
@@ -23,6 +24,7 @@ from typing import Any, NoReturn
 
 from coordinator.config.fields import ConfigError, FlagSpec, convert, flag_name
 from coordinator.config.flags import FLAGS, SLICES
+from coordinator.config.help import HelpAction, HelpAllAction
 from coordinator.config.rules import validate
 from coordinator.config.settings import Config, build_config
 from coordinator.config.unknown import closest_flag, unknown_flags_report
@@ -52,12 +54,15 @@ def _help_text(spec: FlagSpec) -> str:
 def build_parser(prog: str = "rayless train") -> argparse.ArgumentParser:
     parser = _Parser(
         prog=prog,
-        usage="%(prog)s [--config FILE] [FLAG ...]   (every flag below, grouped by what it configures)",
+        usage="%(prog)s [--config FILE] [FLAG ...]",
         description="Run RL post-training: rollouts on SGLang-compatible engines, training on torchrun ranks.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Unknown --sglang-* flags are passed to sglang.launch_server with the prefix removed.",
         allow_abbrev=False,
+        add_help=False,  # ours: a short --help, --help WORD, --help-all (coordinator.config.help)
     )
+    parser.add_argument("-h", "--help", action=HelpAction)
+    parser.add_argument("--help-all", action=HelpAllAction)
     parser.add_argument("--config", dest="config_file", default=argparse.SUPPRESS, metavar="FILE",
                         help="YAML or TOML file supplying any flag (keys as flag names); the command line wins")
     for _, cls in SLICES:

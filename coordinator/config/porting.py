@@ -55,6 +55,17 @@ _SAME_FACT: dict[str, tuple[str, ...]] = {
 }
 
 
+def model_context_length(config: Config) -> tuple[int | None, str]:
+    """The engines' context length and where it comes from: `--sglang-context-length`, else the model's
+    `max_position_embeddings` (as `coordinator.services` gives the engines and the rollout), else None."""
+    if config.sglang.sglang_context_length:
+        return config.sglang.sglang_context_length, f"--sglang-context-length {config.sglang.sglang_context_length}"
+    context = _model_config(config).get("max_position_embeddings")
+    if isinstance(context, int) and not isinstance(context, bool) and context > 0:
+        return context, f"max_position_embeddings in {Path(config.rollout.hf_checkpoint or '') / 'config.json'}"
+    return None, ""
+
+
 def _model_config(config: Config) -> dict[str, Any]:
     path = Path(config.rollout.hf_checkpoint or "") / "config.json"
     try:

@@ -88,7 +88,7 @@ class RolloutConfig(Slice):
                                           "instance)", parse=values.hook_path, metavar="MODULE:NAME")
     custom_rm_path: str | None = flag(None, help="custom reward: module.path:fn (sync or async)",
                                       parse=values.hook_path, metavar="MODULE:NAME")
-    rm_type: str | None = flag(None, help="built-in reward (README: reward types)", choices=_rm_types)
+    rm_type: str | None = flag(None, help="built-in reward (docs/rewards.md)", choices=_rm_types)
     rm_url: str | None = flag(None, help="reward service of --rm-type remote_rm (POST {prompt, response, label})",
                               parse=values.http_url, metavar="URL")
     reward_key: str | None = flag(None, help="key of a dict reward used for advantages", secret=False)

@@ -3,7 +3,7 @@
 Owns these flags and `rank_settings`, the one mapping from them to the settings the ranks receive
 (`workers.protocol.train_settings.TrainSettings`, whose components hold the rules that span fields, such as
 --use-tis against --use-rollout-logprobs): the ranks never see the coordinator's Config. Flag names and
-meanings are slime's (Megatron's for the optimizer and schedule); the README's "Porting from slime / miles"
+meanings are slime's (Megatron's for the optimizer and schedule); docs/porting.md
 lists where a default differs. Megatron flags with an equivalent here (`--micro-batch-size`,
 `--use-dynamic-batch-size`, `--bf16`/`--fp16`, `--recompute-*`, `--optimizer-cpu-offload`) are declared here
 too; the ones without one are in the `megatron` slice.

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES, iter_rows, line_limits
+from replay.sample import SampleError
+from replay.sample import label_value as sample_label_value
 from workers.boundary.errors import BoundaryError
 from workers.boundary.json_input import decode_json
 from workers.errors import RaylessError
@@ -42,29 +44,19 @@ class PromptRecord:
     """One prompt: its text (or chat messages when no template is applied), label and metadata."""
 
     prompt: str | ChatMessages
-    #: Text (numbers become their decimal text), or a structured JSON value (a dict of accepted answers, ...).
+    #: The data file's JSON value unchanged (`replay.sample.label_value`): text, a number, a list or an object.
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     # Position in the data (row / non-blank line order); stable across epochs and resumes.
     index: int = -1
 
 
-def _label_text(value: Any, *, where: str, key: str) -> Any:
-    """Labels are text; numbers (common in math sets) become their decimal text; lists and dicts (several
-    accepted answers, test cases, Search-R1's `reward_model`) stay as they are, as slime keeps them."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        raise DataSourceError(
-            f"{where}: label key {key!r} holds a boolean ({value!r}); expected text or a number"
-        )
-    if isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, (list, dict)):
-        return value
-    raise DataSourceError(
-        f"{where}: label key {key!r} holds {type(value).__name__}; expected text or a number"
-    )
+def label_value(value: Any, *, where: str, key: str) -> Any:
+    """`replay.sample.label_value` (the one rule, shared with `rayless reward score`) as a DataSourceError."""
+    try:
+        return sample_label_value(value, where=where, key=key)
+    except SampleError as error:
+        raise DataSourceError(str(error)) from None
 
 
 def _check_prompt(value: Any, *, where: str, key: str) -> str | ChatMessages:
@@ -148,7 +140,7 @@ def build_record(where: str, row: dict[str, Any], *, input_key: str, label_key: 
     raw = raw_prompts and not isinstance(value, str | list) and value is not None
     return PromptRecord(
         prompt=value if raw else _check_prompt(value, where=where, key=input_key),
-        label=_label_text(row[label_key], where=where, key=label_key) if label_key is not None else None,
+        label=label_value(row[label_key], where=where, key=label_key) if label_key is not None else None,
         metadata=_check_metadata(row[metadata_key], where=where, key=metadata_key)
         if metadata_key is not None
         else {},

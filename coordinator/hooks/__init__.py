@@ -4,7 +4,7 @@
     from coordinator.hooks import post            # was: from slime.utils.http_utils import post
     from coordinator.hooks import Sample          # was: from slime.utils.types import Sample
 
-What a hook gets (README: "Hooks"):
+What a hook gets (docs/hooks.md):
 - `Sample` (`replay.sample.Sample`): slime's field names, `Sample.Status` (PENDING, COMPLETED, TRUNCATED,
   ABORTED, FAILED), `append_response_tokens`, `get_reward_value`, attributes added on the fly;
 - `args`: slime's attribute names, from the run's flags (`coordinator.hooks.args`); `args.sglang_router_ip` /

@@ -11,7 +11,13 @@ The user's code is found by where it lives, so every hook kind is covered withou
 a traceback from where it was raised outwards, a frame in a file that is neither ours (the `coordinator`,
 `workers` and `replay` packages) nor an installed library (the standard library, site-packages) is theirs;
 reaching a frame of ours first means our code (or a library it called) raised. Records meant for the log file
-only carry `FILE_ONLY`; `ToFileOnly` keeps them off the terminal.
+only carry `FILE_ONLY`; `ToFileOnly` keeps them off the terminal, and the records of a library registered with
+`file_only_logger` (its own report of a failure rayless reports itself).
+
+A failure the run survives (an agent that raised on one sample) is `ContainedFailures.report`: its traceback in
+the log file every time; on the terminal one line the first time for its kind (what failed, the error's type),
+then one line with the count at the 10th, 100th, 1000th, ...: a run whose agent fails on many samples says so in
+a few lines, not a traceback per sample.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import sys
 import sysconfig
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import coordinator
@@ -93,8 +100,62 @@ def log_failure(log: logging.Logger, error: BaseException) -> None:
     log.error("traceback of the failure above", exc_info=error, extra={FILE_ONLY: True})
 
 
+_FILE_ONLY_LOGGERS: set[str] = set()
+#: the most characters of an error's text on the terminal (a library's error may carry a whole reply)
+SUMMARY_CHARS = 240
+
+
+def file_only_logger(name: str) -> None:
+    """The records of logger `name` (and its children) go to the run's log file, not the terminal: a library
+    that reports, with its own traceback, a failure that rayless reports in one line. The library's own
+    handlers are removed and its records propagate to the run's handlers (verifiers installs a stderr handler
+    of its own at import)."""
+    logger = logging.getLogger(name)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.propagate = True
+    _FILE_ONLY_LOGGERS.add(name)
+
+
 class ToFileOnly(logging.Filter):
-    """On a terminal handler: drops the records marked `FILE_ONLY`."""
+    """On a terminal handler: drops the records marked `FILE_ONLY` and those of `file_only_logger`s."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not getattr(record, FILE_ONLY, False)
+        if getattr(record, FILE_ONLY, False):
+            return False
+        return not any(record.name == name or record.name.startswith(name + ".") for name in _FILE_ONLY_LOGGERS)
+
+
+def _summary(error: BaseException) -> str:
+    text = " ".join(failure_line(error).split())
+    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
+
+
+class ContainedFailures:
+    """Counts the failures a run survives, by (what failed, the error's type), and reports them: see the module
+    docstring. One instance per kind of hook (the agent's)."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def report(self, what: str, where: str, error: BaseException) -> int:
+        """`what` failed on `where` (a sample) with `error`, and the run goes on; returns the count of its kind."""
+        key = (what, type(error).__name__)
+        self.counts[key] += 1
+        count = self.counts[key]
+        self.log.warning("%s failed on %s: %s", what, where, failure_line(error), exc_info=error,
+                         extra={FILE_ONLY: True})
+        if count == 1:
+            self.log.warning("%s failed on %s: %s (the sample is dropped and the run goes on; every such failure "
+                             "is in the run's coordinator.log with its traceback)", what, where, _summary(error))
+        elif _is_power_of_ten(count):
+            self.log.warning("%s: %d failures with %s so far (each in the run's coordinator.log)", what, count,
+                             key[1])
+        return count
+
+
+def _is_power_of_ten(count: int) -> bool:
+    while count % 10 == 0 and count > 1:
+        count //= 10
+    return count == 1

@@ -174,6 +174,9 @@ class ProgressDisplay:
 
 
 #: The keys of a metrics row that `MetricsLog.history` keeps: what `plot_rewards` draws and the summary reads.
+#: `rollout/tokens_per_s/<engine>`: an engine's share of the rollout's tokens/s (coordinator.rollout.generate
+#: writes it, the status page and `/metrics` read it from the last row)
+ENGINE_RATE_PREFIX = "rollout/tokens_per_s/"
 _KEPT = ("step", "rollout/reward_mean", "rollout/response_len_mean", "rollout/time_s", "train/time_s",
          "sync/time_s")
 
@@ -194,6 +197,8 @@ class MetricsLog:
         self.history: list[dict[str, Any]] = []
         #: more figures for every row, read as it is written (the loop watchdog's lag over the step)
         self.row_sources: list[Callable[[], dict[str, Any]]] = []
+        #: the last row in full (the status page's per-engine tokens/s are read from it)
+        self.last: dict[str, Any] = {}
         self._tensorboard: Any = None
         self._wandb: Any = None
         self._tensorboard_dir = run_dir / "tensorboard"
@@ -215,6 +220,7 @@ class MetricsLog:
             metrics = {**source(), **metrics}
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
         self.history.append({key: record[key] for key in _KEPT if key in record})
+        self.last = record
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and k not in ("step", "time")}

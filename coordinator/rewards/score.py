@@ -65,7 +65,7 @@ def _rows(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Any:
-    from replay.sample import Sample, SampleStatus
+    from replay.sample import Sample, SampleError, SampleStatus, label_value
     from workers.boundary.errors import BoundaryError
     from workers.boundary.json_input import decode_json
 
@@ -78,7 +78,10 @@ def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Any:
     response = row.get(keys.response)
     if not isinstance(response, str):
         raise ScoreInputError(f"line {number} has no text field {keys.response!r} (--input-key)")
-    label = row.get(keys.label)
+    try:  # the label as a run reads it (`label_value`: its JSON type kept), so both grade alike
+        label = label_value(row.get(keys.label), where=f"line {number}", key=keys.label)
+    except SampleError as error:
+        raise ScoreInputError(str(error)) from None
     if needs_label and label is None:
         raise ScoreInputError(f"line {number} has no {keys.label!r} (--label-key): this reward type needs a label")
     metadata = row.get(keys.metadata) or {}
@@ -131,6 +134,10 @@ def _check_types(options: argparse.Namespace) -> tuple[bool, str | None]:
     return needs_label, None
 
 
+def _rows_text(count: int) -> str:
+    return f"{count} row" if count == 1 else f"{count} rows"
+
+
 def run(options: argparse.Namespace, out: IO[str] | None, report: IO[str]) -> int:
     """Score every row of `options.file`; reward lines to `out` (None: not written), differences to `report`."""
     keys = Keys(options.input_key, options.label_key, options.metadata_key, options.tokens_key)
@@ -151,20 +158,22 @@ def run(options: argparse.Namespace, out: IO[str] | None, report: IO[str]) -> in
         reward, problem_text = _score(options.rm_type, sample)
         record: dict[str, Any] = {"index": number - 1, "reward": reward} if problem_text is None else {
             "index": number - 1, "error": problem_text}
-        failed += problem_text is not None
+        row_failed = problem_text is not None
         if options.compare is not None:
             other, other_problem = _score(options.compare, sample)
             record["compare"] = other if other_problem is None else {"error": other_problem}
-            failed += other_problem is not None
+            row_failed = row_failed or other_problem is not None
             left, right = _comparable(record.get("reward"), options.reward_key), _comparable(other, options.reward_key)
             if problem_text is None and other_problem is None and left != right:
                 differ += 1
                 report.write(f"line {number}: {options.rm_type}={json.dumps(left)} {options.compare}="
                              f"{json.dumps(right)}  response={_excerpt(sample.response)} "
                              f"label={_excerpt(sample.label)}\n")
+        failed += row_failed  # a row counts once, however many of its graders failed
         if out is not None:
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    summary = f"{rows} rows scored with {options.rm_type}" + (f", {failed} could not be" if failed else "")
+    graders = options.rm_type if options.compare is None else f"{options.rm_type} and {options.compare}"
+    summary = f"{_rows_text(rows - failed)} scored with {graders}" + (f", {failed} could not be" if failed else "")
     if options.compare is not None:
         report.write(f"{options.rm_type} and {options.compare} differ on {differ} of {rows} rows\n")
     print(f"rayless reward score: {summary}", file=sys.stderr)
@@ -192,6 +201,8 @@ def main(argv: Sequence[str]) -> int:
             return run(options, None if options.compare else sys.stdout, sys.stdout)
         with open(options.out, "w", encoding="utf-8") as handle:
             return run(options, handle, sys.stdout)
+    except BrokenPipeError:  # the reader stopped reading (`| head`): the command line ends it quietly (cli)
+        raise
     except (OSError, UnicodeDecodeError) as error:
         print(f"rayless reward score: error: {options.file} or --out {options.out}: {error}", file=sys.stderr)
         return 2

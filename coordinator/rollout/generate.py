@@ -18,12 +18,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from coordinator.data.source import PromptRecord
+from coordinator.observe.progress import ENGINE_RATE_PREFIX
 from coordinator.observe.timeline import span
 from coordinator.rewards.pass_rate import pass_rates
 from coordinator.rollout.dispatch import Dispatcher
@@ -57,6 +59,9 @@ class RolloutProgress:
     accepted: int = 0
     in_flight: int = 0
     generated_tokens: int = 0
+    #: generated tokens by the engine URL that returned them (a router's URL through sglang-router): each
+    #: engine's share of `generated_tokens`, the one source of its tokens/s (metrics, status page, /metrics)
+    tokens_by_engine: Counter[str] = field(default_factory=Counter)
     aborted: int = 0
     filtered: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -278,6 +283,7 @@ class DefaultRollout:
             "rollout/time_s": seconds,
             "rollout/tokens_per_s": progress.generated_tokens / max(seconds, 1e-9),
             "rollout/partial_buffer": float(len(self.partial_buffer)),
+            **engine_rates(progress.tokens_by_engine, self.dispatcher.pool, seconds),
         }
         if self.filter is not None:
             metrics.update(self.filter.metrics())
@@ -295,6 +301,16 @@ def model_turns(sample: Sample) -> int:
     """The model's turns in a sample: its runs of loss-mask-1 response tokens (tool output separates them)."""
     mask = sample.loss_mask
     return sum(1 for i, value in enumerate(mask) if value and (i == 0 or not mask[i - 1]))
+
+
+def engine_rates(tokens_by_engine: Counter[str], pool: Any, seconds: float) -> dict[str, float]:
+    """`rollout/tokens_per_s/<engine>`: each engine's generated tokens of this rollout over the rollout's
+    seconds, so the engines' rates add up to `rollout/tokens_per_s` (what the terminal's rollout line
+    shows). An engine is named as the fleet names it; tokens from a URL that is no engine of the fleet (the
+    router's) have no per-engine figure."""
+    names = {handle.url: handle.name for handle in getattr(pool, "engines", ())}
+    return {ENGINE_RATE_PREFIX + names[url]: tokens / max(seconds, 1e-9)
+            for url, tokens in sorted(tokens_by_engine.items()) if url in names}
 
 
 def multi_turn_metrics(samples: list[Sample], max_response_len: int) -> dict[str, float]:

@@ -222,6 +222,9 @@ async def generate_group(
         tokens = apply_response(state, sample, response, logprobs=logprobs)
         if progress is not None:
             progress.generated_tokens += tokens
+            by_engine = getattr(progress, "tokens_by_engine", None)  # the rollout's progress counts per engine
+            if by_engine is not None:
+                by_engine[url] += tokens
 
     async def one(sample: Sample, params: dict[str, Any], engine: Any) -> None:
         payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": logprobs,

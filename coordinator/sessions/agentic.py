@@ -10,8 +10,9 @@ returned dict is merged into the sample's metadata (a reward left there is the c
 
 Invariants: the session is deleted on every path; an agent that raises — any exception, `SystemExit`,
 `KeyboardInterrupt` or a `CancelledError` of its own included (`coordinator.hooks.calls`) — or that made no model
-call, gives an ABORTED sample (logged; generated again), never a dead run or a sample without tokens; a sync
-agent runs in a worker thread a stop signal does not wait for; otherwise the sample's tokens, loss mask, rollout logprobs,
+call, gives an ABORTED sample (logged: a raise as one terminal line and a count, its traceback in the run's log;
+generated again), never a dead run or a sample without tokens; a sync agent runs in a worker thread a stop signal
+does not wait for; otherwise the sample's tokens, loss mask, rollout logprobs,
 status and weight versions are the session's trajectory (`coordinator.sessions.trajectory.assemble`).
 """
 
@@ -23,11 +24,14 @@ from typing import Any
 
 from coordinator.hooks.calls import call_hook
 from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError, current_call
+from coordinator.lifecycle.failures import ContainedFailures
 from coordinator.sessions.trajectory import assemble
 from replay.sample import Sample, SampleStatus
 from workers.hook_loading import load_object
 
 log = logging.getLogger(__name__)
+#: the agent's failures: one line and a count on the terminal, each traceback in the run's log
+AGENT_FAILURES = ContainedFailures(log)
 
 FLAG = "--custom-agent-function-path"
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -114,8 +118,8 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
                                     request_kwargs=build_chat_request_kwargs(input.sampling_params),
                                     metadata=metadata, **key)
     except Exception as error:  # the agent's failure costs this sample, not the run
-        log.warning("%s %s failed on sample %s/%s: %r", FLAG, args.custom_agent_function_path,
-                    sample.group_index, sample.sample_index, error, exc_info=True)
+        AGENT_FAILURES.report(f"{FLAG} {args.custom_agent_function_path}",
+                              f"sample {sample.group_index}/{sample.sample_index}", error)
         failed = True
     finally:
         await server.delete(session.id)

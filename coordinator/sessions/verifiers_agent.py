@@ -44,6 +44,11 @@ def load_env(env_id: str, env_args: dict[str, Any] | None = None) -> Any:
     """The environment `env_id` (a module path or an installed environment's id), built once per process."""
     import verifiers as vf
 
+    from coordinator.lifecycle.failures import file_only_logger
+
+    # verifiers logs each failed rollout with its own stderr handler ("Aborted rollout due to ..."); the agent
+    # reports the same failure (`coordinator.sessions.agentic`): verifiers' records go to the run's log only.
+    file_only_logger("verifiers")
     key = json.dumps([env_id, env_args or {}], sort_keys=True)
     if key not in _ENVS:
         _ENVS[key] = vf.load_environment(env_id, **(env_args or {}))

@@ -31,7 +31,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from coordinator.engines.spec import engine_log_path
 from coordinator.status import prometheus
 from coordinator.status.host import host_facts
-from coordinator.status.rates import EngineRates
 from coordinator.status.sources import StatusSources, snapshot
 from workers.boundary.http_gates import ApiKeyMiddleware
 from workers.boundary.http_guard import ServerLimits
@@ -55,7 +54,6 @@ class StatusServer:
     host: str
     port: int
     api_key: str | None
-    rates: EngineRates | None = None
     #: a document is built at most this often, however often it is asked for
     min_interval: float = 0.5
     documents_built: int = field(default=0, init=False)
@@ -81,7 +79,7 @@ class StatusServer:
         pids = {rank: info.pid for rank, info in s.train_group.ranks.items() if info.node_rank == 0} \
             if s.train_group is not None else {}
         host = await anyio.to_thread.run_sync(host_facts, logs, pids)
-        document = snapshot(s, rates=self.rates.rates if self.rates is not None else None, host=host)
+        document = snapshot(s, host=host)
         self._document = built = _Built(time.monotonic(), document)
         self.documents_built += 1
         return built
@@ -123,8 +121,6 @@ class StatusServer:
             self.port = service.port
             for fleet in self.sources.fleets:
                 group.start_soon(self.sources.changes.watch, fleet, self.sources.released)
-            if self.rates is not None:
-                group.start_soon(self.rates.run)
             url_file.write_text(self.url + "\n", encoding="utf-8")
             log.info("status page: %s (JSON at /status, Prometheus at /metrics)", self.url)
             task_status.started(self)

@@ -102,13 +102,10 @@ class RunStatus:
         settings = self.config.logging
         if not settings.status_port:
             return None
-        from coordinator.status.rates import EngineRates
         from coordinator.status.server import StatusServer
 
-        rates = EngineRates(client=parts.client, fleets=s.fleets) if parts.client is not None and s.fleets \
-            else None
         server = StatusServer(s, host=settings.status_host, port=settings.status_port,
-                              api_key=self.config.sglang.sglang_api_key, rates=rates)
+                              api_key=self.config.sglang.sglang_api_key)
         self.server = await task_group.start(server.run)
         return self.server
 

@@ -100,13 +100,12 @@ class StatusSources:
         return self.colocation.released_engines() if self.colocation is not None else frozenset()
 
 
-def snapshot(s: StatusSources, *, rates: dict[str, float] | None = None,
-             host: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The `/status` document. `rates`: tokens/s by engine (`EngineRates`); `host`: `host_facts`' result."""
+def snapshot(s: StatusSources, *, host: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The `/status` document. `host`: `host_facts`' result."""
     host = host or {}
     return {
         "run": _run(s),
-        "engines": _engines(s, rates or {}, host.get("log_lines", {})),
+        "engines": _engines(s, engine_rates(s.metrics.last), host.get("log_lines", {})),
         "ranks": _ranks(s, host.get("rank_memory", {})),
         "eval": _eval(s),
         "events": _events(s),
@@ -133,6 +132,15 @@ def _run(s: StatusSources) -> dict[str, Any]:
         "loop_lag_max_s": s.loop.max_s if s.loop is not None else None,
         "loop_stalls": s.loop.stalls if s.loop is not None else None,
     }
+
+
+def engine_rates(row: dict[str, Any]) -> dict[str, float]:
+    """Each engine's tokens/s in the last rollout, from the metrics row the run logged (one source: the same
+    figures as `metrics.jsonl`'s `rollout/tokens_per_s/<engine>`, which add up to the terminal's rate)."""
+    from coordinator.observe.progress import ENGINE_RATE_PREFIX
+
+    return {key[len(ENGINE_RATE_PREFIX):]: float(value) for key, value in row.items()
+            if key.startswith(ENGINE_RATE_PREFIX) and isinstance(value, int | float)}
 
 
 def _engines(s: StatusSources, rates: dict[str, float], log_lines: dict[str, str]) -> list[dict[str, Any]]:

@@ -128,6 +128,8 @@ def test_a_rank_command_failing_for_the_environment_keeps_its_traceback_in_the_r
 
 
 def test_a_taken_control_port_names_the_flag(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Found by the start-up checks (exit 2, the flag named), before the run directory or any process exists;
+    tests/unit/test_startup_checks.py checks the same in-process, no child process started."""
     import socket
 
     with socket.socket() as taken:
@@ -135,10 +137,10 @@ def test_a_taken_control_port_names_the_flag(tiny_model_dir: Path, tmp_path: Pat
         taken.listen()
         port = taken.getsockname()[1]
         result = train(*replay(tiny_model_dir, tmp_path, 1, "--control-port", str(port)))
-    line = failure_line(result)
-    assert f"ControlPortError: the control channel cannot listen on 127.0.0.1:{port}" in line
-    assert "pass another --control-port, or 0 for any free port" in line
-    assert not (tmp_path / "run" / "train_ranks.log").exists()  # refused before torchrun was started
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"rayless train: error: --control-port {port}: 127.0.0.1:{port} is in use" in result.stderr
+    assert "give another port (0: any free port)" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run directory, torchrun or any engine
 
 
 def test_a_rank_killed_mid_run_is_explained_by_torchruns_report(tiny_model_dir: Path, tmp_path: Path) -> None:

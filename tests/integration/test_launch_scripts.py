@@ -39,6 +39,15 @@ def warm_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmCli]:
         yield warm
 
 
+@pytest.fixture(scope="module")
+def script_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a context as long as the scripts' models have (up to 32k-token responses): a
+    response length beyond the model's context is refused at start-up (`preflight.check_response_length`)."""
+    from workers.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("script-model"), TinyModelSpec(max_position_embeddings=65536))
+
+
 def _check_validated(code: int, stdout: str, stderr: str, argv: list[str]) -> None:
     assert code == 0, f"exit {code}\n{stderr}"
     assert WANDB_SENTINEL not in stdout + stderr
@@ -72,9 +81,9 @@ def test_the_scripts_cite_their_source_and_are_many() -> None:
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[script.name for script in SCRIPTS])
-def test_launch_script_validates_or_names_what_is_pending(script: LaunchScript, tiny_model_dir: Path,
+def test_launch_script_validates_or_names_what_is_pending(script: LaunchScript, script_model: Path,
                                                           tmp_path: Path, warm_cli: WarmCli) -> None:
-    argv, hooks = materialize(script, tmp_path, tiny_model_dir)
+    argv, hooks = materialize(script, tmp_path, script_model)
     found = blockers(argv)
     assert not [flag for flag, why in found.items() if why.startswith("UNEXPECTED")], found
     code, stdout, stderr = _run(script, argv, tmp_path, hooks, warm_cli)
@@ -92,11 +101,11 @@ def test_launch_script_validates_or_names_what_is_pending(script: LaunchScript, 
     _check_validated(*_run(script, stripped, tmp_path, hooks, warm_cli), stripped)
 
 
-def test_the_notice_of_qwen3_4b_says_what_is_ignored_mapped_and_disagreeing(tiny_model_dir: Path,
+def test_the_notice_of_qwen3_4b_says_what_is_ignored_mapped_and_disagreeing(script_model: Path,
                                                                             tmp_path: Path) -> None:
     # A cold process of its own: one launch script validated exactly as a user's shell runs it.
     script = LaunchScript.load(Path(__file__).parents[1] / "data" / "launch_scripts" / "slime__run-qwen3-4B.json")
-    argv, hooks = materialize(script, tmp_path, tiny_model_dir)
+    argv, hooks = materialize(script, tmp_path, script_model)
     code, _, stderr = _run(script, without_pending(argv), tmp_path, hooks, None)
     assert code == 0, stderr
     notice = stderr[stderr.index("rayless train: notice:"):]

@@ -109,6 +109,14 @@ async def test_rollout_against_two_engines_returns_the_full_consistent_batch(
     assert_consistent(batch, groups=6, n=4)
     assert len(used_engines) == 2, "least-in-flight dispatch spreads groups over both engines"
     assert batch.metrics["rollout/reward_mean"] == sum(s.reward for s in batch.samples) / 24  # type: ignore[misc]
+    # Each engine's tokens/s (the status page's and /metrics' figure) is its responses' tokens over the rollout's
+    # seconds; together they are the rollout's rate, the terminal's.
+    seconds = batch.metrics["rollout/time_s"]
+    for handle in fleet.engines:
+        tokens = sum(s.response_length for s in batch.samples if s.metadata["engine"] == handle.url)
+        assert batch.metrics[f"rollout/tokens_per_s/{handle.name}"] == pytest.approx(tokens / seconds)
+    assert sum(batch.metrics[f"rollout/tokens_per_s/{h.name}"] for h in fleet.engines) == pytest.approx(
+        batch.metrics["rollout/tokens_per_s"])
     # --log-passrate: with equal groups pass@1 is the share of right samples, pass@4 the share of groups with one
     right = [sum(s.reward >= 1.0 for s in group) for group in batch.groups]  # type: ignore[operator]
     assert batch.metrics["passrate/pass@1"] == pytest.approx(sum(right) / 24)

@@ -63,6 +63,7 @@ class Probe:
     def __init__(self, run_dir: Path, url: str, page: Any, recovered: anyio.Event) -> None:
         self.run_dir, self.url, self.page, self.recovered = run_dir, url, page, recovered
         self.metrics: dict[str, Any] = {}
+        self.engine_rates: dict[str, float] = {}
         self.unauthorised: int | None = None
         self.running_text = ""
         self.stacks: tuple[int, str, str] = (-1, "", "")
@@ -81,6 +82,9 @@ class Probe:
                 self.metrics = await wait_until(
                     metrics, what="/metrics counting rollout 3", timeout=30, interval=0.1,
                     until=lambda seen: seen["rayless_rollouts_completed_total"].value >= 4)
+                text = (await client.get(f"{self.url}/metrics")).text
+                self.engine_rates = {s.labels["engine"]: s.value for family in text_string_to_metric_families(text)
+                                     for s in family.samples if s.name == "rayless_engine_generation_tokens_per_second"}
             code, self.running_text = await anyio.to_thread.run_sync(
                 status_text, [str(self.run_dir), "--api-key", KEY])
             assert code == 0, self.running_text
@@ -203,6 +207,13 @@ async def test_page_metrics_and_status_follow_a_run_whose_engine_is_killed(tiny_
     engines = [section for section in sections if section.startswith("engine-")]
     assert len(engines) == 2 and all("workers/engine" in section for section in engines), engines
     assert list((run_dir / "stacks").glob("dump-*.txt"))
+    # One source for a rate: /metrics' per-engine tokens/s are a logged row's, and add up to its total (the
+    # terminal's rollout rate), however the requests fell between the two engines.
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert probe.engine_rates and set(probe.engine_rates) <= {"rollout-0", "rollout-1"}, probe.engine_rates
+    row = next(r for r in rows if all(r.get(f"rollout/tokens_per_s/{name}") == pytest.approx(rate)
+                                      for name, rate in probe.engine_rates.items()))
+    assert sum(probe.engine_rates.values()) == pytest.approx(row["rollout/tokens_per_s"])
 
     assert_timeline_accounts_for_each_step(run_dir / "timeline.json")
     code, finished = status_text([str(run_dir)])

@@ -50,6 +50,38 @@ def test_help_lists_every_flag_grouped_by_slice_in_order() -> None:
     assert "(≥ 1 or -1; default: -1)" in text  # --rollout-top-k: the range and the default beside the help
 
 
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(list(argv))
+    assert exit_.value.code == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    return captured.out
+
+
+def test_short_help_names_every_own_flag_and_leaves_the_unused_ones_to_help_all(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    short = _help(capsys, "--help")
+    assert len(short.splitlines()) <= 100, "the first screen stays about a tenth of the full listing"
+    full = _help(capsys, "--help-all")
+    assert len(full.splitlines()) > 8 * len(short.splitlines())
+    names = set(short.split())
+    unused = sum(spec.options.help.startswith("Megatron-LM (") for _, spec in FLAGS.values())
+    assert f"Megatron-LM: {unused} flags of slime/miles launch scripts, accepted and not used" in short
+    for _, spec in FLAGS.values():
+        megatron = spec.options.help.startswith("Megatron-LM (")
+        assert (spec.flag in names) != megatron, spec.flag  # ours by name; Megatron's only in --help-all
+        assert spec.flag in full
+    assert max(len(line) for line in short.splitlines()) <= 100
+    rollout = _help(capsys, "--help", "rollout")
+    assert "(≥ 1 or -1; default: -1)" in rollout and "--lr " not in rollout  # --rollout-top-k's range and default
+    ports = _help(capsys, "-h", "port")
+    assert "--control-port N" in ports and "--status-port PORT" in ports and "--rollout-top-k" not in ports
+    assert "--tensor-model-parallel-size" in _help(capsys, "--help", "megatron-lm")
+    with pytest.raises(ConfigError, match=r"--help nope: no group of that name .* the groups: cluster, rollout"):
+        parse_config(["--help", "nope"])
+
+
 def test_flags_are_never_abbreviated() -> None:
     message = error_of("--rollout-external-engine", "127.0.0.1:1")
     assert "--rollout-external-engine" in message and "did you mean --rollout-external-engine-addrs?" in message

@@ -39,8 +39,9 @@ def test_jsonl_reads_prompt_label_metadata(tmp_path: Path) -> None:
         encoding="utf-8",
     )
     records = read_prompt_file(path, input_key="q", label_key="a", metadata_key="m")
+    assert type(records[0].label) is int  # the JSON type kept, as slime's Sample.label = data[label_key]
     assert records == [
-        PromptRecord(prompt="what is 2+2?", label="4", metadata={"source": "x"}, index=0),
+        PromptRecord(prompt="what is 2+2?", label=4, metadata={"source": "x"}, index=0),
         PromptRecord(prompt=[{"role": "user", "content": "hi"}], label="yes", metadata={"k": 1}, index=1),
     ]
 

@@ -105,3 +105,61 @@ def test_a_library_raising_inside_the_users_code_names_the_users_line() -> None:
     except ValueError as error:
         frame = user_code_frame(error)
     assert frame is not None and frame.name == "users_hook" and frame.filename == __file__
+
+
+class _Lines(logging.Handler):
+    """A handler keeping what it would write, as the run's file or terminal handler would format it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+def test_a_contained_failure_is_one_terminal_line_and_a_count_and_every_traceback_in_the_file() -> None:
+    from coordinator.lifecycle.failures import ContainedFailures
+
+    log = logging.getLogger("rayless.test.contained")
+    log.propagate = False
+    file, terminal = _Lines(), _Lines()
+    terminal.addFilter(ToFileOnly())
+    log.handlers = [file, terminal]
+    failures = ContainedFailures(log)
+    for index in range(12):
+        try:
+            raise RuntimeError("verifiers rollout failed: " + "x" * 1000)
+        except RuntimeError as error:
+            failures.report("--custom-agent-function-path examples.agents:run", f"sample {index}/0", error)
+    assert len(terminal.lines) == 2 and not any("Traceback" in line for line in terminal.lines)
+    assert terminal.lines[0].startswith("--custom-agent-function-path examples.agents:run failed on sample 0/0: "
+                                        "RuntimeError: verifiers rollout failed: xxx")
+    assert "x" * 300 not in terminal.lines[0], "a long error is cut on the terminal"
+    assert terminal.lines[1] == ("--custom-agent-function-path examples.agents:run: 10 failures with RuntimeError "
+                                 "so far (each in the run's coordinator.log)")
+    assert sum("Traceback" in line for line in file.lines) == 12
+
+
+def test_a_library_registered_file_only_reaches_the_file_alone() -> None:
+    from coordinator.lifecycle.failures import file_only_logger
+
+    library = logging.getLogger("rayless_test_library")
+    library.addHandler(logging.StreamHandler())  # its own stderr handler, as verifiers installs one
+    library.propagate = False
+    file_only_logger("rayless_test_library")
+    assert library.handlers == [] and library.propagate
+    file, terminal = _Lines(), _Lines()
+    terminal.addFilter(ToFileOnly())
+    root = logging.getLogger()
+    root.addHandler(file)
+    root.addHandler(terminal)
+    try:
+        logging.getLogger("rayless_test_library.envs").error("Aborted rollout due to EmptyModelResponseError()")
+        logging.getLogger("rayless_test_library_other").error("another library")
+    finally:
+        root.removeHandler(file)
+        root.removeHandler(terminal)
+    assert file.lines == ["Aborted rollout due to EmptyModelResponseError()", "another library"]
+    assert terminal.lines == ["another library"]

@@ -325,3 +325,14 @@ def test_streaming_yields_good_samples_before_the_fault(dump_file: Path) -> None
     assert [s.group_index for s in got] == [0, 0, 1, 1]
     with pytest.raises(DumpError, match="checksum mismatch in the trailer"):
         next(stream)
+
+
+@pytest.mark.parametrize("label", [1, 2.5, "1", None, [1, "a"], {"answer": 2}])
+def test_a_label_keeps_its_json_type_through_a_dump(tmp_path: Path, label: Any) -> None:
+    """A run's label is the data file's JSON value (coordinator.data.source.label_value); a dump and its replay
+    keep it, so `1` (a gpqa choice index) does not come back as `"1"`."""
+    sample = Sample(group_index=0, sample_index=0, prompt="p", tokens=[1, 2, 3], response_length=1, loss_mask=[1],
+                    rollout_log_probs=[-0.5], status=SampleStatus.COMPLETED, reward=1.0, label=label, response="x")
+    path = write_dump(tmp_path / "d.dump", 0, [sample], config_facts={})
+    (back,) = read_dump(path).samples
+    assert back.label == label and type(back.label) is type(label)

@@ -66,11 +66,47 @@ def test_bad_rows_are_reported_and_exit_1(tmp_path: Path, capsys: pytest.Capture
     data.write_text('{"response": "Answer: 3", "label": "three"}\nnot json\n[1]\n{"label": "3"}\n'
                     '{"response": "Answer: 3", "label": "3"}\n', encoding="utf-8")
     assert main(["reward", "score", "--rm-type", "dapo", str(data)]) == 1
-    lines = _lines(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    assert "rayless reward score: 1 row scored with dapo, 4 could not be" in captured.err
+    lines = _lines(captured.out)
     assert "needs an integer label" in str(lines[0]["error"])
     assert "line 2 is not JSON" in str(lines[1]["error"]) and "not an object" in str(lines[2]["error"])
     assert "no text field 'response' (--input-key)" in str(lines[3]["error"])
     assert lines[4] == {"index": 4, "reward": {"score": 1.0, "acc": 1.0}}
+
+
+def test_a_row_counts_once_when_both_graders_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _write(tmp_path / "c.jsonl", [{"response": "Answer: 3", "label": "three"},
+                                         {"response": "Answer: 3", "label": "3"}])
+    assert main(["reward", "score", "--rm-type", "dapo", "--compare", "boxed_dapo", str(data)]) == 1
+    assert "1 row scored with dapo and boxed_dapo, 1 could not be" in capsys.readouterr().err
+
+
+def test_gpqa_index_labels_grade_as_in_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A choice-index label (JSON `1`) is the index to gpqa, as slime passes it: "The answer is B" scores 1.0,
+    and the same rows read by the run's prompt source and scored by the run's reward router score the same."""
+    import anyio
+
+    from coordinator.data.source import read_prompt_file
+    from coordinator.rollout.requests import new_sample
+    from coordinator.rollout.rewards import RewardModel
+
+    choices = {"metadata": {"choices": ["red", "blue", "green", "2 apples"]}}
+    rows = [{"prompt": "q", "response": "The answer is B", "label": 1, **choices},
+            {"prompt": "q", "response": "The answer is B", "label": 2, **choices},
+            {"prompt": "q", "response": "I have 2 apples, so A", "label": 2, **choices}]
+    data = _write(tmp_path / "gpqa.jsonl", rows)
+    assert main(["reward", "score", "--rm-type", "gpqa", str(data)]) == 0
+    scored = [row["reward"] for row in _lines(capsys.readouterr().out)]
+    assert scored == [1.0, 0.0, 0.0]
+
+    records = read_prompt_file(data, label_key="label", metadata_key="metadata")
+    assert [type(record.label) for record in records] == [int, int, int]
+    samples = [new_sample(record, [1, 2], 0, index) for index, record in enumerate(records)]
+    for sample, row in zip(samples, rows, strict=True):
+        sample.response, sample.status = row["response"], sample.status.COMPLETED
+    anyio.run(RewardModel(rm_type="gpqa").score_group, samples)
+    assert [sample.reward for sample in samples] == scored
 
 
 @pytest.mark.parametrize(("argv", "message"), [

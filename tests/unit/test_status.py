@@ -6,7 +6,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import socket
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 
 import anyio
@@ -19,6 +23,8 @@ from coordinator.observe.progress import MetricsLog, RunProgress
 from coordinator.observe.timeline import Timeline, recording
 from coordinator.status import command, prometheus, reading
 from coordinator.status.sources import StatusSources, snapshot
+from replay.format import write_dump
+from replay.sample import Sample, SampleStatus
 
 
 def test_spans_nest_concurrent_ones_get_lanes_and_the_file_is_trace_events(tmp_path: Path) -> None:
@@ -90,6 +96,32 @@ def test_metrics_parse_as_prometheus_text_with_conventional_names(tmp_path: Path
     assert reading.check_shape(json.loads(json.dumps(document)), "/status")  # what `rayless status` accepts
 
 
+def test_an_engines_rate_is_read_from_the_rollouts_row_on_the_page_and_metrics_alike(tmp_path: Path) -> None:
+    """One source: the rollout's per-engine share (what `coordinator.rollout.generate.engine_rates` logs), the
+    same number in `/status` and `/metrics`; an engine without a figure in the row has none in either."""
+    from coordinator.engines.client import EngineClient
+    from coordinator.engines.fleet import EngineFleet
+    from coordinator.rollout.generate import engine_rates
+
+    fleet = EngineFleet(client=EngineClient(max_connections=1), external_urls=["127.0.0.1:1", "127.0.0.1:2"],
+                        run_dir=tmp_path)
+    first, second = fleet.engines
+    shares = engine_rates(Counter({first.url: 300, "http://127.0.0.1:9": 100}), fleet, 2.0)  # :9: no engine's
+    assert shares == {f"rollout/tokens_per_s/{first.name}": 150.0}
+    metrics = MetricsLog(tmp_path)
+    metrics.log(0, {"rollout/tokens_per_s": 200.0, **shares})
+    metrics.close()
+    sources = StatusSources(run_dir=tmp_path, config_digest="abc", progress=RunProgress(), metrics=metrics,
+                            timeline=Timeline(None), fleets=[fleet])
+    document = snapshot(sources)
+    assert [(e["name"], e["tokens_per_s"]) for e in document["engines"]] == [(first.name, 150.0),
+                                                                             (second.name, None)]
+    rates = {s.labels["engine"]: s.value for family in text_string_to_metric_families(prometheus.render(document)
+                                                                                        .decode())
+             for s in family.samples if s.name == "rayless_engine_generation_tokens_per_second"}
+    assert rates == {first.name: 150.0}
+
+
 def test_status_flags_are_checked_at_start_up() -> None:
     base = ["--hf-checkpoint", "/model", "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1",
             "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
@@ -139,6 +171,30 @@ def test_rayless_status_names_what_it_cannot_read(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.5}) + "\n")
     code, text = run_status([str(tmp_path)])
     assert code == 0 and "rollout 1/4" in text and "does not answer" in text and "0.500" in text
+
+
+@pytest.mark.parametrize("argv", [["status", "RUN"], ["--help"],
+                                  ["reward", "score", "--rm-type", "exact_match", "RUN/rows.jsonl"],
+                                  ["dump", "show", "RUN/0.rld"]])
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path: Path, argv: list[str]) -> None:
+    """`rayless status RUN | head -1`: the reader is gone before the command writes (its end of the pipe closed
+    at once), so every write meets EPIPE; the command exits 0 with no BrokenPipeError traceback."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_rollout": 4}))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.5}) + "\n")
+    # more output than a pipe's buffer: the write that meets EPIPE happens inside the command, not at exit
+    (tmp_path / "rows.jsonl").write_text((json.dumps({"response": "a", "label": "a"}) + "\n") * 5000)
+    write_dump(tmp_path / "0.rld", 0, [Sample(tokens=[1, 2], response_length=1, loss_mask=[1], rollout_log_probs=[-1.0],
+                                              status=SampleStatus.COMPLETED, reward=1.0, response="x")],
+               config_facts={})
+    argv = [arg.replace("RUN", str(tmp_path)) for arg in argv]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen([sys.executable, "-m", "coordinator.cli", *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+    assert child.stdout is not None
+    child.stdout.close()  # the only reader: from here on a write to the child's stdout is EPIPE
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err and b"Broken pipe" not in err
 
 
 def test_a_status_port_in_use_stops_the_run_before_anything_launches(tiny_model_dir: Path, tmp_path: Path,
