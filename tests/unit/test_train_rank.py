@@ -24,7 +24,7 @@ from workers.protocol.train_settings import (
     TrainSettings,
 )
 from workers.shared_torch.token_scores import token_log_probs
-from workers.train_rank import weight_export
+from workers.train_rank import tensor_files, weight_export
 from workers.train_rank.batching import BatchError, collate
 from workers.train_rank.loss import approx_kl, policy_loss
 from workers.train_rank.model import load_causal_lm
@@ -335,7 +335,7 @@ def test_snapshot_writer_round_trips_every_dtype_and_layout(tmp_path: Path) -> N
         "e.strided": torch.randn(4, 6).t(),
     }
     path = tmp_path / "model.safetensors"
-    weight_export.write_safetensors(state, path, metadata={"format": "pt"})
+    tensor_files.write_safetensors(state, path, metadata={"format": "pt"})
     loaded = load_file(str(path))
     assert set(loaded) == set(state)
     for name, tensor in state.items():

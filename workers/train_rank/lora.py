@@ -225,7 +225,7 @@ def adapter_state(model: Any) -> dict[str, torch.Tensor]:
 def write_adapter_files(state: dict[str, torch.Tensor], spec: LoraSettings, directory: Path, *,
                         base_model_path: str) -> None:
     """`adapter_model.safetensors` and `adapter_config.json` of `adapter_state`'s tensors in `directory`."""
-    from workers.train_rank.weight_export import write_safetensors
+    from workers.train_rank.tensor_files import write_safetensors
 
     directory.mkdir(parents=True, exist_ok=True)
     write_safetensors(state, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})

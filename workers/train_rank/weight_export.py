@@ -25,6 +25,7 @@ import torch
 
 from workers.train_rank import lora
 from workers.train_rank.model import tied_parameter_names
+from workers.train_rank.tensor_files import write_safetensors
 
 SNAPSHOT_PREFIX = "weights-"
 WEIGHT_FILE_PATTERNS = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -179,14 +180,6 @@ def write_hf_directory(
 
 def _replaceable(path: Path) -> bool:
     return path.is_dir() and ((path / "config.json").is_file() or not any(path.iterdir()))
-
-
-def write_safetensors(state: dict[str, torch.Tensor], path: Path, *, metadata: dict[str, str]) -> None:
-    """Write `state` as one safetensors file (contiguous CPU copies; the library checks dtypes)."""
-    from safetensors.torch import save_file
-
-    save_file({name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}, str(path),
-              metadata=metadata)
 
 
 def prune_snapshots(directory: Path, *, keep: int, protect: Path) -> None:
