@@ -29,7 +29,6 @@ from replay.meaning import MeaningCheck
 from replay.reader import read_dump
 from replay.sample import RolloutBatch, Sample
 
-
 #: Metrics of a dump that time the generation that wrote it; a replay does not report them as its own.
 GENERATION_TIMINGS = frozenset({"rollout/time_s", "rollout/tokens_per_s"})
 

@@ -9,6 +9,7 @@ order and losses and serves engines the exact weights. Runs are kept short: CI h
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -100,16 +101,19 @@ def test_training_logprobs_match_the_engines_by_disk_sync(generated_run: Path) -
 
 async def test_replay_trains_with_no_engine_and_repeats_the_generating_runs_losses(generated_run: Path,
                                                                                   tiny_model_dir: Path,
-                                                                                  tmp_path: Path) -> None:
+                                                                                  tmp_path: Path,
+                                                                                  caplog: pytest.LogCaptureFixture
+                                                                                  ) -> None:
     template = str(generated_run / "dumps" / "{rollout_id}.rld")
     run_dir = tmp_path / "replay"
     # No training flag and no model: the dumps recorded the generating run's (its --lr 3e-3, not the default 1e-6)
     config = parse_config(["--run-dir", str(run_dir), "--load-debug-rollout-data", template, "--num-rollout", "2",
                            "--actor-num-gpus-per-node", "2", "--no-progress"])
     assert config.train.lr == 3e-3 and config.rollout.hf_checkpoint == str(tiny_model_dir)
-    summary, children = await run_watched(config)
+    with caplog.at_level(logging.INFO, logger="rayless"):
+        summary, children = await run_watched(config)
     assert summary["train_steps"] == 2
-    steps = [line for line in (run_dir / "coordinator.log").read_text().splitlines() if "loss " in line]
+    steps = [r.getMessage() for r in caplog.records if r.name == "rayless" and "loss " in r.getMessage()]
     assert len(steps) == 2 and not [line for line in steps if " gen " in line], steps  # nothing was generated
     assert not [c for c in children if "workers.engine" in c or "sglang" in c], children
     assert any("workers.train_rank" in c for c in children)
