@@ -41,16 +41,32 @@ class Outcome:
     cpu_s: float
 
 
+#: What a clone does not hold (.gitignore's entries), for a checkout that is not a git work tree.
+NOT_IN_A_CLONE = frozenset({".git", ".venv", "__pycache__", "runs", ".ruff_cache", ".hypothesis", "build", "tmp",
+                            ".pytest_cache"})
+
+
+def clone_files() -> list[str]:
+    """The checkout's files as a clone of it holds them: what git lists (tracked, and new files not ignored), or,
+    outside a git work tree, every file but the ignored directories."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, check=True).stdout.split(b"\0")
+        return [os.fsdecode(name) for name in listed if name]
+    except (OSError, subprocess.CalledProcessError):
+        return [str(path.relative_to(ROOT)) for path in ROOT.rglob("*")
+                if path.is_file() and not any(part in NOT_IN_A_CLONE or part.endswith(".egg-info")
+                                              for part in path.relative_to(ROOT).parts)]
+
+
 def fresh_copy(directory: Path, tiny_model: Path) -> tuple[Path, Path]:
     """A clone's files under `directory/repo`, `runs/tiny-model` in it, and a directory holding only the
     installed packages (linked to the copy's) for PYTHONPATH: (copy root, that directory)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.split(b"\0")
     repo = directory / "repo"
-    for name in filter(None, listed):
-        source = ROOT / os.fsdecode(name)
+    for name in clone_files():
+        source = ROOT / name
         if source.is_file():  # a tracked file deleted in this working tree is not in a clone of it either
-            target = repo / os.fsdecode(name)
+            target = repo / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
     shutil.copytree(tiny_model, repo / "runs" / "tiny-model")
