@@ -136,13 +136,17 @@ def make_tiny_model_main(argv: Sequence[str]) -> int:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--words", nargs="+", default=[], metavar="WORD",
                         help="whole words that are one token each (tool tags such as '<search>')")
+    parser.add_argument("--untied-head", action="store_true",
+                        help="an output head of its own (tie_word_embeddings false), starting as a copy of the "
+                        "embeddings, so LoRA can adapt it (--target-modules ...,lm_head)")
     options = parser.parse_args(list(argv))
 
     from workers.tiny_model import build_tiny_model, count_parameters
 
     shape = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
              "seed")  # each the flag of its name
-    spec = TinyModelSpec(**{name: getattr(options, name) for name in shape}, words=tuple(options.words))
+    spec = TinyModelSpec(**{name: getattr(options, name) for name in shape}, words=tuple(options.words),
+                         untied_head=options.untied_head)
     directory = build_tiny_model(options.directory, spec)
     print(f"wrote {directory} ({count_parameters(directory):,} parameters)")
     return 0

@@ -29,6 +29,9 @@ from replay.meaning import MeaningCheck
 from replay.reader import read_dump
 from replay.sample import RolloutBatch, Sample
 
+#: Metrics of a dump that time the generation that wrote it; a replay does not report them as its own.
+GENERATION_TIMINGS = frozenset({"rollout/time_s", "rollout/tokens_per_s"})
+
 
 class ReplayMissingError(DumpError):
     """No dump exists for a rollout id the training loop asked for."""
@@ -117,11 +120,13 @@ class ReplayLoader:
             groups = subsample_groups(groups, self.subsample, seed=self.seed, rollout_id=rollout_id)
         # The generate path's metrics for this rollout (when the writer stored them) come back as they were,
         # so replayed runs log the same rollout metrics; replay's own facts are added under replay/.
+        # The generating run's timings are left out: this run generated nothing, so no "gen" time or rate is
+        # reported for it (the progress line, the plot and the status page read these keys).
         dumped = dump.header.config.get("metrics")
         metrics: dict[str, float] = {
             str(k): float(v)
             for k, v in (dumped.items() if isinstance(dumped, dict) else ())
-            if type(v) in (int, float)
+            if type(v) in (int, float) and k not in GENERATION_TIMINGS
         }
         metrics |= {
             "replay/groups": float(len(groups)),

@@ -133,7 +133,11 @@ def _show(console: Console, path: Path, tokenizer_dir: Path | None, first: int) 
     for key in ("format_version", "rollout_id", "kind", "created_at_iso", "writer", "sample_count"):
         info.add_row(key, str(header.raw.get(key)))
     for key, value in header.config.items():
-        info.add_row(f"config.{key}", repr(value) if not isinstance(value, str) else value)
+        # a mapping (the rollout's metrics, the training flags a replay takes) one row per entry, not one repr
+        entries = value.items() if isinstance(value, dict) else [(None, value)]
+        for sub, item in entries:
+            info.add_row(f"config.{key}" + ("" if sub is None else f".{sub}"),
+                         item if isinstance(item, str) else repr(item))
     console.print(info)
 
     statuses: Counter[str] = Counter()

@@ -7,6 +7,8 @@ config.json, model.safetensors, generation_config.json and tokenizer files writt
 
 `TinyModelSpec.words` adds whole words as single tokens after the characters (tool tags such as `<search>`, so a
 random tiny model writes a tool call now and then); without them the vocabulary and weights are unchanged.
+`TinyModelSpec.untied_head` gives the model an output head of its own (a copy of the embeddings), so LoRA can
+adapt it.
 
 Invariant: the same seed and sizes give byte-identical weights, so runs and tests are reproducible.
 """
@@ -50,6 +52,9 @@ class TinyModelSpec:
     vocab_size: int | None = None
     #: Per attention head (Qwen3-0.6B: 128 with hidden 1024 and 16 heads); None: hidden_size // heads.
     head_dim: int | None = None
+    #: An output head of its own (`tie_word_embeddings` false), starting as a copy of the embeddings: the same
+    #: model's outputs, with a head LoRA can adapt (docs/lora.md).
+    untied_head: bool = False
 
 
 def vocabulary(words: tuple[str, ...] = ()) -> dict[str, int]:
@@ -115,6 +120,9 @@ def build_tiny_model(directory: str | Path, spec: TinyModelSpec | None = None) -
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     finally:
         torch.random.set_rng_state(generator_state)
+    if spec.untied_head:  # untied after the seeded build, so every other weight is the tied model's
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
     model.save_pretrained(str(directory), safe_serialization=True)
     GenerationConfig(eos_token_id=vocab[EOS_TOKEN], pad_token_id=vocab[PAD_TOKEN]).save_pretrained(str(directory))
     build_tokenizer_files(directory, spec.words, spec.max_position_embeddings)

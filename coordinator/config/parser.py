@@ -106,6 +106,10 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
     attributes: dict[str, Any] = {}
     if values.get("custom_config_path") is not None:
         values, attributes = apply_custom_config(values, values["custom_config_path"])
+    if values.get("load_debug_rollout_data") is not None:  # a replay trains with its dumps' flags by default
+        from coordinator.config.replayed import replay_values
+
+        values = replay_values(values, frozenset(values))
     config = build_config(values, config_file=config_file, sglang_passthrough=tuple(passthrough), given=names,
                           custom_attributes=tuple(attributes.items()), upstream_ignored=upstream.ignored,
                           router_passthrough=upstream.router_args)

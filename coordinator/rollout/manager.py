@@ -320,6 +320,7 @@ class RolloutManager:
             )
 
     async def _dump(self, batch: RolloutBatch, *, kind: str = "rollout") -> None:
+        from coordinator.config.replayed import HEADER_KEY, recorded_flags
         from replay.format import dump_path, write_dump
 
         path = dump_path(
@@ -335,6 +336,7 @@ class RolloutManager:
             "advantage_estimator": rollout.advantage_estimator,
             "reward_key": rollout.reward_key,
             "metrics": batch.metrics,
+            HEADER_KEY: recorded_flags(self.config),  # what a replay of this dump trains with by default
         }
         await anyio.to_thread.run_sync(
             lambda: write_dump(path, batch.rollout_id, batch.samples, config_facts=facts, kind=kind)

@@ -46,3 +46,28 @@ def test_same_seed_gives_identical_weights(tmp_path: Path) -> None:
     weights = (first / "model.safetensors").read_bytes()
     assert weights == (second / "model.safetensors").read_bytes()
     assert weights != (other / "model.safetensors").read_bytes()
+
+
+def test_untied_head_is_a_head_of_its_own_with_the_same_outputs(tmp_path: Path) -> None:
+    """`make-tiny-model --untied-head` (LoRA's recipe adapts the head): the tied model's weights and outputs,
+    with `lm_head` a separate tensor in the file."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "coordinator.cli", "make-tiny-model", str(tmp_path / "untied"),
+                             "--untied-head"], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    from workers.tiny_model import build_tiny_model
+
+    tied_dir = build_tiny_model(tmp_path / "tied")
+    tied, untied = load_file(str(tied_dir / "model.safetensors")), load_file(str(tmp_path / "untied" /
+                                                                                 "model.safetensors"))
+    assert "lm_head.weight" not in tied and set(untied) == {*tied, "lm_head.weight"}
+    assert all(torch.equal(tied[name], untied[name]) for name in tied)
+    assert torch.equal(untied["lm_head.weight"], tied["model.embed_tokens.weight"])
+    models = [AutoModelForCausalLM.from_pretrained(d, local_files_only=True) for d in (tied_dir, tmp_path / "untied")]
+    assert models[0].config.tie_word_embeddings and not models[1].config.tie_word_embeddings
+    assert models[1].lm_head.weight.data_ptr() != models[1].model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(models[0](ids).logits, models[1](ids).logits)

@@ -1,14 +1,15 @@
 """Whole runs: generate → train → sync on real CPU engines and torchrun ranks; replay; resume.
 
 One generating run (module fixture) feeds several checks: the reward rises, training logprobs match the
-engines', dumps replay with no engine process and repeat the generating run's losses, and a resumed run (a second
-module fixture, its weights synced by distributed sync) continues with the same data order and losses and
-serves engines the exact weights. Runs are kept short: CI has 2 cores.
+engines', dumps replay with no engine process and, given no training flag, repeat the generating run's losses,
+and a resumed run (a second module fixture, its weights synced by distributed sync) continues with the same data
+order and losses and serves engines the exact weights. Runs are kept short: CI has 2 cores.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -126,12 +127,20 @@ def test_save_hf_is_the_trained_and_the_served_model_and_export_gives_the_same(g
 
 async def test_replay_trains_with_no_engine_and_repeats_the_generating_runs_losses(generated_run: Path,
                                                                                   tiny_model_dir: Path,
-                                                                                  tmp_path: Path) -> None:
+                                                                                  tmp_path: Path,
+                                                                                  caplog: pytest.LogCaptureFixture
+                                                                                  ) -> None:
     template = str(generated_run / "dumps" / "{rollout_id}.rld")
     run_dir = tmp_path / "replay"
-    config = config_for(tiny_model_dir, run_dir, "--load-debug-rollout-data", template, "--num-rollout", "2")
-    summary, children = await run_watched(config)
+    # No training flag and no model: the dumps recorded the generating run's (its --lr 3e-3, not the default 1e-6)
+    config = parse_config(["--run-dir", str(run_dir), "--load-debug-rollout-data", template, "--num-rollout", "2",
+                           "--actor-num-gpus-per-node", "2", "--no-progress"])
+    assert config.train.lr == 3e-3 and config.rollout.hf_checkpoint == str(tiny_model_dir)
+    with caplog.at_level(logging.INFO, logger="rayless"):
+        summary, children = await run_watched(config)
     assert summary["train_steps"] == 2
+    steps = [r.getMessage() for r in caplog.records if r.name == "rayless" and "loss " in r.getMessage()]
+    assert len(steps) == 2 and not [line for line in steps if " gen " in line], steps  # nothing was generated
     assert not [c for c in children if "workers.engine" in c or "sglang" in c], children
     assert any("workers.train_rank" in c for c in children)
     # The replayed batches are the generated ones and the replay starts from the same weights, so a second set of

@@ -23,7 +23,6 @@ from typing import Any
 import anyio
 import psutil
 import pytest
-import torch
 
 from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
@@ -47,17 +46,11 @@ def losses(run_dir: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def untied_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM
+def untied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`rayless make-tiny-model --untied-head`'s model (docs/lora.md's recipe)."""
+    from workers.tiny_model import TinyModelSpec, build_tiny_model
 
-    directory = tmp_path_factory.mktemp("untied-model")
-    for item in tiny_model_dir.iterdir():
-        shutil.copy(item, directory / item.name)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
-    model.save_pretrained(directory)
-    return directory
+    return build_tiny_model(tmp_path_factory.mktemp("untied-model"), TinyModelSpec(untied_head=True))
 
 
 @pytest.fixture(scope="module")

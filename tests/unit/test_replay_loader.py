@@ -56,12 +56,15 @@ async def test_get_rollout_returns_groups_in_file_order(template: str) -> None:
 
 async def test_dumped_metrics_come_back(template: str) -> None:
     samples = [sample(0, 0), sample(0, 1)]
-    facts = {"metrics": {"rollout/raw_reward": 0.5, "rollout/response_len/mean": 12, "note": "text"}}
+    facts = {"metrics": {"rollout/raw_reward": 0.5, "rollout/response_len/mean": 12, "note": "text",
+                         "rollout/time_s": 3.5, "rollout/tokens_per_s": 900.0}}
     write_dump(dump_path(template, 2), 2, samples, config_facts=facts)
     batch = await ReplayLoader(template, subsample=None, seed=0, n_samples_per_prompt=2).get_rollout(2, "1")
     assert batch.metrics["rollout/raw_reward"] == 0.5
     assert batch.metrics["rollout/response_len/mean"] == 12.0
     assert "note" not in batch.metrics
+    # the generating run's timings are not the replay's: it generated nothing (no "gen" time on its line)
+    assert "rollout/time_s" not in batch.metrics and "rollout/tokens_per_s" not in batch.metrics
 
 
 def test_group_samples_interleaved() -> None:

@@ -34,6 +34,20 @@ def test_show_prints_header_counts_and_statistics(tmp_path: Path, capsys: pytest
     assert out.count("sample 0/0") == 1 and "sample 0/1" not in out  # --first 1
 
 
+def test_show_lists_a_mapping_of_the_header_one_row_per_entry(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The training flags a replay takes (and the rollout's metrics) each on a row of their own."""
+    from replay.format import write_dump
+
+    dumped = read_dump(write_sample_dump(tmp_path / "1.rld"))
+    path = write_dump(tmp_path / "2.rld", 2, dumped.samples,
+                      config_facts={"train_flags": {"lr": 0.003, "target_modules": ["q_proj", "v_proj"]}})
+    assert main(["show", str(path)]) == 0
+    rows = [" ".join(line.strip("│ ").split()) for line in capsys.readouterr().out.splitlines()]
+    assert "config.train_flags.lr │ 0.003" in rows
+    assert "config.train_flags.target_modules │ ['q_proj', 'v_proj']" in rows
+
+
 def test_show_decodes_with_a_tokenizer(
     tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
