@@ -1,6 +1,6 @@
 """Checkpoints on disk, in one process: a re-save of the same rollout keeps `latest` on a complete checkpoint
-whatever step a crash interrupts, the next save finishes the interrupted one, and a broken `latest` makes the
-load fall back to the newest complete checkpoint with a warning."""
+whatever step a crash interrupts, the next save finishes the interrupted one, and a damaged `latest` is refused
+with the list of complete checkpoints and the flag that picks one."""
 
 from __future__ import annotations
 
@@ -96,33 +96,43 @@ def test_a_resave_of_the_same_rollout_replaces_it(tmp_path: Path) -> None:
     assert load(tmp_path)[1] == 2.0
 
 
-@pytest.mark.parametrize("latest", ['"rollout_7"', "not json", None, '"../elsewhere"'])
-def test_a_broken_latest_falls_back_to_the_newest_complete_checkpoint(
-    tmp_path: Path, latest: str | None, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("latest", ['"rollout_7"', "not json", None, '"../../../../etc"', "\x00\xff\xfe",
+                                    '"tmp-7"', "[" * 100_000])
+def test_a_damaged_latest_is_refused_with_the_complete_checkpoints_and_the_flag(
+    tmp_path: Path, latest: str | None
 ) -> None:
-    """The state the issue found: `latest` names a directory that is gone, `rollout_{N-2}` and a complete
-    `tmp-N` exist (a crash of the old re-save between its delete and its rename)."""
+    """`latest` naming a directory that is gone, a partial one, one outside, garbage or nothing: the load
+    refuses instead of picking a checkpoint for the user, and says which are complete and how to pick one."""
     save(tmp_path, 3, 1.0)
     save(tmp_path, 5, 2.0)
-    (tmp_path / "rollout_5").rename(tmp_path / "tmp-5")
-    save(tmp_path / "other", 9, 9.0)  # a partial save of a later rollout is not a candidate
     partial = tmp_path / "tmp-7"
-    (tmp_path / "other" / "rollout_9").rename(partial)
-    (partial / "extra.json").unlink()
+    save(tmp_path / "other", 7, 9.0)
+    (tmp_path / "other" / "rollout_7").rename(partial)
+    (partial / "manifest.json").unlink()  # a save of rollout 7 that did not finish
     if latest is None:
         (tmp_path / ckpt.LATEST).unlink()
     else:
         (tmp_path / ckpt.LATEST).write_text(latest)
-    caplog.set_level("WARNING")
-    loaded, value = load(tmp_path)
-    assert loaded.path == tmp_path / "tmp-5" and loaded.rollout_id == 5 and value == 2.0
-    assert "loaded the newest complete checkpoint instead" in loaded.warning
-    assert loaded.warning in caplog.text
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        load(tmp_path)
+    message = str(refused.value)
+    assert str(tmp_path / ckpt.LATEST) in message and "refusing to guess" in message
+    assert "complete checkpoints: rollout 3, 5: pick one with --ckpt-step N (e.g. --ckpt-step 5)" in message
+    loaded, value = load_step(tmp_path, 3)
+    assert loaded.rollout_id == 3 and value == 1.0
+
+
+def load_step(path: Path, step: int) -> tuple[ckpt.LoadedCheckpoint, float]:
+    state = State()
+    loaded = ckpt.load_checkpoint(path, step=step, **state.objects())  # type: ignore[arg-type]
+    return loaded, state.value
 
 
 def test_nothing_complete_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / ckpt.LATEST).write_text('"rollout_1"')
-    with pytest.raises(ckpt.CheckpointError, match="names 'rollout_1', which is not a complete checkpoint"):
+    with pytest.raises(ckpt.CheckpointError, match="names rollout_1, which is not a complete checkpoint.*holds no"):
         ckpt.resolve_checkpoint(tmp_path)
     with pytest.raises(ckpt.CheckpointError, match="neither a checkpoint directory nor a save dir"):
         ckpt.resolve_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint of rollout 4"):
+        ckpt.resolve_checkpoint(tmp_path, 4)
