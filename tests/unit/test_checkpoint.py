@@ -130,7 +130,7 @@ def load_step(path: Path, step: int) -> tuple[ckpt.LoadedCheckpoint, float]:
 
 def test_nothing_complete_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / ckpt.LATEST).write_text('"rollout_1"')
-    with pytest.raises(ckpt.CheckpointError, match="names rollout_1, which is not a complete checkpoint.*holds no"):
+    with pytest.raises(ckpt.CheckpointError, match=r"names rollout_1, which is not a complete checkpoint.*holds no"):
         ckpt.resolve_checkpoint(tmp_path)
     with pytest.raises(ckpt.CheckpointError, match="neither a checkpoint directory nor a save dir"):
         ckpt.resolve_checkpoint(tmp_path / "nowhere")

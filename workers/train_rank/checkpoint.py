@@ -43,7 +43,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from workers.train_rank import checkpoint_files
-from workers.train_rank.checkpoint_files import CheckpointError, Extra, RngState, read_json, write_json_durably
+from workers.train_rank.checkpoint_files import (
+    CheckpointError,
+    Extra,
+    RngState,
+    read_json,
+    write_json_durably,
+)
 
 LATEST = "latest"
 #: rank 0's last files of a save, and DCP's own index: all present = complete

@@ -43,6 +43,9 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 class CheckpointError(RaylessError, RuntimeError):
     """A checkpoint (or one of its files) that cannot be loaded as it is; the message names the file."""
 
+    #: `rayless train`'s status when this ends a run: refused input, as a start-up check's
+    exit_status = 2
+
 
 # ------------------------------------------------------------------------------------ DCP metadata, no code
 
