@@ -115,18 +115,30 @@ class TrainCommands:
         return reduce_rollout_metrics(self.step_metrics)
 
     async def save(
-        self, rollout_id: int, extra: dict[str, Any] | None = None, directory: str | Path | None = None
+        self, rollout_id: int, extra: dict[str, Any] | None = None, directory: str | Path | None = None,
+        *, publish: bool = True,
     ) -> Path:
-        """Write a resumable checkpoint to `<save_dir>/rollout_<id>` (atomic; `latest` updated)."""
+        """Write a resumable checkpoint to `<save_dir>/rollout_<id>` (atomic; `latest` updated). With
+        `publish=False` it stays in `<save_dir>/tmp-<id>`, complete, until `publish` (the coordinator's
+        decision: a save it did not publish is not resumed from)."""
+        command = protocol.SaveCommand(
+            rollout_id=int(rollout_id), directory=self._save_dir(directory), extra=dict(extra or {}),
+            publish=publish,
+        )
+        return Path((await self.server.call_all(command))[0]["path"])
+
+    async def publish(self, rollout_id: int, directory: str | Path | None = None) -> Path:
+        """Publish the checkpoint `save(publish=False)` wrote: `latest` names it from now on."""
+        command = protocol.PublishCommand(rollout_id=int(rollout_id), directory=self._save_dir(directory))
+        return Path((await self.server.call_all(command))[0]["path"])
+
+    def _save_dir(self, directory: str | Path | None) -> str:
         target = directory or (self.settings.checkpoint.save_dir if self.settings is not None else None)
         if not target:
             raise ValueError(
                 "save() needs a directory: pass directory= or set checkpoint.save_dir in the settings"
             )
-        command = protocol.SaveCommand(
-            rollout_id=int(rollout_id), directory=str(target), extra=dict(extra or {})
-        )
-        return Path((await self.server.call_all(command))[0]["path"])
+        return str(target)
 
     async def load_checkpoint(self, path: str | Path) -> LoadedCheckpoint:
         """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank. When

@@ -136,3 +136,36 @@ def test_nothing_complete_is_a_clear_error(tmp_path: Path) -> None:
         ckpt.resolve_checkpoint(tmp_path / "nowhere")
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint of rollout 4"):
         ckpt.resolve_checkpoint(tmp_path, 4)
+
+
+#: what a save leaves in `tmp-<id>` when it is killed before its end: each file it writes, in order
+WRITE_PHASES = ["__0_0.distcp", ".metadata", "rng_rank0.json", "scheduler.json", "extra.json", "manifest.json"]
+
+
+@pytest.mark.parametrize("written", range(len(WRITE_PHASES) + 1))
+def test_a_save_killed_while_writing_or_before_its_publish_is_never_resumed_from(tmp_path: Path,
+                                                                                 written: int) -> None:
+    """CRASH simulation (a kill at a chosen instant cannot be produced on demand): a save of rollout 5
+    stopped after writing `written` of its files — or complete but not published, as a save the ranks
+    finish after the coordinator died (it publishes only once the step's metrics row is written)."""
+    save(tmp_path, 3, 1.0)
+    tmp = ckpt.save_checkpoint(tmp_path, 5, extra={}, publish=False, **State(2.0).objects())
+    assert tmp == tmp_path / "tmp-5" and ckpt.is_complete(tmp)
+    for name in WRITE_PHASES[written:]:
+        (tmp / name).unlink()
+    assert json.loads((tmp_path / ckpt.LATEST).read_text()) == "rollout_3"
+    loaded, value = load(tmp_path)
+    assert loaded.rollout_id == 3 and value == 1.0
+    if written < len(WRITE_PHASES):
+        with pytest.raises(ckpt.CheckpointError, match="tmp-5: not a complete checkpoint to publish"):
+            ckpt.publish_checkpoint(tmp_path, 5)
+    save(tmp_path, 4, 4.0)  # the next save clears what the killed one left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "rollout_3", "rollout_4"]
+
+
+def test_the_coordinator_publishes_a_finished_save(tmp_path: Path) -> None:
+    save(tmp_path, 3, 1.0)
+    ckpt.save_checkpoint(tmp_path, 5, extra={}, publish=False, **State(2.0).objects())
+    assert ckpt.publish_checkpoint(tmp_path, 5, retain_interval=2) == tmp_path / "rollout_5"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "rollout_5"]  # 3 pruned (not a multiple)
+    assert load(tmp_path)[1] == 2.0

@@ -111,8 +111,10 @@ def save_checkpoint(
     retain_interval: int | None = None,
     adapters: dict[str, Any] | None = None,
     write_files: Callable[[Path], None] | None = None,
+    publish: bool = True,
 ) -> Path:
-    """Collective: every rank calls it with the same arguments. Returns the final directory.
+    """Collective: every rank calls it with the same arguments. Returns the final directory (with
+    `publish=False`, the complete `tmp-<id>` that `publish_checkpoint` publishes later).
 
     adapters: the LoRA adapters' record (`LoraSpec.record()`), kept in extra.json so a resume can tell a
     checkpoint of other adapters; write_files: called by every rank with the tmp directory before it is
@@ -120,13 +122,27 @@ def save_checkpoint(
     save_dir = Path(save_dir)
     write_tmp(save_dir, rollout_id, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra,
               adapters=adapters, write_files=write_files)
+    if not publish:
+        _barrier()
+        return save_dir / f"tmp-{rollout_id}"
     if _rank() == 0:
-        previous = _latest_name(save_dir)
-        for step in publish_steps(save_dir, rollout_id):
-            step()
-        if retain_interval is not None and previous is not None and previous != f"rollout_{rollout_id}":
-            _prune(save_dir / previous, retain_interval)
+        publish_checkpoint(save_dir, rollout_id, retain_interval=retain_interval)
     _barrier()
+    return save_dir / f"rollout_{rollout_id}"
+
+
+def publish_checkpoint(save_dir: str | Path, rollout_id: int, *, retain_interval: int | None = None) -> Path:
+    """Rank 0: the complete `tmp-<id>` becomes `rollout_<id>`, the checkpoint `latest` names; the one named
+    before is pruned by the retain interval. A tmp directory that is not complete is an error."""
+    save_dir = Path(save_dir)
+    tmp = save_dir / f"tmp-{rollout_id}"
+    if not is_complete(tmp):
+        raise CheckpointError(f"{tmp}: not a complete checkpoint to publish (its save did not finish)")
+    previous = _latest_name(save_dir)
+    for step in publish_steps(save_dir, rollout_id):
+        step()
+    if retain_interval is not None and previous is not None and previous != f"rollout_{rollout_id}":
+        _prune(save_dir / previous, retain_interval)
     return save_dir / f"rollout_{rollout_id}"
 
 

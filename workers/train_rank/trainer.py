@@ -271,10 +271,23 @@ class Trainer:
             optimizer=optimizer,
             scheduler=self.scheduler,
             extra=command.extra,
-            retain_interval=self.settings.checkpoint.save_retain_interval if self.settings is not None else None,
+            retain_interval=self._retain_interval,
             adapters=self.lora.record() if self.lora is not None else None,
             write_files=self._write_adapter if self.lora is not None else None,
+            publish=command.publish,
         )
+        return {"path": str(path)}
+
+    @property
+    def _retain_interval(self) -> int | None:
+        return self.settings.checkpoint.save_retain_interval if self.settings is not None else None
+
+    def publish(self, command: protocol.PublishCommand) -> dict[str, Any]:
+        """Rank 0: the complete `tmp-<id>` becomes the checkpoint `latest` names (file operations only)."""
+        if self.rank != 0:
+            return {}
+        path = checkpoint.publish_checkpoint(command.directory, command.rollout_id,
+                                             retain_interval=self._retain_interval)
         return {"path": str(path)}
 
     def _write_adapter(self, directory: Any) -> None:
