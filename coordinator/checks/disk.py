@@ -4,8 +4,10 @@ Owns `check_disk(config)`, run by preflight after the paths and `--load` were re
 (its manifest's sizes and digests, DCP's metadata against its shards, the JSON files typed and bounded; a
 damaged `latest` refused with the complete checkpoints and `--ckpt-step`), a `--ref-load` / teacher that is a
 rayless checkpoint the same way, `--hf-checkpoint` and a Hugging Face `--ref-load` (every safetensors file
-against its header, and every parameter the architecture needs stored: missing keys are an error, not fresh
-weights), and `--lora-adapter-path` (its file against its header, its keys against the target modules).
+against its header; and, where the start-up builds the model on the meta device anyway — LoRA, `--dry-run` —
+every parameter the architecture needs stored: missing keys are an error, not fresh weights; otherwise the
+ranks and engines refuse missing keys as they load, which spares a plain start importing transformers here),
+and `--lora-adapter-path` (its file against its header, its keys against the target modules).
 `verify_reload(save_dir)` is the same check of the checkpoint a train-FT recovery is about to load.
 
 Invariant: every failure is one `ConfigError` line naming the flag, the file and what is wrong (exit 2, nothing
@@ -39,7 +41,9 @@ def check_disk(config: Config) -> list[str]:
                 if source is not None:
                     notes.append(f"{flag}: {_verify_model_or_checkpoint(Path(source))} verified")
         flag = "--hf-checkpoint"
-        notes.append(f"--hf-checkpoint: {verify_model_dir(Path(str(config.rollout.hf_checkpoint)))}")
+        architecture = config.lora.enabled or config.debug.dry_run  # the meta model is built anyway
+        notes.append(f"--hf-checkpoint: "
+                     f"{verify_model_dir(Path(str(config.rollout.hf_checkpoint)), architecture=architecture)}")
         adapter = config.lora.lora_adapter_path
         if adapter is not None:
             flag = "--lora-adapter-path"
@@ -71,13 +75,14 @@ def _verify_model_or_checkpoint(path: Path) -> str:
     return f"{verify_checkpoint_source(path)}"
 
 
-def verify_model_dir(model_dir: Path) -> str:
-    """Every safetensors file of a Hugging Face directory against its header, and every parameter of the
-    architecture stored."""
+def verify_model_dir(model_dir: Path, *, architecture: bool = False) -> str:
+    """Every safetensors file of a Hugging Face directory against its header; with `architecture`, every
+    parameter of the model its config.json describes stored (builds it on the meta device: imports
+    transformers)."""
     from workers.train_rank.checkpoint_weights import missing_parameters, model_tensors
 
     tensors = model_tensors(model_dir)
-    expected = _architecture(model_dir)
+    expected = _architecture(model_dir) if architecture else None
     if expected is not None:
         names, prefix, optional = expected
         missing = missing_parameters(names, set(tensors), prefix=prefix, optional=optional)

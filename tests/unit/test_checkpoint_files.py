@@ -214,7 +214,10 @@ def test_a_truncated_model_is_refused_before_launch(model_copy: Path) -> None:
 
 
 def test_a_model_lacking_a_parameter_is_refused_not_filled_with_fresh_weights(model_copy: Path) -> None:
+    """At start-up where the meta model is built anyway (here the dry run), and on the ranks as they load."""
     from safetensors.torch import load_file, save_file
+
+    from workers.train_rank.model import MissingWeights, load_causal_lm
 
     path = model_copy / "model.safetensors"
     tensors = load_file(str(path))
@@ -222,7 +225,10 @@ def test_a_model_lacking_a_parameter_is_refused_not_filled_with_fresh_weights(mo
     del tensors[dropped]
     save_file(tensors, str(path), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=f"lack 1 of the model's parameters, e.g. {dropped}"):
-        preflight(parse_config(["--hf-checkpoint", str(model_copy), *BASE]))
+        preflight(parse_config(["--hf-checkpoint", str(model_copy), *BASE, "--dry-run"]))
+    with pytest.raises(MissingWeights, match=f"{model_copy}: its weights lack 1 of the model's parameters, e.g. "
+                                             f"{dropped}"):
+        load_causal_lm(str(model_copy), dtype=torch.float32, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped length", "wrong shape"])

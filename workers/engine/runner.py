@@ -103,7 +103,12 @@ class ModelRunner:
         # the host, then move. Later weight loads go from disk to the device tensor by tensor.
         # attn_implementation: the trainer's, under --rl-on-policy-target (None: transformers' default, sdpa)
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **extra)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, output_loading_info=True,
+                                                           **extra)
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:  # transformers would serve them as fresh random weights
+            raise FileNotFoundError(f"--model-path {model_path}: its weights lack {len(missing)} of the model's "
+                                    f"parameters, e.g. {', '.join(missing[:3])}")
         self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or path))
