@@ -261,3 +261,18 @@ def test_adapter_keys_must_match_the_target_modules(tmp_path: Path) -> None:
         weights.check_adapter_keys(path, dict(list(good.items())[:1]), ["q_proj"])
     with pytest.raises(files.CheckpointError, match="is not a LoRA A/B weight"):
         weights.check_adapter_keys(path, {"model.embed_tokens.weight": 0}, [])
+
+
+def test_a_damaged_latest_is_refused_at_start_up_and_ckpt_step_picks_a_checkpoint(save_dir: Path,
+                                                                                  tiny_model_dir: Path) -> None:
+    (save_dir / ckpt.LATEST).write_bytes(b"\x00\xff garbage")
+    flags = ["--hf-checkpoint", str(tiny_model_dir), *BASE, "--load", str(save_dir)]
+    with pytest.raises(ConfigError, match=r"^--load: .*latest is damaged .* complete checkpoints: rollout 3: pick "
+                                          r"one with --ckpt-step N \(e\.g\. --ckpt-step 3\)$"):
+        preflight(parse_config(flags))
+    notes = preflight(parse_config([*flags, "--ckpt-step", "3"]))
+    assert f"--load: {save_dir / 'rollout_3'} verified (sizes, digests, metadata)" in notes
+    with pytest.raises(ConfigError, match=r"--ckpt-step 9: --load .* holds no checkpoint rollout_9 \(it holds: 3\)"):
+        parse_config([*flags, "--ckpt-step", "9"]).load_plan()
+    with pytest.raises(ConfigError, match="--ckpt-step needs --load DIR"):
+        parse_config(["--hf-checkpoint", str(tiny_model_dir), *BASE, "--ckpt-step", "3"])
