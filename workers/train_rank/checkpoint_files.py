@@ -340,7 +340,11 @@ def verify_checkpoint(directory: str | Path, *, digests: bool = True) -> Extra:
     for required in (METADATA, "extra.json", "scheduler.json"):
         if required not in listed:
             raise CheckpointError(f"{directory / MANIFEST}: does not list {required}")
-    check_shards(directory, read_metadata(directory))
+    meta = read_metadata(directory)
+    check_shards(directory, meta)
+    unlisted = sorted({info.relative_path for info in meta.storage_data.values()} - set(listed))
+    if unlisted:
+        raise CheckpointError(f"{directory / METADATA}: names {unlisted[0]}, which {MANIFEST} does not list")
     extra = read_json(directory / "extra.json", Extra)
     read_json(directory / "scheduler.json", dict[str, Any])
     for name in listed:
