@@ -9,7 +9,6 @@ is sent again only once they are back (`recovery`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,8 +30,6 @@ from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
     from workers.train_rank.checkpoint import LoadedCheckpoint
-
-logger = logging.getLogger(__name__)
 
 
 def state_moves(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -141,8 +138,8 @@ class TrainCommands:
         return str(target)
 
     async def load_checkpoint(self, path: str | Path) -> LoadedCheckpoint:
-        """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank. When
-        `latest` is broken the ranks load the newest complete checkpoint instead, and this logs why."""
+        """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank. A broken
+        `latest` is refused (the ranks answer a CheckpointError listing the complete checkpoints)."""
         from workers.train_rank.checkpoint import (
             LoadedCheckpoint,  # the rank's own record (torch: imported late)
         )
@@ -150,10 +147,7 @@ class TrainCommands:
         first = (await self.server.call_all(protocol.LoadCommand(str(path))))[0]
         info = LoadedCheckpoint(
             rollout_id=int(first["rollout_id"]), extra=dict(first["extra"]), path=Path(first["path"]),
-            warning=str(first.get("warning") or ""),
         )
-        if info.warning:
-            logger.warning("checkpoint: %s", info.warning)
         return info
 
     async def load(self, path: str | Path) -> int:

@@ -67,8 +67,6 @@ class LoadedCheckpoint:
     rollout_id: int
     extra: dict[str, Any]
     path: Path
-    #: why `latest` was not followed (an older complete checkpoint was loaded instead); "" when it was
-    warning: str = ""
 
 
 def _barrier() -> None:
@@ -252,7 +250,8 @@ def _settle(save_dir: Path) -> None:
     leftovers = [*save_dir.glob("old-*"), *save_dir.glob("staging-*")]
     named = _latest_name(save_dir)
     if named is not None and is_complete(save_dir / named):
-        # saves a crash abandoned before publishing; kept while `latest` is broken (the fallback may need them)
+        # saves a crash abandoned (or the coordinator never published); kept while `latest` is broken, for a
+        # person to look at
         leftovers += [tmp for tmp in save_dir.glob("tmp-*") if tmp.name != named]
     for leftover in leftovers:
         shutil.rmtree(leftover, ignore_errors=True)

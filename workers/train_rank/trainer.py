@@ -302,8 +302,7 @@ class Trainer:
             command.path, model=model, optimizer=optimizer, scheduler=self.scheduler,
             adapters=self.lora.record() if self.lora is not None else None,
         )
-        return {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "path": str(loaded.path),
-                "warning": loaded.warning}
+        return {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "path": str(loaded.path)}
 
     def export_weights(self, command: protocol.ExportWeightsCommand) -> dict[str, Any]:
         settings, model, _ = self._require()
