@@ -276,3 +276,23 @@ def test_a_damaged_latest_is_refused_at_start_up_and_ckpt_step_picks_a_checkpoin
         parse_config([*flags, "--ckpt-step", "9"]).load_plan()
     with pytest.raises(ConfigError, match="--ckpt-step needs --load DIR"):
         parse_config(["--hf-checkpoint", str(tiny_model_dir), *BASE, "--ckpt-step", "3"])
+
+
+def test_a_sharded_model_is_checked_file_by_file_against_its_index(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"b": torch.zeros(3)}, str(tmp_path / "model-2.safetensors"))
+    index = tmp_path / weights.INDEX
+    weight_map = {"a": "model-1.safetensors", "b": "model-2.safetensors"}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    assert set(weights.model_tensors(tmp_path)) == {"a", "b"}
+    index.write_text(json.dumps({"weight_map": {**weight_map, "c": "model-2.safetensors"}}))
+    with pytest.raises(files.CheckpointError, match=r"model-2\.safetensors: lacks c, which"):
+        weights.model_tensors(tmp_path)
+    index.write_text(json.dumps({"weight_map": {**weight_map, "c": "../model-3.safetensors"}}))
+    with pytest.raises(files.CheckpointError, match=r"model-3\.safetensors: missing"):
+        weights.model_tensors(tmp_path)
+    index.write_text("[" * 10_000)
+    with pytest.raises(files.CheckpointError, match="not a safetensors index"):
+        weights.model_tensors(tmp_path)
