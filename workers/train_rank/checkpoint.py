@@ -59,9 +59,6 @@ _CHECKPOINT_NAME = re.compile(r"(rollout_|tmp-)(\d+)")
 log = logging.getLogger(__name__)
 
 
-__all__ = ["CheckpointError", "LoadedCheckpoint", "load_checkpoint", "resolve_checkpoint", "save_checkpoint"]
-
-
 @dataclass
 class LoadedCheckpoint:
     rollout_id: int
