@@ -60,7 +60,10 @@ def _is_hf_dir(path: Path) -> bool:
 
 
 def _is_rayless_checkpoint(path: Path) -> bool:
-    return (path / "extra.json").is_file() or (path / "latest").is_file()
+    # a save dir whose `latest` is gone still holds checkpoints: resumed (and refused with the choices), never
+    # silently started fresh over them
+    return ((path / "extra.json").is_file() or (path / "latest").is_file()
+            or any((child / "extra.json").is_file() for child in path.glob("rollout_*")))
 
 
 @dataclass(frozen=True)

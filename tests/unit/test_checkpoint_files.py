@@ -276,6 +276,9 @@ def test_a_damaged_latest_is_refused_at_start_up_and_ckpt_step_picks_a_checkpoin
         parse_config([*flags, "--ckpt-step", "9"]).load_plan()
     with pytest.raises(ConfigError, match="--ckpt-step needs --load DIR"):
         parse_config(["--hf-checkpoint", str(tiny_model_dir), *BASE, "--ckpt-step", "3"])
+    (save_dir / ckpt.LATEST).unlink()  # no `latest` at all: not a fresh start over the checkpoints it holds
+    with pytest.raises(ConfigError, match=r"^--load: .*latest is missing; .* --ckpt-step 3\)$"):
+        preflight(parse_config(flags))
 
 
 def test_a_sharded_model_is_checked_file_by_file_against_its_index(tmp_path: Path) -> None:
