@@ -41,9 +41,12 @@ def check_disk(config: Config) -> list[str]:
                 if source is not None:
                     notes.append(f"{flag}: {_verify_model_or_checkpoint(Path(source))} verified")
         flag = "--hf-checkpoint"
-        architecture = config.lora.enabled or config.debug.dry_run  # the meta model is built anyway
-        notes.append(f"--hf-checkpoint: "
-                     f"{verify_model_dir(Path(str(config.rollout.hf_checkpoint)), architecture=architecture)}")
+        model_dir = Path(str(config.rollout.hf_checkpoint))
+        reads_weights = (config.needs_train_ranks or config.num_launched_rollout_engines > 0
+                         or bool(config.eval.eval_num_engines))
+        if reads_weights or _holds_weights(model_dir):
+            architecture = config.lora.enabled or config.debug.dry_run  # the meta model is built anyway
+            notes.append(f"--hf-checkpoint: {verify_model_dir(model_dir, architecture=architecture)}")
         adapter = config.lora.lora_adapter_path
         if adapter is not None:
             flag = "--lora-adapter-path"
@@ -51,6 +54,11 @@ def check_disk(config: Config) -> list[str]:
     except CheckpointError as error:
         raise ConfigError(f"{flag}: {error}") from None
     return notes
+
+
+def _holds_weights(model_dir: Path) -> bool:
+    """Whether the directory has weight files (a run on attached engines alone may pass a tokenizer-only one)."""
+    return any(model_dir.glob("*.safetensors")) or (model_dir / "model.safetensors.index.json").exists()
 
 
 def verify_checkpoint_source(path: str | Path, step: int | None = None) -> Path:
