@@ -8,8 +8,10 @@ The schedules (synchronous, one-step-off-policy, colocated) are described in doc
 
 Invariants: the weight version names the number of optimizer updates applied to the policy, as a string
 ("0" = `--hf-checkpoint`), and after the sync of step k every engine reports str(k + 1); with `--save` or
-`--save-hf` (a Hugging Face directory at each save, formatted with the rollout id), every
-rollout id is saved at most once, and the last trained rollout always is.
+`--save-hf` (a Hugging Face directory at each save, formatted with the rollout id), every rollout id is saved at
+most once, and the last trained rollout always is; a save is the coordinator's decision: the checkpoint of step
+k is published (`latest` names it) only after step k's metrics row is written, so a resume never skips a row (a
+save the ranks finish after the coordinator died stays unpublished).
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ class Checkpoint(Protocol):
 class Trainer(Protocol):
     async def train(self, rollout_id: int, samples: list[Any]) -> dict[str, float]: ...
 
-    async def save(self, rollout_id: int, extra: dict[str, Any]) -> Any: ...
+    async def save(self, rollout_id: int, extra: dict[str, Any], *, publish: bool = True) -> Any: ...
+
+    async def publish(self, rollout_id: int) -> Any: ...
 
     async def save_hf(self, directory: str) -> Any: ...
 
@@ -230,7 +234,7 @@ class TrainingLoop:
             save_due = bool(self._saves and interval and (rollout_id + 1) % interval == 0)
             if swap is not None:
                 if save_due:  # while the ranks still hold their state on the device
-                    await self.save(rollout_id)
+                    await self.save(rollout_id, publish=False)
                     save_due = False
                 with timeline.span("colocation swap"):
                     record.update(await swap.after_train(rollout_id, self.weight_version, record["train/time_s"]))
@@ -241,23 +245,29 @@ class TrainingLoop:
                 with timeline.span("colocation swap"):
                     record.update(await swap.after_update())
             if save_due:
-                await self.save(rollout_id)
+                await self.save(rollout_id, publish=False)
         record["weight_version"] = self.weight_version
         record["step/time_s"] = time.monotonic() - started
         self.metrics.log(rollout_id, record)
+        if rollout_id in result.saved and self.checkpoint.save:
+            # the row is written: only now may a resume start after this step
+            with timeline.span("save"):
+                await self.trainer.publish(rollout_id)  # type: ignore[union-attr]
         await timeline.step_done(rollout_id, started, record["step/time_s"])
         self.progress.rollout_done(rollout_id)
         log.info("%s  %s", _summary(rollout_id, self.num_rollout, record), self.progress.timing_text())
         for hook in self.hooks:
             await hook.after_step(rollout_id, self.weight_version)
 
-    async def save(self, rollout_id: int) -> None:
+    async def save(self, rollout_id: int, *, publish: bool = True) -> None:
+        """Save `rollout_id`; with `publish=False` the checkpoint waits for `trainer.publish` (the step's
+        metrics row first)."""
         assert self.trainer is not None
         extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
                  "rollout_state": self.rollouts.state_dict()}
         with timeline.span("save"):
             if self.checkpoint.save:
-                path = await self.trainer.save(rollout_id, extra)
+                path = await self.trainer.save(rollout_id, extra, publish=publish)
                 log.info("saved checkpoint of rollout %d to %s", rollout_id, path)
             if self.checkpoint.save_hf:
                 path = await self.trainer.save_hf(save_hf_path(self.checkpoint.save_hf, rollout_id))

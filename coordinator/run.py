@@ -92,6 +92,8 @@ def run_training_sync(config: Config, plan: PlacementPlan | None = None) -> int:
         return 128 + stopped_by[0]
     for error in failures:
         log_failure(log, error)
+    if failures and all(getattr(error, "exit_status", 1) == 2 for error in failures):
+        return 2  # input refused (a checkpoint a train-FT recovery was to load), as at start-up
     return 1 if failures else 0
 
 

@@ -27,6 +27,9 @@ def preflight(config: Config) -> list[str]:
     """Every check; the notes of what was found (`--dry-run` prints them)."""
     notes = [*check_paths(config)]
     load_notes, load = check_checkpoints(config)
+    from coordinator.checks.disk import check_disk
+
+    load_notes += check_disk(config)  # every file a rank or engine will read, before either starts
     notes += [*load_notes, *check_data(config), *check_hooks(config), *check_rewards(config),
               *check_metric_backends(config), *check_response_length(config), *check_ports(config)]
     from coordinator.checks.trainable import check_trainable

@@ -34,12 +34,16 @@ class CheckpointConfig(Slice):
                                "slime; a LoRA run's holds the merged weights and the adapter in adapter/",
                                metavar="DIR")
     keep_weight_snapshots: int = flag(2, help="weight snapshots for engines kept on disk", minimum=1)
+    ckpt_step: int | None = flag(None, help="with --load of a save directory: resume from its rollout_N, not the "
+                                 "one `latest` names (Megatron's --ckpt-step)", minimum=0)
 
     def check(self) -> None:
         if self.save_interval is not None and self.save is None and self.save_hf is None:
             raise ConfigError("--save-interval needs --save DIR (or --save-hf DIR)")
         if self.save_retain_interval is not None and self.save is None:
             raise ConfigError("--save-retain-interval needs --save DIR")
+        if self.ckpt_step is not None and self.load is None:
+            raise ConfigError("--ckpt-step needs --load DIR (the save directory to take the step from)")
         if self.save_hf is not None:
             save_hf_path(self.save_hf, 0)  # a template that cannot be formatted fails now, not at the first save
 
@@ -88,7 +92,10 @@ def _is_hf_dir(path: Path) -> bool:
 
 
 def _is_rayless_checkpoint(path: Path) -> bool:
-    return (path / "extra.json").is_file() or (path / "latest").is_file()
+    # a save dir whose `latest` is gone still holds checkpoints: resumed (and refused with the choices), never
+    # silently started fresh over them
+    return ((path / "extra.json").is_file() or (path / "latest").is_file()
+            or any((child / "extra.json").is_file() for child in path.glob("rollout_*")))
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,8 @@ def resolve_load(checkpoint: CheckpointConfig, *, hf_checkpoint: str | None) -> 
         return LoadPlan(resume=False, fresh_reason="does not exist yet")
     if not path.is_dir():
         raise ConfigError(f"--load {load}: not a directory")
+    if checkpoint.ckpt_step is not None:
+        return _load_step(load, checkpoint.ckpt_step)
     if _is_rayless_checkpoint(path):
         return LoadPlan(resume=True, path=load)
     if _is_megatron_checkpoint(path):
@@ -122,6 +131,17 @@ def resolve_load(checkpoint: CheckpointConfig, *, hf_checkpoint: str | None) -> 
         raise ConfigError(f"--load {load}: a Hugging Face model directory other than --hf-checkpoint {hf}: to "
                           "start training from it, pass it as --hf-checkpoint")
     return LoadPlan(resume=False, fresh_reason="holds no checkpoint yet")
+
+
+def _load_step(load: str, step: int) -> LoadPlan:
+    """`--load DIR --ckpt-step N`: DIR's `rollout_N` (whatever `latest` says); a step it lacks is an error."""
+    chosen = Path(load) / f"rollout_{step}"
+    if not (chosen / "extra.json").is_file():
+        held = sorted(int(p.name.removeprefix("rollout_")) for p in Path(load).glob("rollout_*")
+                      if p.name.removeprefix("rollout_").isdigit() and (p / "extra.json").is_file())
+        raise ConfigError(f"--ckpt-step {step}: --load {load} holds no checkpoint rollout_{step} (it holds: "
+                          f"{', '.join(map(str, held)) or 'none'})")
+    return LoadPlan(resume=True, path=str(chosen))
 
 
 def resolve_ref_load(checkpoint: CheckpointConfig, *, use_kl_loss: bool) -> str | None:

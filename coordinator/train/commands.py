@@ -9,7 +9,6 @@ is sent again only once they are back (`recovery`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,8 +30,6 @@ from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
     from workers.train_rank.checkpoint import LoadedCheckpoint
-
-logger = logging.getLogger(__name__)
 
 
 def state_moves(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -115,26 +112,38 @@ class TrainCommands:
         return reduce_rollout_metrics(self.step_metrics)
 
     async def save(
-        self, rollout_id: int, extra: dict[str, Any] | None = None, directory: str | Path | None = None
+        self, rollout_id: int, extra: dict[str, Any] | None = None, directory: str | Path | None = None,
+        *, publish: bool = True,
     ) -> Path:
-        """Write a resumable checkpoint to `<save_dir>/rollout_<id>` (atomic; `latest` updated)."""
+        """Write a resumable checkpoint to `<save_dir>/rollout_<id>` (atomic; `latest` updated). With
+        `publish=False` it stays in `<save_dir>/tmp-<id>`, complete, until `publish` (the coordinator's
+        decision: a save it did not publish is not resumed from)."""
+        command = protocol.SaveCommand(
+            rollout_id=int(rollout_id), directory=self._save_dir(directory), extra=dict(extra or {}),
+            publish=publish,
+        )
+        return Path((await self.server.call_all(command))[0]["path"])
+
+    async def publish(self, rollout_id: int, directory: str | Path | None = None) -> Path:
+        """Publish the checkpoint `save(publish=False)` wrote: `latest` names it from now on."""
+        command = protocol.PublishCommand(rollout_id=int(rollout_id), directory=self._save_dir(directory))
+        return Path((await self.server.call_all(command))[0]["path"])
+
+    def _save_dir(self, directory: str | Path | None) -> str:
         target = directory or (self.settings.checkpoint.save_dir if self.settings is not None else None)
         if not target:
             raise ValueError(
                 "save() needs a directory: pass directory= or set checkpoint.save_dir in the settings"
             )
-        command = protocol.SaveCommand(
-            rollout_id=int(rollout_id), directory=str(target), extra=dict(extra or {})
-        )
-        return Path((await self.server.call_all(command))[0]["path"])
+        return str(target)
 
     async def save_hf(self, directory: str | Path) -> Path:
         """Write the model as a Hugging Face directory at `directory` (`--save-hf`; rank 0 writes)."""
         return Path((await self.server.call_all(protocol.SaveHfCommand(directory=str(directory))))[0]["path"])
 
     async def load_checkpoint(self, path: str | Path) -> LoadedCheckpoint:
-        """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank. When
-        `latest` is broken the ranks load the newest complete checkpoint instead, and this logs why."""
+        """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank. A broken
+        `latest` is refused (the ranks answer a CheckpointError listing the complete checkpoints)."""
         from workers.train_rank.checkpoint import (
             LoadedCheckpoint,  # the rank's own record (torch: imported late)
         )
@@ -142,10 +151,7 @@ class TrainCommands:
         first = (await self.server.call_all(protocol.LoadCommand(str(path))))[0]
         info = LoadedCheckpoint(
             rollout_id=int(first["rollout_id"]), extra=dict(first["extra"]), path=Path(first["path"]),
-            warning=str(first.get("warning") or ""),
         )
-        if info.warning:
-            logger.warning("checkpoint: %s", info.warning)
         return info
 
     async def load(self, path: str | Path) -> int:

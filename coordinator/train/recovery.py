@@ -140,5 +140,12 @@ class RankRecovery:
             ) from None
         save_dir = config.checkpoint.save_dir
         if save_dir and await anyio.Path(save_dir, "latest").exists():
-            return await group.load_checkpoint(save_dir)
+            # verified here first, as at start-up: a damaged or crafted checkpoint is refused naming its file
+            # (a CheckpointError, exit 2) before any rank reads it
+            from workers.train_rank.checkpoint import resolve_checkpoint
+            from workers.train_rank.checkpoint_files import verify_checkpoint
+
+            directory = await anyio.to_thread.run_sync(resolve_checkpoint, save_dir)
+            await anyio.to_thread.run_sync(verify_checkpoint, directory)
+            return await group.load_checkpoint(directory)
         return None

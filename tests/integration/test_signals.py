@@ -11,6 +11,7 @@ a run that launched nothing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -145,11 +146,17 @@ def test_a_stop_signal_stops_every_process_and_exits_128_plus_the_signal(
 
 
 def test_children_of_a_sigkilled_coordinator_end_by_themselves(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Saving every rollout, so the kill lands during or between saves: whatever `latest` then names is a
+    complete, verified checkpoint whose step has its metrics row (a save is published only after the row)."""
     run_dir = tmp_path / "run"
-    proc, stderr = start_run(tiny_model_dir, run_dir, "--use-sglang-router")
+    save_dir = tmp_path / "ckpt"
+    proc, stderr = start_run(tiny_model_dir, run_dir, "--use-sglang-router", "--save", str(save_dir),
+                             "--save-interval", "1")
     processes: list[psutil.Process] = []
     try:
         wait_training(proc, run_dir, stderr)
+        wait_until_sync(lambda: (save_dir / "latest").exists() or proc.poll() is not None, timeout=60,
+                        interval=0.05, what="the first published checkpoint")
         processes = the_runs_processes(proc)
         assert_every_kind_launched(processes, router=True)
         proc.kill()
@@ -163,3 +170,9 @@ def test_children_of_a_sigkilled_coordinator_end_by_themselves(tiny_model_dir: P
     assert len(logs) == 3
     for log in logs:  # each watcher says why it stopped its process group
         assert "rayless: the coordinator is gone; stopping process group" in log.read_text(), log
+    from workers.train_rank.checkpoint import resolve_checkpoint
+    from workers.train_rank.checkpoint_files import verify_checkpoint
+
+    saved = verify_checkpoint(resolve_checkpoint(save_dir)).rollout_id
+    rows = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert set(range(saved + 1)) <= set(rows), (saved, rows)

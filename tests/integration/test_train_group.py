@@ -29,6 +29,7 @@ from tests.support.train_settings import flat_settings, init_command
 from tests.support.waiting import wait_until
 from workers import protocol
 from workers.protocol.train_settings import BatchingSettings, SettingsError
+from workers.train_rank.checkpoint import CheckpointError, resolve_checkpoint
 from workers.train_rank.trainer import Trainer
 
 METRICS = [
@@ -149,17 +150,20 @@ async def test_exported_snapshot_loads_and_equals_single_process_training(
 
 
 async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fails_the_call(
-    first_run: FirstRun, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    first_run: FirstRun, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     from safetensors.torch import load_file
 
     assert first_run.checkpoint is not None and first_run.export_after_2 is not None
     save_dir = first_run.checkpoint.parent
     assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "rollout_0"]  # the re-save left nothing
-    # `latest` broken (it names a checkpoint that is gone): the load falls back to rollout_0, saying so
+    # `latest` broken (it names a checkpoint that is gone): refused with the choices, never picked for the user
+    # (the coordinator refuses it before any rank reads it); the step the message offers is then loaded
     broken = tmp_path / "broken"
     shutil.copytree(save_dir, broken)
     (broken / "latest").write_text('"rollout_2"')
+    with pytest.raises(CheckpointError, match=r"names rollout_2, .* pick one with --ckpt-step N"):
+        resolve_checkpoint(broken)
     assert all(gone(pid) for pid in first_run.pids), "the first group left processes behind"
     pids: list[int] = []
     with anyio.fail_after(240):
@@ -167,10 +171,9 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
             group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
             pids = [info.pid for info in group.ranks.values()] + [group.torchrun_pid or 0]
             await group.init(flat_settings(config_for(tiny_model_dir, tmp_path / "ckpt")))
-            info = await group.load_checkpoint(broken)
+            info = await group.load_checkpoint(resolve_checkpoint(broken, 0))
             assert info.rollout_id == 0 and info.extra == {"data_source": {"epoch": 0, "offset": 8}}
-            assert info.path == broken / "rollout_0" and "names rollout_2" in info.warning
-            assert f"checkpoint: {info.warning}" in caplog.text
+            assert info.path == broken / "rollout_0"
             for rollout_id in (1, 2):
                 metrics = await group.train(rollout_id, as_samples(first_run.rollouts[rollout_id]))
                 for key in ("loss", "pg_loss", "grad_norm", "kl", "entropy", "lr"):

@@ -1,6 +1,6 @@
 """Checkpoints on disk, in one process: a re-save of the same rollout keeps `latest` on a complete checkpoint
-whatever step a crash interrupts, the next save finishes the interrupted one, and a broken `latest` makes the
-load fall back to the newest complete checkpoint with a warning."""
+whatever step a crash interrupts, the next save finishes the interrupted one, and a damaged `latest` is refused
+with the list of complete checkpoints and the flag that picks one."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_a_crash_at_any_step_of_a_resave_still_resumes(tmp_path: Path, steps_don
     named = json.loads((tmp_path / ckpt.LATEST).read_text())
     assert ckpt.is_complete(tmp_path / named), f"after {steps_done} steps latest names {named}, not complete"
     loaded, value = load(tmp_path)
-    assert loaded.rollout_id == 5 and loaded.warning == ""
+    assert loaded.rollout_id == 5
     # before the first step `latest` still names the first save of rollout 5; from it on, the new one
     assert value == (2.0 if steps_done == 0 else 3.0) and loaded.extra == {"value": value}
 
@@ -96,33 +96,76 @@ def test_a_resave_of_the_same_rollout_replaces_it(tmp_path: Path) -> None:
     assert load(tmp_path)[1] == 2.0
 
 
-@pytest.mark.parametrize("latest", ['"rollout_7"', "not json", None, '"../elsewhere"'])
-def test_a_broken_latest_falls_back_to_the_newest_complete_checkpoint(
-    tmp_path: Path, latest: str | None, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("latest", ['"rollout_7"', "not json", None, '"../../../../etc"', "\x00\xff\xfe",
+                                    '"tmp-7"', "[" * 100_000])
+def test_a_damaged_latest_is_refused_with_the_complete_checkpoints_and_the_flag(
+    tmp_path: Path, latest: str | None
 ) -> None:
-    """The state the issue found: `latest` names a directory that is gone, `rollout_{N-2}` and a complete
-    `tmp-N` exist (a crash of the old re-save between its delete and its rename)."""
+    """`latest` naming a directory that is gone, a partial one, one outside, garbage or nothing: the load
+    refuses instead of picking a checkpoint for the user, and says which are complete and how to pick one."""
     save(tmp_path, 3, 1.0)
     save(tmp_path, 5, 2.0)
-    (tmp_path / "rollout_5").rename(tmp_path / "tmp-5")
-    save(tmp_path / "other", 9, 9.0)  # a partial save of a later rollout is not a candidate
     partial = tmp_path / "tmp-7"
-    (tmp_path / "other" / "rollout_9").rename(partial)
-    (partial / "extra.json").unlink()
+    save(tmp_path / "other", 7, 9.0)
+    (tmp_path / "other" / "rollout_7").rename(partial)
+    (partial / "manifest.json").unlink()  # a save of rollout 7 that did not finish
     if latest is None:
         (tmp_path / ckpt.LATEST).unlink()
     else:
         (tmp_path / ckpt.LATEST).write_text(latest)
-    caplog.set_level("WARNING")
-    loaded, value = load(tmp_path)
-    assert loaded.path == tmp_path / "tmp-5" and loaded.rollout_id == 5 and value == 2.0
-    assert "loaded the newest complete checkpoint instead" in loaded.warning
-    assert loaded.warning in caplog.text
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        load(tmp_path)
+    message = str(refused.value)
+    assert str(tmp_path / ckpt.LATEST) in message and "refusing to guess" in message
+    assert "complete checkpoints: rollout 3, 5: pick one with --ckpt-step N (e.g. --ckpt-step 5)" in message
+    loaded, value = load_step(tmp_path, 3)
+    assert loaded.rollout_id == 3 and value == 1.0
+
+
+def load_step(path: Path, step: int) -> tuple[ckpt.LoadedCheckpoint, float]:
+    state = State()
+    loaded = ckpt.load_checkpoint(path, step=step, **state.objects())  # type: ignore[arg-type]
+    return loaded, state.value
 
 
 def test_nothing_complete_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / ckpt.LATEST).write_text('"rollout_1"')
-    with pytest.raises(ckpt.CheckpointError, match="names 'rollout_1', which is not a complete checkpoint"):
+    with pytest.raises(ckpt.CheckpointError, match=r"names rollout_1, which is not a complete checkpoint.*holds no"):
         ckpt.resolve_checkpoint(tmp_path)
     with pytest.raises(ckpt.CheckpointError, match="neither a checkpoint directory nor a save dir"):
         ckpt.resolve_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint of rollout 4"):
+        ckpt.resolve_checkpoint(tmp_path, 4)
+
+
+#: what a save leaves in `tmp-<id>` when it is killed before its end: each file it writes, in order
+WRITE_PHASES = ["__0_0.distcp", ".metadata", "rng_rank0.json", "scheduler.json", "extra.json", "manifest.json"]
+
+
+@pytest.mark.parametrize("written", range(len(WRITE_PHASES) + 1))
+def test_a_save_killed_while_writing_or_before_its_publish_is_never_resumed_from(tmp_path: Path,
+                                                                                 written: int) -> None:
+    """CRASH simulation (a kill at a chosen instant cannot be produced on demand): a save of rollout 5
+    stopped after writing `written` of its files — or complete but not published, as a save the ranks
+    finish after the coordinator died (it publishes only once the step's metrics row is written)."""
+    save(tmp_path, 3, 1.0)
+    tmp = ckpt.save_checkpoint(tmp_path, 5, extra={}, publish=False, **State(2.0).objects())
+    assert tmp == tmp_path / "tmp-5" and ckpt.is_complete(tmp)
+    for name in WRITE_PHASES[written:]:
+        (tmp / name).unlink()
+    assert json.loads((tmp_path / ckpt.LATEST).read_text()) == "rollout_3"
+    loaded, value = load(tmp_path)
+    assert loaded.rollout_id == 3 and value == 1.0
+    if written < len(WRITE_PHASES):
+        with pytest.raises(ckpt.CheckpointError, match="tmp-5: not a complete checkpoint to publish"):
+            ckpt.publish_checkpoint(tmp_path, 5)
+    save(tmp_path, 4, 4.0)  # the next save clears what the killed one left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "rollout_3", "rollout_4"]
+
+
+def test_the_coordinator_publishes_a_finished_save(tmp_path: Path) -> None:
+    save(tmp_path, 3, 1.0)
+    ckpt.save_checkpoint(tmp_path, 5, extra={}, publish=False, **State(2.0).objects())
+    assert ckpt.publish_checkpoint(tmp_path, 5, retain_interval=2) == tmp_path / "rollout_5"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "rollout_5"]  # 3 pruned (not a multiple)
+    assert load(tmp_path)[1] == 2.0

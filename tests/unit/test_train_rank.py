@@ -284,6 +284,17 @@ def test_snapshot_is_loadable_complete_and_pruned(tiny_model_dir: Path, tmp_path
         assert torch.equal(loaded.state_dict()[name], tensor), name
     assert AutoTokenizer.from_pretrained(str(paths[-1])).eos_token == "<|endoftext|>"
     assert (paths[-1] / "rayless_weight_version.txt").read_text().strip() == "2"
+    # an engine checks the snapshot's manifest before it loads: a flipped byte is refused, naming the file
+    from workers.engine.runner import ModelRunner, WeightUpdateError
+
+    runner = ModelRunner(str(tiny_model_dir))
+    assert runner.load_from_disk(str(paths[-1])) == len(state)
+    weights_file = paths[-1] / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[-5] ^= 0x01
+    weights_file.write_bytes(bytes(data))
+    with pytest.raises(WeightUpdateError, match=f"{weights_file}: its content does not match the manifest"):
+        runner.load_from_disk(str(paths[-1]))
     assert weight_export.manifest(state)[0] == [
         "model.embed_tokens.weight",
         "float32",

@@ -74,14 +74,27 @@ class RecordingTrainer:
     def __init__(self, calls: Calls, *, saved: dict[int, dict[str, Any]] | None = None) -> None:
         self.calls = calls
         self.saved: dict[int, dict[str, Any]] = saved if saved is not None else {}
+        self.metrics: MetricsLog | None = None
+        self.rows_before_publish: list[int] = []
 
     async def train(self, rollout_id: int, samples: list[Any]) -> dict[str, float]:
         self.calls.add("trainer", "train", rollout_id)
         return {"loss": 0.5 / (rollout_id + 1)}
 
-    async def save(self, rollout_id: int, extra: dict[str, Any]) -> str:
+    async def save(self, rollout_id: int, extra: dict[str, Any], *, publish: bool = True) -> str:
         self.calls.add("trainer", "save", rollout_id)
         self.saved[rollout_id] = extra
+        if not publish:
+            return f"ckpt/tmp-{rollout_id}"
+        return await self.publish(rollout_id)
+
+    async def publish(self, rollout_id: int) -> str:
+        """Records the steps whose metrics rows were on disk when their checkpoint was published."""
+        self.calls.add("trainer", "publish", rollout_id)
+        if self.metrics is not None:
+            rows = [json.loads(line)["step"] for line in self.metrics.path.read_text().splitlines()]
+            if rollout_id in rows:
+                self.rows_before_publish.append(rollout_id)
         return f"ckpt/rollout_{rollout_id}"
 
     async def save_hf(self, directory: str) -> str:
@@ -201,9 +214,15 @@ async def test_every_rollout_is_saved_at_most_once_and_the_last_always(
     metrics: MetricsLog, tmp_path: Path, num_rollout: int, interval: int | None, saved: list[int]
 ) -> None:
     calls = Calls()
-    result = await make_loop(metrics, tmp_path, calls, num_rollout=num_rollout, save_interval=interval).run()
+    trainer = RecordingTrainer(calls)
+    trainer.metrics = metrics
+    result = await make_loop(metrics, tmp_path, calls, num_rollout=num_rollout, save_interval=interval,
+                             trainer=trainer).run()
     assert calls.of("save") == saved
     assert result.saved == saved
+    # a save is the coordinator's decision: published only once the step's metrics row is written (so a
+    # coordinator dying between the two leaves the checkpoint unpublished, and the resume redoes the row)
+    assert calls.of("publish") == saved and trainer.rows_before_publish == saved
 
 
 async def test_no_save_without_a_save_directory(metrics: MetricsLog, tmp_path: Path) -> None:
@@ -235,7 +254,8 @@ async def test_synchronous_order_and_weight_versions(metrics: MetricsLog, tmp_pa
     assert names[0] == ("phase", "before_loop")
     step = [("source", "get"), ("trainer", "train"), ("sync", "update"), ("hook", "after_step")]
     assert names[1:13] == step * 3
-    assert names[13:] == [("phase", "after_loop"), ("trainer", "save")]  # evaluations drained, then saved
+    # evaluations drained, then saved
+    assert names[13:] == [("phase", "after_loop"), ("trainer", "save"), ("trainer", "publish")]
     # generate k at version k, sync to k + 1, the hook sees the synced version
     assert calls.of("get") == [(0, "0"), (1, "1"), (2, "2")]
     assert calls.of("update") == ["1", "2", "3"]
@@ -285,6 +305,7 @@ async def test_colocated_step_saves_before_the_ranks_offload(metrics: MetricsLog
         ("swap", "after_train"),
         ("sync", "update"),
         ("swap", "after_update"),
+        ("trainer", "publish"),  # once the step's metrics row is written
         ("hook", "after_step"),
     ]
     assert names == one_step * 2  # the last rollout was saved inside its step: no second save

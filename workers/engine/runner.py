@@ -12,7 +12,8 @@ as alone, within float rounding. A new sequence is prefilled on its own (no padd
 of finished sequences are removed and all-padding columns trimmed.
 
 Invariants: weights change only through `load_tensors` / `load_from_disk`, which validate every name, shape
-and dtype before they copy anything, so a rejected update leaves the old weights intact. While the weights
+and dtype before they copy anything (and, for a snapshot with a `manifest.json`, every file's size and
+digest), so a rejected update leaves the old weights intact. While the weights
 are released (`release_weights`), forwards and weight loads are refused with an error instead of running on
 empty storage.
 """
@@ -103,7 +104,13 @@ class ModelRunner:
         # the host, then move. Later weight loads go from disk to the device tensor by tensor.
         # attn_implementation: the trainer's, under --rl-on-policy-target (None: transformers' default, sdpa)
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **extra)
+        self._check_manifest(path)  # an engine started on a snapshot of ours (a pinned eval fleet)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, output_loading_info=True,
+                                                           **extra)
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:  # transformers would serve them as fresh random weights
+            raise FileNotFoundError(f"--model-path {model_path}: its weights lack {len(missing)} of the model's "
+                                    f"parameters, e.g. {', '.join(missing[:3])}")
         self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or path))
@@ -347,6 +354,7 @@ class ModelRunner:
             raise WeightUpdateError(f"model_path {model_path!r} does not exist")
         if not files:
             raise WeightUpdateError(f"no *.safetensors file in {model_path!r}")
+        self._check_manifest(path)
         device = "cpu" if self.device.type == "cpu" else str(self.device)
         try:
             handles = [safe_open(str(file), framework="pt", device=device) for file in files]
@@ -368,6 +376,20 @@ class ModelRunner:
         except (SafetensorError, OSError) as error:
             raise WeightUpdateError(f"cannot read {model_path}: {error}") from error
         return len(incoming)
+
+    @staticmethod
+    def _check_manifest(path: Path) -> None:
+        """A snapshot rayless wrote carries `manifest.json`: every file it lists must have its size and digest
+        (a damaged or half-copied snapshot is refused before a byte of it loads). Others (SGLang's callers'
+        directories) have none and load as they are."""
+        from workers.train_rank.checkpoint_files import MANIFEST, CheckpointError, check_manifest
+
+        if not (path.is_dir() and (path / MANIFEST).is_file()):
+            return
+        try:
+            check_manifest(path)
+        except CheckpointError as error:
+            raise WeightUpdateError(f"refusing the snapshot: {error}") from None
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in self.model.state_dict().items()}

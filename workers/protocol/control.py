@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from anyio.streams.buffered import BufferedByteReceiveStream
 
 # 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node_rank;
-# 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation); 7: SaveHfCommand (--save-hf)
-PROTOCOL_VERSION = 7
+# 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation); 7: SaveHfCommand (--save-hf);
+# 8: SaveCommand.publish and PublishCommand (a checkpoint published after its metrics row)
+PROTOCOL_VERSION = 8
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -190,9 +191,20 @@ class TrainCommand(Command, tag="train"):
 
 
 class SaveCommand(Command, tag="save"):
+    """Write a complete checkpoint; `publish`: make it the one `latest` names at once. Without, it waits in
+    `tmp-<id>` for a `PublishCommand`: the coordinator publishes once its metrics row is written."""
+
     rollout_id: int
     directory: str
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    publish: bool = True
+
+
+class PublishCommand(Command, tag="publish"):
+    """Rank 0 publishes the complete `tmp-<id>` a `SaveCommand(publish=False)` wrote (the others answer)."""
+
+    rollout_id: int
+    directory: str
 
 
 class LoadCommand(Command, tag="load"):

@@ -1,10 +1,11 @@
 """Resumable training state on disk: torch.distributed.checkpoint for model + optimizer, JSON for the rest.
 
-Layout: `<save_dir>/rollout_<id>/` holds the DCP shards, `scheduler.json`, `extra.json` (rollout id,
-whatever the coordinator passes, e.g. the data-source position, the LoRA record and the base model trained,
-for `rayless export`) and one `rng_rank<r>.json` per rank;
-`<save_dir>/latest` names the newest complete checkpoint. `extra.json` is written last, by rank 0 after a
-barrier: a directory holding it and DCP's `.metadata` is complete.
+Layout: `<save_dir>/rollout_<id>/` holds the DCP shards, `scheduler.json`, `extra.json` (rollout id, whatever
+the coordinator passes, e.g. the data-source position, the LoRA record and the base model trained, for `rayless
+export`) and one `rng_rank<r>.json` per rank; `<save_dir>/latest` names the newest complete checkpoint.
+`manifest.json` (every other file's size and digest, `checkpoint_files`) is written last, by rank 0 after a
+barrier: a directory holding it, `extra.json` and DCP's `.metadata` is complete, and what it lists is checked
+before anything loads (`checkpoint_files.verify_checkpoint`).
 
 Invariants:
 - A directory named `rollout_<id>` is always complete, and from the first save on, `latest` names a
@@ -15,18 +16,19 @@ Invariants:
   copy of `tmp-<id>` is renamed to `rollout_<id>`; `latest` → `rollout_<id>`; `tmp-<id>` and `old-<id>` go.
   Every rename and every write of `latest` is atomic, so a crash between any two steps leaves `latest` on a
   complete checkpoint of the newest saved rollout, and the next save first finishes that publish (`_settle`).
-- `resolve_checkpoint` follows `latest`; when `latest` is missing, unreadable or names no complete
-  checkpoint (a save dir written by an older rayless that crashed mid-save, a hand-edited one), it falls
-  back to the newest complete checkpoint of the save dir with a warning — on the rank, and in the answer
-  to the coordinator (`LoadedCheckpoint.warning`) — instead of failing.
-No pickle is read here except DCP's own metadata, which this process wrote.
+- `resolve_checkpoint` follows `latest`, or picks `rollout_<step>` when given a step (`--ckpt-step`); when
+  `latest` is missing, unreadable or names no complete checkpoint it refuses (`CheckpointError`) and lists
+  the complete checkpoints with the flag that picks one: a run asked to continue from one point never
+  silently continues from another.
+- Nothing is unpickled by `pickle`: DCP's metadata and non-tensor values are read through
+  `checkpoint_files.safe_reader` / `safe_planner` (allow-listed classes, `weights_only`); JSON files through
+  the boundary layer's bounded, typed decode.
 - With a retain interval N (`--save-retain-interval`, Megatron's rule), publishing a checkpoint deletes the
   one `latest` named before unless its rollout id is a multiple of N.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -41,16 +43,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from workers.train_rank import checkpoint_files
+from workers.train_rank.checkpoint_files import (
+    CheckpointError,
+    Extra,
+    RngState,
+    read_json,
+    write_json_durably,
+)
+
 LATEST = "latest"
-#: rank 0's last file of a save, and DCP's own index: both present = complete
-COMPLETE_MARKERS = ("extra.json", ".metadata")
+#: rank 0's last files of a save, and DCP's own index: all present = complete
+COMPLETE_MARKERS = ("extra.json", ".metadata", checkpoint_files.MANIFEST)
 _CHECKPOINT_NAME = re.compile(r"(rollout_|tmp-)(\d+)")
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint path that does not hold a complete rayless checkpoint."""
 
 
 @dataclass
@@ -58,8 +65,6 @@ class LoadedCheckpoint:
     rollout_id: int
     extra: dict[str, Any]
     path: Path
-    #: why `latest` was not followed (an older complete checkpoint was loaded instead); "" when it was
-    warning: str = ""
 
 
 def _barrier() -> None:
@@ -72,9 +77,7 @@ def _rank() -> int:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_json_durably(path, value)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -105,8 +108,10 @@ def save_checkpoint(
     adapters: dict[str, Any] | None = None,
     write_files: Callable[[Path], None] | None = None,
     base_model: dict[str, Any] | None = None,
+    publish: bool = True,
 ) -> Path:
-    """Collective: every rank calls it with the same arguments. Returns the final directory.
+    """Collective: every rank calls it with the same arguments. Returns the final directory (with
+    `publish=False`, the complete `tmp-<id>` that `publish_checkpoint` publishes later).
 
     adapters: the LoRA adapters' record (`LoraSpec.record()`), kept in extra.json so a resume can tell a
     checkpoint of other adapters; write_files: called by every rank with the tmp directory before it is
@@ -115,13 +120,27 @@ def save_checkpoint(
     save_dir = Path(save_dir)
     write_tmp(save_dir, rollout_id, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra,
               adapters=adapters, write_files=write_files, base_model=base_model)
+    if not publish:
+        _barrier()
+        return save_dir / f"tmp-{rollout_id}"
     if _rank() == 0:
-        previous = _latest_name(save_dir)
-        for step in publish_steps(save_dir, rollout_id):
-            step()
-        if retain_interval is not None and previous is not None and previous != f"rollout_{rollout_id}":
-            _prune(save_dir / previous, retain_interval)
+        publish_checkpoint(save_dir, rollout_id, retain_interval=retain_interval)
     _barrier()
+    return save_dir / f"rollout_{rollout_id}"
+
+
+def publish_checkpoint(save_dir: str | Path, rollout_id: int, *, retain_interval: int | None = None) -> Path:
+    """Rank 0: the complete `tmp-<id>` becomes `rollout_<id>`, the checkpoint `latest` names; the one named
+    before is pruned by the retain interval. A tmp directory that is not complete is an error."""
+    save_dir = Path(save_dir)
+    tmp = save_dir / f"tmp-{rollout_id}"
+    if not is_complete(tmp):
+        raise CheckpointError(f"{tmp}: not a complete checkpoint to publish (its save did not finish)")
+    previous = _latest_name(save_dir)
+    for step in publish_steps(save_dir, rollout_id):
+        step()
+    if retain_interval is not None and previous is not None and previous != f"rollout_{rollout_id}":
+        _prune(save_dir / previous, retain_interval)
     return save_dir / f"rollout_{rollout_id}"
 
 
@@ -153,7 +172,8 @@ def write_tmp(
             meta["lora"] = adapters
         if base_model is not None:
             meta["base_model"] = base_model
-        _write_json(tmp / "extra.json", meta)  # last: now complete
+        _write_json(tmp / "extra.json", meta)
+        checkpoint_files.write_manifest(tmp)  # last: now complete
     return tmp
 
 
@@ -174,17 +194,17 @@ def publish_steps(save_dir: Path, rollout_id: int) -> list[Callable[[], None]]:
     old = save_dir / f"old-{rollout_id}"
     staging = save_dir / f"staging-{rollout_id}"
     if not final.exists():
-        return [lambda: os.rename(tmp, final), lambda: _point_latest(save_dir, final)]
+        return [lambda: _rename(tmp, final), lambda: _point_latest(save_dir, final)]
 
     def move_old_aside() -> None:
         shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
+        _rename(final, old)
 
     def link_new_into_place() -> None:
         # a copy, not a rename: `latest` names tmp until the next step
         shutil.rmtree(staging, ignore_errors=True)
         shutil.copytree(tmp, staging, copy_function=_link_or_copy)
-        os.rename(staging, final)
+        _rename(staging, final)
 
     def remove_the_rest() -> None:
         shutil.rmtree(tmp)
@@ -197,6 +217,16 @@ def publish_steps(save_dir: Path, rollout_id: int) -> list[Callable[[], None]]:
         lambda: _point_latest(save_dir, final),
         remove_the_rest,
     ]
+
+
+def _rename(source: Path, destination: Path) -> None:
+    """An atomic rename, on disk before the next step (the directory's entry fsynced)."""
+    os.rename(source, destination)
+    fd = os.open(destination.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _point_latest(save_dir: Path, target: Path) -> None:
@@ -222,7 +252,8 @@ def _settle(save_dir: Path) -> None:
     leftovers = [*save_dir.glob("old-*"), *save_dir.glob("staging-*")]
     named = _latest_name(save_dir)
     if named is not None and is_complete(save_dir / named):
-        # saves a crash abandoned before publishing; kept while `latest` is broken (the fallback may need them)
+        # saves a crash abandoned (or the coordinator never published); kept while `latest` is broken, for a
+        # person to look at
         leftovers += [tmp for tmp in save_dir.glob("tmp-*") if tmp.name != named]
     for leftover in leftovers:
         shutil.rmtree(leftover, ignore_errors=True)
@@ -238,22 +269,22 @@ def is_complete(directory: Path) -> bool:
 def _latest_name(save_dir: Path) -> str | None:
     """The directory name `latest` holds; None when it is missing, unreadable or not a plain name."""
     try:
-        name = json.loads((save_dir / LATEST).read_text())
-    except (OSError, ValueError):
+        name = read_json(save_dir / LATEST, str)
+    except CheckpointError:
         return None
     if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
         return None
     return name
 
 
-def _newest_complete(save_dir: Path) -> Path | None:
-    """The complete checkpoint of the highest rollout id in `save_dir` (`rollout_<id>` before `tmp-<id>`)."""
+def complete_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
+    """(rollout id, directory) of every complete `rollout_<id>` in `save_dir`, oldest first."""
     found = []
     for child in save_dir.iterdir() if save_dir.is_dir() else ():
         match = _CHECKPOINT_NAME.fullmatch(child.name)
-        if match is not None and is_complete(child):
-            found.append((int(match.group(2)), match.group(1) == "rollout_", child))
-    return max(found)[2] if found else None
+        if match is not None and match.group(1) == "rollout_" and is_complete(child):
+            found.append((int(match.group(2)), child))
+    return sorted(found)
 
 
 def _prune(directory: Path, retain_interval: int) -> None:
@@ -283,19 +314,23 @@ def load_model_weights(path: str | Path, model: Any) -> Path:
     LoRA checkpoint holds the adapters alone: `model` then has the same adapters injected, and only they load
     (its base weights are the Hugging Face ones the adapters were trained on)."""
     directory = resolve_checkpoint(path)
-    adapters = checkpoint_adapters(directory) is not None
+    adapters = checkpoint_files.verify_checkpoint(directory, digests=False).lora is not None
     wanted = {k: v for k, v in model.state_dict().items() if not adapters or ".lora_" in k}
     state = {"model": wanted}
-    dcp.load(state, checkpoint_id=str(directory))
+    _dcp_load(state, directory)
     model.load_state_dict(state["model"], strict=not adapters)
     return directory
 
 
+def _dcp_load(state: dict[str, Any], directory: Path) -> None:
+    """DCP's load, its metadata and non-tensor values read without pickle (`checkpoint_files`)."""
+    dcp.load(state, storage_reader=checkpoint_files.safe_reader(directory), planner=checkpoint_files.safe_planner())
+
+
 def checkpoint_adapters(path: str | Path) -> dict[str, Any] | None:
     """The LoRA adapters' record of a checkpoint (None: it holds the full model)."""
-    meta = json.loads((resolve_checkpoint(path) / "extra.json").read_text())
-    lora = meta.get("lora")
-    return dict(lora) if isinstance(lora, dict) else None
+    lora = read_json(resolve_checkpoint(path) / "extra.json", Extra).lora
+    return dict(lora) if lora is not None else None
 
 
 def _options(model: Any) -> StateDictOptions:
@@ -335,57 +370,64 @@ def _describe(record: dict[str, Any] | None) -> str:
             + (f", excluding {','.join(record['exclude_modules'])}" if record.get("exclude_modules") else ""))
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A save dir (follows `latest`) or a `rollout_<id>` dir → the complete checkpoint directory."""
-    return _resolve(Path(path))[0]
-
-
-def _resolve(path: Path) -> tuple[Path, str]:
-    """(checkpoint directory, warning): the warning says why `latest` was not followed, when it was not."""
+def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
+    """A save dir (follows `latest`, or takes `rollout_<step>`) or a `rollout_<id>` dir → the complete
+    checkpoint directory; `CheckpointError` saying what is wrong and which complete ones there are otherwise."""
+    path = Path(path)
+    if step is not None and not (path / "extra.json").is_file():
+        chosen = path / f"rollout_{step}"
+        if not is_complete(chosen):
+            raise CheckpointError(f"{chosen}: no complete checkpoint of rollout {step}{_choices(path)}")
+        return chosen
     if (path / "extra.json").is_file():
-        return path, ""
+        if not is_complete(path):
+            missing = [m for m in COMPLETE_MARKERS if not (path / m).is_file()]
+            raise CheckpointError(f"{path}: incomplete checkpoint (no {', '.join(missing)}: its save did not "
+                                  "finish)")
+        return path
     pointer = path / LATEST
     named = _latest_name(path)
     if named is not None and is_complete(path / named):
-        return path / named, ""
-    newest = _newest_complete(path)
-    if newest is None:
-        if pointer.exists():
-            raise CheckpointError(
-                f"{pointer} names {named!r}, which is not a complete checkpoint, and {path} holds no other"
-            )
+        return path / named
+    if not pointer.exists() and not complete_checkpoints(path):
         raise CheckpointError(f"{path} is neither a checkpoint directory nor a save dir with a '{LATEST}' file")
     if not pointer.exists():
         why = f"{pointer} is missing"
     elif named is None:
-        why = f"{pointer} is unreadable"
+        why = f"{pointer} is damaged (not a JSON string naming a directory of {path})"
     else:
         why = f"{pointer} names {named}, which is not a complete checkpoint"
-    warning = f"{why}; loaded the newest complete checkpoint instead: {newest}"
-    log.warning("%s", warning)
-    return newest, warning
+    raise CheckpointError(f"{why}; refusing to guess which checkpoint to continue from{_choices(path)}")
+
+
+def _choices(save_dir: Path) -> str:
+    complete = complete_checkpoints(save_dir)
+    if not complete:
+        return f"; {save_dir} holds no complete checkpoint"
+    steps = ", ".join(str(step) for step, _ in complete)
+    return f"; complete checkpoints: rollout {steps}: pick one with --ckpt-step N (e.g. --ckpt-step {complete[-1][0]})"
 
 
 def load_checkpoint(
     path: str | Path, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-    adapters: dict[str, Any] | None = None,
+    adapters: dict[str, Any] | None = None, step: int | None = None,
 ) -> LoadedCheckpoint:
     """Collective: restores model, optimizer, scheduler and this rank's RNG; returns the rollout id.
-    adapters: this run's LoRA record (None: it trains the full model); the checkpoint's must be the same."""
-    directory, warning = _resolve(Path(path))
-    meta = json.loads((directory / "extra.json").read_text())
-    check_adapters(directory, meta.get("lora"), adapters)
+    adapters: this run's LoRA record (None: it trains the full model); the checkpoint's must be the same.
+    The files are checked first (sizes and structure; the coordinator checked the digests before launch)."""
+    directory = resolve_checkpoint(path, step)
+    meta = checkpoint_files.verify_checkpoint(directory, digests=False)
+    check_adapters(directory, meta.lora, adapters)
     options = _options(model)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": _without_frozen(model, model_state), "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
+    _dcp_load(state, directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
-    scheduler.load_state_dict(json.loads((directory / "scheduler.json").read_text()))
+    scheduler.load_state_dict(read_json(directory / "scheduler.json", dict[str, Any]))
     rng_file = directory / f"rng_rank{_rank()}.json"
     if rng_file.is_file():
-        _set_rng_state(json.loads(rng_file.read_text()))
+        rng = read_json(rng_file, RngState)
+        _set_rng_state({"torch": rng.torch, **({"cuda": rng.cuda} if rng.cuda is not None else {})})
     _barrier()
-    return LoadedCheckpoint(
-        rollout_id=int(meta["rollout_id"]), extra=dict(meta.get("extra") or {}), path=directory, warning=warning
-    )
+    return LoadedCheckpoint(rollout_id=meta.rollout_id, extra=dict(meta.extra), path=directory)

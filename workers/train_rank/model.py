@@ -2,7 +2,8 @@
 
 Knows nothing about distribution: imports no torch.distributed; `parallel` shards or replicates what
 this returns. Invariant: the trained model and the reference are loaded from the same directory with the
-same dtype, so at step 0 their logprobs are equal and the KL is exactly zero.
+same dtype, so at step 0 their logprobs are equal and the KL is exactly zero; a directory whose weights lack a
+parameter of the architecture is refused (`MissingWeights`), never filled with fresh weights.
 """
 
 from __future__ import annotations
@@ -10,6 +11,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from workers.errors import RaylessError
+
+
+class MissingWeights(RaylessError, FileNotFoundError):
+    """A model directory whose safetensors lack parameters the architecture needs."""
+
+
+def refuse_missing(path: str, info: dict[str, Any]) -> None:
+    """`from_pretrained(..., output_loading_info=True)`'s report → an error when parameters were missing (and
+    so initialised at random by transformers)."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise MissingWeights(f"{path}: its weights lack {len(missing)} of the model's parameters, e.g. "
+                             f"{', '.join(missing[:3])} (refused: they would be fresh random weights)")
 
 
 def load_causal_lm(
@@ -26,9 +42,10 @@ def load_causal_lm(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     except OSError as exc:
         raise FileNotFoundError(f"cannot load a causal LM from {path!r}: {exc}") from exc
+    refuse_missing(path, info)
     model.to(device)
     return prepare_for_training(model, trainable=trainable)
 

@@ -273,11 +273,24 @@ class Trainer:
             optimizer=optimizer,
             scheduler=self.scheduler,
             extra=command.extra,
-            retain_interval=self.settings.checkpoint.save_retain_interval if self.settings is not None else None,
+            retain_interval=self._retain_interval,
             adapters=self.lora.record() if self.lora is not None else None,
             write_files=self._write_adapter if self.lora is not None else None,
             base_model=self._base_model_record(),
+            publish=command.publish,
         )
+        return {"path": str(path)}
+
+    @property
+    def _retain_interval(self) -> int | None:
+        return self.settings.checkpoint.save_retain_interval if self.settings is not None else None
+
+    def publish(self, command: protocol.PublishCommand) -> dict[str, Any]:
+        """Rank 0: the complete `tmp-<id>` becomes the checkpoint `latest` names (file operations only)."""
+        if self.rank != 0:
+            return {}
+        path = checkpoint.publish_checkpoint(command.directory, command.rollout_id,
+                                             retain_interval=self._retain_interval)
         return {"path": str(path)}
 
     def _base_model_record(self) -> dict[str, Any]:
@@ -317,8 +330,7 @@ class Trainer:
             command.path, model=model, optimizer=optimizer, scheduler=self.scheduler,
             adapters=self.lora.record() if self.lora is not None else None,
         )
-        return {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "path": str(loaded.path),
-                "warning": loaded.warning}
+        return {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "path": str(loaded.path)}
 
     def export_weights(self, command: protocol.ExportWeightsCommand) -> dict[str, Any]:
         settings, model, _ = self._require()

@@ -78,7 +78,8 @@ def write_snapshot(
     weight_version: str,
     keep: int,
 ) -> Path:
-    """Rank 0 only. Writes `<directory>/weights-<version>` (safetensors + the source's config and tokenizer)."""
+    """Rank 0 only. Writes `<directory>/weights-<version>` (safetensors + the source's config and tokenizer, and
+    `manifest.json` last: the sizes and digests an engine checks before it loads the snapshot)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{SNAPSHOT_PREFIX}{_safe_version(weight_version)}"
@@ -89,6 +90,9 @@ def write_snapshot(
         write_safetensors(state, tmp / SINGLE_FILE, metadata={"format": "pt"})
         copy_model_files(source_dir, tmp)
         (tmp / "rayless_weight_version.txt").write_text(str(weight_version) + "\n")
+        from workers.train_rank.checkpoint_files import write_manifest
+
+        write_manifest(tmp)  # last: every file's size and digest, checked by the engine that loads it
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)

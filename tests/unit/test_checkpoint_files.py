@@ -1,0 +1,301 @@
+"""What is read from disk is verified before use (issues 39 and 41): drills on the files of one real checkpoint
+written by `save_checkpoint` (made once for the module, copied per test) and of the tiny model.
+
+Each damaged file is refused naming it; a `.metadata` that is a pickle of `os.system(...)` runs nothing under
+`--load`, `--ref-load`, the ranks' own loads and a train-FT recovery, and `rayless train` exits 2 before any
+launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from coordinator.checks.preflight import preflight
+from coordinator.cli import train_main
+from coordinator.config import ConfigError, parse_config
+from coordinator.train.recovery import RankRecovery
+from tests.unit.test_checkpoint import State, save
+from workers.train_rank import checkpoint as ckpt
+from workers.train_rank import checkpoint_files as files
+from workers.train_rank import checkpoint_weights as weights
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+BASE = ["--prompt-data", "builtin:first_digit", "--rollout-batch-size", "2", "--num-rollout", "1",
+        "--rollout-num-engines", "1"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A save dir holding one real checkpoint, rollout 3 (never modified: tests copy it)."""
+    directory = tmp_path_factory.mktemp("saved")
+    save(directory, 3, 1.0)
+    return directory
+
+
+@pytest.fixture
+def save_dir(saved: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "save"
+    shutil.copytree(saved, copy)
+    return copy
+
+
+def plant_payload(checkpoint: Path, marker: Path) -> None:
+    """A `.metadata` that runs `touch MARKER` when unpickled, with a manifest rewritten to match (an attacker
+    writes both)."""
+    import pickle  # noqa: TID251 - builds the hostile file under test; never loads one
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(Payload()))
+    files.write_manifest(checkpoint)
+
+
+def test_a_real_save_verifies_and_lists_every_file(save_dir: Path) -> None:
+    directory = save_dir / "rollout_3"
+    extra = files.verify_checkpoint(directory)
+    assert extra.rollout_id == 3 and extra.extra == {"value": 1.0}
+    listed = json.loads((directory / files.MANIFEST).read_text())["files"]
+    assert sorted(listed) == sorted(p.name for p in directory.iterdir() if p.name != files.MANIFEST)
+    meta = files.read_metadata(directory)
+    assert "model.weight" in meta.state_dict_metadata
+
+
+def test_the_pickle_payload_runs_nothing_on_any_load_path(save_dir: Path, tmp_path: Path, tiny_model_dir: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    directory = save_dir / "rollout_3"
+    marker = tmp_path / "MARKER"
+    plant_payload(directory, marker)
+    refused = f"{directory / '.metadata'}: refusing to load posix.system"
+    # the reader every path shares, and the ranks' own loads (a --load resume, a --ref-load reference)
+    with pytest.raises(files.CheckpointError, match=refused):
+        files.read_metadata(directory)
+    with pytest.raises(files.CheckpointError, match=refused):
+        ckpt.load_checkpoint(save_dir, **State().objects())  # type: ignore[arg-type]
+    with pytest.raises(files.CheckpointError, match=refused):
+        ckpt.load_model_weights(directory, torch.nn.Linear(4, 3))
+    # rayless train: --load and --ref-load refused before anything launches, exit 2
+    model = ["--hf-checkpoint", str(tiny_model_dir), *BASE]
+    for flags in (["--load", str(save_dir)], ["--use-kl-loss", "--ref-load", str(directory)]):
+        assert train_main([*model, *flags]) == 2
+        said = capsys.readouterr().err
+        assert f"rayless train: error: {flags[-2]}: {refused}" in said, said
+    assert not marker.exists()
+
+
+def test_a_train_ft_reload_verifies_the_checkpoint_before_any_rank_reads_it(save_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    marker = tmp_path / "MARKER"
+    plant_payload(save_dir / "rollout_3", marker)
+    loads: list[Any] = []
+
+    class RestartedGroup:
+        """STAND-IN for the TrainGroup after torchrun restarted its ranks (the FT integration tests restart
+        them for real); only the checkpoint the recovery reads is under test here."""
+
+        world_size = 1
+        settings = SimpleNamespace(checkpoint=SimpleNamespace(save_dir=str(save_dir)))
+        ranks: dict[int, Any] = {}
+
+        async def wait_for_ranks(self, *, replacing: Any = ()) -> dict[int, Any]:
+            return {}
+
+        async def init(self, settings: Any) -> dict[str, Any]:
+            return {}
+
+        async def load_checkpoint(self, path: Any) -> Any:
+            loads.append(path)
+
+    with pytest.raises(files.CheckpointError, match=r"\.metadata: refusing to load posix\.system") as refused:
+        anyio.run(RankRecovery(RestartedGroup(), max_recoveries=1).recover)  # type: ignore[arg-type]
+    assert refused.value.exit_status == 2 and loads == [] and not marker.exists()
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _shard(directory: Path) -> Path:
+    return next(directory.glob("*.distcp"))
+
+
+def _symlink_out(path: Path) -> None:
+    outside = path.parent.parent.parent / f"outside-{path.name}"
+    shutil.copy(path, outside)
+    path.unlink()
+    path.symlink_to(outside)
+
+
+#: drill → (damage, rewrite the manifest to match, what the refusal says). With the manifest rewritten (as a
+#: hand-edited checkpoint would be) the check of the file's own content must catch the damage.
+DRILLS = {
+    "truncated shard": (lambda d: _truncate(_shard(d)), True, "__0_0.distcp: truncated"),
+    "truncated shard, manifest kept": (lambda d: _truncate(_shard(d)), False, "bytes, the manifest says"),
+    "flipped byte in a shard": (lambda d: _flip(_shard(d)), False, "does not match the manifest's digest"),
+    "missing shard": (lambda d: _shard(d).unlink(), True, "__0_0.distcp: missing (named by"),
+    "shard symlinked out": (lambda d: _symlink_out(_shard(d)), True, "points outside"),
+    "no manifest (unfinished save)": (lambda d: (d / files.MANIFEST).unlink(), False, "incomplete checkpoint"),
+    "garbage extra.json": (lambda d: (d / "extra.json").write_text("{nope"), True, "extra.json: not valid JSON"),
+    "deep extra.json": (lambda d: (d / "extra.json").write_text("[" * 100_000), True, "nested deeper"),
+    "string rollout_id": (lambda d: (d / "extra.json").write_text('{"rollout_id": "x"}'), True,
+                          "extra.json: Expected `int`, got `str` - at `$.rollout_id`"),
+    "garbage scheduler.json": (lambda d: (d / "scheduler.json").write_text("[1, 2]"), True,
+                               "scheduler.json: Expected `object`, got `array`"),
+    "garbage rng file": (lambda d: (d / "rng_rank0.json").write_text('{"torch": [999]}'), True,
+                         "rng_rank0.json: an RNG state holds values outside 0..255"),
+    "garbage .metadata": (lambda d: (d / ".metadata").write_bytes(b"\x80\x05garbage"), True,
+                          ".metadata: not DCP checkpoint metadata"),
+    "metadata naming a shard outside": (lambda d: _rename_shard(d, "../x"), True,
+                                        ".metadata: not DCP checkpoint metadata"),
+}
+
+
+def _rename_shard(directory: Path, name: str) -> None:
+    """The real metadata with its shard's path rewritten, pickled as DCP writes it."""
+    import pickle  # noqa: TID251 - writes the crafted file under test, as DCP's writer does; never loads one
+
+    meta = files.read_metadata(directory)
+    for info in meta.storage_data.values():
+        info.relative_path = name
+    (directory / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+@pytest.mark.parametrize("drill", sorted(DRILLS))
+def test_each_damaged_file_is_refused_naming_it(save_dir: Path, drill: str) -> None:
+    damage, remanifest, expected = DRILLS[drill]
+    directory = save_dir / "rollout_3"
+    damage(directory)
+    if remanifest:
+        files.write_manifest(directory)
+    with pytest.raises((files.CheckpointError, ckpt.CheckpointError)) as refused:
+        files.verify_checkpoint(ckpt.resolve_checkpoint(directory))
+    assert expected in str(refused.value)
+    assert str(directory) in str(refused.value)
+
+
+def test_a_load_of_a_damaged_checkpoint_is_refused_at_start_up(save_dir: Path, tiny_model_dir: Path) -> None:
+    _flip(_shard(save_dir / "rollout_3"))
+    with pytest.raises(ConfigError, match=r"^--load: .*__0_0\.distcp: its content does not match"):
+        preflight(parse_config(["--hf-checkpoint", str(tiny_model_dir), *BASE, "--load", str(save_dir)]))
+
+
+# --- safetensors: the model and adapters -------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_copy(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    return copy
+
+
+def test_a_truncated_model_is_refused_before_launch(model_copy: Path) -> None:
+    weights_file = model_copy / "model.safetensors"
+    with weights_file.open("r+b") as handle:
+        handle.truncate(4096)
+    with pytest.raises(ConfigError, match=r"^--hf-checkpoint: .*model\.safetensors: .*(truncated|header)"):
+        preflight(parse_config(["--hf-checkpoint", str(model_copy), *BASE]))
+
+
+def test_a_model_lacking_a_parameter_is_refused_not_filled_with_fresh_weights(model_copy: Path) -> None:
+    """At start-up where the meta model is built anyway (here the dry run), and on the ranks as they load."""
+    from safetensors.torch import load_file, save_file
+
+    from workers.train_rank.model import MissingWeights, load_causal_lm
+
+    path = model_copy / "model.safetensors"
+    tensors = load_file(str(path))
+    dropped = next(name for name in tensors if "layers.0" in name)
+    del tensors[dropped]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=f"lack 1 of the model's parameters, e.g. {dropped}"):
+        preflight(parse_config(["--hf-checkpoint", str(model_copy), *BASE, "--dry-run"]))
+    with pytest.raises(MissingWeights, match=f"{model_copy}: its weights lack 1 of the model's parameters, e.g. "
+                                             f"{dropped}"):
+        load_causal_lm(str(model_copy), dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped length", "wrong shape"])
+def test_a_damaged_safetensors_header_is_refused(tmp_path: Path, damage: str) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "adapter_model.safetensors"
+    save_file({"a": torch.zeros(4, 2), "b": torch.zeros(3)}, str(path))
+    raw = bytearray(path.read_bytes())
+    length = int.from_bytes(raw[:8], "little")
+    if damage == "truncated":
+        raw = raw[:-4]
+    elif damage == "flipped length":
+        raw[0] ^= 0x01
+    else:
+        raw[8:8 + length] = raw[8:8 + length].replace(b"[4,2]", b"[4,3]")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(files.CheckpointError, match=str(path)):
+        weights.check_safetensors(path)
+
+
+def test_adapter_keys_must_match_the_target_modules(tmp_path: Path) -> None:
+    path = tmp_path / "adapter_model.safetensors"
+    good = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": 0,
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": 0}
+    weights.check_adapter_keys(path, good, ["q_proj"])
+    with pytest.raises(files.CheckpointError, match="not one of the target modules v_proj"):
+        weights.check_adapter_keys(path, good, ["v_proj"])
+    with pytest.raises(files.CheckpointError, match="has lora_A but not its other half"):
+        weights.check_adapter_keys(path, dict(list(good.items())[:1]), ["q_proj"])
+    with pytest.raises(files.CheckpointError, match="is not a LoRA A/B weight"):
+        weights.check_adapter_keys(path, {"model.embed_tokens.weight": 0}, [])
+
+
+def test_a_damaged_latest_is_refused_at_start_up_and_ckpt_step_picks_a_checkpoint(save_dir: Path,
+                                                                                  tiny_model_dir: Path) -> None:
+    (save_dir / ckpt.LATEST).write_bytes(b"\x00\xff garbage")
+    flags = ["--hf-checkpoint", str(tiny_model_dir), *BASE, "--load", str(save_dir)]
+    with pytest.raises(ConfigError, match=r"^--load: .*latest is damaged .* complete checkpoints: rollout 3: pick "
+                                          r"one with --ckpt-step N \(e\.g\. --ckpt-step 3\)$"):
+        preflight(parse_config(flags))
+    notes = preflight(parse_config([*flags, "--ckpt-step", "3"]))
+    assert f"--load: {save_dir / 'rollout_3'} verified (sizes, digests, metadata)" in notes
+    with pytest.raises(ConfigError, match=r"--ckpt-step 9: --load .* holds no checkpoint rollout_9 \(it holds: 3\)"):
+        parse_config([*flags, "--ckpt-step", "9"]).load_plan()
+    with pytest.raises(ConfigError, match="--ckpt-step needs --load DIR"):
+        parse_config(["--hf-checkpoint", str(tiny_model_dir), *BASE, "--ckpt-step", "3"])
+    (save_dir / ckpt.LATEST).unlink()  # no `latest` at all: not a fresh start over the checkpoints it holds
+    with pytest.raises(ConfigError, match=r"^--load: .*latest is missing; .* --ckpt-step 3\)$"):
+        preflight(parse_config(flags))
+
+
+def test_a_sharded_model_is_checked_file_by_file_against_its_index(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"b": torch.zeros(3)}, str(tmp_path / "model-2.safetensors"))
+    index = tmp_path / weights.INDEX
+    weight_map = {"a": "model-1.safetensors", "b": "model-2.safetensors"}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    assert set(weights.model_tensors(tmp_path)) == {"a", "b"}
+    index.write_text(json.dumps({"weight_map": {**weight_map, "c": "model-2.safetensors"}}))
+    with pytest.raises(files.CheckpointError, match=r"model-2\.safetensors: lacks c, which"):
+        weights.model_tensors(tmp_path)
+    index.write_text(json.dumps({"weight_map": {**weight_map, "c": "../model-3.safetensors"}}))
+    with pytest.raises(files.CheckpointError, match=r"model-3\.safetensors: missing"):
+        weights.model_tensors(tmp_path)
+    index.write_text("[" * 10_000)
+    with pytest.raises(files.CheckpointError, match="not a safetensors index"):
+        weights.model_tensors(tmp_path)
