@@ -6,6 +6,7 @@ naming the file with exit 2. Whole runs with `--save-hf` are in the integration 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from coordinator.config.fields import ConfigError
 from tests.support.hf_dirs import file_weights, loads_and_generates, max_difference
 from workers.protocol.train_settings import LoraSettings
 from workers.train_rank import checkpoint as ckpt
-from workers.train_rank import lora, weight_export
+from workers.train_rank import checkpoint_files, lora, weight_export
 from workers.train_rank.optim import build_optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -220,21 +221,26 @@ def test_export_errors_name_the_file_and_exit_2(tiny_model_dir: Path, tmp_path: 
 
     assert f"rayless export: {tmp_path}: no rayless checkpoint there" in export(tmp_path, tmp_path / "out")
 
-    old = tmp_path / "old" / "rollout_2"  # a checkpoint of a rayless that recorded no base model
-    old.mkdir(parents=True)
-    (old / "extra.json").write_text(json.dumps({"rollout_id": 2, "extra": {}}))
+    full = save_trained(perturbed(tiny_model_dir, 3), tmp_path / "ckpt", tiny_model_dir)
+
+    def variant(name: str, extra: dict[str, object]) -> Path:
+        """A complete checkpoint (manifest rewritten) whose extra.json is `extra`."""
+        directory = tmp_path / name / "rollout_2"
+        shutil.copytree(full, directory)
+        (directory / "extra.json").write_text(json.dumps(extra))
+        checkpoint_files.write_manifest(directory)
+        return directory
+
+    old = variant("old", {"rollout_id": 2, "extra": {}})  # a rayless that recorded no base model
     assert (f"{old / 'extra.json'} records no base model (a checkpoint of an older rayless): pass "
             "--hf-checkpoint DIR") in export(old, tmp_path / "out")
     assert f"--hf-checkpoint {tmp_path}: not a Hugging Face model directory" in export(
         old, tmp_path / "out", "--hf-checkpoint", tmp_path)
 
-    moved = tmp_path / "moved" / "rollout_2"
-    moved.mkdir(parents=True)
-    (moved / "extra.json").write_text(json.dumps({"rollout_id": 2, "base_model": {"hf_checkpoint": "/gone"}}))
+    moved = variant("moved", {"rollout_id": 2, "extra": {}, "base_model": {"hf_checkpoint": "/gone"}})
     assert (f"/gone (the base model {moved / 'extra.json'} records): not a Hugging Face model directory "
             "(no config.json); pass --hf-checkpoint DIR if it has moved") in export(moved, tmp_path / "out")
 
-    full = save_trained(perturbed(tiny_model_dir, 3), tmp_path / "ckpt", tiny_model_dir)
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "mine.txt").write_text("")

@@ -382,7 +382,7 @@ class ModelRunner:
         """A snapshot rayless wrote carries `manifest.json`: every file it lists must have its size and digest
         (a damaged or half-copied snapshot is refused before a byte of it loads). Others (SGLang's callers'
         directories) have none and load as they are."""
-        from workers.train_rank.checkpoint_files import MANIFEST, CheckpointError, check_manifest
+        from workers.boundary.manifest import MANIFEST, CheckpointError, check_manifest
 
         if not (path.is_dir() and (path / MANIFEST).is_file()):
             return

@@ -17,7 +17,6 @@ is read past a bound (metadata 256 MiB, JSON by `JsonLimits`), and a digest stre
 from __future__ import annotations
 
 import io
-import os
 import pickle  # noqa: TID251 - only for the subclassed, allow-listed Unpickler below (DCP writes a pickle)
 import re
 from pathlib import Path
@@ -27,24 +26,23 @@ import msgspec
 
 from workers.boundary.errors import BoundaryError
 from workers.boundary.json_input import JsonLimits, decode_json
-from workers.errors import RaylessError
+from workers.boundary.manifest import (  # re-exported: the checkpoint's readers import them from here
+    MANIFEST,
+    CheckpointError,
+    FileEntry,
+    check_manifest,
+    digest_file,
+    regular_file_size,
+    write_json_durably,
+    write_manifest,
+)
 
-MANIFEST = "manifest.json"
 METADATA = ".metadata"
-MANIFEST_FORMAT = 1
 #: DCP's metadata of the largest models is a few MiB; nothing larger is read
 MAX_METADATA_BYTES = 256 << 20
 #: extra.json and scheduler.json are small; an RNG state is ~5k numbers (~20 KiB), CUDA's beside it
 JSON_LIMITS = JsonLimits(max_bytes=16 << 20, max_depth=32, max_items=1_000_000)
-_BLOCK = 8 << 20
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
-
-
-class CheckpointError(RaylessError, RuntimeError):
-    """A checkpoint (or one of its files) that cannot be loaded as it is; the message names the file."""
-
-    #: `rayless train`'s status when this ends a run: refused input, as a start-up check's
-    exit_status = 2
 
 
 # ------------------------------------------------------------------------------------ DCP metadata, no code
@@ -161,7 +159,7 @@ def check_shards(directory: Path, meta: Any) -> None:
     for index, info in meta.storage_data.items():
         name = info.relative_path
         if name not in sizes:
-            sizes[name] = _regular_file_size(directory, name, f"named by {directory / METADATA}")
+            sizes[name] = regular_file_size(directory, name, f"named by {directory / METADATA}")
         if info.offset + info.length > sizes[name]:
             raise CheckpointError(f"{directory / name}: truncated: {sizes[name]} bytes, but {index.fqn} is "
                                   f"stored at bytes {info.offset}..{info.offset + info.length}")
@@ -248,84 +246,6 @@ def read_json(path: Path, kind: type[Any]) -> Any:
     return converted
 
 
-# ---------------------------------------------------------------------------------------------- manifest
-
-
-def digest_file(path: Path) -> str:
-    """xxh3-128 of the file's bytes (as fast as reading them: ~9 GB/s from the page cache here, against
-    ~0.8 GB/s for blake2b; it catches damage, it does not authenticate)."""
-    import xxhash
-
-    hasher = xxhash.xxh3_128()
-    with path.open("rb") as handle:
-        while block := handle.read(_BLOCK):
-            hasher.update(block)
-    return hasher.hexdigest()
-
-
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST
-                  and not p.name.endswith(".tmp"))
-
-
-def write_manifest(directory: Path) -> None:
-    """The last file of a save: every other file's size and digest (atomically written, fsynced)."""
-    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "digest": digest_file(p)}
-             for p in _files(directory)}
-    write_json_durably(directory / MANIFEST, {"format": MANIFEST_FORMAT, "digest": "xxh3_128", "files": files})
-
-
-def write_json_durably(path: Path, value: Any) -> None:
-    """`value` as JSON at `path`, atomically (a reader sees the old file or the whole new one) and on disk
-    before the rename (so a power loss cannot leave a renamed, empty file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as handle:
-        handle.write(msgspec.json.format(msgspec.json.encode(value), indent=1))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class FileEntry(msgspec.Struct):
-    size: int
-    digest: str
-
-
-class _Manifest(msgspec.Struct):
-    format: int
-    digest: str
-    files: dict[str, FileEntry]
-
-
-def check_manifest(directory: Path, *, digests: bool = True) -> dict[str, FileEntry]:
-    """Every file the manifest lists is present (a regular file inside `directory`) with its size and, when
-    `digests`, its digest. Returns the listing."""
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing: the save of {directory.name} did not finish (or the checkpoint "
-                              "was written before rayless kept manifests)")
-    manifest = read_json(path, _Manifest)
-    if manifest.format != MANIFEST_FORMAT or manifest.digest != "xxh3_128":
-        raise CheckpointError(f"{path}: format {manifest.format} / digest {manifest.digest!r} is not one this "
-                              "rayless reads")
-    for name, entry in manifest.files.items():
-        if any(part in ("", ".", "..") for part in name.split("/")) or name.startswith("/"):
-            raise CheckpointError(f"{path}: lists {name!r}, which is not a path inside the checkpoint")
-        size = _regular_file_size(directory, name, f"listed in {path}")
-        if size != entry.size:
-            raise CheckpointError(f"{directory / name}: {size} bytes, the manifest says {entry.size} (truncated "
-                                  "or rewritten)")
-        if digests and digest_file(directory / name) != entry.digest:
-            raise CheckpointError(f"{directory / name}: its content does not match the manifest's digest "
-                                  "(damaged after the save)")
-    return manifest.files
-
-
 # ------------------------------------------------------------------------------------------- the whole
 
 
@@ -353,20 +273,6 @@ def verify_checkpoint(directory: str | Path, *, digests: bool = True) -> Extra:
     return extra
 
 
-def _regular_file_size(directory: Path, name: str, where: str) -> int:
-    path = directory / name
-    try:
-        inside = path.resolve(strict=True).is_relative_to(directory.resolve())
-        info = path.stat()
-    except (OSError, RuntimeError):
-        raise CheckpointError(f"{path}: missing ({where})") from None
-    if not inside:
-        raise CheckpointError(f"{path}: points outside {directory} (a symlink), refused")
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not a regular file ({where})")
-    return info.st_size
-
-
 def _read_bounded(path: Path, limit: int) -> bytes:
     try:
         with path.open("rb") as handle:
@@ -376,3 +282,7 @@ def _read_bounded(path: Path, limit: int) -> bytes:
     if len(raw) > limit:
         raise CheckpointError(f"{path}: larger than the {limit >> 20} MiB this file may be")
     return raw
+
+
+__all__ = ["MANIFEST", "CheckpointError", "FileEntry", "check_manifest", "digest_file", "write_json_durably",
+           "write_manifest"]
