@@ -121,7 +121,7 @@ def test_rayless_status_names_what_it_cannot_read(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"num_rollout": 4}))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.5}) + "\n")
     code, text = run_status([str(tmp_path)])
-    assert code == 0 and "rollout 1/4" in text and "does not answer" in text and "0.500" in text
+    assert code == 0 and "1/4 rollouts" in text and "does not answer" in text and "0.500" in text
 
 
 def test_a_status_port_in_use_stops_the_run_before_anything_launches(tiny_model_dir: Path, tmp_path: Path,
