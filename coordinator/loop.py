@@ -7,9 +7,10 @@ interval save, and after the last step the after-loop phases (evaluations still 
 The schedules (synchronous, one-step-off-policy, colocated) are described in docs/architecture.md.
 
 A stop (`request_stop`, armed for a stop signal by `coordinator.run` when the run saves) abandons the rollout
-being generated (its batch is dropped), lets a train step already sent to the ranks finish (its weight sync too:
-neither can be taken back half-done), skips the step hooks and the after-loop phases, saves the last trained
-rollout unless it is saved already, and returns with `stopped` set.
+being generated (its batch is dropped) and any evaluation going on (before the loop or after a step), lets a
+train step already sent to the ranks finish (its weight sync too: neither can be taken back half-done), skips
+the remaining step hooks and the after-loop phases, saves the last trained rollout unless it is saved already,
+and returns with `stopped` set.
 
 Rollouts are numbered by their id, from 0, as slime and miles number them (metrics' `step`, checkpoints'
 `rollout_<id>`, dumps' `{rollout_id}`); the log says `rollout <id> (<done> of <total>)`.
@@ -157,6 +158,7 @@ class TrainingLoop:
         self._stopping = True
         if self._abandon is not None:
             self._abandon.cancel()
+        self._version_changed.set()  # a producer waiting for the policy to catch up wakes, and ends
         if self.saves:
             return "abandoning the rollout being generated, finishing a train step in flight, then saving"
         return "abandoning the rollout being generated, finishing a train step in flight"
@@ -169,7 +171,8 @@ class TrainingLoop:
             # a resume redoes every step from start_rollout: an earlier run's rows for them are replaced
             self.metrics.resume_at(self.start_rollout)
         for phase in self.phases:
-            await phase.before_loop(self.start_rollout, self.weight_version)
+            with self._abandonable():  # an evaluation before the first step: nothing to save if stopped
+                await phase.before_loop(self.start_rollout, self.weight_version)
         self.progress.begin(self.start_rollout, self.num_rollout)
         if self.rollout.async_rollout and self.trainer is not None:
             await self._run_async(result)
@@ -235,7 +238,7 @@ class TrainingLoop:
         async def produce() -> None:
             async with send:
                 for rollout_id in range(self.start_rollout, self.num_rollout):
-                    while self.version < rollout_id - staleness:
+                    while self.version < rollout_id - staleness and not self._stopping:
                         await self._version_changed.wait()
                     if self._stopping:
                         return
@@ -313,10 +316,11 @@ class TrainingLoop:
         await timeline.step_done(rollout_id, started, record["step/time_s"])
         self.progress.rollout_done(rollout_id)
         log.info("%s  %s", _summary(rollout_id, self.num_rollout, record), self.progress.timing_text())
-        if self._stopping:
-            return  # evaluations and test hooks wait for the next run
         for hook in self.hooks:
-            await hook.after_step(rollout_id, self.weight_version)
+            if self._stopping:
+                return  # evaluations wait for the resumed run
+            with self._abandonable():  # the step is trained and counted: an evaluation after it may be cut short
+                await hook.after_step(rollout_id, self.weight_version)
 
     async def save(self, rollout_id: int) -> None:
         """Save the last trained rollout, `rollout_id`, with the data position right after its batch."""

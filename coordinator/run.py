@@ -93,7 +93,9 @@ def run_training_sync(config: Config, plan: PlacementPlan | None = None,
         failures = leaf_exceptions(group)
     except Exception as error:
         failures = [error]
-    hint = resume_hint(config, argv) if argv is not None and (stop.received or failures) else None
+    hint = None
+    if argv is not None and (stop.received or failures):  # how to go on from the newest checkpoint, if any
+        hint = resume_hint(config, argv, stopped=bool(stop.received))
     if stop.first is not None:
         for error in failures:  # raised while stopping: said, but the signal is why the run ended
             log.warning("while stopping: %s", failure_line(error))

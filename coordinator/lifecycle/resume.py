@@ -46,8 +46,9 @@ def resume_command(argv: Sequence[str], load: str) -> str:
     return shlex.join([*program(), "train", *kept, "--load", load])
 
 
-def resume_hint(config: Config, argv: Sequence[str]) -> str | None:
-    """What to run to continue this run, or why it cannot be continued; None when there is nothing to say."""
+def resume_hint(config: Config, argv: Sequence[str], *, stopped: bool = True) -> str | None:
+    """What to run to continue this run, or (`stopped` by a signal) why it cannot be continued; None when there is
+    nothing to say (a failure with no checkpoint: its own message is what matters)."""
     save = config.checkpoint.save
     rollout = checkpoint_rollout(Path(save)) if save else None
     load = save if rollout is not None else None
@@ -59,7 +60,7 @@ def resume_hint(config: Config, argv: Sequence[str]) -> str | None:
         if plan is not None and plan.resume and plan.path is not None:
             load, rollout = plan.path, checkpoint_rollout(Path(plan.path))
     if load is None:
-        if not config.needs_train_ranks:
+        if not stopped or not config.needs_train_ranks:
             return None
         if not save:
             return "this run saved no checkpoint (no --save DIR), so it cannot be resumed"

@@ -130,6 +130,7 @@ def test_the_resume_command_is_the_runs_own_with_load(tmp_path: Path) -> None:
     config = parse_config(argv_for(tmp_path))
     assert resume_hint(config, argv_for(tmp_path)) == f"no checkpoint in --save {tmp_path / 'ckpt'} yet: nothing " \
                                                       "to resume from"
+    assert resume_hint(config, argv_for(tmp_path), stopped=False) is None  # a failure's own message is enough
     save(tmp_path / "ckpt", 2)
     hint = resume_hint(config, argv_for(tmp_path))
     assert hint is not None and hint.startswith(f"to resume from the checkpoint of rollout 2 ({tmp_path / 'ckpt'})")

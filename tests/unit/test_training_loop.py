@@ -342,8 +342,9 @@ async def test_a_stop_during_generation_abandons_it_and_saves_the_last_trained_r
     assert [row["step"] for row in written_rows(loop.metrics)] == [0, 1, 2]
 
 
-async def test_a_stop_during_a_train_step_finishes_the_step_then_saves_it(metrics: MetricsLog,
-                                                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_rollout", [False, True])
+async def test_a_stop_during_a_train_step_finishes_the_step_then_saves_it(metrics: MetricsLog, tmp_path: Path,
+                                                                         async_rollout: bool) -> None:
     calls = Calls()
 
     class StopInTraining(RecordingTrainer):
@@ -356,14 +357,18 @@ async def test_a_stop_during_a_train_step_finishes_the_step_then_saves_it(metric
             return await super().train(rollout_id, samples)
 
     trainer = StopInTraining(calls)
-    loop = make_loop(metrics, tmp_path, calls, num_rollout=10, save_interval=5, trainer=trainer)
+    loop = make_loop(metrics, tmp_path, calls, num_rollout=10, save_interval=5, trainer=trainer,
+                     async_rollout=async_rollout)
     trainer.loop = loop
-    result = await loop.run()
+    with anyio.fail_after(10):  # one-step-off-policy: the producer generating ahead must end too
+        result = await loop.run()
     assert result.stopped and calls.of("train") == [0, 1]
     assert calls.of("update") == ["1", "2"]  # the step's weight sync is not cut in half
     assert calls.of("after_step") == [(0, "1")]  # no hook after the stop
+    # the data position right after rollout 1's batch, even when rollout 2 was generated ahead
     assert calls.of("save") == [1] and trainer.saved[1]["rollout_state"] == {"next": 2}
-    assert calls.of("get") == [(0, "0"), (1, "1")]  # nothing generated after the stop
+    if not async_rollout:
+        assert calls.of("get") == [(0, "0"), (1, "1")]  # nothing generated after the stop
 
 
 async def test_a_stop_without_a_save_directory_saves_nothing(metrics: MetricsLog, tmp_path: Path) -> None:
@@ -374,3 +379,21 @@ async def test_a_stop_without_a_save_directory_saves_nothing(metrics: MetricsLog
     loop.rollouts = source
     result = await loop.run()
     assert result.stopped and calls.of("train") == [0] and calls.of("save") == [] and result.checkpoint is None
+
+
+async def test_a_stop_during_an_evaluation_after_a_step_cuts_it_short_and_saves_the_step(
+    metrics: MetricsLog, tmp_path: Path
+) -> None:
+    calls = Calls()
+    loop = make_loop(metrics, tmp_path, calls, num_rollout=10, save_interval=None)
+
+    class EvaluatingHook:
+        async def after_step(self, rollout_id: int, weight_version: str) -> None:
+            if rollout_id == 1:
+                loop.request_stop()
+                await anyio.sleep_forever()  # an evaluation still generating
+
+    loop.hooks = [EvaluatingHook()]
+    with anyio.fail_after(10):
+        result = await loop.run()
+    assert result.stopped and calls.of("train") == [0, 1] and calls.of("save") == [1]
