@@ -57,7 +57,10 @@ def earlier_run(run_dir: Path) -> str | None:
 
 
 def check_run_dir(config: Config) -> list[str]:
-    """Refuse a run into a run directory (or a --save directory) that holds another run, unless it resumes."""
+    """Refuse a run into a run directory (or a --save directory) that holds another run, unless it resumes. The
+    coordinator's node checks it (node k > 0 writes no metrics, and may be restarted while the run goes on)."""
+    if config.cluster.actor_node_rank > 0:
+        return []
     run_dir = config.logging.resolved_run_dir
     save = config.checkpoint.save
     try:

@@ -1,7 +1,7 @@
 """Terminal progress and the run's metrics file.
 
 Owns what a person watching the run sees — the start-up board (each launched process's phase), a run-level
-bar (rollout n/N, elapsed, ETA) and the current rollout's line — live with rich on a terminal, or as plain
+bar (n/N rollouts done, elapsed, ETA) and the current rollout's line — live with rich on a terminal, or as plain
 log lines otherwise and with `--no-progress` — and `metrics.jsonl` in the run directory: one JSON object per
 line, each with `step` (the rollout id) and a `time`. Invariant: every line of metrics.jsonl is a complete
 JSON object (written and flushed in one call), so a crash never leaves a torn line that breaks the reader;
