@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -204,6 +205,7 @@ def test_sigterm_with_save_saves_the_step_and_its_printed_command_resumes_it_exa
     assert found is not None, err[-3000:]
     assert (int(found[1]), found[2]) == (last, str(save))
     # as printed, from where it says: the same run, continued in the same run directory
+    resumed_at = time.time()
     resumed, resumed_err = start_command(["bash", "-c", "exec " + found[4]], tmp_path / "resumed.stderr",
                                          cwd=Path(found[3]))
     stop_and_check(resumed, run_dir, resumed_err, signal.SIGTERM, router=False, ranks=1, step=last + 2,
@@ -211,6 +213,11 @@ def test_sigterm_with_save_saves_the_step_and_its_printed_command_resumes_it_exa
     assert f"continuing at rollout {last + 1}" in resumed_err.read_text()
     numbers = rollout_numbers(run_dir)
     assert [row[0] for row in numbers] == list(range(len(numbers))), "each rollout once, in order"
+    # the summary (and rewards.png, drawn from the same rows) covers the whole run, not the resumed part alone
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["outcome"], summary["start_rollout"]) == ("interrupted", last + 1)
+    assert summary["reward_first"] == [row[2] for row in numbers[:3]]
+    assert (run_dir / "rewards.png").stat().st_mtime >= resumed_at  # redrawn by the resumed run
 
     # an uninterrupted run of as many rollouts has the same numbers
     reference_dir = tmp_path / "reference"
