@@ -23,8 +23,8 @@ from workers.train_rank import checkpoint as ckpt
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-def argv_for(tmp_path: Path, *flags: str) -> list[str]:
-    return ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", "builtin:first_digit",
+def argv_for(tmp_path: Path, *flags: str, model: Path | None = None) -> list[str]:
+    return ["--hf-checkpoint", str(model or tmp_path / "model"), "--prompt-data", "builtin:first_digit",
             "--rollout-num-engines", "1", "--rollout-batch-size", "2", "--num-rollout", "6",
             "--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ckpt"), *flags]
 
@@ -77,6 +77,20 @@ def test_a_second_run_into_a_used_run_directory_is_refused_with_the_choices(tmp_
     # the same with a new --run-dir but the earlier run's --save: its checkpoints would be mixed with the new ones
     with pytest.raises(ConfigError, match=r"--save .* holds the checkpoints of another run \(newest: rollout 3\)"):
         check_run_dir(parse_config([*argv_for(tmp_path), "--run-dir", str(tmp_path / "other")]))
+
+
+def test_rayless_train_refuses_a_used_run_directory_with_exit_2_before_anything_launches(
+        tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from coordinator.cli import train_main
+
+    earlier_run(tmp_path, steps=3, saved=[2])
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").iterdir())
+    assert train_main([*argv_for(tmp_path, model=tiny_model_dir), "--n-samples-per-prompt", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "rayless train: error: --run-dir" in err and "holds a run already" in err
+    assert "--run-dir" in err and f"--load {tmp_path / 'ckpt'}" in err and "--overwrite-run-dir" in err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").iterdir()) == before, \
+        "nothing was launched or written"
 
 
 def test_a_run_that_saved_nothing_cannot_be_continued_and_says_so(tmp_path: Path) -> None:
