@@ -34,6 +34,8 @@ from coordinator.lifecycle.processes import terminate_process_group_blocking
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from coordinator.status import command as status_command
+from replay.format import dump_path
+from replay.reader import read_dump
 from tests.support.waiting import wait_until_sync
 
 #: The issue's bound: no process of the run is left this long after the signal.
@@ -187,10 +189,12 @@ def rollout_numbers(run_dir: Path) -> list[tuple[int, str, float, float]]:
 def test_sigterm_with_save_saves_the_step_and_its_printed_command_resumes_it_exactly(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    dumps = "{rollout_id}.rld"
     training = ("--rollout-shuffle", "--lr", "3e-3", "--save", str(save), "--save-interval", "1000")
-    batch = (8, 4)  # 32 samples: some earn a reward, so the policy (and every number after it) moves
-    proc, stderr = start_run(tiny_model_dir, run_dir, *training, batch=batch)
-    err = stop_and_check(proc, run_dir, stderr, signal.SIGTERM, router=False, ranks=1, step=1,
+    batch = (8, 8)  # 64 samples: some earn a reward, so the policy (and every number after it) moves
+    proc, stderr = start_run(tiny_model_dir, run_dir, *training, "--save-debug-rollout-data",
+                             str(tmp_path / "dumps" / dumps), batch=batch)
+    err = stop_and_check(proc, run_dir, stderr, signal.SIGTERM, router=False, ranks=1, step=2,
                          within=SAVED_WITHIN_S)
     # the step in flight ended (or was abandoned), the last one trained was saved: the checkpoint holds the last row
     last = rollout_numbers(run_dir)[-1][0]
@@ -221,13 +225,21 @@ def test_sigterm_with_save_saves_the_step_and_its_printed_command_resumes_it_exa
 
     # an uninterrupted run of as many rollouts has the same numbers
     reference_dir = tmp_path / "reference"
-    config = parse_config(run_args(tiny_model_dir, reference_dir, *training, rollouts=len(numbers), batch=batch))
+    config = parse_config(run_args(tiny_model_dir, reference_dir, *training, "--save-debug-rollout-data",
+                                   str(reference_dir / "dumps" / dumps), rollouts=len(numbers), batch=batch))
     anyio.run(run_training, config)
     expected = rollout_numbers(reference_dir)
     assert [row[:2] for row in numbers] == [row[:2] for row in expected]
     for got, want in zip(numbers, expected, strict=True):
         assert got[2:] == pytest.approx(want[2:], abs=1e-6), (numbers, expected)
-    assert any(row[3] != 0.0 for row in numbers[last + 1:]), "the resumed steps trained on nothing: nothing compared"
+    # the resumed rollouts' prompts and sampled tokens are the uninterrupted run's: the data position and the
+    # weights the checkpoint restored (they had moved: some step before it trained on a reward)
+    assert any(row[3] != 0.0 for row in numbers[:last + 1]), "no step before the stop trained: weights untested"
+    for rollout_id in range(last + 1, len(numbers)):
+        resumed_samples = read_dump(dump_path(str(tmp_path / "dumps" / dumps), rollout_id)).samples
+        reference_samples = read_dump(dump_path(str(reference_dir / "dumps" / dumps), rollout_id)).samples
+        assert [(s.metadata["prompt_index"], s.tokens) for s in resumed_samples] == \
+            [(s.metadata["prompt_index"], s.tokens) for s in reference_samples]
 
 
 def test_children_of_a_sigkilled_coordinator_end_by_themselves(tiny_model_dir: Path, tmp_path: Path) -> None:
