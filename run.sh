@@ -132,6 +132,7 @@ case "${1:-}" in
             --rollout-max-response-len 4 --rollout-temperature 1.0 --rollout-shuffle \
             --lr 3e-3 --clip-grad 1.0 --eps-clip 0.2 \
             --sglang-server-concurrency 128 \
+            --save "$RUN_DIR/ckpt" --save-interval 10 \
             --run-dir "$RUN_DIR"
         ;;
     *)

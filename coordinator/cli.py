@@ -118,7 +118,7 @@ def train_main(argv: Sequence[str]) -> int:
 
     from coordinator.run import run_training_sync
 
-    return run_training_sync(config, plan)
+    return run_training_sync(config, plan, argv=argv)
 
 
 def make_tiny_model_main(argv: Sequence[str]) -> int:

@@ -4,7 +4,10 @@ Owns the run directory (plan.txt, config.json, summary.json) and the order of a 
 (computed once at start-up), the services built complete and started (`coordinator.services`), the rollout
 manager and the hook services, then the training loop. Leaving the task group — normally, on error or on a
 stop signal — cancels it, and each service ends the processes it launched; the exit status after a signal is
-128 + the signal (`coordinator.lifecycle.signals`). Only what the mode needs is built: replay starts no engine,
+128 + the signal (`coordinator.lifecycle.signals`). While the loop runs with `--save`, the first stop signal goes
+to the loop (finish the step in flight, save, return: `coordinator.loop`); otherwise it cancels the run. How the
+run ended — finished, interrupted or failed — goes to status.json and summary.json, and a run that did not
+finish prints the command that resumes it (`coordinator.lifecycle.resume`). Only what the mode needs is built: replay starts no engine,
 router, health monitor, eval fleet or HTTP client; `--debug-rollout-only` starts no training ranks. The order
 and why: docs/architecture.md ("How a run is wired").
 """
@@ -18,8 +21,8 @@ import secrets as token_source
 import signal
 import sys
 import time
-from collections.abc import Callable
-from contextlib import AsyncExitStack
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +33,8 @@ from coordinator.config.secrets import config_secrets
 from coordinator.lifecycle.failures import failure_line, log_failure
 from coordinator.lifecycle.logs import setup_logging
 from coordinator.lifecycle.processes import leaf_exceptions
-from coordinator.lifecycle.signals import run_until_signalled
+from coordinator.lifecycle.resume import resume_hint
+from coordinator.lifecycle.signals import StopSignals, run_until_signalled
 from coordinator.nodes.head import reporting_outcome
 from coordinator.observe.progress import MetricsLog, ProgressDisplay, plot_rewards
 from coordinator.observe.rank_watch import RankCallWatch
@@ -70,45 +74,66 @@ class RunFailed(RaylessError, RuntimeError):
     """A failure a person can act on; printed without a traceback."""
 
 
-def run_training_sync(config: Config, plan: PlacementPlan | None = None) -> int:
-    """`rayless train`'s exit status: 0, 1 after a failure (one line each when known), 128 + signal."""
+def run_training_sync(config: Config, plan: PlacementPlan | None = None,
+                      argv: Sequence[str] | None = None) -> int:
+    """`rayless train`'s exit status: 0, 1 after a failure (one line each when known), 128 + signal. `argv`:
+    the command's arguments, for the command that resumes a run that did not finish."""
     run_dir = config.logging.resolved_run_dir
+    cleared: list[str] = []
+    if config.logging.overwrite_run_dir:  # checked at start-up; done here, as the run starts
+        from coordinator.checks.run_dir import clear_run_dir
+
+        cleared = clear_run_dir(run_dir, save=config.checkpoint.save)
     setup_logging(config, run_dir)
+    if cleared:
+        log.info("--overwrite-run-dir: removed the earlier run's %s", ", ".join(cleared))
     write_resolved_config(config, run_dir)
-    stopped_by: list[signal.Signals] = []
+    stop = StopSignals()
     failures: list[BaseException] = []
     try:
-        anyio.run(run_until_signalled, lambda: run_training(config, plan=plan), stopped_by)
+        anyio.run(run_until_signalled, lambda: run_training(config, plan=plan, stop=stop), stop)
     except KeyboardInterrupt:  # a Ctrl-C in the instant before the signal receiver is up
-        stopped_by.append(signal.SIGINT)
+        stop.received.append(signal.SIGINT)
     except BaseExceptionGroup as group:
         failures = leaf_exceptions(group)
     except Exception as error:
         failures = [error]
-    if stopped_by:
+    hint = None
+    if argv is not None and (stop.received or failures):  # how to go on from the newest checkpoint, if any
+        hint = resume_hint(config, argv, stopped=bool(stop.received))
+    if stop.first is not None:
         for error in failures:  # raised while stopping: said, but the signal is why the run ended
             log.warning("while stopping: %s", failure_line(error))
-        log.error("%s received; every launched process was stopped", stopped_by[0].name)
-        return 128 + stopped_by[0]
+        # a stop a person asked for: not an error
+        log.info("%s received; every launched process was stopped", stop.first.name)
+        if hint:
+            log.info("%s", hint)
+        return 128 + stop.first
     for error in failures:
         log_failure(log, error)
+    if hint:
+        log.info("%s", hint)
     if failures and all(getattr(error, "exit_status", 1) == 2 for error in failures):
         return 2  # input refused (a checkpoint a train-FT recovery was to load), as at start-up
     return 1 if failures else 0
 
 
 async def run_training(config: Config, *, plan: PlacementPlan | None = None,
-                       extra_hooks: Callable[[Services], list[StepHook]] | None = None) -> dict[str, Any]:
+                       extra_hooks: Callable[[Services], list[StepHook]] | None = None,
+                       stop: StopSignals | None = None) -> dict[str, Any]:
     """Run the job; returns a summary (also written to <run_dir>/summary.json).
 
     `plan`: the placement plan computed at start-up (`rayless train` computes it before anything launches);
     computed here when not given. `extra_hooks(services)` returns more training-loop hooks
     (`after_step(rollout_id, weight_version)`); tests use it to act on the running services (kill a rank).
+    `stop`: the run's stop signals (`run_until_signalled`'s), whose first one the loop handles while it saves.
     """
     from coordinator.config.secrets import mask_text
     from coordinator.plan import describe_plan, plan_for_launch, where_text
 
     clock = StartupClock()
+    stop = stop or StopSignals()
+    outcome = "failed"
     config = with_epoch_rollouts(config)  # --num-epoch: the rollouts, counted from the data (unchanged otherwise)
     run_dir = config.logging.resolved_run_dir
     plan = plan or plan_for_launch(config)
@@ -149,28 +174,34 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
                 await task_group.start(rank_call_watch(services.train_group.server, config, stacks_dir).run)
             clock.mark("services_ready_s")
             with reporting_outcome(services.nodes):  # multi-node: the other nodes learn how the run ended
-                summary = await _train(config, services, metrics, progress, clock, task_group, extra_hooks)
-                if services.train_group is not None:
+                summary = await _train(config, services, metrics, progress, clock, task_group, extra_hooks,
+                                       stop)
+                outcome = "interrupted" if summary["stopped"] else "finished"
+                if services.train_group is not None and not summary["stopped"]:
                     # A run that ended by itself lets torchrun finish its clean exit (seconds on a loaded machine);
                     # a cancelled one (a signal, a failure) keeps the group's short grace and its 10 s bound.
                     await services.train_group.finish(within=CLEAN_EXIT_S)
             if services.nodes is not None:
                 summary["nodes"] = services.nodes.summary()
             task_group.cancel_scope.cancel()
+    except BaseException:
+        outcome = "interrupted" if stop.received else "failed"
+        raise
     finally:
-        status.finish()
+        status.finish(outcome)
         metrics.close()
         if plan.weight_sync is not None:
             from coordinator.plan import remove_tmpfs_snapshots
 
             remove_tmpfs_snapshots(plan.weight_sync.snapshots)
+    summary["outcome"] = outcome
     summary["wall_s"] = time.monotonic() - clock.started
     summary.update(clock.marks)
     plot = plot_rewards(metrics.history, run_dir / "rewards.png")
     if plot is not None:
         summary["plot"] = str(plot)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    log.info("run finished in %.1fs; metrics in %s", summary["wall_s"], metrics.path)
+    log.info("run %s in %.1fs; metrics in %s", outcome, summary["wall_s"], metrics.path)
     return summary
 
 
@@ -213,7 +244,7 @@ async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, ta
 
 async def _train(config: Config, services: Services, metrics: MetricsLog, progress: ProgressDisplay,
                  clock: StartupClock, task_group: TaskGroup,
-                 extra_hooks: Callable[[Services], list[StepHook]] | None = None) -> dict[str, Any]:
+                 extra_hooks: Callable[[Services], list[StepHook]] | None, stop: StopSignals) -> dict[str, Any]:
     from coordinator.loop import TrainingLoop
     from coordinator.rollout.hook_services import start_hook_services
     from coordinator.rollout.manager import RolloutManager
@@ -263,9 +294,15 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
                         num_rollout=num_rollout, resume_from=_resume_path(config), hooks=hooks, phases=phases,
                         progress=progress.run, colocation=services.colocation)
     clock.mark("loop_start_s")
-    result = await loop.run()
+    # with --save, a stop signal ends the loop cleanly (the step in flight, a save); otherwise it cancels the run
+    with stop.handled_by(loop.request_stop) if loop.saves else nullcontext():
+        result = await loop.run()
+    # metrics.history: every rollout of the run, those of earlier runs it resumed included
     rewards = [row["rollout/reward_mean"] for row in metrics.history if "rollout/reward_mean" in row]
     return {
+        "stopped": result.stopped,
+        "start_rollout": result.start_rollout,
+        "checkpoint": str(result.checkpoint) if result.checkpoint is not None else None,
         "rollouts": result.rollouts,
         "train_steps": result.train_steps,
         "final_weight_version": loop.weight_version,

@@ -1,8 +1,8 @@
 """`rayless train --dry-run`: every start-up check that does not need the GPUs, then the placement plan.
 
 Owns the dry run's report. It runs each check of `checks.preflight` (paths, data keys, hooks and their
-signatures, checkpoint directories, metric backends, response length against the context, the ports the flags
-fix) and loads the tokenizer (rendering the first prompt
+signatures, checkpoint and run directories, metric backends, response length against the context, the ports the
+flags fix) and loads the tokenizer (rendering the first prompt
 with `--apply-chat-template`), collecting every failure rather than stopping at the first, then prints the
 plan a launch on this node would follow (`coordinator.plan`, built leniently: too few GPUs here, or no
 `sglang` package on a login node, are warnings).
@@ -60,12 +60,15 @@ def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = 
     def trainable(config: Config) -> list[str]:
         return check_trainable(config, always=True)
 
-    for check in (check_paths, checkpoints, check_data, check_tokenizer, check_hooks, check_metric_backends,
-                  check_response_length, check_ports, trainable):
+    from coordinator.checks.run_dir import check_run_dir
+
+    for check in (check_paths, checkpoints, check_run_dir, check_data, check_tokenizer, check_hooks,
+                  check_metric_backends, check_response_length, check_ports, trainable):
         try:
             notes += check(config)
         except ConfigError as error:
-            errors.append(str(error))
+            if str(error) not in errors:  # two checks reading the same flag (--load) find the same fault
+                errors.append(str(error))
     if load is not None:
         notice = porting_notice(config, load=load)
         if notice is not None:

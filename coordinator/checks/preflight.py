@@ -1,5 +1,5 @@
 """Start-up checks against the machine: files that must exist, data that must hold the keys asked for, hooks
-that must import and accept the calls they will get, checkpoint directories, backends installed.
+that must import and accept the calls they will get, checkpoint and run directories, backends installed.
 
 Owns `preflight(config)`, run by `rayless train` after the flags parse and before any process is launched or
 port opened (and by `--dry-run`, which reports every check's outcome). Invariant: every failure is a
@@ -28,10 +28,12 @@ def preflight(config: Config) -> list[str]:
     notes = [*check_paths(config)]
     load_notes, load = check_checkpoints(config)
     from coordinator.checks.disk import check_disk
+    from coordinator.checks.run_dir import check_run_dir
 
     load_notes += check_disk(config)  # every file a rank or engine will read, before either starts
-    notes += [*load_notes, *check_data(config), *check_hooks(config), *check_rewards(config),
-              *check_metric_backends(config), *check_response_length(config), *check_ports(config)]
+    notes += [*load_notes, *check_run_dir(config), *check_data(config), *check_hooks(config),
+              *check_rewards(config), *check_metric_backends(config), *check_response_length(config),
+              *check_ports(config)]
     from coordinator.checks.trainable import check_trainable
 
     notes += check_trainable(config)  # with LoRA: the targets against the model
@@ -133,7 +135,10 @@ def check_checkpoints(config: Config) -> tuple[list[str], LoadPlan]:
         served = "served by an engine rayless launches" if config.distill.launches_teacher else "on the ranks"
         notes.append(f"--opd-teacher-load {teacher}: the distillation teacher, {served}")
     load = config.load_plan()
-    if load.resume:
+    if load.resume and load.run_dir is not None:
+        notes.append(f"--load {load.run_dir}: a run directory; resumes from the checkpoint its run saved in "
+                     f"{load.path}")
+    elif load.resume:
         notes.append(f"--load {load.path}: resumes from this checkpoint")
     elif load.fresh_reason is not None:
         notes.append(f"--load {config.checkpoint.load}: {load.fresh_reason}; training starts fresh")

@@ -1,17 +1,21 @@
 """The checkpoint slice: where training checkpoints go and come from, and the engines' weight snapshots.
 
 Owns these flags, what `--load` and `--ref-load` name on disk (`resolve_load`, `resolve_ref_load`: a fresh
-start, our checkpoint, a Hugging Face directory, or a Megatron one, which gets a message saying what to pass
-instead; slime's rule: a directory without a checkpoint starts fresh) and where `--save-hf` writes
-(`save_hf_path`: slime's and miles' `args.save_hf.format(rollout_id=...)`). Invariants: a save interval has a
-directory to save to; a `--save-hf` template formats with `rollout_id` alone; every failure is a ConfigError
-naming the flag.
+start, our checkpoint — a save directory or one `rollout_<id>` in it —, a run directory, which resumes from the
+checkpoint its run saved (its config.json's `--save`), a Hugging Face directory, or a Megatron one, which gets a
+message saying what to pass instead; slime's rule: a directory without a checkpoint starts fresh), which rollout
+a checkpoint holds (`checkpoint_rollout`, read without torch) and where `--save-hf` writes (`save_hf_path`:
+slime's and miles' `args.save_hf.format(rollout_id=...)`). Invariants: a save interval has a directory to save
+to; a `--save-hf` template formats with `rollout_id` alone; every failure is a ConfigError naming the flag.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from coordinator.config.fields import ConfigError, Slice, flag
 
@@ -98,6 +102,66 @@ def _is_rayless_checkpoint(path: Path) -> bool:
             or any((child / "extra.json").is_file() for child in path.glob("rollout_*")))
 
 
+#: a run directory's record of its config (`write_resolved_config`) and what only a run directory holds
+RUN_CONFIG = "config.json"
+RUN_FILES = ("metrics.jsonl", "status.json", "summary.json", "plan.txt")
+_CHECKPOINT_NAME = re.compile(r"(?:rollout_|tmp-)(\d+)")
+#: a config.json larger than this is not a run's (a run's is a few KB)
+_MAX_RUN_CONFIG_BYTES = 4 << 20
+
+
+def run_config(path: Path) -> dict[str, Any] | None:
+    """The resolved config a run directory holds (its config.json), or None when `path` is not a run directory
+    (a Hugging Face model's config.json has no `run_dir`)."""
+    from workers.boundary.errors import BoundaryError
+    from workers.boundary.json_input import JsonLimits, decode_json
+
+    file = path / RUN_CONFIG
+    try:
+        if file.stat().st_size > _MAX_RUN_CONFIG_BYTES:
+            return None
+        data = decode_json(file.read_bytes(), str(file), JsonLimits(max_bytes=_MAX_RUN_CONFIG_BYTES))
+    except (OSError, BoundaryError):
+        return None
+    if isinstance(data, dict) and "run_dir" in data and "hf_checkpoint" in data and "model_type" not in data:
+        return data
+    return None
+
+
+def is_run_dir(path: Path) -> bool:
+    return run_config(path) is not None or any((path / name).is_file() for name in RUN_FILES)
+
+
+def checkpoint_rollout(path: Path) -> int | None:
+    """The rollout id of the checkpoint `path` holds (a `rollout_<id>` directory, or a save directory: the one
+    `latest` names, else its newest complete one), or None when it holds none. Read from the files alone."""
+    def complete_id(directory: Path) -> int | None:
+        if not (directory / ".metadata").is_file():
+            return None
+        try:
+            meta = json.loads((directory / "extra.json").read_text())
+        except (OSError, ValueError):
+            return None
+        value = meta.get("rollout_id") if isinstance(meta, dict) else None
+        return value if type(value) is int else None
+
+    if not path.is_dir():
+        return None
+    own = complete_id(path)
+    if own is not None:
+        return own
+    try:
+        named = json.loads((path / "latest").read_text())
+    except (OSError, ValueError):
+        named = None
+    if isinstance(named, str) and "/" not in named and named not in ("", ".", ".."):
+        found = complete_id(path / named)
+        if found is not None:
+            return found
+    ids = [complete_id(child) for child in path.iterdir() if _CHECKPOINT_NAME.fullmatch(child.name)]
+    return max((i for i in ids if i is not None), default=None)
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     """What `--load` means for this run: resume from `path`, or start fresh (with the reason)."""
@@ -105,6 +169,8 @@ class LoadPlan:
     resume: bool
     path: str | None = None
     fresh_reason: str | None = None
+    #: `--load` named a run directory; `path` is the checkpoint directory its run saved to
+    run_dir: str | None = None
 
 
 def resolve_load(checkpoint: CheckpointConfig, *, hf_checkpoint: str | None) -> LoadPlan:
@@ -122,6 +188,8 @@ def resolve_load(checkpoint: CheckpointConfig, *, hf_checkpoint: str | None) -> 
         return _load_step(load, checkpoint.ckpt_step)
     if _is_rayless_checkpoint(path):
         return LoadPlan(resume=True, path=load)
+    if is_run_dir(path):
+        return _load_of_run_dir(load, path)
     if _is_megatron_checkpoint(path):
         raise ConfigError(_megatron_message("--load", load))
     if _is_hf_dir(path):
@@ -142,6 +210,21 @@ def _load_step(load: str, step: int) -> LoadPlan:
         raise ConfigError(f"--ckpt-step {step}: --load {load} holds no checkpoint rollout_{step} (it holds: "
                           f"{', '.join(map(str, held)) or 'none'})")
     return LoadPlan(resume=True, path=str(chosen))
+
+
+def _load_of_run_dir(load: str, path: Path) -> LoadPlan:
+    """`--load RUN_DIR`: resume from the checkpoint that run saved (its `--save` directory)."""
+    recorded = run_config(path) or {}
+    save = recorded.get("save")
+    if not isinstance(save, str) or not save:
+        raise ConfigError(f"--load {load}: a run directory whose run saved no checkpoint (it ran without --save), "
+                          "so there is nothing to resume from; start a new run (a new --run-dir, or "
+                          "--overwrite-run-dir), with --save DIR to make it resumable")
+    if checkpoint_rollout(Path(save)) is None:
+        raise ConfigError(f"--load {load}: a run directory; its run saves to --save {save}, which holds no "
+                          "checkpoint (yet): nothing to resume from (run from the directory that run was started "
+                          "in, if --save was a relative path)")
+    return LoadPlan(resume=True, path=save, run_dir=load)
 
 
 def resolve_ref_load(checkpoint: CheckpointConfig, *, use_kl_loss: bool) -> str | None:

@@ -21,8 +21,11 @@ class LoggingConfig(Slice):
     TITLE = "logging"
     DESCRIPTION = "run directory, metrics and progress"
 
-    run_dir: str | None = flag(None, help="where logs, metrics and plots go (default: runs/latest)",
-                                metavar="DIR")
+    run_dir: str | None = flag(None, help="where logs, metrics and plots go (default: runs/latest); one run per "
+                               "directory: one holding a run is refused unless --load continues it or "
+                               "--overwrite-run-dir", metavar="DIR")
+    overwrite_run_dir: bool = flag(False, help="start over in a --run-dir that holds a run: its files and the "
+                                   "checkpoints in --save are removed as the run starts")
     use_tensorboard: bool = flag(False, help="also write TensorBoard events (when installed)")
     use_wandb: bool = flag(False, help="also log to wandb (when installed)")
     wandb_key: str | None = flag(None, help="wandb API key (default: wandb's own login)", secret=True, metavar="KEY")

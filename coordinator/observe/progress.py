@@ -1,13 +1,14 @@
 """Terminal progress and the run's metrics file.
 
 Owns what a person watching the run sees — the start-up board (each launched process's phase), a run-level
-bar (rollout n/N, elapsed, ETA) and the current rollout's line — live with rich on a terminal, or as plain
+bar (n/N rollouts done, elapsed, ETA) and the current rollout's line — live with rich on a terminal, or as plain
 log lines otherwise and with `--no-progress` — and `metrics.jsonl` in the run directory: one JSON object per
 line, each with `step` (the rollout id) and a `time`. Invariant: every line of metrics.jsonl is a complete
 JSON object (written and flushed in one call), so a crash never leaves a torn line that breaks the reader;
 and the file tells one history: a run resumed at rollout N (`--load`) redoes every step from N, so
 `resume_at(N)` first drops the rows of steps >= N that an earlier run wrote (they describe training the
-checkpoint no longer holds) and the resumed run's rows replace them — each step appears once. TensorBoard is
+checkpoint no longer holds) and the resumed run's rows replace them — each step appears once. The rows kept
+are read back into `history`, so the summary and the plot of a resumed run cover the whole run. TensorBoard is
 told the same (`purge_step`).
 Rich's live view and the log handler share one console (`stderr_console`), so log lines print above it.
 """
@@ -232,23 +233,28 @@ class MetricsLog:
 
     def resume_at(self, rollout_id: int) -> int:
         """The run resumes at `rollout_id`: drop every row of a step >= it (an earlier run's, about to be
-        redone) from the file — rewritten atomically — and from `history`. Returns how many were dropped."""
+        redone) from the file — rewritten atomically — and make `history` the rows kept (the earlier runs'
+        steps < `rollout_id`, read back). Returns how many were dropped."""
         self._file.close()
         kept: list[str] = []
+        earlier: list[dict[str, Any]] = []
         dropped = 0
         for line in self.path.read_text(encoding="utf-8").splitlines():
-            step = _step_of(line)
-            if step is not None and step >= rollout_id:
+            row = _row_of(line)
+            step = row.get("step") if row is not None else None
+            if type(step) is int and step >= rollout_id:
                 dropped += 1
-            else:
-                kept.append(line)
+                continue
+            kept.append(line)
+            if type(step) is int:
+                earlier.append({key: row[key] for key in _KEPT if key in row})  # type: ignore[index]
         if dropped:
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
             os.replace(tmp, self.path)
             log.info("metrics: dropped %d row(s) of steps >= %d written before the resume", dropped, rollout_id)
         self._file = self.path.open("a", encoding="utf-8")
-        self.history = [row for row in self.history if row["step"] < rollout_id]
+        self.history = earlier  # the file holds every row this process wrote as well
         if self._tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -276,13 +282,13 @@ def missing_metric_backends(*, tensorboard: bool, wandb: bool) -> list[str]:
     return missing
 
 
-def _step_of(line: str) -> int | None:
+def _row_of(line: str) -> dict[str, Any] | None:
+    """A metrics line as a dict; None for a line that is not one (kept as it is, never read back)."""
     try:
         row = json.loads(line)
     except ValueError:
         return None
-    step = row.get("step") if isinstance(row, dict) else None
-    return step if type(step) is int else None
+    return row if isinstance(row, dict) else None
 
 
 def _plain(value: Any) -> Any:

@@ -64,7 +64,8 @@ def from_files(run_dir: Path) -> dict[str, Any]:
     last = rows[-1] if rows else {}
     return {
         "run": {"run_dir": str(run_dir), "config_digest": "",
-                "state": "finished" if summary else "not finished (no status server: running, or killed)",
+                "state": summary.get("outcome", "finished") if summary
+                else "not finished (no status server: running, or killed)",
                 "rollouts_done": summary.get("rollouts", (last.get("step", -1) + 1) if rows else 0),
                 "num_rollout": planned, "elapsed_s": summary.get("wall_s"), "eta_s": None,
                 "weight_version": summary.get("final_weight_version", last.get("weight_version")), "phase": ""},
@@ -115,7 +116,8 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
 
 def render(document: dict[str, Any], source: str) -> str:
     run = document["run"]
-    lines = [f"run {run['run_dir']}: {run['state']} · rollout {run['rollouts_done']}/{run['num_rollout'] or '?'} · "
+    # a count of rollouts done, not a rollout id (ids count from 0: "last rollouts" below)
+    lines = [f"run {run['run_dir']}: {run['state']} · {run['rollouts_done']}/{run['num_rollout'] or '?'} rollouts · "
              f"elapsed {_clock(run.get('elapsed_s'))} · ETA {_clock(run.get('eta_s'))} · weights "
              f"{run.get('weight_version') or '-'}" + (f" · phase {run['phase']}" if run.get("phase") else ""),
              f"(from {source})"]

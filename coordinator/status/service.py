@@ -4,7 +4,7 @@ Owns `RunStatus`: built at the start of the run (the timeline, the progress, the
 the services are (it takes them through `RunParts`, the shape of `coordinator.services.Services`, and starts
 the status server when `--status-port` is set), and `finish`ed however the run ends, which writes
 `<run_dir>/timeline.json` and `<run_dir>/status.json` (the last document, read by `rayless status` once the
-run is over). Invariant: with `--status-port 0` (the default) no socket is opened and no task started; the
+run is over, saying how it ended: finished, interrupted or failed). Invariant: with `--status-port 0` (the default) no socket is opened and no task started; the
 timeline and the final document are written either way.
 """
 
@@ -91,7 +91,7 @@ class RunStatus:
         self.timeline = Timeline(run_dir / "timeline.json")
         self.sources = StatusSources(run_dir=run_dir, config_digest=config_digest(run_dir),
                                      progress=progress.run, metrics=metrics, timeline=self.timeline,
-                                     board=progress.board, mask=mask)
+                                     board=progress.board, mask=mask, planned=config.rollout.num_rollout)
         self.server: StatusServer | None = None
 
     async def start(self, parts: RunParts, task_group: TaskGroup) -> StatusServer | None:
@@ -109,10 +109,12 @@ class RunStatus:
         self.server = await task_group.start(server.run)
         return self.server
 
-    def finish(self) -> None:
-        """The run is over (or failed): the last timeline and the last document, each written atomically."""
+    def finish(self, outcome: str = "finished") -> None:
+        """The run is over — `outcome`: "finished", "interrupted" (a stop signal) or "failed" —: the last timeline
+        and the last document, each written atomically."""
         s = self.sources
         s.finished = True
+        s.outcome = outcome
         try:
             self.timeline.write()
             from coordinator.engines.spec import engine_log_path

@@ -95,6 +95,10 @@ class StatusSources:
     #: the run's secret mask (`coordinator.config.secrets.mask_text` over the config's secrets)
     mask: Callable[[str], str] = lambda text: text
     finished: bool = False
+    #: how the run ended once `finished`: "finished", "interrupted" or "failed"
+    outcome: str = "finished"
+    #: the rollouts the run makes (`--num-rollout`), known before the loop starts (None: replay counts dumps)
+    planned: int | None = None
 
     def released(self) -> frozenset[str]:
         return self.colocation.released_engines() if self.colocation is not None else frozenset()
@@ -120,12 +124,14 @@ def _run(s: StatusSources) -> dict[str, Any]:
     eta = p.eta()
     return {
         "run_dir": str(s.run_dir), "config_digest": s.config_digest,
-        "state": "finished" if s.finished else ("running" if p.total else "starting"),
-        "rollouts_done": p.first + p.done, "num_rollout": p.total, "elapsed_s": time.monotonic() - p.started,
-        "eta_s": eta, "rollout_id": t.rollout_id,
+        "state": s.outcome if s.finished else ("running" if p.total else "starting"),
+        # a run stopped in start-up still says what it was to make
+        "rollouts_done": p.first + p.done, "num_rollout": p.total or s.planned,
+        "elapsed_s": time.monotonic() - p.started,
+        "eta_s": None if s.finished else eta, "rollout_id": t.rollout_id,
         "weight_version": s.weight_sync.current_version if s.weight_sync is not None
         and s.weight_sync.current_version is not None else t.weight_version,
-        "phase": p.phase or t.phase_now() or ("finished" if s.finished else ""),
+        "phase": p.phase or t.phase_now() or (s.outcome if s.finished else ""),
         "train_recoveries": s.train_group.recoveries if s.train_group is not None else None,
         "weight_sync_recoveries": s.weight_sync.recoveries if s.weight_sync is not None else None,
         "loop_lag_s": s.loop.last_s if s.loop is not None else None,

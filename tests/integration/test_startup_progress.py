@@ -33,9 +33,11 @@ def test_a_cpu_run_shows_each_process_phases_in_order_and_an_eta(tiny_model_dir:
     assert phases(err, "train-ranks") == ["starting", "connected 1/1", "loading", "ready"], err
     assert "start-up: rollout-0 [CPU · port " in err and "start-up: train-ranks [CPU · 1 rank(s)]" in err
     # The plan comes first, then the processes start, then the rollouts, each with the run's elapsed and ETA.
-    assert err.index("placement plan") < err.index("start-up: rollout-0") < err.index("rollout 1/3")
-    rollout_lines = [line for line in err.splitlines() if re.search(r"rollout \d/3 ", line)]
-    assert len(rollout_lines) == 3, err
+    assert err.index("placement plan") < err.index("start-up: rollout-0") < err.index("rollout 0 (1 of 3)")
+    rollout_lines = [line for line in err.splitlines() if re.search(r"rollout \d \(\d of 3\) ", line)]
+    # each rollout named by its id, from 0 as metrics.jsonl and checkpoints name it, then the count done
+    assert [re.search(r"rollout (\d) \((\d) of", line).groups() for line in rollout_lines] == [  # type: ignore[union-attr]
+        ("0", "1"), ("1", "2"), ("2", "3")], err
     assert all(re.search(r"elapsed \d+:\d\d:\d\d  ETA \d+:\d\d:\d\d$", line) for line in rollout_lines), rollout_lines
     plan_text = (tmp_path / "run" / "plan.txt").read_text()
     assert "-m workers.engine" in plan_text and "-m torch.distributed.run" in plan_text

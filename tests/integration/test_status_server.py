@@ -96,7 +96,7 @@ class Probe:
             with anyio.fail_after(240):
                 await self.recovered.wait()
             await self.page.wait_for_function(  # the page has drawn the run's last rollout
-                f"() => document.getElementById('run').textContent.includes('rollout {ROLLOUTS}/{ROLLOUTS}')",
+                f"() => document.getElementById('run').textContent.includes('{ROLLOUTS}/{ROLLOUTS} rollouts')",
                 timeout=60_000)
             await self.page.screenshot(path=str(self.run_dir / "status_page.png"), full_page=True)
 
@@ -196,7 +196,7 @@ async def test_page_metrics_and_status_follow_a_run_whose_engine_is_killed(tiny_
     assert probe.metrics["rayless_run_elapsed_seconds"].value > 0
     assert probe.metrics["rayless_engine_state"].labels["state"] == "healthy"
     assert KEY not in probe.running_text
-    assert "running · rollout 4/5" in probe.running_text and f"from status server {url}" in probe.running_text
+    assert "running · 4/5 rollouts" in probe.running_text and f"from status server {url}" in probe.running_text
     assert "rollout-0" in probe.running_text and "healthy" in probe.running_text
     code, stacks, errors = probe.stacks  # the coordinator's loop tasks, its threads, the rank, both live engines
     assert code == 0, errors
@@ -217,6 +217,6 @@ async def test_page_metrics_and_status_follow_a_run_whose_engine_is_killed(tiny_
 
     assert_timeline_accounts_for_each_step(run_dir / "timeline.json")
     code, finished = status_text([str(run_dir)])
-    assert code == 0 and "finished · rollout 5/5" in finished and "from files in" in finished
+    assert code == 0 and "finished · 5/5 rollouts" in finished and "from files in" in finished
     assert not (run_dir / "status_url").exists()
     assert KEY not in (run_dir / "status.json").read_text()

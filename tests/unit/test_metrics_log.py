@@ -23,7 +23,8 @@ def test_a_resume_replaces_the_rows_of_the_steps_it_redoes(tmp_path: Path) -> No
     assert [row["step"] for row in rows if "train/loss" in row] == [0, 1, 2, 3, 4, 5, 6]
     assert [row["train/loss"] for row in rows if row["step"] >= 4] == [14.0, 15.0, 16.0]
     assert [row["step"] for row in rows if "eval/skipped" in row] == [3]
-    assert [row["step"] for row in resumed.history] == [4, 5, 6]
+    # the summary and the plot read `history`: the whole run, each rollout once (and step 3's eval row)
+    assert [row["step"] for row in resumed.history] == [0, 1, 2, 3, 3, 4, 5, 6]
 
 
 def test_resuming_with_nothing_to_drop_leaves_the_file_as_it_was(tmp_path: Path) -> None:

@@ -122,6 +122,22 @@ def test_an_engines_rate_is_read_from_the_rollouts_row_on_the_page_and_metrics_a
     assert rates == {first.name: 150.0}
 
 
+def test_a_run_stopped_in_start_up_says_so_and_keeps_its_planned_rollouts(tmp_path: Path) -> None:
+    metrics = MetricsLog(tmp_path)
+    metrics.close()
+    sources = StatusSources(run_dir=tmp_path, config_digest="", progress=RunProgress(), metrics=metrics,
+                            timeline=Timeline(None), planned=60)
+    sources.finished, sources.outcome = True, "interrupted"  # what RunStatus.finish records after a signal
+    run = snapshot(sources)["run"]
+    assert (run["state"], run["rollouts_done"], run["num_rollout"], run["eta_s"]) == ("interrupted", 0, 60, None)
+    # without status.json, summary.json's outcome speaks: a run stopped by a signal is not "finished"
+    (tmp_path / "config.json").write_text(json.dumps({"num_rollout": 60}))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    (tmp_path / "summary.json").write_text(json.dumps({"rollouts": 1, "outcome": "interrupted"}))
+    code, text = run_status([str(tmp_path)])
+    assert code == 0 and f"run {tmp_path}: interrupted · 1/60 rollouts" in text
+
+
 def test_status_flags_are_checked_at_start_up() -> None:
     base = ["--hf-checkpoint", "/model", "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1",
             "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
@@ -170,7 +186,7 @@ def test_rayless_status_names_what_it_cannot_read(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"num_rollout": 4}))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.5}) + "\n")
     code, text = run_status([str(tmp_path)])
-    assert code == 0 and "rollout 1/4" in text and "does not answer" in text and "0.500" in text
+    assert code == 0 and "1/4 rollouts" in text and "does not answer" in text and "0.500" in text
 
 
 @pytest.mark.parametrize("argv", [["status", "RUN"], ["--help"],

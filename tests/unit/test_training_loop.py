@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from coordinator.config import CheckpointConfig, RolloutConfig
@@ -343,3 +344,97 @@ async def test_a_failing_train_step_ends_the_loop_before_any_save_or_sync(
         await loop.run()
     assert calls.of("update") == ["1"] and calls.of("save") == []
     assert [row["weight_version"] for row in written_rows(loop.metrics)] == ["1"]
+
+
+class StoppingSource(ListSource):
+    """A stop signal arrives while rollout `at` is generated (the loop is told as the signal handler would)."""
+
+    def __init__(self, calls: Calls, *, at: int) -> None:
+        super().__init__(calls)
+        self.at = at
+        self.loop: TrainingLoop | None = None
+
+    async def get_rollout(self, rollout_id: int, weight_version: str) -> RolloutBatch:
+        batch = await super().get_rollout(rollout_id, weight_version)  # the data position moves past it
+        if rollout_id == self.at:
+            assert self.loop is not None
+            self.loop.request_stop()
+            await anyio.sleep_forever()  # a generation still going: the stop must abandon it
+        return batch
+
+
+@pytest.mark.parametrize("async_rollout", [False, True])
+async def test_a_stop_during_generation_abandons_it_and_saves_the_last_trained_rollout(
+    metrics: MetricsLog, tmp_path: Path, async_rollout: bool
+) -> None:
+    calls = Calls()
+    loop = make_loop(metrics, tmp_path, calls, num_rollout=10, save_interval=None, async_rollout=async_rollout)
+    source = StoppingSource(calls, at=3)
+    source.loop = loop
+    loop.rollouts = source
+    trainer = loop.trainer
+    assert isinstance(trainer, RecordingTrainer)
+    result = await loop.run()
+    assert result.stopped and calls.of("train") == [0, 1, 2] and calls.of("save") == [2]
+    # the checkpoint's data position is right after rollout 2's batch, not after the abandoned rollout 3
+    assert trainer.saved[2]["rollout_state"] == {"next": 3}
+    assert result.checkpoint == tmp_path / "ckpt"
+    assert ("phase", "after_loop", None) not in calls.log  # evaluations wait for the resumed run
+    assert [row["step"] for row in written_rows(loop.metrics)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("async_rollout", [False, True])
+async def test_a_stop_during_a_train_step_finishes_the_step_then_saves_it(metrics: MetricsLog, tmp_path: Path,
+                                                                         async_rollout: bool) -> None:
+    calls = Calls()
+
+    class StopInTraining(RecordingTrainer):
+        loop: TrainingLoop | None = None
+
+        async def train(self, rollout_id: int, samples: list[Any]) -> dict[str, float]:
+            if rollout_id == 1:
+                assert self.loop is not None
+                self.loop.request_stop()
+            return await super().train(rollout_id, samples)
+
+    trainer = StopInTraining(calls)
+    loop = make_loop(metrics, tmp_path, calls, num_rollout=10, save_interval=5, trainer=trainer,
+                     async_rollout=async_rollout)
+    trainer.loop = loop
+    with anyio.fail_after(10):  # one-step-off-policy: the producer generating ahead must end too
+        result = await loop.run()
+    assert result.stopped and calls.of("train") == [0, 1]
+    assert calls.of("update") == ["1", "2"]  # the step's weight sync is not cut in half
+    assert calls.of("after_step") == [(0, "1")]  # no hook after the stop
+    # the data position right after rollout 1's batch, even when rollout 2 was generated ahead
+    assert calls.of("save") == [1] and trainer.saved[1]["rollout_state"] == {"next": 2}
+    if not async_rollout:
+        assert calls.of("get") == [(0, "0"), (1, "1")]  # nothing generated after the stop
+
+
+async def test_a_stop_without_a_save_directory_saves_nothing(metrics: MetricsLog, tmp_path: Path) -> None:
+    calls = Calls()
+    loop = make_loop(metrics, tmp_path, calls, num_rollout=10, save=False)
+    source = StoppingSource(calls, at=1)
+    source.loop = loop
+    loop.rollouts = source
+    result = await loop.run()
+    assert result.stopped and calls.of("train") == [0] and calls.of("save") == [] and result.checkpoint is None
+
+
+async def test_a_stop_during_an_evaluation_after_a_step_cuts_it_short_and_saves_the_step(
+    metrics: MetricsLog, tmp_path: Path
+) -> None:
+    calls = Calls()
+    loop = make_loop(metrics, tmp_path, calls, num_rollout=10, save_interval=None)
+
+    class EvaluatingHook:
+        async def after_step(self, rollout_id: int, weight_version: str) -> None:
+            if rollout_id == 1:
+                loop.request_stop()
+                await anyio.sleep_forever()  # an evaluation still generating
+
+    loop.hooks = [EvaluatingHook()]
+    with anyio.fail_after(10):
+        result = await loop.run()
+    assert result.stopped and calls.of("train") == [0, 1] and calls.of("save") == [1]
