@@ -31,6 +31,10 @@ class SglangConfig(Slice):
     sglang_router_policy: str = flag("cache_aware", help="sglang-router policy", choices=ROUTER_POLICIES)
     sglang_api_key: str | None = flag(None, help="API key of the engines (sent as Bearer; passed to launched "
                                       "engines)", secret=True, metavar="KEY")
+    sglang_admin_api_key: str | None = flag(
+        None, help="SGLang's --admin-api-key of the engines: the key of their control routes (pause, weight "
+        "updates, memory, flush, abort), which the coordinator alone sends; agents see --sglang-api-key at most",
+        secret=True, metavar="KEY")
     sglang_context_length: int | None = flag(None, help="engine context length", minimum=1)
     update_weight_transfer_mode: str = flag("disk", help="how trained weights reach the engines",
                                             choices=WEIGHT_TRANSFER_MODES)

@@ -87,6 +87,7 @@ class EngineLaunchSpec:
     model_path: str
     host: str = "127.0.0.1"
     api_key: str | None = None
+    admin_api_key: str | None = None
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     port: int | None = None
@@ -116,6 +117,8 @@ class EngineLaunchSpec:
         ]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        if self.admin_api_key:
+            cmd += ["--admin-api-key", self.admin_api_key]
         return cmd + list(self.extra_args)
 
 
@@ -161,6 +164,7 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
         if spill_dir is not None:
             extra += ["--weight-spill-dir", spill_dir]
     return EngineLaunchSpec(kind=backend, model_path=model_path, api_key=sglang.sglang_api_key,
+                            admin_api_key=sglang.sglang_admin_api_key,
                             extra_args=tuple(extra), env=env, port=port, tp_size=tp_size)
 
 
