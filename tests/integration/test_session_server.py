@@ -235,7 +235,8 @@ async def _drill(http: httpx.AsyncClient, fleet: EngineFleet, model_dir: Path) -
     async with httpx.AsyncClient(base_url=engine, timeout=30) as direct:
         assert (await direct.post("/pause_generation", json={}, headers=AUTH)).status_code == 401
         assert (await direct.get("/server_info", headers=AUTH)).status_code == 401
-        assert (await direct.get("/server_info", headers={"Authorization": f"Bearer {ADMIN}"})).status_code == 200
+        info = await direct.get("/server_info", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert info.status_code == 200 and ADMIN not in info.text and KEY not in info.text
         assert (await direct.post("/generate", json=probe, headers=AUTH)).status_code == 200
         assert (await direct.post("/generate", json=probe,
                                   headers={"Authorization": f"Bearer {ADMIN}"})).status_code == 401
