@@ -5,7 +5,7 @@ probed meanwhile), and a control route through the session server.
 
 Servers: the engine (`python -m workers.engine`, tiny CPU model, its own process, default limits but
 `--trust-request-chat-template`), the hook endpoint and the session server in this process over that engine,
-as the coordinator runs them. Target: every refusal under 1 s (the template: cut at its 2 s deadline, /health's
+as the coordinator runs them. Floor: the engine's `/health`, in the same run. Target: every refusal under 1 s (the template: cut at its 2 s deadline, /health's
 worst probe under 1 s meanwhile); the bench exits 1 otherwise.
 
     .venv/bin/python -m bench.agent_limits
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from coordinator.rollout.hook_endpoint import HookEndpoint
 from coordinator.sessions.server import SessionServer
 from coordinator.sessions.tito import resolve_matcher, tito_tokenizer
 from tests.support.engine_proc import start_engine_process
+from tests.support.sockets import first_reply
 from workers.tiny_model import build_tiny_model
 
 TARGET_S = 1.0
@@ -53,18 +53,16 @@ async def timed_post(url: str, body: dict[str, Any]) -> tuple[int, float]:
         return answer.status_code, time.perf_counter() - started
 
 
-def first_reply(host: str, port: int, data: bytes) -> tuple[int, float]:
+def timed_first_reply(host: str, port: int, data: bytes) -> tuple[int, float]:
     """Send the head; the status of the answer and the time to its first bytes (the body never sent)."""
-    with socket.create_connection((host, port), timeout=30) as sock:
-        started = time.perf_counter()
-        sock.sendall(data)
-        head = sock.recv(65536)
-        return int(head.split(b" ", 2)[1]), time.perf_counter() - started
+    started = time.perf_counter()
+    head = first_reply(host, port, data)
+    return int(head.split(b" ", 2)[1]), time.perf_counter() - started
 
 
 async def timed_raw(url: str, path: str) -> tuple[int, float]:
     host, port = url.removeprefix("http://").split(":")
-    return await anyio.to_thread.run_sync(lambda: first_reply(host, int(port), declared(path)))
+    return await anyio.to_thread.run_sync(lambda: timed_first_reply(host, int(port), declared(path)))
 
 
 def chat(content: str, **extra: Any) -> dict[str, Any]:
@@ -105,6 +103,10 @@ async def main() -> int:
 async def measure(model_dir: Path, rows: list[tuple[str, int, float, bool]]) -> None:
     with start_engine_process(model_dir, extra_args=["--trust-request-chat-template"]) as running:
         engine_url = running.url
+        async with httpx.AsyncClient(timeout=30) as http:  # the floor: one small request answered at once
+            started = time.perf_counter()
+            floor = (await http.get(f"{engine_url}/health")).status_code
+            rows.append(("floor: engine /health", floor, time.perf_counter() - started, floor == 200))
         status, took = await timed_post(f"{engine_url}/v1/chat/completions", chat("x" * (30 << 20)))
         rows.append(("engine: 30 MB message", status, took, status == 413 and took < TARGET_S))
         status, took = await timed_post(f"{engine_url}/v1/chat/completions", chat("x" * (9 << 20)))

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.support.engine_proc import RunningEngine, start_engine_process
-from tests.support.sockets import close_all, open_idle, raw_exchange
+from tests.support.sockets import close_all, first_reply, open_idle, raw_exchange
 from tests.support.waiting import wait_until_sync
 from workers.boundary.http_server import raise_open_files_limit
 
@@ -152,7 +152,7 @@ async def test_a_message_or_a_declared_body_over_its_limit_is_413(client: httpx.
     host, port = engine.url.removeprefix("http://").split(":")
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 2147483648\r\n\r\n")
-    reply = await anyio.to_thread.run_sync(lambda: raw_exchange(host, int(port), head, timeout=10))
+    reply = await anyio.to_thread.run_sync(lambda: first_reply(host, int(port), head, timeout=10))
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
 
 

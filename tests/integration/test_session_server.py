@@ -31,7 +31,7 @@ from coordinator.sessions.agentic import generate
 from coordinator.sessions.server import SessionServer
 from coordinator.sessions.tito import resolve_matcher, tito_tokenizer
 from replay.sample import Sample, SampleStatus
-from tests.support.sockets import raw_exchange
+from tests.support.sockets import first_reply
 from workers.boundary.engine_routes import agent_may_call
 from workers.engine.control_routes import ControlRoutes
 from workers.engine.generate_routes import GenerateRoutes
@@ -126,7 +126,7 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
                                    json={"messages": [{"role": "user", "content": "y" * 5000}]})
             assert long.status_code == 413 and "messages[0]" in long.json()["error"]["message"]
             host, port = server.host, server.port
-            declared = await anyio.to_thread.run_sync(lambda: raw_exchange(host, port, DECLARED_2GB, timeout=10))
+            declared = await anyio.to_thread.run_sync(lambda: first_reply(host, port, DECLARED_2GB, timeout=10))
             assert declared.startswith(b"HTTP/1.1 413"), declared[:200]
             for own in ({"chat_template": "{{ 'x' }}"}, {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}):
                 refused = await http.post(f"/sessions/{ids[0]}/v1/chat/completions", json={"messages": ASK, **own})

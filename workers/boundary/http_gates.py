@@ -116,10 +116,7 @@ class BodyLimitMiddleware:
             declared = dict(scope["headers"]).get(b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
                 message = f"request body of {int(declared)} bytes is over {self.limit_name} ({self.max_bytes})"
-                response = error_response(message, 413)
-                # The body is never read: the connection cannot carry another request, so it closes.
-                response.headers["Connection"] = "close"
-                await response(scope, receive, send)
+                await error_response(message, 413)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
