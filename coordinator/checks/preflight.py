@@ -11,9 +11,11 @@ for `--dry-run` to print; the last step warns the grouped `PortingNotice` about 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from coordinator.config.checkpoint import LoadPlan, save_hf_path
 from coordinator.config.fields import ConfigError
 from coordinator.config.porting import PortingNotice, porting_notice
 from coordinator.config.settings import Config
+from coordinator.data.chats import TemplateForms
 
 
 def preflight(config: Config) -> list[str]:
@@ -225,13 +228,34 @@ def check_data(config: Config) -> list[str]:
         settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
         sources += [(f"{where} {d.name}", d.path, d.input_key, d.label_key, d.metadata_key)
                     for d in settings.datasets]
+    # SFT renders every chat with the model's template; the rollout and eval when asked to
+    templated = config.sft.enabled or rollout.apply_chat_template
+    forms = functools.cache(lambda: _template_forms(rollout.hf_checkpoint)) if templated else None
     return [_check_file(*source, max_line_bytes=rollout.data_max_line_bytes,
-                        raw_prompts=custom and (source[0] == "--prompt-data" or not config.eval_fleet_enabled))
+                        raw_prompts=custom and (source[0] == "--prompt-data" or not config.eval_fleet_enabled),
+                        template_forms=forms)
             for source in sources]
 
 
+def _template_forms(checkpoint: str | None) -> TemplateForms:
+    """What `--hf-checkpoint`'s chat template renders of content parts and null contents (not known when its
+    tokenizer does not load here: the run then says so itself)."""
+    from coordinator.data.chats import UNKNOWN, template_forms
+
+    if checkpoint is None:
+        return UNKNOWN
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    except (OSError, ValueError):
+        return UNKNOWN
+    return template_forms(tokenizer)
+
+
 def _check_file(flag: str, path: str, input_key: str, label_key: str | None, metadata_key: str | None, *,
-                max_line_bytes: int, raw_prompts: bool = False) -> str:
+                max_line_bytes: int, raw_prompts: bool = False,
+                template_forms: Callable[[], TemplateForms] | None = None) -> str:
     from coordinator.data.check import RecordKeys, check_data_file
     from coordinator.data.source import DataSourceError
 
@@ -239,7 +263,8 @@ def _check_file(flag: str, path: str, input_key: str, label_key: str | None, met
         return f"{flag} {path}: a built-in task"
     keys = RecordKeys(input_key=input_key, label_key=label_key, metadata_key=metadata_key, raw_prompts=raw_prompts)
     try:
-        count = check_data_file(path, keys, max_line_bytes=max_line_bytes)
+        count = check_data_file(path, keys, max_line_bytes=max_line_bytes,
+                                template_forms=None if raw_prompts else template_forms)
     except DataSourceError as error:
         raise ConfigError(f"{flag}: {error}") from None
     named = [f"input key {input_key!r}"] + [f"label key {label_key!r}"] * bool(label_key)

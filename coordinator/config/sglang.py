@@ -34,6 +34,10 @@ class SglangConfig(Slice):
                                       "server of the run", secret=True, metavar="KEY", parse=values.api_key)
     allow_unauthenticated: bool = flag(False, help="let a server of the run (status server, session server, "
                                        "engines on other nodes) listen beyond loopback without --sglang-api-key")
+    sglang_admin_api_key: str | None = flag(
+        None, help="SGLang's --admin-api-key of the engines: the key of their control routes (pause, weight "
+        "updates, memory, flush, abort), which the coordinator alone sends; agents see --sglang-api-key at most "
+        "(passed to launched engines in the same 0600 file)", secret=True, metavar="KEY", parse=values.api_key)
     sglang_context_length: int | None = flag(None, help="engine context length", minimum=1)
     update_weight_transfer_mode: str = flag("disk", help="how trained weights reach the engines",
                                             choices=WEIGHT_TRANSFER_MODES)

@@ -3,14 +3,17 @@
 Owns `check_data_file`. Invariant: memory is one line (or one Parquet batch) and the records seen are
 counted, not kept; the outcome is the record count, or one `DataSourceError` naming the first bad line as
 `file:line: reason` and how many further lines are bad — the same rules the run's reader applies
-(`coordinator.data.lines` for decoding, `source.build_record` for keys and kinds).
+(`coordinator.data.lines` for decoding, `source.build_record` for keys and kinds, `chats` for a chat's roles
+and contents, content parts only where the run's chat template takes them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.data.chats import UNKNOWN, TemplateForms
 from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES, iter_rows
 from coordinator.data.source import DataSourceError, build_record
 from workers.boundary.errors import BoundaryError
@@ -26,15 +29,28 @@ class RecordKeys:
     raw_prompts: bool = False  # a custom generate function reads prompts of any JSON value
 
 
-def check_data_file(path: str | Path, keys: RecordKeys, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
-    """The number of records in `path`; DataSourceError for the first bad line (with the count of the rest)."""
+def check_data_file(path: str | Path, keys: RecordKeys, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+                    template_forms: Callable[[], TemplateForms] | None = None) -> int:
+    """The number of records in `path`; DataSourceError for the first bad line (with the count of the rest).
+    `template_forms`: when the run applies a chat template, what it takes — asked once, at the first chat
+    holding content parts or a null content (it loads the tokenizer)."""
     path = Path(path)
+    asked: list[TemplateForms] = []
+
+    def forms(row: object) -> TemplateForms:
+        if template_forms is None or not _holds_optional_forms(row, keys.input_key):
+            return UNKNOWN
+        if not asked:
+            asked.append(template_forms())
+        return asked[0]
+
     if not path.is_file():
         raise DataSourceError(f"{path}: no such file")
     records, bad, first = 0, 0, ""
     try:
         for where, row in iter_rows(path, max_line_bytes):
-            reason = str(row) if isinstance(row, BoundaryError) else _record_problem(where, row, keys, records)
+            reason = str(row) if isinstance(row, BoundaryError) else _record_problem(where, row, keys, records,
+                                                                                     forms(row))
             if reason is None:
                 records += 1
                 continue
@@ -50,10 +66,19 @@ def check_data_file(path: str | Path, keys: RecordKeys, *, max_line_bytes: int =
     return records
 
 
-def _record_problem(where: str, row: dict[str, object], keys: RecordKeys, index: int) -> str | None:
+def _holds_optional_forms(row: object, input_key: str) -> bool:
+    """Whether the row's prompt is a chat with a message whose content is a list of parts or null."""
+    chat = row.get(input_key) if isinstance(row, dict) else None
+    return isinstance(chat, list) and any(isinstance(m, dict) and (m.get("content") is None or
+                                                                    isinstance(m.get("content"), list)) for m in chat)
+
+
+def _record_problem(where: str, row: dict[str, object], keys: RecordKeys, index: int,
+                    forms: TemplateForms) -> str | None:
     try:
         build_record(where, row, input_key=keys.input_key, label_key=keys.label_key,
-                     metadata_key=keys.metadata_key, index=index, raw_prompts=keys.raw_prompts)
+                     metadata_key=keys.metadata_key, index=index, raw_prompts=keys.raw_prompts,
+                     forms=forms)
     except DataSourceError as error:
         return str(error)
     return None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from coordinator.data.chats import UNKNOWN, TemplateForms, chat_problem
 from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES, iter_rows, line_limits
 from replay.sample import SampleError
 from replay.sample import label_value as sample_label_value
@@ -59,20 +60,14 @@ def label_value(value: Any, *, where: str, key: str) -> Any:
         raise DataSourceError(str(error)) from None
 
 
-def _check_prompt(value: Any, *, where: str, key: str) -> str | ChatMessages:
+def _check_prompt(value: Any, *, where: str, key: str, forms: TemplateForms = UNKNOWN,
+                  loose: bool = False) -> str | ChatMessages:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value:
-        for position, message in enumerate(value):
-            if (
-                not isinstance(message, dict)
-                or not isinstance(message.get("role"), str)
-                or "content" not in message
-            ):
-                raise DataSourceError(
-                    f"{where}: input key {key!r} is a list, so it must be chat messages "
-                    f"({{'role': str, 'content': ...}}); message {position} is {message!r}"
-                )
+        reason = chat_problem(value, forms=forms, loose=loose)
+        if reason is not None:
+            raise DataSourceError(f"{where}: input key {key!r} is a list, so it must be chat messages: {reason}")
         return value
     raise DataSourceError(
         f"{where}: input key {key!r} holds {type(value).__name__}; expected a string or a list of chat messages"
@@ -128,8 +123,11 @@ def read_prompt_file(
 
 
 def build_record(where: str, row: dict[str, Any], *, input_key: str, label_key: str | None,
-                 metadata_key: str | None, index: int, raw_prompts: bool = False) -> PromptRecord:
-    """One row as a record: the keys the run reads present, each value of a kind it can use."""
+                 metadata_key: str | None, index: int, raw_prompts: bool = False,
+                 forms: TemplateForms = UNKNOWN) -> PromptRecord:
+    """One row as a record: the keys the run reads present, each value of a kind it can use (a chat's roles
+    and contents as `coordinator.data.chats` has them; `forms`: what the run's chat template takes, when
+    known)."""
     keys = [("--input-key", input_key)]
     keys += [("--label-key", label_key)] if label_key is not None else []
     keys += [("--metadata-key", metadata_key)] if metadata_key is not None else []
@@ -139,7 +137,7 @@ def build_record(where: str, row: dict[str, Any], *, input_key: str, label_key: 
     value = row[input_key]
     raw = raw_prompts and not isinstance(value, str | list) and value is not None
     return PromptRecord(
-        prompt=value if raw else _check_prompt(value, where=where, key=input_key),
+        prompt=value if raw else _check_prompt(value, where=where, key=input_key, forms=forms, loose=raw_prompts),
         label=label_value(row[label_key], where=where, key=label_key) if label_key is not None else None,
         metadata=_check_metadata(row[metadata_key], where=where, key=metadata_key)
         if metadata_key is not None

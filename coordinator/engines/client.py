@@ -49,6 +49,7 @@ from coordinator.engines.transport import (
     map_transport_error,
     request_timeout,
 )
+from workers.boundary.engine_routes import is_admin
 
 
 class EngineClient(anyio.AsyncContextManagerMixin):
@@ -58,6 +59,8 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         max_connections: pool size; set it to the concurrency you will drive (e.g. the generate
             concurrency over all rollout engines) so requests never queue for a socket.
         api_key: sent as `Authorization: Bearer <key>` on every request when set.
+        admin_api_key: the engines' `--admin-api-key`: sent instead on their control routes
+            (`workers.boundary.engine_routes.is_admin`), which the API key does not open then.
         connect_timeout: seconds to open a TCP connection.
         read_timeout: default seconds to wait for a response (each call may override).
         generate_timeout: default read timeout for `/generate` (long generations).
@@ -70,6 +73,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         *,
         max_connections: int = 256,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         connect_timeout: float = 5.0,
         read_timeout: float = 60.0,
         generate_timeout: float = 3600.0,
@@ -82,6 +86,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
             raise ValueError(f"transport must be 'aiohttp' or 'httpx', got {transport!r}")
         self.max_connections = max_connections
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.generate_timeout = generate_timeout
@@ -148,6 +153,8 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         req_timeout = request_timeout(self.connect_timeout, read)
         content = None if json_body is None else msgspec.json.encode(json_body)  # ~3x json.dumps, same JSON
         headers = {**({"Content-Type": "application/json"} if content is not None else {}), **(headers or {})}
+        if self.admin_api_key and is_admin(path):  # a control route: the admin key, never the agents' one
+            headers["Authorization"] = f"Bearer {self.admin_api_key}"
         start = time.monotonic()
         attempt = 0
         while True:

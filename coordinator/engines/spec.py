@@ -92,6 +92,7 @@ class EngineLaunchSpec:
     model_path: str
     host: str = "127.0.0.1"
     api_key: str | None = None
+    admin_api_key: str | None = None
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     port: int | None = None
@@ -112,7 +113,8 @@ class EngineLaunchSpec:
         from coordinator.config.secrets import split_secret_flags
 
         found = split_secret_flags(self.extra_args)[1]
-        return {"api-key": self.api_key, **found} if self.api_key else found
+        keys = {"api-key": self.api_key, "admin-api-key": self.admin_api_key}
+        return {**{name: value for name, value in keys.items() if value}, **found}
 
     def command(self, port: int, *, secrets_file: str | None = None) -> list[str]:
         """The engine's command line; with secrets, `--config FILE` names the file that holds them
@@ -179,6 +181,7 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
         if spill_dir is not None:
             extra += ["--weight-spill-dir", spill_dir]
     return EngineLaunchSpec(kind=backend, model_path=model_path, api_key=sglang.sglang_api_key,
+                            admin_api_key=sglang.sglang_admin_api_key,
                             extra_args=tuple(extra), env=env, port=port, tp_size=tp_size)
 
 

@@ -106,7 +106,8 @@ class NodeAgent:
 
         self.token = await self.layout.token.obtain(create=False, timeout_s=START_TIMEOUT_S)
         mask_in_logs(self.token)
-        async with EngineClient(api_key=self.config.sglang.sglang_api_key) as client:
+        async with EngineClient(api_key=self.config.sglang.sglang_api_key,
+                                admin_api_key=self.config.sglang.sglang_admin_api_key) as client:
             stream = await self._connect()
             self._stream = stream
             try:

@@ -61,8 +61,17 @@ def _may_evaluate(expression: str) -> bool:
     return not any(pattern.search(expression) for pattern in _BAD_PATTERNS)
 
 
+_INTEGER = re.compile(r"-?(?:0|[1-9][0-9]{0,99})")  # a plain integer literal, as sympy reads it exactly
+
+
+@functools.lru_cache(maxsize=1 << 16)
 def symbolically_equal(truth: str, given: str, *, sympy_defaults: bool = False) -> bool:
-    """True when sympy simplifies `(truth)-(given)` to 0 (`^` read as power, implicit products allowed)."""
+    """True when sympy simplifies `(truth)-(given)` to 0 (`^` read as power, implicit products allowed).
+    Memoized: a pure function of its strings, and the costly step of grading (~1 ms), asked again and again for
+    the same label and answer when a group's samples agree."""
+    if _INTEGER.fullmatch(truth) and _INTEGER.fullmatch(given):
+        # two integer literals: sympy's difference is exact, zero exactly when the integers are equal
+        return int(truth) == int(given)
     expression = f"({truth})-({given})"
     if not _may_evaluate(expression):
         return False

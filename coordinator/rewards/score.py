@@ -9,9 +9,13 @@ stdout or `--out`; a summary line on stderr. With `--compare T2`: stdout lists t
 (and `--out`, if given, gets both rewards of every row). `--rm-type` decides for every row: a row's own
 `metadata.rm_type` is not used, so two graders are compared on the same rows.
 
+Progress goes to stderr while the rows are scored: the rows done and the rate, once a second on a terminal
+(overwritten in place) and every `LOG_EVERY_S` seconds otherwise, then the summary with the whole run's rate.
+
 Invariants: exit 0 when every row was scored; 1 when some row could not be (its line says why); 2 on bad flags
-or a missing file (before anything is scored) or a file that cannot be read. The file is read line by line (memory: one row at a time,
-plus, with `--compare`, the differing rows' short excerpts).
+or a missing file (before anything is scored) or a file that cannot be read. The file is read line by line
+(memory: one row at a time, plus, with `--compare`, the differing rows' short excerpts); the time per row does
+not grow with the rows before it, so a file's time is linear in its rows.
 """
 
 from __future__ import annotations
@@ -19,14 +23,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from workers.boundary.json_input import JsonLimits
+from coordinator.rewards.rules import RewardError, apply_rule
+from replay.sample import Sample, SampleError, SampleStatus, label_value
+from workers.boundary.errors import BoundaryError
+from workers.boundary.json_input import JsonLimits, decode_json
 
 EXCERPT_CHARS = 60
+LOG_EVERY_S = 10.0  # progress lines when stderr is not a terminal (a log file, CI)
 LINE_LIMITS = JsonLimits(max_bytes=16 << 20, max_depth=64)  # one row: a response and its label
 
 
@@ -64,11 +73,38 @@ def _rows(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield number, line
 
 
-def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Any:
-    from replay.sample import Sample, SampleError, SampleStatus, label_value
-    from workers.boundary.errors import BoundaryError
-    from workers.boundary.json_input import decode_json
+class Progress:
+    """Rows done and their rate on `stream`: in place once a second on a terminal, a line every `LOG_EVERY_S`
+    seconds otherwise."""
 
+    def __init__(self, stream: IO[str], label: str) -> None:
+        self.stream = stream
+        self.label = label
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.every = 1.0 if self.tty else LOG_EVERY_S
+        self.started = self.last = time.monotonic()
+
+    def rate(self, rows: int) -> float:
+        return rows / max(time.monotonic() - self.started, 1e-9)
+
+    def tick(self, rows: int) -> None:
+        """Called every few rows; writes when its interval passed."""
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        text = f"rayless reward score: {rows:,} rows scored with {self.label}, {self.rate(rows):,.0f} rows/s"
+        self.stream.write(f"\r{text}" if self.tty else f"{text}\n")
+        self.stream.flush()
+
+    def done(self, summary: str, rows: int) -> None:
+        elapsed = time.monotonic() - self.started
+        end = "\r\033[K" if self.tty else ""
+        self.stream.write(f"{end}rayless reward score: {summary} in {elapsed:.1f} s ({self.rate(rows):,.0f} rows/s)\n")
+        self.stream.flush()
+
+
+def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Any:
     try:  # through the boundary layer: a line nested 100k deep is one row's error, not a RecursionError
         row = decode_json(line, f"line {number}", LINE_LIMITS)
     except BoundaryError as error:
@@ -96,8 +132,6 @@ def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Any:
 
 
 def _score(rm_type: str, sample: Any) -> tuple[Any, str | None]:
-    from coordinator.rewards.rules import RewardError, apply_rule
-
     try:
         return apply_rule(rm_type, sample), None
     except RewardError as error:
@@ -146,8 +180,11 @@ def run(options: argparse.Namespace, out: IO[str] | None, report: IO[str]) -> in
         print(f"rayless reward score: error: {error}", file=sys.stderr)
         return 2
     rows = failed = differ = 0
+    progress = Progress(sys.stderr, options.rm_type)
     for number, line in _rows(Path(options.file)):
         rows += 1
+        if not rows & 1023:
+            progress.tick(rows)
         try:
             sample = _sample(line, number, keys, needs_label)
         except ScoreInputError as problem:
@@ -176,7 +213,7 @@ def run(options: argparse.Namespace, out: IO[str] | None, report: IO[str]) -> in
     summary = f"{_rows_text(rows - failed)} scored with {graders}" + (f", {failed} could not be" if failed else "")
     if options.compare is not None:
         report.write(f"{options.rm_type} and {options.compare} differ on {differ} of {rows} rows\n")
-    print(f"rayless reward score: {summary}", file=sys.stderr)
+    progress.done(summary, rows)
     return 1 if failed else 0
 
 

@@ -5,15 +5,21 @@ Owns `SessionServer` and its routes (miles' `setup_session_routes`): `POST /sess
 /sessions/{id}`, `POST /sessions/{id}/v1/chat/completions` (the prompt rendered here — `coordinator.sessions
 .tito` — and sent to the engine as `input_ids` with logprobs and meta info forced; request and response
 recorded; the engine's JSON passed back, as SSE when the agent asked to stream), `POST /sessions/{id}/samples`
-(the trajectory as a sample's fields), any other `/sessions/{id}/<path>` proxied to the session's engine, and
-`GET /health`. The HTTP side (bounded connections, heads and bodies, deadlines, the API key of
-`--sglang-api-key`) is the shared layer's (`workers.boundary.http_server`), behind the hook endpoint's gates.
+(the trajectory as a sample's fields), `/sessions/{id}/<path>` proxied to the session's engine when the path
+is one of the engine's generation or read routes (`workers.boundary.engine_routes.agent_may_call`: the
+OpenAI, Anthropic and /generate routes, /v1/models, tokenize, model info) and refused with a 403 otherwise
+(pause, continue, abort, flush, memory, weight updates, /server_info: the coordinator's alone), and
+`GET /health`. A chat request's messages are bounded each (413 past `max_message_bytes`) and may not bring a
+chat template of their own (400) (`workers.boundary.chat_requests`). The HTTP side (bounded connections, heads
+and bodies, deadlines, the API key of `--sglang-api-key`) is the shared layer's (`workers.boundary
+.http_server`), behind the hook endpoint's gates.
 
 Invariants: every call of one session goes to one engine, picked when the session is created (another one only
 after the dispatcher's fleet found it dead), the router bypassed (it drops `input_ids` and `return_meta_info`)
-unless the run knows no engine but the router's address; a session's calls run one at a time (its lock); at most
-`max_sessions` sessions live at once (503 beyond); an engine's 4xx reaches the agent with its status and is not
-recorded, so the agent can retry.
+unless the run knows no engine but the router's address; an agent reaches no control route of an engine
+(miles' server proxies every path; this one keeps an allow-list); a session's calls run one at a time (its
+lock); at most `max_sessions` sessions live at once (503 beyond); an engine's 4xx reaches the agent with its
+status and is not recorded, so the agent can retry.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from coordinator.rollout.hook_endpoint import ENGINE_HEADER, guarded
 from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
 from coordinator.sessions.trajectory import Session, assemble
+from workers.boundary.chat_requests import MAX_MESSAGE_BYTES, oversized_message, request_template
+from workers.boundary.engine_routes import agent_may_call
 from workers.boundary.errors import BoundaryError
 from workers.boundary.http_gates import BodyTooLarge, HttpReply, read_body, reply_handler
 from workers.boundary.http_guard import ServerLimits
@@ -80,8 +88,10 @@ class SessionServer(AppServer):
 
     def __init__(self, *, dispatcher: Dispatcher, tito: TitoTokenizer, matcher: Matcher, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, max_sessions: int = 65536,
-                 max_body_bytes: int = 64 * 1024 * 1024, limits: ServerLimits | None = None) -> None:
+                 max_body_bytes: int = 64 * 1024 * 1024, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 limits: ServerLimits | None = None) -> None:
         super().__init__(host=host, port=port, limits=limits or ServerLimits())
+        self.max_message_bytes = max_message_bytes
         self.dispatcher = dispatcher
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -159,7 +169,12 @@ class SessionServer(AppServer):
         if rest == CHAT_PATH and method == "POST":
             return await self._chat(self.get(session_id), await self._body(request))
         session = self.get(session_id)
+        if not agent_may_call("/" + rest, method):
+            raise HttpReply(403, f"{method} /{rest}: an agent's session may call the engine's generation routes "
+                            "only (/v1/chat/completions, /v1/completions, /v1/messages, /v1/responses, /generate, "
+                            "/v1/models, tokenize, model info); control routes are the coordinator's")
         payload = await self._body(request, proxied=True)
+        self._check_chat(payload)
         return await self._proxy(session, method, rest + (f"?{query}" if query else ""), payload)
 
     async def _body(self, request: Request, *, proxied: bool = False) -> Any:
@@ -195,7 +210,19 @@ class SessionServer(AppServer):
         return {"samples": [vars(assembled) | {"status": assembled.status.value}], "empty_reason": None}
 
     # --- chat -----------------------------------------------------------------------------------------------
+    def _check_chat(self, request: dict[str, Any] | None) -> None:
+        """A request's messages within the per-message limit (413) and no template of its own (400): the
+        policy's prompts are rendered with the model's template."""
+        if not request:
+            return
+        if (reason := oversized_message(request.get("messages"), self.max_message_bytes)) is not None:
+            raise HttpReply(413, reason)
+        if request_template(request) is not None:
+            raise HttpReply(400, "a session renders its prompts with the model's chat template: a request may "
+                            "not bring its own ('chat_template' / chat_template_kwargs.chat_template)")
+
     async def _chat(self, session: Session, request: dict[str, Any]) -> tuple[int, bytes, str | None]:
+        self._check_chat(request)
         stream = bool(request.pop("stream", False))
         request.pop("stream_options", None)
         messages = request.get("messages")

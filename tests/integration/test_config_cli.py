@@ -209,8 +209,14 @@ def test_no_secret_reaches_any_output_or_file_of_a_run(tiny_model_dir: Path, tmp
     assert "--config /" in started and "rayless-secrets-" in started and "--api-key" not in started, started[:2000]
 
 
-def test_contradictory_sft_runs_exit_2_naming_the_flags_before_launching(tiny_model_dir: Path) -> None:
-    """slime's SFT flags with what cannot mean anything in an SFT run (one process for all cases)."""
+def test_contradictory_sft_runs_exit_2_naming_the_flags_before_launching(tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """slime's SFT flags with what cannot mean anything in an SFT run, and chat data a template cannot render
+    (one process for all cases)."""
+    chats = tmp_path / "chats.jsonl"
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    chats.write_text("\n".join(json.dumps(row) for row in (good, {"messages": [{"role": "user", "content": 7}]},
+                                                             good, {"messages": [{"role": "human", "content": "q"}]})))
     base = ["--hf-checkpoint", str(tiny_model_dir), "--rollout-batch-size", "4", "--num-rollout", "3",
             "--prompt-data", "builtin:first_digit"]
     sft = ["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss"]
@@ -221,4 +227,6 @@ def test_contradictory_sft_runs_exit_2_naming_the_flags_before_launching(tiny_mo
         ([*sft[:2], "--debug-train-only"], ["slime.rollout.sft_rollout.generate_rollout", "add --loss-type sft_loss"]),
         ([*sft, "--n-samples-per-prompt", "4"], ["--n-samples-per-prompt 4", "one sample per chat"]),
         ([*sft, "--loss-type", "custom_loss"], ["--loss-type custom_loss", "refused"]),
+        ([*sft, "--prompt-data", str(chats), "--input-key", "messages"],
+         [f"--prompt-data: {chats}:2: input key 'messages'", "content of type int", "and 1 further bad line"]),
     ], base)

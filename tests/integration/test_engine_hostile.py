@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.support.engine_proc import RunningEngine, start_engine_process
-from tests.support.sockets import close_all, open_idle, raw_exchange
+from tests.support.sockets import close_all, first_reply, open_idle, raw_exchange
 from tests.support.waiting import wait_until_sync
 from workers.boundary.http_server import raise_open_files_limit
 
@@ -28,7 +28,8 @@ DEEP = b"[" * 100_000 + b"]" * 100_000
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[RunningEngine]:
-    extra = ["--max-seqs-per-request", "64", "--max-n", "16", "--max-request-bytes", str(8 << 20)]
+    extra = ["--max-seqs-per-request", "64", "--max-n", "16", "--max-request-bytes", str(8 << 20),
+             "--max-message-bytes", str(1 << 20), "--trust-request-chat-template"]
     with start_engine_process(tiny_model_dir, extra_args=[*extra, "--log-level", "info"]) as running:
         yield running
 
@@ -137,6 +138,51 @@ async def test_body_over_the_limit_is_413_or_400(client: httpx.AsyncClient, engi
 
     streamed = await client.post("/generate", content=chunked())
     assert streamed.status_code == 400 and "--max-request-bytes" in streamed.json()["error"]["message"]
+
+
+async def test_a_message_or_a_declared_body_over_its_limit_is_413(client: httpx.AsyncClient,
+                                                                  engine: RunningEngine) -> None:
+    """A 30 MB message (over the body limit here), a 2 MB one (under it, over the per-message limit) and a 2 GB
+    declared body, its headers alone sent: each a 413, never a wait (bench/agent_limits.py times them)."""
+    for size, words in ((30 << 20, "--max-request-bytes"), (2 << 20, "--max-message-bytes")):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x" * size}], "max_tokens": 1}
+        answer = await client.post("/v1/chat/completions", json=body, timeout=30)
+        assert answer.status_code == 413, (size, answer.text[:300])
+        assert words in json.dumps(answer.json())
+    host, port = engine.url.removeprefix("http://").split(":")
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 2147483648\r\n\r\n")
+    reply = await anyio.to_thread.run_sync(lambda: first_reply(host, int(port), head, timeout=10))
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+
+
+async def test_a_request_template_of_1e10_iterations_stops_at_its_deadline(client: httpx.AsyncClient) -> None:
+    """With --trust-request-chat-template a request's own template is rendered, in the sandbox and under the
+    deadline: nested loops of 1e10 iterations end with a 400, /health answering all along; `'x' * 10**10` is
+    refused without being built; a plain request template renders."""
+    bomb = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    answers: list[int] = []
+
+    async def probe_until_done(done: anyio.Event) -> None:
+        while not done.is_set():
+            answers.append((await client.get("/health", timeout=1.0)).status_code)
+            await anyio.sleep(0.05)
+
+    def chat(template: str) -> dict[str, Any]:
+        return {"model": "m", "messages": [{"role": "user", "content": "1"}], "max_tokens": 1,
+                "chat_template_kwargs": {"chat_template": template}}
+
+    done = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(probe_until_done, done)
+        stopped = await client.post("/v1/chat/completions", json=chat(bomb))
+        done.set()
+    assert stopped.status_code == 400 and "deadline" in stopped.json()["message"], stopped.text[:300]
+    assert len(answers) >= 5 and set(answers) == {200}
+    huge = await client.post("/v1/chat/completions", json=chat("{{ 'x' * 10**10 }}"))
+    assert huge.status_code == 400 and "repetition" in huge.json()["message"]
+    plain = await client.post("/v1/chat/completions", json=chat("{% for m in messages %}{{ m.content }}{% endfor %}="))
+    assert plain.status_code == 200 and plain.json()["usage"]["prompt_tokens"] == 2
 
 
 async def test_health_answers_while_a_huge_prompt_is_tokenized(client: httpx.AsyncClient) -> None:

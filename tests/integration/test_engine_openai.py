@@ -271,6 +271,16 @@ def test_completions_stream(client: openai.OpenAI) -> None:
             "stop_token_ids",
         ),
         (lambda c: c.completions.create(model="m", prompt=[10**6]), "vocabulary"),
+        (  # the template is the model's: a request's own is refused (no --trust-request-chat-template)
+            lambda c: c.chat.completions.create(
+                model="m", messages=MESSAGES, extra_body={"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}
+            ),
+            "--trust-request-chat-template",
+        ),
+        (
+            lambda c: c.chat.completions.create(model="m", messages=MESSAGES, extra_body={"chat_template": "x"}),
+            "--trust-request-chat-template",
+        ),
     ],
 )
 def test_bad_requests_are_sglang_error_responses(client: openai.OpenAI, call: Any, words: str) -> None:

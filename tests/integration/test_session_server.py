@@ -31,11 +31,23 @@ from coordinator.sessions.agentic import generate
 from coordinator.sessions.server import SessionServer
 from coordinator.sessions.tito import resolve_matcher, tito_tokenizer
 from replay.sample import Sample, SampleStatus
+from tests.support.sockets import first_reply
+from workers.boundary.engine_routes import agent_may_call
+from workers.engine.control_routes import ControlRoutes
+from workers.engine.generate_routes import GenerateRoutes
+from workers.engine.info_routes import InfoRoutes
+from workers.engine.memory_routes import MemoryRoutes
+from workers.engine.openai_routes import OpenAIRoutes
+from workers.engine.weight_routes import WeightRoutes
 
 KEY = "session-server-key-0b7"
+ADMIN = "coordinator-admin-key-5c1"  # the engines' --admin-api-key: the coordinator's client alone holds it
 ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ASK = [{"role": "user", "content": "1+2"}]
+#: a request declaring a 2 GB body, headers only: answered 413 before a byte of it is read
+DECLARED_2GB = (b"POST /sessions/x/v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                + b"\r\nContent-Type: application/json\r\nContent-Length: 2147483648\r\n\r\n")
 
 
 async def _chat(client: openai.AsyncOpenAI, messages: list[dict[str, Any]], **extra: Any) -> Any:
@@ -45,15 +57,17 @@ async def _chat(client: openai.AsyncOpenAI, messages: list[dict[str, Any]], **ex
 
 async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    spec = EngineLaunchSpec(kind="rayless", model_path=str(tiny_model_dir), env=ENV, start_timeout=120.0, api_key=KEY)
-    async with EngineClient(max_connections=32, api_key=KEY) as client, anyio.create_task_group() as tg:
+    spec = EngineLaunchSpec(kind="rayless", model_path=str(tiny_model_dir), env=ENV, start_timeout=120.0, api_key=KEY,
+                            admin_api_key=ADMIN)
+    async with EngineClient(max_connections=32, api_key=KEY, admin_api_key=ADMIN) as client, \
+            anyio.create_task_group() as tg:
         fleet = EngineFleet(client=client, launch=spec, num_engines=2, run_dir=tmp_path)
         await tg.start(fleet.run)
-        for handle in fleet.engines:  # each engine answers with its own name as its weight version
+        for handle in fleet.engines:  # each engine answers with its own name as its weight version (admin key)
             await client.engine(handle.url).update_weight_version(handle.name)
         server = SessionServer(dispatcher=Dispatcher(client=client, pool=fleet),
                                tito=tito_tokenizer("default", tokenizer), matcher=resolve_matcher("strict"),
-                               api_key=KEY, max_body_bytes=65536)
+                               api_key=KEY, max_body_bytes=65536, max_message_bytes=4096)
         await tg.start(server.run)
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as http:
             ids = [(await http.post("/sessions")).json()["session_id"] for _ in range(2)]
@@ -108,6 +122,16 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
             assert (await http.get("/sessions/nope")).status_code == 404
             big = await http.post(f"/sessions/{ids[0]}/v1/chat/completions", content=b"x" * 70000)
             assert big.status_code == 413
+            long = await http.post(f"/sessions/{ids[0]}/v1/chat/completions",
+                                   json={"messages": [{"role": "user", "content": "y" * 5000}]})
+            assert long.status_code == 413 and "messages[0]" in long.json()["error"]["message"]
+            host, port = server.host, server.port
+            declared = await anyio.to_thread.run_sync(lambda: first_reply(host, port, DECLARED_2GB, timeout=10))
+            assert declared.startswith(b"HTTP/1.1 413"), declared[:200]
+            for own in ({"chat_template": "{{ 'x' }}"}, {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}):
+                refused = await http.post(f"/sessions/{ids[0]}/v1/chat/completions", json={"messages": ASK, **own})
+                assert refused.status_code == 400 and "chat template" in refused.json()["error"]["message"]
+            await _drill(http, fleet, tiny_model_dir)
 
             # The engine of session 0 dies: its next call is served by the other engine, the trajectory goes on.
             dead = next(h for h in fleet.engines if h.name in served[0])
@@ -158,6 +182,67 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
                 assert out.loss_mask[0] == 1 and out.loss_mask[-1] == 1 and sum(out.loss_mask) == 2
                 assert out.metadata["session_turns"] == 2
         tg.cancel_scope.cancel()
+
+
+#: a body per route for the drill: what a hostile agent would send (the base model's weights, a new version...)
+def _drill_bodies(model_dir: Path) -> dict[str, Any]:
+    return {
+        "/generate": {"text": "1+2=", "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
+        "/v1/chat/completions": {"model": "m", "messages": ASK, "max_tokens": 2},
+        "/v1/completions": {"model": "m", "prompt": "1+2=", "max_tokens": 2},
+        "/update_weights_from_disk": {"model_path": str(model_dir)},
+        "/update_weight_version": {"new_version": "hijacked"},
+        "/pause_generation": {"mode": "abort"},
+        "/release_memory_occupation": {},
+        "/abort_request": {"abort_all": True},
+        "/init_weights_update_group": {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1,
+                                       "world_size": 2, "group_name": "g", "backend": "gloo"},
+    }
+
+
+def _engine_routes() -> list[tuple[str, str]]:
+    """Every (method, path) of our engine, from its route modules (none is constructed with an engine)."""
+    modules = (ControlRoutes, GenerateRoutes, InfoRoutes, MemoryRoutes, WeightRoutes, OpenAIRoutes)
+    return [(method, route.path) for module in modules for route in module(None).routes()  # type: ignore[arg-type]
+            for method in sorted(route.methods - {"HEAD"})]
+
+
+async def _drill(http: httpx.AsyncClient, fleet: EngineFleet, model_dir: Path) -> None:
+    """A drill agent in its own session calls every route of the engine through it: the generation and read
+    routes answer, every other one is a 403 that reaches no engine; the engines' weights, weight versions and
+    greedy generation are what they were. The engines themselves ask for the admin key on control routes."""
+    session = (await http.post("/sessions")).json()["session_id"]
+    bodies = _drill_bodies(model_dir)
+    probe = {**bodies["/generate"], "return_logprob": True}
+    version = (await http.get(f"/sessions/{session}/get_weight_version")).json()["weight_version"]
+    before = (await http.post(f"/sessions/{session}/generate", json=probe)).json()
+    answered = []
+    for method, path in _engine_routes():
+        body = bodies.get(path, {}) if method != "GET" else None
+        answer = await http.request(method, f"/sessions/{session}{path}", json=body)
+        if agent_may_call(path, method):
+            assert answer.status_code == 200, (method, path, answer.text[:300])
+            answered.append(path)
+        else:
+            assert answer.status_code == 403, (method, path, answer.status_code, answer.text[:300])
+            assert "control routes are the coordinator's" in answer.json()["error"]["message"]
+    assert {"/generate", "/v1/chat/completions", "/v1/completions", "/v1/models", "/model_info"} <= set(answered)
+    after = (await http.post(f"/sessions/{session}/generate", json=probe)).json()
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"] == version
+    assert (await http.get(f"/sessions/{session}/get_weight_version")).json()["weight_version"] == version
+    assert (await http.delete(f"/sessions/{session}")).status_code == 200
+    # The engines: the agents' key opens generation, not control; the admin key opens control, not generation.
+    engine = fleet.engines[0].url
+    async with httpx.AsyncClient(base_url=engine, timeout=30) as direct:
+        assert (await direct.post("/pause_generation", json={}, headers=AUTH)).status_code == 401
+        assert (await direct.get("/server_info", headers=AUTH)).status_code == 401
+        info = await direct.get("/server_info", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert info.status_code == 200 and ADMIN not in info.text and KEY not in info.text
+        assert (await direct.post("/generate", json=probe, headers=AUTH)).status_code == 200
+        assert (await direct.post("/generate", json=probe,
+                                  headers={"Authorization": f"Bearer {ADMIN}"})).status_code == 401
 
 
 def _continue(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

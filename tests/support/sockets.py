@@ -50,6 +50,14 @@ def raw_exchange(host: str, port: int, data: bytes, *, timeout: float = 30.0) ->
         return b"".join(chunks)
 
 
+def first_reply(host: str, port: int, data: bytes, *, timeout: float = 30.0) -> bytes:
+    """Send `data` (a request head whose body never follows) and return the first bytes of the answer, without
+    waiting for the server to close."""
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.sendall(data)
+        return sock.recv(65536)
+
+
 def closed_by_peer(sock: socket.socket) -> bool:
     """True once the server closed `sock` (reads reach EOF or a reset, after any reply); never blocks."""
     sock.setblocking(False)

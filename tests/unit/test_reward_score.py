@@ -146,3 +146,20 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "rayless reward score --rm-type T" in capsys.readouterr().out
     assert main(["reward", "score", "--help"]) == 0
     assert "--compare T2" in capsys.readouterr().out
+
+
+def test_score_shows_its_progress_and_rate_as_it_streams(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Progress lines (rows done, rows/s) while scoring — every 1,024 rows here, the interval set to 0 — and the
+    whole run's rate at the end; every row's reward written as it is scored."""
+    from coordinator.rewards import score
+
+    monkeypatch.setattr(score, "LOG_EVERY_S", 0.0)
+    data = _write(tmp_path / "many.jsonl", [{"response": str(i % 3), "label": "1"} for i in range(3000)])
+    out = tmp_path / "rewards.jsonl"
+    assert main(["reward", "score", "--rm-type", "exact_match", "--out", str(out), str(data)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    progress = [line for line in err if "rows/s" in line and " in " not in line]
+    assert [line.split(": ")[1].split(" rows")[0] for line in progress] == ["1,024", "2,048"], err
+    assert err[-1].startswith("rayless reward score: 3000 rows scored with exact_match in ") and "rows/s)" in err[-1]
+    assert sum(row["reward"] for row in _lines(out.read_text())) == 1000

@@ -180,3 +180,68 @@ async def test_sft_samples_dump_and_replay_into_an_sft_run_unchanged(tiny_model_
     fields = ("prompt", "tokens", "response_length", "loss_mask", "rollout_log_probs", "advantage")
     assert [[getattr(s, f) for f in fields] for s in replayed.samples] == \
         [[getattr(s, f) for f in fields] for s in made.samples]
+
+
+BAD_CHATS = {  # message 1 of a chat, as a careless dataset holds it → what the check says
+    "int": ({"role": "assistant", "content": 7}, "content of type int"),
+    "dict": ({"role": "assistant", "content": {"text": "a"}}, "content of type dict"),
+    "parts": ({"role": "assistant", "content": [{"type": "text", "text": "a"}]}, "list of parts"),
+    "null": ({"role": "user", "content": None}, "null content"),
+    "null tool call": ({"role": "assistant", "content": None,
+                        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                       "null content, which the chat template does not render"),
+    "role": ({"role": "gpt", "content": "a"}, "role 'gpt'"),
+    "text part": ({"role": "assistant", "content": [{"type": "text", "text": 3}]}, "list of parts"),
+}
+#: a template that renders content parts as their text and an assistant's null content as nothing
+PARTS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+                  "{{ m['content'] }}{% elif m['content'] is not none %}{% for p in m['content'] %}{{ p['text'] }}"
+                  "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_with_bad_line(path: Path, message: dict[str, object]) -> Path:
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    bad = {"messages": [{"role": "user", "content": "q"}, message, {"role": "assistant", "content": "b"}]}
+    path.write_text("".join(json.dumps(row) + "\n" for row in (good, good, bad, good)))
+    return path
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_CHATS))
+def test_each_bad_chat_row_is_refused_at_start_up_naming_its_line(tiny_model_dir: Path, tmp_path: Path,
+                                                                   kind: str) -> None:
+    from coordinator.checks.preflight import check_data
+
+    message, words = BAD_CHATS[kind]
+    data = write_with_bad_line(tmp_path / "chats.jsonl", message)
+    with pytest.raises(ConfigError) as caught:
+        check_data(parse_config(sft_argv(tiny_model_dir, data, "--num-rollout", "1")))
+    assert f"{data}:3:" in str(caught.value) and words in str(caught.value), str(caught.value)
+
+
+def test_content_parts_and_a_tool_calls_null_content_pass_where_the_template_takes_them(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from coordinator.checks.preflight import check_data
+
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer.chat_template = PARTS_TEMPLATE
+    tokenizer.save_pretrained(str(model))
+    for kind in ("parts", "null tool call"):
+        data = write_with_bad_line(tmp_path / f"{kind}.jsonl", BAD_CHATS[kind][0])
+        assert "all 4 record(s)" in check_data(parse_config(sft_argv(model, data, "--num-rollout", "1")))[0]
+    for kind in ("int", "dict", "null", "role", "text part"):  # still refused with this template
+        data = write_with_bad_line(tmp_path / f"{kind}.jsonl", BAD_CHATS[kind][0])
+        with pytest.raises(ConfigError, match=f"{data}:3:") as caught:
+            check_data(parse_config(sft_argv(model, data, "--num-rollout", "1")))
+        assert kind != "text part" or "'text' is int" in str(caught.value)
+    # and the SFT rollout's tokenization takes what passed
+    mask = ChatLossMask(AutoTokenizer.from_pretrained(str(model)), "qwen")
+    for kind in ("parts", "null tool call"):
+        chat = [{"role": "user", "content": "q"}, BAD_CHATS[kind][0], {"role": "assistant", "content": "b"}]
+        ids, loss_mask = mask(chat)
+        assert len(ids) == len(loss_mask) and sum(loss_mask) > 0

@@ -2,7 +2,9 @@
 
 Owns `error_response` (SGLang's `{"error": {"message": ...}}`) and `HttpReply` (a route's way to answer
 with it), `ApiKeyMiddleware` (Bearer auth on every path but the health and metrics ones, compared in constant
-time), `MethodGate` (CONNECT refused with a 405 before any app sees it), `BodyLimitMiddleware` (413 on a declared length over the limit before the app runs) and `read_body` / `read_json` (a streamed body cut off at the limit, then
+time), `MethodGate` (CONNECT refused with a 405 before any app sees it), `AdminKeyMiddleware` (SGLang's separate
+key for control routes), `BodyLimitMiddleware` (413 on a declared length over the limit before the app runs) and
+`read_body` / `read_json` (a streamed body cut off at the limit, then
 decoded through `json_input`, off the event loop when large). Shared by the engine, the hook endpoint and the
 session server.
 
@@ -96,6 +98,29 @@ class MethodGate:
             response.headers["connection"] = "close"
             await response(scope, receive, send)
             return
+        await self.app(scope, receive, send)
+
+
+class AdminKeyMiddleware:
+    """SGLang's two keys (`--api-key`, `--admin-api-key`): a path `is_admin` names is asked for the admin key when
+    one is set — the API key does not open it then — else for the API key; every other path but the open ones is
+    asked for the API key when one is set. 401 `{"error": "Unauthorized"}` otherwise, as SGLang."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, admin_api_key: str | None,
+                 is_admin: Callable[[str], bool], exempt: Callable[[str], bool] = open_path) -> None:
+        self.app = app
+        self.normal = f"Bearer {api_key}".encode() if api_key else None
+        self.admin = f"Bearer {admin_api_key}".encode() if admin_api_key else self.normal
+        self.is_admin = is_admin
+        self.exempt = exempt
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.exempt(scope["path"]):
+            expected = self.admin if self.is_admin(scope["path"]) else self.normal
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            if expected is not None and not secrets.compare_digest(header, expected):
+                await JSONResponse(UNAUTHORIZED, status_code=401)(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 

@@ -73,6 +73,11 @@ class EngineArgs:
     rl_on_policy_target: str | None = None
     log_probs_chunk_size: int | None = None  # the trainer's --log-probs-chunk-size, for that rescoring
     attn_implementation: str | None = None  # the trainer's --attn-implementation (transformers' name)
+    # SGLang's --admin-api-key: the control routes' own key (`workers.boundary.engine_routes`)
+    admin_api_key: str | None = None
+    # vLLM's --trust-request-chat-template: a request may bring its own chat template (bounded rendering)
+    trust_request_chat_template: bool = False
+    max_message_bytes: int = 8 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--allow-unauthenticated", action="store_true",
         help="serve on a --host beyond loopback without --api-key (refused otherwise)",
+    )
+    parser.add_argument(
+        "--admin-api-key", default=None, help="SGLang's: the key of the control routes (pause, weight updates, "
+        "memory, flush, abort, /server_info); when set, --api-key no longer opens them"
+    )
+    parser.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="let a request bring its own chat template ('chat_template', or chat_template_kwargs.chat_template); "
+        "refused (400) by default: the template is the model's",
+    )
+    parser.add_argument(
+        "--max-message-bytes", type=int, default=8 << 20,
+        help="largest content of one chat message, in UTF-8 bytes (larger: 413)",
     )
     parser.add_argument("--random-seed", type=int, default=None)
     parser.add_argument("--weight-version", default="default")
@@ -280,6 +298,8 @@ def parse_args(argv: list[str] | None) -> EngineArgs:
         )
     if ns.max_request_bytes < 1024:
         parser.error(f"--max-request-bytes must be >= 1024, got {ns.max_request_bytes}")
+    if ns.max_message_bytes < 1:
+        parser.error(f"--max-message-bytes must be >= 1, got {ns.max_message_bytes}")
     if ns.log_probs_chunk_size is not None and ns.rl_on_policy_target is None:
         parser.error("--log-probs-chunk-size is the rescoring's chunk: it needs --rl-on-policy-target fsdp")
     device = resolve_device(parser, ns.device, ns.base_gpu_id)

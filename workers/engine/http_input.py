@@ -1,7 +1,7 @@
 """The engine's side of the shared request gates (`workers.boundary.http_gates`): its limits and its errors.
 
 Owns `read_json` (every JSON endpoint of the engine reads its body through it) and re-exports the gates the
-app is wrapped in (`ApiKeyMiddleware`, `BodyLimitMiddleware`), so the route modules keep one import.
+app is wrapped in (`AdminKeyMiddleware`, `BodyLimitMiddleware`), so the route modules keep one import.
 
 Invariants (the shared layer's, with the engine's numbers): no body larger than `--max-request-bytes` is read
 into memory (a declared one is a 413 before the app runs, a chunked one a 400 once it passes the limit); JSON
@@ -17,13 +17,14 @@ from typing import Any
 from starlette.requests import Request
 
 from workers.boundary.errors import BoundaryError
-from workers.boundary.http_gates import ApiKeyMiddleware, BodyLimitMiddleware
+from workers.boundary.http_gates import AdminKeyMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
 from workers.boundary.http_gates import ClientGone as _Gone
 from workers.boundary.http_gates import read_json as _read_json
 from workers.boundary.json_input import JsonLimits
 from workers.engine.sampling_params import RequestError
 
-__all__ = ["MAX_JSON_DEPTH", "ApiKeyMiddleware", "BodyLimitMiddleware", "ClientGone", "read_json"]
+__all__ = ["MAX_JSON_DEPTH", "AdminKeyMiddleware", "ApiKeyMiddleware", "BodyLimitMiddleware", "ClientGone",
+           "read_json"]
 
 MAX_JSON_DEPTH = 32  # SGLang's bodies need 4 (custom_params objects); 32 leaves room and bounds the work
 LIMIT_NAME = "the engine's --max-request-bytes"

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 VERSION = "rayless-cpu-engine 0.1 (SGLang 0.5 HTTP contract)"
 HEALTH_TIMEOUT_S = 20.0
+SECRET_ARGS = frozenset({"api_key", "admin_api_key"})  # never in /server_info
 
 
 class InfoCore(Protocol):
@@ -122,7 +123,7 @@ class InfoRoutes:
     async def server_info(self, request: Request) -> Response:
         server = self.server
         scheduler = server.scheduler
-        info: dict[str, Any] = {k: v for k, v in vars(server.args).items() if k != "api_key"}
+        info: dict[str, Any] = {k: v for k, v in vars(server.args).items() if k not in SECRET_ARGS}
         info.update(
             model_path=server.model_path,
             context_length=server.context_length,

@@ -4,7 +4,9 @@
 Owns the handlers only: a request is mapped to a /generate body (`openai_protocol`), validated and turned
 into sequences by the server's own `build` (so the bounds, the 4xx rules and the API key are those of
 /generate), run by the same scheduler, and rendered (`openai_render`). Chat prompts are rendered with the
-model's chat template off the event loop.
+model's chat template off the event loop, in Jinja's sandbox under a deadline and an output bound
+(`chat_template`); a request's own template is refused unless `--trust-request-chat-template`, and a message
+over `--max-message-bytes` is a 413 before anything renders it.
 
 Invariants: every rejection is SGLang's `ErrorResponse` (`{"object": "error", "message", "type", "code"}`)
 with a 4xx status, decided before anything joins the batch; a stream is SSE (`data: {...}` events, then
@@ -23,7 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from workers.boundary.chat_requests import oversized_message, request_template
 from workers.engine import openai_render as render
+from workers.engine.chat_template import TemplateRefused, bounded, render_request_template
 from workers.engine.http_input import read_json
 from workers.engine.openai_protocol import GenerateBody, chat_request, completion_request
 from workers.engine.sampling_params import RequestError
@@ -50,6 +54,10 @@ class EngineCore(Protocol):
     def render(self, seq: Seq, *, with_text: bool, final: bool) -> dict[str, Any]: ...
 
     async def wait_or_disconnect(self, request: Request, group: Any) -> None: ...
+
+
+class RequestTooLarge(RequestError):
+    """A request within the body limit holding a message over the per-message limit: 413."""
 
 
 def openai_error(
@@ -88,26 +96,55 @@ class OpenAIRoutes:
 
     # ---- chat and completions -----------------------------------------------------------------------------
 
-    def _render_chat(self, spec: GenerateBody) -> list[int]:
-        """The messages through the model's chat template, tokenized (blocking: run in a worker thread)."""
+    async def _render_chat(self, spec: GenerateBody, template: str | None) -> list[int]:
+        """The messages through the model's chat template (or the request's own, when the engine trusts
+        them), in Jinja's sandbox under a deadline (`chat_template`), then tokenized off the event loop."""
         tokenizer = self.server.runner.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise RequestError(
-                f"the model at {self.server.model_path} has no chat template: send 'input_ids', or use "
-                "/v1/completions"
-            )
+        kwargs = {key: value for key, value in spec.template_kwargs.items() if key != "chat_template"}
+        if template is not None:
+            def render() -> str:
+                return render_request_template(template, spec.messages or [], **kwargs)
+        else:
+            if not getattr(tokenizer, "chat_template", None):
+                raise RequestError(
+                    f"the model at {self.server.model_path} has no chat template: send 'input_ids', or use "
+                    "/v1/completions"
+                )
+
+            def render() -> str:
+                try:
+                    return str(tokenizer.apply_chat_template(spec.messages, tokenize=False, **kwargs))
+                except Exception as exc:  # jinja2 errors, and a template's own raise_exception(): bad messages
+                    raise RequestError(f"the chat template cannot render these messages: {exc}") from None
         try:
-            text = tokenizer.apply_chat_template(spec.messages, tokenize=False, **spec.template_kwargs)
-        except Exception as exc:  # jinja2 errors, and a template's own raise_exception(): bad messages
-            raise RequestError(f"the chat template cannot render these messages: {exc}") from None
-        return list(tokenizer.encode(text, add_special_tokens=False))
+            text = await bounded(render)
+        except TemplateRefused as exc:
+            raise RequestError(str(exc)) from None
+        return await anyio.to_thread.run_sync(lambda: list(tokenizer.encode(text, add_special_tokens=False)))
+
+    def _chat_input(self, body: dict[str, Any]) -> str | None:
+        """The request's own chat template (None: the model's) once its messages passed their size limit (413)
+        and a template of its own is allowed (400 unless --trust-request-chat-template)."""
+        reason = oversized_message(body.get("messages"), self.server.args.max_message_bytes)
+        if reason is not None:
+            raise RequestTooLarge(f"{reason} (the engine's --max-message-bytes)")
+        template = request_template(body)
+        if template is None:
+            return None
+        if not self.server.args.trust_request_chat_template:
+            raise RequestError("this engine renders chats with the model's chat template: a request's own "
+                               "'chat_template' is refused (the engine's --trust-request-chat-template allows it)")
+        if not isinstance(template, str):
+            raise RequestError("'chat_template' must be a string")
+        return template
 
     async def _start(self, request: Request, chat: bool) -> tuple[GenerateBody, list[Seq], Any]:
         body = await read_json(request, self.server.args.max_request_bytes)
         default_model = self.server.model_path
+        template = self._chat_input(body) if chat else None
         spec = chat_request(body, default_model) if chat else completion_request(body, default_model)
         if spec.messages is not None:
-            spec.body["input_ids"] = await anyio.to_thread.run_sync(self._render_chat, spec)
+            spec.body["input_ids"] = await self._render_chat(spec, template)
         seqs, _single, group = await self.server.build(spec.body)
         await self.server.scheduler.submit(group)
         return spec, seqs, group
@@ -121,6 +158,8 @@ class OpenAIRoutes:
     async def _serve(self, request: Request, *, chat: bool) -> Response:
         try:
             spec, seqs, group = await self._start(request, chat)
+        except RequestTooLarge as exc:
+            return openai_error(str(exc), 413, "RequestTooLarge")
         except RequestError as exc:
             return openai_error(str(exc))
         except MemoryReleasedError as exc:

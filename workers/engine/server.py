@@ -28,13 +28,14 @@ from starlette.requests import Request
 from starlette.types import ASGIApp
 
 from workers import stack_dumps
+from workers.boundary.engine_routes import is_admin
 from workers.boundary.http_server import serve_process
 from workers.engine.args import EngineArgs
 from workers.engine.batch_invariant import BatchInvariantRunner
 from workers.engine.control_routes import ControlRoutes
 from workers.engine.generate_request import RequestBuilder
 from workers.engine.generate_routes import GenerateRoutes
-from workers.engine.http_input import LIMIT_NAME, ApiKeyMiddleware, BodyLimitMiddleware
+from workers.engine.http_input import LIMIT_NAME, AdminKeyMiddleware, BodyLimitMiddleware
 from workers.engine.info_routes import InfoRoutes
 from workers.engine.memory_routes import MemoryRoutes
 from workers.engine.openai_routes import OpenAIRoutes
@@ -100,8 +101,9 @@ class EngineServer:
         ]
         app: ASGIApp = Starlette(routes=routes, lifespan=self.lifespan)
         app = BodyLimitMiddleware(app, self.args.max_request_bytes, limit_name=LIMIT_NAME)
-        if self.args.api_key:
-            app = ApiKeyMiddleware(app, self.args.api_key)
+        if self.args.api_key or self.args.admin_api_key:  # SGLang's levels: control routes take the admin key
+            app = AdminKeyMiddleware(app, api_key=self.args.api_key, admin_api_key=self.args.admin_api_key,
+                                     is_admin=is_admin)
         return app
 
     @asynccontextmanager
