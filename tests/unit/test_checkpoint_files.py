@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from coordinator.checks.preflight import preflight
+from coordinator.cli import main as rayless
 from coordinator.cli import train_main
 from coordinator.config import ConfigError, parse_config
 from coordinator.train.recovery import RankRecovery
@@ -90,6 +91,11 @@ def test_the_pickle_payload_runs_nothing_on_any_load_path(save_dir: Path, tmp_pa
         assert train_main([*model, *flags]) == 2
         said = capsys.readouterr().err
         assert f"rayless train: error: {flags[-2]}: {refused}" in said, said
+    # rayless export of the checkpoint: refused naming the file, exit 2, nothing run
+    assert rayless(["export", str(directory), str(tmp_path / "out"), "--hf-checkpoint", str(tiny_model_dir)]) == 2
+    said = capsys.readouterr().err
+    assert str(directory / ".metadata") in said and "refusing to load posix.system" in said, said
+    assert not (tmp_path / "out").exists()
     assert not marker.exists()
 
 
