@@ -46,7 +46,11 @@ class MessagesSpec:
 def _text_of(blocks: list[Any], where: str) -> str:
     texts = []
     for index, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if (
+            not isinstance(block, dict)
+            or block.get("type") != "text"
+            or not isinstance(block.get("text"), str)
+        ):
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise RequestError(f"{where}[{index}]: expected a text block, got {show(kind)}")
         texts.append(block["text"])
@@ -109,7 +113,11 @@ def _message(message: Any, index: int) -> list[dict[str, Any]]:
             if not isinstance(block.get("tool_use_id"), str):
                 raise RequestError(f"{at}: a tool_result block needs a string 'tool_use_id'")
             results.append(
-                {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _tool_result_text(block, at)}
+                {
+                    "role": "tool",
+                    "tool_call_id": block["tool_use_id"],
+                    "content": _tool_result_text(block, at),
+                }
             )
         elif kind in ("thinking", "redacted_thinking"):
             continue  # the model's earlier reasoning is not rendered back, as in SGLang

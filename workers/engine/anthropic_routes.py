@@ -59,7 +59,12 @@ def usage(turn: Turn) -> dict[str, Any]:
 
 def tool_blocks(turn: Turn) -> list[dict[str, Any]]:
     return [
-        {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": call.arguments}
+        {
+            "type": "tool_use",
+            "id": f"toolu_{uuid.uuid4().hex[:24]}",
+            "name": call.name,
+            "input": call.arguments,
+        }
         for call in turn.calls
     ]
 
@@ -142,10 +147,13 @@ class AnthropicRoutes:
                 if isinstance(item, str):
                     if not text_open:
                         yield _event(
-                            "content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}}
+                            "content_block_start",
+                            {"index": index, "content_block": {"type": "text", "text": ""}},
                         )
                         text_open = True
-                    yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": item}})
+                    yield _event(
+                        "content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": item}}
+                    )
                     continue
                 turn = item
                 if not text_open and not turn.calls:  # the whole reply's content: one (empty) text block
