@@ -38,7 +38,7 @@ from workers.engine.sequences import MemoryReleasedError
 def _usage(turn: Turn) -> dict[str, Any]:
     return {
         "input_tokens": turn.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": turn.output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": turn.prompt_tokens + turn.output_tokens,
