@@ -301,12 +301,19 @@ def test_messages_are_the_chat_route_in_anthropic_shape(
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
 
     text = reply.content[0].text
-    stop = text[3]
+    stop = text[3:5]  # two characters: the stream must not send the first before the second shows it a stop
     cut = claude.messages.create(
         model="tiny", system="Add.", messages=user, max_tokens=12, stop_sequences=[stop], extra_body=sampling
     )
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == text[: text.index(stop)]
+    with claude.messages.stream(
+        model="tiny", system="Add.", messages=user, max_tokens=12, stop_sequences=[stop], extra_body=sampling
+    ) as stream:
+        deltas = "".join(event.delta.text for event in stream if event.type == "content_block_delta")
+        streamed = stream.get_final_message()
+    assert deltas == streamed.content[0].text == cut.content[0].text
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
 
 
 def test_messages_tool_use_round_trip(claude: anthropic.Anthropic, tokenizer: Any) -> None:

@@ -62,6 +62,11 @@ def test_a_stream_holds_back_what_may_become_call_markup() -> None:
     assert sendable("", "a < b", ADD) == len("a < b")
     assert sendable("", "hello <tool", set()) == len("hello <tool")  # no tools: nothing held back
     assert sendable("<tool_", "call>", ADD) == 0
+    # a stop string the engine will trim at the end is not sent first
+    assert sendable("", "one\n", set(), ["\n\n"]) == len("one")
+    assert sendable("", "one\n\ntwo", set(), ["\n\n"]) == len("one")
+    assert sendable("\n\n", "one", set(), ["\n\n"]) == len("one")  # stops are matched in the output only
+    assert sendable("", "x <tool_call> END", ADD, ["END"]) == len("x ")
 
 
 # ---- Anthropic Messages --------------------------------------------------------------------------------------

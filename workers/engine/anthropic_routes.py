@@ -119,7 +119,9 @@ class AnthropicRoutes:
         try:
             body = await read_json(request, self.server.args.max_request_bytes)
             spec = messages_request(body, self.server.model_path)
-            started = await self.turns.start(spec.chat_body, prefill=spec.prefill, known=spec.tool_names)
+            started = await self.turns.start(
+                spec.chat_body, prefill=spec.prefill, known=spec.tool_names, stops=spec.stop_sequences
+            )
         except RequestError as exc:
             return anthropic_error(str(exc))
         except MemoryReleasedError as exc:

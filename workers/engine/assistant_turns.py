@@ -7,7 +7,8 @@ template, bounds, scheduler), a finished turn's text is split into text and call
 stream holds back what may be call markup until the turn ends.
 
 Invariants: the tokens, logprobs and counts are the chat route's for the same body (one core, several wire
-formats); a streamed turn's deltas concatenate to the whole turn's `text`; a client that leaves mid-stream
+formats); a streamed turn's deltas concatenate to the whole turn's `text` (call markup and a stop string the
+engine trims are held back until the turn shows what they are); a client that leaves mid-stream
 aborts its sequence (the caller's `finally` calls `abort`).
 """
 
@@ -47,6 +48,7 @@ class Started:
     group: Any
     prefill: str
     known: set[str]
+    stops: list[str]
 
 
 class TurnRunner:
@@ -56,10 +58,12 @@ class TurnRunner:
         self.server = server
         self.chat = OpenAIRoutes(server)
 
-    async def start(self, chat_body: dict[str, Any], *, prefill: str, known: set[str]) -> Started:
+    async def start(
+        self, chat_body: dict[str, Any], *, prefill: str, known: set[str], stops: list[str] | None = None
+    ) -> Started:
         """Validated, rendered and submitted; `RequestError` / `MemoryReleasedError` before anything runs."""
         _spec, seqs, group = await self.chat.start(chat_body)
-        return Started(seqs[0], group, prefill, known)
+        return Started(seqs[0], group, prefill, known, list(stops or []))
 
     async def count(self, chat_body: dict[str, Any]) -> int:
         """The prompt's token count as the chat route would render it (nothing runs)."""
@@ -87,7 +91,7 @@ class TurnRunner:
         return self.finished(started, meta_info=meta_info)
 
     async def deltas(self, started: Started) -> AsyncIterator[str | Turn]:
-        """Text deltas as the model writes them (call markup held back), then the finished `Turn`. The deltas
+        """Text deltas as the model writes them (call markup and possible stop strings held back), then the finished `Turn`. The deltas
         are the `Turn.text` in pieces: what was held back and turned out not to be a call comes before it."""
         sent_text = ""
         progress: dict[int, tuple[str, int]] = {}
@@ -98,7 +102,7 @@ class TurnRunner:
                 written += moved[0]
             if seq.finished:
                 break
-            upto = sendable(started.prefill, written, started.known)
+            upto = sendable(started.prefill, written, started.known, started.stops)
             if upto > len(sent_text) and written.startswith(sent_text):
                 yield written[len(sent_text) : upto]
                 sent_text = written[:upto]

@@ -2,8 +2,8 @@
 as SGLang's `qwen25` / `hermes` function-call detectors read them, for the engine's `/v1/messages` and
 `/v1/responses` (which return tool calls as structured blocks where `/v1/chat/completions` leaves them in the text).
 
-Owns `split_tool_calls` (a finished text → the text before the first call and the calls) and `held_back` (how much
-of a streamed text may be sent before a possible `<tool_call>` opening).
+Owns `split_tool_calls` (a finished text → the text before the first call and the calls) and `held_back` / `sendable` (how
+much of a streamed text may be sent before a possible `<tool_call>` opening or stop string).
 
 Invariants: a block whose JSON does not parse (bounded: model output is untrusted), or that names a tool the request
 did not offer, is not a call (SGLang skips unknown tools); when no call is found the whole text stays text, so no
@@ -56,16 +56,21 @@ def split_tool_calls(text: str, known: set[str]) -> tuple[str, list[ParsedCall]]
     return text[: text.index(OPEN)], calls
 
 
-def held_back(text: str) -> int:
-    """Where a stream must stop sending `text` for now: at a `<tool_call>` opening, or at a tail that may become
-    one (`<tool`), so that call markup never reaches the client as text."""
-    start = text.find(OPEN)
-    if start != -1:
-        return start
-    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:size]):
-            return len(text) - size
-    return len(text)
+def held_back(text: str, markers: list[str]) -> int:
+    """Where a stream must stop sending `text` for now: at the first of `markers` in it (a `<tool_call>` opening,
+    a stop string the engine will trim), or at a tail that may become one (`<tool`), so that neither call markup
+    nor a stop string that is cut at the end ever reaches the client as text."""
+    cut = len(text)
+    for marker in markers:
+        start = text.find(marker)
+        if start != -1:
+            cut = min(cut, start)
+            continue
+        for size in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:size]):
+                cut = min(cut, len(text) - size)
+                break
+    return cut
 
 
 def assistant_turn(prefill: str, generated: str, known: set[str]) -> tuple[str, list[ParsedCall]]:
@@ -84,8 +89,13 @@ def calls_possible(known: set[str], text: str) -> bool:
     return bool(known) and OPEN in text
 
 
-def sendable(prefill: str, generated: str, known: set[str]) -> int:
-    """How many characters of `generated` a stream may send now (all of them when no tools were offered)."""
-    if not known:
-        return len(generated)
-    return max(held_back(prefill + generated) - len(prefill), 0)
+def sendable(prefill: str, generated: str, known: set[str], stops: list[str] | None = None) -> int:
+    """How many characters of `generated` a stream may send now: all of them unless tools were offered (call
+    markup, read from the prefill on) or stop strings asked (matched in the generated text, trimmed at the end)."""
+    cut = len(generated)
+    if known:
+        cut = min(cut, max(held_back(prefill + generated, [OPEN]) - len(prefill), 0))
+    stops = [stop for stop in stops or [] if stop]
+    if stops:
+        cut = min(cut, held_back(generated, stops))
+    return cut
