@@ -91,24 +91,22 @@ class TurnRunner:
         return self.finished(started, meta_info=meta_info)
 
     async def deltas(self, started: Started) -> AsyncIterator[str | Turn]:
-        """Text deltas as the model writes them (call markup and possible stop strings held back), then the finished `Turn`. The deltas
-        are the `Turn.text` in pieces: what was held back and turned out not to be a call comes before it."""
-        sent_text = ""
-        progress: dict[int, tuple[str, int]] = {}
-        written = ""
+        """Text deltas as the model writes them, then the finished `Turn`. Call markup and possible stop strings
+        are held back, so the deltas are `Turn.text` in pieces: what was held back and turned out to be text comes
+        with the end of the turn."""
+        tokenizer, sent = self.server.runner.tokenizer, ""
         async for seq in self.chat._changes(started.group, [started.seq]):
-            moved = self.chat._progress(seq, progress)
-            if moved is not None:
-                written += moved[0]
             if seq.finished:
-                break
+                continue  # the last change (`_changes` ends with it): the rest comes from the finished text
+            written = tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            written = written.rstrip("\ufffd")  # hold back a character whose bytes are not all there yet
             upto = sendable(started.prefill, written, started.known, started.stops)
-            if upto > len(sent_text) and written.startswith(sent_text):
-                yield written[len(sent_text) : upto]
-                sent_text = written[:upto]
+            if upto > len(sent) and written.startswith(sent):
+                yield written[len(sent) : upto]
+                sent = written[:upto]
         turn = self.finished(started, meta_info=False)
-        if turn.text.startswith(sent_text) and len(turn.text) > len(sent_text):
-            yield turn.text[len(sent_text) :]
+        if turn.text.startswith(sent) and len(turn.text) > len(sent):
+            yield turn.text[len(sent) :]
         yield turn
 
     def abort(self, started: Started) -> None:
