@@ -1,11 +1,11 @@
 """The engine's OpenAI-compatible endpoints, driven by the official `openai` SDK against a real engine process.
 
-What is checked is behaviour a client relies on: the chat prompt is the model's chat template (the same
-tokens and logprobs as `/generate` on the template's ids), `input_ids` replace the messages, stops, seeds
-and `n` act as in /generate, streams concatenate to the non-streamed answer, logprobs agree with
-`meta_info.output_token_logprobs`, and errors are SGLang's 4xx `ErrorResponse` (401 without the API key).
-The same engine serves Anthropic's `/v1/messages` (the official `anthropic` SDK) and OpenAI's `/v1/responses`:
-the same tokens, counts and token-in/token-out fields as the chat route, tool calls parsed into blocks and tool
+What is checked is behaviour a client relies on: the chat prompt is the model's chat template (the same tokens
+and logprobs as `/generate` on the template's ids), `input_ids` replace the messages, stops, seeds and `n` act
+as in /generate, streams concatenate to the non-streamed answer, logprobs agree with
+`meta_info.output_token_logprobs`, and errors are SGLang's 4xx `ErrorResponse` (401 without the API key). The
+same engine serves Anthropic's `/v1/messages` (the official `anthropic` SDK) and OpenAI's `/v1/responses`: the
+same tokens, counts and token-in/token-out fields as the chat route, tool calls parsed into blocks and tool
 results rendered back, streams that assemble to the whole answer, errors in each format's shape.
 """
 

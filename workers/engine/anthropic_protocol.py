@@ -2,21 +2,21 @@
 (`sglang/srt/entrypoints/anthropic/serving.py`) converts them: one generation core, another wire format.
 
 Owns the field mapping only (no I/O): `messages_request` validates a `/v1/messages` body (or, with
-`counting=True`, a `/v1/messages/count_tokens` body) and returns the `/v1/chat/completions` body the chat route
-validates, renders with the chat template and runs, plus what the reply needs (`MessagesSpec`).
+`counting=True`, a `/v1/messages/count_tokens` body) and returns the `/v1/chat/completions` body the chat
+route validates, renders with the chat template and runs, plus what the reply needs (`MessagesSpec`).
 
 Mapping: `system` (a string or text blocks) → a leading system message; text blocks joined with newlines;
-assistant `tool_use` blocks → the message's OpenAI `tool_calls` (arguments as JSON); user `tool_result` blocks →
-`tool` messages (`tool_call_id` = `tool_use_id`) in order; `thinking` blocks dropped (SGLang keeps none either);
-`tools` → OpenAI function tools given to the chat template; `stop_sequences` → `stop`; `max_tokens`,
+assistant `tool_use` blocks → the message's OpenAI `tool_calls` (arguments as JSON); user `tool_result` blocks
+→ `tool` messages (`tool_call_id` = `tool_use_id`) in order; `thinking` blocks dropped (SGLang keeps none
+either); `tools` → OpenAI function tools given to the chat template; `stop_sequences` → `stop`; `max_tokens`,
 `temperature`, `top_p`, `top_k` as they are; a final assistant message is a prefill the model continues
 (`continue_final_message`), as Anthropic's API does. SGLang extensions a client may add (`extra_body`):
-`return_meta_info` (the reply's `meta_info`, with the output logprobs: token in / token out, as the chat route),
-`seed`.
+`return_meta_info` (the reply's `meta_info`, with the output logprobs: token in / token out, as the chat
+route), `seed`.
 
 Invariants: every rejection is a `RequestError` naming the field (a 400 in Anthropic's error shape); images,
-documents and other non-text content are refused by name, never dropped; `tool_choice` `any` / `tool` (which need
-constrained decoding) are refused, not ignored.
+documents and other non-text content are refused by name, never dropped; `tool_choice` `any` / `tool` (which
+need constrained decoding) are refused, not ignored.
 """
 
 from __future__ import annotations

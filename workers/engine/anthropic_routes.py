@@ -1,5 +1,5 @@
-"""The engine's Anthropic Messages endpoints: `POST /v1/messages` (whole or streamed) and
-`POST /v1/messages/count_tokens`, as the official `anthropic` SDK calls them and SGLang serves them.
+"""The engine's Anthropic Messages endpoints: `POST /v1/messages` (whole or streamed) and `POST
+/v1/messages/count_tokens`, as the official `anthropic` SDK calls them and SGLang serves them.
 
 Owns the handlers and the reply shapes: a body is mapped to a chat body (`anthropic_protocol`), run as one
 assistant turn by the chat route's core (`assistant_turns`), and answered as an Anthropic `Message` (text and
@@ -7,11 +7,11 @@ assistant turn by the chat route's core (`assistant_turns`), and answered as an 
 `content_block_delta` — `text_delta` / `input_json_delta` — `content_block_stop`, `message_delta`,
 `message_stop`, each as `event: NAME` + `data: {...}`).
 
-Invariants: every rejection is Anthropic's error shape (`{"type": "error", "error": {"type", "message"}}`) with a
-4xx status, decided before anything joins the batch; the API key and the body limits are the engine's gates,
-as on every route (`--api-key` as `Authorization: Bearer`: the SDK's `auth_token`); `stop_reason` is `tool_use`
-when the turn holds a call of an offered tool, else `stop_sequence` (with `stop_sequence` set) when a requested
-stop string ended it, `max_tokens` when the length did, `end_turn` otherwise.
+Invariants: every rejection is Anthropic's error shape (`{"type": "error", "error": {"type", "message"}}`)
+with a 4xx status, decided before anything joins the batch; the API key and the body limits are the engine's
+gates, as on every route (`--api-key` as `Authorization: Bearer`: the SDK's `auth_token`); `stop_reason` is
+`tool_use` when the turn holds a call of an offered tool, else `stop_sequence` (with `stop_sequence` set) when
+a requested stop string ended it, `max_tokens` when the length did, `end_turn` otherwise.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ stream holds back what may be call markup until the turn ends.
 
 Invariants: the tokens, logprobs and counts are the chat route's for the same body (one core, several wire
 formats); a streamed turn's deltas concatenate to the whole turn's `text` (call markup and a stop string the
-engine trims are held back until the turn shows what they are); a client that leaves mid-stream
-aborts its sequence (the caller's `finally` calls `abort`).
+engine trims are held back until the turn shows what they are); a client that leaves mid-stream aborts its
+sequence (the caller's `finally` calls `abort`).
 """
 
 from __future__ import annotations

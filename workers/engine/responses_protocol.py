@@ -5,17 +5,18 @@ Owns the field mapping only (no I/O): `responses_request` validates a `/v1/respo
 `/v1/chat/completions` body the chat route validates, renders with the chat template and runs, plus what the
 reply needs (`ResponsesSpec`).
 
-Mapping: `instructions` → a leading system message; `input` as a string → one user message; as a list of items:
-messages (`role` user / system / developer — as system — / assistant; content a string or `input_text` /
-`output_text` parts), `function_call` items → the preceding assistant message's OpenAI `tool_calls` (a new
-assistant message when there is none), `function_call_output` items → `tool` messages, `reasoning` items dropped;
-`tools` (function tools) → OpenAI function tools given to the chat template; `max_output_tokens` → `max_tokens`;
-`temperature`, `top_p` as they are; SGLang's `return_meta_info` (with the output logprobs) and `seed` through.
+Mapping: `instructions` → a leading system message; `input` as a string → one user message; as a list of
+items: messages (`role` user / system / developer — as system — / assistant; content a string or `input_text`
+/ `output_text` parts), `function_call` items → the preceding assistant message's OpenAI `tool_calls` (a new
+assistant message when there is none), `function_call_output` items → `tool` messages, `reasoning` items
+dropped; `tools` (function tools) → OpenAI function tools given to the chat template; `max_output_tokens` →
+`max_tokens`; `temperature`, `top_p` as they are; SGLang's `return_meta_info` (with the output logprobs) and
+`seed` through.
 
 Invariants: every rejection is a `RequestError` naming the field (SGLang's 400 `ErrorResponse`);
 `previous_response_id` and `conversation` are refused (the engine stores no responses: send the whole input),
-as are non-function tools, forced `tool_choice` (it needs constrained decoding), structured `text.format`,
-and non-text content — never silently dropped.
+as are non-function tools, forced `tool_choice` (it needs constrained decoding), structured `text.format`, and
+non-text content — never silently dropped.
 """
 
 from __future__ import annotations

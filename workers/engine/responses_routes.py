@@ -5,8 +5,8 @@ Owns the handler and the reply shapes: a body is mapped to a chat body (`respons
 assistant turn by the chat route's core (`assistant_turns`), and answered as a `Response` (a `message` output
 item with `output_text`, one `function_call` item per parsed call, `usage`) or as its SSE events
 (`response.created`, `response.in_progress`, `response.output_item.added`, `response.content_part.added`,
-`response.output_text.delta` / `.done`, `response.content_part.done`, `response.function_call_arguments.delta` /
-`.done`, `response.output_item.done`, then `response.completed` or `response.incomplete`), each numbered by
+`response.output_text.delta` / `.done`, `response.content_part.done`, `response.function_call_arguments.delta`
+/ `.done`, `response.output_item.done`, then `response.completed` or `response.incomplete`), each numbered by
 `sequence_number`.
 
 Invariants: every rejection is SGLang's 4xx `ErrorResponse`, as on the other `/v1` routes, decided before

@@ -1,13 +1,14 @@
 """Tool calls in a model's text, Qwen/Hermes style (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`),
 as SGLang's `qwen25` / `hermes` function-call detectors read them, for the engine's `/v1/messages` and
-`/v1/responses` (which return tool calls as structured blocks where `/v1/chat/completions` leaves them in the text).
+`/v1/responses` (which return tool calls as structured blocks where `/v1/chat/completions` leaves them in the
+text).
 
-Owns `split_tool_calls` (a finished text → the text before the first call and the calls) and `held_back` / `sendable` (how
-much of a streamed text may be sent before a possible `<tool_call>` opening or stop string).
+Owns `split_tool_calls` (a finished text → the text before the first call and the calls) and `held_back` /
+`sendable` (how much of a streamed text may be sent before a possible `<tool_call>` opening or stop string).
 
-Invariants: a block whose JSON does not parse (bounded: model output is untrusted), or that names a tool the request
-did not offer, is not a call (SGLang skips unknown tools); when no call is found the whole text stays text, so no
-output is lost; arguments are always a JSON object.
+Invariants: a block whose JSON does not parse (bounded: model output is untrusted), or that names a tool the
+request did not offer, is not a call (SGLang skips unknown tools); when no call is found the whole text stays
+text, so no output is lost; arguments are always a JSON object.
 """
 
 from __future__ import annotations
