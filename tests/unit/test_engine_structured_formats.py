@@ -126,6 +126,9 @@ def test_messages_map_onto_the_chat_body() -> None:
     [
         ({"messages": [{"role": "user", "content": "x"}]}, "'max_tokens' is required"),
         ({"max_tokens": 1, "messages": "x"}, "'messages'"),
+        ([1, 2], "JSON object"),
+        ({"max_tokens": 1, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f",
+          "input": [1]}]}]}, "an object 'input'"),
         ({"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}, "role"),
         ({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, "'document'"),
         ({"max_tokens": 1, "messages": [{"role": "assistant", "content": [{"type": "tool_result"}]}]}, "tool_result"),
@@ -139,7 +142,7 @@ def test_messages_map_onto_the_chat_body() -> None:
           "name": "add"}}, "constrained decoding"),
     ],
 )
-def test_bad_messages_bodies_name_the_field(body: dict[str, Any], words: str) -> None:
+def test_bad_messages_bodies_name_the_field(body: Any, words: str) -> None:
     with pytest.raises(RequestError, match=words):
         messages_request(body, "m")
 
@@ -210,9 +213,10 @@ def test_responses_input_maps_onto_the_chat_body() -> None:
         ({"input": [{"type": "function_call", "name": "add"}]}, "function_call"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input_image"),
         ({"input": "x", "stream": "yes"}, "booleans"),
+        ("x", "JSON object"),
     ],
 )
-def test_bad_responses_bodies_name_the_field(body: dict[str, Any], words: str) -> None:
+def test_bad_responses_bodies_name_the_field(body: Any, words: str) -> None:
     with pytest.raises(RequestError, match=words):
         responses_request(body, "m")
 
