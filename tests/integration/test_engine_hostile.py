@@ -80,6 +80,9 @@ HOSTILE: list[tuple[str, str, str, Any]] = [
         )
     ],
     ("JSON 40 levels deep", "POST", "/generate", {"text": "1", "rid": json.loads("[" * 40 + "]" * 40)}),
+    # the structured wire formats (Anthropic Messages, OpenAI Responses) pass the same gates; their field checks
+    # are unit-tested (tests/unit/test_engine_structured_formats.py)
+    *[(f"deep JSON {path}", "POST", path, DEEP) for path in ("/v1/messages", "/v1/responses")],
 ]
 
 

@@ -140,6 +140,11 @@ class OpenAIRoutes:
 
     async def _start(self, request: Request, chat: bool) -> tuple[GenerateBody, list[Seq], Any]:
         body = await read_json(request, self.server.args.max_request_bytes)
+        return await self.start(body, chat)
+
+    async def start(self, body: dict[str, Any], chat: bool = True) -> tuple[GenerateBody, list[Seq], Any]:
+        """An OpenAI body validated, rendered, built and submitted (the other wire formats map onto a chat body
+        and come in here)."""
         default_model = self.server.model_path
         template = self._chat_input(body) if chat else None
         spec = chat_request(body, default_model) if chat else completion_request(body, default_model)

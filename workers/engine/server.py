@@ -4,7 +4,8 @@ Owns the engine's state (the runner, the scheduler, the model path and context l
 the route table built from the route modules — `/generate` (`generate_routes`, its input rules in
 `generate_request`), health, info and metrics (`info_routes`), generation control (`control_routes`), memory
 release and resume (`memory_routes`), weight updates (`weight_routes`), the OpenAI-compatible `/v1` routes
-(`openai_routes`) — the gates every request passes first (API key, body size: `http_input`), the lifespan,
+(`openai_routes`), Anthropic's `/v1/messages` (`anthropic_routes`), OpenAI's `/v1/responses`
+(`responses_routes`) — the gates every request passes first (API key, body size: `http_input`), the lifespan,
 and `serve` (on the shared HTTP layer, `workers.boundary.http_server`). Each route module meets the engine
 through a Protocol of what it uses, so none imports this one.
 
@@ -30,6 +31,7 @@ from starlette.types import ASGIApp
 from workers import stack_dumps
 from workers.boundary.engine_routes import is_admin
 from workers.boundary.http_server import serve_process
+from workers.engine.anthropic_routes import AnthropicRoutes
 from workers.engine.args import EngineArgs
 from workers.engine.batch_invariant import BatchInvariantRunner
 from workers.engine.control_routes import ControlRoutes
@@ -40,6 +42,7 @@ from workers.engine.info_routes import InfoRoutes
 from workers.engine.memory_routes import MemoryRoutes
 from workers.engine.openai_routes import OpenAIRoutes
 from workers.engine.rescoring import Rescorer
+from workers.engine.responses_routes import ResponsesRoutes
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequences import Seq
@@ -98,6 +101,8 @@ class EngineServer:
             *MemoryRoutes(self).routes(),  # /release_memory_occupation, /resume_memory_occupation
             *self.weights.routes(),  # /update_weights_from_disk, /init_weights_update_group, ...
             *OpenAIRoutes(self).routes(),  # /v1/chat/completions, /v1/completions, /v1/models
+            *AnthropicRoutes(self).routes(),  # /v1/messages, /v1/messages/count_tokens
+            *ResponsesRoutes(self).routes(),  # /v1/responses
         ]
         app: ASGIApp = Starlette(routes=routes, lifespan=self.lifespan)
         app = BodyLimitMiddleware(app, self.args.max_request_bytes, limit_name=LIMIT_NAME)

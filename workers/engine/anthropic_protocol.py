@@ -1,0 +1,233 @@
+"""Anthropic Messages request bodies → the engine's OpenAI chat body, as SGLang's Anthropic adapter
+(`sglang/srt/entrypoints/anthropic/serving.py`) converts them: one generation core, another wire format.
+
+Owns the field mapping only (no I/O): `messages_request` validates a `/v1/messages` body (or, with
+`counting=True`, a `/v1/messages/count_tokens` body) and returns the `/v1/chat/completions` body the chat
+route validates, renders with the chat template and runs, plus what the reply needs (`MessagesSpec`).
+
+Mapping: `system` (a string or text blocks) → a leading system message; text blocks joined with newlines;
+assistant `tool_use` blocks → the message's OpenAI `tool_calls` (arguments as JSON); user `tool_result` blocks
+→ `tool` messages (`tool_call_id` = `tool_use_id`) in order; `thinking` blocks dropped (SGLang keeps none
+either); `tools` → OpenAI function tools given to the chat template; `stop_sequences` → `stop`; `max_tokens`,
+`temperature`, `top_p`, `top_k` as they are; a final assistant message is a prefill the model continues
+(`continue_final_message`), as Anthropic's API does. SGLang extensions a client may add (`extra_body`):
+`return_meta_info` (the reply's `meta_info`, with the output logprobs: token in / token out, as the chat
+route), `seed`.
+
+Invariants: every rejection is a `RequestError` naming the field (a 400 in Anthropic's error shape); images,
+documents and other non-text content are refused by name, never dropped; `tool_choice` `any` / `tool` (which
+need constrained decoding) are refused, not ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.engine.sampling_params import RequestError, show
+
+_ROLES = ("user", "assistant")
+
+
+@dataclass
+class MessagesSpec:
+    """What the reply needs besides the generated sequence."""
+
+    chat_body: dict[str, Any]
+    model: str
+    stream: bool = False
+    stop_sequences: list[str] = field(default_factory=list)
+    tool_names: set[str] = field(default_factory=set)
+    prefill: str = ""  # the text of a final assistant message the model continues
+    meta_info: bool = False
+
+
+def _text_of(blocks: list[Any], where: str) -> str:
+    texts = []
+    for index, block in enumerate(blocks):
+        if (
+            not isinstance(block, dict)
+            or block.get("type") != "text"
+            or not isinstance(block.get("text"), str)
+        ):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise RequestError(f"{where}[{index}]: expected a text block, got {show(kind)}")
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
+    system = body.get("system")
+    if system is None:
+        return []
+    if isinstance(system, str):
+        text = system
+    elif isinstance(system, list):
+        text = _text_of(system, "system")
+    else:
+        raise RequestError("'system' must be a string or a list of text blocks")
+    return [{"role": "system", "content": text}] if text else []
+
+
+def _tool_result_text(block: dict[str, Any], where: str) -> str:
+    content = block.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return _text_of(content, f"{where}.content")
+    raise RequestError(f"{where}.content must be a string or a list of text blocks")
+
+
+def _message(message: Any, index: int) -> list[dict[str, Any]]:
+    """One Anthropic message as the OpenAI messages it stands for (tool results become their own messages)."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        raise RequestError(f"{where} must be an object with 'role' user or assistant")
+    role, content = message["role"], message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise RequestError(f"{where}.content must be a string or a list of content blocks")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for number, block in enumerate(content):
+        at = f"{where}.content[{number}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                raise RequestError(f"{at}: a tool_use block needs a string 'name' and an object 'input'")
+            calls.append(
+                {
+                    "id": str(block.get("id") or f"toolu_{index}_{number}"),
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))},
+                }
+            )
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise RequestError(f"{at}: a tool_result block needs a string 'tool_use_id'")
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block["tool_use_id"],
+                    "content": _tool_result_text(block, at),
+                }
+            )
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # the model's earlier reasoning is not rendered back, as in SGLang
+        else:
+            shown = kind if kind is not None else type(block).__name__
+            raise RequestError(
+                f"{at}: content blocks of type {show(shown)} are not supported by the rayless engine "
+                f"(text, tool_use in assistant turns, tool_result in user turns)"
+            )
+    out: list[dict[str, Any]] = list(results)
+    if texts or calls or not results:
+        item: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if calls:
+            item["tool_calls"] = calls
+        out.append(item)
+    return out
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("'tools' must be a list")
+    converted = []
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise RequestError(f"tools[{index}] must be an object with a string 'name'")
+        if tool.get("type") not in (None, "custom"):
+            raise RequestError(
+                f"tools[{index}]: server tools ({show(tool.get('type'))}) are not supported by the rayless engine"
+            )
+        schema = tool.get("input_schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise RequestError(f"tools[{index}].input_schema must be an object")
+        converted.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": tool["name"],
+                    "description": tool.get("description") or "",
+                    "parameters": schema,
+                },
+            }
+        )
+    return converted
+
+
+def _tool_choice(body: dict[str, Any]) -> str | None:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    raise RequestError(
+        f"'tool_choice' {show(kind)}: only 'auto' and 'none' are supported (forcing a tool needs constrained "
+        "decoding, which the rayless engine does not do)"
+    )
+
+
+def messages_request(body: Any, default_model: str, *, counting: bool = False) -> MessagesSpec:
+    """A /v1/messages body (or a count_tokens body) as the chat body that runs it."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("'messages' must be a non-empty list of message objects")
+    messages = _system(body)
+    for index, message in enumerate(raw):
+        messages += _message(message, index)
+    model = body.get("model", default_model)
+    if not isinstance(model, str):
+        raise RequestError("'model' must be a string")
+    chat: dict[str, Any] = {"model": model, "messages": messages}
+    tools = _tools(body)
+    choice = _tool_choice(body)
+    if tools:
+        chat["tools"] = tools
+        if choice is not None:
+            chat["tool_choice"] = choice
+    spec = MessagesSpec(chat_body=chat, model=model)
+    if tools and choice != "none":
+        spec.tool_names = {tool["function"]["name"] for tool in tools}
+    last = raw[-1]
+    if isinstance(last, dict) and last.get("role") == "assistant":
+        chat["continue_final_message"] = True
+        spec.prefill = messages[-1]["content"]
+    if counting:
+        return spec
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise RequestError(f"'max_tokens' is required and must be a positive integer, got {show(max_tokens)}")
+    chat["max_tokens"] = max_tokens
+    for key in ("temperature", "top_p", "top_k", "seed"):
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise RequestError("'stop_sequences' must be a list of non-empty strings")
+        chat["stop"] = stops
+        spec.stop_sequences = list(stops)
+    stream = body.get("stream", False)
+    meta = body.get("return_meta_info", False)
+    if not isinstance(stream, bool) or not isinstance(meta, bool):
+        raise RequestError("'stream' and 'return_meta_info' must be booleans")
+    if stream and meta:
+        raise RequestError("return_meta_info is not supported with streaming: set stream=false")
+    chat["stream"] = spec.stream = stream
+    if meta:
+        chat["return_meta_info"] = chat["logprobs"] = spec.meta_info = True
+    return spec
