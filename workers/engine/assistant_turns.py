@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 from starlette.requests import Request
 
 from workers.engine.openai_protocol import chat_request
@@ -67,8 +66,9 @@ class TurnRunner:
 
     async def count(self, chat_body: dict[str, Any]) -> int:
         """The prompt's token count as the chat route would render it (nothing runs)."""
+        template = self.chat._chat_input(chat_body)  # the chat route's limits and template rule, then its render
         spec = chat_request(chat_body, self.server.model_path)
-        return len(await anyio.to_thread.run_sync(self.chat._render_chat, spec))
+        return len(await self.chat._render_chat(spec, template))
 
     def finished(self, started: Started, *, meta_info: bool) -> Turn:
         seq = started.seq
