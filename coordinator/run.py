@@ -200,7 +200,8 @@ async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, ta
         from coordinator.engines.client import EngineClient
 
         client = await resources.enter_async_context(EngineClient(
-            max_connections=min(config.generate_concurrency, 1024), api_key=config.sglang.sglang_api_key))
+            max_connections=min(config.generate_concurrency, 1024), api_key=config.sglang.sglang_api_key,
+            stall_timeout=config.fault_tolerance.engine_stall_timeout_s))
     processes = build_processes(config, plan, run_dir, client=client, nodes=nodes, progress=progress)
     tokenizer, context_length = await start_processes(config, processes, task_group, clock)
     ft = build_fault_tolerance(config, processes, tokenizer=tokenizer, run_dir=run_dir, metrics=metrics)
