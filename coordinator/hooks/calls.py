@@ -105,7 +105,7 @@ class HookBounds:
     _traced: set[str] = field(default_factory=set)
 
     def limit(self, kind: str) -> float:
-        return self.limits[kind]
+        return self.limits.get(kind, DEFAULT_LIMITS[kind])
 
     def failed(self, kind: str, what: str, error: BaseException | str) -> None:
         """Count a failed call of `kind`; raise HookBudgetSpent when it makes `max_in_a_row`."""
