@@ -103,6 +103,8 @@ class HookBounds:
     in_a_row: dict[str, int] = field(default_factory=dict)
     #: the traceback of a failure is logged once per kind (the next ones are one line each)
     _traced: set[str] = field(default_factory=set)
+    #: the kinds whose budget is spent (HookBudgetSpent raised)
+    _spent: set[str] = field(default_factory=set)
 
     def limit(self, kind: str) -> float:
         return self.limits.get(kind, DEFAULT_LIMITS[kind])
@@ -114,7 +116,10 @@ class HookBounds:
         if isinstance(error, BaseException) and kind not in self._traced:
             self._traced.add(kind)
             log.warning("traceback of the first failure of %s", what, exc_info=error, extra={FILE_ONLY: True})
-        if count >= self.max_in_a_row:
+        if count >= self.max_in_a_row and kind not in self._spent:
+            # Once per kind: calls failing at the same moment (timeouts of one deadline) would each stop the run
+            # with a line of their own; after the first, a failure is an ordinary failed call while the run stops.
+            self._spent.add(kind)
             raise HookBudgetSpent(what, count, error)
 
     def returned(self, kind: str) -> None:
