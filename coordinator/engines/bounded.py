@@ -97,28 +97,30 @@ def _chunks(resp: httpx.Response, watch: Watch | None, between: Callable[[], boo
     return resp.aiter_bytes() if watch is None else watch(resp.aiter_bytes(), between)
 
 
-def _never() -> bool:
-    return False
-
-
-async def read_capped(resp: httpx.Response, cap: int, url: str, watch: Watch | None = None) -> bytes:
-    """The whole body of `resp`, refused as soon as it passes `cap` bytes (or declares more); its chunks go
-    through `watch` when given."""
+async def read_capped(resp: httpx.Response, cap: int, url: str,
+                      on_chunk: Callable[[int], None] | None = None) -> bytes:
+    """The whole body of `resp`, refused as soon as it passes `cap` bytes (or declares more); each chunk's size
+    told to `on_chunk` (the stall rules' clock, `stall.ReplyClock`) when given."""
     declared = _declared_length(resp)
     if declared is not None and declared > cap and "content-encoding" not in resp.headers:
         raise EngineReplyError(url, f"reply of {declared} bytes is over the limit of {cap} for this request")
     body = bytearray()
-    async for chunk in _chunks(resp, watch, _never):
+    async for chunk in resp.aiter_bytes():
+        if on_chunk is not None:
+            on_chunk(len(chunk))
         body += chunk
         if len(body) > cap:
             raise EngineReplyError(url, f"reply passed the limit of {cap} bytes for this request; not read further")
     return bytes(body)
 
 
-async def read_prefix(resp: httpx.Response, limit: int = ERROR_BYTES, watch: Watch | None = None) -> bytes:
+async def read_prefix(resp: httpx.Response, limit: int = ERROR_BYTES,
+                      on_chunk: Callable[[int], None] | None = None) -> bytes:
     """At most `limit` bytes of `resp`'s body (an error answer: its beginning is its message)."""
     body = bytearray()
-    async for chunk in _chunks(resp, watch, _never):
+    async for chunk in resp.aiter_bytes():
+        if on_chunk is not None:
+            on_chunk(len(chunk))
         body += chunk
         if len(body) >= limit:
             break

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 import msgspec
 from httpx_aiohttp import AiohttpTransport
@@ -45,7 +46,7 @@ from coordinator.engines.api import JSON, EngineAPI
 from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, read_capped, read_prefix
 from coordinator.engines.errors import EngineError
 from coordinator.engines.policy import RetryPolicy
-from coordinator.engines.stall import PROBE_S, Liveness, open_watched, progressing
+from coordinator.engines.stall import PROBE_S, HeadWatch, Liveness, ReplyClock, progressing
 from coordinator.engines.transport import (
     TRANSPORT_ERRORS,
     error_from_response,
@@ -95,7 +96,9 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0, got {stall_timeout}")
         self.stall_timeout = stall_timeout
-        self.liveness = Liveness(lambda: self.http, fresh=stall_timeout / 2, probe_s=probe_timeout)
+        #: the head-liveness rule; `watch_stalls` runs it
+        self.head_watch = HeadWatch(Liveness(lambda: self.http, fresh=stall_timeout / 2, probe_s=probe_timeout),
+                                    stall_timeout)
         self.retry = retry
         self.transport = transport
         #: the model's vocabulary (`set_vocab_size`, once the tokenizer is loaded): ids a reply may hold
@@ -186,21 +189,24 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         """One exchange, its body read under the cap and the stall rules; the answer rebuilt around the bytes
         read."""
         started = time.monotonic()
-        watch = self.stall_watch(url, what, started)
-        async with AsyncExitStack() as stack:
-            resp = await open_watched(
-                stack, self.http.stream(what.split(" ", 1)[0], url, content=content, params=params, headers=headers,
-                                        timeout=timeout),
-                self.liveness, url=url, base_url=base_url.rstrip("/"), what=what, stall=self.stall_timeout, started=started,
-                limit=read)
-            body = await (read_capped(resp, max_bytes, url, watch) if resp.status_code < 400
-                          else read_prefix(resp, watch=watch))
+        with ReplyClock(stall=self.stall_timeout, url=url, base_url=base_url.rstrip("/"), what=what, started=started,
+                        watch=self.head_watch, limit=read) as clock:
+            async with self.http.stream(what.split(" ", 1)[0], url, content=content, params=params, headers=headers,
+                                        timeout=timeout) as resp:
+                clock.headed()
+                body = await (read_capped(resp, max_bytes, url, clock.advance) if resp.status_code < 400
+                              else read_prefix(resp, on_chunk=clock.advance))
         kept = [(key, value) for key, value in resp.headers.multi_items() if key.lower() not in _DECODED_HEADERS]
         return httpx.Response(resp.status_code, headers=kept, content=body, request=resp.request)
 
+    async def watch_stalls(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The head-liveness rule for this client's requests (`stall.HeadWatch`), until cancelled; the run
+        starts it in its task group (without it the body rule and the read timeouts still hold)."""
+        await self.head_watch.run(task_status=task_status)
+
     def stall_watch(self, url: str, what: str,
                     started: float) -> Callable[[AsyncIterator[bytes], Callable[[], bool]], AsyncIterator[bytes]]:
-        """The body-progress rule (`stall.progressing`) for one request's reply."""
+        """The body-progress rule for a streamed reply read line by line (`stall.progressing`)."""
         return lambda chunks, between: progressing(chunks, stall=self.stall_timeout, url=url, what=what,
                                                    started=started, between=between)
 

@@ -5,13 +5,17 @@ Owns two rules, each with the client's `stall_timeout` (`--engine-stall-timeout-
 - *body progress*: once an answer's head arrived, its body — and, in a stream, each event line once begun — must
   end or bring `STALL_BYTES` within every N seconds (an honest engine writes a reply, or an event, at once; one
   that drips a byte a second is refused after N s, not after the whole reply's hour);
-- *head liveness*: a request whose answer's head has not come after N seconds asks the engine's `/health`
-  (one probe per engine at a time, its answer shared by every request waiting on that engine); no answer at all
-  within `PROBE_S` — an engine that accepts connections and answers nothing, stopped or wedged — ends the
-  request. Any answer, a 503 included, means the server is alive and busy: the request goes on waiting, bounded
-  by its read timeout, with one warning line per engine (repeated at doubling waits) naming the engine and the
+- *head liveness* (`HeadWatch`, a service of the run): a request whose answer's head has not come after N
+  seconds (looked for every quarter of N) gets its engine asked for `/health` (one probe per engine, its
+  answer shared by every request waiting on that engine); no answer at all within `PROBE_S` — an engine that
+  accepts connections and answers nothing, stopped or wedged — ends the engine's late requests. Any answer, a
+  503 included, means the server is alive and busy: the request goes on waiting, bounded by its read timeout, with one warning line per engine (repeated at doubling waits) naming the engine and the
   wait, so a long wait is never silent. A generation that never finishes on an engine that answers `/health` is
   the HealthMonitor's to find (its probe generates a token; docs/fault-tolerance.md).
+
+One cancel scope per request carries both rules (`ReplyClock`): no deadline while the head is awaited (the watch
+cancels it), then the body's, moved on at each `STALL_BYTES`; a stream's lines, read by a generator that yields
+between them, go through `progressing` instead.
 
 Invariant: what either rule ends is an `EngineStalled` (an `EngineTimeout`): the dispatch handles it as any
 failed request (the engine is probed, then the request goes to another engine), never retried on the same one.
@@ -20,15 +24,14 @@ A probe never changes an engine's state; only the fleet does.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.abc
 
 from coordinator.engines.errors import EngineStalled
 
@@ -74,6 +77,61 @@ async def progressing(source: AsyncIterator[bytes], *, stall: float, url: str, w
         yield chunk
 
 
+class ReplyClock:
+    """Both rules for one request in one cancel scope: registered with `watch` while the head is awaited (when
+    the request's read timeout is longer than the stall bound), then, after `headed()`, the body's deadline,
+    moved on by `advance`. Leaving it cancelled raises `EngineStalled` (the watch's, or the body's)."""
+
+    def __init__(self, *, stall: float, url: str, base_url: str, what: str, started: float,
+                 watch: HeadWatch | None, limit: float | None) -> None:
+        self.stall, self.url, self.base_url, self.what, self.started, self.limit = stall, url, base_url, what, \
+            started, limit
+        self._watch = watch if watch is not None and (limit is None or limit > stall) else None
+        self._scope = anyio.CancelScope()
+        self._window_start = started
+        self._bytes = 0
+        #: set by the watch when the engine answered nothing
+        self.failed: EngineStalled | None = None
+
+    def headed(self) -> None:
+        """The answer's head came: from now on its body must move."""
+        if self._watch is not None:
+            self._watch.waiting.discard(self)
+        self._window_start, self._bytes = time.monotonic(), 0
+        self._scope.deadline = anyio.current_time() + self.stall
+
+    def advance(self, size: int) -> None:
+        """`size` more bytes of the body came."""
+        self._bytes += size
+        if self._bytes >= STALL_BYTES:
+            self._window_start, self._bytes = time.monotonic(), 0
+            self._scope.deadline = anyio.current_time() + self.stall
+
+    def stop(self, failed: EngineStalled) -> None:
+        """The watch's verdict: the engine answers nothing."""
+        self.failed = failed
+        self._scope.cancel()
+
+    def __enter__(self) -> ReplyClock:
+        self._scope.__enter__()
+        if self._watch is not None:
+            self._watch.waiting.add(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> bool:
+        if self._watch is not None:
+            self._watch.waiting.discard(self)
+        suppressed = bool(self._scope.__exit__(*exc_info))  # type: ignore[arg-type]
+        if self._scope.cancelled_caught:
+            if self.failed is not None:
+                raise self.failed
+            now = time.monotonic()
+            raise EngineStalled(self.url, self.what, f"{self._bytes} bytes in {now - self._window_start:.1f} s, "
+                                f"under {STALL_BYTES} (a reply dripping)", stall=self.stall,
+                                elapsed=now - self.started)
+        return suppressed
+
+
 class Liveness:
     """One `/health` probe per engine at a time, its answer reused by every request that asks within `fresh`
     seconds; a late answer is logged once per engine, again at each doubling of the wait."""
@@ -117,51 +175,45 @@ class Liveness:
                     "waiting, %s", base_url, what, waited, bound)
 
 
-async def watch_head(liveness: Liveness, head: anyio.Event, scope: anyio.CancelScope, *, url: str, base_url: str,
-                     what: str, stall: float, started: float, limit: float | None,
-                     failed: list[EngineStalled]) -> None:
-    """Until `head` is set: every `stall` seconds without it, ask whether the engine answers; when it does not,
-    record the error in `failed` and cancel `scope` (the request)."""
-    while True:
-        with anyio.move_on_after(stall):
-            await head.wait()
-            return
-        waited = time.monotonic() - started
-        if not await liveness.answers(base_url):
-            if head.is_set():
-                return
-            failed.append(EngineStalled(url, what, f"no answer, and /health gave none within "
-                                        f"{liveness.probe_s:g} s (it accepts connections and answers nothing)",
-                                        stall=stall, elapsed=time.monotonic() - started))
-            scope.cancel()
-            return
-        liveness.still_waiting(base_url, what, waited, limit)
+class HeadWatch:
+    """The head-liveness rule for every request of one client: the requests register while they wait for an
+    answer's head (a dict entry and a cancel scope: no task per request), and `run` — a service the run starts
+    — looks every quarter of `stall` for those waiting longer than `stall`, probes their engines (one probe per
+    engine, concurrently) and ends the requests of an engine that answered nothing. A client whose watch is not
+    running (a hook's own client, a tool) keeps the body rule and its read timeouts."""
 
+    def __init__(self, liveness: Liveness, stall: float) -> None:
+        self.liveness = liveness
+        self.stall = stall
+        self.tick = min(stall / 4, 5.0)
+        #: the requests awaiting their answer's head (each `ReplyClock` adds and removes itself)
+        self.waiting: set[ReplyClock] = set()
 
-async def open_watched(stack: AsyncExitStack, opening: AbstractAsyncContextManager[httpx.Response],
-                       liveness: Liveness, *, url: str, base_url: str, what: str, stall: float, started: float,
-                       limit: float | None) -> httpx.Response:
-    """Enter `opening` (an httpx stream: it returns once the answer's head came) on `stack`, the head's wait
-    watched by `watch_head` when it may last longer than `stall`; `EngineStalled` when the engine answers
-    nothing. The response stays open on `stack` (the watcher's task group ends with the head)."""
-    if limit is not None and limit <= stall:
-        return await stack.enter_async_context(opening)
-    head = anyio.Event()
-    failed: list[EngineStalled] = []
-    response: httpx.Response | None = None
-    error: BaseException | None = None
-    async with anyio.create_task_group() as group:
-        group.start_soon(functools.partial(watch_head, liveness, head, group.cancel_scope, url=url, base_url=base_url,
-                                           what=what, stall=stall, started=started, limit=limit, failed=failed))
-        try:
-            response = await stack.enter_async_context(opening)
-        except Exception as exc:  # carried out by hand: raised here it would come out as an ExceptionGroup
-            error = exc
-        finally:
-            head.set()
-    if failed:
-        raise failed[0]
-    if error is not None:
-        raise error
-    assert response is not None
-    return response
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await anyio.sleep(self.tick)
+            await self.sweep()
+
+    async def sweep(self) -> None:
+        """Judge every engine with a request waiting longer than `stall` for its head."""
+        now = time.monotonic()
+        late: dict[str, list[ReplyClock]] = {}
+        for waiting in self.waiting:
+            if waiting.failed is None and now - waiting.started >= self.stall:
+                late.setdefault(waiting.base_url, []).append(waiting)
+        async with anyio.create_task_group() as group:
+            for base_url, requests in late.items():
+                group.start_soon(self._judge, base_url, requests)
+
+    async def _judge(self, base_url: str, requests: list[ReplyClock]) -> None:
+        if await self.liveness.answers(base_url):
+            oldest = min(requests, key=lambda waiting: waiting.started)
+            self.liveness.still_waiting(base_url, oldest.what, time.monotonic() - oldest.started, oldest.limit)
+            return
+        for waiting in requests:
+            if waiting in self.waiting:  # not answered meanwhile
+                waiting.stop(EngineStalled(
+                    waiting.url, waiting.what, f"no answer, and /health gave none within {self.liveness.probe_s:g} s "
+                    "(it accepts connections and answers nothing)", stall=self.stall,
+                    elapsed=time.monotonic() - waiting.started))

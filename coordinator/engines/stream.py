@@ -26,7 +26,7 @@ from coordinator.engines.bounded import (
 )
 from coordinator.engines.errors import EngineStreamError
 from coordinator.engines.replies import check_generate_body_async
-from coordinator.engines.stall import Liveness, open_watched
+from coordinator.engines.stall import HeadWatch, ReplyClock
 from coordinator.engines.transport import (
     TRANSPORT_ERRORS,
     error_from_response,
@@ -44,7 +44,7 @@ class StreamingClient(Protocol):
     connect_timeout: float
     stall_timeout: float
     vocab_size: int | None
-    liveness: Liveness
+    head_watch: HeadWatch
 
     def stall_watch(self, url: str, what: str, started: float) -> Watch: ...
 
@@ -59,11 +59,10 @@ async def stream_generate(
     watch = client.stall_watch(url, "POST /generate (stream)", started)
     try:
         async with AsyncExitStack() as stack:
-            resp = await open_watched(
-                stack, client.http.stream("POST", url, json=body,
-                                          timeout=request_timeout(client.connect_timeout, read)),
-                client.liveness, url=url, base_url=base_url, what="POST /generate (stream)", stall=client.stall_timeout,
-                started=started, limit=read)
+            with ReplyClock(stall=client.stall_timeout, url=url, base_url=base_url, what="POST /generate (stream)",
+                            started=started, watch=client.head_watch, limit=read):
+                resp = await stack.enter_async_context(client.http.stream(
+                    "POST", url, json=body, timeout=request_timeout(client.connect_timeout, read)))
             if resp.status_code >= 400:
                 raise error_from_response(await _capped_answer(resp, url), url)
             async for line in iter_lines_capped(resp, cap, url, watch):

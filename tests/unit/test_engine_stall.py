@@ -126,10 +126,13 @@ async def late_but_alive(stream: anyio.abc.SocketStream, line: bytes) -> None:
 
 
 @asynccontextmanager
-async def client() -> AsyncIterator[EngineClient]:
-    async with EngineClient(max_connections=4, stall_timeout=STALL, probe_timeout=PROBE, generate_timeout=READ,
-                            retry=NO_RETRY) as c:
+async def client(read: float = READ) -> AsyncIterator[EngineClient]:
+    """A client with its head watch running, as the run starts it."""
+    async with EngineClient(max_connections=4, stall_timeout=STALL, probe_timeout=PROBE, generate_timeout=read,
+                            retry=NO_RETRY) as c, anyio.create_task_group() as group:
+        await group.start(c.watch_stalls)
         yield c
+        group.cancel_scope.cancel()
 
 
 async def stalled(url: str, *, stream: bool = False, seen: list[object] | None = None) -> EngineError:
@@ -155,6 +158,7 @@ async def test_an_engine_that_accepts_and_answers_nothing_is_named_stalled() -> 
     assert f"engine {url}/generate stalled: POST /generate made no progress for 0.5 s" in str(error)
     assert "/health gave none within 0.3 s" in str(error)
     assert STALL <= error.elapsed < READ / 4
+    assert STALL + PROBE <= error.elapsed  # a probe that got no answer, not a guess
 
 
 async def test_an_answer_head_then_nothing_and_a_dripping_reply_are_stalled() -> None:
@@ -189,9 +193,14 @@ async def test_an_engine_answering_health_is_waited_for_with_a_warning_not_stall
 async def test_an_engine_answering_health_but_never_generate_is_left_to_the_read_timeout() -> None:
     """The client cannot tell a long generation from a lost one on an engine that answers /health: the read
     timeout ends it (the HealthMonitor's generating probe finds such an engine first; docs/fault-tolerance.md)."""
-    async with fake_engine(health_but_no_generate) as url:
-        async with EngineClient(max_connections=4, stall_timeout=STALL, probe_timeout=PROBE,
-                                generate_timeout=3 * STALL, retry=NO_RETRY) as c:
-            with pytest.raises(EngineTimeout) as error:
-                await c.engine(url).generate(PAYLOAD)
+    async with fake_engine(health_but_no_generate) as url, client(read=3 * STALL) as c:
+        with pytest.raises(EngineTimeout) as error:
+            await c.engine(url).generate(PAYLOAD)
     assert not isinstance(error.value, EngineStalled)
+
+
+async def test_without_its_head_watch_a_client_keeps_the_body_rule() -> None:
+    """A client nobody runs the watch of (a hook's own) still refuses a dripping reply."""
+    async with fake_engine(drip) as url, EngineClient(max_connections=4, stall_timeout=STALL, retry=NO_RETRY) as c:
+        with anyio.fail_after(READ / 4), pytest.raises(EngineStalled, match="a reply dripping"):
+            await c.engine(url).generate(PAYLOAD)
