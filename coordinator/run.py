@@ -30,6 +30,7 @@ import anyio
 
 from coordinator.config import Config, write_resolved_config
 from coordinator.config.secrets import config_secrets
+from coordinator.hooks.calls import HookBounds, hook_bounds
 from coordinator.lifecycle.failures import failure_line, log_failure
 from coordinator.lifecycle.logs import setup_logging
 from coordinator.lifecycle.processes import leaf_exceptions
@@ -159,6 +160,8 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
         # router's workers are taken off it with that client as the run stops.
         async with AsyncExitStack() as resources, anyio.create_task_group() as task_group:
             resources.enter_context(recording(status.timeline))  # every task started from here records to it
+            resources.enter_context(hook_bounds(HookBounds(  # every hook call from here runs within these
+                limits=config.hooks.hook_limits(), max_in_a_row=config.hooks.hook_max_failures_in_a_row)))
             await task_group.start(progress.run_view)
             # `rayless stacks RUN_DIR`: every child started from here registers its stack dump in run_dir/stacks
             resources.callback(disable_stacks)
@@ -231,7 +234,9 @@ async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, ta
 
         client = await resources.enter_async_context(EngineClient(
             max_connections=min(config.generate_concurrency, 1024), api_key=config.sglang.sglang_api_key,
-            admin_api_key=config.sglang.sglang_admin_api_key))
+            admin_api_key=config.sglang.sglang_admin_api_key,
+            stall_timeout=config.fault_tolerance.engine_stall_timeout_s))
+        await task_group.start(client.watch_stalls)  # the head-liveness rule (coordinator/engines/stall.py)
     processes = build_processes(config, plan, run_dir, client=client, nodes=nodes, progress=progress)
     tokenizer, context_length = await start_processes(config, processes, task_group, clock)
     ft = build_fault_tolerance(config, processes, tokenizer=tokenizer, run_dir=run_dir, metrics=metrics)

@@ -27,6 +27,10 @@ class FaultToleranceConfig(Slice):
     rollout_health_check_timeout: float = flag(30.0, help="seconds a probe may take", above=0)
     rollout_health_check_first_wait: float = flag(0.0, help="grace seconds after an engine (re)starts", minimum=0)
     rollout_health_check_failure_threshold: int = flag(2, help="failed probes before an engine is dead", minimum=1)
+    engine_stall_timeout_s: float = flag(120.0, help="seconds an engine's reply may go without progress (a body "
+                                         "or stream event dripping; no answer from an engine that answers /health "
+                                         "neither) before the request fails as stalled and goes to another engine",
+                                         above=0, metavar="SECONDS")
     max_restarts: int = flag(3, help="torchrun restarts of dead ranks (train FT)", minimum=0)
     inject_engine_fault_at_rollout: int | None = flag(
         None, help="kill one rollout engine once at this rollout (FT tests)", minimum=0)

@@ -1,7 +1,7 @@
 """The hooks slice: slime's custom generate function and args-override YAML, miles' multi-turn generate
 settings, and the multi-turn metrics switch.
 
-Owns these flags. Invariants: the miles `--generate-*` settings are read only by the built-in multi-turn
+Owns these flags, and each hook kind's time limit and the failure budget (`hook_limits`). Invariants: the miles `--generate-*` settings are read only by the built-in multi-turn
 generate (`coordinator.hooks.multi_turn`), so they need `--custom-generate-function-path` naming it (or
 miles' path for it, which `porting` rewrites to ours); `--generate-tool-call-parser` names a parser rayless
 implements (`TOOL_CALL_PARSERS`, each implemented in `coordinator.hooks.tool_calls`), anything else is refused here, at start-up.
@@ -72,6 +72,30 @@ class HooksConfig(Slice):
         "role_content_only, or MODULE:NAME of fn(stored, new) -> bool")
     max_seq_len: int | None = flag(None, help="miles' agent sessions: tokens per trajectory (prompt, turns and "
                                    "tool output); longer ones are cut at a turn boundary", minimum=1)
+
+    # Each hook kind's bounds (coordinator.hooks.calls.HookBounds; docs/hooks.md#bounds-on-user-code).
+    agent_timeout_s: float = flag(1800.0, help="seconds one call of the agent (--custom-agent-function-path) may "
+                                  "take; past it the episode fails", above=0, metavar="SECONDS")
+    custom_generate_timeout_s: float = flag(3600.0, help="seconds one call of --custom-generate-function-path "
+                                            "may take; past it the episode fails", above=0, metavar="SECONDS")
+    custom_rm_timeout_s: float = flag(300.0, help="seconds one call of --custom-rm-path may take; past it the "
+                                      "sample (group, with --group-rm) fails with reward 0.0", above=0,
+                                      metavar="SECONDS")
+    dynamic_sampling_filter_timeout_s: float = flag(60.0, help="seconds one call of "
+                                                    "--dynamic-sampling-filter-path may take; past it the run stops",
+                                                    above=0, metavar="SECONDS")
+    rollout_function_timeout_s: float = flag(7200.0, help="seconds one call of a slime-style --rollout-function-path "
+                                             "or --eval-function-path may take; past it the run stops", above=0,
+                                             metavar="SECONDS")
+    hook_max_failures_in_a_row: int = flag(64, help="failed calls in a row of one hook kind (an exit, an "
+                                           "interrupt, a timeout; an agent's exception or an episode with no "
+                                           "model call) that stop the run", minimum=1)
+
+    def hook_limits(self) -> dict[str, float]:
+        """Each hook kind's limit (`coordinator.hooks.calls.LIMIT_FLAGS` names the flags)."""
+        return {"agent": self.agent_timeout_s, "generate": self.custom_generate_timeout_s,
+                "reward": self.custom_rm_timeout_s, "filter": self.dynamic_sampling_filter_timeout_s,
+                "rollout": self.rollout_function_timeout_s}
 
     def check(self) -> None:
         miles = {"--generate-tool-specs-path": self.generate_tool_specs_path,

@@ -100,10 +100,7 @@ class EngineAPI:
         """
         body = dict(payload, stream=True)
         read = timeout if timeout is not None else self.client.generate_timeout
-        return stream_generate(
-            self.client.http, self.url + "/generate", body, connect=self.client.connect_timeout, read=read,
-            vocab_size=self.client.vocab_size,
-        )
+        return stream_generate(self.client, self.url, body, read=read)
 
     # -- health and info -----------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ decoder. Invariant: a reader never holds more than its cap plus one network chun
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from coordinator.engines.errors import EngineReplyError
@@ -32,6 +32,8 @@ REPLY_HEADROOM = 64 << 10
 ERROR_BYTES = 64 << 10
 #: what a request without max_new_tokens is allowed (SGLang's default is 128; a custom engine may differ)
 DEFAULT_TOKENS = 4096
+#: wraps a body's chunks (the stall detector, `stall.progressing`); `between()` is True between two SSE lines
+Watch = Callable[[AsyncIterator[bytes], Callable[[], bool]], AsyncIterator[bytes]]
 #: no reply of any size is read whole past this
 MAX_REPLY_BYTES = 1 << 30
 REPLY_DEPTH = 32  # SGLang's deepest field: a batch list > reply > meta_info > top logprobs > entry > triple
@@ -91,33 +93,46 @@ def _declared_length(resp: httpx.Response) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-async def read_capped(resp: httpx.Response, cap: int, url: str) -> bytes:
-    """The whole body of `resp`, refused as soon as it passes `cap` bytes (or declares more)."""
+def _chunks(resp: httpx.Response, watch: Watch | None, between: Callable[[], bool]) -> AsyncIterator[bytes]:
+    return resp.aiter_bytes() if watch is None else watch(resp.aiter_bytes(), between)
+
+
+async def read_capped(resp: httpx.Response, cap: int, url: str,
+                      on_chunk: Callable[[int], None] | None = None) -> bytes:
+    """The whole body of `resp`, refused as soon as it passes `cap` bytes (or declares more); each chunk's size
+    told to `on_chunk` (the stall rules' clock, `stall.ReplyClock`) when given."""
     declared = _declared_length(resp)
     if declared is not None and declared > cap and "content-encoding" not in resp.headers:
         raise EngineReplyError(url, f"reply of {declared} bytes is over the limit of {cap} for this request")
     body = bytearray()
     async for chunk in resp.aiter_bytes():
+        if on_chunk is not None:
+            on_chunk(len(chunk))
         body += chunk
         if len(body) > cap:
             raise EngineReplyError(url, f"reply passed the limit of {cap} bytes for this request; not read further")
     return bytes(body)
 
 
-async def read_prefix(resp: httpx.Response, limit: int = ERROR_BYTES) -> bytes:
+async def read_prefix(resp: httpx.Response, limit: int = ERROR_BYTES,
+                      on_chunk: Callable[[int], None] | None = None) -> bytes:
     """At most `limit` bytes of `resp`'s body (an error answer: its beginning is its message)."""
     body = bytearray()
     async for chunk in resp.aiter_bytes():
+        if on_chunk is not None:
+            on_chunk(len(chunk))
         body += chunk
         if len(body) >= limit:
             break
     return bytes(body[:limit])
 
 
-async def iter_lines_capped(resp: httpx.Response, cap: int, url: str) -> AsyncIterator[bytes]:
-    """The lines of a streamed body (SSE), each refused as soon as it passes `cap` bytes."""
+async def iter_lines_capped(resp: httpx.Response, cap: int, url: str,
+                            watch: Watch | None = None) -> AsyncIterator[bytes]:
+    """The lines of a streamed body (SSE), each refused as soon as it passes `cap` bytes; the chunks go through
+    `watch`, told when the reader stands between two lines."""
     pending = bytearray()
-    async for chunk in resp.aiter_bytes():
+    async for chunk in _chunks(resp, watch, lambda: not pending):  # noqa: B023 (read at each chunk, on purpose)
         pending += chunk
         while (end := pending.find(b"\n")) >= 0:
             line = bytes(pending[:end]).rstrip(b"\r")

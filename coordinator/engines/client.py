@@ -7,7 +7,9 @@ failures to typed errors (`errors`). One engine's endpoints are methods of `Engi
 Invariants:
   * One pool per `EngineClient`, sized to the configured concurrency, shared by all engines: the rollout
     path with 512 requests in flight over N engines holds at most `max_connections` sockets.
-  * Every call has a deadline (connect timeout + per-request read timeout).
+  * Every call has a deadline (connect timeout + per-request read timeout), and no reply may stop moving for
+    longer than `stall_timeout` (`stall`: a body that drips, an engine that accepts and answers nothing) —
+    that ends as `EngineStalled`, not retried on the same engine.
   * Only transport errors and 5xx are retried, with exponential backoff inside a total budget; a 4xx raises
     `EngineHTTPError` at once with the server's own message.
   * Callers see only `EngineError` subclasses, never an httpx/aiohttp exception.
@@ -30,11 +32,12 @@ Usage::
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 import msgspec
 from httpx_aiohttp import AiohttpTransport
@@ -43,6 +46,7 @@ from coordinator.engines.api import JSON, EngineAPI
 from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, read_capped, read_prefix
 from coordinator.engines.errors import EngineError
 from coordinator.engines.policy import RetryPolicy
+from coordinator.engines.stall import PROBE_S, HeadWatch, Liveness, ReplyClock, progressing
 from coordinator.engines.transport import (
     TRANSPORT_ERRORS,
     error_from_response,
@@ -64,6 +68,8 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         connect_timeout: seconds to open a TCP connection.
         read_timeout: default seconds to wait for a response (each call may override).
         generate_timeout: default read timeout for `/generate` (long generations).
+        stall_timeout: seconds a reply may go without progress (`stall`; `--engine-stall-timeout-s`).
+        probe_timeout: seconds the `/health` probe of an engine whose answer is late may take (`stall.PROBE_S`).
         retry: default retry policy.
         transport: "aiohttp" (default, measured fastest with the httpx API) or "httpx" (httpcore).
     """
@@ -77,6 +83,8 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         connect_timeout: float = 5.0,
         read_timeout: float = 60.0,
         generate_timeout: float = 3600.0,
+        stall_timeout: float = 120.0,
+        probe_timeout: float = PROBE_S,
         retry: RetryPolicy = RetryPolicy(),
         transport: str = "aiohttp",
     ) -> None:
@@ -90,6 +98,12 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.generate_timeout = generate_timeout
+        if not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0, got {stall_timeout}")
+        self.stall_timeout = stall_timeout
+        #: the head-liveness rule; `watch_stalls` runs it
+        self.head_watch = HeadWatch(Liveness(lambda: self.http, fresh=stall_timeout / 2, probe_s=probe_timeout),
+                                    stall_timeout)
         self.retry = retry
         self.transport = transport
         #: the model's vocabulary (`set_vocab_size`, once the tokenizer is loaded): ids a reply may hold
@@ -161,7 +175,8 @@ class EngineClient(anyio.AsyncContextManagerMixin):
             attempt += 1
             error: EngineError
             try:
-                resp = await self._send_capped(method, url, content, params, headers, req_timeout, max_bytes)
+                resp = await self._send_capped(base_url, f"{method} {path}", url, content, params, headers,
+                                               req_timeout, max_bytes, read)
             except TRANSPORT_ERRORS as exc:
                 error = map_transport_error(exc, url, read)
             else:
@@ -175,14 +190,32 @@ class EngineClient(anyio.AsyncContextManagerMixin):
                 raise error
             await anyio.sleep(wait)
 
-    async def _send_capped(self, method: str, url: str, content: bytes | None, params: Mapping[str, str] | None,
-                           headers: Mapping[str, str], timeout: httpx.Timeout, max_bytes: int) -> httpx.Response:
-        """One exchange, its body read under the cap; the answer rebuilt around the bytes read."""
-        async with self.http.stream(method, url, content=content, params=params, headers=headers,
-                                    timeout=timeout) as resp:
-            body = await (read_capped(resp, max_bytes, url) if resp.status_code < 400 else read_prefix(resp))
+    async def _send_capped(self, base_url: str, what: str, url: str, content: bytes | None,
+                           params: Mapping[str, str] | None, headers: Mapping[str, str], timeout: httpx.Timeout,
+                           max_bytes: int, read: float | None) -> httpx.Response:
+        """One exchange, its body read under the cap and the stall rules; the answer rebuilt around the bytes
+        read."""
+        started = time.monotonic()
+        with ReplyClock(stall=self.stall_timeout, url=url, base_url=base_url.rstrip("/"), what=what, started=started,
+                        watch=self.head_watch, limit=read) as clock:
+            async with self.http.stream(what.split(" ", 1)[0], url, content=content, params=params, headers=headers,
+                                        timeout=timeout) as resp:
+                clock.headed()
+                body = await (read_capped(resp, max_bytes, url, clock.advance) if resp.status_code < 400
+                              else read_prefix(resp, on_chunk=clock.advance))
         kept = [(key, value) for key, value in resp.headers.multi_items() if key.lower() not in _DECODED_HEADERS]
         return httpx.Response(resp.status_code, headers=kept, content=body, request=resp.request)
+
+    async def watch_stalls(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The head-liveness rule for this client's requests (`stall.HeadWatch`), until cancelled; the run
+        starts it in its task group (without it the body rule and the read timeouts still hold)."""
+        await self.head_watch.run(task_status=task_status)
+
+    def stall_watch(self, url: str, what: str,
+                    started: float) -> Callable[[AsyncIterator[bytes], Callable[[], bool]], AsyncIterator[bytes]]:
+        """The body-progress rule for a streamed reply read line by line (`stall.progressing`)."""
+        return lambda chunks, between: progressing(chunks, stall=self.stall_timeout, url=url, what=what,
+                                                   started=started, between=between)
 
     async def request_json(self, base_url: str, method: str, path: str, **kw: Any) -> JSON:
         """`request`, its body decoded through the boundary layer (bounded in size, depth and element count)."""

@@ -78,3 +78,17 @@ class EngineTimeout(EngineError):
         super().__init__(f"engine {url} did not answer within {timeout}s ({text})", url)
         self.timeout = timeout
         self.cause = cause
+
+
+class EngineStalled(EngineTimeout):
+    """A reply stopped moving (`coordinator.engines.stall`): `wait` names what was waited for ("POST /generate"),
+    `elapsed` the seconds since the request was sent, `stall` the bound (`--engine-stall-timeout-s`)."""
+
+    def __init__(self, url: str, wait: str, detail: str, *, stall: float, elapsed: float) -> None:
+        EngineError.__init__(self, f"engine {url} stalled: {wait} made no progress for {stall:g} s ({detail}); "
+                             f"{elapsed:.1f} s since the request was sent", url)
+        self.timeout = stall
+        self.cause = detail
+        self.wait = wait
+        self.stall = stall
+        self.elapsed = elapsed

@@ -87,7 +87,7 @@ class DynamicFilter:
         # or interrupt stops the run as a HookError naming it
         what = f"{FILTER_FLAG} {self.name!r}"
         args = (self._args, group) if self._slime_form else (group,)
-        result = await call_hook(self._fn, *args, what=what, **({} if self._slime_form else self._kwargs))
+        result = await call_hook(self._fn, *args, what=what, kind="filter", **({} if self._slime_form else self._kwargs))
         if isinstance(result, bool):
             result = FilterResult(keep=result, reason=None if result else "filtered")
         elif not isinstance(result, FilterResult) and isinstance(getattr(result, "keep", None), bool):

@@ -11,8 +11,9 @@ multi-sample return: they replace the one sample in its group, in order).
 What the function raises: an `Exception` stops the run, naming the function's file and line; `SystemExit`,
 `KeyboardInterrupt` or a `CancelledError` of its own (`coordinator.hooks.calls.HookEscaped`) fails that episode:
 the sample comes back ABORTED with no response (generated again, counted as aborted, logged with the traceback),
-never as a sample without tokens for training; `MAX_ESCAPES_IN_A_ROW` such failures with no success between them
-stop the run (a function that always exits would otherwise be called for ever).
+never as a sample without tokens for training; so does a call past `--custom-generate-timeout-s`
+(`HookTimeout`); `--hook-max-failures-in-a-row` such failures with no success between them stop the run
+(`HookBudgetSpent`, from `call_hook`: a function that always exits would otherwise be called for ever).
 
 Invariants: a hook's sample keeps its group (`group_index`) and gets `index` / `sample_index` from its place;
 a reward the hook set is kept (the reward model skips it), any other reward is cleared before the call; the
@@ -37,8 +38,6 @@ from replay.sample import Sample, SampleError, SampleStatus, settle_hook_fields
 from workers.hook_loading import load_object
 
 FLAG = "--custom-generate-function-path"
-#: Escapes (exit, interrupt, own cancellation) in a row, with no call returning between them, that stop the run.
-MAX_ESCAPES_IN_A_ROW = 64
 #: Samples a generate function has nothing more to do for.
 DONE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.FAILED)
 
@@ -53,7 +52,6 @@ class CustomGenerate:
         self.reading: Reading = read_generate(FLAG, path, fn)
         self.runtime = runtime
         self.dispatcher = dispatcher
-        self.escapes_in_a_row = 0
 
     @classmethod
     def load(cls, path: str, *, runtime: HookRuntime, dispatcher: Dispatcher) -> CustomGenerate:
@@ -98,19 +96,15 @@ class CustomGenerate:
             except HookEscaped as escaped:
                 self._escaped(escaped, sample)
                 return
-        self.escapes_in_a_row = 0
         produced = self._settle(returned, sample)
         results[id(sample)] = produced
         if progress is not None:
             progress.generated_tokens += max(sum(s.response_length for s in produced) - before, 0)
 
     def _escaped(self, escaped: HookEscaped, sample: Sample) -> None:
-        """The episode failed: the sample goes back ABORTED, without a response, to be generated again."""
-        self.escapes_in_a_row += 1
+        """The episode failed: the sample goes back ABORTED, without a response, to be generated again (the
+        failure was counted by `call_hook`, which stops the run once the budget is spent)."""
         where = f"sample {sample.group_index}/{sample.sample_index}"
-        if self.escapes_in_a_row >= MAX_ESCAPES_IN_A_ROW:
-            raise HookError(f"{escaped} on {self.escapes_in_a_row} calls in a row, none returning: the run stops "
-                            f"(last: {where})") from escaped.original
         log_escape(escaped, f"{where}'s episode failed; the sample is generated again")
         sample.status = SampleStatus.ABORTED
         sample.tokens = sample.tokens[:sample.prompt_length]
@@ -124,11 +118,11 @@ class CustomGenerate:
         if self.reading.form is HookForm.MILES:
             output = await call_hook(self.fn, GenerateFnInput(state=self.runtime.generate_state, sample=sample,
                                                                sampling_params=params, evaluation=evaluation,
-                                                               args=args), what=what)
+                                                               args=args), what=what, kind="generate")
             return getattr(output, "samples", output)
         if self.reading.passes_evaluation:
-            return await call_hook(self.fn, args, sample, params, what=what, evaluation=evaluation)
-        return await call_hook(self.fn, args, sample, params, what=what)
+            return await call_hook(self.fn, args, sample, params, what=what, kind="generate", evaluation=evaluation)
+        return await call_hook(self.fn, args, sample, params, what=what, kind="generate")
 
     def _settle(self, returned: Any, original: Sample) -> list[Sample]:
         where = f"{FLAG} {self.path!r} (sample {original.group_index}/{original.sample_index})"

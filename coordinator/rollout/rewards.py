@@ -225,7 +225,7 @@ class RewardModel:
         args = (self.args, subject) if self._slime_form else (subject,)
         what = f"--custom-rm-path {self._custom_name!r}"
         try:
-            return True, await call_hook(self._custom, *args, what=what)
+            return True, await call_hook(self._custom, *args, what=what, kind="reward")
         except HookEscaped as escaped:
             log_escape(escaped, f"{', '.join(_where(sample) for sample in samples)} failed (status failed, "
                                 "reward 0.0)")

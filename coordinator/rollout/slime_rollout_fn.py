@@ -84,7 +84,7 @@ class SlimeRolloutFn:
                             "runtime")
         with hook_call(runtime):  # a sync function runs in a worker thread a stop signal does not wait for
             result = await call_hook(self.fn, runtime.args, rollout_id, self.data_source, what=f"{self.what} "
-                                     f"{self.path!r}", evaluation=False)
+                                     f"{self.path!r}", kind="rollout", evaluation=False)
         return self._batch(result, rollout_id)
 
     def _batch(self, result: Any, rollout_id: int) -> RolloutBatch:

@@ -11,7 +11,8 @@ returned dict is merged into the sample's metadata (a reward left there is the c
 Invariants: the session is deleted on every path; an agent that raises — any exception, `SystemExit`,
 `KeyboardInterrupt` or a `CancelledError` of its own included (`coordinator.hooks.calls`) — or that made no model
 call, gives an ABORTED sample (logged: a raise as one terminal line and a count, its traceback in the run's log;
-generated again), never a dead run or a sample without tokens; a sync agent runs in a worker thread a stop signal
+generated again), never a sample without tokens — until `--hook-max-failures-in-a-row` episodes in a row failed
+so (a call past `--agent-timeout-s` included), which stops the run naming the agent, the count and the last error; a sync agent runs in a worker thread a stop signal
 does not wait for; otherwise the sample's tokens, loss mask, rollout logprobs,
 status and weight versions are the session's trajectory (`coordinator.sessions.trajectory.assemble`).
 """
@@ -22,7 +23,7 @@ import inspect
 import logging
 from typing import Any
 
-from coordinator.hooks.calls import call_hook
+from coordinator.hooks.calls import HookBudgetSpent, HookEscaped, call_hook, current_bounds
 from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError, current_call
 from coordinator.lifecycle.failures import ContainedFailures
 from coordinator.sessions.trajectory import assemble
@@ -95,7 +96,8 @@ def _aborted(sample: Sample) -> Sample:
 async def _run_agent(agent: Any, what: str, **kwargs: Any) -> Any:
     # a sync agent runs in a worker thread a stop abandons; its exit, interrupt or own CancelledError comes out
     # as HookEscaped (an Exception), never as a cancellation that would end this task as if it had finished
-    return await call_hook(agent, what=what, **kwargs)
+    # counted=False: whether the episode is usable (a model call recorded) is judged by `generate` after it
+    return await call_hook(agent, what=what, kind="agent", counted=False, **kwargs)
 
 
 async def generate(input: GenerateFnInput) -> GenerateFnOutput:
@@ -111,16 +113,22 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
         metadata["max_seq_len"] = args.max_seq_len
     failed = False
     returned: Any = None
+    what = f"{FLAG} {args.custom_agent_function_path!r}"
+    bounds = current_bounds()
     try:
         # The engines' key (--sglang-api-key) goes to the agent only to reach this run's session server.
         key = {"api_key": server.api_key} if server.api_key else {}
-        returned = await _run_agent(agent, f"{FLAG} {args.custom_agent_function_path!r}", base_url=base_url, prompt=sample.prompt,
+        returned = await _run_agent(agent, what, base_url=base_url, prompt=sample.prompt,
                                     request_kwargs=build_chat_request_kwargs(input.sampling_params),
                                     metadata=metadata, **key)
+    except HookBudgetSpent:
+        raise  # the failure budget is spent: the run stops
     except Exception as error:  # the agent's failure costs this sample, not the run
         AGENT_FAILURES.report(f"{FLAG} {args.custom_agent_function_path}",
                               f"sample {sample.group_index}/{sample.sample_index}", error)
         failed = True
+        if not isinstance(error, HookEscaped):  # an escape or a timeout was counted by call_hook already
+            bounds.failed("agent", what, error)
     finally:
         await server.delete(session.id)
     assembled = None if failed else assemble(session, max_seq_len=args.max_seq_len)
@@ -128,7 +136,9 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
         if not failed:
             log.warning("agent session %s of sample %s/%s recorded no usable model call", session.id,
                         sample.group_index, sample.sample_index)
+            bounds.failed("agent", what, "its episode made no model call")
         return GenerateFnOutput(samples=_aborted(sample))
+    bounds.returned("agent")
     if returned is not None and not isinstance(returned, dict):
         raise HookError(f"{FLAG} {args.custom_agent_function_path!r} returned {type(returned).__name__}; "
                         "expected a dict (merged into the sample's metadata) or None")

@@ -5,7 +5,8 @@ The user's own code raising (a reward function, a rollout function) is named by 
 kept in the run's coordinator.log; a rank command failing for the environment's sake (an unwritable save
 directory) keeps its traceback in train_ranks.log; a rank killed mid-run is explained by torchrun's own
 report of which rank died of what, not by torchrun's traceback; an attached router that is not there and a
-taken control port are named with the flag to change. (An engine that fails to start: test_startup_progress;
+taken control port are named with the flag to change; an agent that hangs, makes no model call or raises ends
+the run once its failure budget is spent, named with the count. (An engine that fails to start: test_startup_progress;
 bad flags and data files, exit 2: test_config_cli.)
 """
 
@@ -105,6 +106,41 @@ def test_a_rollout_function_that_raises_is_named_by_its_file_and_line(tiny_model
                                  "--rollout-function-path", "my_hooks:Rollout"), pythonpath=tmp_path)
     line = failure_line(result)
     assert "KeyError: 'expected_field'" in line and f"{tmp_path / 'my_hooks.py'}:15 (in __call__)" in line
+
+
+#: an agent whose first episode makes no model call, whose second raises, and whose every later one hangs
+FAILING_AGENT = '''
+import asyncio
+
+CALLS = [0]
+
+
+async def agent(*, base_url, prompt, request_kwargs, metadata, **kwargs):
+    CALLS[0] += 1
+    if CALLS[0] == 1:
+        return {}
+    if CALLS[0] == 2:
+        raise RuntimeError("the environment went away")
+    await asyncio.Event().wait()
+'''
+
+
+def test_an_agent_that_hangs_never_calls_the_model_or_raises_ends_the_run_naming_it(
+        tiny_model_dir: Path, engine: str, tmp_path: Path) -> None:
+    """Once the failure budget is spent the run ends by itself (it used to retry such an agent for ever), with
+    one line naming the agent and the count; each failure kind is in the log."""
+    (tmp_path / "my_agent.py").write_text(FAILING_AGENT)
+    result = train(*rollout_only(tiny_model_dir, engine, tmp_path / "run",
+                                 "--custom-generate-function-path", "miles.rollout.generate_hub.agentic_tool_call.generate",
+                                 "--custom-agent-function-path", "my_agent:agent", "--use-session-server",
+                                 "--rm-type", "first_digit", "--agent-timeout-s", "1",
+                                 "--hook-max-failures-in-a-row", "4"), pythonpath=tmp_path)
+    line = failure_line(result)
+    assert "--custom-agent-function-path 'my_agent:agent' failed 4 times in a row (--hook-max-failures-in-a-row); " \
+        "last: --custom-agent-function-path 'my_agent:agent' did not return within 1 s (--agent-timeout-s)" in line
+    log = (tmp_path / "run" / "coordinator.log").read_text()
+    assert "'my_agent:agent' did not return within 1 s (--agent-timeout-s)" in log
+    assert "recorded no usable model call" in log and "RuntimeError: the environment went away" in log
 
 
 def test_an_attached_router_that_is_not_there(tiny_model_dir: Path, engine: str, tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 Each bad `/generate` reply of issue 24 (nested 100k deep, 300 MB, ids and logprobs of different lengths, empty
 or out-of-vocabulary ids, an unhashable finish reason, a NaN logprob, float ids) is refused by the engine client
 as one `EngineReplyError`, counted per peer by the dispatcher, and its request answered by the real engine; the
-300 MB reply is cut at its cap (memory growth bounded). Then one real `rayless train` run with the hostile engine
+300 MB reply is cut at its cap (memory growth bounded). An engine that drips its reply, or wedges, costs the
+stall bound and the request is answered by the real engine. Then one real `rayless train` run with the hostile engine
 attached by `--rollout-external-engine-addrs`: it completes, the refused replies are in its metrics, no
 traceback.
 """
@@ -30,7 +31,7 @@ from coordinator.engines.policy import NO_RETRY
 from coordinator.lifecycle.processes import terminate_process_group_blocking
 from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from tests.support.engine_proc import free_port, start_engine
-from tests.support.hostile_engine import BAD_MODES, HostileEngine
+from tests.support.hostile_engine import BAD_MODES, STALL_MODES, HostileEngine
 from tests.support.memory import PeakMemory
 
 # 64 tokens each: a cap of ~224 KB, above the 200 KB of the deeply nested reply, so its depth is what is refused
@@ -152,3 +153,32 @@ async def test_an_engine_failing_every_request_but_answering_probes_costs_retrie
     assert hostile.url in [h.url for h in dispatcher.pool.alive()]  # type: ignore[union-attr]
     _, url = await dispatcher.generate(dict(PAYLOAD))
     assert (url, hostile.generated) == (real_engine, 1)
+
+
+@pytest.mark.parametrize("mode", STALL_MODES)
+async def test_a_stalled_engine_costs_its_bound_and_the_request_is_answered_elsewhere(
+        mode: str, real_engine: str, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 37's drills on the dispatch path (the fake's `drip` and `wedge`): the engine client ends the request
+    as stalled within its bound (1 s here; the read timeout is an hour), and the dispatch sends it to the real
+    engine — a dripping engine that answers its probe is kept out of picks, a wedged one is marked dead."""
+    async with anyio.create_task_group() as group, EngineClient(max_connections=8, retry=NO_RETRY, stall_timeout=1.0,
+                                                                probe_timeout=1.0) as client:
+        await group.start(client.watch_stalls)
+        client.set_vocab_size(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
+        hostile = await group.start(HostileEngine(mode).run)
+        addrs = [real_engine.removeprefix("http://"), hostile.url.removeprefix("http://")]
+        fleet = EngineFleet(client=client, external_urls=addrs, run_dir=tmp_path, group="stall", probe_timeout=2.0)
+        await group.start(fleet.run)
+        dispatcher = Dispatcher(client=client, pool=fleet, watch_engine_state=False)
+        (handle,) = [h for h in fleet.alive() if h.url == hostile.url]
+        with caplog.at_level(logging.WARNING, logger="coordinator.rollout.dispatch"), anyio.fail_after(60):
+            responses, url = await dispatcher.generate(dict(PAYLOAD), engine=handle)
+        assert url == real_engine and hostile.generated == 1 and len(responses) == 2
+        (warning,) = [r.getMessage() for r in caplog.records if hostile.url in r.getMessage()]
+        assert f"engine {hostile.url}/generate stalled: POST /generate made no progress for 1 s" in warning
+        if mode == "drip":
+            assert "a reply dripping" in warning and "answers its probe" in warning and handle.alive
+        else:
+            assert "/health gave none within 1 s" in warning and "died during a request" in warning
+            assert not handle.alive
+        group.cancel_scope.cancel()

@@ -6,7 +6,8 @@ a request that rewrites history is a 400 and is not recorded; other paths are pr
 sessions and oversized bodies get 401 / 404 / 413; `/samples` gives the trajectory's fields; when a session's
 engine dies its next call is served by the other engine and the trajectory goes on; with a router, sessions
 still go straight to the engines; the agentic generate merges the agent's dict into the metadata and turns an
-agent's exception into an aborted sample.
+agent's exception into an aborted sample; an agent that hangs (async or sync) is ended at its limit, one that
+never calls the model is a failed episode too, and failures in a row spend the budget that stops the run.
 """
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ from typing import Any
 import anyio
 import httpx
 import openai
+import pytest
 from transformers import AutoTokenizer
 
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.engines.spec import EngineLaunchSpec
+from coordinator.hooks.calls import HookBounds, HookBudgetSpent, hook_bounds
 from coordinator.hooks.runtime import GenerateFnInput, HookRoutes
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.sessions.agentic import generate
 from coordinator.sessions.server import SessionServer
 from coordinator.sessions.tito import resolve_matcher, tito_tokenizer
 from replay.sample import Sample, SampleStatus
+from tests.support import session_agent
 from tests.support.sockets import first_reply
 from workers.boundary.engine_routes import agent_may_call
 from workers.engine.control_routes import ControlRoutes
@@ -181,6 +185,38 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
                 assert out.metadata["task"] == "sum" and out.metadata["tool_output"] == "3"
                 assert out.loss_mask[0] == 1 and out.loss_mask[-1] == 1 and sum(out.loss_mask) == 2
                 assert out.metadata["session_turns"] == 2
+
+        # Bounded (docs/hooks.md#bounds-on-user-code): an agent that hangs (async, or sync in its thread) is
+        # ended at --agent-timeout-s, one that never calls the model gives nothing to train on; each is a failed
+        # episode (aborted, generated again) and counts towards --hook-max-failures-in-a-row, which a success
+        # starts over; the budget spent, HookBudgetSpent stops the run naming the agent, the count, its last error.
+        bounds = HookBounds(limits={"agent": 1.0}, max_in_a_row=5)
+        with hook_bounds(bounds):
+            def agentic_args(name: str) -> argparse.Namespace:
+                return argparse.Namespace(custom_agent_function_path=f"tests.support.session_agent.{name}",
+                                          max_seq_len=None, _rayless_runtime=runtime)
+
+            async def episode(name: str) -> Sample:
+                return (await generate(GenerateFnInput(state=None, sample=Sample(prompt=ASK), sampling_params=params,
+                                                       evaluation=False, args=agentic_args(name)))).samples
+
+            try:
+                for count, name in enumerate(("hanging_agent", "blocking_agent", "silent_agent", "failing_agent"), 1):
+                    with anyio.fail_after(30):  # far past the 1 s limit: the limit, not this, ends a hang
+                        out = await episode(name)
+                    assert out.status is SampleStatus.ABORTED and out.tokens == [] and not routed.sessions, name
+                    assert bounds.in_a_row["agent"] == count, name
+                assert (await episode("run_agent")).status is SampleStatus.COMPLETED
+                assert bounds.in_a_row["agent"] == 0  # a usable episode starts the count over
+                for _ in range(4):
+                    await episode("silent_agent")
+                with pytest.raises(HookBudgetSpent, match=r"--custom-agent-function-path 'tests\.support\."
+                                   r"session_agent\.hanging_agent' failed 5 times in a row .*last: .*did not "
+                                   r"return within 1 s \(--agent-timeout-s\)"):
+                    await episode("hanging_agent")
+                assert not routed.sessions
+            finally:
+                session_agent.RELEASE.set()
         tg.cancel_scope.cancel()
 
 

@@ -1,7 +1,9 @@
 """A HOSTILE engine: a small real HTTP server that answers like an SGLang engine everywhere but `/generate`,
 where it gives one chosen bad reply (the peers of issue 24: a broken or malicious server given with
-`--rollout-external-engine-addrs`). A real engine cannot be made to send these, so this one does, over real
-sockets; everything else in the tests around it is real.
+`--rollout-external-engine-addrs`), or stalls (issue 37: `drip` sends a reply's head and then a byte every
+0.1 s; `wedge` answers nothing at all — /health included — from its first `/generate` on, as a stopped or
+wedged server whose kernel still accepts connections). A real engine cannot be made to do these on demand, so
+this one does, over real sockets; everything else in the tests around it is real.
 
 Owns its listener and handlers (asyncio's server; `serve()` until cancelled). Run it in-process with
 `await task_group.start(HostileEngine(mode).run)` or as a process: `python -m tests.support.hostile_engine
@@ -42,8 +44,10 @@ BAD_REPLIES: dict[str, Callable[[], dict[str, Any]]] = {
 }
 RAW_MODES = ("deep", "huge", "nan_logprob", "inf_logprob", "not_json")
 BAD_MODES = (*BAD_REPLIES, *RAW_MODES)
+#: the stalls (see the module's docstring)
+STALL_MODES = ("drip", "wedge")
 #: cycle: each /generate gets the next bad mode in turn; deep_error: HTTP 500 with a body nested 100k deep
-MODES = (*BAD_MODES, "cycle", "deep_error")
+MODES = (*BAD_MODES, "cycle", "deep_error", *STALL_MODES)
 
 
 class HostileEngine:
@@ -53,6 +57,7 @@ class HostileEngine:
         self.mode = mode
         self.port = port
         self.generated = 0
+        self.wedged = False
 
     @property
     def url(self) -> str:
@@ -94,6 +99,21 @@ class HostileEngine:
             path = lines[0].split(" ")[1].split("?", 1)[0]
             headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
             body = await reader.readexactly(int(headers.get("content-length", "0")))
+            if self.wedged or (path == "/generate" and self.mode == "wedge"):
+                self.wedged = True
+                self.generated += path == "/generate"
+                await reader.read()  # nothing answered; returns when the client hangs up or the server closes
+                return
+            if path == "/generate" and self.mode == "drip":
+                self.generated += 1
+                data = json.dumps(_reply([5], [-0.1])).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                             % len(data))
+                for byte in data:
+                    await writer.drain()
+                    await asyncio.sleep(0.1)
+                    writer.write(bytes([byte]))
+                continue
             if path == "/generate":
                 self.generated += 1
                 await self._generate(json.loads(body or b"{}"), writer)

@@ -7,6 +7,7 @@ compare with the dumped sample. The reward rule is the custom reward's (`reward`
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import openai
@@ -93,3 +94,24 @@ async def cancelling_agent(*, base_url: str, prompt: list[dict[str, Any]], reque
 def exiting_agent(**kwargs: Any) -> dict[str, Any]:
     """A synchronous agent calling sys.exit: it runs in a worker thread, and its exit aborts the sample only."""
     raise SystemExit(3)
+
+
+async def hanging_agent(**kwargs: Any) -> dict[str, Any]:
+    """Waits for ever (an environment that never answers): `--agent-timeout-s` ends the episode."""
+    await asyncio.Event().wait()
+    return {}
+
+
+#: what `blocking_agent` waits for (the test sets it when done, so the abandoned thread ends with the test)
+RELEASE = threading.Event()
+
+
+def blocking_agent(**kwargs: Any) -> dict[str, Any]:
+    """A synchronous agent blocked in a call that does not return: its thread is abandoned at the limit."""
+    RELEASE.wait(600)
+    return {}
+
+
+async def silent_agent(**kwargs: Any) -> dict[str, Any]:
+    """Returns without calling the model: its episode has nothing to train on."""
+    return {"note": "did nothing"}

@@ -1,6 +1,8 @@
 """`coordinator.hooks.calls` and what rewards make of it: a hook's blocking call never holds a stop up, and what a
 hook raises that is not an `Exception` (exit, interrupt, its own CancelledError) is an escape the hook kind
 handles — a reward's costs its samples (FAILED, 0.0, counted) — while a cancellation of ours still propagates.
+Every call is bounded: past its kind's limit it ends as a `HookTimeout`, and failures in a row of one kind spend
+a budget that stops the run (`HookBudgetSpent`) naming the hook, the count and the last error.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from coordinator.hooks.calls import HookEscaped, call_hook
+from coordinator.hooks.calls import (
+    HookBounds,
+    HookBudgetSpent,
+    HookEscaped,
+    HookTimeout,
+    call_hook,
+    hook_bounds,
+)
 from coordinator.hooks.runtime import HookRuntime, current_call, hook_call
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import Sample, SampleStatus
@@ -37,11 +46,11 @@ async def async_raiser(error: BaseException) -> Any:
 @pytest.mark.parametrize("fn", [sync_raiser, async_raiser])
 async def test_what_is_not_an_exception_comes_out_as_an_escape_naming_the_hook(fn: Any, error: BaseException) -> None:
     with pytest.raises(HookEscaped, match=f"my.hook raised {type(error).__name__}") as escaped:
-        await call_hook(fn, error, what="my.hook")
+        await call_hook(fn, error, what="my.hook", kind="filter")
     assert escaped.value.original is error
     assert isinstance(escaped.value, Exception)  # what a hook kind's `except Exception` handles
     with pytest.raises(ValueError, match="plain"):  # an Exception is the hook kind's to handle, unchanged
-        await call_hook(fn, ValueError("plain"), what="my.hook")
+        await call_hook(fn, ValueError("plain"), what="my.hook", kind="filter")
 
 
 async def test_a_sync_hook_runs_in_a_worker_thread_inside_its_hook_call() -> None:
@@ -56,7 +65,7 @@ async def test_a_sync_hook_runs_in_a_worker_thread_inside_its_hook_call() -> Non
         return x + y
 
     with hook_call(runtime, "route-1"):
-        assert await call_hook(hook, 1, y=2, what="h") == 3
+        assert await call_hook(hook, 1, y=2, what="h", kind="filter") == 3
     assert seen["thread"] and seen["call"] is not None and seen["call"].route_token == "route-1"
 
 
@@ -71,7 +80,8 @@ async def test_a_stop_does_not_wait_for_a_blocked_sync_hook_and_names_it(caplog:
     try:
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as group:
-                group.start_soon(functools.partial(call_hook, blocked, what="--custom-rm-path 'slow.rm'"))
+                group.start_soon(functools.partial(call_hook, blocked, what="--custom-rm-path 'slow.rm'",
+                                                  kind="reward"))
                 await anyio.to_thread.run_sync(entered.wait, 30)
                 started = time.monotonic()
                 scope.cancel()
@@ -84,7 +94,7 @@ async def test_a_stop_does_not_wait_for_a_blocked_sync_hook_and_names_it(caplog:
 
 async def test_our_cancellation_of_an_async_hook_propagates() -> None:
     with anyio.move_on_after(0.2) as scope:
-        await call_hook(anyio.sleep_forever, what="h")
+        await call_hook(anyio.sleep_forever, what="h", kind="filter")
     assert scope.cancelled_caught
 
 
@@ -135,4 +145,77 @@ async def test_slimes_run_coro_works_from_a_sync_hook_in_its_thread() -> None:
     def hook() -> int:
         return run(answer())  # slime's async_utils.run: on the run's event loop, from the worker thread
 
-    assert await call_hook(hook, what="h") == 42
+    assert await call_hook(hook, what="h", kind="filter") == 42
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_a_hook_that_hangs_ends_at_its_kinds_limit_naming_it_and_the_flag(asynchronous: bool) -> None:
+    release = threading.Event()
+
+    def hangs() -> None:
+        release.wait(600)
+
+    async def ahangs() -> None:
+        await anyio.sleep_forever()
+
+    try:
+        with hook_bounds(HookBounds(limits={"reward": 0.3})):
+            started = time.monotonic()
+            with pytest.raises(HookTimeout, match=r"my\.rm did not return within 0\.3 s \(--custom-rm-timeout-s\)"):
+                await call_hook(ahangs if asynchronous else hangs, what="my.rm", kind="reward")
+            assert time.monotonic() - started < 5
+    finally:
+        release.set()
+
+
+async def test_a_reward_past_its_limit_fails_its_sample_only() -> None:
+    async def score(sample: Sample) -> float:
+        if sample.sample_index == 2:
+            await anyio.sleep_forever()
+        return 1.0
+
+    with hook_bounds(HookBounds(limits={"reward": 0.2})):
+        model = RewardModel(custom_rm=score)
+        samples = group()
+        await model.score_group(samples)
+    assert [s.reward for s in samples] == [1.0, 1.0, 0.0] and model.failed == 1
+    assert samples[2].status is SampleStatus.FAILED
+
+
+async def test_failures_in_a_row_spend_the_budget_and_one_return_starts_it_over(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    bounds = HookBounds(max_in_a_row=3)
+    with hook_bounds(bounds):
+        for _ in range(2):
+            with pytest.raises(HookEscaped):
+                await call_hook(sync_raiser, SystemExit(1), what="my.gen", kind="generate")
+        assert await call_hook(lambda: 7, what="my.gen", kind="generate") == 7  # a return: the count starts over
+        for _ in range(2):
+            with pytest.raises(HookEscaped):
+                await call_hook(async_raiser, KeyboardInterrupt(), what="my.gen", kind="generate")
+        with pytest.raises(HookBudgetSpent, match=r"my\.gen failed 3 times in a row .*last: my\.gen raised "
+                           r"KeyboardInterrupt") as spent:
+            await call_hook(async_raiser, KeyboardInterrupt(), what="my.gen", kind="generate")
+        assert spent.value.count == 3 and not isinstance(spent.value, HookEscaped)  # no kind's handler eats it
+        # a call failing at the same moment as the one that spent the budget is an ordinary failure: the run
+        # stops once, with one line
+        with pytest.raises(HookEscaped):
+            await call_hook(async_raiser, KeyboardInterrupt(), what="my.gen", kind="generate")
+        assert bounds.in_a_row == {"generate": 4}
+        # an ordinary Exception is the hook kind's contract: not counted here
+        with pytest.raises(ValueError):
+            await call_hook(sync_raiser, ValueError("x"), what="my.rm", kind="reward")
+        assert bounds.in_a_row.get("reward", 0) == 0
+    assert caplog.text.count("traceback of the first failure of my.gen") == 1  # the traceback once, in the log
+
+
+async def test_an_uncounted_call_leaves_the_judgement_to_its_caller() -> None:
+    bounds = HookBounds(max_in_a_row=2)
+    with hook_bounds(bounds):
+        await call_hook(lambda: None, what="my.agent", kind="agent", counted=False)
+        bounds.failed("agent", "my.agent", "its episode made no model call")
+        await call_hook(lambda: None, what="my.agent", kind="agent", counted=False)
+        with pytest.raises(HookBudgetSpent, match=r"my\.agent failed 2 times in a row .*last: its episode made no "
+                           "model call"):
+            bounds.failed("agent", "my.agent", "its episode made no model call")
