@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+
 
 def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "coordinator.cli", "train", *args, "--no-progress"],
@@ -45,9 +47,13 @@ def test_a_cpu_run_shows_each_process_phases_in_order_and_an_eta(tiny_model_dir:
 
 def test_an_engine_that_fails_to_start_is_shown_failed_with_its_log_tail(tiny_model_dir: Path,
                                                                           tmp_path: Path) -> None:
-    broken = tmp_path / "no-weights"
+    broken = tmp_path / "missing-a-parameter"
     shutil.copytree(tiny_model_dir, broken)
-    (broken / "model.safetensors").unlink()  # the tokenizer loads; the engine cannot load the model
+    # A whole, well-formed weights file lacking one parameter: the start-up checks pass it (they read files, not
+    # the architecture), the tokenizer loads, and the engine refuses it as it loads (never fresh weights).
+    weights = load_file(str(broken / "model.safetensors"))
+    weights.pop("model.norm.weight")
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
     result = train("--hf-checkpoint", str(broken), "--prompt-data", "builtin:first_digit", "--rm-type",
                    "first_digit", "--rollout-num-engines", "1", "--debug-rollout-only", "--rollout-batch-size", "2",
                    "--num-rollout", "1", "--run-dir", str(tmp_path / "run"))
