@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from coordinator.config.determinism_rules import deterministic_runs_can_hold
+from coordinator.config.eval_rules import EVAL_FLEET_RULES
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 from coordinator.config.sft_rules import SFT_RULES
@@ -42,10 +43,10 @@ def replay_ignores_engine_flags(config: Config) -> None:
 
 
 def eval_gpus_fill_whole_engines(config: Config) -> None:
-    per_engine = config.cluster.rollout_num_gpus_per_engine
+    per_engine = config.eval.eval_num_gpus_per_engine  # miles: the fleet's own TP size
     if config.eval.eval_num_gpus % per_engine:
         raise ConfigError(f"--eval-num-gpus {config.eval.eval_num_gpus} is not divisible by "
-                          f"--rollout-num-gpus-per-engine {per_engine}")
+                          f"--eval-num-gpus-per-engine {per_engine}")
 
 
 def ft_components_need_fault_tolerance(config: Config) -> None:
@@ -259,6 +260,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     replay_is_not_async,
     replay_ignores_engine_flags,
     eval_gpus_fill_whole_engines,
+    *EVAL_FLEET_RULES,
     ft_components_need_fault_tolerance,
     fault_injection_needs_monitored_engines,
     *SFT_RULES,  # before the engine rules: an SFT run's refusal says why engines cannot mean anything in it

@@ -135,6 +135,10 @@ class EvalSettings:
     builtin_prompt_seed: int  # builtin:<task> eval prompts are drawn with --rollout-seed + 1
     allow_partial_fleet: bool = False  # --eval-allow-partial-fleet
     skip_before_train: bool = False  # --skip-eval-before-train
+    hf_dir: str | None = None  # --eval-hf-dir: the fleet's snapshots go to <hf_dir>/step_<rollout_id>
+    keep_snapshots: int = 2  # --eval-keep-snapshots
+    overflow_policy: str = "backpressure"  # --eval-overflow-policy
+    num_rollout: int | None = None  # the fleet also evaluates the last rollout (miles' should_run_periodic_action)
 
     @classmethod
     def from_slices(cls, evaluation: EvalConfig, *, rollout: RolloutConfig, sglang: SglangConfig) -> EvalSettings:
@@ -149,6 +153,10 @@ class EvalSettings:
             builtin_prompt_seed=rollout.rollout_seed + 1,
             allow_partial_fleet=evaluation.eval_allow_partial_fleet,
             skip_before_train=evaluation.skip_eval_before_train,
+            hf_dir=evaluation.eval_hf_dir,
+            keep_snapshots=evaluation.eval_keep_snapshots,
+            overflow_policy=evaluation.eval_overflow_policy,
+            num_rollout=rollout.num_rollout,
         )
 
 

@@ -200,6 +200,8 @@ def _engine_slots(config: Config, group: str, indices: range, choice: EngineChoi
             backend=choice.backend, device=choice.device, gpus=positions,
             visible_devices=gpus.visible_devices(positions) if positions else None, port=free_port(ENGINE_HOST),
             release_memory=releases,
+            gpus_per_engine=config.eval.eval_num_gpus_per_engine if group == "eval" else None,
+            overrides=config.eval.eval_sglang_passthrough if group == "eval" else (),
             # released weights of our CPU engine go to a file on disk, so the memory is freed, not moved to tmpfs
             spill_dir=str(run_dir / "engine-spill" / name) if releases and choice.device == "cpu" else None)
         if python != spec.python or host != spec.host:
