@@ -30,7 +30,7 @@ import anyio
 from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config, RolloutConfig
 from coordinator.data.source import PromptDataSource
 from coordinator.hooks.args import build_hook_args, hook_sampling_params
-from coordinator.hooks.forms import HookForm, read_rollout_fn
+from coordinator.hooks.forms import HookForm, read_rollout_class, read_rollout_fn
 from coordinator.hooks.runtime import HookRuntime
 from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
@@ -54,13 +54,18 @@ RolloutCallable = Callable[[int, str], Awaitable[RolloutBatch]]
 
 
 def instantiate_rollout_fn(path: str, context: RolloutContext, *, what: str) -> RolloutCallable:
-    """A class is constructed once with the context; a function is called as fn(context, rollout_id, version),
-    or in slime's form fn(args, rollout_id, data_source, evaluation=False) (`coordinator.rollout.slime_rollout_fn`)."""
+    """A class is constructed once with the context, or in miles' form with `RolloutFnConstructorInput`
+    (`coordinator.rollout.miles_rollout_fn`); a function is called as fn(context, rollout_id, version), or in
+    slime's form fn(args, rollout_id, data_source, evaluation=False) (`coordinator.rollout.slime_rollout_fn`)."""
     target = load_object(path, what=what)
     if not inspect.isclass(target) and callable(target) and read_rollout_fn(what, path, target).form is HookForm.SLIME:
         from coordinator.rollout.slime_rollout_fn import SlimeRolloutFn
 
         return SlimeRolloutFn(target, path=path, context=context, what=what)
+    if inspect.isclass(target) and read_rollout_class(what, path, target).form is HookForm.MILES:
+        from coordinator.rollout.miles_rollout_fn import MilesRolloutFn
+
+        return MilesRolloutFn(target, path=path, context=context, what=what)
     if inspect.isclass(target):
         instance = target(context)
         if not callable(instance):
