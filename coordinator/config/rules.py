@@ -69,8 +69,9 @@ def generation_needs_engines(config: Config) -> None:
 
 
 def router_needs_engines(config: Config) -> None:
-    if config.sglang.use_sglang_router and not config.needs_engines:
-        raise ConfigError("--use-sglang-router needs rollout engines, which this run does not start")
+    if config.sglang.launches_router and not config.needs_engines:
+        flag = "--use-sglang-router" if config.sglang.use_sglang_router else "--sglang-router-port"
+        raise ConfigError(f"{flag} needs rollout engines, which this run does not start")
 
 
 def generation_needs_num_rollout(config: Config) -> None:
