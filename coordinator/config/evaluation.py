@@ -49,6 +49,8 @@ class EvalConfig(Slice):
     eval_top_p: float | None = flag(None, help="eval top-p (default: rollout's)", above=0, maximum=1)
     eval_top_k: int | None = flag(None, help="eval top-k (default: rollout's; -1 = off)", minimum=1, also=(-1,))
     eval_max_response_len: int | None = flag(None, help="eval max new tokens (default: rollout's)", minimum=1)
+    eval_max_context_len: int | None = flag(None, help="eval prompt + response length cap: max new tokens are "
+                                            "clipped to it (default: --rollout-max-context-len)", minimum=1)
     eval_input_key: str | None = flag(None, help="prompt field of eval files (default: --input-key)", secret=False)
     eval_label_key: str | None = flag(None, help="label field of eval files (default: --label-key)", secret=False)
     eval_reward_key: str | None = flag(None, help="entry of a dict reward eval metrics use (default: --reward-key)",

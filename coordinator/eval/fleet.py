@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Eval prompts are not clipped to a context length (their budget is --eval-max-response-len).
+#: Without --eval-max-context-len / --rollout-max-context-len, eval prompts are not clipped to a context length
+#: (their budget is --eval-max-response-len).
 _UNBOUNDED_CONTEXT = 1 << 30
 #: how long the end of a run waits for evaluations still in flight before the final save
 DRAIN_TIMEOUT_S = 300.0
@@ -132,7 +133,8 @@ class EvalFleet:
         concurrency = max(1, settings.server_concurrency * len(fleet.engines))
         slots = RequestSlots(concurrency)  # datasets run one after another: one bound for all of them
         self.generate_states: dict[str, GenerateState] = {
-            dataset.name: generate_state(dataset, tokenizer=tokenizer, context_length=_UNBOUNDED_CONTEXT,
+            dataset.name: generate_state(dataset, tokenizer=tokenizer,
+                                         context_length=settings.max_context_len or _UNBOUNDED_CONTEXT,
                                          concurrency=concurrency, request_slots=slots)
             for dataset in self.datasets
         }

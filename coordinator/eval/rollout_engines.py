@@ -68,7 +68,8 @@ class RolloutEngineEval:
         self.metrics = metrics
         self.states = {
             dataset.name: generate_state(dataset, tokenizer=rollout_state.tokenizer,
-                                         context_length=rollout_state.context_length,
+                                         context_length=min(settings.max_context_len or rollout_state.context_length,
+                                                            rollout_state.context_length),
                                          concurrency=rollout_state.concurrency,
                                          request_slots=rollout_state.request_slots)
             for dataset in self.datasets

@@ -139,6 +139,7 @@ class EvalSettings:
     keep_snapshots: int = 2  # --eval-keep-snapshots
     overflow_policy: str = "backpressure"  # --eval-overflow-policy
     num_rollout: int | None = None  # the fleet also evaluates the last rollout (miles' should_run_periodic_action)
+    max_context_len: int | None = None  # --eval-max-context-len, else --rollout-max-context-len
 
     @classmethod
     def from_slices(cls, evaluation: EvalConfig, *, rollout: RolloutConfig, sglang: SglangConfig) -> EvalSettings:
@@ -157,6 +158,7 @@ class EvalSettings:
             keep_snapshots=evaluation.eval_keep_snapshots,
             overflow_policy=evaluation.eval_overflow_policy,
             num_rollout=rollout.num_rollout,
+            max_context_len=_first(evaluation.eval_max_context_len, rollout.rollout_max_context_len),
         )
 
 
