@@ -53,6 +53,8 @@ class EvalConfig(Slice):
                                             "clipped to it (default: --rollout-max-context-len)", minimum=1)
     eval_input_key: str | None = flag(None, help="prompt field of eval files (default: --input-key)", secret=False)
     eval_label_key: str | None = flag(None, help="label field of eval files (default: --label-key)", secret=False)
+    eval_tool_key: str | None = flag(None, help="tools field of eval files, handed to the chat template "
+                                     "(default: --tool-key)", secret=False)
     eval_reward_key: str | None = flag(None, help="entry of a dict reward eval metrics use (default: --reward-key)",
                                        secret=False)
     eval_max_in_flight: int = flag(2, help="evaluations pending (running or waiting) at once on the eval fleet; "

@@ -54,6 +54,7 @@ class EvalDatasetSettings:
     input_key: str = "prompt"
     label_key: str | None = None
     metadata_key: str | None = None
+    tool_key: str | None = None  # --eval-tool-key, else --tool-key
     apply_chat_template: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)  # merged into every record's metadata
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES  # --data-max-line-bytes
@@ -117,6 +118,7 @@ class EvalDatasetSettings:
             input_key=_first(spec.input_key, evaluation.eval_input_key, rollout.input_key),
             label_key=_first(spec.label_key, evaluation.eval_label_key, rollout.label_key),
             metadata_key=_first(spec.metadata_key, rollout.metadata_key),
+            tool_key=_first(evaluation.eval_tool_key, rollout.tool_key),
             apply_chat_template=_first(spec.apply_chat_template, rollout.apply_chat_template),
             metadata=metadata,
             max_line_bytes=rollout.data_max_line_bytes,
@@ -183,7 +185,7 @@ def _records(dataset: EvalDatasetSettings, *, seed: int, tokenizer: Any, raw_pro
         source = PromptDataSource(dataset.path, input_key=dataset.input_key, label_key=dataset.label_key,
                                   metadata_key=dataset.metadata_key, apply_chat_template=dataset.apply_chat_template,
                                   tokenizer=tokenizer, shuffle=False, seed=seed, raw_prompts=raw_prompts,
-                                  max_line_bytes=dataset.max_line_bytes)
+                                  max_line_bytes=dataset.max_line_bytes, tool_key=dataset.tool_key)
     records = source.take(len(source))
     for record in records:
         if not isinstance(record.prompt, str) and not raw_prompts:

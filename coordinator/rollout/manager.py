@@ -379,6 +379,7 @@ def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bo
         input_key=rollout.input_key,
         label_key=rollout.label_key,
         metadata_key=rollout.metadata_key,
+        tool_key=rollout.tool_key,
         apply_chat_template=rollout.apply_chat_template and chat_template,
         tokenizer=tokenizer,
         shuffle=rollout.rollout_shuffle,

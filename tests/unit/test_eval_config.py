@@ -263,3 +263,11 @@ async def test_eval_max_context_len_caps_eval_prompts_plus_responses_and_falls_b
                           snapshot_dir=tmp_path, probe_before_pin=True, datasets=load_eval_datasets(settings))
         state = evals.generate_states["d"]
         assert [state.max_new_tokens(prompt) for prompt in (2, 6, 12)] == [8, 6, 0]
+
+
+def test_eval_tool_key_falls_back_to_the_tool_key() -> None:
+    flags = ["--eval-interval", "1", "--eval-prompt-data", "d", "builtin:first_digit"]
+    assert settings_of(*flags).datasets[0].tool_key is None
+    assert settings_of(*flags, "--tool-key", "tools").datasets[0].tool_key == "tools"
+    assert settings_of(*flags, "--tool-key", "tools", "--eval-tool-key", "eval_tools").datasets[0].tool_key == \
+        "eval_tools"
