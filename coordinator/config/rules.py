@@ -117,7 +117,8 @@ def routing_replay_needs_a_dense_model(config: Config) -> None:
 
 def global_batch_divides_rollout(config: Config) -> None:
     rollout, global_batch_size = config.rollout, config.train.global_batch_size
-    if config.replay_mode or global_batch_size is None or not rollout.samples_per_rollout % global_batch_size:
+    if config.replay_mode or global_batch_size is None or not rollout.samples_per_rollout % global_batch_size \
+            or config.train.use_dynamic_global_batch_size:
         return
     raise ConfigError(
         f"--global-batch-size {global_batch_size} does not divide --rollout-batch-size × "
@@ -126,9 +127,18 @@ def global_batch_divides_rollout(config: Config) -> None:
     )
 
 
+def dynamic_global_batch_needs_dynamic_micro_batches(config: Config) -> None:
+    """miles' rule, for static micro-batching (--micro-batch-size without --use-dynamic-batch-size)."""
+    train = config.train
+    if train.use_dynamic_global_batch_size and train.micro_batch_size is not None and not train.use_dynamic_batch_size:
+        raise ConfigError("--use-dynamic-global-batch-size requires --use-dynamic-batch-size (with "
+                          "--max-tokens-per-gpu): static micro-batching (--micro-batch-size) cannot guarantee "
+                          "alignment when the sample count is data-dependent (miles' rule)")
+
+
 def global_batch_splits_over_ranks(config: Config) -> None:
-    if config.replay_mode or not config.needs_train_ranks:
-        return
+    if config.replay_mode or not config.needs_train_ranks or config.train.use_dynamic_global_batch_size:
+        return  # a dynamic global batch is rounded down to a multiple of the ranks each rollout
     if config.effective_global_batch_size % config.num_train_ranks:
         raise ConfigError(
             f"--global-batch-size {config.effective_global_batch_size} is not divisible by the "
@@ -141,6 +151,9 @@ def steps_per_rollout_agree(config: Config) -> None:
     steps, samples = config.train.num_steps_per_rollout, config.rollout.samples_per_rollout
     if config.replay_mode or steps is None or not samples:
         return
+    if config.train.use_dynamic_global_batch_size and steps != 1:
+        raise ConfigError(f"--use-dynamic-global-batch-size requires exactly one optimizer step per rollout; got "
+                          f"--num-steps-per-rollout {steps}")
     if samples % steps:
         raise ConfigError(f"--num-steps-per-rollout {steps} does not divide --rollout-batch-size × "
                           f"--n-samples-per-prompt = {samples}")
@@ -272,6 +285,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     default_rollout_needs_prompts,
     global_batch_divides_rollout,
     steps_per_rollout_agree,
+    dynamic_global_batch_needs_dynamic_micro_batches,
     global_batch_splits_over_ranks,
     kl_reward_shaping_is_supported,
     eval_fleet_needs_schedule,

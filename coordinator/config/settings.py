@@ -206,7 +206,9 @@ class Config:
     @property
     def effective_global_batch_size(self) -> int:
         """Samples per optimizer step: --global-batch-size, else the rollout's samples / --num-steps-per-rollout
-        (slime's rule), else the whole rollout."""
+        (slime's rule), else the whole rollout (always with miles' --use-dynamic-global-batch-size)."""
+        if self.train.use_dynamic_global_batch_size:
+            return self.rollout.samples_per_rollout
         if self.train.global_batch_size:
             return self.train.global_batch_size
         if self.train.num_steps_per_rollout:

@@ -140,6 +140,16 @@ def test_eval_sglang_overrides_are_the_eval_fleets_own_and_the_launcher_keeps_it
         cfg(*fleet, "--eval-sglang-tp-size", "2")
 
 
+def test_dynamic_global_batch_size_is_one_step_per_rollout_whatever_the_global_batch_size() -> None:
+    config = cfg("--rollout-num-engines", "1", "--use-dynamic-global-batch-size", "--global-batch-size", "3")
+    batching = config.train.batching_settings()
+    assert batching.dynamic_global_batch_size and batching.global_batch_size is None
+    assert batching.num_steps_per_rollout is None and config.train_steps_per_rollout == 1
+    with pytest.raises(ConfigError, match="requires exactly one optimizer step per rollout; got "
+                                          "--num-steps-per-rollout 2"):
+        cfg("--rollout-num-engines", "1", "--use-dynamic-global-batch-size", "--num-steps-per-rollout", "2")
+
+
 def test_resolved_config_json_hides_the_api_key() -> None:
     config = cfg("--rollout-num-engines", "1", "--sglang-api-key", "secret")
     data = json.loads(config.to_json())
@@ -172,6 +182,11 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
     "eval_gpus_fill_whole_engines": (None, ["--rollout-num-gpus", "2", "--eval-num-gpus-per-engine", "2",
                                             "--eval-num-gpus", "3"],
                                      "--eval-num-gpus 3 is not divisible by --eval-num-gpus-per-engine 2"),
+    "dynamic_global_batch_needs_dynamic_micro_batches": (None, ["--rollout-num-engines", "1",
+                                                                "--use-dynamic-global-batch-size",
+                                                                "--micro-batch-size", "2"],
+                                                         "--use-dynamic-global-batch-size requires "
+                                                         "--use-dynamic-batch-size"),
     "eval_sglang_overrides_need_a_fleet": (None, ["--rollout-num-engines", "1", "--eval-sglang-mem-fraction-static",
                                                   "0.9"], "--eval-sglang-* configures the dedicated eval fleet, "
                                                           "which needs --eval-num-gpus"),

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from anyio.streams.buffered import BufferedByteReceiveStream
 
 # 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node_rank;
-# 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation)
-PROTOCOL_VERSION = 6
+# 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation);
+# 7: BatchingSettings.dynamic_global_batch_size
+PROTOCOL_VERSION = 7
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
