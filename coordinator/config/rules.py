@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from coordinator.config.determinism_rules import deterministic_runs_can_hold
+from coordinator.config.distill import teacher_hook
 from coordinator.config.eval_rules import EVAL_FLEET_RULES
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
@@ -262,10 +263,12 @@ def distillation_has_a_teacher(config: Config) -> None:
         raise ConfigError(f"{opd_hooks[0]} (slime's on-policy distillation reward: 0, the teacher gives the "
                           "signal) without --use-opd would train on nothing: add --use-opd --opd-type sglang")
     if (distill.engine_teacher and not config.replay_mode and not distill.launches_teacher
-            and not distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type)):
+            and not distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type)
+            and teacher_hook(config) is None):
         raise ConfigError("--use-opd --opd-type sglang needs its teacher: --opd-teacher-urls NAME=URL (running "
-                          "engines), --opd-teacher-load DIR (rayless serves it) or --rm-url (slime's single "
-                          "teacher)")
+                          "engines), --opd-teacher-load DIR (rayless serves it), --rm-url (slime's single "
+                          "teacher), or a custom generate / rollout / reward hook that sets "
+                          "sample.teacher_log_probs itself (slime's contract)")
 
 
 RULES: tuple[Callable[[Config], None], ...] = (

@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 
 from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config, RolloutConfig
+from coordinator.config.distill import teacher_hook
 from coordinator.data.source import PromptDataSource
 from coordinator.hooks.args import build_hook_args, hook_sampling_params
 from coordinator.hooks.forms import HookForm, read_rollout_class, read_rollout_fn
@@ -43,7 +44,7 @@ from coordinator.rollout.requests import GenerateState
 from coordinator.rollout.reward_choice import RewardChoice
 from coordinator.rollout.reward_post import RewardPostProcess
 from coordinator.rollout.rewards import RewardModel
-from coordinator.rollout.teacher import TeacherScorer, settle_teacher_log_probs
+from coordinator.rollout.teacher import TeacherScorer, require_teacher_log_probs, settle_teacher_log_probs
 from replay.sample import RolloutBatch
 from workers.hook_loading import load_object
 
@@ -111,6 +112,8 @@ class RolloutManager:
         self.reward_post_process: RewardPostProcess | None = None
         #: on-policy distillation's `sglang` teacher: asks teacher logprobs of each generated sample
         self.teacher: TeacherScorer | None = None
+        #: the flag of the hook that supplies teacher logprobs itself (`--opd-type sglang` without a teacher)
+        self.hook_teacher: str | None = None
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -147,8 +150,11 @@ class RolloutManager:
         if config.distill.engine_teacher and config.needs_engines:  # the flags' teachers, or the one launched
             routes = {**config.distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type),
                       **(teacher_urls or {})}
-            manager.teacher = TeacherScorer(client, routes, key=config.distill.opd_teacher_key,
-                                            concurrency=config.sglang.sglang_server_concurrency)
+            if routes or teacher_hook(config) is None:
+                manager.teacher = TeacherScorer(client, routes, key=config.distill.opd_teacher_key,
+                                                concurrency=config.sglang.sglang_server_concurrency)
+            else:  # slime's contract: the hook asks the teacher and sets sample.teacher_log_probs
+                manager.hook_teacher = teacher_hook(config)
         return manager
 
     def _build_replay_loader(self) -> None:
@@ -288,6 +294,9 @@ class RolloutManager:
             self._check_shape(batch)
             if self.teacher is not None:
                 await self.teacher.score(batch.samples)
+            elif self.hook_teacher is not None:
+                settle_teacher_log_probs(batch.samples)
+                require_teacher_log_probs(batch.samples, hook=self.hook_teacher)
         rollout = self.config.rollout
         if self.config.sft.disable_compute_advantages_and_returns:
             pass  # slime's --disable-compute-advantages-and-returns: the rollout fn's advantages stay
