@@ -198,7 +198,10 @@ class EvalFleet:
         return self.pinning.probe_before_pin
 
     async def before_loop(self, start_rollout: int, weight_version: str) -> None:
-        """Evaluations start from step hooks only."""
+        """miles' train_async: a run starting at rollout 0 first evaluates `--hf-checkpoint` itself (step 0, never
+        exported nor deleted), unless `--skip-eval-before-train`."""
+        if start_rollout == 0 and self.interval is not None and not self.settings.skip_before_train:
+            await self.dispatch(0, weight_version, snapshot=self.settings.hf_checkpoint)
 
     async def after_loop(self) -> None:
         """The training loop's last phase before the final save: the run's last evaluation gets recorded."""
@@ -239,10 +242,12 @@ class EvalFleet:
         if self.due(rollout_id):
             await self.dispatch(rollout_id, weight_version, final=self.is_final(rollout_id))
 
-    async def dispatch(self, step: int, weight_version: str, *, final: bool = False) -> EvalJob | None:
+    async def dispatch(self, step: int, weight_version: str, *, final: bool = False,
+                       snapshot: str | None = None) -> EvalJob | None:
         """miles' `EvalDispatcher.dispatch`: over `--eval-max-in-flight`, skip as `busy` (`skip`, unless `final`)
-        or wait for the oldest pending evaluation to settle (`backpressure`); then export and queue. None when
-        the evaluation was skipped before it was queued (`busy`, `export_failed`)."""
+        or wait for the oldest pending evaluation to settle (`backpressure`); then export (unless `snapshot`
+        names an existing directory, which is never deleted) and queue. None when the evaluation was skipped
+        before it was queued (`busy`, `export_failed`)."""
         if self.pending >= self.max_in_flight:
             if self.settings.overflow_policy == "skip" and not final:
                 self._record_skip(EvalJob(self._take_id(), step, str(weight_version), ""),
@@ -251,6 +256,8 @@ class EvalFleet:
                 return None
             while self.pending >= self.max_in_flight:  # backpressure: training waits for the oldest to settle
                 await self._wait_changed()
+        if snapshot is not None:
+            return self.submit(step, weight_version, snapshot)
         try:
             snapshot, exported = await self._snapshot(step, weight_version)
         except EvalSkip as skip:

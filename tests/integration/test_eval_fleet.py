@@ -82,7 +82,8 @@ async def test_evals_pinned_to_exported_snapshots_with_miles_fleet_flags(tiny_mo
     not, and each evaluation is pinned to the weights its step exported."""
     hf_dir = tmp_path / "eval_hf"
     config = eval_config(tiny_model_dir, tmp_path / "run", "--eval-hf-dir", str(hf_dir), "--eval-keep-snapshots",
-                         "1", "--eval-max-in-flight", "1", "--eval-overflow-policy", "skip")
+                         "1", "--eval-max-in-flight", "1", "--eval-overflow-policy", "skip",
+                         "--skip-eval-before-train")
     observers: list[Observer] = []
 
     def hooks(services: Services) -> list[Any]:
@@ -254,6 +255,19 @@ async def test_over_the_bound_skip_drops_the_new_eval_backpressure_waits_and_the
         assert [r["step"] for r in rows if r.get("eval/skipped_busy")] == ([1] if policy == "skip" else [])
         assert [r["step"] for r in rows if r.get("eval/skipped_unhealthy")] == [0, 2]
         group.cancel_scope.cancel()
+
+
+async def test_a_run_from_rollout_0_first_evaluates_the_base_checkpoint_on_the_fleet(tmp_path: Path) -> None:
+    """miles' train_async dispatches `--hf-checkpoint` itself at step 0 before training (never exported, never
+    deleted), unless --skip-eval-before-train or the run resumes."""
+    async with EngineClient(max_connections=1) as client:
+        fleet = EngineFleet(client=client, group="eval", external_urls=["127.0.0.1:1"], run_dir=tmp_path)
+        for skip, start, expected in ((False, 0, [(0, "0", str(tmp_path), False)]), (True, 0, []), (False, 3, [])):
+            settings = dataclasses.replace(fake_eval_settings(tmp_path), skip_before_train=skip)
+            evals = EvalFleet(settings=settings, fleet=fleet, client=client, tokenizer=None, exporter=None,
+                              snapshot_dir=tmp_path / "eval_weights", probe_before_pin=True, datasets=[])
+            await evals.before_loop(start, "0")  # run() is not started: the eval stays queued
+            assert [(j.pinned_step, j.weight_version, j.snapshot, j.exported) for j in evals.waiting] == expected
 
 
 @pytest.mark.parametrize("logprobs", [False, True], ids=["eval", "rollout"])
