@@ -25,7 +25,8 @@ from coordinator.config.fields import ConfigError, ConfigWarning, Slice, flag
 from workers.protocol.train_settings import OpdSettings
 
 if TYPE_CHECKING:
-    from coordinator.config.settings import Config
+    from coordinator.config.hooks import HooksConfig
+    from coordinator.config.rollout import RolloutConfig
 
 OPD_TYPES = ("sglang", "megatron")
 TOP_K_STRATEGIES = ("only-student", "only-teacher", "intersection", "union", "xor")
@@ -154,7 +155,7 @@ class DistillConfig(Slice):
                            teacher_path=teacher_path if self.rank_teacher else None)
 
 
-def teacher_hook(config: Config) -> str | None:
+def teacher_hook(rollout: RolloutConfig, hooks: HooksConfig) -> str | None:
     """slime's contract for `--opd-type sglang` without a teacher address: a custom hook talks to the teacher and
     sets `sample.teacher_log_probs` itself. The flag of the first such hook in use (a generate function, a
     rollout function, a reward or reward post-process other than slime's OPD ones, which rayless replaces),
@@ -162,8 +163,7 @@ def teacher_hook(config: Config) -> str | None:
     ours = "coordinator.rollout.teacher:"
     from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 
-    rollout = config.rollout
-    for flag_name, path in (("--custom-generate-function-path", config.hooks.custom_generate_function_path),
+    for flag_name, path in (("--custom-generate-function-path", hooks.custom_generate_function_path),
                             ("--rollout-function-path", None if rollout.rollout_function_path ==
                              DEFAULT_ROLLOUT_FUNCTION else rollout.rollout_function_path),
                             ("--custom-rm-path", rollout.custom_rm_path),

@@ -264,7 +264,7 @@ def distillation_has_a_teacher(config: Config) -> None:
                           "signal) without --use-opd would train on nothing: add --use-opd --opd-type sglang")
     if (distill.engine_teacher and not config.replay_mode and not distill.launches_teacher
             and not distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type)
-            and teacher_hook(config) is None):
+            and teacher_hook(config.rollout, config.hooks) is None):
         raise ConfigError("--use-opd --opd-type sglang needs its teacher: --opd-teacher-urls NAME=URL (running "
                           "engines), --opd-teacher-load DIR (rayless serves it), --rm-url (slime's single "
                           "teacher), or a custom generate / rollout / reward hook that sets "

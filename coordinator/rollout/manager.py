@@ -150,11 +150,11 @@ class RolloutManager:
         if config.distill.engine_teacher and config.needs_engines:  # the flags' teachers, or the one launched
             routes = {**config.distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type),
                       **(teacher_urls or {})}
-            if routes or teacher_hook(config) is None:
+            if routes or teacher_hook(config.rollout, config.hooks) is None:
                 manager.teacher = TeacherScorer(client, routes, key=config.distill.opd_teacher_key,
                                                 concurrency=config.sglang.sglang_server_concurrency)
             else:  # slime's contract: the hook asks the teacher and sets sample.teacher_log_probs
-                manager.hook_teacher = teacher_hook(config)
+                manager.hook_teacher = teacher_hook(config.rollout, config.hooks)
         return manager
 
     def _build_replay_loader(self) -> None:

@@ -113,7 +113,7 @@ def test_a_hook_that_asks_the_teacher_itself_needs_no_teacher_address() -> None:
     for flag in ("--custom-generate-function-path", "--custom-rm-path", "--custom-reward-post-process-path",
                  "--rollout-function-path"):
         config = parse_config([*BASE, *SGLANG, flag, "my_hooks:opd"])
-        assert teacher_hook(config) == flag and config.distill.teacher_routes(None) == {}
+        assert teacher_hook(config.rollout, config.hooks) == flag and config.distill.teacher_routes(None) == {}
     with pytest.raises(ConfigError, match="needs its teacher"):
         parse_config([*BASE, *SGLANG, "--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"])
     given = Sample(group_index=0, sample_index=0, tokens=[1, 2, 3], response_length=2, teacher_log_probs=[-1.0, -2.0])
