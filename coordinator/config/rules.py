@@ -240,8 +240,12 @@ def colocation_needs_both_halves(config: Config) -> None:
 
 #: Run in this order by `validate()`; the first that raises names the contradiction the user sees.
 def eval_fleet_generates_without_hooks(config: Config) -> None:
-    if config.eval_fleet_enabled and config.hooks.custom_generate_function_path is not None:
-        warnings.warn("--custom-generate-function-path generates on the rollout engines; the dedicated eval fleet "
+    if not config.eval_fleet_enabled:
+        return
+    hook = ("--custom-generate-function-path" if config.hooks.custom_generate_function_path is not None
+            else "--eval-function-path" if config.rollout.eval_function_path is not None else None)
+    if hook is not None:
+        warnings.warn(f"{hook} runs on the rollout engines; the dedicated eval fleet "
                       "(--eval-num-engines/--eval-num-gpus) evaluates with the built-in single-turn request code",
                       ConfigWarning, stacklevel=3)
 
