@@ -1,4 +1,4 @@
-"""The `rayless` command: `train`, `engine`, `make-tiny-model`, `dump`, `reward` and `status`.
+"""The `rayless` command: `train`, `engine`, `make-tiny-model`, `export`, `dump`, `reward` and `status`.
 
 Owns argument dispatch and exit statuses only: 0 success, 1 a failure during the run, 2 bad flags (reported
 before any process is launched or port opened). Each subcommand's work lives in its own module and is imported
@@ -21,6 +21,7 @@ commands:
   train             run RL post-training (rollouts on engines, training on torchrun ranks); --help for flags
   engine            serve a Hugging Face model with the SGLang HTTP API (on the CPU, or --device cuda)
   make-tiny-model   write a tiny local Hugging Face model directory (nothing fetched from a hub)
+  export            CKPT OUT: a checkpoint of --save as a Hugging Face model directory (on the CPU)
   dump              show | verify | convert rollout dumps
   reward            score: run a built-in reward type over a JSONL file (--compare T2: where two differ)
   status            a run's status: from its status server (--status-port) or its run directory
@@ -41,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return engine_main(rest)
     if command == "make-tiny-model":
         return make_tiny_model_main(rest)
+    if command == "export":
+        from workers.train_rank.export import main as export_main
+
+        return export_main(rest)
     if command == "dump":
         from replay.tools import main as dump_main
 

@@ -7,7 +7,8 @@ interval save, and after the last step the after-loop phases (evaluations still 
 The schedules (synchronous, one-step-off-policy, colocated) are described in docs/architecture.md.
 
 Invariants: the weight version names the number of optimizer updates applied to the policy, as a string
-("0" = `--hf-checkpoint`), and after the sync of step k every engine reports str(k + 1); with `--save`, every
+("0" = `--hf-checkpoint`), and after the sync of step k every engine reports str(k + 1); with `--save` or
+`--save-hf` (a Hugging Face directory at each save, formatted with the rollout id), every
 rollout id is saved at most once, and the last trained rollout always is.
 """
 
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 import anyio
 
 from coordinator.config import CheckpointConfig, RolloutConfig
+from coordinator.config.checkpoint import save_hf_path
 from coordinator.observe import timeline
 from coordinator.observe.progress import MetricsLog, RunProgress
 from replay.sample import RolloutBatch
@@ -51,6 +53,8 @@ class Trainer(Protocol):
     async def train(self, rollout_id: int, samples: list[Any]) -> dict[str, float]: ...
 
     async def save(self, rollout_id: int, extra: dict[str, Any]) -> Any: ...
+
+    async def save_hf(self, directory: str) -> Any: ...
 
     async def load_checkpoint(self, path: Path) -> Checkpoint: ...
 
@@ -154,7 +158,7 @@ class TrainingLoop:
 
     @property
     def _saves(self) -> bool:
-        return bool(self.checkpoint.save and self.trainer is not None)
+        return bool(self.checkpoint.saves and self.trainer is not None)
 
     async def _resume(self) -> None:
         """With a checkpoint to resume from: the ranks' state, the data order, the restored weights pushed."""
@@ -252,9 +256,13 @@ class TrainingLoop:
         extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
                  "rollout_state": self.rollouts.state_dict()}
         with timeline.span("save"):
-            path = await self.trainer.save(rollout_id, extra)
+            if self.checkpoint.save:
+                path = await self.trainer.save(rollout_id, extra)
+                log.info("saved checkpoint of rollout %d to %s", rollout_id, path)
+            if self.checkpoint.save_hf:
+                path = await self.trainer.save_hf(save_hf_path(self.checkpoint.save_hf, rollout_id))
+                log.info("saved the model of rollout %d as a Hugging Face directory: %s", rollout_id, path)
         self._result.saved.append(rollout_id)
-        log.info("saved checkpoint of rollout %d to %s", rollout_id, path)
 
 
 def _summary(rollout_id: int, total: int, record: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from coordinator.config.checkpoint import LoadPlan
+from coordinator.config.checkpoint import LoadPlan, save_hf_path
 from coordinator.config.fields import ConfigError
 from coordinator.config.porting import PortingNotice, porting_notice
 from coordinator.config.settings import Config
@@ -71,7 +71,25 @@ def check_checkpoints(config: Config) -> tuple[list[str], LoadPlan]:
     save = config.checkpoint.save
     if save and config.needs_train_ranks:
         notes.append(_check_writable("--save", Path(save)))
+    if config.checkpoint.save_hf and config.needs_train_ranks:
+        notes.append(_check_save_hf(config.checkpoint.save_hf, hf_checkpoint=config.rollout.hf_checkpoint,
+                                    save=save))
     return notes, load
+
+
+def _check_save_hf(template: str, *, hf_checkpoint: str | None, save: str | None) -> str:
+    """`--save-hf` can be written, never names the model the run starts from (slime's rule: a save there would
+    replace the weights every engine and the next run load) nor `--save`, and its first directory holds nothing
+    a save would refuse to replace (anything but an earlier model)."""
+    first = Path(save_hf_path(template, 0))
+    for flag, other in (("--hf-checkpoint", hf_checkpoint), ("--save", save)):
+        if other is not None and first.resolve() == Path(other).resolve():
+            raise ConfigError(f"--save-hf {template}: the {flag} directory itself; name another directory "
+                              "(e.g. with {rollout_id} in it)")
+    if first.is_dir() and any(first.iterdir()) and not (first / "config.json").is_file():
+        raise ConfigError(f"--save-hf {template}: {first} holds files and is not a Hugging Face model directory "
+                          "(no config.json); a save replaces only an earlier model or an empty directory")
+    return _check_writable("--save-hf", first)
 
 
 def check_paths(config: Config) -> list[str]:

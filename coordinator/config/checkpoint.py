@@ -1,9 +1,11 @@
 """The checkpoint slice: where training checkpoints go and come from, and the engines' weight snapshots.
 
-Owns these flags and what `--load` and `--ref-load` name on disk (`resolve_load`, `resolve_ref_load`: a fresh
+Owns these flags, what `--load` and `--ref-load` name on disk (`resolve_load`, `resolve_ref_load`: a fresh
 start, our checkpoint, a Hugging Face directory, or a Megatron one, which gets a message saying what to pass
-instead; slime's rule: a directory without a checkpoint starts fresh). Invariants: a save interval has a
-directory to save to; every failure is a ConfigError naming the flag.
+instead; slime's rule: a directory without a checkpoint starts fresh) and where `--save-hf` writes
+(`save_hf_path`: slime's and miles' `args.save_hf.format(rollout_id=...)`). Invariants: a save interval has a
+directory to save to; a `--save-hf` template formats with `rollout_id` alone; every failure is a ConfigError
+naming the flag.
 """
 
 from __future__ import annotations
@@ -27,13 +29,43 @@ class CheckpointConfig(Slice):
                                             "its rollout id is a multiple of N (as Megatron)", minimum=1)
     ref_load: str | None = flag(None, help="reference model of the KL: a Hugging Face model directory or a rayless "
                                 "checkpoint (default: --hf-checkpoint)", metavar="DIR")
+    save_hf: str | None = flag(None, help="at each save (--save-interval, and the last rollout) also write a "
+                               "Hugging Face model directory here; {rollout_id} in it is the rollout saved, as "
+                               "slime; a LoRA run's holds the merged weights and the adapter in adapter/",
+                               metavar="DIR")
     keep_weight_snapshots: int = flag(2, help="weight snapshots for engines kept on disk", minimum=1)
 
     def check(self) -> None:
-        if self.save_interval is not None and self.save is None:
-            raise ConfigError("--save-interval needs --save DIR")
+        if self.save_interval is not None and self.save is None and self.save_hf is None:
+            raise ConfigError("--save-interval needs --save DIR (or --save-hf DIR)")
         if self.save_retain_interval is not None and self.save is None:
             raise ConfigError("--save-retain-interval needs --save DIR")
+        if self.save_hf is not None:
+            save_hf_path(self.save_hf, 0)  # a template that cannot be formatted fails now, not at the first save
+
+    @property
+    def saves(self) -> bool:
+        """Whether the run saves at all: a checkpoint (--save), a Hugging Face directory (--save-hf), or both."""
+        return self.save is not None or self.save_hf is not None
+
+
+def save_hf_path(template: str, rollout_id: int) -> str:
+    """`--save-hf`'s directory for one save: `template.format(rollout_id=...)`, as slime and miles format it (a
+    template without `{rollout_id}` is the same directory at every save, replaced each time)."""
+    try:
+        path = template.format(rollout_id=rollout_id)
+    except KeyError as error:
+        raise ConfigError(f"--save-hf {template}: {{{error.args[0]}}} is not a field of the path; the only one is "
+                          "{rollout_id} (write a literal brace as {{ or }})") from None
+    except IndexError:
+        raise ConfigError(f"--save-hf {template}: a positional field ({{}} or {{0}}); the only field is "
+                          "{rollout_id} (write a literal brace as {{ or }})") from None
+    except (ValueError, AttributeError) as error:
+        raise ConfigError(f"--save-hf {template}: not a format string ({error}); the only field is {{rollout_id}} "
+                          "(write a literal brace as {{ or }})") from None
+    if not path:
+        raise ConfigError("--save-hf: an empty path")
+    return path
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -128,6 +128,10 @@ class TrainCommands:
         )
         return Path((await self.server.call_all(command))[0]["path"])
 
+    async def save_hf(self, directory: str | Path) -> Path:
+        """Write the model as a Hugging Face directory at `directory` (`--save-hf`; rank 0 writes)."""
+        return Path((await self.server.call_all(protocol.SaveHfCommand(directory=str(directory))))[0]["path"])
+
     async def load_checkpoint(self, path: str | Path) -> LoadedCheckpoint:
         """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank. When
         `latest` is broken the ranks load the newest complete checkpoint instead, and this logs why."""

@@ -1,7 +1,8 @@
 """SFT as slime's scripts run it, through `rayless train` as a process: chat data, slime's SFT rollout path,
 `--loss-type sft_loss`, `--num-epoch`, torchrun ranks on gloo, no engine. The tiny model learns a fixed
 mapping (fruit → colour, asked in two-turn chats): the loss falls clearly, `--num-epoch` sets the number of
-rollouts from the data, and the saved checkpoint answers every question of the data greedily.
+rollouts from the data, and the model saved by `--save-hf` (and exported from the checkpoint) answers every
+question of the data greedily.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def sft_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
             "--global-batch-size", "4", "--loss-type", "sft_loss", "--calculate-per-token-loss",
             "--disable-compute-advantages-and-returns", "--debug-train-only", "--lr", "1e-2", "--lr-decay-style",
             "cosine", "--min-lr", "5e-3", "--lr-warmup-fraction", "0.05", "--actor-num-gpus-per-node", "2",
-            "--save", str(root / "ckpt"), "--save-interval", "1000"]
+            "--save", str(root / "ckpt"), "--save-interval", "1000", "--save-hf", str(root / "hf")]
     done = subprocess.run([sys.executable, "-m", "coordinator.cli", "train", *argv], capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -82,15 +83,26 @@ def test_no_engine_was_started(sft_run: Path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.load in one process
-def test_the_checkpoint_answers_the_mapping(sft_run: Path, tiny_model_dir: Path) -> None:
+def test_the_saved_model_answers_the_mapping_and_export_gives_the_same(sft_run: Path, tmp_path: Path) -> None:
+    """--save-hf (no {rollout_id}: one directory, written at the last save) is the model itself: transformers
+    loads it with its own tokenizer and it answers every question; `rayless export` of the checkpoint (the
+    trainer's weights) gives the same weights, which answer the same."""
+    from coordinator.cli import main as rayless
+    from tests.support.hf_dirs import file_weights, max_difference
+
+    saved, out = sft_run / "hf", tmp_path / "out"
+    assert rayless(["export", str(sft_run / "ckpt"), str(out)]) == 0
+    assert max_difference(file_weights(out), file_weights(saved)) <= 1e-6
+    for directory in (saved, out):
+        answer_the_mapping(directory)
+
+
+def answer_the_mapping(directory: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.train_rank.checkpoint import load_model_weights
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    load_model_weights(sft_run / "ckpt", model)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     model.eval()
     for fruit, colour in MAPPING.items():
         prompt = tokenizer.apply_chat_template([SYSTEM, {"role": "user", "content": fruit}], tokenize=False,

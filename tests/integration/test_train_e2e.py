@@ -63,7 +63,8 @@ def generated_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     run_dir = tmp_path_factory.mktemp("generated")
     config = config_for(tiny_model_dir, run_dir, "--rollout-num-engines", "2", "--num-rollout", str(ROLLOUTS),
                         "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld"),
-                        "--save", str(run_dir / "ckpt"), "--save-interval", "6")
+                        "--save", str(run_dir / "ckpt"), "--save-interval", "6",
+                        "--save-hf", str(run_dir / "hf" / "{rollout_id}"))
     summary, children = anyio.run(run_watched, config)
     (run_dir / "children.json").write_text(json.dumps(sorted(children)))
     assert summary["rollouts"] == ROLLOUTS and summary["train_steps"] == ROLLOUTS
@@ -96,6 +97,31 @@ def test_training_logprobs_match_the_engines_by_disk_sync(generated_run: Path) -
     rows = read_metrics(generated_run / "metrics.jsonl")
     worst = max(row["train/train_rollout_logprob_abs_diff_max"] for row in rows)
     assert worst <= 1e-4, worst  # every rollout after the first ran on weights pushed by disk sync
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # rayless export's dcp.load
+def test_save_hf_is_the_trained_and_the_served_model_and_export_gives_the_same(generated_run: Path,
+                                                                               tmp_path: Path) -> None:
+    """--save-hf at each save (rollouts 5 and 11): a directory transformers loads and generates from, holding
+    the trainer's weights of that step (its checkpoint, by `rayless export`) and what the engines served at that
+    version (their disk snapshot weights-12, kept as one of the newest two)."""
+    from coordinator.cli import main as rayless
+    from tests.support.hf_dirs import file_weights, loads_and_generates, max_difference
+
+    assert sorted(path.name for path in (generated_run / "hf").iterdir()) == ["11", "5"]
+    for rollout_id in (5, 11):
+        saved = generated_run / "hf" / str(rollout_id)
+        assert rayless(["export", str(generated_run / "ckpt" / f"rollout_{rollout_id}"),
+                        str(tmp_path / str(rollout_id))]) == 0
+        weights = file_weights(saved)
+        assert max_difference(file_weights(tmp_path / str(rollout_id)), weights) <= 1e-6
+        for directory in (saved, tmp_path / str(rollout_id)):
+            loaded = loads_and_generates(directory)
+            assert max_difference({name: loaded[name] for name in weights}, weights) <= 1e-6
+    served = generated_run / "weights" / "weights-12"  # the version the engines served after step 11
+    assert (served / "rayless_weight_version.txt").read_text().strip() == "12"
+    assert max_difference(file_weights(generated_run / "hf" / "11"), file_weights(served)) <= 1e-6
+    assert max_difference(file_weights(generated_run / "hf" / "5"), file_weights(served)) > 1e-3  # trained on
 
 
 async def test_replay_trains_with_no_engine_and_repeats_the_generating_runs_losses(generated_run: Path,

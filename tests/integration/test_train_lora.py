@@ -66,7 +66,8 @@ def lora_run(untied_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     config = config_for(untied_model, run_dir, "--rollout-num-engines", "2", "--num-rollout", str(ROLLOUTS),
                         "--update-weight-transfer-mode", "distributed",
                         "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld"),
-                        "--save", str(run_dir / "ckpt"), "--save-interval", "6")
+                        "--save", str(run_dir / "ckpt"), "--save-interval", "6",
+                        "--save-hf", str(run_dir / "hf" / "{rollout_id}"))
     summary = anyio.run(run_training, config)
     assert summary["rollouts"] == ROLLOUTS and summary["train_steps"] == ROLLOUTS
     return run_dir
@@ -99,6 +100,46 @@ def test_the_checkpoint_holds_the_adapters_and_their_optimizer_state(lora_run: P
     adapter = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
     assert len(adapter) == len(model_keys)
     assert any(tensor.abs().sum() > 0 for name, tensor in adapter.items() if ".lora_B." in name)  # trained
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # rayless export's dcp.load
+def test_save_hf_holds_the_merged_model_and_the_adapter_and_export_gives_the_same(lora_run: Path,
+                                                                                 untied_model: Path,
+                                                                                 tmp_path: Path) -> None:
+    """--save-hf of a LoRA run (rollouts 5 and 8): the merged weights transformers loads and generates from, the
+    adapter in PEFT format in adapter/, equal to the checkpoint's (the trainer's); the merged weights are the base
+    plus alpha/rank · B·A of that adapter, computed here from the files; `rayless export` of the checkpoint (the
+    adapters on the base it records) gives the same merged weights and the same adapter."""
+    from safetensors.torch import load_file
+
+    from coordinator.cli import main as rayless
+    from tests.support.hf_dirs import file_weights, loads_and_generates, max_difference
+
+    assert sorted(path.name for path in (lora_run / "hf").iterdir()) == ["5", "8"]
+    for rollout_id in (5, 8):
+        saved, out = lora_run / "hf" / str(rollout_id), tmp_path / str(rollout_id)
+        assert rayless(["export", str(lora_run / "ckpt" / f"rollout_{rollout_id}"), str(out)]) == 0
+        weights = file_weights(saved)
+        assert not any(".lora_" in name or "base_layer" in name for name in weights)
+        assert max_difference(file_weights(out), weights) <= 1e-6
+        for directory in (saved, out):
+            loaded = loads_and_generates(directory)
+            assert max_difference({name: loaded[name] for name in weights}, weights) <= 1e-6
+            adapter = load_file(str(directory / "adapter" / "adapter_model.safetensors"))
+            trained = load_file(str(lora_run / "ckpt" / f"rollout_{rollout_id}" / "adapter" /
+                                    "adapter_model.safetensors"))
+            assert max_difference(adapter, trained) == 0
+            assert (directory / "adapter" / "adapter_config.json").is_file()
+        base, expected = file_weights(untied_model), {}
+        for key, a in trained.items():
+            if ".lora_A." in key:  # base_model.model.<module>.lora_A.weight
+                module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = trained[key.replace(".lora_A.", ".lora_B.")]
+                expected[f"{module}.weight"] = base[f"{module}.weight"] + (16 / 8) * (b @ a)
+        assert len(expected) == 2 * 7 + 1
+        assert max_difference(weights, {**base, **expected}) <= 1e-6
+    merged_5, merged_8 = file_weights(lora_run / "hf" / "5"), file_weights(lora_run / "hf" / "8")
+    assert max_difference(merged_8, merged_5) > 1e-4  # the adapters trained on between the two saves
 
 
 async def test_a_colocated_resume_continues_with_the_same_losses(lora_run: Path, untied_model: Path,

@@ -84,6 +84,10 @@ class RecordingTrainer:
         self.saved[rollout_id] = extra
         return f"ckpt/rollout_{rollout_id}"
 
+    async def save_hf(self, directory: str) -> str:
+        self.calls.add("trainer", "save_hf", directory)
+        return directory
+
     async def load_checkpoint(self, path: Path) -> Restored:
         self.calls.add("trainer", "load", str(path))
         last = max(self.saved)
@@ -157,6 +161,7 @@ def make_loop(
     num_rollout: int,
     save_interval: int | None = None,
     save: bool = True,
+    save_hf: str | None = None,
     trainer: RecordingTrainer | None = None,
     resume_from: Path | None = None,
     swap: RecordingSwap | None = None,
@@ -168,7 +173,8 @@ def make_loop(
         checkpoint=dataclasses.replace(
             CheckpointConfig(),
             save=str(tmp_path / "ckpt") if save else None,
-            save_interval=save_interval if save else None,
+            save_interval=save_interval if save or save_hf else None,
+            save_hf=save_hf,
         ),
         rollouts=ListSource(calls),
         trainer=trainer or RecordingTrainer(calls),
@@ -204,6 +210,20 @@ async def test_no_save_without_a_save_directory(metrics: MetricsLog, tmp_path: P
     calls = Calls()
     result = await make_loop(metrics, tmp_path, calls, num_rollout=3, save=False).run()
     assert calls.of("save") == [] and result.saved == []
+
+
+async def test_save_hf_writes_at_every_save_with_the_rollout_id_and_alone_without_save(
+    metrics: MetricsLog, tmp_path: Path
+) -> None:
+    calls = Calls()
+    await make_loop(metrics, tmp_path, calls, num_rollout=5, save_interval=2, save_hf="hf/{rollout_id}").run()
+    saves = [(name, value) for _, name, value in calls.log if name.startswith("save")]
+    # slime's order at each save: the checkpoint, then the Hugging Face directory of the same rollout
+    assert saves == [("save", 1), ("save_hf", "hf/1"), ("save", 3), ("save_hf", "hf/3"), ("save", 4),
+                     ("save_hf", "hf/4")]
+    calls = Calls()
+    result = await make_loop(metrics, tmp_path, calls, num_rollout=3, save=False, save_hf="hf").run()
+    assert calls.of("save") == [] and calls.of("save_hf") == ["hf"] and result.saved == [2]
 
 
 async def test_synchronous_order_and_weight_versions(metrics: MetricsLog, tmp_path: Path) -> None:

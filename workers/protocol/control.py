@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from anyio.streams.buffered import BufferedByteReceiveStream
 
 # 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node_rank;
-# 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation);
-# 7: BatchingSettings.dynamic_global_batch_size
-PROTOCOL_VERSION = 7
+# 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation); 7: SaveHfCommand (--save-hf);
+# 8: BatchingSettings.dynamic_global_batch_size
+PROTOCOL_VERSION = 8
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -181,6 +181,13 @@ class ExportWeightsCommand(Command, tag="export_weights"):
     directory: str
     weight_version: str
     keep: int = 2
+
+
+class SaveHfCommand(Command, tag="save_hf"):
+    """Write the model as a Hugging Face directory at `directory` (`--save-hf`), replacing one there; answered
+    with its `path`. LoRA: the merged weights, and the adapter in the PEFT format in `adapter/`."""
+
+    directory: str
 
 
 class WeightManifestCommand(Command, tag="weight_manifest"):

@@ -1,7 +1,8 @@
 """Resumable training state on disk: torch.distributed.checkpoint for model + optimizer, JSON for the rest.
 
-Layout: `<save_dir>/rollout_<id>/` holds the DCP shards, `scheduler.json`, `extra.json` (rollout id and
-whatever the coordinator passes, e.g. the data-source position) and one `rng_rank<r>.json` per rank;
+Layout: `<save_dir>/rollout_<id>/` holds the DCP shards, `scheduler.json`, `extra.json` (rollout id,
+whatever the coordinator passes, e.g. the data-source position, the LoRA record and the base model trained,
+for `rayless export`) and one `rng_rank<r>.json` per rank;
 `<save_dir>/latest` names the newest complete checkpoint. `extra.json` is written last, by rank 0 after a
 barrier: a directory holding it and DCP's `.metadata` is complete.
 
@@ -103,15 +104,17 @@ def save_checkpoint(
     retain_interval: int | None = None,
     adapters: dict[str, Any] | None = None,
     write_files: Callable[[Path], None] | None = None,
+    base_model: dict[str, Any] | None = None,
 ) -> Path:
     """Collective: every rank calls it with the same arguments. Returns the final directory.
 
     adapters: the LoRA adapters' record (`LoraSpec.record()`), kept in extra.json so a resume can tell a
     checkpoint of other adapters; write_files: called by every rank with the tmp directory before it is
-    complete (the adapters in the PEFT format)."""
+    complete (the adapters in the PEFT format); base_model: the model trained (`hf_checkpoint`, `dtype`), kept
+    in extra.json for `rayless export`."""
     save_dir = Path(save_dir)
     write_tmp(save_dir, rollout_id, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra,
-              adapters=adapters, write_files=write_files)
+              adapters=adapters, write_files=write_files, base_model=base_model)
     if _rank() == 0:
         previous = _latest_name(save_dir)
         for step in publish_steps(save_dir, rollout_id):
@@ -125,7 +128,7 @@ def save_checkpoint(
 def write_tmp(
     save_dir: Path, rollout_id: int, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     extra: dict[str, Any], adapters: dict[str, Any] | None = None,
-    write_files: Callable[[Path], None] | None = None,
+    write_files: Callable[[Path], None] | None = None, base_model: dict[str, Any] | None = None,
 ) -> Path:
     """Collective: the complete checkpoint in `tmp-<id>`, not yet published (rank 0 publishes it)."""
     rank = _rank()
@@ -148,6 +151,8 @@ def write_tmp(
         meta: dict[str, Any] = {"rollout_id": rollout_id, "extra": extra}
         if adapters is not None:
             meta["lora"] = adapters
+        if base_model is not None:
+            meta["base_model"] = base_model
         _write_json(tmp / "extra.json", meta)  # last: now complete
     return tmp
 

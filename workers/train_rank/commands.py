@@ -13,8 +13,8 @@ from workers import protocol
 from workers.train_rank.trainer import Trainer
 
 #: commands that read or write the training state: run with the state on the device
-_NEEDS_STATE = (protocol.TrainCommand, protocol.SaveCommand, protocol.LoadCommand, protocol.ExportWeightsCommand,
-                protocol.WeightManifestCommand, protocol.BroadcastWeightsCommand)
+_NEEDS_STATE = (protocol.TrainCommand, protocol.SaveCommand, protocol.SaveHfCommand, protocol.LoadCommand,
+                protocol.ExportWeightsCommand, protocol.WeightManifestCommand, protocol.BroadcastWeightsCommand)
 
 
 def handle(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:
@@ -33,6 +33,7 @@ def _handlers(trainer: Trainer) -> dict[type[protocol.Command], Callable[[Any], 
         protocol.InitCommand: trainer.init,
         protocol.TrainCommand: trainer.train,
         protocol.SaveCommand: trainer.save,
+        protocol.SaveHfCommand: trainer.save_hf,
         protocol.LoadCommand: trainer.load,
         protocol.ExportWeightsCommand: trainer.export_weights,
         protocol.WeightManifestCommand: trainer.weight_manifest,

@@ -28,6 +28,8 @@ from workers.train_rank.model import tied_parameter_names
 ADAPTER_NAME = "default"  # peft's name of the one adapter
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the Hugging Face PEFT format (`save_pretrained`)
 ADAPTER_CONFIG = "adapter_config.json"
+#: where a checkpoint, a `--save-hf` directory and `rayless export` put the adapter (miles' place for --save-hf)
+ADAPTER_DIR = "adapter"
 
 
 class LoraError(ValueError):
@@ -209,12 +211,22 @@ def load_adapter_weights(model: Any, directory: Path) -> None:
 def write_adapter(model: Any, spec: LoraSettings, directory: Path, *, base_model_path: str, write: bool) -> None:
     """The adapters in the Hugging Face PEFT format (for `--lora-adapter-path`, peft's `from_pretrained`,
     SGLang's `--lora-paths`). Collective under FSDP (every rank gathers); only the rank with `write` writes."""
+    state = adapter_state(model)
+    if write:
+        write_adapter_files(state, spec, directory, base_model_path=base_model_path)
+
+
+def adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's file names, whole on the CPU. Collective under FSDP (every rank gathers)."""
+    return {"base_model.model." + name.replace(f".{ADAPTER_NAME}.weight", ".weight"): _full(p).cpu()
+            for name, p in adapter_parameters(model).items()}
+
+
+def write_adapter_files(state: dict[str, torch.Tensor], spec: LoraSettings, directory: Path, *,
+                        base_model_path: str) -> None:
+    """`adapter_model.safetensors` and `adapter_config.json` of `adapter_state`'s tensors in `directory`."""
     from workers.train_rank.weight_export import write_safetensors
 
-    state = {"base_model.model." + name.replace(f".{ADAPTER_NAME}.weight", ".weight"): _full(p).cpu()
-             for name, p in adapter_parameters(model).items()}
-    if not write:
-        return
     directory.mkdir(parents=True, exist_ok=True)
     write_safetensors(state, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     config = {"peft_type": "LORA", "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -274,13 +276,39 @@ class Trainer:
             retain_interval=self.settings.checkpoint.save_retain_interval if self.settings is not None else None,
             adapters=self.lora.record() if self.lora is not None else None,
             write_files=self._write_adapter if self.lora is not None else None,
+            base_model=self._base_model_record(),
         )
+        return {"path": str(path)}
+
+    def _base_model_record(self) -> dict[str, Any]:
+        """What a checkpoint records of the model it trains, so `rayless export` needs no flag to rebuild it."""
+        assert self.settings is not None
+        model = self.settings.model
+        return {"hf_checkpoint": os.path.abspath(model.path), "dtype": model.dtype}
+
+    def save_hf(self, command: protocol.SaveHfCommand) -> dict[str, Any]:
+        """`--save-hf`: the weights an engine would load now (merged, with LoRA), as a Hugging Face directory
+        (`weight_export.write_hf_directory`), a LoRA run's adapter in `adapter/` beside them. Collective."""
+        settings, model, _ = self._require()
+        state = weight_export.full_state_dict(model, sharded=self.parallel.sharded)
+        adapter = lora.adapter_state(model) if self.lora is not None else None
+        if self.rank != 0:
+            return {}
+        spec = self.lora
+
+        def write_adapter(directory: Path) -> None:
+            if adapter is not None and spec is not None:
+                lora.write_adapter_files(adapter, spec, directory / lora.ADAPTER_DIR,
+                                         base_model_path=os.path.abspath(settings.model.path))
+
+        path = weight_export.write_hf_directory(state, source_dir=settings.model.path, directory=command.directory,
+                                                write_extra=write_adapter)
         return {"path": str(path)}
 
     def _write_adapter(self, directory: Any) -> None:
         """A LoRA checkpoint's adapters also in the PEFT format, in `<checkpoint>/adapter/`."""
         assert self.lora is not None and self.settings is not None
-        lora.write_adapter(self.model, self.lora, directory / "adapter", base_model_path=self.settings.model.path,
+        lora.write_adapter(self.model, self.lora, directory / lora.ADAPTER_DIR, base_model_path=self.settings.model.path,
                            write=self.rank == 0)
 
     def load(self, command: protocol.LoadCommand) -> dict[str, Any]:
