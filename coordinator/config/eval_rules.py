@@ -69,9 +69,24 @@ def eval_fleet_flags_need_a_fleet(config: Config) -> None:
                       ConfigWarning, stacklevel=3)
 
 
+def eval_fleet_reuses_save_hf_on_its_cadence(config: Config) -> None:
+    """miles: without --eval-hf-dir the fleet reuses the --save-hf checkpoints, so every evaluation must fall on
+    a save."""
+    evaluation, checkpoint = config.eval, config.checkpoint
+    if not _fleet_asked(config) or evaluation.eval_hf_dir is not None or checkpoint.save_hf is None \
+            or evaluation.eval_interval is None:
+        return
+    if checkpoint.save_interval is None or evaluation.eval_interval % checkpoint.save_interval:
+        raise ConfigError("reusing --save-hf checkpoints for eval requires eval_interval to be a multiple of "
+                          f"save_interval (got eval_interval={evaluation.eval_interval}, "
+                          f"save_interval={checkpoint.save_interval}). Set --eval-hf-dir for independent "
+                          "snapshots (miles' rule)")
+
+
 EVAL_FLEET_RULES: tuple[Callable[[Config], None], ...] = (
     eval_sglang_overrides_need_a_fleet,
     eval_fleet_is_not_colocated,
     eval_fleet_is_not_in_a_debug_mode,
     eval_fleet_flags_need_a_fleet,
+    eval_fleet_reuses_save_hf_on_its_cadence,
 )

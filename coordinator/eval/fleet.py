@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import anyio.abc
 
+from coordinator.config.checkpoint import save_hf_path
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.eval.pin import EvalPin, EvalSkip, PinnedPool
@@ -79,6 +80,7 @@ class EvalRecord:
     weight_version: str
     status: str  # "done" | "skipped"
     reason: str | None = None
+    snapshot: str = ""  # the directory pinned ("" when skipped before one was chosen)
     detail: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     lag_steps: int = 0
@@ -287,6 +289,12 @@ class EvalFleet:
         `--hf-checkpoint` directory is pinned. Raises EvalSkip("export_failed"), the partial directory removed."""
         if self.exporter is None:
             return self.settings.hf_checkpoint, False
+        if self.settings.hf_dir is None and self.settings.save_hf is not None:
+            # miles: without --eval-hf-dir the --save-hf checkpoint of this step is pinned (never deleted); one not
+            # written (yet) at this step (the final save comes after the loop) is exported as without --save-hf
+            saved = Path(save_hf_path(self.settings.save_hf, step))
+            if await anyio.to_thread.run_sync(lambda: (saved / "config.json").is_file()):
+                return str(saved), False
         target = self.snapshot_path(step)
         started = time.monotonic()
         try:
@@ -338,7 +346,7 @@ class EvalFleet:
             flat.update({f"eval/{name}/pinned_step": float(job.pinned_step), f"eval/{name}/lag_steps": float(lag),
                          f"eval/{name}/duration_s": duration})
         record = EvalRecord(job.eval_id, job.pinned_step, job.weight_version, "done", metrics=flat,
-                            lag_steps=lag, duration_s=duration)
+                            lag_steps=lag, duration_s=duration, snapshot=job.snapshot)
         self.records.append(record)
         if self.metrics is not None:
             self.metrics.log(job.pinned_step, flat)
@@ -348,7 +356,8 @@ class EvalFleet:
     def _record_skip(self, job: EvalJob, skip: EvalSkip, duration: float = 0.0) -> None:
         log.warning("eval %d of step %d skipped: %s", job.eval_id, job.pinned_step, skip)
         self.records.append(EvalRecord(job.eval_id, job.pinned_step, job.weight_version, "skipped",
-                                       reason=skip.reason, detail=skip.detail, duration_s=duration))
+                                       reason=skip.reason, detail=skip.detail, duration_s=duration,
+                                       snapshot=job.snapshot))
         if self.metrics is not None:
             self.metrics.log(job.pinned_step, {"eval/skipped": 1.0, f"eval/skipped_{skip.reason}": 1.0,
                                                "eval/skip_reason": skip.reason,

@@ -142,9 +142,11 @@ class EvalSettings:
     overflow_policy: str = "backpressure"  # --eval-overflow-policy
     num_rollout: int | None = None  # the fleet also evaluates the last rollout (miles' should_run_periodic_action)
     max_context_len: int | None = None  # --eval-max-context-len, else --rollout-max-context-len
+    save_hf: str | None = None  # --save-hf: without --eval-hf-dir, the fleet pins those checkpoints (miles)
 
     @classmethod
-    def from_slices(cls, evaluation: EvalConfig, *, rollout: RolloutConfig, sglang: SglangConfig) -> EvalSettings:
+    def from_slices(cls, evaluation: EvalConfig, *, rollout: RolloutConfig, sglang: SglangConfig,
+                    save_hf: str | None = None) -> EvalSettings:
         """The eval slice's flags and datasets; unset values fall back to the rollout's."""
         return cls(
             interval=evaluation.eval_interval,
@@ -161,6 +163,7 @@ class EvalSettings:
             overflow_policy=evaluation.eval_overflow_policy,
             num_rollout=rollout.num_rollout,
             max_context_len=_first(evaluation.eval_max_context_len, rollout.rollout_max_context_len),
+            save_hf=save_hf,
         )
 
 

@@ -123,6 +123,22 @@ async def test_evals_pinned_to_exported_snapshots_with_miles_fleet_flags(tiny_mo
     assert not (tmp_path / "run" / "eval_weights").exists()
 
 
+async def test_without_eval_hf_dir_the_fleet_reuses_the_save_hf_checkpoints(tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """miles: with --save-hf and no --eval-hf-dir each evaluation pins that step's --save-hf directory (the
+    interval a multiple of --save-interval); the fleet exports nothing and deletes none of them."""
+    save_hf = tmp_path / "hf" / "rollout_{rollout_id}"
+    config = eval_config(tiny_model_dir, tmp_path / "run", "--num-rollout", "2", "--save-hf", str(save_hf),
+                         "--save-interval", "1", "--skip-eval-before-train")
+    summary = await run_training(config)
+    evals = summary["ft"]["evals"]
+    assert [(e["pinned_step"], e["weight_version"], e["status"], e["snapshot"]) for e in evals] == [
+        (0, "1", "done", str(tmp_path / "hf" / "rollout_0")), (1, "2", "done", str(tmp_path / "hf" / "rollout_1"))]
+    assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == ["rollout_0", "rollout_1"]
+    assert all((tmp_path / "hf" / name / "config.json").is_file() for name in ("rollout_0", "rollout_1"))
+    assert not (tmp_path / "run" / "eval_weights").exists()
+
+
 def fake_eval_settings(tmp_path: Path, max_in_flight: int = 1) -> EvalSettings:
     config = parse_config([
         "--hf-checkpoint", str(tmp_path), "--rollout-num-engines", "1", "--prompt-data", "builtin:first_digit",

@@ -197,6 +197,12 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                                  "--eval-num-engines", "1", "--eval-interval", "1",
                                                  "--eval-prompt-data", "d", "builtin:first_digit"],
                                           "with --debug-rollout-only: snapshot eval is not supported"),
+    "eval_fleet_reuses_save_hf_on_its_cadence": (None, ["--rollout-num-engines", "1", "--eval-num-engines", "1",
+                                                        "--eval-interval", "3", "--eval-prompt-data", "d",
+                                                        "builtin:first_digit", "--save-hf", "/tmp/hf/{rollout_id}",
+                                                        "--save-interval", "2"],
+                                                 "requires eval_interval to be a multiple of save_interval (got "
+                                                 "eval_interval=3, save_interval=2)"),
     "eval_fleet_flags_need_a_fleet": (None, ["--rollout-num-engines", "1", "--eval-hf-dir", "/tmp/e",
                                              "--eval-overflow-policy", "skip"],
                                       "warning: --eval-hf-dir / --eval-overflow-policy: no effect without a "
