@@ -348,29 +348,14 @@ def check_hook_signature(flag: str, path: str, target: Any, *, group_rm: bool = 
 
 
 def _check_rollout_class(flag: str, path: str, target: type) -> str:
-    """rayless' class form: built as `C(context)`, its instances called with `(rollout_id, weight_version)`."""
-    _bind(flag, path, target, ("context",), f"{target.__name__}(context)")
-    # The instances' __call__ as the class defines it (getattr on a class would give type.__call__).
-    call = next((klass.__dict__["__call__"] for klass in target.__mro__[:-1] if "__call__" in klass.__dict__),
-                None)
-    if call is None:
-        raise ConfigError(f"{flag} {path!r}: instances of class {target.__name__} are not callable: define "
-                          "__call__(self, rollout_id, weight_version)")
-    _bind(flag, path, call, ("self", "rollout_id", "weight_version"),
-          f"{target.__name__}.__call__(self, rollout_id, weight_version)")
-    return f"class, built as {target.__name__}(context), called as instance(rollout_id, weight_version)"
+    """A class: rayless' form (`C(context)` called `(rollout_id, weight_version)`) or miles'
+    (`C(RolloutFnConstructorInput)` called `(input)`), read by `forms.read_rollout_class`."""
+    from coordinator.hooks import forms
 
-
-def _bind(flag: str, path: str, target: Any, arguments: tuple[str, ...], shown: str) -> None:
     try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):
-        return  # a builtin without a signature: nothing to check against
-    try:
-        signature.bind(*arguments)
-    except TypeError as error:
-        raise ConfigError(f"{flag} {path!r}: rayless calls it as {shown}, but its signature is "
-                          f"{signature}: {error}") from None
+        return forms.read_rollout_class(flag, path, target).shown
+    except forms.HookSignatureError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_rewards(config: Config) -> list[str]:

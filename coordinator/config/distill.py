@@ -18,10 +18,15 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coordinator.config import checkpoint
 from coordinator.config.fields import ConfigError, ConfigWarning, Slice, flag
 from workers.protocol.train_settings import OpdSettings
+
+if TYPE_CHECKING:
+    from coordinator.config.hooks import HooksConfig
+    from coordinator.config.rollout import RolloutConfig
 
 OPD_TYPES = ("sglang", "megatron")
 TOP_K_STRATEGIES = ("only-student", "only-teacher", "intersection", "union", "xor")
@@ -148,6 +153,24 @@ class DistillConfig(Slice):
             return None
         return OpdSettings(type=self.opd_type, kl_coef=self.opd_kl_coef,
                            teacher_path=teacher_path if self.rank_teacher else None)
+
+
+def teacher_hook(rollout: RolloutConfig, hooks: HooksConfig) -> str | None:
+    """slime's contract for `--opd-type sglang` without a teacher address: a custom hook talks to the teacher and
+    sets `sample.teacher_log_probs` itself. The flag of the first such hook in use (a generate function, a
+    rollout function, a reward or reward post-process other than slime's OPD ones, which rayless replaces),
+    or None."""
+    ours = "coordinator.rollout.teacher:"
+    from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
+
+    for flag_name, path in (("--custom-generate-function-path", hooks.custom_generate_function_path),
+                            ("--rollout-function-path", None if rollout.rollout_function_path ==
+                             DEFAULT_ROLLOUT_FUNCTION else rollout.rollout_function_path),
+                            ("--custom-rm-path", rollout.custom_rm_path),
+                            ("--custom-reward-post-process-path", rollout.custom_reward_post_process_path)):
+        if path is not None and not path.startswith(ours):
+            return flag_name
+    return None
 
 
 def engine_base_url(url: str) -> str:

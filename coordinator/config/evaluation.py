@@ -4,14 +4,16 @@ dedicated eval fleet).
 Owns these flags and `dataset_specs` (the datasets of `--eval-config`, else the `--eval-prompt-data` NAME PATH
 pairs). Invariants: `--eval-prompt-data` holds whole pairs; an `--eval-config` is read and checked with the
 slice (`coordinator.config.eval_file`); one flag sizes the eval fleet (`--eval-num-engines` or
-`--eval-num-gpus`). Unset sampling flags fall back to the rollout's (`EvalSettings.from_slices`).
+`--eval-num-gpus`, in engines of `--eval-num-gpus-per-engine` GPUs); `eval_sglang_passthrough` is not a flag: the
+parser fills it from `--eval-sglang-*` (miles' per-fleet overrides of `--sglang-*`). Unset sampling flags fall
+back to the rollout's (`EvalSettings.from_slices`). Rules across slices: `coordinator.config.eval_rules`.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.config.eval_file import BASE64_PREFIX, EvalDatasetSpec, read_eval_config
@@ -24,7 +26,18 @@ class EvalConfig(Slice):
     DESCRIPTION = "evaluation (on the rollout engines, or a dedicated eval fleet) and what it evaluates"
 
     eval_num_gpus: int = flag(0, help="GPUs for a dedicated eval fleet", minimum=0)
+    eval_num_gpus_per_engine: int = flag(1, help="GPUs per eval engine (its TP size; miles' flag, independent of "
+                                         "--rollout-num-gpus-per-engine)", minimum=1)
     eval_num_engines: int = flag(0, help="CPU engines for a dedicated eval fleet", minimum=0)
+    eval_hf_dir: str | None = flag(None, help="where the eval fleet's weight snapshots go, one per evaluated step: "
+                                   "DIR/step_<rollout_id> (miles' flag; a tmpfs path is fine; default: "
+                                   "<run_dir>/eval_weights)", metavar="DIR")
+    eval_keep_snapshots: int = flag(2, help="snapshots of settled evaluations kept on disk; each settled evaluation "
+                                    "retires one (miles' flag)", minimum=0)
+    eval_overflow_policy: str = flag("backpressure", help="an evaluation due while --eval-max-in-flight are "
+                                     "pending: backpressure waits for the oldest, skip drops the new one and logs "
+                                     "eval/skipped_busy (the final evaluation is never skipped)",
+                                     choices=("backpressure", "skip"))
     eval_interval: int | None = flag(None, help="evaluate every K rollouts", minimum=1)
     eval_prompt_data: tuple[str, ...] = flag((), help="NAME PATH pairs", metavar="NAME PATH")
     eval_config: str | None = flag(None, help="slime's eval YAML (defaults + datasets), a file or base64:<yaml>; "
@@ -36,13 +49,20 @@ class EvalConfig(Slice):
     eval_top_p: float | None = flag(None, help="eval top-p (default: rollout's)", above=0, maximum=1)
     eval_top_k: int | None = flag(None, help="eval top-k (default: rollout's; -1 = off)", minimum=1, also=(-1,))
     eval_max_response_len: int | None = flag(None, help="eval max new tokens (default: rollout's)", minimum=1)
+    eval_max_context_len: int | None = flag(None, help="eval prompt + response length cap: max new tokens are "
+                                            "clipped to it (default: --rollout-max-context-len)", minimum=1)
     eval_input_key: str | None = flag(None, help="prompt field of eval files (default: --input-key)", secret=False)
     eval_label_key: str | None = flag(None, help="label field of eval files (default: --label-key)", secret=False)
+    eval_tool_key: str | None = flag(None, help="tools field of eval files, handed to the chat template "
+                                     "(default: --tool-key)", secret=False)
     eval_reward_key: str | None = flag(None, help="entry of a dict reward eval metrics use (default: --reward-key)",
                                        secret=False)
-    eval_max_in_flight: int = flag(1, help="evals running at once; the oldest waiting one is skipped", minimum=1)
+    eval_max_in_flight: int = flag(2, help="evaluations pending (running or waiting) at once on the eval fleet; "
+                                   "one more due follows --eval-overflow-policy", minimum=1)
     eval_allow_partial_fleet: bool = flag(False, help="evaluate on the eval engines that are alive when not all "
                                                       "came back (default: skip the eval as unhealthy)")
+    # Filled by the parser from `--eval-sglang-*` flags (prefix `--eval-sglang-` made `--`); not a flag itself.
+    eval_sglang_passthrough: tuple[str, ...] = field(default=())
 
     def check(self) -> None:
         if len(self.eval_prompt_data) % 2:

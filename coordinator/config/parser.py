@@ -1,8 +1,8 @@
 """From a command line and an optional `--config` file to a validated Config.
 
 Owns the argparse parser, generated from the slices' fields (one group per slice in `--help-all`; the short
-`--help` is `coordinator.config.help`), the reading of YAML/TOML config files, the `--sglang-*` passthrough,
-and `parse_config`, the one parsing path.
+`--help` is `coordinator.config.help`), the reading of YAML/TOML config files, the `--sglang-*` passthrough (and
+miles' `--eval-sglang-*` overrides), and `parse_config`, the one parsing path.
 
 Invariants:
 - argparse only splits the command line into flags and strings (no `type=`, no `choices=`, no defaults:
@@ -91,6 +91,7 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
     """Parse and validate a command line. Raises ConfigError (the CLI maps it to exit status 2)."""
     parser = build_parser(prog)
     args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    eval_passthrough, unknown = split_eval_sglang_passthrough(unknown)
     passthrough, rest = split_sglang_passthrough(unknown)
     given, upstream = take_upstream(vars(args))
     problems = [upstream.refusal(), unknown_flags_report(rest, known_flags()) if rest else None]
@@ -111,6 +112,7 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
 
         values = replay_values(values, frozenset(values))
     config = build_config(values, config_file=config_file, sglang_passthrough=tuple(passthrough), given=names,
+                          eval_sglang_passthrough=tuple(eval_passthrough),
                           custom_attributes=tuple(attributes.items()), upstream_ignored=upstream.ignored,
                           router_passthrough=upstream.router_args)
     validate(config)
@@ -243,6 +245,29 @@ def config_file_values(data: Any, *, origin: str) -> dict[str, Any]:
 def _key_text(key: Any) -> str:
     text = repr(key)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def split_eval_sglang_passthrough(unknown: list[str]) -> tuple[list[str], list[str]]:
+    """miles' eval-fleet overrides: `--eval-sglang-mem-fraction-static 0.9` → `--mem-fraction-static 0.9`, and
+    `--no-eval-sglang-X` (miles' BooleanOptionalAction) → `--no-X`, which drops an inherited `--X`."""
+    overrides: list[str] = []
+    rest: list[str] = []
+    taking = False
+    for token in unknown:
+        for prefix, replacement in (("--eval-sglang-", "--"), ("--no-eval-sglang-", "--no-")):
+            if token.startswith(prefix):
+                overrides.append(replacement + token[len(prefix):])
+                taking = replacement == "--"
+                break
+        else:
+            if token.startswith("-"):
+                rest.append(token)
+                taking = False
+            elif taking:
+                overrides.append(token)
+            else:
+                rest.append(token)
+    return overrides, rest
 
 
 def split_sglang_passthrough(unknown: list[str]) -> tuple[list[str], list[str]]:

@@ -50,6 +50,8 @@ class RolloutConfig(Slice):
     input_key: str = flag("prompt", help="prompt field in --prompt-data", secret=False)
     label_key: str | None = flag(None, help="label field in --prompt-data", secret=False)
     metadata_key: str | None = flag(None, help="metadata field in --prompt-data", secret=False)
+    tool_key: str | None = flag(None, help="tools field in --prompt-data, handed to the chat template as "
+                                "tools= (slime's flag; a list, or JSON text of one)", secret=False)
     data_max_line_bytes: int = flag(
         DEFAULT_MAX_LINE_BYTES, help="largest line (or Parquet row) of --prompt-data and eval data files; a "
         "longer one is refused at start-up", minimum=1)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from coordinator.config.determinism_rules import deterministic_runs_can_hold
+from coordinator.config.distill import teacher_hook
+from coordinator.config.eval_rules import EVAL_FLEET_RULES
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 from coordinator.config.sft_rules import SFT_RULES
@@ -43,10 +45,10 @@ def replay_ignores_engine_flags(config: Config) -> None:
 
 
 def eval_gpus_fill_whole_engines(config: Config) -> None:
-    per_engine = config.cluster.rollout_num_gpus_per_engine
+    per_engine = config.eval.eval_num_gpus_per_engine  # miles: the fleet's own TP size
     if config.eval.eval_num_gpus % per_engine:
         raise ConfigError(f"--eval-num-gpus {config.eval.eval_num_gpus} is not divisible by "
-                          f"--rollout-num-gpus-per-engine {per_engine}")
+                          f"--eval-num-gpus-per-engine {per_engine}")
 
 
 def ft_components_need_fault_tolerance(config: Config) -> None:
@@ -69,8 +71,9 @@ def generation_needs_engines(config: Config) -> None:
 
 
 def router_needs_engines(config: Config) -> None:
-    if config.sglang.use_sglang_router and not config.needs_engines:
-        raise ConfigError("--use-sglang-router needs rollout engines, which this run does not start")
+    if config.sglang.launches_router and not config.needs_engines:
+        flag = "--use-sglang-router" if config.sglang.use_sglang_router else "--sglang-router-port"
+        raise ConfigError(f"{flag} needs rollout engines, which this run does not start")
 
 
 def generation_needs_num_rollout(config: Config) -> None:
@@ -116,7 +119,8 @@ def routing_replay_needs_a_dense_model(config: Config) -> None:
 
 def global_batch_divides_rollout(config: Config) -> None:
     rollout, global_batch_size = config.rollout, config.train.global_batch_size
-    if config.replay_mode or global_batch_size is None or not rollout.samples_per_rollout % global_batch_size:
+    if config.replay_mode or global_batch_size is None or not rollout.samples_per_rollout % global_batch_size \
+            or config.train.use_dynamic_global_batch_size:
         return
     raise ConfigError(
         f"--global-batch-size {global_batch_size} does not divide --rollout-batch-size × "
@@ -125,9 +129,18 @@ def global_batch_divides_rollout(config: Config) -> None:
     )
 
 
+def dynamic_global_batch_needs_dynamic_micro_batches(config: Config) -> None:
+    """miles' rule, for static micro-batching (--micro-batch-size without --use-dynamic-batch-size)."""
+    train = config.train
+    if train.use_dynamic_global_batch_size and train.micro_batch_size is not None and not train.use_dynamic_batch_size:
+        raise ConfigError("--use-dynamic-global-batch-size requires --use-dynamic-batch-size (with "
+                          "--max-tokens-per-gpu): static micro-batching (--micro-batch-size) cannot guarantee "
+                          "alignment when the sample count is data-dependent (miles' rule)")
+
+
 def global_batch_splits_over_ranks(config: Config) -> None:
-    if config.replay_mode or not config.needs_train_ranks:
-        return
+    if config.replay_mode or not config.needs_train_ranks or config.train.use_dynamic_global_batch_size:
+        return  # a dynamic global batch is rounded down to a multiple of the ranks each rollout
     if config.effective_global_batch_size % config.num_train_ranks:
         raise ConfigError(
             f"--global-batch-size {config.effective_global_batch_size} is not divisible by the "
@@ -140,6 +153,9 @@ def steps_per_rollout_agree(config: Config) -> None:
     steps, samples = config.train.num_steps_per_rollout, config.rollout.samples_per_rollout
     if config.replay_mode or steps is None or not samples:
         return
+    if config.train.use_dynamic_global_batch_size and steps != 1:
+        raise ConfigError(f"--use-dynamic-global-batch-size requires exactly one optimizer step per rollout; got "
+                          f"--num-steps-per-rollout {steps}")
     if samples % steps:
         raise ConfigError(f"--num-steps-per-rollout {steps} does not divide --rollout-batch-size × "
                           f"--n-samples-per-prompt = {samples}")
@@ -225,8 +241,12 @@ def colocation_needs_both_halves(config: Config) -> None:
 
 #: Run in this order by `validate()`; the first that raises names the contradiction the user sees.
 def eval_fleet_generates_without_hooks(config: Config) -> None:
-    if config.eval_fleet_enabled and config.hooks.custom_generate_function_path is not None:
-        warnings.warn("--custom-generate-function-path generates on the rollout engines; the dedicated eval fleet "
+    if not config.eval_fleet_enabled:
+        return
+    hook = ("--custom-generate-function-path" if config.hooks.custom_generate_function_path is not None
+            else "--eval-function-path" if config.rollout.eval_function_path is not None else None)
+    if hook is not None:
+        warnings.warn(f"{hook} runs on the rollout engines; the dedicated eval fleet "
                       "(--eval-num-engines/--eval-num-gpus) evaluates with the built-in single-turn request code",
                       ConfigWarning, stacklevel=3)
 
@@ -248,10 +268,12 @@ def distillation_has_a_teacher(config: Config) -> None:
         raise ConfigError(f"{opd_hooks[0]} (slime's on-policy distillation reward: 0, the teacher gives the "
                           "signal) without --use-opd would train on nothing: add --use-opd --opd-type sglang")
     if (distill.engine_teacher and not config.replay_mode and not distill.launches_teacher
-            and not distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type)):
+            and not distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type)
+            and teacher_hook(config.rollout, config.hooks) is None):
         raise ConfigError("--use-opd --opd-type sglang needs its teacher: --opd-teacher-urls NAME=URL (running "
-                          "engines), --opd-teacher-load DIR (rayless serves it) or --rm-url (slime's single "
-                          "teacher)")
+                          "engines), --opd-teacher-load DIR (rayless serves it), --rm-url (slime's single "
+                          "teacher), or a custom generate / rollout / reward hook that sets "
+                          "sample.teacher_log_probs itself (slime's contract)")
 
 
 def servers_beyond_loopback_need_a_key(config: Config) -> None:
@@ -276,6 +298,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     replay_is_not_async,
     replay_ignores_engine_flags,
     eval_gpus_fill_whole_engines,
+    *EVAL_FLEET_RULES,
     ft_components_need_fault_tolerance,
     fault_injection_needs_monitored_engines,
     *SFT_RULES,  # before the engine rules: an SFT run's refusal says why engines cannot mean anything in it
@@ -286,6 +309,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     default_rollout_needs_prompts,
     global_batch_divides_rollout,
     steps_per_rollout_agree,
+    dynamic_global_batch_needs_dynamic_micro_batches,
     global_batch_splits_over_ranks,
     kl_reward_shaping_is_supported,
     eval_fleet_needs_schedule,

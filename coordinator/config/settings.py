@@ -185,7 +185,7 @@ class Config:
             return 0
         if self.eval.eval_num_engines:
             return self.eval.eval_num_engines
-        return self.eval.eval_num_gpus // self.cluster.rollout_num_gpus_per_engine
+        return self.eval.eval_num_gpus // self.eval.eval_num_gpus_per_engine
 
     @property
     def eval_fleet_enabled(self) -> bool:
@@ -206,7 +206,9 @@ class Config:
     @property
     def effective_global_batch_size(self) -> int:
         """Samples per optimizer step: --global-batch-size, else the rollout's samples / --num-steps-per-rollout
-        (slime's rule), else the whole rollout."""
+        (slime's rule), else the whole rollout (always with miles' --use-dynamic-global-batch-size)."""
+        if self.train.use_dynamic_global_batch_size:
+            return self.rollout.samples_per_rollout
         if self.train.global_batch_size:
             return self.train.global_batch_size
         if self.train.num_steps_per_rollout:
@@ -274,12 +276,13 @@ class Config:
             secret = FLAGS[name][1].secret and value is not None
             data[name] = MASK if secret else plain(value)
         data["sglang_passthrough"] = mask_argv(self.sglang.sglang_passthrough)
+        data["eval_sglang_passthrough"] = mask_argv(self.eval.eval_sglang_passthrough)
         data["config_file"] = self.config_file
         return json.dumps(data, indent=2, sort_keys=True)
 
 
 def build_config(values: dict[str, Any], *, config_file: str | None = None, given: frozenset[str] | None = None,
-                 sglang_passthrough: tuple[str, ...] = (),
+                 sglang_passthrough: tuple[str, ...] = (), eval_sglang_passthrough: tuple[str, ...] = (),
                  custom_attributes: tuple[tuple[str, Any], ...] = (), upstream_ignored: tuple[Row, ...] = (),
                  router_passthrough: tuple[str, ...] = ()) -> Config:
     """A Config from converted values by field name (each routed to its slice); not validated."""
@@ -292,6 +295,8 @@ def build_config(values: dict[str, Any], *, config_file: str | None = None, give
         per_slice[attribute][name] = value
     if sglang_passthrough:
         per_slice["sglang"]["sglang_passthrough"] = tuple(sglang_passthrough)
+    if eval_sglang_passthrough:
+        per_slice["eval"]["eval_sglang_passthrough"] = tuple(eval_sglang_passthrough)
     slices = {attribute: cls(**per_slice[attribute]) for attribute, cls in SLICES}
     return Config(**slices, config_file=config_file, given=given_names, hook_aliases=hook_aliases,
                   custom_attributes=custom_attributes, upstream_ignored=upstream_ignored,

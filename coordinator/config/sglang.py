@@ -26,8 +26,8 @@ class SglangConfig(Slice):
     use_sglang_router: bool = flag(False, help="route generate requests through sglang-router")
     sglang_router_ip: str | None = flag(None, help="attach to a running sglang-router at this address (our engines "
                                         "register with it; none is launched)", parse=values.host, metavar="HOST")
-    sglang_router_port: int | None = flag(None, help="port of the running sglang-router (with --sglang-router-ip)",
-                                          minimum=1, maximum=65535)
+    sglang_router_port: int | None = flag(None, help="port of the running sglang-router (with --sglang-router-ip); "
+                                          "alone: launch the router on this port", minimum=1, maximum=65535)
     sglang_router_policy: str = flag("cache_aware", help="sglang-router policy", choices=ROUTER_POLICIES)
     sglang_api_key: str | None = flag(None, help="API key of the engines (sent as Bearer; passed to launched "
                                       "engines in a 0600 file, never on a command line); also asked by every "
@@ -54,9 +54,15 @@ class SglangConfig(Slice):
     sglang_passthrough: tuple[str, ...] = field(default=())
 
     def check(self) -> None:
-        if (self.sglang_router_ip is None) != (self.sglang_router_port is None):
-            raise ConfigError("--sglang-router-ip and --sglang-router-port name a running router together: give "
-                              "both")
+        if self.sglang_router_ip is not None and self.sglang_router_port is None:
+            raise ConfigError("--sglang-router-ip names a running router: give its --sglang-router-port too "
+                              "(--sglang-router-port alone launches the router on that port, as miles does)")
+
+    @property
+    def launches_router(self) -> bool:
+        """The run launches sglang-router: `--use-sglang-router`, or `--sglang-router-port` without an address
+        (miles' start_router: the router is launched on the given port)."""
+        return self.sglang_router_ip is None and (self.use_sglang_router or self.sglang_router_port is not None)
 
     @property
     def router_address(self) -> str | None:

@@ -82,6 +82,9 @@ class TrainConfig(Slice):
                                          minimum=1)
     num_steps_per_rollout: int | None = flag(None, help="optimizer steps per rollout (sets --global-batch-size "
                                              "to the rollout's samples / this)", minimum=1)
+    use_dynamic_global_batch_size: bool = flag(False, help="one optimizer step per rollout over however many "
+                                               "samples it returned, rounded down to a multiple of the training "
+                                               "ranks (miles' flag; --global-batch-size is then not used)")
     balance_data: bool = flag(False, help="balance tokens across training ranks (always done here)")
     use_dynamic_batch_size: bool = flag(False, help="micro-batches packed up to --max-tokens-per-gpu tokens "
                                         "(the default here; --micro-batch-size is then ignored, as slime)")
@@ -174,8 +177,11 @@ class TrainConfig(Slice):
         return BatchingSettings(
             max_tokens_per_micro_batch=self.max_tokens_per_gpu, log_probs_chunk_size=self.log_probs_chunk_size,
             micro_batch_size=None if self.use_dynamic_batch_size else self.micro_batch_size,
-            global_batch_size=self.global_batch_size,  # None: one optimizer step per rollout
-            num_steps_per_rollout=self.num_steps_per_rollout if self.global_batch_size is None else None)
+            # None: one optimizer step per rollout (always, with miles' dynamic global batch size)
+            global_batch_size=None if self.use_dynamic_global_batch_size else self.global_batch_size,
+            num_steps_per_rollout=self.num_steps_per_rollout
+            if self.global_batch_size is None and not self.use_dynamic_global_batch_size else None,
+            dynamic_global_batch_size=self.use_dynamic_global_batch_size)
 
     def rank_settings(self, *, model: ModelSettings, checkpoint: CheckpointSettings,
                       lr_decay_steps: int | None = None, policy_loss: str = "ppo") -> TrainSettings:

@@ -14,6 +14,7 @@ template is applied when records are taken (a few prompts per rollout), not to t
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ def read_prompt_file(
     limit: int | None = None,
     raw_prompts: bool = False,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    tool_key: str | None = None,
 ) -> list[PromptRecord]:
     """Read the records of a `.parquet` file or a JSONL file (any other suffix), checking the keys: every
     record, or the first `limit`. `raw_prompts`: a prompt may be any JSON value (a custom generate function
@@ -114,7 +116,8 @@ def read_prompt_file(
             if isinstance(row, BoundaryError):
                 raise DataSourceError(str(row))
             records.append(build_record(where, row, input_key=input_key, label_key=label_key,
-                                        metadata_key=metadata_key, index=len(records), raw_prompts=raw_prompts))
+                                        metadata_key=metadata_key, index=len(records), raw_prompts=raw_prompts,
+                                        tool_key=tool_key))
     except BoundaryError as error:
         raise DataSourceError(str(error)) from None
     if not records:
@@ -124,10 +127,11 @@ def read_prompt_file(
 
 def build_record(where: str, row: dict[str, Any], *, input_key: str, label_key: str | None,
                  metadata_key: str | None, index: int, raw_prompts: bool = False,
-                 forms: TemplateForms = UNKNOWN) -> PromptRecord:
+                 forms: TemplateForms = UNKNOWN, tool_key: str | None = None) -> PromptRecord:
     """One row as a record: the keys the run reads present, each value of a kind it can use (a chat's roles
     and contents as `coordinator.data.chats` has them; `forms`: what the run's chat template takes, when
-    known)."""
+    known). slime's `--tool-key`: a row's tools (a list, or JSON text of one; optional per row) go to
+    `metadata["tools"]`."""
     keys = [("--input-key", input_key)]
     keys += [("--label-key", label_key)] if label_key is not None else []
     keys += [("--metadata-key", metadata_key)] if metadata_key is not None else []
@@ -136,14 +140,29 @@ def build_record(where: str, row: dict[str, Any], *, input_key: str, label_key: 
             raise DataSourceError(f"{where}: key {key!r} ({flag}) is missing; the record has {sorted(row)}")
     value = row[input_key]
     raw = raw_prompts and not isinstance(value, str | list) and value is not None
+    metadata = _check_metadata(row[metadata_key], where=where, key=metadata_key) if metadata_key is not None else {}
+    if tool_key is not None and row.get(tool_key) is not None:
+        metadata = {**metadata, "tools": _check_tools(row[tool_key], where=where, key=tool_key)}
     return PromptRecord(
         prompt=value if raw else _check_prompt(value, where=where, key=input_key, forms=forms, loose=raw_prompts),
         label=label_value(row[label_key], where=where, key=label_key) if label_key is not None else None,
-        metadata=_check_metadata(row[metadata_key], where=where, key=metadata_key)
-        if metadata_key is not None
-        else {},
+        metadata=metadata,
         index=index,
     )
+
+
+def _check_tools(value: Any, *, where: str, key: str) -> list[Any]:
+    """slime's rule: the tools column holds a list (JSON text of one is parsed)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise DataSourceError(f"{where}: tool key {key!r} (--tool-key) holds text that is not JSON: "
+                                  f"{error}") from None
+    if not isinstance(value, list):
+        raise DataSourceError(f"{where}: tool key {key!r} (--tool-key) holds {type(value).__name__}; expected a "
+                              "list of tools")
+    return value
 
 
 class PromptDataSource:
@@ -162,9 +181,10 @@ class PromptDataSource:
         seed: int,
         raw_prompts: bool = False,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        tool_key: str | None = None,
     ) -> None:
         records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-                                   raw_prompts=raw_prompts, max_line_bytes=max_line_bytes)
+                                   raw_prompts=raw_prompts, max_line_bytes=max_line_bytes, tool_key=tool_key)
         self._setup(
             records,
             apply_chat_template=apply_chat_template,
@@ -172,6 +192,7 @@ class PromptDataSource:
             shuffle=shuffle,
             seed=seed,
             source=str(path),
+            tools=tool_key is not None,
         )
 
     @classmethod
@@ -219,7 +240,9 @@ class PromptDataSource:
         shuffle: bool,
         seed: int,
         source: str,
+        tools: bool = False,
     ) -> None:
+        """`tools`: `--tool-key` is given, so a record's `metadata["tools"]` go to the chat template."""
         if apply_chat_template and tokenizer is None:
             raise DataSourceError(
                 "--apply-chat-template needs a tokenizer (from --hf-checkpoint); none was given"
@@ -230,6 +253,7 @@ class PromptDataSource:
             )
         self._records = records
         self._apply_chat_template = apply_chat_template
+        self._tools = tools
         self._tokenizer = tokenizer
         self._shuffle = shuffle
         self._seed = int(seed)
@@ -263,9 +287,11 @@ class PromptDataSource:
         if self._apply_chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             assert self._tokenizer is not None  # checked in _setup
+            # slime passes the row's tools (--tool-key) to the template: tools=None when the row has none
+            tools = {"tools": record.metadata.get("tools")} if self._tools else {}
             try:
                 prompt = self._tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
+                    messages, add_generation_prompt=True, tokenize=False, **tools
                 )
             except Exception as error:
                 raise DataSourceError(

@@ -143,7 +143,8 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
                        enable_metrics: bool, backend: str = "rayless", device: str = "cpu",
                        gpus: Sequence[int] = (), visible_devices: str | None = None,
                        port: int | None = None, release_memory: bool = False,
-                       spill_dir: str | None = None) -> EngineLaunchSpec:
+                       spill_dir: str | None = None, gpus_per_engine: int | None = None,
+                       overrides: Sequence[str] = ()) -> EngineLaunchSpec:
     """How the run launches one engine (rollout or eval), from the sglang and cluster slices and its placement.
 
     `backend`/`device`: the plan's choice (`coordinator.plan.backend`). `gpus`: the engine's GPU positions
@@ -153,6 +154,9 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
     and runs on `--base-gpu-id 0`. `enable_metrics`: the health monitor tells slow from hung by /metrics.
     `release_memory`: the run releases the engine's memory each step (`--offload-rollout`), which SGLang allows
     only with `--enable-memory-saver`; `spill_dir`: where our CPU engine writes released weights.
+    `gpus_per_engine`: the group's TP size (default `--rollout-num-gpus-per-engine`; the eval fleet's is
+    `--eval-num-gpus-per-engine`); `overrides`: miles' `--eval-sglang-*` for the eval fleet, each replacing the
+    inherited `--sglang-*` value of the same name (`override_args`).
     """
     extra: list[str] = ["--weight-version", "0"]
     env: tuple[tuple[str, str], ...] = ()
@@ -162,12 +166,13 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
         extra.append("--enable-metrics")
     tp_size = 1
     if backend == "sglang":
-        tp_size = cluster.rollout_num_gpus_per_engine
+        tp_size = gpus_per_engine or cluster.rollout_num_gpus_per_engine
         extra += ["--tp-size", str(tp_size)]
         if gpus:
             extra += ["--base-gpu-id", str(gpus[0])]
-        extra += sglang.sglang_passthrough
-        if release_memory and "--enable-memory-saver" not in sglang.sglang_passthrough:
+        passthrough = override_args(sglang.sglang_passthrough, overrides)
+        extra += passthrough
+        if release_memory and "--enable-memory-saver" not in passthrough:
             extra.append("--enable-memory-saver")
     else:
         extra += ["--random-seed", str(seed), "--max-running-requests", str(sglang.sglang_server_concurrency)]
@@ -183,6 +188,27 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
     return EngineLaunchSpec(kind=backend, model_path=model_path, api_key=sglang.sglang_api_key,
                             admin_api_key=sglang.sglang_admin_api_key,
                             extra_args=tuple(extra), env=env, port=port, tp_size=tp_size)
+
+
+def _argv_groups(argv: Sequence[str]) -> list[list[str]]:
+    """`--flag value ...` groups of a passthrough argv (a token not starting with `--` is a value)."""
+    groups: list[list[str]] = []
+    for token in argv:
+        if token.startswith("--") or not groups:
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    return groups
+
+
+def override_args(base: Sequence[str], overrides: Sequence[str]) -> list[str]:
+    """`base` (the `--sglang-*` passthrough) with each flag of `overrides` replacing the one of the same name
+    (miles' `--eval-sglang-*` inherit-then-override); `--no-X` drops an inherited `--X` (and sets nothing)."""
+    replaced = {group[0] for group in _argv_groups(overrides)}
+    dropped = {"--" + flag[len("--no-"):] for flag in replaced if flag.startswith("--no-")}
+    kept = [group for group in _argv_groups(base) if group[0] not in replaced and group[0] not in dropped]
+    added = [group for group in _argv_groups(overrides) if not group[0].startswith("--no-")]
+    return [token for group in kept + added for token in group]
 
 
 def engine_log_path(run_dir: Path, name: str) -> Path:

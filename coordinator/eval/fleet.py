@@ -1,23 +1,33 @@
-"""EvalFleet: dedicated eval engines, pinned to one weight snapshot per evaluation, running beside training.
+"""EvalFleet: dedicated eval engines, pinned to one weight snapshot per evaluation, running beside training
+(miles' `--eval-num-gpus` fleet with its `EvalDispatcher`; `--eval-num-engines` on CPU).
 
-Owns the eval engine group's contents (which snapshot it serves), the queue of evaluations and their records.
-The engines belong to an `EngineFleet` of group "eval"; pinning is `coordinator.eval.pin`'s, the flags and
-datasets `coordinator.eval.settings`'. Flow, and why not the rollout engines: docs/evaluation.md.
+Owns the eval engine group's contents (which snapshot it serves), the queue of evaluations, their snapshots on
+disk and their records. The engines belong to an `EngineFleet` of group "eval"; pinning is
+`coordinator.eval.pin`'s, the flags and datasets `coordinator.eval.settings`'. Flow, and why not the rollout
+engines: docs/evaluation.md.
 
 Invariants:
 - Eval engines never receive training weight updates: only `pin()` loads weights into them; WeightSync never
   sees this fleet.
 - An evaluation runs on every eval engine, or is skipped (`unhealthy`, `pin_violation`), unless
   `EvalSettings.allow_partial_fleet`; every sample it keeps reports the pinned version.
-- Evaluations never block training: `after_step` only exports and queues; at most `--eval-max-in-flight` are
-  admitted (the oldest waiting one is skipped as `busy`); a running one is never aborted.
-- Every evaluation ends in exactly one record (done, or skipped with its reason), also in the metrics file.
+- Each evaluation's snapshot is `<snapshot_dir>/step_<rollout_id>` (miles' `--eval-hf-dir` layout); every
+  settled evaluation retires exactly one snapshot it exported, and at most `--eval-keep-snapshots` settled
+  ones stay on disk; a directory it did not export (`--hf-checkpoint`, a `--save-hf` checkpoint) is never
+  deleted.
+- At most `--eval-max-in-flight` evaluations are pending (running or waiting). One more due waits for the
+  oldest to settle (`backpressure`) or is skipped as `busy` (`skip`); the run's final evaluation is never
+  skipped. A running evaluation is never aborted.
+- Every evaluation ends in exactly one record (done, or skipped with its reason), also in the metrics file
+  (`eval/skipped_<reason>` at its step, as miles logs it).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import anyio.abc
 
+from coordinator.config.checkpoint import save_hf_path
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.eval.pin import EvalPin, EvalSkip, PinnedPool
@@ -41,7 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Eval prompts are not clipped to a context length (their budget is --eval-max-response-len).
+#: Without --eval-max-context-len / --rollout-max-context-len, eval prompts are not clipped to a context length
+#: (their budget is --eval-max-response-len).
 _UNBOUNDED_CONTEXT = 1 << 30
 #: how long the end of a run waits for evaluations still in flight before the final save
 DRAIN_TIMEOUT_S = 300.0
@@ -57,6 +69,7 @@ class EvalJob:
     pinned_step: int
     weight_version: str
     snapshot: str
+    exported: bool = False  # the fleet wrote `snapshot` and retires it once the evaluation settles
     queued_at: float = field(default_factory=time.monotonic)
 
 
@@ -67,6 +80,7 @@ class EvalRecord:
     weight_version: str
     status: str  # "done" | "skipped"
     reason: str | None = None
+    snapshot: str = ""  # the directory pinned ("" when skipped before one was chosen)
     detail: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     lag_steps: int = 0
@@ -83,7 +97,7 @@ class EvalFleet:
         tokenizer: the policy's tokenizer (prompts are sent as token ids).
         exporter: has `export_weights(directory, version, keep)` (the TrainGroup); None without training
             (`--debug-rollout-only`): the `--hf-checkpoint` directory is pinned as version "0" then.
-        snapshot_dir: where eval snapshots go (`<run_dir>/eval_weights`).
+        snapshot_dir: where eval snapshots go (`--eval-hf-dir`, else `<run_dir>/eval_weights`).
         metrics: the run's MetricsLog (None: records only).
         probe_before_pin: True when no HealthMonitor watches the eval engines.
         datasets: the eval datasets (None: loaded from `settings`).
@@ -121,7 +135,8 @@ class EvalFleet:
         concurrency = max(1, settings.server_concurrency * len(fleet.engines))
         slots = RequestSlots(concurrency)  # datasets run one after another: one bound for all of them
         self.generate_states: dict[str, GenerateState] = {
-            dataset.name: generate_state(dataset, tokenizer=tokenizer, context_length=_UNBOUNDED_CONTEXT,
+            dataset.name: generate_state(dataset, tokenizer=tokenizer,
+                                         context_length=settings.max_context_len or _UNBOUNDED_CONTEXT,
                                          concurrency=concurrency, request_slots=slots)
             for dataset in self.datasets
         }
@@ -133,6 +148,7 @@ class EvalFleet:
         self._waiting: collections.deque[EvalJob] = collections.deque()
         self._running: EvalJob | None = None
         self._changed = anyio.Event()
+        self._retired: list[Path] = []  # exported snapshots of settled evaluations, oldest first
 
     # -- lifetime ------------------------------------------------------------------------------------
 
@@ -149,6 +165,8 @@ class EvalFleet:
                     await self._run_job(job)
             finally:
                 self._running = None
+                with anyio.CancelScope(shield=True):
+                    await self._retire(job)
                 self._notify()
 
     @property
@@ -182,7 +200,10 @@ class EvalFleet:
         return self.pinning.probe_before_pin
 
     async def before_loop(self, start_rollout: int, weight_version: str) -> None:
-        """Evaluations start from step hooks only."""
+        """miles' train_async: a run starting at rollout 0 first evaluates `--hf-checkpoint` itself (step 0, never
+        exported nor deleted), unless `--skip-eval-before-train`."""
+        if start_rollout == 0 and self.interval is not None and not self.settings.skip_before_train:
+            await self.dispatch(0, weight_version, snapshot=self.settings.hf_checkpoint)
 
     async def after_loop(self) -> None:
         """The training loop's last phase before the final save: the run's last evaluation gets recorded."""
@@ -204,35 +225,101 @@ class EvalFleet:
     # -- scheduling ------------------------------------------------------------------------------------
 
     def due(self, rollout_id: int) -> bool:
-        return self.interval is not None and (rollout_id + 1) % self.interval == 0
+        """Every `--eval-interval`-th rollout, and the last one (miles' `should_run_periodic_action`)."""
+        if self.interval is None:
+            return False
+        return (rollout_id + 1) % self.interval == 0 or self.is_final(rollout_id)
+
+    def is_final(self, rollout_id: int) -> bool:
+        return self.settings.num_rollout is not None and rollout_id == self.settings.num_rollout - 1
+
+    @property
+    def pending(self) -> int:
+        """Evaluations admitted and not settled: running or waiting."""
+        return len(self._waiting) + (self._running is not None)
 
     async def after_step(self, rollout_id: int, weight_version: str) -> None:
-        """Training-loop hook: export the current weights and queue an evaluation when one is due."""
+        """Training-loop hook: when an evaluation is due, export the current weights and queue it."""
         self.latest_step = rollout_id
-        if not self.due(rollout_id):
-            return
-        if self.exporter is not None:
-            # keep: every admitted evaluation's snapshot, plus this one
-            path = await self.exporter.export_weights(self.snapshot_dir, weight_version,
-                                                      keep=self.max_in_flight + 1)
-            snapshot = str(path)
-        else:
-            snapshot = self.settings.hf_checkpoint
-        self.submit(rollout_id, weight_version, snapshot)
+        if self.due(rollout_id):
+            await self.dispatch(rollout_id, weight_version, final=self.is_final(rollout_id))
 
-    def submit(self, pinned_step: int, weight_version: str, snapshot: str) -> EvalJob:
-        job = EvalJob(self._next_id, pinned_step, str(weight_version), snapshot)
-        self._next_id += 1
-        admitted = len(self._waiting) + (self._running is not None)
-        if admitted >= self.max_in_flight:
-            if self._waiting:
-                self._record_skip(self._waiting.popleft(), EvalSkip("busy", "a newer evaluation was queued"))
-            else:
-                self._record_skip(job, EvalSkip("busy", "the eval fleet is busy with an earlier evaluation"))
-                return job
+    async def dispatch(self, step: int, weight_version: str, *, final: bool = False,
+                       snapshot: str | None = None) -> EvalJob | None:
+        """miles' `EvalDispatcher.dispatch`: over `--eval-max-in-flight`, skip as `busy` (`skip`, unless `final`)
+        or wait for the oldest pending evaluation to settle (`backpressure`); then export (unless `snapshot`
+        names an existing directory, which is never deleted) and queue. None when the evaluation was skipped
+        before it was queued (`busy`, `export_failed`)."""
+        if self.pending >= self.max_in_flight:
+            if self.settings.overflow_policy == "skip" and not final:
+                self._record_skip(EvalJob(self._take_id(), step, str(weight_version), ""),
+                                  EvalSkip("busy", f"{self.pending} evaluation(s) pending, --eval-max-in-flight "
+                                                   f"{self.max_in_flight}"))
+                return None
+            while self.pending >= self.max_in_flight:  # backpressure: training waits for the oldest to settle
+                await self._wait_changed()
+        if snapshot is not None:
+            return self.submit(step, weight_version, snapshot)
+        try:
+            snapshot, exported = await self._snapshot(step, weight_version)
+        except EvalSkip as skip:
+            self._record_skip(EvalJob(self._take_id(), step, str(weight_version), ""), skip)
+            return None
+        return self.submit(step, weight_version, snapshot, exported=exported)
+
+    def submit(self, pinned_step: int, weight_version: str, snapshot: str, *, exported: bool = False) -> EvalJob:
+        """Queue an evaluation of `snapshot` (no bound: `dispatch` applies it)."""
+        job = EvalJob(self._take_id(), pinned_step, str(weight_version), snapshot, exported=exported)
         self._waiting.append(job)
         self._notify()
         return job
+
+    def _take_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    # -- snapshots -------------------------------------------------------------------------------------
+
+    def snapshot_path(self, step: int) -> Path:
+        """miles' layout: `{eval_hf_dir}/step_{rollout_id}`."""
+        return self.snapshot_dir / f"step_{step}"
+
+    async def _snapshot(self, step: int, weight_version: str) -> tuple[str, bool]:
+        """(the directory to pin, whether this fleet exported it). Without training (`exporter` None) the
+        `--hf-checkpoint` directory is pinned. Raises EvalSkip("export_failed"), the partial directory removed."""
+        if self.exporter is None:
+            return self.settings.hf_checkpoint, False
+        if self.settings.hf_dir is None and self.settings.save_hf is not None:
+            # miles: without --eval-hf-dir the --save-hf checkpoint of this step is pinned (never deleted); one not
+            # written (yet) at this step (the final save comes after the loop) is exported as without --save-hf
+            saved = Path(save_hf_path(self.settings.save_hf, step))
+            if await anyio.to_thread.run_sync(lambda: (saved / "config.json").is_file()):
+                return str(saved), False
+        target = self.snapshot_path(step)
+        started = time.monotonic()
+        try:
+            # rank 0 writes <snapshot_dir>/weights-<version> (no other weights-* lives here, keep=1 prunes
+            # nothing else); renamed to miles' name in the same directory
+            written = await self.exporter.export_weights(self.snapshot_dir, weight_version, keep=1)
+            await anyio.to_thread.run_sync(_move_into_place, Path(written), target)
+        except Exception as error:  # a failed export skips one evaluation, never the run
+            log.warning("eval snapshot of step %d failed", step, exc_info=True)
+            await anyio.to_thread.run_sync(lambda: shutil.rmtree(target, ignore_errors=True))
+            raise EvalSkip("export_failed", f"export to {target} failed: {error!r}"[:500]) from None
+        log.info("eval snapshot of step %d written to %s in %.1fs", step, target, time.monotonic() - started)
+        return str(target), True
+
+    async def _retire(self, job: EvalJob) -> None:
+        """Every settled evaluation retires exactly one snapshot, whatever its outcome (miles' `_retire`)."""
+        if not job.exported:
+            return
+        self._retired.append(Path(job.snapshot))
+        victims = []
+        while len(self._retired) > self.settings.keep_snapshots:
+            victims.append(self._retired.pop(0))
+        for victim in victims:
+            await anyio.to_thread.run_sync(lambda path=victim: shutil.rmtree(path, ignore_errors=True))
+            log.info("removed settled eval snapshot %s", victim)
 
     # -- one evaluation ------------------------------------------------------------------------------
 
@@ -244,9 +331,9 @@ class EvalFleet:
         except EvalSkip as skip:
             self._record_skip(job, skip, duration=time.monotonic() - started)
             return
-        except Exception as error:  # an eval must never end the run: its engines failed under it
+        except Exception as error:  # an eval must never end the run (miles: the point is skipped as crashed)
             log.warning("eval %d failed", job.eval_id, exc_info=True)
-            self._record_skip(job, EvalSkip("unhealthy", f"evaluation failed: {error!r}"[:500]),
+            self._record_skip(job, EvalSkip("crashed", f"evaluation failed: {error!r}"[:500]),
                               duration=time.monotonic() - started)
             return
         duration = time.monotonic() - started
@@ -259,7 +346,7 @@ class EvalFleet:
             flat.update({f"eval/{name}/pinned_step": float(job.pinned_step), f"eval/{name}/lag_steps": float(lag),
                          f"eval/{name}/duration_s": duration})
         record = EvalRecord(job.eval_id, job.pinned_step, job.weight_version, "done", metrics=flat,
-                            lag_steps=lag, duration_s=duration)
+                            lag_steps=lag, duration_s=duration, snapshot=job.snapshot)
         self.records.append(record)
         if self.metrics is not None:
             self.metrics.log(job.pinned_step, flat)
@@ -269,9 +356,11 @@ class EvalFleet:
     def _record_skip(self, job: EvalJob, skip: EvalSkip, duration: float = 0.0) -> None:
         log.warning("eval %d of step %d skipped: %s", job.eval_id, job.pinned_step, skip)
         self.records.append(EvalRecord(job.eval_id, job.pinned_step, job.weight_version, "skipped",
-                                       reason=skip.reason, detail=skip.detail, duration_s=duration))
+                                       reason=skip.reason, detail=skip.detail, duration_s=duration,
+                                       snapshot=job.snapshot))
         if self.metrics is not None:
-            self.metrics.log(job.pinned_step, {"eval/skipped": 1.0, "eval/skip_reason": skip.reason,
+            self.metrics.log(job.pinned_step, {"eval/skipped": 1.0, f"eval/skipped_{skip.reason}": 1.0,
+                                               "eval/skip_reason": skip.reason,
                                                "eval/weight_version": job.weight_version})
 
     # -- generate and score --------------------------------------------------------------------------
@@ -292,3 +381,12 @@ class EvalFleet:
                                                 f"{job.weight_version!r}")
             results[dataset.name] = metrics
         return results
+
+
+def _move_into_place(written: Path, target: Path) -> None:
+    """Rename the exported directory to `target` (replacing one left by an earlier attempt at this step)."""
+    if written == target:
+        return
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(written, target)

@@ -30,9 +30,11 @@ log = logging.getLogger(__name__)
 
 
 class EvalSkip(Exception):
-    """An evaluation that did not run. `reason`: "unhealthy", "pin_violation" or "busy"."""
+    """An evaluation that did not run, with miles' reason (logged as `eval/skipped_<reason>`): "unhealthy" and
+    "pin_violation" (the pin), "busy" (over `--eval-max-in-flight` with `--eval-overflow-policy skip`),
+    "export_failed" (its snapshot could not be written), "crashed" (the evaluation raised)."""
 
-    REASONS = ("unhealthy", "pin_violation", "busy")
+    REASONS = ("unhealthy", "pin_violation", "busy", "export_failed", "crashed")
 
     def __init__(self, reason: str, detail: str = "") -> None:
         if reason not in self.REASONS:

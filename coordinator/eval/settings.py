@@ -54,6 +54,7 @@ class EvalDatasetSettings:
     input_key: str = "prompt"
     label_key: str | None = None
     metadata_key: str | None = None
+    tool_key: str | None = None  # --eval-tool-key, else --tool-key
     apply_chat_template: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)  # merged into every record's metadata
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES  # --data-max-line-bytes
@@ -117,6 +118,7 @@ class EvalDatasetSettings:
             input_key=_first(spec.input_key, evaluation.eval_input_key, rollout.input_key),
             label_key=_first(spec.label_key, evaluation.eval_label_key, rollout.label_key),
             metadata_key=_first(spec.metadata_key, rollout.metadata_key),
+            tool_key=_first(evaluation.eval_tool_key, rollout.tool_key),
             apply_chat_template=_first(spec.apply_chat_template, rollout.apply_chat_template),
             metadata=metadata,
             max_line_bytes=rollout.data_max_line_bytes,
@@ -135,9 +137,16 @@ class EvalSettings:
     builtin_prompt_seed: int  # builtin:<task> eval prompts are drawn with --rollout-seed + 1
     allow_partial_fleet: bool = False  # --eval-allow-partial-fleet
     skip_before_train: bool = False  # --skip-eval-before-train
+    hf_dir: str | None = None  # --eval-hf-dir: the fleet's snapshots go to <hf_dir>/step_<rollout_id>
+    keep_snapshots: int = 2  # --eval-keep-snapshots
+    overflow_policy: str = "backpressure"  # --eval-overflow-policy
+    num_rollout: int | None = None  # the fleet also evaluates the last rollout (miles' should_run_periodic_action)
+    max_context_len: int | None = None  # --eval-max-context-len, else --rollout-max-context-len
+    save_hf: str | None = None  # --save-hf: without --eval-hf-dir, the fleet pins those checkpoints (miles)
 
     @classmethod
-    def from_slices(cls, evaluation: EvalConfig, *, rollout: RolloutConfig, sglang: SglangConfig) -> EvalSettings:
+    def from_slices(cls, evaluation: EvalConfig, *, rollout: RolloutConfig, sglang: SglangConfig,
+                    save_hf: str | None = None) -> EvalSettings:
         """The eval slice's flags and datasets; unset values fall back to the rollout's."""
         return cls(
             interval=evaluation.eval_interval,
@@ -149,6 +158,12 @@ class EvalSettings:
             builtin_prompt_seed=rollout.rollout_seed + 1,
             allow_partial_fleet=evaluation.eval_allow_partial_fleet,
             skip_before_train=evaluation.skip_eval_before_train,
+            hf_dir=evaluation.eval_hf_dir,
+            keep_snapshots=evaluation.eval_keep_snapshots,
+            overflow_policy=evaluation.eval_overflow_policy,
+            num_rollout=rollout.num_rollout,
+            max_context_len=_first(evaluation.eval_max_context_len, rollout.rollout_max_context_len),
+            save_hf=save_hf,
         )
 
 
@@ -173,7 +188,7 @@ def _records(dataset: EvalDatasetSettings, *, seed: int, tokenizer: Any, raw_pro
         source = PromptDataSource(dataset.path, input_key=dataset.input_key, label_key=dataset.label_key,
                                   metadata_key=dataset.metadata_key, apply_chat_template=dataset.apply_chat_template,
                                   tokenizer=tokenizer, shuffle=False, seed=seed, raw_prompts=raw_prompts,
-                                  max_line_bytes=dataset.max_line_bytes)
+                                  max_line_bytes=dataset.max_line_bytes, tool_key=dataset.tool_key)
     records = source.take(len(source))
     for record in records:
         if not isinstance(record.prompt, str) and not raw_prompts:

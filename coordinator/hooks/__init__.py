@@ -15,17 +15,28 @@ What a hook gets (docs/hooks.md):
 - `post(url, payload)` / `get(url)`: HTTP on our client (deadlines, bounded retries, the API key to our
   address only); `run(coro)` for synchronous hook code (slime's `async_utils.run`);
 - `generate(args, sample, sampling_params)`: slime's default one-turn generate; `DynamicFilterOutput`,
-  `RolloutFnTrainOutput`, miles' `GenerateFnInput` / `GenerateFnOutput`.
+  miles' `GenerateFnInput` / `GenerateFnOutput`, and miles' rollout-function records
+  (`RolloutFnConstructorInput`, `RolloutFnTrainInput` / `RolloutFnEvalInput`, `RolloutFnTrainOutput` /
+  `RolloutFnEvalOutput`: `coordinator.hooks.rollout_types`).
 
 Importing this package imports neither torch nor transformers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from coordinator.hooks.http import get, post
+from coordinator.hooks.rollout_types import (
+    RolloutFnBaseInput,
+    RolloutFnConstructorInput,
+    RolloutFnEvalInput,
+    RolloutFnEvalOutput,
+    RolloutFnInput,
+    RolloutFnOutput,
+    RolloutFnTrainInput,
+    RolloutFnTrainOutput,
+)
 from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError, SlimeGenerateState
 from coordinator.hooks.single_turn import generate
 from coordinator.hooks.sync import run
@@ -45,20 +56,19 @@ class DynamicFilterOutput:
     keep_when_insufficient: bool = False
 
 
-@dataclass
-class RolloutFnTrainOutput:
-    """slime's `rollout.base_types.RolloutFnTrainOutput`: groups of samples and extra metrics."""
-
-    samples: list[list[Sample]]
-    metrics: dict[str, Any] | None = field(default=None)
-
-
 __all__ = [
     "DynamicFilterOutput",
     "GenerateFnInput",
     "GenerateFnOutput",
     "GenerateState",
     "HookError",
+    "RolloutFnBaseInput",
+    "RolloutFnConstructorInput",
+    "RolloutFnEvalInput",
+    "RolloutFnEvalOutput",
+    "RolloutFnInput",
+    "RolloutFnOutput",
+    "RolloutFnTrainInput",
     "RolloutFnTrainOutput",
     "Sample",
     "Status",

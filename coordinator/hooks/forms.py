@@ -8,7 +8,7 @@ exactly the way start-up accepted it:
 |---|---|---|
 | `--custom-rm-path` | `fn(sample)`; `fn(samples)` with `--group-rm` | `fn(args, sample, **kw)`; `fn(args, samples, **kw)` |
 | `--dynamic-sampling-filter-path` | `fn(group[, reward_key=])` | `fn(args, samples, **kw)` |
-| `--rollout-function-path`, `--eval-function-path` | class `C(context)` called `(rollout_id, weight_version)`, or `fn(context, rollout_id, weight_version)` | `fn(args, rollout_id, data_source, evaluation=False)` |
+| `--rollout-function-path`, `--eval-function-path` | class `C(context)` called `(rollout_id, weight_version)`, or `fn(context, rollout_id, weight_version)` | `fn(args, rollout_id, data_source, evaluation=False)`; miles' class `C(RolloutFnConstructorInput)` called `(input)` |
 | `--custom-generate-function-path` | — | `fn(args, sample, sampling_params[, evaluation])`; miles' `fn(input)` |
 | `--generate-execute-tool-function-path` | — | miles' `fn(name, params) -> str` |
 | `--custom-tis-function-path` | — | `fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kw)` |
@@ -120,6 +120,38 @@ def read_rollout_fn(flag: str, path: str, target: Any) -> Reading:
     if _binds(signature, "context", "rollout_id", "weight_version"):
         return Reading(HookForm.RAYLESS, ours)
     raise _refuse(flag, path, signature, ours, theirs + " (slime's form)")
+
+
+def class_call(target: type) -> Any:
+    """The instances' `__call__` as the class defines it (getattr on a class would give type.__call__)."""
+    return next((klass.__dict__["__call__"] for klass in target.__mro__[:-1] if "__call__" in klass.__dict__),
+                None)
+
+
+def read_rollout_class(flag: str, path: str, target: type) -> Reading:
+    """A class: miles' form (`C(RolloutFnConstructorInput(args, data_source))`, instances called with one
+    `RolloutFnTrainInput` / `RolloutFnEvalInput`) or rayless' (`C(context)`, called `(rollout_id,
+    weight_version)`). Where both bind, a parameter named `input` means miles'."""
+    name = target.__name__
+    call = class_call(target)
+    if call is None:
+        raise HookSignatureError(f"{flag} {path!r}: instances of class {name} are not callable: define "
+                                 "__call__(self, input) (miles' form) or __call__(self, rollout_id, weight_version)")
+    init, signature = _signature(target), _signature(call)
+    miles = f"{name}(RolloutFnConstructorInput(args, data_source)), called as instance(RolloutFnTrainInput | " \
+            "RolloutFnEvalInput)"
+    ours = f"{name}(context), called as instance(rollout_id, weight_version)"
+    params = list(signature.parameters.values())[1:] if signature is not None else []
+    named_input = bool(params) and params[0].name == "input"
+    if _binds(init, "input") and _binds(signature, "self", "input") and (
+            named_input or not _binds(signature, "self", "rollout_id", "weight_version")):
+        asynchronous = inspect.iscoroutinefunction(call)
+        return Reading(HookForm.MILES, f"class, built as {miles} ({'async' if asynchronous else 'sync'} "
+                                       "__call__; miles' form)")
+    if _binds(init, "context") and _binds(signature, "self", "rollout_id", "weight_version"):
+        return Reading(HookForm.RAYLESS, f"class, built as {ours}")
+    raise HookSignatureError(f"{flag} {path!r}: rayless builds a class as {ours}, or in miles' form as {miles}, "
+                             f"but {name}{init} has __call__{signature}")
 
 
 def read_generate(flag: str, path: str, target: Any) -> Reading:

@@ -319,12 +319,15 @@ def plot_rewards(history: list[dict[str, Any]], path: Path) -> Path | None:
     axes[0].set_title("mean reward")
     axes[1].plot(steps, [row.get("rollout/response_len_mean", 0) for row in rows], marker=".")
     axes[1].set_title("mean response length")
+    timed = False
     for key, label in (("rollout/time_s", "rollout"), ("train/time_s", "train"), ("sync/time_s", "weight sync")):
         values = [row.get(key) for row in rows]
         if any(v is not None for v in values):
             axes[2].plot(steps, [v if v is not None else float("nan") for v in values], label=label)
+            timed = True
     axes[2].set_title("seconds per rollout")
-    axes[2].legend()
+    if timed:  # matplotlib warns about a legend with nothing in it
+        axes[2].legend()
     for axis in axes:
         axis.set_xlabel("rollout")
         axis.grid(alpha=0.3)

@@ -52,18 +52,21 @@ def choose_engines(config: Config, *, has_sglang: bool, lenient: bool = False
     if config.num_launched_rollout_engines:
         sized_in_gpus = config.cluster.rollout_num_gpus is not None
         flag = "--rollout-num-gpus" if sized_in_gpus else "--rollout-num-engines"
-        rollout = _choose(config, flag, sized_in_gpus, has_sglang=has_sglang, lenient=lenient, warnings=warnings)
+        rollout = _choose(config, flag, sized_in_gpus, has_sglang=has_sglang, lenient=lenient, warnings=warnings,
+                          sizing=(config.cluster.rollout_num_gpus_per_engine, "--rollout-num-gpus-per-engine"))
     if config.num_eval_engines:
         sized_in_gpus = config.eval.eval_num_gpus > 0
         flag = "--eval-num-gpus" if sized_in_gpus else "--eval-num-engines"
-        eval_ = _choose(config, flag, sized_in_gpus, has_sglang=has_sglang, lenient=lenient, warnings=warnings)
+        eval_ = _choose(config, flag, sized_in_gpus, has_sglang=has_sglang, lenient=lenient, warnings=warnings,
+                        sizing=(config.eval.eval_num_gpus_per_engine, "--eval-num-gpus-per-engine"))
     return rollout, eval_, list(dict.fromkeys(warnings))
 
 
 def _choose(config: Config, flag: str, sized_in_gpus: bool, *, has_sglang: bool, lenient: bool,
-            warnings: list[str]) -> EngineChoice:
+            warnings: list[str], sizing: tuple[int, str]) -> EngineChoice:
+    """`sizing`: the group's GPUs per engine and the flag that sets them."""
     asked = config.cluster.engine_backend
-    per_engine = config.cluster.rollout_num_gpus_per_engine
+    per_engine, per_flag = sizing
     if asked == "cpu":
         return EngineChoice("rayless", "cpu", "--engine-backend cpu: our engine on the CPU")
     if not sized_in_gpus:
@@ -73,7 +76,7 @@ def _choose(config: Config, flag: str, sized_in_gpus: bool, *, has_sglang: bool,
                               "rayless/cpu for our engine on the CPU")
         return EngineChoice("rayless", "cpu", f"{flag} (engines, not GPUs): our engine on the CPU")
     if asked == "rayless" and per_engine > 1:
-        raise ConfigError(f"--engine-backend rayless: our engine runs on one GPU, but --rollout-num-gpus-per-engine "
+        raise ConfigError(f"--engine-backend rayless: our engine runs on one GPU, but {per_flag} "
                           f"is {per_engine}: tensor parallelism needs SGLang (--engine-backend sglang), or use 1")
     if asked == "rayless":
         return EngineChoice("rayless", "cuda", "--engine-backend rayless: our engine on CUDA")
@@ -83,7 +86,7 @@ def _choose(config: Config, flag: str, sized_in_gpus: bool, *, has_sglang: bool,
     missing = "the sglang package is not importable here (pip install 'sglang[all]')"
     if asked == "sglang" or per_engine > 1:
         reason = ("--engine-backend sglang" if asked == "sglang"
-                  else f"--rollout-num-gpus-per-engine {per_engine}: tensor parallelism needs SGLang")
+                  else f"{per_flag} {per_engine}: tensor parallelism needs SGLang")
         if not lenient:
             raise ConfigError(f"{reason}, but {missing}; our engine on CUDA (--engine-backend rayless) runs one GPU "
                               "per engine")

@@ -85,7 +85,7 @@ def gpu_demands(config: Config, rollout: EngineChoice | None, eval_: EngineChoic
                                  f"--rollout-num-gpus {cluster.rollout_num_gpus}{share}", rollout_count, per_engine))
     if eval_ is not None and eval_.on_gpu and eval_count:
         demands.append(GpuDemand("eval", "eval engines", f"--eval-num-gpus {config.eval.eval_num_gpus}{share}",
-                                 eval_count, per_engine))
+                                 eval_count, config.eval.eval_num_gpus_per_engine))
     return demands
 
 
@@ -95,7 +95,8 @@ def oversubscribed_message(demands: Sequence[GpuDemand], needed: int, gpus: GpuI
     for demand in demands:
         what = demand.what if demand.units != 1 else demand.what.removesuffix("s")
         if demand.per_unit > 1:
-            part = f"{demand.flags} ({demand.units} {what} × --rollout-num-gpus-per-engine {demand.per_unit})"
+            per_flag = "--eval-num-gpus-per-engine" if demand.group == "eval" else "--rollout-num-gpus-per-engine"
+            part = f"{demand.flags} ({demand.units} {what} × {per_flag} {demand.per_unit})"
         else:
             part = f"{demand.flags} ({demand.units} {what})"
         parts[demand.group] = part

@@ -122,10 +122,11 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
     teacher_slots = _engine_slots(config, "teacher", range(1), teacher, placed.get("teacher", ()), gpus, python,
                                   model_path=config.distill.teacher_path()) if teacher is not None else ()
     router = None
-    # --sglang-router-ip/-port attach to a running router: nothing to launch for it
-    if node_rank == 0 and config.sglang.use_sglang_router and config.sglang.router_address is None \
-            and config.needs_engines:
-        router = RouterSlot(host=ENGINE_HOST, port=free_port(ENGINE_HOST), prometheus_port=free_port(ENGINE_HOST),
+    # --sglang-router-ip/-port attach to a running router: nothing to launch for it; --sglang-router-port alone
+    # launches it on that port (miles)
+    if node_rank == 0 and config.sglang.launches_router and config.needs_engines:
+        port = config.sglang.sglang_router_port or free_port(ENGINE_HOST)
+        router = RouterSlot(host=ENGINE_HOST, port=port, prometheus_port=free_port(ENGINE_HOST),
                             policy=config.sglang.sglang_router_policy, log=router_log_path(run_dir, "rollout"),
                             python=python, extra_args=config.router_passthrough)
     return NodePlan(node_rank=node_rank, gpus=gpus, demands=demands, ranks=ranks, rollout_engines=rollout_slots,
@@ -207,6 +208,8 @@ def _engine_slots(config: Config, group: str, indices: range, choice: EngineChoi
             backend=choice.backend, device=choice.device, gpus=positions,
             visible_devices=gpus.visible_devices(positions) if positions else None, port=free_port(ENGINE_HOST),
             release_memory=releases,
+            gpus_per_engine=config.eval.eval_num_gpus_per_engine if group == "eval" else None,
+            overrides=config.eval.eval_sglang_passthrough if group == "eval" else (),
             # released weights of our CPU engine go to a file on disk, so the memory is freed, not moved to tmpfs
             spill_dir=str(run_dir / "engine-spill" / name) if releases and choice.device == "cpu" else None)
         if python != spec.python or host != spec.host:

@@ -28,9 +28,10 @@ from typing import Any
 import anyio
 
 from coordinator.config import DEFAULT_ROLLOUT_FUNCTION, Config, RolloutConfig
+from coordinator.config.distill import teacher_hook
 from coordinator.data.source import PromptDataSource
 from coordinator.hooks.args import build_hook_args, hook_sampling_params
-from coordinator.hooks.forms import HookForm, read_rollout_fn
+from coordinator.hooks.forms import HookForm, read_rollout_class, read_rollout_fn
 from coordinator.hooks.runtime import HookRuntime
 from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
@@ -43,7 +44,7 @@ from coordinator.rollout.requests import GenerateState
 from coordinator.rollout.reward_choice import RewardChoice
 from coordinator.rollout.reward_post import RewardPostProcess
 from coordinator.rollout.rewards import RewardModel
-from coordinator.rollout.teacher import TeacherScorer, settle_teacher_log_probs
+from coordinator.rollout.teacher import TeacherScorer, require_teacher_log_probs, settle_teacher_log_probs
 from replay.sample import RolloutBatch
 from workers.hook_loading import load_object
 
@@ -54,13 +55,18 @@ RolloutCallable = Callable[[int, str], Awaitable[RolloutBatch]]
 
 
 def instantiate_rollout_fn(path: str, context: RolloutContext, *, what: str) -> RolloutCallable:
-    """A class is constructed once with the context; a function is called as fn(context, rollout_id, version),
-    or in slime's form fn(args, rollout_id, data_source, evaluation=False) (`coordinator.rollout.slime_rollout_fn`)."""
+    """A class is constructed once with the context, or in miles' form with `RolloutFnConstructorInput`
+    (`coordinator.rollout.miles_rollout_fn`); a function is called as fn(context, rollout_id, version), or in
+    slime's form fn(args, rollout_id, data_source, evaluation=False) (`coordinator.rollout.slime_rollout_fn`)."""
     target = load_object(path, what=what)
     if not inspect.isclass(target) and callable(target) and read_rollout_fn(what, path, target).form is HookForm.SLIME:
         from coordinator.rollout.slime_rollout_fn import SlimeRolloutFn
 
         return SlimeRolloutFn(target, path=path, context=context, what=what)
+    if inspect.isclass(target) and read_rollout_class(what, path, target).form is HookForm.MILES:
+        from coordinator.rollout.miles_rollout_fn import MilesRolloutFn
+
+        return MilesRolloutFn(target, path=path, context=context, what=what)
     if inspect.isclass(target):
         instance = target(context)
         if not callable(instance):
@@ -106,6 +112,8 @@ class RolloutManager:
         self.reward_post_process: RewardPostProcess | None = None
         #: on-policy distillation's `sglang` teacher: asks teacher logprobs of each generated sample
         self.teacher: TeacherScorer | None = None
+        #: the flag of the hook that supplies teacher logprobs itself (`--opd-type sglang` without a teacher)
+        self.hook_teacher: str | None = None
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -142,8 +150,11 @@ class RolloutManager:
         if config.distill.engine_teacher and config.needs_engines:  # the flags' teachers, or the one launched
             routes = {**config.distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type),
                       **(teacher_urls or {})}
-            manager.teacher = TeacherScorer(client, routes, key=config.distill.opd_teacher_key,
-                                            concurrency=config.sglang.sglang_server_concurrency)
+            if routes or teacher_hook(config.rollout, config.hooks) is None:
+                manager.teacher = TeacherScorer(client, routes, key=config.distill.opd_teacher_key,
+                                                concurrency=config.sglang.sglang_server_concurrency)
+            else:  # slime's contract: the hook asks the teacher and sets sample.teacher_log_probs
+                manager.hook_teacher = teacher_hook(config.rollout, config.hooks)
         return manager
 
     def _build_replay_loader(self) -> None:
@@ -283,6 +294,9 @@ class RolloutManager:
             self._check_shape(batch)
             if self.teacher is not None:
                 await self.teacher.score(batch.samples)
+            elif self.hook_teacher is not None:
+                settle_teacher_log_probs(batch.samples)
+                require_teacher_log_probs(batch.samples, hook=self.hook_teacher)
         rollout = self.config.rollout
         if self.config.sft.disable_compute_advantages_and_returns:
             pass  # slime's --disable-compute-advantages-and-returns: the rollout fn's advantages stay
@@ -376,6 +390,7 @@ def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bo
         input_key=rollout.input_key,
         label_key=rollout.label_key,
         metadata_key=rollout.metadata_key,
+        tool_key=rollout.tool_key,
         apply_chat_template=rollout.apply_chat_template and chat_template,
         tokenizer=tokenizer,
         shuffle=rollout.rollout_shuffle,

@@ -3,7 +3,9 @@
 Owns the call of a slime-style `--rollout-function-path` (or `--eval-function-path`): the function gets the
 hooks' `args`, the rollout id and `SlimeDataSource` (slime's `get_samples(n)` / `add_samples(groups)` over our
 prompt source), and returns groups of samples (`list[list[Sample]]`, or an object with `samples` and
-`metrics`: slime's `RolloutFnTrainOutput`). An `async def` function is awaited on the event loop; a plain
+`metrics`: slime's `RolloutFnTrainOutput`); called with `evaluation=True` (`evaluate`, an evaluation on the
+rollout engines) it returns slime's eval `data` (`{name: {"rewards", "truncated", "samples"}}`, or an object
+with `data` and `metrics`), measured as miles' `log_eval_rollout_data` does (`eval_metrics`). An `async def` function is awaited on the event loop; a plain
 function (slime's are: they drive their own event loop) runs in a worker thread, where `run(coro)` runs a
 coroutine on the run's loop (slime's `slime.utils.async_utils.run`), so its `post` calls go through our client.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from coordinator.hooks.calls import call_hook
@@ -77,15 +80,21 @@ class SlimeRolloutFn:
             self._data_source = SlimeDataSource(self.context)
         return self._data_source
 
-    async def __call__(self, rollout_id: int, weight_version: str) -> RolloutBatch:
+    async def _call_fn(self, rollout_id: int, *, evaluation: bool) -> Any:
         runtime = self.context.hook_runtime
         if runtime is None:
             raise HookError(f"{self.what} {self.path!r}: slime-style rollout functions need the run's hook "
                             "runtime")
         with hook_call(runtime):  # a sync function runs in a worker thread a stop signal does not wait for
-            result = await call_hook(self.fn, runtime.args, rollout_id, self.data_source, what=f"{self.what} "
-                                     f"{self.path!r}", kind="rollout", evaluation=False)
-        return self._batch(result, rollout_id)
+            return await call_hook(self.fn, runtime.args, rollout_id, self.data_source, what=f"{self.what} "
+                                   f"{self.path!r}", kind="rollout", evaluation=evaluation)
+
+    async def __call__(self, rollout_id: int, weight_version: str) -> RolloutBatch:
+        return self._batch(await self._call_fn(rollout_id, evaluation=False), rollout_id)
+
+    async def evaluate(self, rollout_id: int, weight_version: str) -> EvalResult:
+        """slime's eval call, `fn(args, rollout_id, data_source, evaluation=True)`: its `data` and metrics."""
+        return eval_result(await self._call_fn(rollout_id, evaluation=True), where=f"{self.what} {self.path!r}")
 
     def _batch(self, result: Any, rollout_id: int) -> RolloutBatch:
         groups = getattr(result, "samples", result)
@@ -113,3 +122,44 @@ class SlimeRolloutFn:
                                     "rollout function scores its samples (slime's generate_and_rm)")
         return RolloutBatch(rollout_id=rollout_id, groups=groups,
                             metrics={str(k): float(v) for k, v in dict(metrics).items()})
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """What a slime/miles eval function returned: per dataset name `{"rewards": [...], "truncated": [...],
+    "samples": [...]}` (`data`) and extra metrics."""
+
+    data: dict[str, dict[str, Any]]
+    metrics: dict[str, Any]
+
+
+def eval_result(result: Any, *, where: str) -> EvalResult:
+    """`RolloutFnEvalOutput(data, metrics)` or the bare `data` dict (slime's legacy return)."""
+    data = getattr(result, "data", result)
+    metrics = getattr(result, "metrics", None) or {}
+    if not isinstance(data, dict) or not all(isinstance(value, dict) and "rewards" in value
+                                             for value in data.values()):
+        raise HookError(f"{where} returned {type(result).__name__} for an evaluation; expected "
+                        "RolloutFnEvalOutput(data, metrics) with data = {name: {'rewards': [...], ...}}")
+    return EvalResult(data={str(name): value for name, value in data.items()}, metrics=dict(metrics))
+
+
+def eval_metrics(result: EvalResult) -> dict[str, float]:
+    """miles' `log_eval_rollout_data`: per dataset `eval/<name>` (mean reward, None counted as 0),
+    `eval/<name>-none_reward_ratio`, `eval/<name>-truncated_ratio` when given; then the function's metrics."""
+    row: dict[str, float] = {}
+    for name, entry in result.data.items():
+        rewards = list(entry["rewards"])
+        none = sum(reward is None for reward in rewards)
+        values = [0.0 if reward is None else float(reward) for reward in rewards]
+        row[f"eval/{name}-none_reward_ratio"] = none / len(values) if values else 0.0
+        row[f"eval/{name}"] = sum(values) / len(values) if values else 0.0
+        if entry.get("truncated"):
+            truncated = list(entry["truncated"])
+            row[f"eval/{name}-truncated_ratio"] = sum(map(bool, truncated)) / len(truncated)
+        if entry.get("samples") is not None:
+            row[f"eval/{name}/samples"] = float(len(entry["samples"]))
+    for key, value in result.metrics.items():
+        if isinstance(value, int | float):  # a metrics row holds numbers
+            row[str(key)] = float(value)
+    return row

@@ -112,6 +112,20 @@ def settle_teacher_log_probs(samples: Sequence[Sample]) -> None:
         sample.teacher_log_probs = [float(value) for value in values]
 
 
+def require_teacher_log_probs(samples: Sequence[Sample], *, hook: str) -> None:
+    """With a hook-supplied teacher: every sample with a response that was not aborted carries its teacher
+    logprobs, one per response token; TeacherError naming the sample and the hook otherwise."""
+    for sample in samples:
+        if sample.status is SampleStatus.ABORTED or sample.response_length == 0:
+            continue
+        values = sample.teacher_log_probs
+        if values is None or len(values) != sample.response_length:
+            count = "no" if values is None else len(values)
+            raise TeacherError(f"sample {sample.group_index}/{sample.sample_index}: {hook} set {count} "
+                               f"teacher_log_probs for {sample.response_length} response tokens; with --opd-type "
+                               "sglang and no teacher address the hook supplies them (slime's contract)")
+
+
 def distill_reward(args: Any, sample: Any, **kwargs: Any) -> float:
     """Stands in for slime's / miles' `on_policy_distillation.reward_func` (which posts to the teacher at
     `--rm-url`): rayless asks the teacher itself (`TeacherScorer`), so the task reward is pure distillation's 0."""

@@ -1,7 +1,8 @@
 """Pure planning of a training call: samples cut into optimizer steps and per-rank shards, and the ranks'
 step metrics reduced into what the run reports.
 
-Owns the batch settings' rules (`global_batch_size` / `num_steps_per_rollout`) and the metric formulas.
+Owns the batch settings' rules (`global_batch_size` / `num_steps_per_rollout` / miles' dynamic global batch size)
+and the metric formulas.
 Invariants: steps keep the samples' order and every rank gets at least one sample of every step (so every
 rank runs the same number of optimizer steps, and enters every collective); the split is deterministic.
 No I/O and no anyio here: everything is a function of its arguments.
@@ -29,6 +30,12 @@ def plan_steps(samples: list[WireSample], batching: BatchingSettings, world_size
     if not samples:
         raise ValueError("train() got no samples")
     global_batch_size, num_steps = batching.global_batch_size, batching.num_steps_per_rollout
+    if batching.dynamic_global_batch_size:
+        # miles' _compute_dynamic_global_batch_size: one step over the samples rounded down to a multiple of the
+        # data-parallel ranks (at least one per rank); the rest are dropped, as miles trims them
+        global_batch_size = max(len(samples) // world_size * world_size, world_size)
+        samples = samples[:global_batch_size]
+        num_steps = None
     if num_steps is not None:
         if len(samples) % num_steps:
             raise ValueError(

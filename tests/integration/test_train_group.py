@@ -242,6 +242,17 @@ def test_steps_are_cut_in_order_and_balanced_by_tokens() -> None:
     assert balance_by_tokens([5, 5, 5, 5, 5], 3) == [[0, 3], [1, 4], [2]]
 
 
+def test_a_dynamic_global_batch_is_one_step_rounded_down_to_the_ranks() -> None:
+    """miles' --use-dynamic-global-batch-size: however many samples a rollout returned, one optimizer step over
+    them rounded down to a multiple of the data-parallel ranks (the rest dropped, as miles trims them)."""
+    dynamic = BatchingSettings(dynamic_global_batch_size=True)
+    for count, kept in ((8, 8), (7, 6), (3, 2)):
+        samples = [wire(4, 1) for _ in range(count)]
+        [step] = plan_steps(samples, dynamic, world_size=2)
+        assert sum(len(shard) for shard in step.shards) == kept and step.loss_tokens == kept
+        assert [s for shard in step.shards for s in shard] == samples[:kept]
+
+
 def test_step_metrics_add_up_over_ranks_as_token_means() -> None:
     def rank(loss: float, tokens: float, diff_max: float, seconds: float, grad_norm: float) -> protocol.StepMetrics:
         return protocol.StepMetrics(

@@ -30,11 +30,7 @@ WANDB_SENTINEL = "wandb-sentinel-3f9c2b7e1d"
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Flags not added yet (refused with exit 2 naming them); a flag the parser learns drops out of `blockers`.
-PENDING = {
-    "--eval-num-gpus-per-engine": "not yet: miles' dedicated eval fleet sizing",
-    "--eval-hf-dir": "not yet: miles' dedicated eval fleet",
-    "--eval-keep-snapshots": "not yet: miles' dedicated eval fleet",
-}
+PENDING: dict[str, str] = {}
 #: `--rm-type` values that the reward-types issue adds (issue 13 item 3).
 PENDING_RM_TYPES = "not yet: a reward type rayless does not have"
 #: Flags and values rayless refuses by design.

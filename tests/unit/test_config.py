@@ -126,6 +126,30 @@ def test_sglang_passthrough_strips_the_prefix() -> None:
     assert config.sglang.sglang_passthrough == ("--mem-fraction-static", "0.8", "--enable-metrics")
 
 
+def test_eval_sglang_overrides_are_the_eval_fleets_own_and_the_launcher_keeps_its_arguments() -> None:
+    fleet = ["--rollout-num-engines", "1", "--eval-num-engines", "1", "--eval-interval", "1", "--eval-prompt-data",
+             "d", "builtin:first_digit"]
+    config = cfg(*fleet, "--sglang-mem-fraction-static", "0.7", "--eval-sglang-mem-fraction-static", "0.9",
+                 "--no-eval-sglang-enable-metrics")
+    assert config.sglang.sglang_passthrough == ("--mem-fraction-static", "0.7")
+    assert config.eval.eval_sglang_passthrough == ("--mem-fraction-static", "0.9", "--no-enable-metrics")
+    assert json.loads(config.to_json())["eval_sglang_passthrough"] == ["--mem-fraction-static", "0.9",
+                                                                       "--no-enable-metrics"]
+    with pytest.raises(ConfigError, match="--eval-sglang-tp-size: not an eval-fleet override "
+                                          r"\(--eval-num-gpus-per-engine sets the eval engines' TP size"):
+        cfg(*fleet, "--eval-sglang-tp-size", "2")
+
+
+def test_dynamic_global_batch_size_is_one_step_per_rollout_whatever_the_global_batch_size() -> None:
+    config = cfg("--rollout-num-engines", "1", "--use-dynamic-global-batch-size", "--global-batch-size", "3")
+    batching = config.train.batching_settings()
+    assert batching.dynamic_global_batch_size and batching.global_batch_size is None
+    assert batching.num_steps_per_rollout is None and config.train_steps_per_rollout == 1
+    with pytest.raises(ConfigError, match="requires exactly one optimizer step per rollout; got "
+                                          "--num-steps-per-rollout 2"):
+        cfg("--rollout-num-engines", "1", "--use-dynamic-global-batch-size", "--num-steps-per-rollout", "2")
+
+
 def test_resolved_config_json_hides_the_api_key() -> None:
     config = cfg("--rollout-num-engines", "1", "--sglang-api-key", "secret")
     data = json.loads(config.to_json())
@@ -155,8 +179,34 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                             "--load-debug-rollout-data generates nothing"),
     "replay_ignores_engine_flags": (None, ["--load-debug-rollout-data", "d/{rollout_id}", "--rollout-num-engines",
                                            "1"], "warning: --rollout-num-engines / --rollout-num-gpus"),
-    "eval_gpus_fill_whole_engines": (None, ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
-                                            "--eval-num-gpus", "3"], "--eval-num-gpus 3 is not divisible"),
+    "eval_gpus_fill_whole_engines": (None, ["--rollout-num-gpus", "2", "--eval-num-gpus-per-engine", "2",
+                                            "--eval-num-gpus", "3"],
+                                     "--eval-num-gpus 3 is not divisible by --eval-num-gpus-per-engine 2"),
+    "dynamic_global_batch_needs_dynamic_micro_batches": (None, ["--rollout-num-engines", "1",
+                                                                "--use-dynamic-global-batch-size",
+                                                                "--micro-batch-size", "2"],
+                                                         "--use-dynamic-global-batch-size requires "
+                                                         "--use-dynamic-batch-size"),
+    "eval_sglang_overrides_need_a_fleet": (None, ["--rollout-num-engines", "1", "--eval-sglang-mem-fraction-static",
+                                                  "0.9"], "--eval-sglang-* configures the dedicated eval fleet, "
+                                                          "which needs --eval-num-gpus"),
+    "eval_fleet_is_not_colocated": (None, ["--colocate", "--eval-num-gpus", "1",
+                                           "--eval-interval", "1", "--eval-prompt-data", "d", "builtin:first_digit"],
+                                    "snapshot eval is not supported with --colocate"),
+    "eval_fleet_is_not_in_a_debug_mode": (None, ["--rollout-num-engines", "1", "--debug-rollout-only",
+                                                 "--eval-num-engines", "1", "--eval-interval", "1",
+                                                 "--eval-prompt-data", "d", "builtin:first_digit"],
+                                          "with --debug-rollout-only: snapshot eval is not supported"),
+    "eval_fleet_reuses_save_hf_on_its_cadence": (None, ["--rollout-num-engines", "1", "--eval-num-engines", "1",
+                                                        "--eval-interval", "3", "--eval-prompt-data", "d",
+                                                        "builtin:first_digit", "--save-hf", "/tmp/hf/{rollout_id}",
+                                                        "--save-interval", "2"],
+                                                 "requires eval_interval to be a multiple of save_interval (got "
+                                                 "eval_interval=3, save_interval=2)"),
+    "eval_fleet_flags_need_a_fleet": (None, ["--rollout-num-engines", "1", "--eval-hf-dir", "/tmp/e",
+                                             "--eval-overflow-policy", "skip"],
+                                      "warning: --eval-hf-dir / --eval-overflow-policy: no effect without a "
+                                      "dedicated eval fleet"),
     "ft_components_need_fault_tolerance": (None, ["--rollout-num-engines", "1", "--ft-components", "train"],
                                            "warning: --ft-components has no effect"),
     "fault_injection_needs_monitored_engines": (None, ["--rollout-num-engines", "1",

@@ -193,6 +193,31 @@ def test_chat_template_with_tiny_tokenizer(tmp_path: Path, tiny_model_dir: Path)
     assert raw[1].prompt == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
 
+def test_tool_key_hands_each_rows_tools_to_the_chat_template_as_slime(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """slime's --tool-key: the column's list (or JSON text of one) is `tools=` of apply_chat_template and
+    `metadata["tools"]`; a row without it gets tools=None; a non-list is refused naming the key."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    # a real template that renders tools (the tiny one ignores them)
+    tokenizer.chat_template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
+                               "{% endif %}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    calc = {"type": "function", "function": {"name": "calc", "parameters": {}}}
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"prompt": "1+2", "tools": [calc]},
+                                                  {"prompt": "3+4", "tools": json.dumps([calc, calc])},
+                                                  {"prompt": "5+6"}])
+    first, second, third = PromptDataSource(path, apply_chat_template=True, tokenizer=tokenizer, shuffle=False,
+                                            seed=0, tool_key="tools").take(3)
+    assert (first.prompt, second.prompt, third.prompt) == ("TOOLS:calc;[user]1+2", "TOOLS:calc;calc;[user]3+4",
+                                                           "[user]5+6")
+    assert first.metadata == {"tools": [calc]} and "tools" not in third.metadata
+    untouched = PromptDataSource(path, apply_chat_template=True, tokenizer=tokenizer, shuffle=False, seed=0).take(1)
+    assert untouched[0].prompt == "[user]1+2"  # without --tool-key the column is not read
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x", "tools": {"name": "calc"}}])
+    with pytest.raises(DataSourceError, match=r"tool key 'tools' \(--tool-key\) holds dict; expected a list"):
+        PromptDataSource(bad, shuffle=False, seed=0, tool_key="tools")
+
+
 def test_chat_template_without_tokenizer_fails(tmp_path: Path) -> None:
     with pytest.raises(DataSourceError, match=r"--apply-chat-template needs a tokenizer"):
         PromptDataSource(numbered(tmp_path, 2), apply_chat_template=True, shuffle=False, seed=0)

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from coordinator.config import ConfigError, parse_config
+from coordinator.config.distill import teacher_hook
 from coordinator.plan import GpuInventory, build_plan
 from coordinator.rollout.teacher import (
     TeacherError,
     TeacherScorer,
+    require_teacher_log_probs,
     response_log_probs,
     score_payload,
     settle_teacher_log_probs,
@@ -102,6 +104,24 @@ def test_slimes_single_teacher_is_rm_url_and_miles_routes_by_metadata() -> None:
     # --rm-type remote_rm makes --rm-url the reward service, never the teacher
     with pytest.raises(ConfigError, match="needs its teacher"):
         parse_config([*BASE, *SGLANG, "--rm-type", "remote_rm", "--rm-url", "http://h:1/score"])
+
+
+def test_a_hook_that_asks_the_teacher_itself_needs_no_teacher_address() -> None:
+    """slime's contract: with --opd-type sglang a custom generate / rollout / reward hook may fetch the teacher's
+    logprobs itself, so no --opd-teacher-urls / --rm-url is needed; slime's own OPD hooks (replaced by rayless'
+    teacher) do not count, and a sample the hook left without them fails the rollout naming the hook."""
+    for flag in ("--custom-generate-function-path", "--custom-rm-path", "--custom-reward-post-process-path",
+                 "--rollout-function-path"):
+        config = parse_config([*BASE, *SGLANG, flag, "my_hooks:opd"])
+        assert teacher_hook(config.rollout, config.hooks) == flag and config.distill.teacher_routes(None) == {}
+    with pytest.raises(ConfigError, match="needs its teacher"):
+        parse_config([*BASE, *SGLANG, "--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"])
+    given = Sample(group_index=0, sample_index=0, tokens=[1, 2, 3], response_length=2, teacher_log_probs=[-1.0, -2.0])
+    aborted = Sample(group_index=0, sample_index=1, tokens=[1, 2], response_length=1, status=SampleStatus.ABORTED)
+    require_teacher_log_probs([given, aborted], hook="--custom-rm-path")
+    missing = Sample(group_index=1, sample_index=0, tokens=[1, 2, 3], response_length=2)
+    with pytest.raises(TeacherError, match="sample 1/0: --custom-rm-path set no teacher_log_probs for 2 response"):
+        require_teacher_log_probs([given, missing], hook="--custom-rm-path")
 
 
 def test_a_hooks_tensor_of_teacher_logprobs_becomes_floats() -> None:

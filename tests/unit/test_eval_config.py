@@ -240,3 +240,34 @@ def test_start_up_refuses_math_verify_without_its_package(monkeypatch: pytest.Mo
     math_verify_library.cache_clear()
     pytest.importorskip("math_verify", reason="Math-Verify is the math-verify extra (in dev)")
     check_rewards(config)
+
+
+async def test_eval_max_context_len_caps_eval_prompts_plus_responses_and_falls_back_to_the_rollouts(
+    tmp_path: Path
+) -> None:
+    """miles' --eval-max-context-len (default --rollout-max-context-len): an eval sample's max new tokens are
+    clipped so prompt + response fit it, on the eval fleet as on the rollout engines."""
+    from coordinator.engines.client import EngineClient
+    from coordinator.engines.fleet import EngineFleet
+    from coordinator.eval.fleet import EvalFleet
+    from coordinator.eval.settings import load_eval_datasets
+
+    flags = ["--eval-interval", "1", "--eval-prompt-data", "d", "builtin:first_digit", "--eval-max-response-len", "8"]
+    assert settings_of(*flags).max_context_len is None
+    assert settings_of(*flags, "--rollout-max-context-len", "40").max_context_len == 40
+    settings = settings_of(*flags, "--rollout-max-context-len", "40", "--eval-max-context-len", "12")
+    assert settings.max_context_len == 12
+    async with EngineClient(max_connections=1) as client:
+        fleet = EngineFleet(client=client, group="eval", external_urls=["127.0.0.1:1"], run_dir=tmp_path)
+        evals = EvalFleet(settings=settings, fleet=fleet, client=client, tokenizer=None, exporter=None,
+                          snapshot_dir=tmp_path, probe_before_pin=True, datasets=load_eval_datasets(settings))
+        state = evals.generate_states["d"]
+        assert [state.max_new_tokens(prompt) for prompt in (2, 6, 12)] == [8, 6, 0]
+
+
+def test_eval_tool_key_falls_back_to_the_tool_key() -> None:
+    flags = ["--eval-interval", "1", "--eval-prompt-data", "d", "builtin:first_digit"]
+    assert settings_of(*flags).datasets[0].tool_key is None
+    assert settings_of(*flags, "--tool-key", "tools").datasets[0].tool_key == "tools"
+    assert settings_of(*flags, "--tool-key", "tools", "--eval-tool-key", "eval_tools").datasets[0].tool_key == \
+        "eval_tools"

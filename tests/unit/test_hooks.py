@@ -29,6 +29,8 @@ from coordinator.rollout.generate import model_turns, multi_turn_metrics
 from coordinator.rollout.requests import RequestSlots
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import SampleError, SampleStatus, settle_hook_fields
+from tests.support.miles_rollout_fns import SyncFixedRolloutFn, VerifiersShapedRolloutFn
+from tests.support.rollout_fns import CountingRollout
 
 
 # --- Sample, as slime's ---------------------------------------------------------------------------------------
@@ -133,6 +135,19 @@ async def execute_tool(name, params):
     return ""
 
 
+class NoCallRollout:
+    def __init__(self, input):
+        pass
+
+
+class TwoArgRollout:
+    def __init__(self, input, other):
+        pass
+
+    def __call__(self, input):
+        return None
+
+
 @pytest.mark.parametrize(("flag", "target", "group_rm", "shown"), [
     ("--custom-rm-path", slime_reward, False, "slime_reward(args, sample, **kwargs) (slime's form)"),
     ("--custom-rm-path", slime_group_reward, True, "slime_group_reward(args, samples, **kwargs) (slime's form)"),
@@ -146,6 +161,12 @@ async def execute_tool(name, params):
     ("--rollout-function-path", slime_rollout, False, "slime_rollout(args, rollout_id, data_source"),
     ("--rollout-function-path", our_rollout, False, "our_rollout(context, rollout_id, weight_version)"),
     ("--eval-function-path", slime_rollout, False, "(slime's form)"),
+    ("--rollout-function-path", VerifiersShapedRolloutFn, False,
+     "VerifiersShapedRolloutFn(RolloutFnConstructorInput(args, data_source)), called as instance("
+     "RolloutFnTrainInput | RolloutFnEvalInput) (async __call__; miles' form)"),
+    ("--eval-function-path", SyncFixedRolloutFn, False, "(sync __call__; miles' form)"),
+    ("--rollout-function-path", CountingRollout, False,
+     "class, built as CountingRollout(context), called as instance(rollout_id, weight_version)"),
     ("--custom-tis-function-path", slime_tis, False, "(pg_loss, loss_masks, metrics) (slime's form)"),
     ("--generate-execute-tool-function-path", execute_tool, False, "await execute_tool(name, params) -> str"),
 ])
@@ -159,6 +180,9 @@ def test_slimes_hook_forms_and_ours_are_accepted(flag: str, target: Any, group_r
     ("--custom-generate-function-path", sync_generate, False, "must be an async function"),
     ("--custom-generate-function-path", slime_reward, False, "await slime_reward(args, sample, sampling_params"),
     ("--rollout-function-path", lambda x: x, False, "rayless calls it as <lambda>(context, rollout_id"),
+    ("--rollout-function-path", NoCallRollout, False, "instances of class NoCallRollout are not callable"),
+    ("--eval-function-path", TwoArgRollout, False, "rayless builds a class as TwoArgRollout(context), called as "
+                                                   "instance(rollout_id, weight_version), or in miles' form"),
     ("--custom-tis-function-path", lambda args, pg_loss: 0, False, "loss_masks, total_lengths"),
     ("--generate-tool-specs-path", {"name": "x"}, False, "expected a non-empty list of tool specs"),
 ])

@@ -131,15 +131,34 @@ def test_eval_engines_come_after_the_rollout_engines() -> None:
     assert node.gpus_needed == 6
 
 
+def test_eval_engines_have_their_own_tp_size_and_sglang_overrides() -> None:
+    """miles: the fleet's TP size is --eval-num-gpus-per-engine (not the rollout's), and each --eval-sglang-*
+    replaces the inherited --sglang-* of the same name for the eval engines only."""
+    node = plan("--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2", "--actor-num-gpus-per-node", "2",
+                "--eval-num-gpus", "4", "--eval-num-gpus-per-engine", "2", "--eval-interval", "1",
+                "--eval-prompt-data", "d", "builtin:first_digit", "--sglang-mem-fraction-static", "0.7",
+                "--sglang-enable-metrics", "--sglang-chunked-prefill-size", "4096",
+                "--eval-sglang-mem-fraction-static", "0.9", "--no-eval-sglang-enable-metrics", gpus=8).local
+    assert [s.gpus for s in node.rollout_engines] == [(2, 3)]
+    assert [s.gpus for s in node.eval_engines] == [(4, 5), (6, 7)]
+    rollout, evals = node.rollout_engines[0].command(), node.eval_engines[0].command()
+    assert rollout[rollout.index("--mem-fraction-static") + 1] == "0.7" and "--enable-metrics" in rollout
+    assert evals[evals.index("--tp-size") + 1] == "2"
+    assert evals[evals.index("--mem-fraction-static") + 1] == "0.9" and evals.count("--mem-fraction-static") == 1
+    assert evals[evals.index("--chunked-prefill-size") + 1] == "4096"
+    assert "--enable-metrics" not in evals
+
+
 def test_the_over_subscribed_plan_names_every_flag_and_the_numbers() -> None:
     flags = ["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2", "--actor-num-gpus-per-node", "4",
-             "--eval-num-gpus", "2", "--eval-interval", "1", "--eval-prompt-data", "d", "builtin:first_digit"]
+             "--eval-num-gpus", "2", "--eval-num-gpus-per-engine", "2", "--eval-interval", "1",
+             "--eval-prompt-data", "d", "builtin:first_digit"]
     with pytest.raises(ConfigError) as caught:
         plan(*flags, gpus=8)
     assert str(caught.value) == (
         "the placement plan needs 10 GPUs on this node but it shows 8 (injected): --actor-num-gpus-per-node 4 "
         "(4 training ranks) + --rollout-num-gpus 4 (2 rollout engines × --rollout-num-gpus-per-engine 2) + "
-        "--eval-num-gpus 2 (1 eval engine × --rollout-num-gpus-per-engine 2) = 10; lower one of them, or make more "
+        "--eval-num-gpus 2 (1 eval engine × --eval-num-gpus-per-engine 2) = 10; lower one of them, or make more "
         "GPUs visible (CUDA_VISIBLE_DEVICES)")
     lenient = plan(*flags, gpus=8, lenient=True)
     assert lenient.warnings and "needs 10 GPUs" in lenient.warnings[0]

@@ -265,8 +265,23 @@ def test_router_address_and_broadcast_mode(tiny_model_dir: Path) -> None:
                                "--update-weight-transfer-mode", "broadcast"))
     assert config.sglang.router_address == "10.0.0.2:3001"
     assert config.sglang.update_weight_transfer_mode == "broadcast"
-    with pytest.raises(ConfigError, match="give both"):
+    with pytest.raises(ConfigError, match="--sglang-router-ip names a running router: give its "
+                                          "--sglang-router-port too"):
         parse_config(argv(tiny_model_dir, "--sglang-router-ip", "10.0.0.2"))
+
+
+def test_sglang_router_port_alone_launches_the_router_on_that_port(tiny_model_dir: Path) -> None:
+    """miles' start_router: no --sglang-router-ip, so the router is launched, on --sglang-router-port."""
+    from coordinator.plan import GpuInventory, build_plan
+
+    config = parse_config(argv(tiny_model_dir, "--sglang-router-port", "34567"))
+    assert config.sglang.launches_router and config.sglang.router_address is None
+    plan = build_plan(config, GpuInventory.of_count(0, "injected", injected=True), has_sglang=False)
+    assert plan.local.router is not None and plan.local.router.port == 34567
+    attached = parse_config(argv(tiny_model_dir, "--sglang-router-ip", "10.0.0.2", "--sglang-router-port", "3001"))
+    assert not attached.sglang.launches_router
+    assert build_plan(attached, GpuInventory.of_count(0, "injected", injected=True),
+                      has_sglang=False).local.router is None
 
 
 def test_miles_dump_details_dumps_every_rollout_under_its_directory(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -116,3 +116,30 @@ def test_replay_dump_missing_names_file_and_template(tmp_path: Path) -> None:
         anyio.run(manager.get_rollout, 0, "0")
     assert "{rollout_id}" in str(info.value)
     socket.socket  # noqa: B018 - the module is imported for the socket checks above
+
+
+async def test_a_miles_class_with_a_sync_call_is_built_with_its_input_record_and_called_with_miles_inputs(
+    tmp_path: Path
+) -> None:
+    """miles' class form: `cls(RolloutFnConstructorInput(args, data_source))`, called with
+    `RolloutFnTrainInput(rollout_id, weight_version)` / `RolloutFnEvalInput(...)`, a plain `__call__` run in a
+    worker thread; one instance serves eval when the paths are equal."""
+    from coordinator.hooks import RolloutFnEvalInput, RolloutFnTrainInput
+    from coordinator.rollout.miles_rollout_fn import MilesRolloutFn
+    from coordinator.rollout.slime_rollout_fn import eval_metrics
+    from tests.support.miles_rollout_fns import SyncFixedRolloutFn
+
+    SyncFixedRolloutFn.INPUTS.clear()
+    path = "tests.support.miles_rollout_fns:SyncFixedRolloutFn"
+    manager = RolloutManager.build(_config(tmp_path, "--debug-train-only", "--rollout-function-path", path,
+                                           "--eval-function-path", path))
+    assert isinstance(manager.rollout_fn, MilesRolloutFn) and manager.eval_fn is manager.rollout_fn
+    assert manager.rollout_fn.instance.args.rollout_batch_size == 2  # the hooks' args, slime's names
+    batch = await manager.get_rollout(4, "3")
+    result = await manager.rollout_fn.evaluate(5, "3")
+    assert SyncFixedRolloutFn.INPUTS == [RolloutFnTrainInput(rollout_id=4, weight_version=3),
+                                         RolloutFnEvalInput(rollout_id=5, weight_version="3")]
+    assert batch.rollout_id == 4 and [s.reward for s in batch.samples] == [0.0, 1.0]
+    assert batch.metrics == {"fixed/groups": 1.0}
+    assert eval_metrics(result) == {"eval/fixed": 0.5, "eval/fixed-none_reward_ratio": 0.5,
+                                    "eval/fixed-truncated_ratio": 0.5}

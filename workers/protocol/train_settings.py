@@ -169,6 +169,9 @@ class BatchingSettings(_Settings):
     log_probs_chunk_size: int | None = None  # logprobs from the hidden states in chunks of this many positions (-1: whole)
     global_batch_size: int | None = None  # samples per optimizer step (None: one step per rollout)
     num_steps_per_rollout: int | None = None
+    #: miles' --use-dynamic-global-batch-size: one step per rollout over its samples rounded down to a multiple of
+    #: the data-parallel ranks, however many the rollout returned
+    dynamic_global_batch_size: bool = False
 
     def __post_init__(self) -> None:
         _at_least("batching.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1)
