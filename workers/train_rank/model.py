@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from workers.train_rank import packed_attention
+
 
 def load_causal_lm(
     path: str,
@@ -22,9 +24,8 @@ def load_causal_lm(
 ) -> Any:
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": dtype}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
+    # None: per-sample attention over packed rows (`packed_attention`), not sdpa's row × row mask
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": packed_attention.resolve(attn_implementation)}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as exc:
