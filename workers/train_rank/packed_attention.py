@@ -114,9 +114,12 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
                                       is_causal=True, **kwargs)
     rows = []
     for row, row_spans in enumerate(spans):
-        parts = [sdpa_attention_forward(module, query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
-                                        value[row : row + 1, :, start:end], None, dropout=dropout, scaling=scaling,
-                                        is_causal=True, **kwargs)[0]
-                 for start, end in row_spans]
+        # split, not slices: backward then concatenates the samples' gradients once, instead of one row-sized
+        # zero tensor per sample and input
+        sizes = [end - start for start, end in row_spans]
+        pieces = zip(*(tensor[row : row + 1].split(sizes, dim=2) for tensor in (query, key, value)), strict=True)
+        parts = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
+                                        **kwargs)[0]
+                 for q, k, v in pieces]
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows, dim=0), None
