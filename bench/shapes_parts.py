@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,60 @@ def _settings(model_dir: str, shape: Shape, dtype: str, attn: str | None) -> dic
             "dtype": dtype, "attn_implementation": attn, "data_parallel": "replicate"}
 
 
+@contextmanager
+def counting_pairs(*, compute: bool = True) -> Iterator[list[int]]:
+    """[pairs, calls] the attention kernel is asked for, per head, while inside: every sdpa call counted (a
+    causal call without a mask q(q+1)/2, a masked one q × k: the kernel computes every pair it is given, a mask
+    only zeroes some). `compute=False`: the call returns zeros instead of attending (counting a big shape fast)."""
+    import torch
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    totals = [0, 0]
+
+    def counting(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                 is_causal: bool = False, **kwargs: Any) -> Any:
+        q, k, rows = query.shape[-2], key.shape[-2], query.shape[0]
+        totals[0] += rows * (q * (q + 1) // 2 if is_causal and attn_mask is None and q == k else q * k)
+        totals[1] += 1
+        if not compute:
+            return query.new_zeros((*query.shape[:-1], value.shape[-1]))
+        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = counting
+    try:
+        yield totals
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
+def needed_pairs(batches: list[Any], layers: int) -> int:
+    """Causal pairs within each sample, per head, over one forward of every micro-batch: Σ L(L+1)/2 × layers."""
+    return layers * sum(n * (n + 1) // 2 for batch in batches for n in batch.total_lengths)
+
+
+def pairs_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int, attn: str | None,
+                  threads: int) -> dict[str, Any]:
+    """Attention pairs asked of the kernel over one forward (the decoder, no head) of every packed micro-batch,
+    attention itself not computed (`counting_pairs(compute=False)`): fast at the full shape on a CPU."""
+    import torch
+
+    from workers.train_rank import packing
+    from workers.train_rank.model import load_causal_lm
+
+    torch.set_num_threads(threads)
+    shape = Shape(**shape_fields)
+    wire = _wire(shape, vocab_size)
+    model = load_causal_lm(model_dir, dtype=torch.float32, device=torch.device("cpu"), attn_implementation=attn,
+                           trainable=False)
+    groups = packing.plan(wire, max_tokens=shape.max_tokens_per_gpu, micro_batch_size=None)
+    batches = [packing.pack([wire[i] for i in group], 0) for group in groups]
+    with torch.no_grad(), counting_pairs(compute=False) as pairs:
+        for batch in batches:
+            model.model(input_ids=batch.input_ids, position_ids=batch.position_ids)
+    return {"pairs": pairs[0], "calls": pairs[1], "needed": needed_pairs(batches, model.config.num_hidden_layers),
+            "attn": model.config._attn_implementation}
+
+
 def _forward_backward(model: Any, batches: list[Any]) -> float:
     """The floor's work: forward (chunked logprobs of the responses, as the trainer computes them) + backward on
     each packed micro-batch; seconds."""
@@ -137,11 +193,13 @@ def rank_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int, 
     train_s = time.perf_counter() - started
     peak = _peak_bytes(device)
     step = protocol.TrainResult.from_wire(answer).steps[0]
-    floor_s = _forward_backward(trainer.model, batches)
+    with counting_pairs() as pairs:  # one forward of every micro-batch: the attention pairs the kernel computed
+        floor_s = _forward_backward(trainer.model, batches)
     _sync(device)
     return {"train_s": train_s, "floor_s": floor_s, "peak_bytes": peak, "real_tokens": step.num_tokens,
             "computed_tokens": sum(batch.computed_tokens for batch in batches), "micro_batches": len(batches),
-            "loss": step.loss, "grad_norm": step.grad_norm,
+            "loss": step.loss, "grad_norm": step.grad_norm, "pairs": pairs[0], "attention_calls": pairs[1],
+            "needed_pairs": needed_pairs(batches, trainer.model.config.num_hidden_layers),
             "parameters": sum(p.numel() for p in trainer.model.parameters())}
 
 

@@ -7,6 +7,10 @@ Figures, each against a floor measured in the same run:
   largest packed micro-batch (`floor_process`). Target ≤ 1.3×.
 - real tokens as a fraction of computed tokens (packing; the old consecutive right-padded plan beside it).
   Target ≥ 0.95.
+- attention pairs computed ÷ needed (each sample's own causal pairs), counted at the sdpa calls of one forward
+  of every micro-batch (`shapes_parts.counting_pairs`); beside it what sdpa's row-wide block-diagonal mask
+  (transformers' packed path) asks for. Target ≤ 1.05 (issue 38). `--pairs-only`: that figure alone, the
+  attention counted but not computed, fast at the full shape.
 - tokens/s of the train command against forward + backward alone on the same packed real tokens, same process
   and state. Target ≥ 0.8×. On CUDA also MFU (6 × parameters + attention FLOPs per token, against --peak-tflops).
 - the control channel: seconds and bytes to encode the batch's per-rank train commands and ship them over a
@@ -14,9 +18,10 @@ Figures, each against a floor measured in the same run:
   and the coordinator's RSS growth while it holds the batch (samples → wire samples → frames).
 
     python -m bench.train_shapes --quick              # CPU, ~1-3 minutes on 2 cores
+    python -m bench.train_shapes --pairs-only         # attention pairs at the default shape, ~1 minute
     python -m bench.train_shapes --device cuda --bf16 --hidden 1024 --layers 28 ...   # see bench/gpu_check.sh
 
-Exit 0 when the three targets hold, 1 otherwise.
+Exit 0 when the four targets hold, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from bench.shapes_parts import (
     build_model,
     floor_process,
     lengths,
+    pairs_process,
     rank_process,
     samples,
     shape_fields,
@@ -170,6 +176,8 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="print the figures, exit 0 whatever they are")
     parser.add_argument("--channel-only", action="store_true", help="only the control channel (no model): fast at "
                         "the full shape on a CPU")
+    parser.add_argument("--pairs-only", action="store_true", help="only the attention pairs computed ÷ needed "
+                        "(attention counted, not computed): fast at the full shape on a CPU")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=None)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak (H100/H200 bf16 dense)")
     parser.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
@@ -184,6 +192,8 @@ def main() -> None:
     if options.channel_only:
         print_channel(channel(shape, QWEN3_VOCAB, world_size=2))
         return
+    if options.pairs_only:
+        sys.exit(0 if print_pairs(options, shape) or options.report_only else 1)
     ratio_before, batches_before = padded_plan_ratio(totals, shape.max_tokens_per_gpu)
     dtype = "bfloat16" if options.bf16 else "float32"
     with tempfile.TemporaryDirectory() as work:
@@ -195,6 +205,22 @@ def main() -> None:
         rank = run_child(rank_process, *args)
     wire = channel(shape, QWEN3_VOCAB, world_size=2)
     report(options, shape, rank, floor, wire, ratio_before, batches_before)
+
+
+def print_pairs(options: argparse.Namespace, shape: Shape) -> bool:
+    """The attention pairs of the trainer's attention (--attn, default packed_sdpa) and of plain sdpa over the
+    same packed micro-batches; True when the former is within 1.05× the needed pairs."""
+    with tempfile.TemporaryDirectory() as work:
+        model_dir = str(build_model(Path(work) / "model", hidden=options.hidden, layers=options.layers,
+                                    intermediate=options.intermediate, heads=options.heads,
+                                    kv_heads=options.kv_heads, vocab_size=QWEN3_VOCAB, head_dim=options.head_dim))
+        ours = run_child(pairs_process, model_dir, shape_fields(shape), QWEN3_VOCAB, options.attn, options.threads)
+        row = run_child(pairs_process, model_dir, shape_fields(shape), QWEN3_VOCAB, "sdpa", options.threads)
+    ratio = ours["pairs"] / ours["needed"]
+    print(f"attention pairs: {ours['attn']} computes {ratio:.3f}× the needed (each sample's causal pairs; "
+          f"{ours['calls']} kernel calls; target ≤ 1.05); sdpa's row-wide mask: {row['pairs'] / row['needed']:.2f}× "
+          f"({row['calls']} calls)")
+    return ratio <= 1.05
 
 
 def report(options: argparse.Namespace, shape: Shape, rank: dict[str, Any], floor: dict[str, Any],
@@ -222,8 +248,13 @@ def report(options: argparse.Namespace, shape: Shape, rank: dict[str, Any], floo
         flops_per_token = 6 * rank["parameters"] + 12 * options.layers * width * sequence
         print(f"MFU: {rate * flops_per_token / (options.peak_tflops * 1e12):.1%} of {options.peak_tflops:.0f} "
               f"TFLOP/s ({flops_per_token / 1e9:.2f} GFLOP per token)")
+    pairs_ratio = rank["pairs"] / rank["needed_pairs"] if rank["attention_calls"] else None
+    print("attention pairs: " + (f"{pairs_ratio:.3f}× the needed computed (each sample's causal pairs, "
+                                 f"{rank['attention_calls']} sdpa calls per forward of the batch; target ≤ 1.05)"
+                                 if pairs_ratio is not None else f"no sdpa calls ({options.attn}: not counted)"))
     print_channel(wire)
-    ok = memory_ratio <= 1.3 and real_ratio >= 0.95 and rate >= 0.8 * floor_rate
+    ok = (memory_ratio <= 1.3 and real_ratio >= 0.95 and rate >= 0.8 * floor_rate
+          and (pairs_ratio is None or pairs_ratio <= 1.05))
     print(("PASS" if ok else "FAIL") + (" (report only)" if options.report_only else ""))
     sys.exit(0 if ok or options.report_only else 1)
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from workers.errors import RaylessError
+from workers.train_rank import packed_attention
 
 
 class MissingWeights(RaylessError, FileNotFoundError):
@@ -38,9 +39,8 @@ def load_causal_lm(
 ) -> Any:
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": dtype}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
+    # None: per-sample attention over packed rows (`packed_attention`), not sdpa's row × row mask
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": packed_attention.resolve(attn_implementation)}
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     except OSError as exc:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workers.train_rank import packed_attention
 from workers.train_rank.model import load_causal_lm, prepare_for_training
 
 
@@ -50,9 +51,7 @@ def load_sharded(path: str, *, dtype: torch.dtype, device: torch.device, shard: 
         config = AutoConfig.from_pretrained(path)
     except OSError as exc:
         raise FileNotFoundError(f"cannot load a causal LM from {path!r}: {exc}") from exc
-    kwargs: dict[str, Any] = {"dtype": dtype}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": packed_attention.resolve(attn_implementation)}
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, **kwargs)
         if adapt is not None:
