@@ -69,7 +69,12 @@ def write_json_durably(path: Path, value: Any) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """A directory's entries on disk (a rename or a new file in it survives a power loss from now on)."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -23,6 +23,8 @@ from workers.protocol.messages import Family, Int31, Message, Record, Token, uni
 from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from anyio.abc import ByteStream
     from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -86,22 +88,21 @@ _INT_LIST: Any = list[int]
 _FLOAT_LIST: Any = list[float]
 
 
-def _ints(values: Any) -> list[int]:
+def _plain(values: Any, list_type: Any, convert: Callable[[Any], Any]) -> list[Any]:
     if type(values) is list:
         try:
-            return msgspec.convert(values, _INT_LIST)
+            return msgspec.convert(values, list_type)
         except msgspec.ValidationError:
             pass
-    return [int(value) for value in (values.tolist() if hasattr(values, "tolist") else values)]
+    return [convert(value) for value in (values.tolist() if hasattr(values, "tolist") else values)]
+
+
+def _ints(values: Any) -> list[int]:
+    return _plain(values, _INT_LIST, int)
 
 
 def _floats(values: Any) -> list[float]:
-    if type(values) is list:
-        try:
-            return msgspec.convert(values, _FLOAT_LIST)
-        except msgspec.ValidationError:
-            pass
-    return [float(value) for value in (values.tolist() if hasattr(values, "tolist") else values)]
+    return _plain(values, _FLOAT_LIST, float)
 
 
 def _optional_floats(values: Any) -> list[float] | None:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from workers.boundary.manifest import fsync_directory
 from workers.train_rank import checkpoint_files
 from workers.train_rank.checkpoint_files import (
     CheckpointError,
@@ -222,11 +223,7 @@ def publish_steps(save_dir: Path, rollout_id: int) -> list[Callable[[], None]]:
 def _rename(source: Path, destination: Path) -> None:
     """An atomic rename, on disk before the next step (the directory's entry fsynced)."""
     os.rename(source, destination)
-    fd = os.open(destination.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_directory(destination.parent)
 
 
 def _point_latest(save_dir: Path, target: Path) -> None:
