@@ -17,6 +17,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,9 @@ from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from coordinator.services import Services
+from tests.support.waiting import wait_until_sync
+from workers.train_rank.checkpoint import ENV_DRILL_PAUSE, resolve_checkpoint
+from workers.train_rank.checkpoint_files import verify_checkpoint
 
 ROLLOUTS = 9
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
@@ -217,3 +222,65 @@ async def test_a_replay_whose_rank_train_ft_restarts_retrains_the_same_adapters(
                for r in caplog.records)
     # the replayed batches are the generated ones: one rank's losses are the two ranks' (to float rounding)
     assert losses(tmp_path / "run") == pytest.approx(losses(lora_run)[:3], abs=1e-5)
+
+
+DRILL_PHASES = (("shards", 1), ("extra", 2), ("complete", 3), ("publish", 3))
+
+
+def running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    left = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def test_a_coordinator_sigkilled_at_every_phase_of_a_lora_save_resumes_with_every_row_once(
+        lora_run: Path, untied_model: Path, tmp_path: Path) -> None:
+    """Issue 41's drill, for real: a replay (one rank, no engine) saving every rollout; the coordinator is
+    SIGKILLed while rank 0 sits at each phase of a LoRA save in turn — DCP shards and adapter files written,
+    extra.json written, the manifest written but unpublished, half-way through publishing (the rank waits there
+    by `RAYLESS_DRILL_SAVE_PAUSE`, so the kill lands at that phase) — then resumed each time with `--load`.
+    `latest` always names a checkpoint that verifies, and the finished run's metrics hold every step once, with
+    the losses of an uninterrupted run."""
+    rollouts = 4
+    save, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    command = [sys.executable, "-m", "coordinator.cli", "train", "--hf-checkpoint", str(untied_model),
+               "--run-dir", str(run_dir), *COMMON, "--load-debug-rollout-data",
+               str(lora_run / "dumps" / "{rollout_id}.rld"), "--num-rollout", str(rollouts),
+               "--actor-num-gpus-per-node", "1", "--save", str(save), "--save-interval", "1"]
+    for number, (phase, rollout_id) in enumerate(DRILL_PHASES):
+        marker = tmp_path / f"paused-{number}"
+        env = {**os.environ, ENV_DRILL_PAUSE: f"{phase}:{rollout_id}:{marker}"}
+        load = ["--load", str(save)] if number else []
+        with (tmp_path / f"stderr-{number}").open("wb") as err:
+            proc = subprocess.Popen([*command, *load], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            wait_until_sync(lambda marker=marker, proc=proc: marker.exists() or proc.poll() is not None,
+                            timeout=240, interval=0.05,
+                            what=f"rank 0 pausing at the {phase} phase of rollout {rollout_id}'s save")
+            assert marker.exists(), (tmp_path / f"stderr-{number}").read_text()[-3000:]
+            children = psutil.Process(proc.pid).children(recursive=True)
+            os.kill(proc.pid, signal.SIGKILL)  # the coordinator alone: its children end by themselves
+            proc.wait(timeout=30)
+            wait_until_sync(lambda children=children: running(children), until=lambda left: not left, timeout=60,
+                            interval=0.1, what="the run's children ending")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        latest = resolve_checkpoint(save)
+        assert latest is not None, f"no complete checkpoint after the kill at {phase}"
+        verify_checkpoint(latest)  # what `latest` names is complete, whatever the phase
+        steps = [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")]
+        assert steps == sorted(set(steps)), steps  # never a step twice, even before the resume rewrites
+        assert max(steps) >= int(latest.name.removeprefix("rollout_")), (steps, latest)  # its row is there
+    done = subprocess.run([*command, "--load", str(save)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(rollouts))
+    assert losses(run_dir) == pytest.approx(losses(lora_run)[:rollouts], abs=1e-5)
+    assert resolve_checkpoint(save) == save / f"rollout_{rollouts - 1}"

@@ -138,7 +138,9 @@ def publish_checkpoint(save_dir: str | Path, rollout_id: int, *, retain_interval
     if not is_complete(tmp):
         raise CheckpointError(f"{tmp}: not a complete checkpoint to publish (its save did not finish)")
     previous = _latest_name(save_dir)
-    for step in publish_steps(save_dir, rollout_id):
+    for index, step in enumerate(publish_steps(save_dir, rollout_id)):
+        if index == 1:
+            drill_pause("publish", rollout_id)  # between the first two steps of publishing
         step()
     if retain_interval is not None and previous is not None and previous != f"rollout_{rollout_id}":
         _prune(save_dir / previous, retain_interval)
@@ -165,6 +167,7 @@ def write_tmp(
     _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
     if write_files is not None:
         write_files(tmp)
+    drill_pause("shards", rollout_id)
     _barrier()
     if rank == 0:
         _write_json(tmp / "scheduler.json", scheduler.state_dict())
@@ -174,8 +177,33 @@ def write_tmp(
         if base_model is not None:
             meta["base_model"] = base_model
         _write_json(tmp / "extra.json", meta)
+        drill_pause("extra", rollout_id)
         checkpoint_files.write_manifest(tmp)  # last: now complete
+        drill_pause("complete", rollout_id)
     return tmp
+
+
+#: `phase:rollout_id:marker` — a crash drill's pause (tests/integration/test_train_lora.py): at that phase of that
+#: rollout's save, rank 0 creates the marker file and waits there, so the drill SIGKILLs the coordinator at a
+#: known point of a real save. Unset in every run but the drill's.
+ENV_DRILL_PAUSE = "RAYLESS_DRILL_SAVE_PAUSE"
+DRILL_PAUSE_S = 120.0
+
+
+def drill_pause(phase: str, rollout_id: int) -> None:
+    wanted = os.environ.get(ENV_DRILL_PAUSE)
+    if not wanted or _rank() != 0:
+        return
+    want_phase, _, rest = wanted.partition(":")
+    want_id, _, marker = rest.partition(":")
+    if want_phase != phase or want_id != str(rollout_id) or not marker:
+        return
+    Path(marker).write_text(f"{phase} {rollout_id} {os.getpid()}\n")
+    import time
+
+    deadline = time.monotonic() + DRILL_PAUSE_S  # the drill ends the process long before
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def prepare_tmp(save_dir: Path, rollout_id: int) -> Path:
