@@ -132,6 +132,8 @@ async def test_streaming_batch_carries_index(client: httpx.AsyncClient) -> None:
         ({"text": "1", "sampling_params": {"temperature": "hot"}}, "temperature"),
         ({"text": "1", "sampling_params": {"bogus_key": 1}}, "bogus_key"),
         ({"text": ["1", "2"], "sampling_params": [{}]}, "sampling_params"),
+        ({"text": "1", "token_ids_logprob": [1, 10_000]}, "token_ids_logprob"),
+        ({"text": ["1", "2"], "token_ids_logprob": [[1]]}, "token_ids_logprob"),
     ],
 )
 async def test_rejected_input_is_400_with_message(client: httpx.AsyncClient, body: dict, needle: str) -> None:
@@ -173,6 +175,34 @@ async def test_prefill_only_scores_the_prompt(client: httpx.AsyncClient, referen
     )
     assert len(default["meta_info"]["input_token_logprobs"]) == 1
     assert default["meta_info"]["input_token_logprobs"][0][0] == pytest.approx(entries[-1][0], abs=1e-5)
+
+
+async def test_token_ids_logprob_scores_the_asked_ids_at_every_position(
+        client: httpx.AsyncClient, reference_model: Any) -> None:
+    """SGLang's `token_ids_logprob` (what miles' top-k OPD asks a teacher for): the logprob of each asked id, in
+    the asked order, at every input position from `logprob_start_len` (position 0 empty) and every output one."""
+    ids = [5, 2, 9]
+    body = {"text": "12+3", "return_logprob": True, "logprob_start_len": 0, "token_ids_logprob": ids,
+            "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, "sampling_seed": 1}}
+    out = await generate(client, body)
+    meta = out["meta_info"]
+    prompt = [entry[1] for entry in meta["input_token_logprobs"]]
+    reference = reference_logprobs(reference_model, prompt + out["output_ids"])
+    inputs = meta["input_token_ids_logprobs"]
+    assert len(inputs) == len(prompt) and inputs[0] == []
+    for position, entry in enumerate(inputs[1:], start=1):
+        assert [e[1] for e in entry] == ids
+        assert [e[0] for e in entry] == pytest.approx([reference[position - 1, i].item() for i in ids], abs=1e-4)
+    outputs = meta["output_token_ids_logprobs"]
+    assert len(outputs) == 3
+    for step, entry in enumerate(outputs):
+        row = len(prompt) - 1 + step
+        assert [e[0] for e in entry] == pytest.approx([reference[row, i].item() for i in ids], abs=1e-4)
+    tops = meta["input_top_logprobs"][1:]  # the asked ids do not change the top-k beside them
+    assert all(len(entry) == 2 for entry in tops)
+    # Without the field, no such key (as SGLang leaves it unset).
+    plain = await generate(client, {"text": "12+3", "return_logprob": True, "sampling_params": {"max_new_tokens": 0}})
+    assert "input_token_ids_logprobs" not in plain["meta_info"]
 
 
 async def test_concurrent_requests_match_their_solo_runs(client: httpx.AsyncClient) -> None:

@@ -139,6 +139,23 @@ class RequestBuilder:
             raise RequestError(f"{name} must be an integer in [{low}, 2**63 - 1], got {show(value)}")
         return value
 
+    def _token_ids_logprob(self, value: Any, count: int) -> list[tuple[int, ...]]:
+        """SGLang's `token_ids_logprob`: one list of ids for every prompt, or one list per prompt (a list of
+        lists); each id in the vocabulary."""
+        if value is None:
+            return [()] * count
+        if not isinstance(value, list):
+            raise RequestError(f"'token_ids_logprob' must be a list of token ids, got {show(value)}")
+        per_prompt = value if value and isinstance(value[0], list) else [value] * count
+        if len(per_prompt) != count:
+            raise RequestError(f"'token_ids_logprob' has {len(per_prompt)} lists for {count} prompts")
+        vocab = self.server.runner.vocab_size
+        for ids in per_prompt:
+            if not isinstance(ids, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+                raise RequestError(f"'token_ids_logprob' must hold token ids in [0, {vocab}), got {show(ids)}")
+        return [tuple(ids) for ids in per_prompt]
+
     async def build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]:
         """Validate the whole request and make its sequences; nothing reaches the scheduler before this
         returns, so a bad request is refused whole and never joins (or breaks) the running batch."""
@@ -159,6 +176,7 @@ class RequestBuilder:
         return_logprob = self._per_item(body.get("return_logprob", False), count, "return_logprob")
         start_lens = self._per_item(body.get("logprob_start_len", -1), count, "logprob_start_len")
         top_nums = self._per_item(body.get("top_logprobs_num", 0), count, "top_logprobs_num")
+        token_ids = self._token_ids_logprob(body.get("token_ids_logprob"), count)
         group = RequestGroup(stream=stream)
         seqs: list[Seq] = []
         for index, (ids, params) in enumerate(zip(prompts, params_list, strict=True)):
@@ -197,6 +215,7 @@ class RequestBuilder:
                         return_logprob=bool(wants_logprob),
                         logprob_start=start,
                         top_logprobs_num=top_num,
+                        token_ids_logprob=token_ids[index],
                         max_new_tokens=max_new,
                         weight_version=self.server.weight_version,
                     )

@@ -92,6 +92,15 @@ class GenerateRoutes:
                     [[lp, t, self._token_text(t, with_text)] for lp, t in entry]
                     for entry in seq.output_top_logprobs
                 ]
+            if seq.token_ids_logprob:  # SGLang's token_ids_logprob: the asked ids' logprobs at every position
+                meta["input_token_ids_logprobs"] = [
+                    [[lp, t, self._token_text(t, with_text)] for lp, t in entry]
+                    for entry in (seq.input_token_ids_logprobs or [])
+                ]
+                meta["output_token_ids_logprobs"] = [
+                    [[lp, t, self._token_text(t, with_text)] for lp, t in entry]
+                    for entry in seq.output_token_ids_logprobs
+                ]
         return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
 
     async def generate(self, request: Request) -> Response:

@@ -66,6 +66,7 @@ class PrefillItem:
     tokens: list[int]
     sampling: RowSampling | None  # None: prefill only (max_new_tokens 0), nothing sampled, no cache row kept
     input_logprob_start: int | None = None  # first prompt position whose logprob is wanted, or None
+    token_ids: tuple[int, ...] = ()  # SGLang's token_ids_logprob: ids whose logprob each input position reports
 
 
 @dataclass
@@ -74,6 +75,8 @@ class StepOutput:
     # (logprob or None at position 0, token id) for prompt positions from input_logprob_start on.
     input_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # SGLang's input_token_ids_logprobs: the logprobs of the asked ids at each of those positions, in their order.
+    input_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 class ModelRunner:
@@ -224,6 +227,12 @@ class ModelRunner:
                     for v, i in zip(values.tolist(), indices.tolist(), strict=True)
                 ]
                 output.input_top_logprobs = ([[]] if start == 0 else []) + tops
+            if item.token_ids and first < len(item.tokens):
+                ids = list(item.token_ids)
+                picked = rows[:, ids].tolist()
+                output.input_token_ids_logprobs = ([[]] if start == 0 else []) + [
+                    list(zip(values, ids, strict=True)) for values in picked
+                ]
         if item.sampling is not None:
             output.sample = sample_rows(logits[-1:], [item.sampling])[0]
             self._merge(item.seq_id, self._cache_tensors(cache), output.sample.token)

@@ -40,6 +40,7 @@ class RowSampling:
     generator: torch.Generator  # on the CPU, whatever the model's device
     banned_ids: Sequence[int] = ()
     top_logprobs_num: int = 0
+    token_ids: Sequence[int] = ()  # SGLang's token_ids_logprob: ids whose logprob is reported too
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -58,6 +59,7 @@ class RowResult:
     token: int
     logprob: float
     top_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    token_ids_logprobs: list[tuple[float, int]] = field(default_factory=list)
 
 
 def _adjusted(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
@@ -152,4 +154,8 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[RowRe
             results[i].top_logprobs = list(
                 zip(values_list[position][:num], indices_list[position][:num], strict=True)
             )
+    for i, row in enumerate(rows):
+        if row.token_ids:
+            ids = list(row.token_ids)
+            results[i].token_ids_logprobs = list(zip(logprobs[i, ids].tolist(), ids, strict=True))
     return results

@@ -276,6 +276,7 @@ class Scheduler:
             generator=seq.generator,
             banned_ids=banned,
             top_logprobs_num=seq.top_logprobs_num,
+            token_ids=seq.token_ids_logprob,
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
             repetition_penalty=params.repetition_penalty,
@@ -310,6 +311,7 @@ class Scheduler:
                     tokens=seq.prompt_ids + seq.output_ids,
                     sampling=sampling,
                     input_logprob_start=seq.logprob_start if want_input else None,
+                    token_ids=seq.token_ids_logprob if want_input else (),
                 )
             )
             seq.state = SeqState.RUNNING
@@ -333,6 +335,7 @@ class Scheduler:
         if output.input_logprobs is not None:
             seq.input_logprobs = output.input_logprobs
             seq.input_top_logprobs = output.input_top_logprobs
+            seq.input_token_ids_logprobs = output.input_token_ids_logprobs
         if output.sample is None:
             # Prefill only (max_new_tokens 0), or a health probe held by nothing: it ends here.
             self._finish(seq, {"type": "length", "length": 0})
@@ -349,6 +352,8 @@ class Scheduler:
         seq.output_logprobs.append(sample.logprob)
         if seq.top_logprobs_num:
             seq.output_top_logprobs.append(sample.top_logprobs)
+        if seq.token_ids_logprob:
+            seq.output_token_ids_logprobs.append(sample.token_ids_logprobs)
         reason = finish_check(
             seq.params,
             seq.output_ids,

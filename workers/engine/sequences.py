@@ -50,6 +50,7 @@ class Seq:
     return_logprob: bool = False
     logprob_start: int = 0  # resolved: first prompt position whose logprob is returned
     top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] = ()  # SGLang's: ids whose logprob each position reports
     bypass_pause: bool = False
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # unique row key inside the runner
     state: SeqState = SeqState.WAITING
@@ -58,6 +59,8 @@ class Seq:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
     finish_reason: dict[str, Any] | None = None
     max_new_tokens: int = -1  # resolved (a null max_new_tokens is what the context leaves); -1: params'
     weight_version: str = "default"
