@@ -65,7 +65,7 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Sample))
 #: Fields a record holds only when set (on-policy distillation's teacher logprobs).
-OPTIONAL_SAMPLE_FIELDS: frozenset[str] = frozenset({"teacher_log_probs"})
+OPTIONAL_SAMPLE_FIELDS: frozenset[str] = frozenset({"teacher_log_probs", "opd_reverse_kl"})
 #: The fields a format-1 record holds (every field but slime's `index`).
 SAMPLE_FIELDS_V1: tuple[str, ...] = tuple(name for name in SAMPLE_FIELDS
                                           if name != "index" and name not in OPTIONAL_SAMPLE_FIELDS)
@@ -216,6 +216,8 @@ def encode_sample(sample: Sample) -> bytes:
     }
     if sample.teacher_log_probs is not None:  # absent, not null: dumps without distillation read as before
         record["teacher_log_probs"] = pack_floats(sample.teacher_log_probs)
+    if sample.opd_reverse_kl is not None:  # top-k OPD's term: a replay trains on it as the run did
+        record["opd_reverse_kl"] = pack_floats(sample.opd_reverse_kl)
     return packb(record)
 
 

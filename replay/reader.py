@@ -216,6 +216,9 @@ def _decode_sample(payload: bytes, version: int) -> Sample:
     teacher = record.get("teacher_log_probs")
     if teacher is not None and (type(teacher) is not array or teacher.typecode != "d"):
         problems.append(f"teacher_log_probs must be a packed float64 array, got {type(teacher).__name__}")
+    reverse_kl = record.get("opd_reverse_kl")
+    if reverse_kl is not None and (type(reverse_kl) is not array or reverse_kl.typecode != "d"):
+        problems.append(f"opd_reverse_kl must be a packed float64 array, got {type(reverse_kl).__name__}")
     if problems:
         raise SchemaError("; ".join(problems))
     sample = Sample(
@@ -235,6 +238,7 @@ def _decode_sample(payload: bytes, version: int) -> Sample:
         metadata=record["metadata"],
         index=index,
         teacher_log_probs=None if teacher is None else teacher.tolist(),
+        opd_reverse_kl=None if reverse_kl is None else reverse_kl.tolist(),
     )
     try:
         sample.validate()

@@ -87,6 +87,8 @@ class Sample:
     index: int | None = None
     #: slime's: on-policy distillation's teacher logprob of each response token (None: not distilled).
     teacher_log_probs: list[float] | None = None
+    #: miles': top-k on-policy distillation's weighted reverse KL of each response token (None: not top-k OPD).
+    opd_reverse_kl: list[float] | None = None
 
     #: slime's name for the enum: `Sample.Status.COMPLETED`.
     Status: ClassVar[type[SampleStatus]] = SampleStatus
@@ -238,6 +240,11 @@ class Sample:
         if teacher is not None and (not isinstance(teacher, list) or len(teacher) != self.response_length):
             count = len(teacher) if isinstance(teacher, list) else type(teacher).__name__
             raise SampleError(f"{where}: teacher_log_probs has {count} entries, response_length is "
+                              f"{self.response_length}")
+        reverse_kl = self.opd_reverse_kl
+        if reverse_kl is not None and (not isinstance(reverse_kl, list) or len(reverse_kl) != self.response_length):
+            count = len(reverse_kl) if isinstance(reverse_kl, list) else type(reverse_kl).__name__
+            raise SampleError(f"{where}: opd_reverse_kl has {count} entries, response_length is "
                               f"{self.response_length}")
 
 

@@ -9,7 +9,8 @@ Owns these flags, `teacher_routes` (miles' `--opd-teacher-urls NAME=URL` map, or
 Invariant: with `--use-opd` every trained sample carries teacher logprobs of its response tokens (`sglang`: asked
 of the teacher's engine during the rollout, `coordinator.rollout.teacher`; `megatron`: computed on the ranks by
 the frozen teacher, `workers.train_rank.distill`), and the ranks subtract `--opd-kl-coef` × (student − teacher)
-logprob from each token's advantage. One rayless extension: with `sglang`, `--opd-teacher-load` names a model
+logprob from each token's advantage (miles' `--opd-log-prob-top-k K`: a weighted reverse KL over each position's
+top-K token set instead, computed during the rollout, `coordinator.rollout.teacher_topk`). One rayless extension: with `sglang`, `--opd-teacher-load` names a model
 that rayless serves itself on its own engine (slime refuses the pair; it has no engine to launch).
 """
 
@@ -27,6 +28,7 @@ from workers.protocol.train_settings import OpdSettings
 if TYPE_CHECKING:
     from coordinator.config.hooks import HooksConfig
     from coordinator.config.rollout import RolloutConfig
+    from coordinator.rollout.teacher_topk import TopK
 
 OPD_TYPES = ("sglang", "megatron")
 TOP_K_STRATEGIES = ("only-student", "only-teacher", "intersection", "union", "xor")
@@ -58,8 +60,9 @@ class DistillConfig(Slice):
                                                     metavar="NAME=URL")
     opd_teacher_key: str = flag("opd_teacher", help="sample metadata key naming its teacher in "
                                 "--opd-teacher-urls", secret=False)
-    opd_log_prob_top_k: int = flag(0, help="miles' top-k OPD reward; 0 (sampled-token OPD) is the one supported",
-                                   minimum=0)
+    opd_log_prob_top_k: int = flag(0, help="miles' top-k OPD: K > 0 replaces each token's student - teacher "
+                                   "logprob by a weighted reverse KL over a set of top-K tokens (sglang only); 0: "
+                                   "sampled-token OPD", minimum=0)
     opd_top_k_strategy: str = flag("only-student", help="miles' token set of top-k OPD (only with "
                                    "--opd-log-prob-top-k > 0)", choices=TOP_K_STRATEGIES)
     opd_reward_weight_mode: str = flag("student_p", help="miles' weighting of top-k OPD rewards (only with "
@@ -75,10 +78,13 @@ class DistillConfig(Slice):
         if self.opd_type is None:
             raise ConfigError("--opd-type must be specified when --use-opd is enabled: choose 'sglang' or "
                               "'megatron'")
-        if self.opd_log_prob_top_k > 0:
-            raise ConfigError(f"--opd-log-prob-top-k {self.opd_log_prob_top_k}: miles' top-k OPD (a reward over "
-                              "the top-k tokens of each position) is not in rayless; sampled-token OPD is "
-                              "(--opd-log-prob-top-k 0)")
+        if self.opd_log_prob_top_k > 0 and self.opd_type != "sglang":
+            raise ConfigError("--opd-log-prob-top-k is currently supported only with --opd-type=sglang (as miles: "
+                              "the top-k logprobs come from the engines)")
+        if self.opd_log_prob_top_k > 0 and self.opd_topk_per_position:
+            raise ConfigError("--opd-topk-per-position asks the teacher with token_ids_logprob_positions, a field "
+                              "of miles' patched SGLang that rayless' engine does not serve; leave it off (the "
+                              "student's top-k ids are asked at every position, as miles does by default)")
         if self.opd_type == "megatron":
             if self.opd_teacher_load is None:
                 raise ConfigError("--opd-teacher-load is required when --opd-type=megatron (the teacher model "
@@ -92,9 +98,24 @@ class DistillConfig(Slice):
         idle = [name for name, given in (("--opd-top-k-strategy", self.opd_top_k_strategy != "only-student"),
                                          ("--opd-reward-weight-mode", self.opd_reward_weight_mode != "student_p"),
                                          ("--opd-topk-per-position", self.opd_topk_per_position)) if given]
-        if idle:
+        if idle and self.opd_log_prob_top_k == 0:
             warnings.warn(f"{' / '.join(idle)}: no effect with --opd-log-prob-top-k 0 (sampled-token OPD)",
                           ConfigWarning, stacklevel=3)
+
+    @property
+    def top_k(self) -> TopK | None:
+        """miles' top-k OPD settings (None: sampled-token OPD, or no distillation)."""
+        if not self.use_opd or self.opd_log_prob_top_k <= 0:
+            return None
+        from coordinator.rollout.teacher_topk import TopK
+
+        return TopK(self.opd_log_prob_top_k, self.opd_top_k_strategy, self.opd_reward_weight_mode)
+
+    @property
+    def student_top_logprobs_num(self) -> int:
+        """`top_logprobs_num` the rollout asks the policy's engines for (the student's top-k; 0: none)."""
+        spec = self.top_k
+        return spec.k if spec is not None and spec.student_top else 0
 
     @property
     def engine_teacher(self) -> bool:
@@ -152,7 +173,8 @@ class DistillConfig(Slice):
         if not self.use_opd or self.opd_type is None:
             return None
         return OpdSettings(type=self.opd_type, kl_coef=self.opd_kl_coef,
-                           teacher_path=teacher_path if self.rank_teacher else None)
+                           teacher_path=teacher_path if self.rank_teacher else None,
+                           top_k=self.opd_log_prob_top_k if self.engine_teacher else 0)
 
 
 def teacher_hook(rollout: RolloutConfig, hooks: HooksConfig) -> str | None:

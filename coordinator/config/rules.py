@@ -274,6 +274,20 @@ def distillation_has_a_teacher(config: Config) -> None:
                           "engines), --opd-teacher-load DIR (rayless serves it), --rm-url (slime's single "
                           "teacher), or a custom generate / rollout / reward hook that sets "
                           "sample.teacher_log_probs itself (slime's contract)")
+    if distill.top_k is not None and not config.replay_mode:
+        has_address = distill.launches_teacher or distill.teacher_routes(config.rollout.rm_url, config.rollout.rm_type)
+        hook = teacher_hook(config.rollout, config.hooks)
+        if not has_address:
+            raise ConfigError(f"--opd-log-prob-top-k {distill.opd_log_prob_top_k}: top-k OPD asks the teacher's "
+                              "engine itself; give it (--opd-teacher-urls, --opd-teacher-load or --rm-url) rather "
+                              f"than a hook ({hook}) that sets teacher logprobs")
+        generate = config.hooks.custom_generate_function_path or (
+            None if config.rollout.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
+            else config.rollout.rollout_function_path)
+        if distill.top_k.student_top and generate is not None:
+            raise ConfigError(f"--opd-top-k-strategy {distill.opd_top_k_strategy} reads the student's top-k "
+                              f"logprobs, which only rayless' own generate asks the engines for, not {generate}; "
+                              "use --opd-top-k-strategy only-teacher (as miles outside its v1 rollout)")
 
 
 def servers_beyond_loopback_need_a_key(config: Config) -> None:

@@ -67,7 +67,10 @@ def generate_reply_limit(payload: Mapping[str, Any]) -> int:
     replies = max(prompts, len(params_list))
     top = payload.get("top_logprobs_num")
     top_n = max((_int(v, 0) for v in top), default=0) if isinstance(top, list) else _int(top, 0)
-    per_token = BYTES_PER_TOKEN + BYTES_PER_TOP_LOGPROB * top_n
+    asked = payload.get("token_ids_logprob")  # SGLang's: these ids' logprobs at every position too
+    asked_n = (max((len(v) for v in asked if isinstance(v, list)), default=0) if asked and isinstance(asked[0], list)
+               else len(asked) if isinstance(asked, list) else 0)
+    per_token = BYTES_PER_TOKEN + BYTES_PER_TOP_LOGPROB * (top_n + asked_n)
     if payload.get("return_logprob") and payload.get("logprob_start_len") not in (None, -1):
         tokens += prompt_tokens  # input logprobs come back too
     return min(MAX_REPLY_BYTES, tokens * per_token + (replies + 1) * REPLY_HEADROOM)

@@ -152,10 +152,23 @@ class RolloutManager:
                       **(teacher_urls or {})}
             if routes or teacher_hook(config.rollout, config.hooks) is None:
                 manager.teacher = TeacherScorer(client, routes, key=config.distill.opd_teacher_key,
-                                                concurrency=config.sglang.sglang_server_concurrency)
+                                                concurrency=config.sglang.sglang_server_concurrency,
+                                                top_k=config.distill.top_k, student=manager._student_scorer(dispatcher))
             else:  # slime's contract: the hook asks the teacher and sets sample.teacher_log_probs
                 manager.hook_teacher = teacher_hook(config.rollout, config.hooks)
         return manager
+
+    @staticmethod
+    def _student_scorer(dispatcher: Dispatcher | None) -> Callable[[dict[str, Any]], Awaitable[Any]] | None:
+        """Top-k OPD's scoring request to the policy's own engines (miles' `_student_score_url`)."""
+        if dispatcher is None:
+            return None
+
+        async def score(payload: dict[str, Any]) -> Any:
+            answer, _url = await dispatcher.generate(payload)
+            return answer
+
+        return score
 
     def _build_replay_loader(self) -> None:
         from replay.loader import ReplayLoader
@@ -187,6 +200,7 @@ class RolloutManager:
             context_length=context_length or rollout.rollout_max_context_len or 1 << 30,
             concurrency=config.generate_concurrency,
             seed=rollout.rollout_seed,
+            top_logprobs_num=config.distill.student_top_logprobs_num,
         )
         self.counts["generate_states"] += 1
         dispatcher = Dispatcher(client=client, pool=pool, router_url=router_url,

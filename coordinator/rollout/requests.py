@@ -76,6 +76,9 @@ class GenerateState:
     concurrency: int
     seed: int
     request_slots: RequestSlots | None = None
+    #: SGLang's `top_logprobs_num` asked with every request (miles' top-k OPD keeps the student's top-k of each
+    #: response token in `metadata["opd_student_top_logprobs"]`); 0: not asked
+    top_logprobs_num: int = 0
 
     def __post_init__(self) -> None:
         if self.request_slots is None:
@@ -187,6 +190,13 @@ def apply_response(state: GenerateState, sample: Sample, response: dict[str, Any
     sample.loss_mask = sample.loss_mask + [1] * len(output_ids)
     if logprobs:
         sample.rollout_log_probs = sample.rollout_log_probs + [float(triple[0]) for triple in logprob_triples]
+    if state.top_logprobs_num > 0 and logprobs:  # miles' key: the student's top-k [logprob, id, text] of each response token
+        tops = meta.get("output_top_logprobs")
+        if not isinstance(tops, list) or len(tops) != len(output_ids):
+            count = len(tops) if isinstance(tops, list) else "no"
+            raise ValueError(f"engine returned {count} output_top_logprobs for {len(output_ids)} tokens of rid "
+                             f"{meta.get('id')}; top-k OPD needs the engine to honour top_logprobs_num")
+        sample.metadata["opd_student_top_logprobs"] = [*sample.metadata.get("opd_student_top_logprobs", []), *tops]
     sample.response = state.decode(sample.response_tokens)
     sample.status = status
     version = str(meta.get("weight_version", "default"))
@@ -226,9 +236,11 @@ async def generate_group(
             if by_engine is not None:
                 by_engine[url] += tokens
 
+    top = {"top_logprobs_num": state.top_logprobs_num} if state.top_logprobs_num > 0 and logprobs else {}
+
     async def one(sample: Sample, params: dict[str, Any], engine: Any) -> None:
         payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": logprobs,
-                   "rid": uuid.uuid4().hex}
+                   "rid": uuid.uuid4().hex, **top}
         response, url = await dispatcher.generate(payload, engine=engine)
         received(sample, response, url)
 
@@ -241,6 +253,7 @@ async def generate_group(
                     "input_ids": [sample.tokens for sample, _ in ready],
                     "sampling_params": [params for _, params in ready],
                     "return_logprob": logprobs,
+                    **top,
                 }
                 responses, url = await dispatcher.generate(payload, engine=engine)
                 for (sample, _), response in zip(ready, responses, strict=True):  # type: ignore[arg-type]

@@ -4,7 +4,9 @@ Owns `TeacherScorer` (asks the teacher's engine, through the engine client's gen
 each sample's tokens: `input_ids`, `max_new_tokens: 0`, `return_logprob`, `logprob_start_len` at the prompt's last
 token, as slime's and miles' `on_policy_distillation.reward_func` do; miles' routing of a sample to the teacher
 named by `metadata[--opd-teacher-key]`, 'default' as the fallback) and the rayless stand-ins for slime's and miles'
-OPD reward hooks (`distill_reward`, `distill_post_process`: pure distillation, a task reward of 0).
+OPD reward hooks (`distill_reward`, `distill_post_process`: pure distillation, a task reward of 0). With miles'
+`--opd-log-prob-top-k` the scorer asks for top-k and asked-id logprobs instead and sets each sample's
+`opd_reverse_kl` (`coordinator.rollout.teacher_topk`).
 
 Invariants: after `score`, every non-aborted sample with a response holds `teacher_log_probs`, one finite float per
 response token (the last `response_length` of the teacher's `input_token_logprobs`), or `score` raised
@@ -15,12 +17,13 @@ the engine client's deadline.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
 
 from coordinator.config.distill import DEFAULT_TEACHER
+from coordinator.rollout import teacher_topk as topk
 from replay.sample import Sample, SampleStatus
 from workers.errors import RaylessError
 
@@ -58,14 +61,21 @@ def response_log_probs(answer: Any, response_length: int, where: str) -> list[fl
 
 
 class TeacherScorer:
-    """Scores a rollout's samples on the teacher engines (`routes`: teacher name → engine base URL)."""
+    """Scores a rollout's samples on the teacher engines (`routes`: teacher name → engine base URL). With
+    `top_k` (miles' top-k OPD) it sets `opd_reverse_kl` instead of `teacher_log_probs`; `student` then posts a
+    scoring request to the policy's engines (strategies that read the student's logprobs of the teacher's ids)."""
 
     def __init__(self, client: Any, routes: Mapping[str, str], *, key: str = "opd_teacher",
-                 concurrency: int = 64) -> None:
+                 concurrency: int = 64, top_k: topk.TopK | None = None,
+                 student: Callable[[dict[str, Any]], Awaitable[Any]] | None = None) -> None:
         if not routes:
             raise TeacherError("on-policy distillation (--opd-type sglang) has no teacher: give --opd-teacher-urls "
                                "NAME=URL, --opd-teacher-load DIR or --rm-url")
+        if top_k is not None and top_k.student_on_teacher and student is None:
+            raise TeacherError(f"--opd-top-k-strategy {top_k.strategy} scores the teacher's top-k on the student's "
+                               "engines, and this run has none to ask")
         self.client, self.routes, self.key = client, dict(routes), key
+        self.top_k, self.student = top_k, student
         self.limit = anyio.CapacityLimiter(max(concurrency, 1))
 
     def route(self, sample: Sample) -> str:
@@ -81,21 +91,61 @@ class TeacherScorer:
                            f"of --opd-teacher-urls ({sorted(self.routes)}) and there is no 'default' entry")
 
     async def score(self, samples: Sequence[Sample]) -> None:
-        """Set `teacher_log_probs` on every sample that has a response and was not aborted."""
+        """Set `teacher_log_probs` (top-k: `opd_reverse_kl`) on every sample that has a response and was not
+        aborted."""
         todo = [s for s in samples if s.status is not SampleStatus.ABORTED and s.response_length > 0]
         routes = [self.route(sample) for sample in todo]  # every routing error before any request
         async with anyio.create_task_group() as group:
             for sample, url in zip(todo, routes, strict=True):
                 group.start_soon(self._score_one, sample, url)
         for sample in samples:
-            if sample.response_length == 0 and sample.teacher_log_probs is None:
+            if sample.response_length == 0 and self.top_k is not None and sample.opd_reverse_kl is None:
+                sample.opd_reverse_kl = []
+            elif sample.response_length == 0 and self.top_k is None and sample.teacher_log_probs is None:
                 sample.teacher_log_probs = []
 
     async def _score_one(self, sample: Sample, url: str) -> None:
+        if self.top_k is not None:
+            await self._score_top_k(sample, url, self.top_k)
+            return
         async with self.limit:
             answer = await self.client.engine(url).generate(score_payload(sample))
         where = f"teacher {url}, sample {sample.group_index}/{sample.sample_index}"
         sample.teacher_log_probs = response_log_probs(answer, sample.response_length, where)
+
+    async def _score_top_k(self, sample: Sample, url: str, spec: topk.TopK) -> None:
+        """miles' `reward_func` + `_compute_topk_reverse_kl`: the teacher asked for its top-k and (student-side
+        strategies) its logprobs of the student's top-k ids; the student's engines, for strategies that read
+        it, for their logprobs of the teacher's top-k ids; then the per-token estimate."""
+        length, prompt = sample.response_length, sample.prompt_length
+        where = f"teacher {url}, sample {sample.group_index}/{sample.sample_index}"
+        empty: list[topk.LogprobMap] = [{} for _ in range(length)]
+        student_entries = (topk.student_top_logprobs(sample.metadata, length, where) if spec.student_top else None)
+        asked = topk.unique_ids(student_entries) if student_entries and spec.strategy in topk.TEACHER_ON_STUDENT \
+            else None
+        payload = topk.score_payload(sample.tokens, prompt, top=spec.k if spec.strategy in topk.TEACHER_TOP else 0,
+                                     token_ids=asked)
+        async with self.limit:
+            answer = await self.client.engine(url).generate(payload)
+        teacher_top = (topk.response_maps(answer, "input_top_logprobs", length, where)
+                       if spec.strategy in topk.TEACHER_TOP else empty)
+        teacher_asked = (topk.response_maps(answer, "input_token_ids_logprobs", length, where)
+                         if asked is not None else empty)
+        student_asked = empty
+        if spec.student_on_teacher:
+            assert self.student is not None  # checked at construction
+            ids = sorted({token for position in teacher_top for token in position})
+            async with self.limit:
+                student_answer = await self.student(topk.score_payload(sample.tokens, prompt, token_ids=ids))
+            student_asked = topk.response_maps(student_answer, "input_token_ids_logprobs", length,
+                                               f"student engines, sample {sample.group_index}/{sample.sample_index}")
+        student_top = [topk.entries_to_map(entries) for entries in student_entries] if student_entries else empty
+        try:
+            sample.opd_reverse_kl = topk.reverse_kl(spec, student_top=student_top, teacher_top=teacher_top,
+                                                    teacher_on_student=teacher_asked,
+                                                    student_on_teacher=student_asked)
+        except topk.TopKError as error:
+            raise TeacherError(f"{where}: {error}") from None
 
 
 def settle_teacher_log_probs(samples: Sequence[Sample]) -> None:

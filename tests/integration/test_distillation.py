@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
@@ -33,7 +34,6 @@ def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another seed, then taught (10 Adam steps of cross-entropy on random contexts) to prefer the token '7':
     a teacher the student's sampled tokens can be measured against, and whose preference a few rollouts of
     distillation can pass on."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     directory = build_tiny_model(tmp_path_factory.mktemp("teacher"), TinyModelSpec(seed=1))
@@ -106,3 +106,53 @@ async def test_megatron_teacher_on_the_ranks_pulls_the_student(tiny_model_dir: P
     summary = await run_training(config)
     assert summary["train_steps"] == ROLLOUTS
     assert_pulled_towards_the_teacher(run_dir)
+
+
+def full_log_probs(directory: Path, tokens: list[int]) -> torch.Tensor:
+    """A model's log_softmax over the vocabulary at every position of `tokens` (row i predicts token i + 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), dim=-1)
+
+
+@pytest.mark.anyio
+async def test_top_k_opd_trains_on_the_estimate_the_two_models_give(tiny_model_dir: Path, teacher_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    """miles' top-k OPD with the `union` set, which reads everything the strategies ask for: the student's
+    top-k of each generated token (asked during the rollout), the teacher's top-k and its logprobs of the
+    student's ids, and the student engine's logprobs of the teacher's ids. The first rollout's estimate is
+    recomputed here from the two models over the whole vocabulary, and the ranks train on exactly it.
+
+    No pull towards the teacher is asserted: miles' estimate at a position does not depend on the token sampled
+    there, so as an advantage term its expected policy gradient is zero (docs/distillation.md)."""
+    run_dir = tmp_path / "top-k"
+    template = str(run_dir / "dumps" / "{rollout_id}.rld")
+    config = parse_config(["--hf-checkpoint", str(tiny_model_dir), "--run-dir", str(run_dir), *COMMON,
+                           "--opd-type", "sglang", "--opd-teacher-load", str(teacher_dir),
+                           "--opd-log-prob-top-k", "4", "--opd-top-k-strategy", "union",
+                           "--rollout-num-engines", "1", "--num-rollout", "2", "--save-debug-rollout-data", template])
+    summary = await run_training(config)
+    assert summary["train_steps"] == 2
+    kls = reverse_kls(run_dir)
+
+    samples = read_dump(dump_path(template, 0)).samples
+    for s in samples:
+        tops = s.metadata["opd_student_top_logprobs"]
+        assert len(tops) == s.response_length and all(len(entry) == 4 for entry in tops)
+        assert s.opd_reverse_kl is not None and len(s.opd_reverse_kl) == s.response_length
+        assert s.teacher_log_probs is None
+    terms = [value * mask for s in samples for value, mask in zip(s.opd_reverse_kl, s.loss_mask, strict=True)]
+    assert kls[0] == pytest.approx(sum(terms) / sum(sum(s.loss_mask) for s in samples), abs=1e-5)
+    assert kls[0] > 0.5, kls  # the two models differ over their top tokens too
+
+    sample = max(samples, key=lambda s: s.response_length)
+    rows = slice(sample.prompt_length - 1, len(sample.tokens) - 1)  # the rows that predict the response
+    student = full_log_probs(tiny_model_dir, sample.tokens)[rows]
+    teacher = full_log_probs(teacher_dir, sample.tokens)[rows]
+    union = torch.zeros_like(student, dtype=torch.bool)
+    union.scatter_(1, student.topk(4, dim=1).indices, True).scatter_(1, teacher.topk(4, dim=1).indices, True)
+    weights = torch.softmax(torch.where(union, student, -torch.inf), dim=1)  # student_p, normalised over the set
+    expected = (weights * (student - teacher)).sum(dim=1)
+    assert sample.opd_reverse_kl == pytest.approx(expected.tolist(), abs=1e-4)

@@ -200,6 +200,10 @@ async def test_token_ids_logprob_scores_the_asked_ids_at_every_position(
         assert [e[0] for e in entry] == pytest.approx([reference[row, i].item() for i in ids], abs=1e-4)
     tops = meta["input_top_logprobs"][1:]  # the asked ids do not change the top-k beside them
     assert all(len(entry) == 2 for entry in tops)
+    # Prefill only (how a teacher is scored): the same input top-k and asked ids as with generation.
+    scored = await generate(client, {**body, "sampling_params": {"max_new_tokens": 0}})
+    assert scored["meta_info"]["input_top_logprobs"] == meta["input_top_logprobs"]
+    assert scored["meta_info"]["input_token_ids_logprobs"] == inputs
     # Without the field, no such key (as SGLang leaves it unset).
     plain = await generate(client, {"text": "12+3", "return_logprob": True, "sampling_params": {"max_new_tokens": 0}})
     assert "input_token_ids_logprobs" not in plain["meta_info"]

@@ -59,7 +59,6 @@ def test_upstream_defaults_and_the_ranks_setting(tmp_path: Path) -> None:
     ([*SGLANG, "--opd-teacher-urls", "a=ftp://h"], "is not a URL"),
     (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/t", "--opd-teacher-urls", "a=http://h:1"],
      "only supported with --opd-type=sglang"),
-    ([*SGLANG, "--rm-url", "http://h:1", "--opd-log-prob-top-k", "16"], "top-k OPD"),
     (["--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"], "add --use-opd"),
     (["--opd-type", "teacher"], "--opd-type"),
 ])

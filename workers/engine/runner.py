@@ -67,6 +67,7 @@ class PrefillItem:
     sampling: RowSampling | None  # None: prefill only (max_new_tokens 0), nothing sampled, no cache row kept
     input_logprob_start: int | None = None  # first prompt position whose logprob is wanted, or None
     token_ids: tuple[int, ...] = ()  # SGLang's token_ids_logprob: ids whose logprob each input position reports
+    top_logprobs_num: int = 0  # each input position's top-k too (also for a prefill-only request, as SGLang)
 
 
 @dataclass
@@ -219,7 +220,7 @@ class ModelRunner:
                 values = rows.gather(1, targets).squeeze(1).tolist()
                 entries.extend(zip(values, item.tokens[first:], strict=True))
             output.input_logprobs = entries
-            top_num = item.sampling.top_logprobs_num if item.sampling else 0
+            top_num = item.top_logprobs_num
             if top_num > 0 and first < len(item.tokens):
                 values, indices = rows.topk(min(top_num, rows.shape[-1]), dim=-1)
                 tops = [

@@ -312,6 +312,7 @@ class Scheduler:
                     sampling=sampling,
                     input_logprob_start=seq.logprob_start if want_input else None,
                     token_ids=seq.token_ids_logprob if want_input else (),
+                    top_logprobs_num=seq.top_logprobs_num if want_input else 0,
                 )
             )
             seq.state = SeqState.RUNNING

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 # 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node_rank;
 # 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation); 7: SaveHfCommand (--save-hf);
 # 8: SaveCommand.publish and PublishCommand (a checkpoint published after its metrics row);
-# 9: BatchingSettings.dynamic_global_batch_size
-PROTOCOL_VERSION = 9
+# 9: BatchingSettings.dynamic_global_batch_size; 10: WireSample.opd_reverse_kl and OpdSettings.top_k (top-k OPD)
+PROTOCOL_VERSION = 10
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -63,6 +63,9 @@ class WireSample(Record):
     #: on-policy distillation's teacher logprob of each response token (None: not distilled, or computed by
     #: the rank's own teacher)
     teacher_log_probs: list[float] | None = None
+    #: miles' top-k on-policy distillation: the weighted reverse KL of each response token, computed during the
+    #: rollout (None: not top-k OPD)
+    opd_reverse_kl: list[float] | None = None
 
     @classmethod
     def from_sample(cls, sample: Any) -> WireSample:
@@ -78,6 +81,7 @@ class WireSample(Record):
             rollout_log_probs=_floats(sample.rollout_log_probs),
             advantage=float(sample.advantage),
             teacher_log_probs=_optional_floats(getattr(sample, "teacher_log_probs", None)),
+            opd_reverse_kl=_optional_floats(getattr(sample, "opd_reverse_kl", None)),
         )
 
 

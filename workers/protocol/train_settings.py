@@ -223,9 +223,13 @@ class OpdSettings(_Settings):
     type: str
     kl_coef: float = 1.0
     teacher_path: str | None = None
+    #: miles' `--opd-log-prob-top-k`: > 0, each sample carries its per-token reverse KL (`opd_reverse_kl`)
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         _choose("opd.type", self.type, OPD_TYPES)
+        if self.top_k < 0 or (self.top_k > 0 and self.type != "sglang"):
+            raise SettingsError(f"opd.top_k {self.top_k}: top-k OPD is a non-negative k, only with opd.type 'sglang'")
         if self.type == "megatron" and not self.teacher_path:
             raise SettingsError("opd.type 'megatron' needs opd.teacher_path (the teacher model the rank loads)")
 

@@ -46,6 +46,7 @@ class MicroBatch:
     sample_ids: torch.Tensor | None = None
     #: [B, L-1]: on-policy distillation's teacher logprobs from the samples (`distill.teacher_tensor`), or None.
     teacher_log_probs: torch.Tensor | None = None
+    opd_reverse_kl: torch.Tensor | None = None  # miles' top-k OPD's per-token term
 
     @property
     def computed_tokens(self) -> int:
@@ -74,6 +75,7 @@ class MicroBatch:
             position_ids=move(self.position_ids),
             sample_ids=move(self.sample_ids),
             teacher_log_probs=move(self.teacher_log_probs),
+            opd_reverse_kl=move(self.opd_reverse_kl),
         )
 
 

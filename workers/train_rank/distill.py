@@ -1,7 +1,8 @@
 """On-policy distillation on the rank: the reverse-KL term of slime's `apply_opd_kl_to_advantages`.
 
 Owns `teacher_tensor` (the samples' `teacher_log_probs` laid out as a
-micro-batch's per-token tensors) and `Distiller`, which turns a micro-batch's advantages into
+micro-batch's per-token tensors), `reverse_kl_tensor` (the same for miles' top-k OPD, whose per-token reverse KL
+— a weighted sum over each position's top-k tokens — comes computed with the sample) and `Distiller`, which turns a micro-batch's advantages into
 `A - kl_coef * (student - teacher)` per token, slime's and miles' formula, where `student` is the logprob the PPO
 ratio is taken against (the trainer's own recomputed logprobs, or the engine's with `--use-rollout-logprobs`) and
 `teacher` comes with the sample (`sglang`) or from the frozen teacher model on this rank (`megatron`, loaded as
@@ -31,14 +32,26 @@ class DistillError(ValueError):
 def teacher_tensor(samples: Sequence[Any], spans: Sequence[tuple[int, int]], shape: torch.Size) -> torch.Tensor:
     """The samples' `teacher_log_probs` in a micro-batch's per-token layout (`spans`: each sample's response in
     the flattened layout, in sample order); 0 outside responses. DistillError for a sample without them."""
+    return _per_token(samples, spans, shape, "teacher_log_probs", "on-policy distillation (--opd-type sglang) needs "
+                      "the teacher's logprob of each (asked during the rollout, or kept in the replayed dump)")
+
+
+def reverse_kl_tensor(samples: Sequence[Any], spans: Sequence[tuple[int, int]], shape: torch.Size) -> torch.Tensor:
+    """miles' top-k OPD: the samples' precomputed `opd_reverse_kl` in the micro-batch's per-token layout."""
+    return _per_token(samples, spans, shape, "opd_reverse_kl", "top-k on-policy distillation "
+                      "(--opd-log-prob-top-k) needs the weighted reverse KL of each (computed during the rollout, "
+                      "or kept in the replayed dump)")
+
+
+def _per_token(samples: Sequence[Any], spans: Sequence[tuple[int, int]], shape: torch.Size, name: str,
+               why: str) -> torch.Tensor:
     flat = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32)
     for index, (sample, (start, end)) in enumerate(zip(samples, spans, strict=True)):
-        values = sample.teacher_log_probs
+        values = getattr(sample, name)
         if values is None or len(values) != end - start:
             count = "no" if values is None else len(values)
-            raise DistillError(f"sample {index} of the micro-batch has {count} teacher_log_probs for {end - start} "
-                               "response tokens: on-policy distillation (--opd-type sglang) needs the teacher's "
-                               "logprob of each (asked during the rollout, or kept in the replayed dump)")
+            raise DistillError(f"sample {index} of the micro-batch has {count} {name} for {end - start} "
+                               f"response tokens: {why}")
         if end > start:
             flat[start:end] = torch.tensor(values, dtype=torch.float32)
     return flat.view(shape)
@@ -50,9 +63,14 @@ class Distiller:
     def __init__(self, spec: OpdSettings, teacher: Any = None) -> None:
         self.spec, self.teacher = spec, teacher
 
-    def advantages(self, *, advantages: torch.Tensor, student_log_probs: torch.Tensor,
-                   teacher_log_probs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """(advantages with the term, {METRIC: sum of the reverse KL over loss tokens})."""
-        reverse_kl = (student_log_probs.detach().float() - teacher_log_probs.float()) * loss_mask
+    def advantages(self, *, advantages: torch.Tensor, student_log_probs: torch.Tensor | None,
+                   teacher_log_probs: torch.Tensor | None, loss_mask: torch.Tensor,
+                   reverse_kl: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """(advantages with the term, {METRIC: sum of the reverse KL over loss tokens}). With top-k OPD the
+        reverse KL comes precomputed (`reverse_kl`, miles' `opd_reverse_kl`), else it is student - teacher."""
+        if reverse_kl is None:
+            assert student_log_probs is not None and teacher_log_probs is not None
+            reverse_kl = student_log_probs.detach().float() - teacher_log_probs.float()
+        reverse_kl = reverse_kl.detach().float() * loss_mask
         shaped = advantages - self.spec.kl_coef * reverse_kl
         return shaped, {METRIC: float(reverse_kl.sum())}

@@ -189,7 +189,10 @@ class Trainer:
         batches = []
         for group in groups:
             batch = packing.pack([samples[i] for i in group], self.pad_token_id)
-            if self.distiller is not None and self.distiller.teacher is None:  # sglang: the samples carry them
+            if self.distiller is not None and self.distiller.spec.top_k > 0:  # top-k: the samples carry the term
+                batch.opd_reverse_kl = distill.reverse_kl_tensor([samples[i] for i in group], batch.spans,
+                                                                 batch.loss_mask.shape)
+            elif self.distiller is not None and self.distiller.teacher is None:  # sglang: the samples carry them
                 batch.teacher_log_probs = distill.teacher_tensor([samples[i] for i in group], batch.spans,
                                                                  batch.loss_mask.shape)
             batches.append(batch.to(self.device))
@@ -257,6 +260,10 @@ class Trainer:
         """The advantages with on-policy distillation's term (slime's: against the logprobs the ratio uses)."""
         if self.distiller is None:
             return batch.advantages, {}
+        if batch.opd_reverse_kl is not None:  # miles' top-k OPD: the term came computed with the samples
+            return self.distiller.advantages(advantages=batch.advantages, student_log_probs=None,
+                                             teacher_log_probs=None, loss_mask=batch.loss_mask,
+                                             reverse_kl=batch.opd_reverse_kl)
         student = batch.rollout_log_probs if old is None else old
         teacher = (self._log_probs(batch, self.distiller.teacher) if self.distiller.teacher is not None
                    else batch.teacher_log_probs)
