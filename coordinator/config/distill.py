@@ -28,13 +28,41 @@ from workers.protocol.train_settings import OpdSettings
 if TYPE_CHECKING:
     from coordinator.config.hooks import HooksConfig
     from coordinator.config.rollout import RolloutConfig
-    from coordinator.rollout.teacher_topk import TopK
 
 OPD_TYPES = ("sglang", "megatron")
 TOP_K_STRATEGIES = ("only-student", "only-teacher", "intersection", "union", "xor")
 REWARD_WEIGHT_MODES = ("student_p", "teacher_p", "none")
+#: which top-k sets, and which cross-scorings, each top-k strategy reads (miles' sets)
+STUDENT_TOP = frozenset(TOP_K_STRATEGIES) - {"only-teacher"}
+TEACHER_TOP = frozenset(TOP_K_STRATEGIES) - {"only-student"}
+TEACHER_ON_STUDENT = frozenset({"only-student", "union", "xor"})
+STUDENT_ON_TEACHER = frozenset({"only-teacher", "union", "xor"})
 #: miles' reserved teacher name: the route of a sample whose teacher name is missing or unknown
 DEFAULT_TEACHER = "default"
+
+
+@dataclass(frozen=True)
+class TopK:
+    """miles' top-k OPD settings."""
+
+    k: int
+    strategy: str = "only-student"
+    weight_mode: str = "student_p"
+
+    def __post_init__(self) -> None:
+        if self.k <= 0 or self.strategy not in TOP_K_STRATEGIES or self.weight_mode not in REWARD_WEIGHT_MODES:
+            raise ValueError(f"top-k OPD: k {self.k} must be > 0, strategy one of {TOP_K_STRATEGIES}, weight "
+                             f"mode one of {REWARD_WEIGHT_MODES}")
+
+    @property
+    def student_top(self) -> bool:
+        """The rollout asks the student engine for its top-k of each generated token."""
+        return self.strategy in STUDENT_TOP
+
+    @property
+    def student_on_teacher(self) -> bool:
+        """The student engine is asked for its logprobs of the teacher's top-k ids after the rollout."""
+        return self.strategy in STUDENT_ON_TEACHER
 
 
 @dataclass(frozen=True)
@@ -107,8 +135,6 @@ class DistillConfig(Slice):
         """miles' top-k OPD settings (None: sampled-token OPD, or no distillation)."""
         if not self.use_opd or self.opd_log_prob_top_k <= 0:
             return None
-        from coordinator.rollout.teacher_topk import TopK
-
         return TopK(self.opd_log_prob_top_k, self.opd_top_k_strategy, self.opd_reward_weight_mode)
 
     @property

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from coordinator.config.distill import REWARD_WEIGHT_MODES as WEIGHT_MODES
+from coordinator.config.distill import STUDENT_ON_TEACHER as STUDENT_ON_TEACHER
+from coordinator.config.distill import TEACHER_ON_STUDENT as TEACHER_ON_STUDENT
+from coordinator.config.distill import TEACHER_TOP as TEACHER_TOP
+from coordinator.config.distill import TopK as TopK
 from workers.errors import RaylessError
 
-STRATEGIES = ("only-student", "only-teacher", "intersection", "union", "xor")
-WEIGHT_MODES = ("student_p", "teacher_p", "none")
-#: which top-k sets, and which cross-scorings, each strategy reads (miles' sets)
-STUDENT_TOP = frozenset(STRATEGIES) - {"only-teacher"}
-TEACHER_TOP = frozenset(STRATEGIES) - {"only-student"}
-TEACHER_ON_STUDENT = frozenset({"only-student", "union", "xor"})
-STUDENT_ON_TEACHER = frozenset({"only-teacher", "union", "xor"})
 #: sample.metadata key of the student's top-k [logprob, id, text] per response token (miles' name)
 STUDENT_TOP_KEY = "opd_student_top_logprobs"
 
@@ -37,30 +34,6 @@ LogprobMap = dict[int, float]
 
 class TopKError(RaylessError, ValueError):
     """An answer lacks the top-k or asked-id logprobs the strategy needs."""
-
-
-@dataclass(frozen=True)
-class TopK:
-    """miles' top-k OPD settings."""
-
-    k: int
-    strategy: str = "only-student"
-    weight_mode: str = "student_p"
-
-    def __post_init__(self) -> None:
-        if self.k <= 0 or self.strategy not in STRATEGIES or self.weight_mode not in WEIGHT_MODES:
-            raise ValueError(f"top-k OPD: k {self.k} must be > 0, strategy one of {STRATEGIES}, weight mode one of "
-                             f"{WEIGHT_MODES}")
-
-    @property
-    def student_top(self) -> bool:
-        """The rollout asks the student engine for its top-k of each generated token."""
-        return self.strategy in STUDENT_TOP
-
-    @property
-    def student_on_teacher(self) -> bool:
-        """The student engine is asked for its logprobs of the teacher's top-k ids after the rollout."""
-        return self.strategy in STUDENT_ON_TEACHER
 
 
 def entries_to_map(entries: Iterable[Any] | None) -> LogprobMap:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from coordinator.config import ConfigError, parse_config
+from coordinator.config.distill import REWARD_WEIGHT_MODES as WEIGHT_MODES
+from coordinator.config.distill import TOP_K_STRATEGIES as STRATEGIES
+from coordinator.config.distill import TopK
 from coordinator.rollout.teacher_topk import (
-    STRATEGIES,
-    WEIGHT_MODES,
-    TopK,
     TopKError,
     entries_to_map,
     reverse_kl,
