@@ -18,9 +18,10 @@ MULTI_TURN_GENERATE = "coordinator.hooks.multi_turn:generate"
 #: miles' `agentic_tool_call.generate`: an OpenAI-API agent through the session server (coordinator.sessions).
 AGENTIC_GENERATE = "coordinator.sessions.agentic:generate"
 #: `--tito-model` families rayless implements, and miles' others (refused by name).
-TITO_FAMILIES = ("default", "qwen3")
-MILES_ONLY_TITO = ("qwen35", "qwennext", "glm47", "nemotron3", "kimi25", "kimi26", "minimax_m25", "minimax_m27",
-                   "deepseekv32", "deepseekv4", "inkling")
+TITO_FAMILIES = ("default", "qwen3", "qwen35", "qwennext", "glm47", "nemotron3", "kimi25", "kimi26", "minimax_m25",
+                 "minimax_m27", "inkling")
+#: miles' DeepSeek families render prompts with DeepSeek's own encoders (encoding_dsv32 / dsv4), not a chat template
+MILES_ONLY_TITO = ("deepseekv32", "deepseekv4")
 MESSAGE_MATCHERS = ("strict", "role_content_only")
 
 
@@ -66,7 +67,8 @@ class HooksConfig(Slice):
     session_server_port: tuple[int, ...] = flag((), help="port of the session server (none or 0: the OS picks "
                                                 "one)", minimum=0, maximum=65535)
     tito_model: str = flag("default", help="how the session server tokenizes appended messages: default (the "
-                           "model's chat template) or qwen3 (its <|im_end|> boundary)")
+                           "model's chat template) or a model family of miles' (its boundary tokens and pinned "
+                           "template kwargs): " + ", ".join(TITO_FAMILIES[1:]))
     session_message_matcher: str = flag(
         "strict", help="how a session's stored messages are matched against the next request's: strict, "
         "role_content_only, or MODULE:NAME of fn(stored, new) -> bool")
@@ -120,8 +122,9 @@ class HooksConfig(Slice):
             raise ConfigError("--use-session-server v2 (miles' tree-serving sessions) is not implemented in rayless; "
                               "pass it bare (or v1) for the append-only linear server")
         if self.tito_model in MILES_ONLY_TITO:
-            raise ConfigError(f"--tito-model {self.tito_model}: miles' family, not implemented in rayless "
-                              f"(implemented: {', '.join(TITO_FAMILIES)})")
+            raise ConfigError(f"--tito-model {self.tito_model}: miles' DeepSeek family renders prompts with "
+                              "DeepSeek's own message encoder, which rayless' session server (chat templates only) "
+                              f"lacks (implemented: {', '.join(TITO_FAMILIES)})")
         if self.tito_model not in TITO_FAMILIES:
             raise ConfigError(f"--tito-model {self.tito_model!r} is not a TITO family; use one of "
                               f"{', '.join(TITO_FAMILIES)}")

@@ -1,6 +1,7 @@
 """Token in, token out: how the session server builds each turn's prompt ids, as miles' TITO tokenizers do.
 
-Owns the `--tito-model` families rayless implements (`default`, `qwen3`) and the message matchers
+Owns the `--tito-model` families rayless implements (all of miles' but the two DeepSeek ones, whose prompts come
+from DeepSeek's own encoders rather than a chat template) and the message matchers
 (`--session-message-matcher`). The first turn of a session is the chat template over its messages; each
 later turn is the session's stored ids (the previous prompt and exactly the tokens the engine generated)
 followed by the ids of only the newly appended messages, rendered as the suffix the template adds after a
@@ -9,13 +10,16 @@ no turn is re-tokenised.
 
 Invariants: appended messages must have an allowed role (user, tool, system, developer) and the stored
 messages must match the request's first messages (the matcher), else a `SessionRequestError` (400) naming the
-first mismatch; `qwen3` inserts the newline the template writes after `<|im_end|>` that the model stops before.
+first mismatch; each family's merge fixes only its boundary token: `qwen3`/`qwen35`/`qwennext`/`nemotron3` insert the
+newline the template writes after `<|im_end|>` that the model stops before (`minimax_m25`/`_m27`: after `[e~[`),
+`glm47` drops a final `<|user|>`/`<|observation|>` (a stop token that also opens the next message), and
+`default`/`kimi25`/`kimi26`/`inkling` append as they are; a family's pinned chat-template kwargs are applied.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from workers.boundary.json_input import decode_json
 from workers.engine.openai_protocol import normalise_messages
@@ -87,10 +91,29 @@ class TitoTokenizer:
     """The `default` family: the model's own chat template, stored ids + appended suffix."""
 
     family = "default"
+    #: chat-template kwargs the family pins so that history renders append-only (miles' FixedTemplate
+    #: extra_kwargs); a conflicting value from --apply-chat-template-kwargs is an error
+    pinned_kwargs: ClassVar[dict[str, Any]] = {}
+    #: roles that may be appended after an assistant turn (a family whose template drops some narrows it)
+    append_roles: ClassVar[frozenset[str]] = ALLOWED_APPEND_ROLES
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        kwargs = dict(chat_template_kwargs or {})
+        for key, value in self.pinned_kwargs.items():
+            if key in kwargs and kwargs[key] != value:
+                raise ValueError(f"--tito-model {self.family}: chat template kwarg {key}={kwargs[key]!r} conflicts "
+                                 f"with the family's {key}={value!r} (which keeps history append-only)")
+            kwargs[key] = value
+        self.chat_template_kwargs = kwargs
+
+    def _token_id(self, token: str) -> int:
+        """The id of one of the family's special tokens; ValueError when the tokenizer lacks it."""
+        ids = self.tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"--tito-model {self.family}: the tokenizer has no single token {token!r} (got {ids}); "
+                             "is this the family's model?")
+        return int(ids[0])
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                tools: list[Any] | None) -> str:
@@ -116,10 +139,10 @@ class TitoTokenizer:
                      tools: list[Any] | None) -> list[int]:
         """The ids of `appended` (and the generation prompt) after an assistant turn, as the template writes
         them: the suffix of rendering a placeholder pair with them over rendering the pair alone."""
-        bad = [m.get("role") for m in appended if m.get("role") not in ALLOWED_APPEND_ROLES]
+        bad = [m.get("role") for m in appended if m.get("role") not in self.append_roles]
         if bad:
             raise SessionRequestError(f"messages appended after the last assistant turn may have the roles "
-                                      f"{sorted(ALLOWED_APPEND_ROLES)}, got {bad[0]!r}")
+                                      f"{sorted(self.append_roles)} (--tito-model {self.family}), got {bad[0]!r}")
         base = [_DUMMY_SYSTEM, {"role": "assistant", "content": "",
                                 "tool_calls": last_assistant.get("tool_calls") or []}]
         without = self.render(base, add_generation_prompt=False, tools=tools)
@@ -133,27 +156,117 @@ class TitoTokenizer:
         return list(stored_ids) + list(appended_ids)
 
 
-class Qwen3TitoTokenizer(TitoTokenizer):
-    """Qwen3: the template writes `<|im_end|>\\n` after every message; the model stops at `<|im_end|>`."""
+class NewlineAfterStopTito(TitoTokenizer):
+    """Families whose template writes `STOP\\n` after every message while the model stops at `STOP`: the newline
+    is inserted after stored ids that end at `STOP`."""
 
-    family = "qwen3"
+    stop_token = "<|im_end|>"
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__(tokenizer, chat_template_kwargs)
         newline = tokenizer.encode("\n", add_special_tokens=False)
         if len(newline) != 1:
-            raise ValueError(f"--tito-model qwen3: the tokenizer encodes a newline as {newline}, not one token")
+            raise ValueError(f"--tito-model {self.family}: the tokenizer encodes a newline as {newline}, not one token")
         self.newline_id = newline[0]
-        self.im_end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.stop_id = self._token_id(self.stop_token)
 
     def merge(self, stored_ids: list[int], appended_ids: list[int]) -> list[int]:
         prefix = list(stored_ids)
-        if prefix and prefix[-1] == self.im_end_id:
+        if prefix and prefix[-1] == self.stop_id:
             prefix.append(self.newline_id)
         return prefix + list(appended_ids)
 
 
-FAMILIES: dict[str, type[TitoTokenizer]] = {"default": TitoTokenizer, "qwen3": Qwen3TitoTokenizer}
+class Qwen3TitoTokenizer(NewlineAfterStopTito):
+    """Qwen3: the template writes `<|im_end|>\\n` after every message; the model stops at `<|im_end|>`."""
+
+    family = "qwen3"
+
+
+class Qwen35TitoTokenizer(Qwen3TitoTokenizer):
+    """Qwen3.5: Qwen3's boundary; `clear_thinking=False`; no system message appended mid-session (miles
+    registers tool / user / assistant appends only)."""
+
+    family = "qwen35"
+    pinned_kwargs = {"clear_thinking": False}
+    append_roles = frozenset({"user", "tool"})
+
+
+class QwenNextTitoTokenizer(Qwen3TitoTokenizer):
+    """Qwen3-Thinking-2507 / Qwen3-Next-Thinking: Qwen3's boundary, `clear_thinking=False`."""
+
+    family = "qwennext"
+    pinned_kwargs = {"clear_thinking": False}
+
+
+class Nemotron3TitoTokenizer(Qwen3TitoTokenizer):
+    """NVIDIA Nemotron 3: Qwen3's `<|im_end|>\\n` boundary; `truncate_history_thinking=False` keeps the native
+    template append-only."""
+
+    family = "nemotron3"
+    pinned_kwargs = {"truncate_history_thinking": False}
+
+
+class Glm47TitoTokenizer(TitoTokenizer):
+    """GLM-4.7: `<|user|>` and `<|observation|>` both stop the model and open the next message, so stored ids
+    ending at one of them lose it (the appended suffix writes the right opener)."""
+
+    family = "glm47"
+    pinned_kwargs = {"clear_thinking": False}
+
+    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        super().__init__(tokenizer, chat_template_kwargs)
+        self.boundary_ids = frozenset({self._token_id("<|observation|>"), self._token_id("<|user|>")})
+
+    def merge(self, stored_ids: list[int], appended_ids: list[int]) -> list[int]:
+        prefix = list(stored_ids)
+        if prefix and prefix[-1] in self.boundary_ids:
+            prefix = prefix[:-1]
+        return prefix + list(appended_ids)
+
+
+class Kimi25TitoTokenizer(TitoTokenizer):
+    """Moonshot Kimi K2.5: messages end at `<|im_end|>` with no newline after it (stored ids + suffix as they
+    are); `preserve_thinking=True` keeps earlier reasoning when a user turn is appended."""
+
+    family = "kimi25"
+    pinned_kwargs = {"preserve_thinking": True}
+
+
+class Kimi26TitoTokenizer(Kimi25TitoTokenizer):
+    """Moonshot Kimi K2.6: K2.5's boundary; its template reads `preserve_thinking` natively."""
+
+    family = "kimi26"
+
+
+class MinimaxM25TitoTokenizer(NewlineAfterStopTito):
+    """MiniMax-M2.5: the template writes `[e~[\\n` after a message, the model stops at `[e~[`;
+    `clear_thinking=False`; no mid-session system message (its template ignores them)."""
+
+    family = "minimax_m25"
+    stop_token = "[e~["
+    pinned_kwargs = {"clear_thinking": False}
+    append_roles = frozenset({"user", "tool"})
+
+
+class MinimaxM27TitoTokenizer(MinimaxM25TitoTokenizer):
+    """MiniMax-M2.7: M2.5's tokenizer and boundary (only the default system identity differs)."""
+
+    family = "minimax_m27"
+
+
+class InklingTitoTokenizer(TitoTokenizer):
+    """Inkling: stored ids + the suffix as the template writes it (no boundary token to fix)."""
+
+    family = "inkling"
+
+
+FAMILIES: dict[str, type[TitoTokenizer]] = {
+    family.family: family for family in (
+        TitoTokenizer, Qwen3TitoTokenizer, Qwen35TitoTokenizer, QwenNextTitoTokenizer, Nemotron3TitoTokenizer,
+        Glm47TitoTokenizer, Kimi25TitoTokenizer, Kimi26TitoTokenizer, MinimaxM25TitoTokenizer,
+        MinimaxM27TitoTokenizer, InklingTitoTokenizer)
+}
 
 
 def tito_tokenizer(family: str, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> TitoTokenizer:

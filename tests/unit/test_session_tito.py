@@ -5,6 +5,7 @@ non-`stop` turn ending it, `max_seq_len`, retries, rewritten history)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +129,77 @@ def test_content_parts_and_null_content_render_as_the_engine_renders_them(tokeni
     with pytest.raises(SessionRequestError, match="only text parts"):
         Session().prompt_ids([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], None,
                              tito_tokenizer("default", tokenizer), strict_matches)
+
+
+# Each of miles' families, on the tiny tokenizer given the family's boundary tokens and a template with its
+# layout: the second turn's ids (stored prompt + generated ids + appended suffix) equal the template's own render
+# of the whole history, i.e. the family fixes exactly its boundary. `reply` is what the model generated, ending
+# at the family's stop token.
+_QWEN = None  # the tiny model's own template is Qwen's: `<|im_start|>role\n...<|im_end|>\n`
+_MINIMAX = ("{% for m in messages %}{{ ']~b]' + ('ai' if m.role == 'assistant' else m.role) + '\\n' + m.content "
+            "+ '[e~[\\n' }}{% endfor %}{% if add_generation_prompt %}{{ ']~b]ai\\n' }}{% endif %}")
+_GLM = ("[gMASK]{% for m in messages %}{{ '<|' + ('observation' if m.role == 'tool' else m.role) + '|>\\n' + "
+        "m.content }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+_KIMI = ("{% for m in messages %}{{ ('<|im_assistant|>' if m.role == 'assistant' else '<|im_user|>' if m.role == "
+         "'user' else '<|im_system|>') + m.role + '<|im_middle|>' + m.content + '<|im_end|>' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}")
+_INKLING = ("{% for m in messages %}{{ '<|message_' + ('model' if m.role == 'assistant' else m.role) + '|>' + "
+            "m.content + '<|end_message|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|message_model|>' }}"
+            "{% endif %}")
+FAMILY_LAYOUTS = {  # family: (template, its special tokens, the model's reply, the appended message's role)
+    "qwen3": (_QWEN, [], "4<|im_end|>", "tool"),
+    "qwen35": (_QWEN, [], "4<|im_end|>", "user"),
+    "qwennext": (_QWEN, [], "4<|im_end|>", "tool"),
+    "nemotron3": (_QWEN, [], "4<|im_end|>", "user"),
+    "minimax_m25": (_MINIMAX, ["]~b]", "[e~["], "4[e~[", "tool"),
+    "minimax_m27": (_MINIMAX, ["]~b]", "[e~["], "4[e~[", "user"),
+    "glm47": (_GLM, ["<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"], "4<|observation|>", "tool"),
+    "kimi25": (_KIMI, ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"], "4<|im_end|>", "tool"),
+    "kimi26": (_KIMI, ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"], "4<|im_end|>", "user"),
+    "inkling": (_INKLING, ["<|message_system|>", "<|message_user|>", "<|message_model|>", "<|message_tool|>",
+                           "<|end_message|>"], "4<|end_message|>", "tool"),
+}
+
+
+def _family_tokenizer(tiny_model_dir: Path, template: str | None, specials: list[str]) -> Any:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    if specials:
+        tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_LAYOUTS))
+def test_each_miles_family_fixes_its_boundary_to_the_templates_own_ids(tiny_model_dir: Path, family: str) -> None:
+    template, specials, reply, role = FAMILY_LAYOUTS[family]
+    tokenizer = _family_tokenizer(tiny_model_dir, template, specials)
+    history = [*ASK, {"role": "assistant", "content": "4"}, {"role": role, "content": "ok"}]
+    session = Session()
+    first_prompt, first_output, _ = _turn(session, tokenizer, family, ASK, reply)
+    second_prompt, _, _ = _turn(session, tokenizer, family, history, "5")
+    assert second_prompt == _template(tokenizer, history)
+    # The generated ids are kept as they are, but for the one boundary token a family may drop (glm47).
+    kept = len(first_prompt) + len(first_output) - (family == "glm47")
+    assert second_prompt[:kept] == (first_prompt + first_output)[:kept]
+    if family in ("glm47", "minimax_m25", "minimax_m27"):
+        # default leaves the boundary as generated, so its ids differ from the template's
+        plain = Session()
+        _turn(plain, tokenizer, "default", ASK, reply)
+        assert _turn(plain, tokenizer, "default", history, "5")[0] != _template(tokenizer, history)
+
+
+def test_families_pin_their_template_kwargs_and_narrow_appended_roles(tiny_model_dir: Path) -> None:
+    tokenizer = _family_tokenizer(tiny_model_dir, _KIMI, FAMILY_LAYOUTS["kimi25"][1])
+    assert tito_tokenizer("kimi25", tokenizer).chat_template_kwargs == {"preserve_thinking": True}
+    assert tito_tokenizer("qwen35", tokenizer, {"enable_thinking": True}).chat_template_kwargs == {
+        "enable_thinking": True, "clear_thinking": False}
+    with pytest.raises(ValueError, match="clear_thinking=True conflicts"):
+        tito_tokenizer("qwennext", tokenizer, {"clear_thinking": True})
+    with pytest.raises(ValueError, match=re.escape("no single token '<|observation|>'")):
+        tito_tokenizer("glm47", tokenizer)  # not a GLM tokenizer
+    session = Session()
+    _turn(session, tokenizer, "qwen35", ASK, "4<|im_end|>")
+    with pytest.raises(SessionRequestError, match=r"\['tool', 'user'\] \(--tito-model qwen35\), got 'system'"):
+        session.prompt_ids([*ASK, {"role": "assistant", "content": "4"}, {"role": "system", "content": "x"}], None,
+                           tito_tokenizer("qwen35", tokenizer), strict_matches)
