@@ -48,6 +48,9 @@ class TopK:
     k: int
     strategy: str = "only-student"
     weight_mode: str = "student_p"
+    #: `--opd-topk-per-position`: each position is asked for its own ids (`token_ids_logprob_positions`), not
+    #: the sample's union of them at every position
+    per_position: bool = False
 
     def __post_init__(self) -> None:
         if self.k <= 0 or self.strategy not in TOP_K_STRATEGIES or self.weight_mode not in REWARD_WEIGHT_MODES:
@@ -95,8 +98,9 @@ class DistillConfig(Slice):
                                    "--opd-log-prob-top-k > 0)", choices=TOP_K_STRATEGIES)
     opd_reward_weight_mode: str = flag("student_p", help="miles' weighting of top-k OPD rewards (only with "
                                        "--opd-log-prob-top-k > 0)", choices=REWARD_WEIGHT_MODES)
-    opd_topk_per_position: bool = flag(False, help="miles' per-position top-k scoring (only with "
-                                       "--opd-log-prob-top-k > 0)")
+    opd_topk_per_position: bool = flag(False, help="miles' per-position top-k scoring: each position is asked "
+                                       "for its own top-k ids' logprobs (token_ids_logprob_positions), not the "
+                                       "sample's union at every position (only with --opd-log-prob-top-k > 0)")
 
     def check(self) -> None:
         if not self.use_opd:
@@ -109,10 +113,6 @@ class DistillConfig(Slice):
         if self.opd_log_prob_top_k > 0 and self.opd_type != "sglang":
             raise ConfigError("--opd-log-prob-top-k is currently supported only with --opd-type=sglang (as miles: "
                               "the top-k logprobs come from the engines)")
-        if self.opd_log_prob_top_k > 0 and self.opd_topk_per_position:
-            raise ConfigError("--opd-topk-per-position asks the teacher with token_ids_logprob_positions, a field "
-                              "of miles' patched SGLang that rayless' engine does not serve; leave it off (the "
-                              "student's top-k ids are asked at every position, as miles does by default)")
         if self.opd_type == "megatron":
             if self.opd_teacher_load is None:
                 raise ConfigError("--opd-teacher-load is required when --opd-type=megatron (the teacher model "
@@ -135,7 +135,8 @@ class DistillConfig(Slice):
         """miles' top-k OPD settings (None: sampled-token OPD, or no distillation)."""
         if not self.use_opd or self.opd_log_prob_top_k <= 0:
             return None
-        return TopK(self.opd_log_prob_top_k, self.opd_top_k_strategy, self.opd_reward_weight_mode)
+        return TopK(self.opd_log_prob_top_k, self.opd_top_k_strategy, self.opd_reward_weight_mode,
+                    self.opd_topk_per_position)
 
     @property
     def student_top_logprobs_num(self) -> int:

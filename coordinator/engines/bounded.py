@@ -70,6 +70,12 @@ def generate_reply_limit(payload: Mapping[str, Any]) -> int:
     asked = payload.get("token_ids_logprob")  # SGLang's: these ids' logprobs at every position too
     asked_n = (max((len(v) for v in asked if isinstance(v, list)), default=0) if asked and isinstance(asked[0], list)
                else len(asked) if isinstance(asked, list) else 0)
+    per_position = payload.get("token_ids_logprob_positions")  # miles' patched SGLang's, one id list per position
+    if isinstance(per_position, list):
+        rows = [row for row in per_position if isinstance(row, list)]
+        asked_n = max(asked_n, max((len(r) if r and not isinstance(r[0], list) else
+                                    max((len(x) for x in r if isinstance(x, list)), default=0)
+                                    for r in rows), default=0))
     per_token = BYTES_PER_TOKEN + BYTES_PER_TOP_LOGPROB * (top_n + asked_n)
     if payload.get("return_logprob") and payload.get("logprob_start_len") not in (None, -1):
         tokens += prompt_tokens  # input logprobs come back too

@@ -121,10 +121,10 @@ class TeacherScorer:
         where = f"teacher {url}, sample {sample.group_index}/{sample.sample_index}"
         empty: list[topk.LogprobMap] = [{} for _ in range(length)]
         student_entries = (topk.student_top_logprobs(sample.metadata, length, where) if spec.student_top else None)
-        asked = topk.unique_ids(student_entries) if student_entries and spec.strategy in topk.TEACHER_ON_STUDENT \
-            else None
+        asked = (topk.asked_ids(spec, sample.tokens, prompt, student_entries)
+                 if student_entries and spec.strategy in topk.TEACHER_ON_STUDENT else None)
         payload = topk.score_payload(sample.tokens, prompt, top=spec.k if spec.strategy in topk.TEACHER_TOP else 0,
-                                     token_ids=asked)
+                                     asked=asked)
         async with self.limit:
             answer = await self.client.engine(url).generate(payload)
         teacher_top = (topk.response_maps(answer, "input_top_logprobs", length, where)
@@ -134,9 +134,11 @@ class TeacherScorer:
         student_asked = empty
         if spec.student_on_teacher:
             assert self.student is not None  # checked at construction
-            ids = sorted({token for position in teacher_top for token in position})
+            teacher_entries = [[[value, token] for token, value in position.items()] for position in teacher_top]
+            request = topk.score_payload(sample.tokens, prompt,
+                                         asked=topk.asked_ids(spec, sample.tokens, prompt, teacher_entries))
             async with self.limit:
-                student_answer = await self.student(topk.score_payload(sample.tokens, prompt, token_ids=ids))
+                student_answer = await self.student(request)
             student_asked = topk.response_maps(student_answer, "input_token_ids_logprobs", length,
                                                f"student engines, sample {sample.group_index}/{sample.sample_index}")
         student_top = [topk.entries_to_map(entries) for entries in student_entries] if student_entries else empty

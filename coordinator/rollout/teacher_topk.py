@@ -105,10 +105,22 @@ def reverse_kl(spec: TopK, *, student_top: Sequence[LogprobMap], teacher_top: Se
     return out
 
 
+def asked_ids(spec: TopK, tokens: Sequence[int], prompt_length: int, positions: Sequence[Iterable[Any] | None]
+              ) -> dict[str, Any]:
+    """The request fields that ask one side for its logprobs of the other side's top-k ids (`positions`: the
+    entries of each response position): the sorted union at every position (`token_ids_logprob`), or with
+    per-position scoring each position's own ids (`token_ids_logprob_positions`, one list per input position
+    from position 0, the prompt's empty)."""
+    if not spec.per_position:
+        return {"token_ids_logprob": unique_ids(positions)}
+    own = [[int(entry[1]) for entry in entries or () if entry is not None] for entries in positions]
+    return {"token_ids_logprob_positions": [[] for _ in range(prompt_length)] + own[: len(tokens) - prompt_length]}
+
+
 def score_payload(tokens: Sequence[int], prompt_length: int, *, top: int = 0,
-                  token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+                  asked: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A prefill-only request for the input logprobs from the prompt's last token on: with `top`, each
-    position's top-k (`top_logprobs_num`); with `token_ids`, those ids' logprobs at each (`token_ids_logprob`)."""
+    position's top-k (`top_logprobs_num`); with `asked` (`asked_ids`), the other side's ids' logprobs."""
     payload: dict[str, Any] = {
         "input_ids": [int(token) for token in tokens],
         "sampling_params": {"temperature": 1.0, "max_new_tokens": 0, "skip_special_tokens": False},
@@ -117,8 +129,7 @@ def score_payload(tokens: Sequence[int], prompt_length: int, *, top: int = 0,
     }
     if top > 0:
         payload["top_logprobs_num"] = top
-    if token_ids:
-        payload["token_ids_logprob"] = [int(token) for token in token_ids]
+    payload.update(asked or {})
     return payload
 
 

@@ -134,6 +134,7 @@ async def test_streaming_batch_carries_index(client: httpx.AsyncClient) -> None:
         ({"text": ["1", "2"], "sampling_params": [{}]}, "sampling_params"),
         ({"text": "1", "token_ids_logprob": [1, 10_000]}, "token_ids_logprob"),
         ({"text": ["1", "2"], "token_ids_logprob": [[1]]}, "token_ids_logprob"),
+        ({"input_ids": [1, 2], "token_ids_logprob_positions": [[1]]}, "one per input position"),
     ],
 )
 async def test_rejected_input_is_400_with_message(client: httpx.AsyncClient, body: dict, needle: str) -> None:
@@ -204,6 +205,16 @@ async def test_token_ids_logprob_scores_the_asked_ids_at_every_position(
     scored = await generate(client, {**body, "sampling_params": {"max_new_tokens": 0}})
     assert scored["meta_info"]["input_top_logprobs"] == meta["input_top_logprobs"]
     assert scored["meta_info"]["input_token_ids_logprobs"] == inputs
+    # miles' per-position form: each input position (from 0) its own ids.
+    per_position = [[], [3], [], [7, 1]]
+    rows = await generate(client, {"text": "12+3", "return_logprob": True, "logprob_start_len": 0,
+                                   "token_ids_logprob_positions": per_position,
+                                   "sampling_params": {"max_new_tokens": 0}})
+    got = rows["meta_info"]["input_token_ids_logprobs"]
+    assert [[e[1] for e in entry] for entry in got] == per_position
+    for position, entry in enumerate(got[1:], start=1):
+        assert [e[0] for e in entry] == pytest.approx(
+            [reference[position - 1, i].item() for i in per_position[position]], abs=1e-4)
     # Without the field, no such key (as SGLang leaves it unset).
     plain = await generate(client, {"text": "12+3", "return_logprob": True, "sampling_params": {"max_new_tokens": 0}})
     assert "input_token_ids_logprobs" not in plain["meta_info"]

@@ -15,6 +15,7 @@ from coordinator.config.distill import TOP_K_STRATEGIES as STRATEGIES
 from coordinator.config.distill import TopK
 from coordinator.rollout.teacher_topk import (
     TopKError,
+    asked_ids,
     entries_to_map,
     reverse_kl,
     unique_ids,
@@ -91,7 +92,6 @@ def test_a_token_neither_side_scored_is_an_error_not_a_guess() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/t", "--opd-log-prob-top-k", "4"],
      "only with --opd-type=sglang"),
-    ([*TOP_K, "--opd-topk-per-position"], "token_ids_logprob_positions"),
     ([*TOP_K, "--custom-generate-function-path", "my.gen:generate"], "use --opd-top-k-strategy only-teacher"),
     (["--use-opd", "--opd-type", "sglang", "--opd-log-prob-top-k", "4", "--custom-generate-function-path",
       "my.gen:generate"], "top-k OPD asks the teacher's engine itself"),
@@ -99,6 +99,17 @@ def test_a_token_neither_side_scored_is_an_error_not_a_guess() -> None:
 def test_top_k_start_up_rules(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_config([*BASE, *flags])
+
+
+def test_what_each_side_is_asked_for_the_others_ids() -> None:
+    """The union of the other side's ids at every position, or (per position) each response position's own ids
+    at its input position, the prompt's positions empty."""
+    tokens, prompt = [7, 8, 9, 1, 2], 3
+    entries = [[[-0.1, 4, None], [-0.2, 6, None]], [[-0.3, 6, None], [-0.4, 5, None]]]
+    assert asked_ids(TopK(2), tokens, prompt, entries) == {"token_ids_logprob": [4, 5, 6]}
+    assert asked_ids(TopK(2, per_position=True), tokens, prompt, entries) == {
+        "token_ids_logprob_positions": [[], [], [], [4, 6], [6, 5]]}
+    assert parse_config([*BASE, *TOP_K, "--opd-topk-per-position"]).distill.top_k == TopK(3, per_position=True)
 
 
 def test_top_k_settings_reach_the_rollout_and_the_ranks() -> None:

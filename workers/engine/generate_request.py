@@ -156,6 +156,28 @@ class RequestBuilder:
                 raise RequestError(f"'token_ids_logprob' must hold token ids in [0, {vocab}), got {show(ids)}")
         return [tuple(ids) for ids in per_prompt]
 
+    def _position_token_ids(self, value: Any, prompts: list[list[int]]) -> list[tuple[tuple[int, ...], ...] | None]:
+        """miles' patched-SGLang `token_ids_logprob_positions`: one list of ids per input position (from position
+        0) of a single prompt, or one such list per prompt; each id in the vocabulary."""
+        if value is None:
+            return [None] * len(prompts)
+        nested = isinstance(value, list) and value and isinstance(value[0], list) and value[0] \
+            and isinstance(value[0][0], list)
+        per_prompt = value if nested else [value]
+        if not isinstance(value, list) or len(per_prompt) != len(prompts):
+            raise RequestError(f"'token_ids_logprob_positions' must be one list of ids per input position of "
+                               f"each of the {len(prompts)} prompts")
+        vocab = self.server.runner.vocab_size
+        out = []
+        for positions, ids in zip(per_prompt, prompts, strict=True):
+            if not isinstance(positions, list) or len(positions) != len(ids) or not all(
+                    isinstance(row, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab
+                                                  for i in row) for row in positions):
+                raise RequestError(f"'token_ids_logprob_positions' must hold {len(ids)} lists (one per input "
+                                   f"position) of token ids in [0, {vocab})")
+            out.append(tuple(tuple(row) for row in positions))
+        return out
+
     async def build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]:
         """Validate the whole request and make its sequences; nothing reaches the scheduler before this
         returns, so a bad request is refused whole and never joins (or breaks) the running batch."""
@@ -177,6 +199,7 @@ class RequestBuilder:
         start_lens = self._per_item(body.get("logprob_start_len", -1), count, "logprob_start_len")
         top_nums = self._per_item(body.get("top_logprobs_num", 0), count, "top_logprobs_num")
         token_ids = self._token_ids_logprob(body.get("token_ids_logprob"), count)
+        position_ids = self._position_token_ids(body.get("token_ids_logprob_positions"), prompts)
         group = RequestGroup(stream=stream)
         seqs: list[Seq] = []
         for index, (ids, params) in enumerate(zip(prompts, params_list, strict=True)):
@@ -216,6 +239,7 @@ class RequestBuilder:
                         logprob_start=start,
                         top_logprobs_num=top_num,
                         token_ids_logprob=token_ids[index],
+                        position_token_ids=position_ids[index],
                         max_new_tokens=max_new,
                         weight_version=self.server.weight_version,
                     )

@@ -92,7 +92,7 @@ class GenerateRoutes:
                     [[lp, t, self._token_text(t, with_text)] for lp, t in entry]
                     for entry in seq.output_top_logprobs
                 ]
-            if seq.token_ids_logprob:  # SGLang's token_ids_logprob: the asked ids' logprobs at every position
+            if seq.token_ids_logprob or seq.position_token_ids is not None:  # the asked ids' logprobs
                 meta["input_token_ids_logprobs"] = [
                     [[lp, t, self._token_text(t, with_text)] for lp, t in entry]
                     for entry in (seq.input_token_ids_logprobs or [])

@@ -68,6 +68,8 @@ class PrefillItem:
     input_logprob_start: int | None = None  # first prompt position whose logprob is wanted, or None
     token_ids: tuple[int, ...] = ()  # SGLang's token_ids_logprob: ids whose logprob each input position reports
     top_logprobs_num: int = 0  # each input position's top-k too (also for a prefill-only request, as SGLang)
+    # miles' patched SGLang's token_ids_logprob_positions: the ids each input position (from 0) reports
+    position_token_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass
@@ -228,7 +230,12 @@ class ModelRunner:
                     for v, i in zip(values.tolist(), indices.tolist(), strict=True)
                 ]
                 output.input_top_logprobs = ([[]] if start == 0 else []) + tops
-            if item.token_ids and first < len(item.tokens):
+            if item.position_token_ids is not None and first < len(item.tokens):
+                output.input_token_ids_logprobs = ([[]] if start == 0 else []) + [
+                    list(zip(rows[i - first, list(ids)].tolist(), ids, strict=True)) if ids else []
+                    for i, ids in enumerate(item.position_token_ids[first:len(item.tokens)], start=first)
+                ]
+            elif item.token_ids and first < len(item.tokens):
                 ids = list(item.token_ids)
                 picked = rows[:, ids].tolist()
                 output.input_token_ids_logprobs = ([[]] if start == 0 else []) + [

@@ -313,6 +313,7 @@ class Scheduler:
                     input_logprob_start=seq.logprob_start if want_input else None,
                     token_ids=seq.token_ids_logprob if want_input else (),
                     top_logprobs_num=seq.top_logprobs_num if want_input else 0,
+                    position_token_ids=seq.position_token_ids if want_input else None,
                 )
             )
             seq.state = SeqState.RUNNING

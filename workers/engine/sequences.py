@@ -51,6 +51,7 @@ class Seq:
     logprob_start: int = 0  # resolved: first prompt position whose logprob is returned
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = ()  # SGLang's: ids whose logprob each position reports
+    position_token_ids: tuple[tuple[int, ...], ...] | None = None  # miles' per-position ids (input only)
     bypass_pause: bool = False
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # unique row key inside the runner
     state: SeqState = SeqState.WAITING
