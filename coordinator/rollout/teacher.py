@@ -9,7 +9,8 @@ OPD reward hooks (`distill_reward`, `distill_post_process`: pure distillation, a
 `opd_reverse_kl` (`coordinator.rollout.teacher_topk`).
 
 Invariants: after `score`, every non-aborted sample with a response holds `teacher_log_probs`, one finite float per
-response token (the last `response_length` of the teacher's `input_token_logprobs`), or `score` raised
+response token (the last `response_length` of the teacher's `input_token_logprobs`) — with top-k, `opd_reverse_kl`,
+one finite float per response token — or `score` raised
 `TeacherError` naming the teacher and the sample; at most `concurrency` requests are in flight; every request has
 the engine client's deadline.
 """
