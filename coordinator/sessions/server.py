@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -139,7 +140,20 @@ class SessionServer(AppServer):
         session = self.sessions.get(session_id)
         if session is None or session.closed:
             raise HttpReply(404, f"session not found: session_id={session_id}")
+        session.touched = time.monotonic()
         return session
+
+    async def reap(self, idle_since: float) -> int:
+        """Delete the sessions no agent called since `idle_since` (a rollout's start, at its end): a session a
+        generate function opened and never closed. Their turns are dropped: a sample is what an agent asked
+        `/samples` (or the agentic generate) for. Returns how many."""
+        stale = [s.id for s in self.sessions.values() if s.touched < idle_since and not s.lock.locked()]
+        for session_id in stale:
+            if session_id in self.sessions:
+                await self.delete(session_id)
+        if stale:
+            log.warning("reaped %d session(s) left open since before the rollout began", len(stale))
+        return len(stale)
 
     async def delete(self, session_id: str) -> None:
         session = self.get(session_id)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,6 +157,9 @@ class Session:
     fork_threshold: int = FORK_THRESHOLD_TOKENS
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     closed: bool = False
+    #: when an agent last called it (time.monotonic): a session idle since before a rollout began is reaped at
+    #: that rollout's end (`SessionServer.reap`)
+    touched: float = field(default_factory=time.monotonic)
     nodes: int = 0
     tokens: int = 0
     message_bytes: int = 0
