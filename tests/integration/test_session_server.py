@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,22 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
             long = await http.post(f"/sessions/{ids[0]}/v1/chat/completions",
                                    json={"messages": [{"role": "user", "content": "y" * 5000}]})
             assert long.status_code == 413 and "messages[0]" in long.json()["error"]["message"]
+            # Hostile bodies on the structured formats: the formats' own 400s naming the field, the shared 413.
+            for path, body, words in (
+                ("v1/messages", {"messages": "x"}, "'messages'"),
+                ("v1/messages", {"model": "m", "max_tokens": 0, "messages": ASK}, "max_tokens"),
+                ("v1/messages", {"model": "m", "max_tokens": 2, "messages": [*ASK, {"role": "assistant",
+                                                                                    "content": "3"}]}, "prefill"),
+                ("v1/messages", {"model": "m", "max_tokens": 2, "messages": [
+                    {"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+                ("v1/responses", {"input": 5}, "'input'"),
+                ("v1/responses", {"input": "x", "previous_response_id": "r"}, "previous_response_id"),
+            ):
+                answer = await http.post(f"/sessions/{ids[0]}/{path}", json=body)
+                assert answer.status_code == 400 and words in answer.json()["error"]["message"], (path, answer.text)
+            huge = await http.post(f"/sessions/{ids[0]}/v1/messages", json={
+                "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "y" * 5000}]})
+            assert huge.status_code == 413 and "messages[0]" in huge.json()["error"]["message"]
             host, port = server.host, server.port
             declared = await anyio.to_thread.run_sync(lambda: first_reply(host, port, DECLARED_2GB, timeout=10))
             assert declared.startswith(b"HTTP/1.1 413"), declared[:200]
@@ -194,6 +211,28 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
                 assert out.metadata["task"] == "sum" and out.metadata["tool_output"] == "3"
                 assert out.loss_mask[0] == 1 and out.loss_mask[-1] == 1 and sum(out.loss_mask) == 2
                 assert out.metadata["session_turns"] == 2
+
+        # Agents whose conversation branches (examples/harness_agents/branching_agents.py): a sub-agent in the same
+        # session, a compacted history; one sample per leaf, each masking exactly its own generated tokens.
+        for agent_path, leaves in (("with_sub_agent", [2, 1]), ("compacting", [2, 2])):
+            args = argparse.Namespace(
+                custom_agent_function_path=f"examples.harness_agents.branching_agents.{agent_path}",
+                max_seq_len=None, _rayless_runtime=runtime)
+            out = (await generate(GenerateFnInput(state=None, sample=Sample(prompt=ASK), sampling_params=params,
+                                                  evaluation=False, args=args))).samples
+            assert isinstance(out, list) and [s.metadata["session_turns"] for s in out] == leaves, agent_path
+            assert [sum(s.loss_mask) for s in out] == leaves  # one generated token a turn (every token stops)
+            assert all(s.metadata["session_leaves"] == 2 and s.status is SampleStatus.COMPLETED for s in out)
+            assert [s.metadata["session_leaf"] for s in out] == [0, 1] and not routed.sessions
+
+        # A session a generate function opened and never closed is reaped at the end of a rollout it idled
+        # through; one called since the rollout began is left.
+        left, busy = await routed.create(), await routed.create()
+        began = time.monotonic()
+        routed.get(busy.id)
+        assert await routed.reap(began) == 1 and list(routed.sessions) == [busy.id]
+        await routed.delete(busy.id)
+        assert left.closed
 
         # Bounded (docs/hooks.md#bounds-on-user-code): an agent that hangs (async, or sync in its thread) is
         # ended at --agent-timeout-s, one that never calls the model gives nothing to train on; each is a failed
