@@ -11,14 +11,28 @@ sum. The session server records exactly the tokens the model wrote; the tool's r
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from anthropic import AsyncAnthropic
+from anthropic import AsyncAnthropic, DefaultAsyncHttpxClient
 
 DIGITS = [str(i) for i in range(10)]
 CALL = "="
 #: request_kwargs (the rollout's sampling params, chat names) a Messages body carries as SGLang reads them
 _SAMPLING = ("temperature", "top_p", "top_k", "seed")
+
+
+_HTTP: dict[int, Any] = {}
+
+
+def _http_client() -> Any:
+    """One connection pool for every episode on this event loop: a client per episode costs an SSL context and a
+    connection each, and hundreds of episodes start at once (examples/openai_agent does the same)."""
+    loop = id(asyncio.get_running_loop())
+    if loop not in _HTTP:
+        _HTTP.clear()
+        _HTTP[loop] = DefaultAsyncHttpxClient()
+    return _HTTP[loop]
 
 
 def calculator(expression: str) -> str:
@@ -41,14 +55,14 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwar
     """miles' agent contract: keyword arguments, the returned dict merged into the sample's metadata."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": prompt[-1]["content"]}]
     expression = prompt[-1]["content"]
-    async with AsyncAnthropic(base_url=base_url, auth_token=kwargs.get("api_key", "EMPTY"), max_retries=0,
-                              timeout=600) as client:
+    client = AsyncAnthropic(base_url=base_url, auth_token=kwargs.get("api_key", "EMPTY"), max_retries=0,
+                            timeout=600, http_client=_http_client())
+    ended = await _turn(client, messages, request_kwargs)
+    called = ended == CALL
+    if called:
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "calculator", "content": calculator(expression)}]})
         ended = await _turn(client, messages, request_kwargs)
-        called = ended == CALL
-        if called:
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "calculator", "content": calculator(expression)}]})
-            ended = await _turn(client, messages, request_kwargs)
     answer = ended if ended in DIGITS else ""
     return {"reward": float(answer == calculator(expression)), "tool_calls": int(called), "answer": answer}
 

@@ -12,14 +12,28 @@ item, and the model answers in a second turn. Reward 1.0 when the answer is the 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 DIGITS = [str(i) for i in range(10)]
 CALL = "="
 #: request_kwargs (the rollout's sampling params, chat names) a Responses body carries as SGLang reads them
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty")
+
+
+_HTTP: dict[int, Any] = {}
+
+
+def _http_client() -> Any:
+    """One connection pool for every episode on this event loop: a client per episode costs an SSL context and a
+    connection each, and hundreds of episodes start at once (examples/openai_agent does the same)."""
+    loop = id(asyncio.get_running_loop())
+    if loop not in _HTTP:
+        _HTTP.clear()
+        _HTTP[loop] = DefaultAsyncHttpxClient()
+    return _HTTP[loop]
 
 
 def calculator(expression: str) -> str:
@@ -44,13 +58,13 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwar
     """miles' agent contract: keyword arguments, the returned dict merged into the sample's metadata."""
     items: list[dict[str, Any]] = [{"role": "user", "content": prompt[-1]["content"]}]
     expression = prompt[-1]["content"]
-    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.get("api_key", "EMPTY"), max_retries=0,
-                           timeout=600) as client:
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.get("api_key", "EMPTY"), max_retries=0,
+                         timeout=600, http_client=_http_client())
+    ended = await _turn(client, items, request_kwargs)
+    called = ended == CALL
+    if called:
+        items.append({"type": "function_call_output", "call_id": "calculator", "output": calculator(expression)})
         ended = await _turn(client, items, request_kwargs)
-        called = ended == CALL
-        if called:
-            items.append({"type": "function_call_output", "call_id": "calculator", "output": calculator(expression)})
-            ended = await _turn(client, items, request_kwargs)
     answer = ended if ended in DIGITS else ""
     return {"reward": float(answer == calculator(expression)), "tool_calls": int(called), "answer": answer}
 
