@@ -33,8 +33,8 @@ def _response(output: list[int]) -> dict[str, Any]:
                                                                            "completion_tokens": len(output)}}]}
 
 
-def run_session(tokenizer: Any, turns: int, output_len: int) -> tuple[Session, float]:
-    """A session of `turns` turns; returns it and the seconds per turn."""
+def run_session(tokenizer: Any, turns: int, output_len: int) -> tuple[Session, float, list[dict[str, Any]]]:
+    """A session of `turns` turns; returns it, the seconds per turn and the conversation's messages."""
     tito = tito_tokenizer("qwen3", tokenizer)
     session = Session()
     messages: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
@@ -50,7 +50,7 @@ def run_session(tokenizer: Any, turns: int, output_len: int) -> tuple[Session, f
                        record={"request": {"max_tokens": output_len}, "response": response})
         elapsed += time.perf_counter() - started
         messages += [{"role": "assistant", "content": "y" * len(output)}, {"role": "tool", "content": "z" * 64}]
-    return session, elapsed / turns
+    return session, elapsed / turns, messages[:-1]
 
 
 def traced(build: Any) -> tuple[Any, int]:
@@ -76,17 +76,17 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(directory)
     print(f"{'turns':>6} {'tokens':>8} {'session MiB':>12} {'floor MiB':>10} {'ratio':>6} {'ms/turn':>8}")
     for turns in options.turns:
-        (session, per_turn), held = traced(lambda t=turns: run_session(tokenizer, t, options.output))
+        (session, per_turn, messages), held = traced(lambda t=turns: run_session(tokenizer, t, options.output))
         # The floor: the same token ids, messages and responses as plain data, nothing else.
-        _, floor_bytes = traced(lambda t=turns, s=session: _floor_data(s, t))
+        _, floor_bytes = traced(lambda t=turns, s=session, m=messages: _floor_data(s, t, m))
         assert assemble(session) is not None
         print(f"{turns:>6} {len(session.token_ids):>8} {held / 2**20:>12.2f} {floor_bytes / 2**20:>10.2f} "
               f"{held / floor_bytes:>6.2f} {per_turn * 1e3:>8.2f}")
 
 
-def _floor_data(session: Session, turns: int) -> list[Any]:
+def _floor_data(session: Session, turns: int, messages: list[dict[str, Any]]) -> list[Any]:
     output = list(session.turns[0].output_ids)
-    return [list(session.token_ids), [dict(m) for m in session.messages], [_response(output) for _ in range(turns)]]
+    return [list(session.token_ids), [dict(m) for m in messages], [_response(output) for _ in range(turns)]]
 
 
 if __name__ == "__main__":

@@ -47,5 +47,6 @@ def setup_logging(config: Config, run_dir: Path, *, log_name: str = "coordinator
     for handler in handlers:
         handler.addFilter(mask)
         root.addHandler(handler)
-    for noisy in ("httpx", "httpcore", "aiohttp"):
+    # one INFO line per request otherwise; "httpx2" is the anthropic SDK's client, which agents use
+    for noisy in ("httpx", "httpx2", "httpcore", "aiohttp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

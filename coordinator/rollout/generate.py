@@ -185,6 +185,9 @@ class DefaultRollout:
             self.partial_buffer = [self._resume(group) for group in stragglers]
         _in_submission_order(accepted)
         metrics = self._metrics(accepted, progress, time.monotonic() - started)
+        sessions = getattr(self.custom_generate.runtime, "sessions", None) if self.custom_generate else None
+        if sessions is not None:  # the session server's sessions a generate function left open
+            metrics["rollout/sessions_reaped"] = float(await sessions.reap(started))
         return RolloutBatch(rollout_id=rollout_id, groups=accepted, metrics=metrics)
 
     # ------------------------------------------------------------------------------------------------------

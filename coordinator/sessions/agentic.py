@@ -14,11 +14,15 @@ call, gives an ABORTED sample (logged: a raise as one terminal line and a count,
 generated again), never a sample without tokens — until `--hook-max-failures-in-a-row` episodes in a row failed
 so (a call past `--agent-timeout-s` included), which stops the run naming the agent, the count and the last error; a sync agent runs in a worker thread a stop signal
 does not wait for; otherwise the sample's tokens, loss mask, rollout logprobs,
-status and weight versions are the session's trajectory (`coordinator.sessions.trajectory.assemble`).
+status and weight versions are the session's trajectory (`coordinator.sessions.trajectory.assemble_all`): one
+sample per leaf of the session's message tree (a sub-agent or a compacted history branches it), each carrying the
+episode's metadata (so a reward the agent left there scores every leaf, as slime gives each leaf the episode's
+reward), `session_leaves` their count and `session_leaf` its place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from typing import Any
@@ -26,7 +30,7 @@ from typing import Any
 from coordinator.hooks.calls import HookBudgetSpent, HookEscaped, call_hook, current_bounds
 from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError, current_call
 from coordinator.lifecycle.failures import ContainedFailures
-from coordinator.sessions.trajectory import assemble
+from coordinator.sessions.trajectory import assemble_all
 from replay.sample import Sample, SampleStatus
 from workers.hook_loading import load_object
 
@@ -131,8 +135,8 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
             bounds.failed("agent", what, error)
     finally:
         await server.delete(session.id)
-    assembled = None if failed else assemble(session, max_seq_len=args.max_seq_len)
-    if assembled is None:
+    assembled = [] if failed else assemble_all(session, max_seq_len=args.max_seq_len)
+    if not assembled:
         if not failed:
             log.warning("agent session %s of sample %s/%s recorded no usable model call", session.id,
                         sample.group_index, sample.sample_index)
@@ -142,13 +146,18 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
     if returned is not None and not isinstance(returned, dict):
         raise HookError(f"{FLAG} {args.custom_agent_function_path!r} returned {type(returned).__name__}; "
                         "expected a dict (merged into the sample's metadata) or None")
-    sample.tokens = assembled.tokens
-    sample.response_length = assembled.response_length
-    sample.loss_mask = assembled.loss_mask
-    sample.rollout_log_probs = assembled.rollout_log_probs
-    sample.status = assembled.status
-    sample.weight_versions = assembled.weight_versions
     tokenizer = server.tito.tokenizer
-    sample.response = tokenizer.decode(assembled.tokens[len(assembled.tokens) - assembled.response_length:])
-    sample.metadata = {**(sample.metadata or {}), **(returned or {}), "session_turns": assembled.turns}
-    return GenerateFnOutput(samples=sample)
+    metadata = {**(sample.metadata or {}), **(returned or {}), "session_leaves": len(assembled)}
+    samples = []
+    for one in assembled:  # a branching episode gives one sample per leaf, each with the episode's metadata
+        out = sample if not samples else dataclasses.replace(sample)
+        out.tokens = one.tokens
+        out.response_length = one.response_length
+        out.loss_mask = one.loss_mask
+        out.rollout_log_probs = one.rollout_log_probs
+        out.status = one.status
+        out.weight_versions = one.weight_versions
+        out.response = tokenizer.decode(one.tokens[len(one.tokens) - one.response_length:])
+        out.metadata = {**metadata, "session_turns": one.turns, "session_leaf": one.leaf}
+        samples.append(out)
+    return GenerateFnOutput(samples=samples[0] if len(samples) == 1 else samples)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -40,7 +42,17 @@ from coordinator.engines.replies import check_chat_reply
 from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from coordinator.rollout.hook_endpoint import ENGINE_HEADER, guarded
 from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
-from coordinator.sessions.trajectory import Session, assemble
+from coordinator.sessions.trajectory import Session, SessionBounds, SessionFull, assemble_all
+from coordinator.sessions.wire_formats import (
+    MESSAGES_PATH,
+    RESPONSES_PATH,
+    FormatCall,
+    FormatError,
+    finished_turn,
+    messages_call,
+    responses_call,
+    stored_reply,
+)
 from workers.boundary.chat_requests import MAX_MESSAGE_BYTES, oversized_message, request_template
 from workers.boundary.engine_routes import agent_may_call
 from workers.boundary.errors import BoundaryError
@@ -48,10 +60,13 @@ from workers.boundary.http_gates import BodyTooLarge, HttpReply, read_body, repl
 from workers.boundary.http_guard import ServerLimits
 from workers.boundary.http_server import AppServer
 from workers.boundary.json_input import JsonLimits, decode_json_async
+from workers.engine.finished_turns import Turn as FinishedTurn
 
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "v1/chat/completions"
+#: the structured formats a session serves over the same turn core as chat completions
+FORMATS: dict[str, Callable[[Any, str], FormatCall]] = {MESSAGES_PATH: messages_call, RESPONSES_PATH: responses_call}
 
 
 def _json(body: Any) -> bytes:
@@ -89,7 +104,7 @@ class SessionServer(AppServer):
     def __init__(self, *, dispatcher: Dispatcher, tito: TitoTokenizer, matcher: Matcher, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, max_sessions: int = 65536,
                  max_body_bytes: int = 64 * 1024 * 1024, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, session_bounds: SessionBounds | None = None) -> None:
         super().__init__(host=host, port=port, limits=limits or ServerLimits())
         self.max_message_bytes = max_message_bytes
         self.dispatcher = dispatcher
@@ -99,6 +114,7 @@ class SessionServer(AppServer):
         self.tito = tito
         self.matcher = matcher
         self.max_sessions = max_sessions
+        self.session_bounds = session_bounds or SessionBounds()
         self.sessions: dict[str, Session] = {}
         # Straight to the engines whenever the run knows them, with a router too: sglang-router re-serialises
         # chat requests and drops SGLang's `input_ids` and `return_meta_info`, which token-in-token-out needs.
@@ -110,7 +126,7 @@ class SessionServer(AppServer):
         least loaded one."""
         if len(self.sessions) >= self.max_sessions:
             raise HttpReply(503, f"the session server holds its limit of {self.max_sessions} sessions")
-        session = Session()
+        session = Session(bounds=self.session_bounds)
         if self.direct:
             if engine is not None and getattr(engine, "alive", True):
                 session.engine = engine
@@ -124,7 +140,20 @@ class SessionServer(AppServer):
         session = self.sessions.get(session_id)
         if session is None or session.closed:
             raise HttpReply(404, f"session not found: session_id={session_id}")
+        session.touched = time.monotonic()
         return session
+
+    async def reap(self, idle_since: float) -> int:
+        """Delete the sessions no agent called since `idle_since` (a rollout's start, at its end): a session a
+        generate function opened and never closed. Their turns are dropped: a sample is what an agent asked
+        `/samples` (or the agentic generate) for. Returns how many."""
+        stale = [s.id for s in self.sessions.values() if s.touched < idle_since and not s.lock.locked()]
+        for session_id in stale:
+            if session_id in self.sessions:
+                await self.delete(session_id)
+        if stale:
+            log.warning("reaped %d session(s) left open since before the rollout began", len(stale))
+        return len(stale)
 
     async def delete(self, session_id: str) -> None:
         session = self.get(session_id)
@@ -142,7 +171,7 @@ class SessionServer(AppServer):
 
     async def _route(self, request: Request) -> Response:
         status, data, served_by = await self._respond(request)
-        kind = "text/event-stream" if data.startswith(b"data: ") else "application/json"
+        kind = "text/event-stream" if data.startswith((b"data: ", b"event: ")) else "application/json"
         return Response(data, status_code=status, media_type=kind,
                         headers={ENGINE_HEADER: served_by} if served_by else None)
 
@@ -168,6 +197,8 @@ class SessionServer(AppServer):
             return 200, _json(self._samples(self.get(session_id), await self._body(request))), None
         if rest == CHAT_PATH and method == "POST":
             return await self._chat(self.get(session_id), await self._body(request))
+        if rest in FORMATS and method == "POST":
+            return await self._format(self.get(session_id), await self._body(request), FORMATS[rest])
         session = self.get(session_id)
         if not agent_may_call("/" + rest, method):
             raise HttpReply(403, f"{method} /{rest}: an agent's session may call the engine's generation routes "
@@ -201,13 +232,13 @@ class SessionServer(AppServer):
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise HttpReply(400, f"max_seq_len must be a positive integer, got {limit!r}")
         try:
-            assembled = assemble(session, max_seq_len=limit)
+            assembled = assemble_all(session, max_seq_len=limit)
         except ValueError as error:
             raise HttpReply(422, str(error)) from None
-        if assembled is None:
+        if not assembled:
             reason = "no_records" if not session.turns else "all_truncated"
             return {"samples": [], "empty_reason": reason}
-        return {"samples": [vars(assembled) | {"status": assembled.status.value}], "empty_reason": None}
+        return {"samples": [vars(one) | {"status": one.status.value} for one in assembled], "empty_reason": None}
 
     # --- chat -----------------------------------------------------------------------------------------------
     def _check_chat(self, request: dict[str, Any] | None) -> None:
@@ -222,9 +253,35 @@ class SessionServer(AppServer):
                             "not bring its own ('chat_template' / chat_template_kwargs.chat_template)")
 
     async def _chat(self, session: Session, request: dict[str, Any]) -> tuple[int, bytes, str | None]:
-        self._check_chat(request)
         stream = bool(request.pop("stream", False))
         request.pop("stream_options", None)
+        response, url = await self._run_turn(session, request)
+        return 200, (_sse(response) if stream else _json(response)), url
+
+    async def _format(self, session: Session, body: dict[str, Any],
+                      build: Callable[[Any, str], FormatCall]) -> tuple[int, bytes, str | None]:
+        """A Messages or Responses request run as the session's chat turn and answered in its own format."""
+        try:
+            call = build(body, str(body.get("model") or "rayless"))
+        except FormatError as error:
+            raise HttpReply(400, str(error)) from None
+        turns: list[FinishedTurn] = []
+
+        def structured(response: dict[str, Any]) -> dict[str, Any]:
+            turns.append(finished_turn(response, call.tool_names, meta_info=call.meta_info))
+            return stored_reply(turns[-1])
+
+        _, url = await self._run_turn(session, call.chat_body, reply_of=structured)
+        if call.stream:
+            return 200, "".join([event async for event in call.events(turns[0])]).encode(), url
+        return 200, call.answer(turns[0]), url
+
+    async def _run_turn(self, session: Session, request: dict[str, Any],
+                        reply_of: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                        ) -> tuple[dict[str, Any], str]:
+        """One turn of the session: the prompt built from its tree, the engine's answer checked and recorded
+        (its assistant message as `reply_of` gives it, else the chat reply's message)."""
+        self._check_chat(request)
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise HttpReply(400, "'messages' must be a non-empty list of message objects")
@@ -236,8 +293,10 @@ class SessionServer(AppServer):
         async with session.lock:
             if session.closed:
                 raise HttpReply(404, f"session not found: session_id={session.id}")
+            if len(session.turns) >= session.bounds.max_turns:
+                raise HttpReply(413, f"the session holds its limit of {session.bounds.max_turns} turns")
             try:
-                request["input_ids"], kept = session.prompt_ids(messages, tools, self.tito, self.matcher)
+                request["input_ids"], mount = session.prompt_ids(messages, tools, self.tito, self.matcher)
             except SessionRequestError as error:
                 raise HttpReply(400, str(error)) from None
             response, url = await self._engine_call(session, "POST", CHAT_PATH, request)
@@ -250,9 +309,14 @@ class SessionServer(AppServer):
             del request["messages"]  # both kept once, in the session (`Session.describe` puts them back)
             record = {"method": "POST", "path": "/v1/chat/completions", "status_code": 200, "request": request,
                       "response": response}
-            session.record(kept=kept, prompt_ids=prompt_ids, messages=messages, record=record,
-                           **self._turn(response))
-        return 200, (_sse(response) if stream else _json(response)), url
+            fields = self._turn(response)
+            if reply_of is not None:
+                fields["reply"] = reply_of(response)
+            try:
+                session.record(kept=mount, prompt_ids=prompt_ids, messages=messages, record=record, **fields)
+            except SessionFull as error:
+                raise HttpReply(413, str(error)) from None
+        return response, url
 
     @staticmethod
     def _turn(response: dict[str, Any]) -> dict[str, Any]:

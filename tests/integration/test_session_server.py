@@ -2,7 +2,9 @@
 
 A session's calls all land on its engine (two sessions on two engines), its first prompt is the chat template's
 and each later one the stored ids plus only the appended messages; streamed answers are the recorded ones;
-a request that rewrites history is a 400 and is not recorded; other paths are proxied; the API key, unknown
+a request that rewrites history is a new branch of the session's tree, and the samples are one per leaf; the
+official `anthropic` and `openai` SDKs on the session's /v1/messages and /v1/responses, whole and streamed, record
+the engine's exact tokens and logprobs; other paths are proxied; the API key, unknown
 sessions and oversized bodies get 401 / 404 / 413; `/samples` gives the trajectory's fields; when a session's
 engine dies its next call is served by the other engine and the trajectory goes on; with a router, sessions
 still go straight to the engines; the agentic generate merges the agent's dict into the metadata and turns an
@@ -15,9 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import anyio
 import httpx
 import openai
@@ -105,20 +109,25 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
             third = (await http.get(f"/sessions/{ids[1]}")).json()["records"][-1]["response"]
             assert text == third["choices"][0]["message"]["content"]
 
-            # Rewriting history: 400, not recorded.
-            try:
-                await _chat(agents[1], [ASK[0], {"role": "assistant", "content": "not what it said"},
-                                        {"role": "user", "content": "x"}])
-                raise AssertionError("a rewritten history was accepted")
-            except openai.BadRequestError as error:
-                assert "do not continue the session" in str(error)
-            assert len((await http.get(f"/sessions/{ids[1]}")).json()["records"]) == 3
+            # Rewritten history (a compaction, a client's edit): a new branch of the session's tree, its prompt the
+            # template over its messages.
+            rewritten = [ASK[0], {"role": "assistant", "content": "not what it said"}, {"role": "user", "content": "x"}]
+            await _chat(agents[1], rewritten)
+            branched = (await http.get(f"/sessions/{ids[1]}")).json()["records"]
+            assert len(branched) == 4 and branched[3]["request"]["input_ids"] == tokenizer.encode(
+                tokenizer.apply_chat_template(rewritten, tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False)
 
-            # The trajectory as a sample: its first turn ended by length (max_tokens=4, ignore_eos), which ends
-            # the trajectory (miles' rule): the sample is that turn alone, truncated.
-            sample = (await http.post(f"/sessions/{ids[1]}/samples", json={})).json()["samples"][0]
-            assert sample["loss_mask"] == [1, 1, 1, 1] and sample["response_length"] == 4
-            assert sample["status"] == "truncated" and sample["turns"] == 1
+            # The trajectory as samples, one per leaf. The first turn ended by length (max_tokens=4, ignore_eos),
+            # which ends that branch's trajectory (miles' rule): its sample is that turn alone, truncated; the
+            # rewritten branch is a sample of its own.
+            samples = (await http.post(f"/sessions/{ids[1]}/samples", json={})).json()["samples"]
+            assert len(samples) == 2
+            assert samples[0]["loss_mask"] == [1, 1, 1, 1] and samples[0]["response_length"] == 4
+            assert samples[0]["status"] == "truncated" and samples[0]["turns"] == 1
+            out4 = [p[1] for p in branched[3]["response"]["choices"][0]["meta_info"]["output_token_logprobs"]]
+            assert samples[1]["tokens"] == branched[3]["request"]["input_ids"] + out4
+            assert samples[1]["loss_mask"] == [1] * len(out4)
 
             models = await agents[0].models.list()  # proxied to the session's engine
             assert models.data[0].id == str(tiny_model_dir)
@@ -129,6 +138,22 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
             long = await http.post(f"/sessions/{ids[0]}/v1/chat/completions",
                                    json={"messages": [{"role": "user", "content": "y" * 5000}]})
             assert long.status_code == 413 and "messages[0]" in long.json()["error"]["message"]
+            # Hostile bodies on the structured formats: the formats' own 400s naming the field, the shared 413.
+            for path, body, words in (
+                ("v1/messages", {"messages": "x"}, "'messages'"),
+                ("v1/messages", {"model": "m", "max_tokens": 0, "messages": ASK}, "max_tokens"),
+                ("v1/messages", {"model": "m", "max_tokens": 2, "messages": [*ASK, {"role": "assistant",
+                                                                                    "content": "3"}]}, "prefill"),
+                ("v1/messages", {"model": "m", "max_tokens": 2, "messages": [
+                    {"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+                ("v1/responses", {"input": 5}, "'input'"),
+                ("v1/responses", {"input": "x", "previous_response_id": "r"}, "previous_response_id"),
+            ):
+                answer = await http.post(f"/sessions/{ids[0]}/{path}", json=body)
+                assert answer.status_code == 400 and words in answer.json()["error"]["message"], (path, answer.text)
+            huge = await http.post(f"/sessions/{ids[0]}/v1/messages", json={
+                "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "y" * 5000}]})
+            assert huge.status_code == 413 and "messages[0]" in huge.json()["error"]["message"]
             host, port = server.host, server.port
             declared = await anyio.to_thread.run_sync(lambda: first_reply(host, port, DECLARED_2GB, timeout=10))
             assert declared.startswith(b"HTTP/1.1 413"), declared[:200]
@@ -136,6 +161,7 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
                 refused = await http.post(f"/sessions/{ids[0]}/v1/chat/completions", json={"messages": ASK, **own})
                 assert refused.status_code == 400 and "chat template" in refused.json()["error"]["message"]
             await _drill(http, fleet, tiny_model_dir)
+            await _structured_formats(server, http)
 
             # The engine of session 0 dies: its next call is served by the other engine, the trajectory goes on.
             dead = next(h for h in fleet.engines if h.name in served[0])
@@ -185,6 +211,28 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
                 assert out.metadata["task"] == "sum" and out.metadata["tool_output"] == "3"
                 assert out.loss_mask[0] == 1 and out.loss_mask[-1] == 1 and sum(out.loss_mask) == 2
                 assert out.metadata["session_turns"] == 2
+
+        # Agents whose conversation branches (examples/harness_agents/branching_agents.py): a sub-agent in the same
+        # session, a compacted history; one sample per leaf, each masking exactly its own generated tokens.
+        for agent_path, leaves in (("with_sub_agent", [2, 1]), ("compacting", [2, 2])):
+            args = argparse.Namespace(
+                custom_agent_function_path=f"examples.harness_agents.branching_agents.{agent_path}",
+                max_seq_len=None, _rayless_runtime=runtime)
+            out = (await generate(GenerateFnInput(state=None, sample=Sample(prompt=ASK), sampling_params=params,
+                                                  evaluation=False, args=args))).samples
+            assert isinstance(out, list) and [s.metadata["session_turns"] for s in out] == leaves, agent_path
+            assert [sum(s.loss_mask) for s in out] == leaves  # one generated token a turn (every token stops)
+            assert all(s.metadata["session_leaves"] == 2 and s.status is SampleStatus.COMPLETED for s in out)
+            assert [s.metadata["session_leaf"] for s in out] == [0, 1] and not routed.sessions
+
+        # A session a generate function opened and never closed is reaped at the end of a rollout it idled
+        # through; one called since the rollout began is left.
+        left, busy = await routed.create(), await routed.create()
+        began = time.monotonic()
+        routed.get(busy.id)
+        assert await routed.reap(began) == 1 and list(routed.sessions) == [busy.id]
+        await routed.delete(busy.id)
+        assert left.closed
 
         # Bounded (docs/hooks.md#bounds-on-user-code): an agent that hangs (async, or sync in its thread) is
         # ended at --agent-timeout-s, one that never calls the model gives nothing to train on; each is a failed
@@ -279,6 +327,69 @@ async def _drill(http: httpx.AsyncClient, fleet: EngineFleet, model_dir: Path) -
         assert (await direct.post("/generate", json=probe, headers=AUTH)).status_code == 200
         assert (await direct.post("/generate", json=probe,
                                   headers={"Authorization": f"Bearer {ADMIN}"})).status_code == 401
+
+
+async def _greedy_turns_are_the_engines(http: httpx.AsyncClient, session: str) -> list[dict[str, Any]]:
+    """Each recorded turn of a greedy session: its output ids and logprobs are what the session's engine generates
+    for the recorded prompt ids (SGLang's /generate, through the session's proxy)."""
+    records = (await http.get(f"/sessions/{session}")).json()["records"]
+    for record in records:
+        pairs = record["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
+        again = (await http.post(f"/sessions/{session}/generate", json={
+            "input_ids": record["request"]["input_ids"], "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": record["request"]["max_tokens"]}})).json()
+        assert again["output_ids"] == [p[1] for p in pairs]
+        assert all(abs(a[0] - b[0]) <= 1e-6 for a, b in zip(again["meta_info"]["output_token_logprobs"], pairs,
+                                                            strict=True))
+    return records
+
+
+async def _structured_formats(server: SessionServer, http: httpx.AsyncClient) -> None:
+    """The official `anthropic` SDK on /v1/messages and `openai` on /v1/responses, each in its own session, whole
+    then streamed with the history sent back: each turn recorded with the engine's own tokens and logprobs, the
+    second prompt the first turn's exact ids plus only the new messages (the reply stored as the client sends it
+    back), the stream's text the recorded answer's."""
+    tools = [{"name": "add", "description": "adds", "input_schema": {"type": "object",
+                                                                      "properties": {"a": {"type": "number"}}}}]
+    sid = (await http.post("/sessions")).json()["session_id"]
+    async with anthropic.AsyncAnthropic(base_url=f"{server.url}/sessions/{sid}", auth_token=KEY,
+                                        max_retries=0) as claude:
+        ask: list[Any] = [{"role": "user", "content": "1+2"}]
+        # (this SDK dropped `temperature` from its signature; SGLang's Messages route still reads it)
+        first = await claude.messages.create(model="m", max_tokens=3, system="be brief", messages=ask, tools=tools,
+                                             extra_body={"temperature": 0.0, "return_meta_info": True})
+        assert first.stop_reason in ("max_tokens", "end_turn") and first.usage.output_tokens >= 1
+        history = [*ask, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "3"}]}]
+        async with claude.messages.stream(model="m", max_tokens=3, system="be brief", messages=history,
+                                          tools=tools, extra_body={"temperature": 0.0}) as stream:
+            streamed = await stream.get_final_message()
+    records = await _greedy_turns_are_the_engines(http, sid)
+    (p1, p2) = (r["request"]["input_ids"] for r in records)
+    out1 = [p[1] for p in records[0]["response"]["choices"][0]["meta_info"]["output_token_logprobs"]]
+    assert p2[:len(p1) + len(out1)] == p1 + out1 and len(records[0]["request"]["tools"]) == 1
+    assert first.model_extra["meta_info"]["output_token_logprobs"] == \
+        records[0]["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
+    assert "".join(b.text for b in streamed.content if b.type == "text") == \
+        records[1]["response"]["choices"][0]["message"]["content"]
+
+    sid = (await http.post("/sessions")).json()["session_id"]
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/sessions/{sid}/v1", api_key=KEY, max_retries=0) as gpt:
+        whole = await gpt.responses.create(model="m", input="1+2", instructions="be brief", max_output_tokens=3,
+                                           temperature=0.0)
+        items = [{"role": "user", "content": "1+2"}, *[item.model_dump(exclude_none=True) for item in whole.output],
+                 {"role": "user", "content": "more"}]
+        events = [event async for event in await gpt.responses.create(
+            model="m", input=items, instructions="be brief", max_output_tokens=3, temperature=0.0, stream=True)]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    records = await _greedy_turns_are_the_engines(http, sid)
+    (p1, p2) = (r["request"]["input_ids"] for r in records)
+    out1 = [p[1] for p in records[0]["response"]["choices"][0]["meta_info"]["output_token_logprobs"]]
+    assert p2[:len(p1) + len(out1)] == p1 + out1
+    assert whole.output_text == records[0]["response"]["choices"][0]["message"]["content"]
+    assert events[-1].response.output_text == records[1]["response"]["choices"][0]["message"]["content"]
+    samples = (await http.post(f"/sessions/{sid}/samples", json={})).json()["samples"]
+    assert len(samples) == 1 and samples[0]["tokens"][:len(p1)] == p1
 
 
 def _continue(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

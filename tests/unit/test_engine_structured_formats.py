@@ -13,11 +13,12 @@ import pydantic
 import pytest
 
 from workers.engine.anthropic_protocol import messages_request
-from workers.engine.anthropic_routes import message, stop_reason
-from workers.engine.assistant_turns import Turn
+from workers.engine.anthropic_replies import message, stop_reason
+from workers.engine.finished_turns import Turn
 from workers.engine.openai_protocol import chat_request
 from workers.engine.responses_protocol import responses_request
-from workers.engine.responses_routes import ResponsesRoutes, _output, response_object
+from workers.engine.responses_replies import output, response_object
+from workers.engine.responses_routes import ResponsesRoutes
 from workers.engine.sampling_params import RequestError
 from workers.engine.tool_call_text import ParsedCall, assistant_turn, sendable, split_tool_calls
 
@@ -224,13 +225,13 @@ def test_bad_responses_bodies_name_the_field(body: Any, words: str) -> None:
 def test_the_response_as_the_sdk_parses_it() -> None:
     spec = responses_request({"input": "x", "tools": [{"type": "function", "name": "add"}]}, "m")
     done = turn("Adding.", [ParsedCall("add", {"a": 1})], finish="stop")
-    parsed = openai.types.responses.Response.model_validate(response_object(spec, "resp_1", 0, done, _output(done)))
+    parsed = openai.types.responses.Response.model_validate(response_object(spec, "resp_1", 0, done, output(done)))
     assert parsed.status == "completed" and parsed.output_text == "Adding."
     call = parsed.output[1]
     assert call.type == "function_call" and call.name == "add" and json.loads(call.arguments) == {"a": 1}
     assert parsed.usage.total_tokens == 10
     cut = turn("Add", finish="length")
-    parsed = openai.types.responses.Response.model_validate(response_object(spec, "resp_2", 0, cut, _output(cut)))
+    parsed = openai.types.responses.Response.model_validate(response_object(spec, "resp_2", 0, cut, output(cut)))
     assert parsed.status == "incomplete" and parsed.incomplete_details.reason == "max_output_tokens"
 
 

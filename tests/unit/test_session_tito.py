@@ -1,7 +1,7 @@
 """The session server's token-in-token-out rules on the tiny model's tokenizer (a Qwen-style chat template):
 the `qwen3` family reproduces the template's own ids when a turn ends at `<|im_end|>`, `default` keeps exactly
 the generated ids; the matchers; and how a session's turns become one sample (mask, logprobs, the first
-non-`stop` turn ending it, `max_seq_len`, retries, rewritten history)."""
+non-`stop` turn ending it, `max_seq_len`, retries and rewritten history as branches)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from coordinator.sessions.tito import (
     strict_matches,
     tito_tokenizer,
 )
-from coordinator.sessions.trajectory import Session, assemble
+from coordinator.sessions.trajectory import Session, assemble, assemble_all
 from replay.sample import SampleStatus
 
 ASK = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2"}]
@@ -95,18 +95,21 @@ def test_the_first_turn_not_ending_in_stop_ends_the_trajectory(tokenizer: Any) -
     assert sample is not None and sample.turns == 1 and sample.loss_mask == [1, 1]
 
 
-def test_retries_roll_back_and_rewritten_history_is_refused(tokenizer: Any) -> None:
+def test_retries_branch_and_appended_assistants_render_afresh(tokenizer: Any) -> None:
     session = Session()
     _turn(session, tokenizer, "default", ASK, "ab")
-    _turn(session, tokenizer, "default", ASK, "xy")  # the same first request again: a retry
-    assert len(session.turns) == 1 and session.messages[-1]["content"] == "xy"
-    with pytest.raises(SessionRequestError, match="do not continue the session"):
-        _turn(session, tokenizer, "default", [*ASK, {"role": "assistant", "content": "zz"},
-                                              {"role": "user", "content": "?"}], "1")
-    with pytest.raises(SessionRequestError, match="roles"):
-        _turn(session, tokenizer, "default", [*ASK, {"role": "assistant", "content": "xy"},
-                                              {"role": "assistant", "content": "?"}], "1")
-    assert assemble(Session()) is None
+    retry, _, _ = _turn(session, tokenizer, "default", ASK, "xy")  # the same first request again: a sibling leaf
+    assert len(session.turns) == 2 and session.leaves() == 2 and retry == _template(tokenizer, ASK)
+    # history with an assistant message this session never generated: the template over all of it, a new branch
+    foreign = [*ASK, {"role": "assistant", "content": "xy"}, {"role": "assistant", "content": "?"}]
+    prompt, output, _ = _turn(session, tokenizer, "default", foreign, "1")
+    assert prompt == _template(tokenizer, foreign) and session.leaves() == 2  # it hangs below the "xy" answer
+    first, second = assemble_all(session)
+    assert sum(first.loss_mask) == len(tokenizer.encode("ab", add_special_tokens=False))
+    # "xy" and "1" in one sample: the fresh render of its history extends the "xy" turn's exact ids
+    xy = tokenizer.encode("xy", add_special_tokens=False)
+    assert second.tokens == prompt + output and sum(second.loss_mask) == len(xy) + len(output)
+    assert second.turns == 2 and assemble(Session()) is None
 
 
 def test_matchers() -> None:

@@ -18,6 +18,10 @@ Owns nothing itself; it wires the modules below. The HTTP contract is in docs/en
   `memory_routes` (release/resume), `weight_routes` (weight updates and weight-update groups)
 - `openai_routes`, `openai_protocol`, `openai_render`: the OpenAI-compatible `/v1/chat/completions`,
   `/v1/completions` and `/v1/models` (requests mapped onto /generate's validation; SGLang's response shapes)
+- `anthropic_routes` / `anthropic_protocol` / `anthropic_replies` and `responses_routes` / `responses_protocol` /
+  `responses_replies`: Anthropic's `/v1/messages` and OpenAI's `/v1/responses` as chat turns (`assistant_turns`);
+  the protocol and reply modules, with `finished_turns` and `tool_call_text`, import no torch (the coordinator's
+  session server answers in the same shapes)
 - weight-update groups (SGLang's `init_custom_process_group`, its receive loop, the flattened-bucket layout)
   live in `workers.shared_torch.weight_group`, shared with the trainer's sender
 

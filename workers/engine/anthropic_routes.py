@@ -16,17 +16,15 @@ a requested stop string ended it, `max_tokens` when the length did, `end_turn` o
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from workers.engine.anthropic_protocol import MessagesSpec, messages_request
-from workers.engine.assistant_turns import Started, Turn, TurnRunner
+from workers.engine.anthropic_replies import message, message_events
+from workers.engine.assistant_turns import Started, TurnRunner
 from workers.engine.http_input import read_json
 from workers.engine.openai_routes import EngineCore
 from workers.engine.sampling_params import RequestError
@@ -35,63 +33,6 @@ from workers.engine.sequences import MemoryReleasedError
 
 def anthropic_error(message: str, status: int = 400, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
-
-
-def stop_reason(turn: Turn, spec: MessagesSpec) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished turn."""
-    if turn.calls:
-        return "tool_use", None
-    if turn.finish == "length":
-        return "max_tokens", None
-    if turn.finish == "stop" and isinstance(turn.matched, str) and turn.matched in spec.stop_sequences:
-        return "stop_sequence", turn.matched
-    return "end_turn", None
-
-
-def usage(turn: Turn) -> dict[str, Any]:
-    return {
-        "input_tokens": turn.prompt_tokens,
-        "output_tokens": turn.output_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
-    }
-
-
-def tool_blocks(turn: Turn) -> list[dict[str, Any]]:
-    return [
-        {
-            "type": "tool_use",
-            "id": f"toolu_{uuid.uuid4().hex[:24]}",
-            "name": call.name,
-            "input": call.arguments,
-        }
-        for call in turn.calls
-    ]
-
-
-def message(turn: Turn, spec: MessagesSpec) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
-    if turn.text or not turn.calls:
-        content.append({"type": "text", "text": turn.text})
-    content += tool_blocks(turn)
-    reason, sequence = stop_reason(turn, spec)
-    body: dict[str, Any] = {
-        "id": f"msg_{turn.id}",
-        "type": "message",
-        "role": "assistant",
-        "model": spec.model,
-        "content": content,
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": usage(turn),
-    }
-    if turn.meta_info is not None:
-        body["meta_info"] = turn.meta_info  # SGLang's extension: token in / token out, as the chat route's
-    return body
-
-
-def _event(name: str, data: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
 
 
 class AnthropicRoutes:
@@ -133,55 +74,9 @@ class AnthropicRoutes:
 
     async def _events(self, spec: MessagesSpec, started: Started) -> AsyncIterator[str]:
         try:
-            start = {
-                "id": f"msg_{started.seq.public_id}",
-                "type": "message",
-                "role": "assistant",
-                "model": spec.model,
-                "content": [],
-                "stop_reason": None,
-                "stop_sequence": None,
-                "usage": {"input_tokens": len(started.seq.prompt_ids), "output_tokens": 0},
-            }
-            yield _event("message_start", {"message": start})
-            index, text_open = 0, False
-            async for item in self.turns.deltas(started):
-                if isinstance(item, str):
-                    if not text_open:
-                        yield _event(
-                            "content_block_start",
-                            {"index": index, "content_block": {"type": "text", "text": ""}},
-                        )
-                        text_open = True
-                    yield _event(
-                        "content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": item}}
-                    )
-                    continue
-                turn = item
-                if not text_open and not turn.calls:  # the whole reply's content: one (empty) text block
-                    yield _event(
-                        "content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}}
-                    )
-                    text_open = True
-                if text_open:
-                    yield _event("content_block_stop", {"index": index})
-                    index += 1
-                for block in tool_blocks(turn):
-                    yield _event(
-                        "content_block_start", {"index": index, "content_block": {**block, "input": {}}}
-                    )
-                    partial = json.dumps(block["input"])
-                    yield _event(
-                        "content_block_delta",
-                        {"index": index, "delta": {"type": "input_json_delta", "partial_json": partial}},
-                    )
-                    yield _event("content_block_stop", {"index": index})
-                    index += 1
-                reason, sequence = stop_reason(turn, spec)
-                yield _event(
-                    "message_delta",
-                    {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(turn)},
-                )
-                yield _event("message_stop", {})
+            events = message_events(spec, f"msg_{started.seq.public_id}", len(started.seq.prompt_ids),
+                                    self.turns.deltas(started))
+            async for item in events:
+                yield item
         finally:
             self.turns.abort(started)

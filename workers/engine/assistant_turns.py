@@ -20,25 +20,11 @@ from typing import Any
 
 from starlette.requests import Request
 
+from workers.engine.finished_turns import Turn
 from workers.engine.openai_protocol import chat_request
 from workers.engine.openai_routes import EngineCore, OpenAIRoutes
 from workers.engine.sequences import Seq
-from workers.engine.tool_call_text import ParsedCall, assistant_turn, sendable
-
-
-@dataclass
-class Turn:
-    """A finished turn: `text` is what the model wrote after any prefill, without call markup when calls were
-    found; `finish` the engine's finish type (`stop`, `length`, `abort`), `matched` its matched stop."""
-
-    id: str
-    text: str
-    calls: list[ParsedCall]
-    finish: str | None
-    matched: Any
-    prompt_tokens: int
-    output_tokens: int
-    meta_info: dict[str, Any] | None
+from workers.engine.tool_call_text import assistant_turn, sendable
 
 
 @dataclass

@@ -10,8 +10,9 @@ items: messages (`role` user / system / developer — as system — / assistant;
 / `output_text` parts), `function_call` items → the preceding assistant message's OpenAI `tool_calls` (a new
 assistant message when there is none), `function_call_output` items → `tool` messages, `reasoning` items
 dropped; `tools` (function tools) → OpenAI function tools given to the chat template; `max_output_tokens` →
-`max_tokens`; `temperature`, `top_p` as they are; SGLang's `return_meta_info` (with the output logprobs) and
-`seed` through.
+`max_tokens`; `temperature`, `top_p` as they are; SGLang's `return_meta_info` (with the output logprobs), `seed`
+and its ResponsesRequest sampling extras (`stop`, `top_k`, `min_p`, `repetition_penalty`, `frequency_penalty`,
+`presence_penalty`) through.
 
 Invariants: every rejection is a `RequestError` naming the field (SGLang's 400 `ErrorResponse`);
 `previous_response_id` and `conversation` are refused (the engine stores no responses: send the whole input),
@@ -186,7 +187,9 @@ def responses_request(body: Any, default_model: str) -> ResponsesSpec:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise RequestError(f"'max_output_tokens' must be a positive integer, got {show(limit)}")
         chat["max_tokens"] = spec.max_output_tokens = limit
-    for key in ("temperature", "top_p", "seed"):
+    # SGLang's ResponsesRequest sampling extras too (stop, top_k, min_p, the penalties): the chat route checks them
+    for key in ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                "presence_penalty"):
         if body.get(key) is not None:
             chat[key] = body[key]
     spec.temperature, spec.top_p = body.get("temperature"), body.get("top_p")
