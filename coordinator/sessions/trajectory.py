@@ -5,8 +5,8 @@ goes in the tree and what its prompt ids extend), and `assemble` (the tree → t
 
 How a request is routed: its messages are walked down the tree from the root, each matched against a child by the
 session's message matcher (`--session-message-matcher`); the deepest generated assistant turn on the matched
-path is the *anchor*. When everything after the anchor is new messages of a role the TITO family appends (user,
-tool, system, developer; user and tool for some families), the prompt is the anchor's exact ids followed by the ids the template adds for those messages (token
+path is the *anchor*. When everything after the anchor is new messages of an appendable role (user, tool, system,
+developer; a TITO family that narrows them refuses the others with miles' error), the prompt is the anchor's exact ids followed by the ids the template adds for those messages (token
 in, token out: nothing generated is re-tokenised). Otherwise — a sub-agent with its own conversation, a compacted
 history, a client that rewrote or replayed an assistant message, a retry — the prompt is the chat template over
 all its messages, and the turn hangs in a new branch. Unmatched messages are mounted below the match as routing
@@ -43,7 +43,7 @@ from typing import Any
 
 import anyio
 
-from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
+from coordinator.sessions.tito import ALLOWED_APPEND_ROLES, Matcher, SessionRequestError, TitoTokenizer
 from replay.sample import FINISH_STATUS, SampleStatus
 
 #: slime's default: a drifted answer this long forks instead of being realigned or merged away
@@ -219,7 +219,8 @@ class Session:
             anchor = path[anchor_at] if anchor_at is not None else node
         if demote is None and anchor_at is not None:
             after = messages[anchor_at + 1:]
-            if after and all(m.get("role") in tito.append_roles for m in after):
+            # a family that narrows the roles (qwen35: user and tool) refuses the others here, as miles does
+            if after and all(m.get("role") in ALLOWED_APPEND_ROLES for m in after):
                 assert anchor.turn is not None and anchor.message is not None
                 appended = tito.appended_ids(anchor.message, after, tools)
                 return tito.merge(stored if stored is not None else anchor.turn.ids(), appended), \
