@@ -18,6 +18,7 @@ from coordinator.config.eval_rules import EVAL_FLEET_RULES
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 from coordinator.config.sft_rules import SFT_RULES
+from coordinator.config.sglang_file import sglang_config_maps
 from workers.boundary.exposure import exposure_problem
 
 if TYPE_CHECKING:
@@ -304,6 +305,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     *SFT_RULES,  # before the engine rules: an SFT run's refusal says why engines cannot mean anything in it
     generation_needs_engines,
     router_needs_engines,
+    sglang_config_maps,
     generation_needs_num_rollout,
     generation_needs_batch_size,
     default_rollout_needs_prompts,
