@@ -248,7 +248,9 @@ def eval_fleet_generates_without_hooks(config: Config) -> None:
             else "--eval-function-path" if config.rollout.eval_function_path is not None else None)
     if hook is not None:
         warnings.warn(f"{hook} runs on the rollout engines; the dedicated eval fleet "
-                      "(--eval-num-engines/--eval-num-gpus) evaluates with the built-in single-turn request code",
+                      "(--eval-num-engines/--eval-num-gpus) evaluates with the built-in single-turn request code"
+                      + (" (a CheckpointEvalFn there is refused at start-up: it is an eval backend of its own, "
+                         "as in miles)" if hook == "--eval-function-path" else ""),
                       ConfigWarning, stacklevel=3)
 
 
