@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.config.fields import ConfigError
+from coordinator.config.fields import ConfigError, convert
 
 FLAG = "--megatron-config-path"
 ROLES = ("actor", "critic")
@@ -114,7 +114,6 @@ def read_roles(path: str) -> dict[str, dict[str, Any]]:
 def apply_megatron_config(values: dict[str, Any], path: str) -> tuple[dict[str, Any], RoleOverrides]:
     """`values` (converted flags by field name) with the file's role overrides applied, and what it did."""
     from coordinator.config.flags import FLAGS
-    from coordinator.config.parser import file_value
     from coordinator.config.upstream import upstream_rows
 
     source = f"{FLAG} {path}"
@@ -138,7 +137,7 @@ def apply_megatron_config(values: dict[str, Any], path: str) -> tuple[dict[str, 
             target = name if role == "actor" else (name if name.startswith("critic_") else f"critic_{name}")
             row = rows.get("--" + target.replace("_", "-"))
             if target in FLAGS:
-                values[target] = file_value(FLAGS[target][1], raw, where)
+                values[target] = _value(FLAGS[target][1], raw, where)
                 if FLAGS[target][0] == "megatron":  # accepted and not used, as on the command line
                     unused.append(f"{role}.{key}")
                 else:
@@ -159,6 +158,13 @@ def apply_megatron_config(values: dict[str, Any], path: str) -> tuple[dict[str, 
                                   "tensor_model_parallel_size")
     return values, RoleOverrides(source=source, set_flags=tuple(set_flags), unused=tuple(unused),
                                  placement=tuple(placement), skipped_critic="critic" in roles and not trains_critic)
+
+
+def _value(spec: Any, raw: Any, where: str) -> Any:
+    """The flag's value from YAML, through the flag's own converter; null is no value (as in `--config`)."""
+    if raw is None:
+        raise ConfigError(f"{where}: null is not a value for {spec.flag}; omit the key to keep the flag's value")
+    return convert(spec, raw, where)
 
 
 def _megatron_ignored(name: str, rows: Mapping[str, Any]) -> bool:

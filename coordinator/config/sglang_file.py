@@ -280,12 +280,21 @@ def _resolve(entry: ModelEntry, source: str, *, default_per_engine: int, on_cpu:
     return tuple(groups)
 
 
+def argv_groups(argv: Sequence[str]) -> list[list[str]]:
+    """`--flag value ...` groups of a passthrough argv (a token not starting with `--` is a value)."""
+    groups: list[list[str]] = []
+    for token in argv:
+        if token.startswith("--") or not groups:
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    return groups
+
+
 def _layered(base: Sequence[str], top: Sequence[str]) -> tuple[str, ...]:
     """`base` overrides (the eval fleet's `--eval-sglang-*`) under `top` (the YAML group's): a flag of `top`
     replaces the one of `base`; `--no-X` of `top` is kept, so it still drops an inherited `--sglang-X` later
     (`spec.override_args`)."""
-    from coordinator.engines.spec import argv_groups
-
     names = {group[0] for group in argv_groups(top)}
     names |= {"--" + name[len("--no-"):] for name in names if name.startswith("--no-")}
     kept = [group for group in argv_groups(base) if group[0] not in names]

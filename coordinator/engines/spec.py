@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coordinator.config.sglang_file import argv_groups
+
 if TYPE_CHECKING:
     from coordinator.config import ClusterConfig, SglangConfig
 
@@ -190,17 +192,6 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
     return EngineLaunchSpec(kind=backend, model_path=model_path, api_key=sglang.sglang_api_key,
                             admin_api_key=sglang.sglang_admin_api_key,
                             extra_args=tuple(extra), env=env, port=port, tp_size=tp_size)
-
-
-def argv_groups(argv: Sequence[str]) -> list[list[str]]:
-    """`--flag value ...` groups of a passthrough argv (a token not starting with `--` is a value)."""
-    groups: list[list[str]] = []
-    for token in argv:
-        if token.startswith("--") or not groups:
-            groups.append([token])
-        else:
-            groups[-1].append(token)
-    return groups
 
 
 def override_args(base: Sequence[str], overrides: Sequence[str]) -> list[str]:
