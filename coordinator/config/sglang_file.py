@@ -21,7 +21,7 @@ arguments on top of the inherited `--sglang-*` ones (the eval model: on top of `
 `--eval-num-engines`) a group's `num_gpus` counts engines, as those flags stand in for the GPU counts.
 
 Invariants: what rayless cannot do is refused naming the file and the key (`sglang[0].server_groups[1].
-worker_type: prefill ...`), never ignored — prefill/decode and placeholder groups, a second (frozen) model,
+worker_type: prefill ...`), never ignored — prefill/decode, encoder and placeholder groups, a second (frozen) model,
 a group size other than its fleet's engine size, an override of what rayless itself puts on an engine's
 command line (`tp_size`, `port`, `api_key`, SGLang's own `config` file, ...); an override never reaches a
 command line as a secret (`api_key`-like keys are refused: the keys have their flags, which keep them in a
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 FLAG = "--sglang-config"
 MAX_FILE_BYTES = 1 << 20
-WORKER_TYPES = ("regular", "prefill", "decode", "placeholder")
+WORKER_TYPES = ("regular", "prefill", "decode", "placeholder", "encoder")  # encoder: slime's (EPD)
 _MODEL_KEYS = ("name", "model_path", "num_gpus_per_engine", "server_groups", "engine_groups", "update_weights")
 _GROUP_KEYS = ("worker_type", "num_gpus", "num_gpus_per_engine", "overrides")
 #: `overrides` keys rayless puts on the command line itself: refused, with what to use instead.
@@ -180,6 +180,9 @@ def _read_group(raw: Any, source: str, where: str) -> tuple[str, int, int | None
     if worker_type in ("prefill", "decode"):
         raise _fail(source, f"{where}.worker_type", f"{worker_type}: prefill/decode disaggregation is not in "
                     "rayless (its engines each serve whole requests): use worker_type regular")
+    if worker_type == "encoder":
+        raise _fail(source, f"{where}.worker_type", "encoder: slime's separate multimodal encoder servers (EPD) are "
+                    "not in rayless (its engines serve text prompts whole)")
     if worker_type == "placeholder":
         raise _fail(source, f"{where}.worker_type", "placeholder: reserved GPU slots without engines are not in "
                     "rayless (its plan places engines on consecutive GPUs): drop the group and lower the sizes")

@@ -124,6 +124,8 @@ def test_cpu_engines_count_num_gpus_as_engines(tmp_path: Path) -> None:
      r"sglang\[0\].server_groups\[0\].worker_type: prefill: prefill/decode disaggregation is not in rayless"),
     ("sglang:\n  - name: a\n    server_groups: [{worker_type: placeholder, num_gpus: 1}]\n", (),
      r"server_groups\[0\].worker_type: placeholder: reserved GPU slots"),
+    ("sglang:\n  - name: a\n    server_groups: [{worker_type: encoder, num_gpus: 1}]\n", (),
+     r"server_groups\[0\].worker_type: encoder: slime's separate multimodal encoder"),
     ("sglang:\n  - name: a\n    server_groups: [{worker_type: regular, num_gpus: 1}]\n"
      "  - name: ref\n    model_path: /ref\n    update_weights: false\n"
      "    server_groups: [{worker_type: regular, num_gpus: 1}]\n", (),
