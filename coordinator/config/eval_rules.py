@@ -61,10 +61,13 @@ def eval_fleet_is_not_in_a_debug_mode(config: Config) -> None:
                           "debug_train_only/debug_rollout_only (miles' rule); drop one")
 
 
-def eval_fleet_flags_need_a_fleet(config: Config) -> None:
+def eval_fleet_flags_need_a_fleet(config: Config, *, checkpoint_eval_fn: bool | None = None) -> None:
+    """The fleet's own flags without a fleet have no effect — except beside a CheckpointEvalFn, which uses the
+    snapshot ones; whether the `--eval-function-path` is one is known once it is imported (`checks.preflight`
+    calls this again with `checkpoint_eval_fn`)."""
     names = ("eval_hf_dir", "eval_keep_snapshots", "eval_overflow_policy", "eval_num_gpus_per_engine")
-    if config.rollout.eval_function_path is not None:  # a CheckpointEvalFn uses them too (read at preflight)
-        names = ("eval_num_gpus_per_engine",)
+    if config.rollout.eval_function_path is not None and checkpoint_eval_fn is not False:
+        names = ("eval_num_gpus_per_engine",) if checkpoint_eval_fn is None else ()
     given = [f"--{name.replace('_', '-')}" for name in names if name in config.given]
     if given and not _fleet_asked(config):
         warnings.warn(f"{' / '.join(given)}: no effect without a dedicated eval fleet ({FLEET_FLAGS})",

@@ -58,3 +58,10 @@ def test_beside_the_eval_fleet_it_is_refused_as_miles_does() -> None:
     with pytest.raises(ConfigError, match="--eval-num-gpus and a CheckpointEvalFn --eval-function-path each "
                                           "select an eval backend"):
         check_hooks(config)
+
+
+def test_snapshot_flags_beside_a_rollout_style_eval_function_warn_that_they_do_nothing() -> None:
+    config = parse_config([*BASE[:-1], "tests.support.miles_rollout_fns:VerifiersShapedRolloutFn",
+                           "--rollout-num-engines", "1", "--eval-interval", "1", "--eval-hf-dir", "/tmp/e"])
+    with pytest.warns(ConfigWarning, match="--eval-hf-dir: no effect without a dedicated eval fleet"):
+        check_hooks(config)
