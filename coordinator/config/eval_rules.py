@@ -65,9 +65,11 @@ def eval_fleet_flags_need_a_fleet(config: Config, *, checkpoint_eval_fn: bool | 
     """The fleet's own flags without a fleet have no effect — except beside a CheckpointEvalFn, which uses the
     snapshot ones; whether the `--eval-function-path` is one is known once it is imported (`checks.preflight`
     calls this again with `checkpoint_eval_fn`)."""
-    names = ("eval_hf_dir", "eval_keep_snapshots", "eval_overflow_policy", "eval_num_gpus_per_engine")
-    if config.rollout.eval_function_path is not None and checkpoint_eval_fn is not False:
-        names = ("eval_num_gpus_per_engine",) if checkpoint_eval_fn is None else ()
+    snapshot_flags = ("eval_hf_dir", "eval_keep_snapshots", "eval_overflow_policy")
+    names = (*snapshot_flags, "eval_num_gpus_per_engine")
+    if config.rollout.eval_function_path is not None:  # parse: the fleet's size flag; preflight: the rest
+        names = ("eval_num_gpus_per_engine",) if checkpoint_eval_fn is None else \
+            snapshot_flags if checkpoint_eval_fn is False else ()
     given = [f"--{name.replace('_', '-')}" for name in names if name in config.given]
     if given and not _fleet_asked(config):
         warnings.warn(f"{' / '.join(given)}: no effect without a dedicated eval fleet ({FLEET_FLAGS})",
