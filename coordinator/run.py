@@ -282,7 +282,11 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
         hooks.append(ft.eval_fleet)
         phases.append(ft.eval_fleet)
     rollout_eval = None
-    if config.rollout_engine_eval_enabled:  # slime's default: evaluate on the rollout engines
+    checkpoint_eval = await _start_checkpoint_eval(config, services, manager, metrics, task_group)
+    if checkpoint_eval is not None:  # miles' CheckpointEvalFn: snapshots handed to the user's backend
+        hooks.append(checkpoint_eval)
+        phases.append(checkpoint_eval)
+    elif config.rollout_engine_eval_enabled:  # slime's default: evaluate on the rollout engines
         from coordinator.eval.rollout_engines import RolloutEngineEval
 
         rollout_eval = RolloutEngineEval.from_run(config, manager, metrics)
@@ -302,7 +306,11 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
     clock.mark("loop_start_s")
     # with --save, a stop signal ends the loop cleanly (the step in flight, a save); otherwise it cancels the run
     with stop.handled_by(loop.request_stop) if loop.saves else nullcontext():
-        result = await loop.run()
+        try:
+            result = await loop.run()
+        finally:
+            if checkpoint_eval is not None:  # miles' RolloutManager.dispose(): the backend's own teardown
+                await anyio.to_thread.run_sync(manager.eval_fn.dispose)
     # metrics.history: every rollout of the run, those of earlier runs it resumed included
     rewards = [row["rollout/reward_mean"] for row in metrics.history if "rollout/reward_mean" in row]
     return {
@@ -317,8 +325,37 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
         "train_recoveries": loop.train_recoveries,
         "ft": ft.summary(services.weight_sync),
         "rollout_engine_evals": rollout_eval.records if rollout_eval is not None else [],
+        "checkpoint_evals": [dataclasses.asdict(r) for r in checkpoint_eval.records] if checkpoint_eval else [],
         "colocation_engine_deaths": list(services.colocation.deaths) if services.colocation is not None else [],
     }
+
+
+async def _start_checkpoint_eval(config: Config, services: Services, manager: Any, metrics: MetricsLog,
+                                 task_group: TaskGroup) -> Any:
+    """miles' `CheckpointEvalFn` behind `--eval-function-path`: the eval dispatcher (`EvalFleet`) with the
+    function as its evaluator, started on `task_group`; None for any other eval function."""
+    if not (config.builds_rollout_fn and config.rollout.eval_function_path is not None
+            and config.eval.eval_interval is not None):
+        return None
+    eval_fn = manager.eval_fn
+    if not getattr(eval_fn, "evaluates_snapshots", False):
+        return None
+    from coordinator.eval.fleet import EvalFleet
+    from coordinator.eval.settings import EvalSettings
+    from coordinator.rollout.slime_rollout_fn import eval_metrics
+
+    async def evaluate(step: int, weight_version: str, snapshot: str) -> dict[str, Any]:
+        return eval_metrics(await eval_fn.evaluate_snapshot(step, weight_version, snapshot))
+
+    run_dir = config.logging.resolved_run_dir
+    fleet = EvalFleet(
+        settings=EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang,
+                                          save_hf=config.checkpoint.save_hf),
+        fleet=None, client=None, tokenizer=services.tokenizer, exporter=services.train_group,
+        snapshot_dir=Path(config.eval.eval_hf_dir) if config.eval.eval_hf_dir else run_dir / "eval_weights",
+        metrics=metrics, probe_before_pin=False, datasets=(), evaluator=evaluate)
+    await task_group.start(fleet.run)
+    return fleet
 
 
 def _resume_path(config: Config) -> Path | None:

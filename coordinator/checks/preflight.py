@@ -309,6 +309,14 @@ def check_hooks(config: Config) -> list[str]:
             raise ConfigError(str(error)) from None
         if flag != "--generate-tool-specs-path" and not callable(target):
             raise ConfigError(f"{flag} {path!r} names a {type(target).__name__}, not a function or class")
+        if flag == "--eval-function-path":
+            from coordinator.config.eval_rules import checkpoint_eval_fn_fits, eval_fleet_flags_need_a_fleet
+            from coordinator.hooks.checkpoint_eval import is_checkpoint_eval_fn
+
+            if is_checkpoint_eval_fn(target):  # miles' CheckpointEvalFn: evaluates snapshot directories
+                checkpoint_eval_fn_fits(config)
+            else:  # the snapshot flags the parse let through for it have no effect after all
+                eval_fleet_flags_need_a_fleet(config, checkpoint_eval_fn=False)
         notes.append(f"{flag} {path}: " + check_hook_signature(flag, path, target, group_rm=config.rollout.group_rm))
     return notes
 

@@ -61,8 +61,15 @@ def eval_fleet_is_not_in_a_debug_mode(config: Config) -> None:
                           "debug_train_only/debug_rollout_only (miles' rule); drop one")
 
 
-def eval_fleet_flags_need_a_fleet(config: Config) -> None:
-    names = ("eval_hf_dir", "eval_keep_snapshots", "eval_overflow_policy", "eval_num_gpus_per_engine")
+def eval_fleet_flags_need_a_fleet(config: Config, *, checkpoint_eval_fn: bool | None = None) -> None:
+    """The fleet's own flags without a fleet have no effect — except beside a CheckpointEvalFn, which uses the
+    snapshot ones; whether the `--eval-function-path` is one is known once it is imported (`checks.preflight`
+    calls this again with `checkpoint_eval_fn`)."""
+    snapshot_flags = ("eval_hf_dir", "eval_keep_snapshots", "eval_overflow_policy")
+    names = (*snapshot_flags, "eval_num_gpus_per_engine")
+    if config.rollout.eval_function_path is not None:  # parse: the fleet's size flag; preflight: the rest
+        names = ("eval_num_gpus_per_engine",) if checkpoint_eval_fn is None else \
+            snapshot_flags if checkpoint_eval_fn is False else ()
     given = [f"--{name.replace('_', '-')}" for name in names if name in config.given]
     if given and not _fleet_asked(config):
         warnings.warn(f"{' / '.join(given)}: no effect without a dedicated eval fleet ({FLEET_FLAGS})",
@@ -90,3 +97,34 @@ EVAL_FLEET_RULES: tuple[Callable[[Config], None], ...] = (
     eval_fleet_flags_need_a_fleet,
     eval_fleet_reuses_save_hf_on_its_cadence,
 )
+
+
+def checkpoint_eval_fn_fits(config: Config) -> None:
+    """miles' rules for a `CheckpointEvalFn` `--eval-function-path` (its snapshot posture), checked once the hook
+    is imported (`checks.preflight`): not with the eval fleet, with --eval-interval and a snapshot source, not
+    colocated nor in a debug mode, and --save-hf reuse on its cadence."""
+    path = config.rollout.eval_function_path
+    if _fleet_asked(config):
+        raise ConfigError(f"--eval-function-path {path} is a CheckpointEvalFn: --eval-num-gpus and a "
+                          "CheckpointEvalFn --eval-function-path each select an eval backend; the fleet would "
+                          "boot and then hand the work to the other one (miles' rule)")
+    evaluation, checkpoint = config.eval, config.checkpoint
+    if evaluation.eval_interval is None:
+        raise ConfigError(f"--eval-function-path {path} is a CheckpointEvalFn: snapshot eval requires "
+                          "--eval-interval (miles' rule)")
+    if evaluation.eval_hf_dir is None and checkpoint.save_hf is None:
+        raise ConfigError(f"--eval-function-path {path} is a CheckpointEvalFn: snapshot eval requires a snapshot "
+                          "source: set --eval-hf-dir (staging exports) or --save-hf (reuse periodic HF "
+                          "checkpoints) (miles' rule)")
+    if config.cluster.colocate:
+        raise ConfigError(f"--eval-function-path {path} is a CheckpointEvalFn: snapshot eval is not supported "
+                          "with --colocate (miles' rule)")
+    if config.debug.debug_train_only or config.debug.debug_rollout_only:
+        raise ConfigError(f"--eval-function-path {path} is a CheckpointEvalFn: snapshot eval is not supported "
+                          "with debug_train_only/debug_rollout_only (miles' rule)")
+    if evaluation.eval_hf_dir is None and (checkpoint.save_interval is None
+                                           or evaluation.eval_interval % checkpoint.save_interval):
+        raise ConfigError("reusing --save-hf checkpoints for eval requires eval_interval to be a multiple of "
+                          f"save_interval (got eval_interval={evaluation.eval_interval}, "
+                          f"save_interval={checkpoint.save_interval}). Set --eval-hf-dir for independent "
+                          "snapshots (miles' rule)")

@@ -107,6 +107,12 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
     attributes: dict[str, Any] = {}
     if values.get("custom_config_path") is not None:
         values, attributes = apply_custom_config(values, values["custom_config_path"])
+    if values.get("megatron_config_path") is not None:  # slime: each role's YAML overrides the shared flags
+        from coordinator.config.megatron_roles import apply_megatron_config
+
+        before = dict(values)
+        values = apply_megatron_config(values, values["megatron_config_path"])[0]
+        names |= {name for name in values if name not in before or values[name] != before[name]}
     if values.get("load_debug_rollout_data") is not None:  # a replay trains with its dumps' flags by default
         from coordinator.config.replayed import replay_values
 

@@ -139,6 +139,10 @@ def _mapped(config: Config) -> list[str]:
     elif "micro_batch_size" in given:
         mapped.append(f"--micro-batch-size → {train.micro_batch_size} samples per micro-batch")
     mapped += [row.note for row in _given_mapped_rows(config)]
+    if config.train.megatron_config_path is not None:
+        from coordinator.config.megatron_roles import describe
+
+        mapped.append(describe(config) or "")
     if train.optimizer_cpu_offload:
         mapped.append("--optimizer-cpu-offload: not implemented yet, the optimizer state stays on the device")
     if train.balance_data:

@@ -18,6 +18,7 @@ from coordinator.config.eval_rules import EVAL_FLEET_RULES
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 from coordinator.config.sft_rules import SFT_RULES
+from coordinator.config.sglang_file import sglang_config_maps
 from workers.boundary.exposure import exposure_problem
 
 if TYPE_CHECKING:
@@ -247,7 +248,9 @@ def eval_fleet_generates_without_hooks(config: Config) -> None:
             else "--eval-function-path" if config.rollout.eval_function_path is not None else None)
     if hook is not None:
         warnings.warn(f"{hook} runs on the rollout engines; the dedicated eval fleet "
-                      "(--eval-num-engines/--eval-num-gpus) evaluates with the built-in single-turn request code",
+                      "(--eval-num-engines/--eval-num-gpus) evaluates with the built-in single-turn request code"
+                      + (" (a CheckpointEvalFn there is refused at start-up: it is an eval backend of its own, "
+                         "as in miles)" if hook == "--eval-function-path" else ""),
                       ConfigWarning, stacklevel=3)
 
 
@@ -318,6 +321,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     *SFT_RULES,  # before the engine rules: an SFT run's refusal says why engines cannot mean anything in it
     generation_needs_engines,
     router_needs_engines,
+    sglang_config_maps,
     generation_needs_num_rollout,
     generation_needs_batch_size,
     default_rollout_needs_prompts,

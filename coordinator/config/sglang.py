@@ -24,6 +24,11 @@ class SglangConfig(Slice):
 
     sglang_server_concurrency: int = flag(512, help="requests in flight per engine", minimum=1)
     use_sglang_router: bool = flag(False, help="route generate requests through sglang-router")
+    use_miles_router: bool = flag(False, help="miles' router (least requests in flight, unhealthy engines left "
+                                  "out): rayless' own dispatch does that, so no router process is launched")
+    sglang_config: str | None = flag(None, help="slime's/miles' YAML of SGLang server groups: the policy's groups "
+                                     "are the rollout engines, `name: eval`'s the eval fleet, each group's "
+                                     "overrides on its engines' command lines (docs/engine.md)", metavar="FILE")
     sglang_router_ip: str | None = flag(None, help="attach to a running sglang-router at this address (our engines "
                                         "register with it; none is launched)", parse=values.host, metavar="HOST")
     sglang_router_port: int | None = flag(None, help="port of the running sglang-router (with --sglang-router-ip); "
@@ -61,8 +66,10 @@ class SglangConfig(Slice):
     @property
     def launches_router(self) -> bool:
         """The run launches sglang-router: `--use-sglang-router`, or `--sglang-router-port` without an address
-        (miles' start_router: the router is launched on the given port)."""
-        return self.sglang_router_ip is None and (self.use_sglang_router or self.sglang_router_port is not None)
+        (miles' start_router: the router is launched on the given port) — unless `--use-miles-router` chose
+        miles' router over it (miles' start_router), which rayless' own dispatch stands for."""
+        return self.sglang_router_ip is None and not self.use_miles_router and (
+            self.use_sglang_router or self.sglang_router_port is not None)
 
     @property
     def router_address(self) -> str | None:

@@ -112,6 +112,9 @@ class TrainConfig(Slice):
                                             "notice, for a model without MoE layers")
     use_routing_replay: bool = flag(False, help="slime's MoE routing replay on the trainer: as "
                                     "--use-rollout-routing-replay")
+    megatron_config_path: str | None = flag(None, help="slime's per-role YAML (megatron: [{role: actor, overrides: "
+                                            "{lr: ...}}, {role: critic, ...}]): the keys that are flags here set "
+                                            "them over the command line (docs/porting.md)", metavar="FILE")
     train_backend: str = flag("fsdp", help="slime/miles' trainer: rayless is an FSDP2 trainer; megatron is mapped to "
                               "it with a notice (the Megatron-LM flags are then ignored as listed)",
                               choices=("fsdp", "megatron"))

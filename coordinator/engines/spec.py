@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coordinator.config.sglang_file import argv_groups
+
 if TYPE_CHECKING:
     from coordinator.config import ClusterConfig, SglangConfig
 
@@ -155,12 +157,14 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
     `release_memory`: the run releases the engine's memory each step (`--offload-rollout`), which SGLang allows
     only with `--enable-memory-saver`; `spill_dir`: where our CPU engine writes released weights.
     `gpus_per_engine`: the group's TP size (default `--rollout-num-gpus-per-engine`; the eval fleet's is
-    `--eval-num-gpus-per-engine`); `overrides`: miles' `--eval-sglang-*` for the eval fleet, each replacing the
-    inherited `--sglang-*` value of the same name (`override_args`).
+    `--eval-num-gpus-per-engine`); `overrides`: miles' `--eval-sglang-*` for the eval fleet, or the engine's
+    `--sglang-config` server group's overrides, each replacing the inherited `--sglang-*` value of the same name
+    (`override_args`).
     """
     extra: list[str] = ["--weight-version", "0"]
     env: tuple[tuple[str, str], ...] = ()
-    if sglang.sglang_context_length:
+    # a --sglang-config group's own context_length replaces the run's (SGLang would take the last of two)
+    if sglang.sglang_context_length and not (backend == "sglang" and "--context-length" in overrides):
         extra += ["--context-length", str(sglang.sglang_context_length)]
     if enable_metrics:
         extra.append("--enable-metrics")
@@ -190,24 +194,13 @@ def engine_launch_spec(*, model_path: str, sglang: SglangConfig, cluster: Cluste
                             extra_args=tuple(extra), env=env, port=port, tp_size=tp_size)
 
 
-def _argv_groups(argv: Sequence[str]) -> list[list[str]]:
-    """`--flag value ...` groups of a passthrough argv (a token not starting with `--` is a value)."""
-    groups: list[list[str]] = []
-    for token in argv:
-        if token.startswith("--") or not groups:
-            groups.append([token])
-        else:
-            groups[-1].append(token)
-    return groups
-
-
 def override_args(base: Sequence[str], overrides: Sequence[str]) -> list[str]:
     """`base` (the `--sglang-*` passthrough) with each flag of `overrides` replacing the one of the same name
     (miles' `--eval-sglang-*` inherit-then-override); `--no-X` drops an inherited `--X` (and sets nothing)."""
-    replaced = {group[0] for group in _argv_groups(overrides)}
+    replaced = {group[0] for group in argv_groups(overrides)}
     dropped = {"--" + flag[len("--no-"):] for flag in replaced if flag.startswith("--no-")}
-    kept = [group for group in _argv_groups(base) if group[0] not in replaced and group[0] not in dropped]
-    added = [group for group in _argv_groups(overrides) if not group[0].startswith("--no-")]
+    kept = [group for group in argv_groups(base) if group[0] not in replaced and group[0] not in dropped]
+    added = [group for group in argv_groups(overrides) if not group[0].startswith("--no-")]
     return [token for group in kept + added for token in group]
 
 

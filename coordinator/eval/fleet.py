@@ -8,7 +8,8 @@ engines: docs/evaluation.md.
 
 Invariants:
 - Eval engines never receive training weight updates: only `pin()` loads weights into them; WeightSync never
-  sees this fleet.
+  sees this fleet. With an `evaluator` (miles' `CheckpointEvalFn`) there are no engines: each evaluation hands
+  its snapshot directory to the evaluator, and everything below holds the same.
 - An evaluation runs on every eval engine, or is skipped (`unhealthy`, `pin_violation`), unless
   `EvalSettings.allow_partial_fleet`; every sample it keeps reports the pinned version.
 - Each evaluation's snapshot is `<snapshot_dir>/step_<rollout_id>` (miles' `--eval-hf-dir` layout); every
@@ -29,7 +30,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -63,6 +64,11 @@ class WeightExporter(Protocol):
     async def export_weights(self, directory: Path, weight_version: str, keep: int = 2) -> Path: ...
 
 
+#: A snapshot backend (miles' `CheckpointEvalFn` behind `--eval-function-path`): (pinned step, weight version,
+#: snapshot directory) -> the evaluation's metrics row; raises a hook's `EvalSkip(reason)` to skip the point.
+SnapshotEvaluator = Callable[[int, str, str], Awaitable[dict[str, Any]]]
+
+
 @dataclass
 class EvalJob:
     eval_id: int
@@ -92,7 +98,7 @@ class EvalFleet:
 
     Args:
         settings: the eval flags (`EvalSettings.from_slices`; `probe_before_pin` is derived by the caller).
-        fleet: the EngineFleet of group "eval".
+        fleet: the EngineFleet of group "eval"; None with `evaluator`, which has no engines of ours.
         client: the shared engine client.
         tokenizer: the policy's tokenizer (prompts are sent as token ids).
         exporter: has `export_weights(directory, version, keep)` (the TrainGroup); None without training
@@ -104,14 +110,16 @@ class EvalFleet:
         pin_wait: seconds `pin()` waits for dead engines to come back before skipping (or, with
             `settings.allow_partial_fleet`, going on with the alive ones).
         timeout: bound on each engine call during a pin (load, version, 1-token generate).
+        evaluator: miles' `CheckpointEvalFn` posture: each evaluation hands the snapshot directory to it
+            instead of pinning engines; the rest (exports, in-flight bound, retiring, records) is the same.
     """
 
     def __init__(
         self,
         *,
         settings: EvalSettings,
-        fleet: EngineFleet,
-        client: EngineClient,
+        fleet: EngineFleet | None,
+        client: EngineClient | None,
         tokenizer: Any,
         exporter: WeightExporter | None,
         snapshot_dir: Path,
@@ -120,7 +128,10 @@ class EvalFleet:
         datasets: Sequence[EvalDataset] | None = None,
         pin_wait: float = 60.0,
         timeout: float = 120.0,
+        evaluator: SnapshotEvaluator | None = None,
     ) -> None:
+        if (fleet is None) == (evaluator is None):
+            raise ValueError("an EvalFleet pins its engines (fleet) or hands snapshots to an evaluator: one")
         self.settings = settings
         self.fleet = fleet
         self.client = client
@@ -128,11 +139,14 @@ class EvalFleet:
         self.exporter = exporter
         self.snapshot_dir = Path(snapshot_dir)
         self.metrics = metrics
-        self.datasets = list(datasets) if datasets is not None else load_eval_datasets(settings, tokenizer)
+        self.evaluator = evaluator
+        if datasets is None:
+            datasets = load_eval_datasets(settings, tokenizer) if fleet is not None else ()
+        self.datasets = list(datasets)
         self.pin_wait = pin_wait
         self.interval = settings.interval
         self.max_in_flight = settings.max_in_flight
-        concurrency = max(1, settings.server_concurrency * len(fleet.engines))
+        concurrency = max(1, settings.server_concurrency * (len(fleet.engines) if fleet is not None else 1))
         slots = RequestSlots(concurrency)  # datasets run one after another: one bound for all of them
         self.generate_states: dict[str, GenerateState] = {
             dataset.name: generate_state(dataset, tokenizer=tokenizer,
@@ -140,8 +154,9 @@ class EvalFleet:
                                          concurrency=concurrency, request_slots=slots)
             for dataset in self.datasets
         }
-        self.pinning = EvalPin(fleet=fleet, client=client, probe_before_pin=probe_before_pin,
-                               pin_wait=pin_wait, timeout=timeout, allow_partial=settings.allow_partial_fleet)
+        self.pinning = EvalPin(fleet=fleet, client=client, probe_before_pin=probe_before_pin, pin_wait=pin_wait,
+                               timeout=timeout, allow_partial=settings.allow_partial_fleet) \
+            if fleet is not None and client is not None else None
         self.records: list[EvalRecord] = []
         self.latest_step = -1
         self._next_id = 0
@@ -183,21 +198,23 @@ class EvalFleet:
 
     async def pin(self, checkpoint_dir: str, weight_version: str) -> dict[str, int]:
         """Make the eval engines serve `checkpoint_dir` as `weight_version` (`EvalPin.pin`)."""
+        assert self.pinning is not None, "an evaluator's EvalFleet pins no engines"
         return await self.pinning.pin(checkpoint_dir, weight_version)
 
     @property
     def updating(self) -> anyio.Event:
         """Set while no pin loads weights: the eval group's HealthMonitor pauses on it."""
+        assert self.pinning is not None, "an evaluator's EvalFleet has no engines to monitor"
         return self.pinning.updating
 
     @property
     def probes(self) -> int:
         """Engine probes made by the pins themselves (0 whenever a monitor watches the engines)."""
-        return self.pinning.probes
+        return self.pinning.probes if self.pinning is not None else 0
 
     @property
     def probe_before_pin(self) -> bool:
-        return self.pinning.probe_before_pin
+        return self.pinning is not None and self.pinning.probe_before_pin
 
     async def before_loop(self, start_rollout: int, weight_version: str) -> None:
         """miles' train_async: a run starting at rollout 0 first evaluates `--hf-checkpoint` itself (step 0, never
@@ -326,18 +343,27 @@ class EvalFleet:
     async def _run_job(self, job: EvalJob) -> None:
         started = time.monotonic()
         try:
+            if self.evaluator is not None:
+                row = await self.evaluator(job.pinned_step, job.weight_version, job.snapshot)
+                self._record_done(job, row, time.monotonic() - started)
+                return
             pinned = await self.pin(job.snapshot, job.weight_version)
             per_dataset = await self._evaluate(job, pinned)
         except EvalSkip as skip:
             self._record_skip(job, skip, duration=time.monotonic() - started)
             return
         except Exception as error:  # an eval must never end the run (miles: the point is skipped as crashed)
+            if (reason := _hook_skip_reason(error)) is not None:  # the backend's EvalSkip(reason)
+                self._record_skip(job, EvalSkip(reason, str(error)[:500], backend=True),
+                                  duration=time.monotonic() - started)
+                return
             log.warning("eval %d failed", job.eval_id, exc_info=True)
             self._record_skip(job, EvalSkip("crashed", f"evaluation failed: {error!r}"[:500]),
                               duration=time.monotonic() - started)
             return
         duration = time.monotonic() - started
         lag = max(0, self.latest_step - job.pinned_step)
+        assert self.fleet is not None
         flat: dict[str, Any] = {"eval/weight_version": job.weight_version, "eval/pinned_step": job.pinned_step,
                                 "eval/lag_steps": lag, "eval/duration_s": duration,
                                 "eval/engines": len(pinned), "eval/engines_total": len(self.fleet.engines)}
@@ -352,6 +378,17 @@ class EvalFleet:
             self.metrics.log(job.pinned_step, flat)
         log.info("eval %d of step %d (weights %s): %s", job.eval_id, job.pinned_step, job.weight_version,
                  "  ".join(f"{name} reward {v[f'eval/{name}']:.3f}" for name, v in per_dataset.items()))
+
+    def _record_done(self, job: EvalJob, row: dict[str, Any], duration: float) -> None:
+        """An evaluator's evaluation: its metrics row with miles' `eval/lag_steps`, `eval/duration_seconds`."""
+        lag = max(0, self.latest_step - job.pinned_step)
+        flat = {**row, "eval/weight_version": job.weight_version, "eval/pinned_step": job.pinned_step,
+                "eval/lag_steps": lag, "eval/duration_s": duration}
+        self.records.append(EvalRecord(job.eval_id, job.pinned_step, job.weight_version, "done", metrics=flat,
+                                       lag_steps=lag, duration_s=duration, snapshot=job.snapshot))
+        if self.metrics is not None:
+            self.metrics.log(job.pinned_step, flat)
+        log.info("eval %d of step %d (snapshot %s) done", job.eval_id, job.pinned_step, job.snapshot)
 
     def _record_skip(self, job: EvalJob, skip: EvalSkip, duration: float = 0.0) -> None:
         log.warning("eval %d of step %d skipped: %s", job.eval_id, job.pinned_step, skip)
@@ -368,6 +405,7 @@ class EvalFleet:
     async def _evaluate(self, job: EvalJob, pinned: dict[str, int]) -> dict[str, dict[str, float]]:
         """Generate and score every dataset on the pinned engines (`eval_run`, the eval id in place of the
         rollout id in the sampling seeds)."""
+        assert self.client is not None and self.fleet is not None
         dispatcher = Dispatcher(client=self.client, pool=PinnedPool(self.fleet, pinned),
                                 engine_wait=self.pin_wait)
         results: dict[str, dict[str, float]] = {}
@@ -381,6 +419,15 @@ class EvalFleet:
                                                 f"{job.weight_version!r}")
             results[dataset.name] = metrics
         return results
+
+
+def _hook_skip_reason(error: BaseException) -> str | None:
+    """The reason of a backend's `EvalSkip(reason)` (ours, `coordinator.hooks.EvalSkip`, or miles' own), made a
+    metric-name part (`eval/skipped_<reason>`); None for any other exception."""
+    reason = getattr(error, "reason", None)
+    if type(error).__name__ != "EvalSkip" or not isinstance(reason, str):
+        return None
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in reason.strip())[:64] or "skipped"
 
 
 def _move_into_place(written: Path, target: Path) -> None:

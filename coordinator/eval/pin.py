@@ -32,12 +32,13 @@ log = logging.getLogger(__name__)
 class EvalSkip(Exception):
     """An evaluation that did not run, with miles' reason (logged as `eval/skipped_<reason>`): "unhealthy" and
     "pin_violation" (the pin), "busy" (over `--eval-max-in-flight` with `--eval-overflow-policy skip`),
-    "export_failed" (its snapshot could not be written), "crashed" (the evaluation raised)."""
+    "export_failed" (its snapshot could not be written), "crashed" (the evaluation raised); or, with `backend`,
+    the reason a `CheckpointEvalFn`'s own `EvalSkip(reason)` gave (miles logs any)."""
 
     REASONS = ("unhealthy", "pin_violation", "busy", "export_failed", "crashed")
 
-    def __init__(self, reason: str, detail: str = "") -> None:
-        if reason not in self.REASONS:
+    def __init__(self, reason: str, detail: str = "", *, backend: bool = False) -> None:
+        if not backend and reason not in self.REASONS:
             raise ValueError(f"EvalSkip reason must be one of {self.REASONS}, got {reason!r}")
         super().__init__(f"eval skipped ({reason}){': ' + detail if detail else ''}")
         self.reason = reason

@@ -17,7 +17,8 @@ What a hook gets (docs/hooks.md):
 - `generate(args, sample, sampling_params)`: slime's default one-turn generate; `DynamicFilterOutput`,
   miles' `GenerateFnInput` / `GenerateFnOutput`, and miles' rollout-function records
   (`RolloutFnConstructorInput`, `RolloutFnTrainInput` / `RolloutFnEvalInput`, `RolloutFnTrainOutput` /
-  `RolloutFnEvalOutput`: `coordinator.hooks.rollout_types`).
+  `RolloutFnEvalOutput`: `coordinator.hooks.rollout_types`); miles' `CheckpointEvalFn` / `EvalSkip` for an
+  `--eval-function-path` that evaluates snapshot directories (`coordinator.hooks.checkpoint_eval`).
 
 Importing this package imports neither torch nor transformers.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.hooks.checkpoint_eval import CheckpointEvalFn, EvalSkip
 from coordinator.hooks.http import get, post
 from coordinator.hooks.rollout_types import (
     RolloutFnBaseInput,
@@ -57,7 +59,9 @@ class DynamicFilterOutput:
 
 
 __all__ = [
+    "CheckpointEvalFn",
     "DynamicFilterOutput",
+    "EvalSkip",
     "GenerateFnInput",
     "GenerateFnOutput",
     "GenerateState",

@@ -22,6 +22,7 @@ from pathlib import Path
 from coordinator.config import determinism_rules as determinism
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
+from coordinator.config.sglang_file import deployment
 from coordinator.engines.spec import engine_launch_spec, engine_log_path, free_port, router_log_path
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
 from coordinator.plan.demands import POLICIES, GpuDemand, gpu_demands, oversubscribed_message
@@ -197,11 +198,17 @@ def _engine_slots(config: Config, group: str, indices: range, choice: EngineChoi
                   host: str = ENGINE_HOST, model_path: str | None = None) -> tuple[EngineSlot, ...]:
     """This node's engines of `group`: engine i (of the whole group) is named `<group>-<i>` on every node."""
     run_dir = config.logging.resolved_run_dir
+    groups = deployment(config)  # --sglang-config: each engine's server group (its overrides, the model path)
+    if model_path is None and groups is not None and group == "rollout":
+        model_path = groups.rollout_model_path
     slots = []
     for position, index in enumerate(indices):
         name = f"{group}-{index}"
         positions = units[position] if choice.on_gpu else ()
         releases = group == "rollout" and config.offloads_rollout
+        overrides = config.eval.eval_sglang_passthrough if group == "eval" else ()
+        if groups is not None and group in ("rollout", "eval") and (group == "rollout" or groups.eval):
+            overrides = groups.overrides_of(group, index)
         spec = engine_launch_spec(
             model_path=model_path or str(config.rollout.hf_checkpoint), sglang=config.sglang, cluster=config.cluster,
             seed=config.rollout.rollout_seed, enable_metrics=config.health_monitor_enabled,
@@ -209,7 +216,7 @@ def _engine_slots(config: Config, group: str, indices: range, choice: EngineChoi
             visible_devices=gpus.visible_devices(positions) if positions else None, port=free_port(ENGINE_HOST),
             release_memory=releases,
             gpus_per_engine=config.eval.eval_num_gpus_per_engine if group == "eval" else None,
-            overrides=config.eval.eval_sglang_passthrough if group == "eval" else (),
+            overrides=overrides,
             # released weights of our CPU engine go to a file on disk, so the memory is freed, not moved to tmpfs
             spill_dir=str(run_dir / "engine-spill" / name) if releases and choice.device == "cpu" else None)
         if python != spec.python or host != spec.host:

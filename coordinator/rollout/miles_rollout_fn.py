@@ -4,7 +4,8 @@ instances take one input record), constructed and called exactly as miles does.
 Owns the call: `cls(RolloutFnConstructorInput(args, data_source))` once per path (the hooks' `args`, slime's
 data source over our prompts), then `instance(RolloutFnTrainInput(rollout_id, weight_version))` for a rollout
 and `instance(RolloutFnEvalInput(rollout_id, weight_version=...))` for an evaluation on the rollout engines
-(miles' `call_rollout_function`). An `async def __call__` is awaited on the run's loop; a plain one runs in a
+(miles' `call_rollout_function`); a `CheckpointEvalFn` gets `RolloutFnEvalInput(..., hf_dir=SNAPSHOT)` from the
+eval dispatcher instead (`evaluate_snapshot`). An `async def __call__` is awaited on the run's loop; a plain one runs in a
 worker thread (miles runs it in `asyncio.to_thread`), where `coordinator.hooks.run(coro)` reaches the loop.
 
 Invariants: a rollout's result is `RolloutFnTrainOutput(samples, metrics)` or, as miles' compatibility shim
@@ -78,3 +79,20 @@ class MilesRolloutFn(SlimeRolloutFn):
     async def evaluate(self, rollout_id: int, weight_version: str) -> EvalResult:
         result = await self._call(RolloutFnEvalInput(rollout_id=rollout_id, weight_version=str(weight_version)))
         return eval_result(result, where=f"{self.what} {self.path!r}")
+
+    @property
+    def evaluates_snapshots(self) -> bool:
+        """miles' `CheckpointEvalFn`: it evaluates a snapshot directory (`evaluate_snapshot`), not the engines."""
+        return callable(getattr(self.instance, "evaluate_checkpoint", None))
+
+    async def evaluate_snapshot(self, rollout_id: int, weight_version: str, hf_dir: str) -> EvalResult:
+        """miles' `_eval_checkpoint` call: `RolloutFnEvalInput(rollout_id, weight_version, hf_dir)`."""
+        result = await self._call(RolloutFnEvalInput(rollout_id=rollout_id, weight_version=str(weight_version),
+                                                     hf_dir=hf_dir))
+        return eval_result(result, where=f"{self.what} {self.path!r}")
+
+    def dispose(self) -> None:
+        """miles' `RolloutManager.dispose()`: the instance's `dispose`, when it has one."""
+        dispose = getattr(self.instance, "dispose", None)
+        if callable(dispose):
+            dispose()

@@ -1,5 +1,6 @@
 """EvalFleet: a full CPU run with a dedicated eval engine and miles' fleet flags (evals at the interval, against
-the pinned snapshot, beside training), and the skip rules (pin_violation, unhealthy, busy, the final eval)."""
+the pinned snapshot, beside training), and the skip rules (pin_violation, unhealthy, busy, the final eval); a
+run whose snapshots go to miles' CheckpointEvalFn instead of eval engines."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from coordinator.services import Services
 from replay.sample import SampleStatus
 from tests.support.engine_proc import start_engine_process
 from tests.support.fake_engine import FakeEngine
+from tests.support.miles_rollout_fns import SnapshotReadingEvalFn
 
 
 def eval_config(model_dir: Path, run_dir: Path, *flags: str) -> Any:
@@ -137,6 +139,44 @@ async def test_without_eval_hf_dir_the_fleet_reuses_the_save_hf_checkpoints(tiny
     assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == ["rollout_0", "rollout_1"]
     assert all((tmp_path / "hf" / name / "config.json").is_file() for name in ("rollout_0", "rollout_1"))
     assert not (tmp_path / "run" / "eval_weights").exists()
+
+
+async def test_a_checkpoint_eval_fn_gets_each_exported_snapshot_beside_training(tiny_model_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """miles' CheckpointEvalFn as --eval-function-path, no eval engines: the base checkpoint first, then each
+    step's export at --eval-hf-dir/step_<rollout_id> handed to the backend (it reads the exported weight version
+    there), at most --eval-keep-snapshots 1 settled snapshot on disk, the backend's EvalSkip logged as
+    eval/skipped_<reason> at its step, the final evaluation done, and the backend disposed at the end."""
+    SnapshotReadingEvalFn.CALLS.clear()
+    SnapshotReadingEvalFn.DISPOSED.clear()
+    SnapshotReadingEvalFn.SKIP_VERSION = "1"
+    hf_dir, run_dir = tmp_path / "eval_hf", tmp_path / "run"
+    config = parse_config([
+        "--hf-checkpoint", str(tiny_model_dir), "--engine-backend", "cpu", "--rollout-num-engines", "1",
+        "--actor-num-gpus-per-node", "1", "--prompt-data", "builtin:first_digit", "--num-rollout", "2",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+        "--run-dir", str(run_dir), "--no-progress", "--lr", "1e-3", "--eval-interval", "1",
+        "--eval-function-path", "tests.support.miles_rollout_fns:SnapshotReadingEvalFn",
+        "--eval-prompt-data", "digits", "builtin:first_digit", "--eval-hf-dir", str(hf_dir), "--eval-keep-snapshots", "1", "--eval-max-in-flight", "1",
+    ])
+    summary = await run_training(config)
+    assert summary["rollouts"] == 2 and summary["ft"]["evals"] == []
+    calls = SnapshotReadingEvalFn.CALLS
+    assert [(step, version, snapshot, read) for step, version, snapshot, read, _ in calls] == [
+        (0, "0", str(tiny_model_dir), "base"), (0, "1", str(hf_dir / "step_0"), "1"),
+        (1, "2", str(hf_dir / "step_1"), "2")]
+    assert [siblings for *_, siblings in calls[1:]] == [["step_0"], ["step_0", "step_1"]]  # kept + evaluated
+    assert [(e["pinned_step"], e["status"], e["reason"]) for e in summary["checkpoint_evals"]] == [
+        (0, "done", None), (0, "skipped", "backend_busy"), (1, "done", None)]
+    assert sorted(path.name for path in hf_dir.iterdir()) == ["step_1"]
+    assert SnapshotReadingEvalFn.DISPOSED == [True]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    done = [r for r in rows if "eval/snapshot" in r]
+    assert [(r["step"], r["eval/weight_version"], r["snapshot/version_read"]) for r in done] == [
+        (0, "0", -1.0), (1, "2", 2.0)]
+    assert all(r["eval/snapshot"] == 0.5 and r["eval/lag_steps"] >= 0 for r in done)
+    assert [(r["step"], r["eval/weight_version"]) for r in rows if r.get("eval/skipped_backend_busy") == 1.0] \
+        == [(0, "1")]
 
 
 def fake_eval_settings(tmp_path: Path, max_in_flight: int = 1) -> EvalSettings:

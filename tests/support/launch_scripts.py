@@ -226,7 +226,7 @@ def materialize(script: LaunchScript, workdir: Path, model_dir: Path) -> tuple[l
             value = str(write_eval_config(workdir, hooks, info.get("yaml_text") or "{}\n",
                                           input_key=script.value("--eval-input-key") or input_key,
                                           label_key=script.value("--eval-label-key") or label_key))
-        elif token == "CUSTOM_CONFIG":
+        elif token in ("CUSTOM_CONFIG", "SGLANG_CONFIG"):
             path = workdir / f"{token.lower()}.yaml"
             path.write_text(info.get("yaml_text") or "{}\n")
             value = str(path)

@@ -8,14 +8,18 @@ concurrency from `rollout_num_gpus // rollout_num_gpus_per_engine * sglang_serve
 generated and scored, `RolloutFnTrainOutput(samples, metrics)`) or `_call_eval` (`RolloutFnEvalOutput(data,
 metrics)`). The environment is replaced by slime's one-turn `generate` and an exact first-digit reward.
 `SyncFixedRolloutFn` is a miles class with a plain `__call__` that builds fixed samples (no engines).
+`SnapshotReadingEvalFn` is a miles `CheckpointEvalFn` (`--eval-function-path`) evaluating snapshot directories.
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any, ClassVar
 
 from coordinator.hooks import (
+    CheckpointEvalFn,
+    EvalSkip,
     GenerateState,
     RolloutFnConstructorInput,
     RolloutFnEvalInput,
@@ -93,3 +97,33 @@ class SyncFixedRolloutFn:
                         rollout_log_probs=[-1.0, -2.0], reward=float(k), status=Sample.Status.COMPLETED,
                         weight_versions=[str(input.weight_version)]) for k in range(2)]
         return RolloutFnTrainOutput(samples=[group], metrics={"fixed/groups": 1})
+
+
+class SnapshotReadingEvalFn(CheckpointEvalFn):
+    """miles' `CheckpointEvalFn` (`examples/infra_features/fully_async/external_eval_fn.py`'s shape): a backend of
+    its own that gets each snapshot directory. This one reads the weight version the export wrote there and the
+    model's config (the directory is a complete Hugging Face checkpoint), and skips the point of weight version
+    `SKIP_VERSION` with `EvalSkip("backend_busy")`, as a busy external service would."""
+
+    CALLS: ClassVar[list[tuple[int, str | None, str, str, list[str]]]] = []
+    DISPOSED: ClassVar[list[bool]] = []
+    SKIP_VERSION: ClassVar[str | None] = None
+
+    def __init__(self, input: RolloutFnConstructorInput) -> None:
+        self.args = input.args
+
+    async def evaluate_checkpoint(self, checkpoint_dir: str, input: RolloutFnEvalInput) -> RolloutFnEvalOutput:
+        directory = Path(checkpoint_dir)
+        marker = directory / "rayless_weight_version.txt"
+        version = marker.read_text().strip() if marker.is_file() else "base"
+        assert (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
+        siblings = sorted(path.name for path in directory.parent.iterdir())
+        SnapshotReadingEvalFn.CALLS.append((input.rollout_id, input.weight_version, checkpoint_dir, version,
+                                            siblings))
+        if input.weight_version == SnapshotReadingEvalFn.SKIP_VERSION:
+            raise EvalSkip("backend_busy")
+        return RolloutFnEvalOutput(data={"snapshot": {"rewards": [1.0, 0.0], "truncated": [False, False]}},
+                                   metrics={"snapshot/version_read": -1.0 if version == "base" else float(version)})
+
+    def dispose(self) -> None:
+        SnapshotReadingEvalFn.DISPOSED.append(True)

@@ -214,6 +214,8 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
                                                 "warning: --inject-engine-fault-at-rollout is armed only"),
     "generation_needs_engines": (None, [], "has no rollout engines"),
     "router_needs_engines": (None, ["--debug-train-only", "--use-sglang-router"], "--use-sglang-router needs"),
+    "sglang_config_maps": (None, ["--rollout-num-engines", "1", "--sglang-config", "/nonexistent/sglang.yaml"],
+                           "--sglang-config /nonexistent/sglang.yaml: no such file"),
     "generation_needs_num_rollout": ("--num-rollout", ["--rollout-num-engines", "1"], "--num-rollout is required"),
     "generation_needs_batch_size": ("--rollout-batch-size", ["--rollout-num-engines", "1"],
                                     "--rollout-batch-size is required"),

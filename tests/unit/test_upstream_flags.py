@@ -134,6 +134,18 @@ def test_offload_and_per_token_loss_are_mapped() -> None:
     assert ROWS["--offload"].note in notice and ROWS["--calculate-per-token-loss"].note in notice
 
 
+def test_miles_router_is_our_own_dispatch_with_a_notice_and_its_middleware_is_refused() -> None:
+    config = parse_config([*BASE, "--use-miles-router", "--use-sglang-router", "--miles-router-timeout", "30"])
+    notice = porting_notice(config) or ""
+    assert ROWS["--use-miles-router"].note in notice and "--miles-router-timeout" in notice
+    assert not config.sglang.launches_router  # miles' start_router runs its own router instead of sglang-router
+    assert parse_config([*BASE, "--use-sglang-router"]).sglang.launches_router
+    with pytest.raises(ConfigError) as caught:
+        parse_config([*BASE, "--use-miles-router", "--miles-router-middleware-paths", "my.Middleware"])
+    assert "--miles-router-middleware-paths (miles): miles' router middleware" in str(caught.value)
+    assert "rayless has no router middleware" in str(caught.value)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The regeneration's reader
 # ---------------------------------------------------------------------------------------------------------
