@@ -4,13 +4,17 @@ endpoint and the session server, each as the run starts it.
 Each failure the drills found, per server: a 200 KB body of nested JSON is a 400 and the server goes on; (on
 the hook endpoint, where the drills found it) a 60 MiB body of `[[],[],...]` is a 400 while /health answers; 2,000 idle connections held and /health
 still answers (the oldest idle ones are closed to make room); a 20 KB request head is a 431; a socket that
-sends nothing, a head that never ends and a body that never ends are closed after their deadlines; past the
-connection cap with every connection busy, a new one is answered 503 at once. (Latencies: bench/server_limits.py.)
+sends nothing, a head that never ends and a body that never ends are closed after their deadlines, while a kept
+connection reused after more than the first request's deadline is answered; past the connection cap with every
+connection busy, a new one is answered 503 at once. (Latencies: bench/server_limits.py.)
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,3 +184,33 @@ async def test_past_the_cap_an_idle_connection_makes_room_and_a_busy_one_does_no
         finally:
             close_all(idle)
         tg.cancel_scope.cancel()
+
+
+
+async def test_a_kept_connection_idle_past_the_first_request_deadline_serves_the_next_request(
+        served: Served) -> None:
+    """After a response the connection stays open for `keep_alive_s` (65 s), longer than clients keep pooled
+    connections: a client reusing it after more than `idle_s` (1 s here) is answered, not reset (the drill that
+    found it: agents' SDK calls failing with ReadError on a loaded machine, the server closing at 5 s the
+    connections httpx's pool keeps for 5 s)."""
+    def reply(sock: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+                re.search(rb"content-length: (\d+)", data, re.IGNORECASE).group(1)):  # type: ignore[union-attr]
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data  # closed by the server
+            data += chunk
+        return data
+
+    def two_requests() -> tuple[bytes, bytes]:
+        with socket.create_connection((HOST, served.port), timeout=30) as sock:
+            replies = []
+            for pause in (0.0, QUICK.idle_s * 2):
+                time.sleep(pause)  # the connection idle in the client's pool, past the first request's deadline
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                replies.append(reply(sock))
+            return replies[0], replies[1]
+
+    first, second = await anyio.to_thread.run_sync(two_requests)
+    assert first.startswith(b"HTTP/1.1 200 ") and second.startswith(b"HTTP/1.1 200 "), (first[:100], second[:100])

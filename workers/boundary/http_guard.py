@@ -11,8 +11,8 @@ second, is held for ever.
 Invariants: at most `max_connections` connections live; a new one past the cap closes the oldest idle one
 (no request in progress), or is answered 503 and closed at once when every one is busy — never queued, so a
 probe gets through while thousands idle; a request head over `max_head_bytes` is a 431; a connection closes
-when its first byte of a request does not come within `idle_s`, its head within `head_s` of that byte, or its
-body within `body_s` plus one second per `min_body_rate` bytes declared.
+when its first request's first byte does not come within `idle_s` (the next request's within `keep_alive_s`), its
+head within `head_s` of that byte, or its body within `body_s` plus one second per `min_body_rate` bytes declared.
 """
 
 from __future__ import annotations
@@ -37,13 +37,18 @@ class ServerLimits:
     max_connections: int = 1024
     max_head_bytes: int = 16 * 1024
     idle_s: float = 5.0
+    #: how long a connection is kept open after a response: longer than clients keep pooled connections (httpx
+    #: 5 s, aiohttp 15 s), so the server never closes one a client is reusing that instant — the client would see
+    #: its request reset (measured: agents' SDK calls failing with ReadError under load); idle kept connections
+    #: still make room past the cap
+    keep_alive_s: float = 65.0
     head_s: float = 10.0
     body_s: float = 10.0
     min_body_rate: int = 1 << 20  # bytes a second a body may be slower than `body_s` by, per byte declared
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_head_bytes, self.min_body_rate) < 1 or \
-                min(self.idle_s, self.head_s, self.body_s) <= 0:
+                min(self.idle_s, self.keep_alive_s, self.head_s, self.body_s) <= 0:
             raise ValueError(f"server limits must be positive, not {self}")
 
 
@@ -144,7 +149,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         self._in_body = False
-        super().on_response_complete()  # arms uvicorn's keep-alive timer (`timeout_keep_alive` = `idle_s`)
+        super().on_response_complete()  # arms uvicorn's keep-alive timer (`timeout_keep_alive` = `keep_alive_s`)
         if self.conn.their_state is not h11.IDLE:
             self._follow_state()
 

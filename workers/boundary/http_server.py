@@ -94,7 +94,7 @@ def uvicorn_config(app: ASGIApp, limits: ServerLimits, guard: ConnectionGuard, *
     _quiet_cancelled_requests()
     return uvicorn.Config(
         MethodGate(app), http=guarded_protocol(guard), lifespan=lifespan, log_level=log_level, log_config=log_config,
-        access_log=access_log, backlog=BACKLOG, timeout_keep_alive=limits.idle_s,  # type: ignore[arg-type]
+        access_log=access_log, backlog=BACKLOG, timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
         # h11's own head limit stays above ours, so ours (431) speaks first
         h11_max_incomplete_event_size=4 * limits.max_head_bytes, timeout_graceful_shutdown=int(graceful_s),
         ws="none",
