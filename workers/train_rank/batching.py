@@ -46,6 +46,9 @@ class MicroBatch:
     sample_ids: torch.Tensor | None = None
     #: [B, L-1]: on-policy distillation's teacher logprobs from the samples (`distill.teacher_tensor`), or None.
     teacher_log_probs: torch.Tensor | None = None
+    #: [B, L-1]: PPO's values before the rollout's first update and its GAE returns (`train_rank.critic`), or None.
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -74,6 +77,8 @@ class MicroBatch:
             position_ids=move(self.position_ids),
             sample_ids=move(self.sample_ids),
             teacher_log_probs=move(self.teacher_log_probs),
+            old_values=move(self.old_values),
+            returns=move(self.returns),
         )
 
 
