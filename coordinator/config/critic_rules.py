@@ -8,8 +8,8 @@ Owns `CRITIC_RULES` (run by `rules.validate` in its order). Each is upstream's w
   `validate_async_off_policy_correction`, PR #1829; `--keep-old-actor`, its third choice, is not in rayless).
   As in miles the rule is the critic's only: rayless' policy loss is always the clipped (trust-region)
   objective, and miles does not require a correction of the critic-free estimators either;
-- what the critic does not combine with yet is refused by name: `--colocate` (its state is not offloaded),
-  LoRA (a full-weight critic beside adapters), `--disable-compute-advantages-and-returns`, an SFT loss.
+- what the critic does not combine with yet is refused by name: LoRA (a full-weight critic beside adapters),
+  `--disable-compute-advantages-and-returns`, an SFT loss. (`--colocate` offloads the critic with the policy.)
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ def critic_combines(config: Config) -> None:
     if not _uses_critic(config):
         return
     reasons = (
-        (config.cluster.colocate, "--colocate", "the critic's state is not offloaded between steps yet"),
         (config.lora.enabled, "--lora-rank", "a full-weight critic beside LoRA adapters is not in rayless yet"),
         (config.sft.disable_compute_advantages_and_returns, "--disable-compute-advantages-and-returns",
          "PPO's advantages are the critic's GAE, computed on the ranks"),

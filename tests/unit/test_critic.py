@@ -14,7 +14,7 @@ import torch
 from tests.support.train_samples import synthetic_samples
 from tests.support.train_settings import flat_settings
 from workers import protocol
-from workers.protocol.train_settings import CriticSettings, ReturnsSettings, SettingsError
+from workers.protocol.train_settings import CriticSettings, MemorySettings, ReturnsSettings, SettingsError
 from workers.train_rank import checkpoint, packing, returns
 from workers.train_rank.critic import value_loss
 from workers.train_rank.trainer import Trainer
@@ -205,3 +205,23 @@ def test_critic_only_steps_leave_the_policy_and_a_checkpoint_resumes_the_critic_
     for name, tensor in loaded.critic.model.state_dict().items():
         assert torch.equal(tensor, saved_critic[name]), name
     assert float(saved_critic["lm_head.weight"].abs().max()) > 0  # a trained head, not the fresh zero one
+
+
+def test_colocation_offloads_the_critic_with_the_policy_and_brings_it_back_bit_identical(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    samples = rewarded(synthetic_samples(tiny_model_dir, 4, seed=7))
+    command = ppo_settings(tiny_model_dir)
+    settings = command.settings.replace(memory=MemorySettings(offload_dir=str(tmp_path)))
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(protocol.InitCommand(settings))
+    trainer.train(protocol.TrainCommand(0, [samples], [sum(sum(s.loss_mask) for s in samples)]))
+    assert trainer.critic is not None and trainer.state is not None
+    critic_before = {k: v.clone() for k, v in trainer.critic.model.state_dict().items()}
+    assert any(name.startswith("critic/") for name in trainer.state.tensors())
+    assert any(name.startswith("critic_optimizer/") for name in trainer.state.tensors())
+    out = trainer.offload(protocol.OffloadCommand(verify=True))
+    assert all(p.numel() == 0 for p in trainer.critic.model.parameters())  # its storage is gone too
+    back = trainer.onload(protocol.OnloadCommand(verify=True))
+    assert back["digest"] == out["digest"]
+    for name, tensor in trainer.critic.model.state_dict().items():
+        assert torch.equal(tensor, critic_before[name]), name

@@ -107,7 +107,9 @@ class Trainer:
             self.state.discard()  # a re-init (train FT) replaces a state offloaded before it
         self.state = StateOffload(model=model, optimizer=self.optimizer, reference=self.reference,
                                   device=self.device, offload_dir=settings.memory.offload_dir,
-                                  memory_margin_bytes=settings.memory.train_memory_margin_bytes)
+                                  memory_margin_bytes=settings.memory.train_memory_margin_bytes,
+                                  critic=self.critic.model if self.critic is not None else None,
+                                  critic_optimizer=self.critic.optimizer if self.critic is not None else None)
         self.settings = settings
         trainable, total = lora.trainable_counts(model)
         return {"num_parameters": total, "trainable_parameters": trainable, "device": str(self.device)}
