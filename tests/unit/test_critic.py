@@ -225,3 +225,28 @@ def test_colocation_offloads_the_critic_with_the_policy_and_brings_it_back_bit_i
     assert back["digest"] == out["digest"]
     for name, tensor in trainer.critic.model.state_dict().items():
         assert torch.equal(tensor, critic_before[name]), name
+
+
+def test_reinforce_plus_plus_with_gamma_discounts_each_packed_response_and_whitens(tiny_model_dir: Path) -> None:
+    samples = rewarded(synthetic_samples(tiny_model_dir, 6, seed=8))
+    settings = flat_settings({"model_path": str(tiny_model_dir), "max_tokens_per_micro_batch": 48})
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(protocol.InitCommand(settings.replace(
+        returns=ReturnsSettings(estimator="reinforce_plus_plus", gamma=0.8, normalize=True))))
+    assert trainer.critic is None
+    batches = [trainer._micro_batches(samples)]
+    trainer._token_advantages(batches)
+    groups = packing.plan(samples, max_tokens=48, micro_batch_size=None)
+    raw: list[float] = []
+    got: list[float] = []
+    for batch, group in zip(batches[0], groups, strict=True):
+        for (start, end), index in zip(batch.spans, group, strict=True):
+            mask = samples[index].loss_mask
+            last = max(i for i, kept in enumerate(mask) if kept)
+            returns_ = reference_discounted([samples[index].advantage if i == last else 0.0
+                                             for i in range(len(mask))], 0.8)
+            raw += [r for r, kept in zip(returns_, mask, strict=True) if kept]
+            got += [float(a) for a, kept in zip(batch.advantages.view(-1)[start:end], mask, strict=True) if kept]
+    mean = math.fsum(raw) / len(raw)
+    std = math.sqrt(math.fsum((x - mean) ** 2 for x in raw) / (len(raw) - 1) + returns.WHITEN_EPSILON)
+    assert got == pytest.approx([(x - mean) / std for x in raw], abs=1e-5)
