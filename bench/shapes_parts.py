@@ -164,13 +164,20 @@ def _forward_backward(model: Any, batches: list[Any]) -> float:
     return time.perf_counter() - started
 
 
+def critic_rank_process(*args: Any) -> dict[str, Any]:
+    """`rank_process` with PPO's critic (`--advantage-estimator ppo`): its old values, GAE and value step too."""
+    return rank_process(*args, critic=True)
+
+
 def rank_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int, device_name: str, dtype: str,
-                 attn: str | None, threads: int) -> dict[str, Any]:
+                 attn: str | None, threads: int, critic: bool = False) -> dict[str, Any]:
     """The rank's whole train command (one optimizer step over the batch), then, in the same process and
     state, the throughput floor: forward + backward alone on the same packed micro-batches."""
     import torch
 
+    from tests.support.train_settings import flat_settings
     from workers import protocol
+    from workers.protocol.train_settings import CriticSettings, ReturnsSettings
     from workers.train_rank import packing
     from workers.train_rank.trainer import Trainer
 
@@ -179,7 +186,11 @@ def rank_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int, 
     shape = Shape(**shape_fields)
     wire = _wire(shape, vocab_size)
     trainer = Trainer(rank=0, world_size=1, device=device)
-    trainer.init(init_command(_settings(model_dir, shape, dtype, attn)))
+    settings = flat_settings(_settings(model_dir, shape, dtype, attn))
+    if critic:
+        settings = settings.replace(returns=ReturnsSettings(estimator="ppo", normalize=True),
+                                    critic=CriticSettings(lr=1e-5))
+    trainer.init(init_command(settings))
     groups = packing.plan(wire, max_tokens=shape.max_tokens_per_gpu, micro_batch_size=None)
     batches = [packing.pack([wire[i] for i in group], 0).to(device) for group in groups]
     _forward_backward(trainer.model, batches[-1:])  # warm-up: the smallest micro-batch

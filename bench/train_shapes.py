@@ -17,7 +17,12 @@ Figures, each against a floor measured in the same run:
   loopback socket to `RankChannel` readers that decode them, against the same bytes raw over a loopback socket;
   and the coordinator's RSS growth while it holds the batch (samples → wire samples → frames).
 
+- `--critic`: the same train command with PPO's critic (`--advantage-estimator ppo`: the value model's old
+  values, GAE, its clipped value-loss step beside the policy's), its peak memory and time against the
+  policy-only command's: what the critic costs. A report, no target.
+
     python -m bench.train_shapes --quick              # CPU, ~1-3 minutes on 2 cores
+    python -m bench.train_shapes --quick --critic     # and the critic's memory and time
     python -m bench.train_shapes --pairs-only         # attention pairs at the default shape, ~1 minute
     python -m bench.train_shapes --device cuda --bf16 --hidden 1024 --layers 28 ...   # see bench/gpu_check.sh
 
@@ -41,6 +46,7 @@ from bench.shapes_parts import (
     QWEN3_VOCAB,
     Shape,
     build_model,
+    critic_rank_process,
     floor_process,
     lengths,
     pairs_process,
@@ -181,6 +187,8 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-gpu", type=int, default=None)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak (H100/H200 bf16 dense)")
     parser.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    parser.add_argument("--critic", action="store_true", help="also the train command with PPO's critic: its "
+                        "memory and time against the policy-only command's")
     options = parser.parse_args()
     shape = (Shape(prompt_median=6, response_median=6, response_cap=48, max_tokens_per_gpu=256)
              if options.quick else Shape())
@@ -203,6 +211,8 @@ def main() -> None:
         args = (model_dir, shape_fields(shape), QWEN3_VOCAB, options.device, dtype, options.attn, options.threads)
         floor = run_child(floor_process, *args)
         rank = run_child(rank_process, *args)
+        if options.critic:
+            print_critic(rank, run_child(critic_rank_process, *args))
     wire = channel(shape, QWEN3_VOCAB, world_size=2)
     report(options, shape, rank, floor, wire, ratio_before, batches_before)
 
@@ -257,6 +267,14 @@ def report(options: argparse.Namespace, shape: Shape, rank: dict[str, Any], floo
           and (pairs_ratio is None or pairs_ratio <= 1.05))
     print(("PASS" if ok else "FAIL") + (" (report only)" if options.report_only else ""))
     sys.exit(0 if ok or options.report_only else 1)
+
+
+def print_critic(rank: dict[str, Any], critic: dict[str, Any]) -> None:
+    gib = 2**30
+    print(f"critic (PPO): train command {critic['train_s']:.2f} s vs {rank['train_s']:.2f} s policy-only "
+          f"({critic['train_s'] / rank['train_s']:.2f}×: old values, GAE, a value step beside the policy's); peak "
+          f"{critic['peak_bytes'] / gib:.2f} GiB vs {rank['peak_bytes'] / gib:.2f} GiB "
+          f"(+{(critic['peak_bytes'] - rank['peak_bytes']) / gib:.2f} GiB: the value model and its AdamW state)")
 
 
 def print_channel(wire: dict[str, float]) -> None:

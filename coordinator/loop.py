@@ -45,6 +45,18 @@ from replay.sample import RolloutBatch
 log = logging.getLogger("rayless")
 
 
+def staleness_histogram(samples: Any, version: int) -> dict[str, float]:
+    """`rollout/staleness/<k>`: how many of the samples were generated (their first token) with the weights `k`
+    versions behind `version`, the policy they train; samples without a numeric version are not counted."""
+    counts: dict[int, int] = {}
+    for sample in samples:
+        first = sample.weight_versions[:1]
+        if first and first[0].isdigit():
+            behind = max(version - int(first[0]), 0)
+            counts[behind] = counts.get(behind, 0) + 1
+    return {f"rollout/staleness/{behind}": float(count) for behind, count in sorted(counts.items())}
+
+
 class RolloutSource(Protocol):
     async def get_rollout(self, rollout_id: int, weight_version: str) -> RolloutBatch: ...
 
@@ -260,13 +272,14 @@ class TrainingLoop:
             group.start_soon(produce)
             async with receive:
                 async for batch, state, started in receive:
-                    oldest = min((int(v) for s in batch.samples for v in s.weight_versions[:1] if v.isdigit()),
-                                 default=self.version)
-                    if self.version - oldest > staleness:
+                    histogram = staleness_histogram(batch.samples, self.version)
+                    behind = max((int(key.rsplit("/", 1)[1]) for key in histogram), default=0)
+                    if behind > staleness:
                         raise RuntimeError(
-                            f"rollout {batch.rollout_id} holds samples from weight version {oldest}, "
-                            f"{self.version - oldest} behind the policy; --max-weight-staleness is {staleness}"
+                            f"rollout {batch.rollout_id} holds samples from weight version {self.version - behind}, "
+                            f"{behind} behind the policy; --max-weight-staleness is {staleness}"
                         )
+                    batch.metrics.update(histogram)
                     await self._train_and_sync(batch, state, result, started)
                     if self._stopping:
                         group.cancel_scope.cancel()  # the producer may wait on the version, not generating

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from coordinator.config.checkpoint import CheckpointConfig
 from coordinator.config.cluster import ClusterConfig
+from coordinator.config.critic import CriticConfig
 from coordinator.config.debug import DebugConfig
 from coordinator.config.determinism import DeterminismConfig
 from coordinator.config.distill import DistillConfig
@@ -30,6 +31,7 @@ SLICES: tuple[tuple[str, type[Slice]], ...] = (
     ("fault_tolerance", FaultToleranceConfig),
     ("debug", DebugConfig),
     ("train", TrainConfig),
+    ("critic", CriticConfig),
     ("sft", SftConfig),
     ("lora", LoraConfig),
     ("distill", DistillConfig),

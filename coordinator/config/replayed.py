@@ -1,7 +1,7 @@
 """The training flags a rollout dump records, and what a replay takes from them.
 
 Owns `RECORDED` (the flags whose values decide a training step: the train slice — optimizer, learning-rate
-schedule, loss, batching, seed — and the advantage, LoRA, SFT-loss, OPD, reference and determinism flags the
+schedule, loss, batching, seed — and the advantage, critic, LoRA, SFT-loss, OPD, reference and determinism flags the
 ranks' settings read, plus the model), `recorded_flags(config)` (what a dump's header stores under
 `train_flags`) and `replay_values(values, given)` (a replay's values: each recorded flag that neither the command
 line nor a config file gives takes the dump's value; each given one that differs is named, one warning each).
@@ -41,6 +41,8 @@ _OTHER_SLICES = (
     "lora_adapter_path",
     "use_opd", "opd_type", "opd_kl_coef", "opd_teacher_load", "opd_teacher_ckpt_step",
     "deterministic_mode",
+    # PPO's critic and the discounting of per-token returns (the critic slice)
+    "gamma", "lambd", "critic_lr", "critic_lr_warmup_iters", "num_critic_only_steps", "value_clip",
 )
 #: Every recorded flag, by field name, in the flag table's order.
 RECORDED: tuple[str, ...] = tuple(

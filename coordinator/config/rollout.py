@@ -26,10 +26,9 @@ def _rm_types() -> list[str]:
 
 
 #: --advantage-estimator values rayless implements (`coordinator.rollout.advantages`)
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 #: Estimators slime has whose names we know, with why rayless refuses them.
 UNSUPPORTED_ESTIMATORS = {
-    "ppo": "needs a critic model, which rayless does not train",
     "cispo": "its clipped-importance loss is not implemented",
 }
 

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from coordinator.config.critic_rules import CRITIC_RULES
 from coordinator.config.determinism_rules import deterministic_runs_can_hold
 from coordinator.config.distill import teacher_hook
 from coordinator.config.eval_rules import EVAL_FLEET_RULES
@@ -164,13 +165,6 @@ def steps_per_rollout_agree(config: Config) -> None:
     if gbs is not None and gbs != samples // steps:
         raise ConfigError(f"--global-batch-size {gbs} and --num-steps-per-rollout {steps} disagree: {steps} "
                           f"steps of {samples} samples make a global batch of {samples // steps}")
-
-
-def kl_reward_shaping_is_supported(config: Config) -> None:
-    estimator = config.rollout.advantage_estimator
-    if config.train.kl_coef and estimator.startswith("reinforce_plus_plus"):
-        raise ConfigError(f"--kl-coef (reward shaping) with --advantage-estimator {estimator} needs per-token "
-                          "rewards, which rayless does not have yet: use --use-kl-loss --kl-loss-coef instead")
 
 
 def eval_fleet_needs_schedule(config: Config) -> None:
@@ -329,7 +323,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     steps_per_rollout_agree,
     dynamic_global_batch_needs_dynamic_micro_batches,
     global_batch_splits_over_ranks,
-    kl_reward_shaping_is_supported,
+    *CRITIC_RULES,
     eval_fleet_needs_schedule,
     eval_interval_needs_datasets,
     eval_datasets_need_interval,

@@ -21,6 +21,7 @@ import msgspec
 from coordinator.config.aliases import apply_hook_aliases
 from coordinator.config.checkpoint import CheckpointConfig, LoadPlan, resolve_load, resolve_ref_load
 from coordinator.config.cluster import ClusterConfig, resolve_colocation
+from coordinator.config.critic import CriticConfig
 from coordinator.config.debug import DebugConfig
 from coordinator.config.determinism import DeterminismConfig
 from coordinator.config.distill import DistillConfig
@@ -51,6 +52,7 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     sft: SftConfig = field(default_factory=SftConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
@@ -248,6 +250,10 @@ class Config:
             policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
         if self.sft.enabled:  # slime's --loss-type sft_loss: the NLL on the ranks
             settings = settings.replace(loss=msgspec.structs.replace(settings.loss, loss_type=self.sft.loss_type))
+        estimator = self.rollout.advantage_estimator
+        settings = settings.replace(
+            returns=self.critic.rank_returns(estimator, normalize=self.rollout.normalize_advantages),
+            critic=self.critic.rank_critic(estimator, lr=self.train.lr, load_path=self.critic.critic_load))
         if self.distill.use_opd:
             settings = settings.replace(opd=self.distill.rank_opd(self.distill.teacher_path()))
         if self.offloads_train:

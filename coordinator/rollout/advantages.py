@@ -2,7 +2,9 @@
 
 Owns `sample.advantage`: `compute_advantages` for slime's critic-free estimators (`grpo`, `gspo`,
 `reinforce_plus_plus`, `reinforce_plus_plus_baseline`, with `normalize_std` and the token-level whitening of
-`normalize_advantages`); the names (and slime's we refuse, with the reason) are the config's: `coordinator.config.rollout`. The formulas:
+`normalize_advantages`). With `token_level` (`ppo`, and `reinforce_plus_plus` with `--gamma` < 1) each sample's
+advantage is its scalar reward, unwhitened: the ranks turn it into per-token GAE advantages or discounted returns
+and whiten those (`workers.train_rank.returns`). The names (and slime's we refuse, with the reason) are the config's: `coordinator.config.rollout`. The formulas:
 docs/rollout.md.
 
 Invariants kept by `compute_advantages`:
@@ -80,6 +82,7 @@ def compute_advantages(
     normalize_std: bool = True,
     reward_key: str | None = None,
     normalize_advantages: bool = False,
+    token_level: bool = False,
 ) -> None:
     """Set `advantage` on every sample of `groups` (see the module docstring for the estimators)."""
     if estimator not in ESTIMATORS:
@@ -92,6 +95,14 @@ def compute_advantages(
                 raise AdvantageError(
                     f"sample {sample.group_index}/{sample.sample_index} has no reward; score the group first"
                 )
+    if token_level:
+        for group in groups:
+            for sample in group:
+                aborted = sample.status is SampleStatus.ABORTED
+                sample.advantage = 0.0 if aborted else sample.scalar_reward(reward_key)
+        return
+    if estimator == "ppo":
+        raise AdvantageError("--advantage-estimator ppo: its advantages are computed on the ranks (token_level)")
     if estimator in ("grpo", "gspo"):
         _centered(groups, reward_key, normalize_std=normalize_std)
     elif estimator == "reinforce_plus_plus_baseline":

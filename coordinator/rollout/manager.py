@@ -331,6 +331,7 @@ class RolloutManager:
             normalize_std=not rollout.disable_grpo_std_normalization,
             reward_key=rollout.reward_key,
             normalize_advantages=rollout.normalize_advantages,
+            token_level=self.config.critic.token_level_returns(rollout.advantage_estimator),
         )
 
     def _check_shape(self, batch: RolloutBatch) -> None:

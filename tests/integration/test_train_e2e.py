@@ -3,7 +3,9 @@
 One generating run (module fixture) feeds several checks: the reward rises, training logprobs match the
 engines', dumps replay with no engine process and, given no training flag, repeat the generating run's losses,
 and a resumed run (a second module fixture, its weights synced by distributed sync) continues with the same data
-order and losses and serves engines the exact weights. Runs are kept short: CI has 2 cores.
+order and losses and serves engines the exact weights. A PPO run with a critic (a third fixture, one engine)
+learns by the same margin while its value loss falls, and resumes exactly, critic included. Runs are kept
+short: CI has 2 cores.
 """
 
 from __future__ import annotations
@@ -189,20 +191,70 @@ def test_distributed_sync_gives_engines_the_exact_weights(resumed_run: Path) -> 
     assert all(row["sync/engines"] == 2 for row in rows)
 
 
+PPO_FLAGS = ("--advantage-estimator", "ppo", "--normalize-advantages", "--num-critic-only-steps", "2",
+             "--custom-rm-path", "tests.support.rollout_fns:offset_first_digit_reward", "--rollout-num-engines", "1")
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PPO with a critic on the tiny task, its reward the task's score + 1 (a level the fresh critic, predicting
+    0, must learn); a checkpoint at rollout 5."""
+    run_dir = tmp_path_factory.mktemp("ppo")
+    config = config_for(tiny_model_dir, run_dir, *PPO_FLAGS, "--num-rollout", str(ROLLOUTS),
+                        "--save", str(run_dir / "ckpt"), "--save-interval", "6")
+    summary = anyio.run(run_training, config)
+    assert summary["rollouts"] == ROLLOUTS and summary["train_steps"] == ROLLOUTS
+    return run_dir
+
+
+def test_ppo_with_a_critic_learns_and_its_value_loss_falls(ppo_run: Path) -> None:
+    rows = read_metrics(ppo_run / "metrics.jsonl")
+    scores = [row["rollout/reward_mean"] - 1.0 for row in rows]  # the task's score, as the GRPO run's reward
+    first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
+    assert last >= 2 * first, scores
+    value_losses = [row["train/critic/value_loss"] for row in rows]
+    # the fresh head predicts 0 for returns near 1; the critic learns their level
+    assert value_losses[0] > 0.5 and max(value_losses[-3:]) < 0.25 * value_losses[0], value_losses
+    # --num-critic-only-steps 2: rollouts 0 and 1 trained the critic alone (no policy gradient), then both
+    assert [(row["train/pg_loss"], row["train/grad_norm"]) for row in rows[:2]] == [(0.0, 0.0)] * 2
+    assert all(row["train/grad_norm"] > 0 for row in rows[2:])
+    assert (ppo_run / "ckpt" / "rollout_5" / "critic_scheduler.json").is_file()
+
+
+def test_a_ppo_run_resumes_exactly_critic_included(ppo_run: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(ppo_run / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    config = config_for(tiny_model_dir, tmp_path, *PPO_FLAGS, "--num-rollout", "8",
+                        "--load", str(ppo_run / "ckpt" / "rollout_5"))
+    summary = anyio.run(run_training, config)
+    assert summary["rollouts"] == 2
+    original, resumed = read_metrics(ppo_run / "metrics.jsonl")[6:8], read_metrics(tmp_path / "metrics.jsonl")[6:]
+    for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/critic/value_loss",
+                "train/critic/values"):
+        assert [row[key] for row in resumed] == pytest.approx([row[key] for row in original], abs=1e-6), key
+
+
 async def test_async_rollout_overlaps_generation_within_the_staleness_bound(tiny_model_dir: Path,
                                                                             tmp_path: Path) -> None:
-    # the staleness bound needs neither a second engine nor a second rank, nor big batches
+    # the staleness bound needs neither a second engine nor a second rank, nor big batches; PPO (a critic) runs
+    # async only with an off-policy correction, as miles (without one: refused at start-up, tests/unit/test_config)
     config = config_for(tiny_model_dir, tmp_path, "--rollout-num-engines", "1", "--num-rollout", "4",
                         "--actor-num-gpus-per-node", "1", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
-                        "--async-rollout", "--max-weight-staleness", "1",
-                        "--save-debug-rollout-data", str(tmp_path / "dumps" / "{rollout_id}.rld"))
+                        "--async-rollout", "--max-weight-staleness", "1", "--advantage-estimator", "ppo",
+                        "--use-tis", "--save-debug-rollout-data", str(tmp_path / "dumps" / "{rollout_id}.rld"))
     summary = await run_training(config)
     assert summary["train_steps"] == 4 and summary["final_weight_version"] == "4"
+    rows = read_metrics(tmp_path / "metrics.jsonl")
     for rollout_id in range(4):
         samples = read_dump(dump_path(str(tmp_path / "dumps" / "{rollout_id}.rld"), rollout_id)).samples
         versions = {int(v) for s in samples for v in s.weight_versions}
         # rollout k trains at policy version k; its samples come from versions k-1 .. k (one step off policy)
         assert versions and min(versions) >= rollout_id - 1 and max(versions) <= rollout_id, (rollout_id, versions)
+        # the step's staleness histogram: its samples by how many versions behind their first token's weights were
+        histogram = {int(key.rsplit("/", 1)[1]): value for key, value in rows[rollout_id].items()
+                     if key.startswith("rollout/staleness/")}
+        behind = [rollout_id - int(s.weight_versions[0]) for s in samples]
+        assert histogram == {k: float(behind.count(k)) for k in set(behind)}, (rollout_id, histogram)
+        assert sum(histogram.values()) == len(samples) == 32
 
 
 async def test_debug_rollout_only_generates_and_dumps_without_training_ranks(tiny_model_dir: Path,

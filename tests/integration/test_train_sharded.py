@@ -2,9 +2,9 @@
 the policy and the reference built on the meta device and loaded shard by shard, packed micro-batches whose
 first-fit-decreasing counts differ between the ranks (so the ranks must agree on one count, or FSDP2's
 collectives would hang). The update equals one process training the same steps unsharded, with and without
-LoRA; after the first step the process group's timeout is the short one, so a rank that stops is reported in
-seconds. One group (module fixture) is initialised twice, full then LoRA (a re-init replaces the model, as
-train FT's does), and stopped last: one torchrun and two ranks serve every test here."""
+LoRA, and with PPO's critic (sharded as the policy; the advantages whitened over both ranks); after the first step the process group's timeout is the short one, so a rank that stops is reported in
+seconds. One group (module fixture) is initialised three times, full, LoRA, then PPO (a re-init replaces the
+model, as train FT's does), and stopped last: one torchrun and two ranks serve every test here."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from coordinator.train.planning import plan_steps
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 from tests.support.train_settings import flat_settings, init_command
 from workers import protocol
-from workers.protocol.train_settings import BatchingSettings
+from workers.protocol.train_settings import BatchingSettings, CriticSettings, ReturnsSettings, TrainSettings
 from workers.train_rank.packing import first_fit_decreasing
 from workers.train_rank.trainer import Trainer
 
@@ -34,6 +34,12 @@ BUDGET = 14
 def config_for(model_dir: Path, **extra: object) -> dict[str, object]:
     return {**TRAIN_CONFIG, "model_path": str(model_dir), "max_tokens_per_micro_batch": BUDGET,
             "log_probs_chunk_size": 4, "global_batch_size": 6, **extra}
+
+
+def ppo_settings(model_dir: Path, **extra: object) -> TrainSettings:
+    return flat_settings(config_for(model_dir, **extra)).replace(
+        returns=ReturnsSettings(estimator="ppo", gamma=0.9, lambd=0.95, normalize=True),
+        critic=CriticSettings(lr=1e-2))
 
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
@@ -48,6 +54,8 @@ class ShardedRun:
     exported: Path
     lora_info: dict[str, Any]
     lora_exported: Path
+    ppo_metrics: dict[str, Any]
+    ppo_exported: Path
     failure: BaseException
 
 
@@ -67,6 +75,9 @@ async def sharded_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
                                                                   lr=1e-2, train_pg_timeout_s=3)))
             await group.train(0, as_samples(lora_raw))
             lora_exported = await group.export_weights(tmp_path / "lora-weights", weight_version=1)
+            await group.init(ppo_settings(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3))
+            ppo_metrics = await group.train(0, as_samples(raw))
+            ppo_exported = await group.export_weights(tmp_path / "ppo-weights", weight_version=1)
 
             # A stopped rank: the other's collective gives up after 3 s, not 600.
             victim = group.ranks[1].pid
@@ -77,7 +88,8 @@ async def sharded_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
             finally:
                 os.kill(victim, signal.SIGCONT)
             tg.cancel_scope.cancel()
-    return ShardedRun(raw, lora_raw, metrics, exported, lora_info, lora_exported, failure.value)
+    return ShardedRun(raw, lora_raw, metrics, exported, lora_info, lora_exported, ppo_metrics, ppo_exported,
+                      failure.value)
 
 
 def one_process(model_dir: Path, raw: list[protocol.WireSample], **extra: object) -> Trainer:
@@ -87,6 +99,27 @@ def one_process(model_dir: Path, raw: list[protocol.WireSample], **extra: object
     trainer.train(protocol.TrainCommand(0, [raw[:6], raw[6:]], [sum(sum(s.loss_mask) for s in part)
                                                                  for part in (raw[:6], raw[6:])]))
     return trainer
+
+
+async def test_ppo_with_a_sharded_critic_trains_as_one_process_does(sharded_run: ShardedRun,
+                                                                    tiny_model_dir: Path) -> None:
+    """The critic sharded as the policy (its value head fresh on rank 0, broadcast), each rank's GAE on its own
+    values, the whitening's statistics all-reduced: the policy and the critic update as in one process."""
+    from transformers import AutoModelForCausalLM
+
+    raw = sharded_run.raw
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(init_command(ppo_settings(tiny_model_dir)))
+    answer = trainer.train(protocol.TrainCommand(0, [raw[:6], raw[6:]], [sum(sum(s.loss_mask) for s in part)
+                                                                          for part in (raw[:6], raw[6:])]))
+    expected = trainer.model.state_dict()
+    got = AutoModelForCausalLM.from_pretrained(str(sharded_run.ppo_exported), dtype=torch.float32).state_dict()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+    # the second step's value loss is measured after the critic's first update: the sharded critic trained alike
+    value_losses = [step.extra["critic/value_loss"] / step.loss_tokens for step in answer.steps]
+    assert sharded_run.ppo_metrics["critic/value_loss"] == pytest.approx(sum(value_losses) / 2, abs=1e-6)
+    assert value_losses[1] != value_losses[0]
 
 
 async def test_fsdp_on_cpu_matches_one_process(sharded_run: ShardedRun, tiny_model_dir: Path) -> None:

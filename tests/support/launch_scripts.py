@@ -35,9 +35,6 @@ PENDING: dict[str, str] = {}
 PENDING_RM_TYPES = "not yet: a reward type rayless does not have"
 #: Flags and values rayless refuses by design.
 UNSUPPORTED = {
-    "--advantage-estimator ppo": "needs a critic",
-    "--critic-lr": "PPO critic",
-    "--num-critic-only-steps": "PPO critic",
     "--enable-mtp-training": "multi-token-prediction layers are not trained",
 }
 

@@ -47,6 +47,14 @@ def alternating_constant_reward(sample: Sample) -> float:
     return float(sample.sample_index % 2)
 
 
+def offset_first_digit_reward(sample: Sample) -> float:
+    """The first_digit task's score plus 1: the same ranking of samples, at a level a value model must learn
+    (a fresh critic predicts 0), so a critic's value loss has somewhere to fall from."""
+    from coordinator.rewards.rules import first_digit
+
+    return 1.0 + first_digit(sample.response, sample)
+
+
 class RecordedDefaultRollout(DefaultRollout):
     """The default rollout function, unchanged, keeping each instance built in `BUILT`: a test reads its public
     state (`partial_buffer`) after a rollout."""

@@ -132,8 +132,18 @@ def test_dict_rewards_use_reward_key() -> None:
 
 
 def test_errors() -> None:
-    with pytest.raises(AdvantageError, match=r"--advantage-estimator 'ppo' is not supported; known: grpo"):
+    with pytest.raises(AdvantageError, match=r"--advantage-estimator 'cispo' is not supported; known: grpo"):
+        compute_advantages(make_groups([1.0]), estimator="cispo")
+    with pytest.raises(AdvantageError, match=r"ppo: its advantages are computed on the ranks"):
         compute_advantages(make_groups([1.0]), estimator="ppo")
+
+
+def test_token_level_estimators_hand_the_ranks_each_samples_reward() -> None:
+    # ppo, and reinforce_plus_plus with --gamma < 1: the ranks compute and whiten per-token advantages
+    groups = make_groups([1.0, 0.5, 0.25])
+    groups[0][1].status = SampleStatus.ABORTED  # an aborted straggler still trains on nothing
+    compute_advantages(groups, estimator="ppo", normalize_advantages=True, token_level=True)
+    assert [s.advantage for s in groups[0]] == [1.0, 0.0, 0.25]
     with pytest.raises(AdvantageError, match=r"sample 0/1 has no reward; score the group first"):
         compute_advantages(make_groups([1.0, None]), estimator="grpo")
 

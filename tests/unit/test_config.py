@@ -229,6 +229,15 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
     "kl_reward_shaping_is_supported": (None, ["--rollout-num-engines", "1", "--kl-coef", "0.1",
                                               "--advantage-estimator", "reinforce_plus_plus_baseline",
                                               "--normalize-advantages"], "needs per-token rewards"),
+    "async_ppo_needs_a_correction": (None, ["--rollout-num-engines", "1", "--advantage-estimator", "ppo",
+                                            "--fully-async"],
+                                     "--async-rollout / --fully-async with --advantage-estimator ppo needs an explicit off-policy "
+                                     "correction (as miles, PR #1829): rollouts are generated before the current "
+                                     "weight update while the old logprobs are recomputed by the current policy. "
+                                     "Pass one of: --use-rollout-logprobs"),
+    "critic_combines": (None, ["--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--lora-rank", "4",
+                               "--target-modules", "all-linear"],
+                        "--advantage-estimator ppo (a critic) with --lora-rank"),
     "eval_fleet_needs_schedule": (None, ["--rollout-num-engines", "1", "--eval-num-engines", "1"],
                                   "needs --eval-interval and --eval-prompt-data"),
     "eval_interval_needs_datasets": (None, ["--rollout-num-engines", "1", "--eval-interval", "2"],
@@ -297,6 +306,41 @@ def test_each_named_rule_fires_on_its_contradiction(rule: str) -> None:
     else:
         with pytest.raises(ConfigError, match=re.escape(expected)):
             parse_config([*argv, *flags])
+
+
+@pytest.mark.parametrize("correction", ["--use-rollout-logprobs", "--use-tis"])
+def test_async_ppo_runs_with_either_of_miles_corrections(correction: str) -> None:
+    config = cfg("--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--async-rollout", correction)
+    assert config.rank_settings().critic is not None
+
+
+def test_async_without_a_critic_needs_no_correction_as_miles() -> None:
+    # miles' check returns unless use_critic: the critic-free estimators run async with the clipped loss alone
+    cfg("--rollout-num-engines", "1", "--async-rollout")
+
+
+def test_ppo_refuses_reward_level_kl_with_miles_reason() -> None:
+    with pytest.raises(ConfigError, match="the critic's value targets would not include the KL penalty"):
+        cfg("--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--kl-coef", "0.1")
+
+
+def test_critic_flags_reach_the_ranks_with_upstream_defaults() -> None:
+    settings = cfg("--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--lr", "3e-6").rank_settings()
+    assert settings.critic is not None and settings.returns is not None
+    assert (settings.critic.lr, settings.critic.value_clip, settings.critic.critic_only_steps) == (3e-6, 0.2, 0)
+    assert (settings.returns.estimator, settings.returns.gamma, settings.returns.lambd) == ("ppo", 1.0, 1.0)
+    settings = cfg("--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--critic-lr", "1e-5",
+                   "--gamma", "0.9", "--lambd", "0.95", "--value-clip", "0.5", "--num-critic-only-steps", "2",
+                   "--normalize-advantages").rank_settings()
+    assert settings.critic is not None and settings.returns is not None
+    assert (settings.critic.lr, settings.critic.value_clip, settings.critic.critic_only_steps) == (1e-5, 0.5, 2)
+    assert (settings.returns.gamma, settings.returns.lambd, settings.returns.normalize) == (0.9, 0.95, True)
+    # REINFORCE++: per-token returns on the ranks only when discounted; no critic either way
+    for gamma, on_ranks in (("1.0", False), ("0.9", True)):
+        settings = cfg("--rollout-num-engines", "1", "--advantage-estimator", "reinforce_plus_plus",
+                       "--normalize-advantages", "--gamma", gamma).rank_settings()
+        assert settings.critic is None and (settings.returns is not None) is on_ranks
+    assert cfg("--rollout-num-engines", "1").rank_settings().returns is None
 
 
 def test_eval_allow_partial_fleet_reaches_the_eval_settings() -> None:

@@ -98,8 +98,10 @@ def test_kl_flags_are_slimes(tiny_model_dir: Path) -> None:
     config = parse_config(argv(tiny_model_dir, "--kl-coef", "0.1"))
     assert "kl_coef" not in flat_view(config.rank_settings())
     assert "--kl-coef 0.1 has no effect on grpo advantages" in (porting_notice(config) or "")
-    with pytest.raises(ConfigError, match="needs a critic"):
-        parse_config(argv(tiny_model_dir, "--advantage-estimator", "ppo"))
+    # ppo trains a critic; reward-level KL with it is refused with miles' reason
+    assert parse_config(argv(tiny_model_dir, "--advantage-estimator", "ppo")).rank_settings().critic is not None
+    with pytest.raises(ConfigError, match="would not include the KL penalty"):
+        parse_config(argv(tiny_model_dir, "--advantage-estimator", "ppo", "--kl-coef", "0.1"))
     with pytest.raises(ConfigError, match="needs --normalize-advantages"):
         parse_config(argv(tiny_model_dir, "--advantage-estimator", "reinforce_plus_plus"))
     assert flat_view(parse_config(argv(tiny_model_dir, "--advantage-estimator", "gspo")).rank_settings())["policy_loss"] == "gspo"

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 # 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node_rank;
 # 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation); 7: SaveHfCommand (--save-hf);
 # 8: SaveCommand.publish and PublishCommand (a checkpoint published after its metrics row);
-# 9: BatchingSettings.dynamic_global_batch_size; 10: WireSample.opd_reverse_kl and OpdSettings.top_k (top-k OPD)
-PROTOCOL_VERSION = 10
+# 9: BatchingSettings.dynamic_global_batch_size; 10: WireSample.opd_reverse_kl and OpdSettings.top_k (top-k OPD);
+# 11: TrainSettings.returns and .critic (PPO's value model)
+PROTOCOL_VERSION = 11
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"

@@ -1,6 +1,7 @@
 """The trainer's settings: one frozen config per trainer component, the body of the init command.
 
-Owns `TrainSettings` and its parts (model, optimizer, loss, batching, checkpoint, memory, parallel, LoRA). The
+Owns `TrainSettings` and its parts (model, optimizer, loss, batching, checkpoint, memory, parallel, LoRA,
+per-token returns, the critic). The
 coordinator builds them once from its flags (`coordinator.config.training`); they travel as they are in
 `InitCommand` and the rank decodes them into the same types (unknown keys refused, types checked by msgspec).
 
@@ -234,6 +235,45 @@ class OpdSettings(_Settings):
             raise SettingsError("opd.type 'megatron' needs opd.teacher_path (the teacher model the rank loads)")
 
 
+RETURN_ESTIMATORS = ("ppo", "reinforce_plus_plus")
+
+
+class ReturnsSettings(_Settings):
+    """Per-token advantages computed on the rank (`train_rank.returns`): slime's GAE for `ppo` (with the
+    critic's values) and REINFORCE++'s discounted returns; the sample's `advantage` on the wire is then its
+    scalar reward. `normalize`: slime's `--normalize-advantages`, whitened over the train command's loss tokens
+    on every rank."""
+
+    estimator: str
+    gamma: float = 1.0
+    lambd: float = 1.0
+    normalize: bool = False
+
+    def __post_init__(self) -> None:
+        _choose("returns.estimator", self.estimator, RETURN_ESTIMATORS)
+        for name, value in (("returns.gamma", self.gamma), ("returns.lambd", self.lambd)):
+            if not 0 <= value <= 1:
+                raise SettingsError(f"{name} must be in [0, 1], got {value}")
+
+
+class CriticSettings(_Settings):
+    """PPO's value model (`train_rank.critic`): the policy's architecture with a fresh 1-output head, or the
+    critic of a rayless checkpoint (`load_path`); its own Adam at `lr` (warm-up over `warmup_steps`), slime's
+    clipped value loss (`value_clip`), and the first `critic_only_steps` rollouts training it alone."""
+
+    lr: float
+    warmup_steps: int = 0
+    value_clip: float = 0.2
+    critic_only_steps: int = 0
+    load_path: str | None = None
+
+    def __post_init__(self) -> None:
+        _at_least("critic.lr", self.lr, 0)
+        _at_least("critic.warmup_steps", self.warmup_steps, 0)
+        _at_least("critic.value_clip", self.value_clip, 0)
+        _at_least("critic.critic_only_steps", self.critic_only_steps, 0)
+
+
 class TrainSettings(_Settings):
     """Everything a training rank is told, by component."""
 
@@ -246,7 +286,13 @@ class TrainSettings(_Settings):
     parallel: ParallelSettings = msgspec.field(default_factory=ParallelSettings)
     determinism: DeterminismSettings = msgspec.field(default_factory=DeterminismSettings)
     opd: OpdSettings | None = None  # None: no on-policy distillation
+    returns: ReturnsSettings | None = None  # None: the sample's advantage is every token's
+    critic: CriticSettings | None = None  # None: no value model (every estimator but ppo)
     seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if (self.critic is not None) != (self.returns is not None and self.returns.estimator == "ppo"):
+            raise SettingsError("a critic is trained exactly when returns.estimator is 'ppo'")
 
     def replace(self, **changes: Any) -> TrainSettings:
         """A copy with whole components replaced (`settings.replace(loss=...)`), validated again."""

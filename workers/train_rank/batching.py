@@ -47,6 +47,9 @@ class MicroBatch:
     #: [B, L-1]: on-policy distillation's teacher logprobs from the samples (`distill.teacher_tensor`), or None.
     teacher_log_probs: torch.Tensor | None = None
     opd_reverse_kl: torch.Tensor | None = None  # miles' top-k OPD's per-token term
+    #: [B, L-1]: PPO's values before the rollout's first update and its GAE returns (`train_rank.critic`), or None.
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -76,6 +79,8 @@ class MicroBatch:
             sample_ids=move(self.sample_ids),
             teacher_log_probs=move(self.teacher_log_probs),
             opd_reverse_kl=move(self.opd_reverse_kl),
+            old_values=move(self.old_values),
+            returns=move(self.returns),
         )
 
 

@@ -1,6 +1,7 @@
 """Resumable training state on disk: torch.distributed.checkpoint for model + optimizer, JSON for the rest.
 
-Layout: `<save_dir>/rollout_<id>/` holds the DCP shards, `scheduler.json`, `extra.json` (rollout id, whatever
+Layout: `<save_dir>/rollout_<id>/` holds the DCP shards (the policy's `model` and `optim`; with PPO's critic its
+`critic` and `critic_optim` too), `scheduler.json` (and the critic's `critic_scheduler.json`), `extra.json` (rollout id, whatever
 the coordinator passes, e.g. the data-source position, the LoRA record and the base model trained, for `rayless
 export`) and one `rng_rank<r>.json` per rank; `<save_dir>/latest` names the newest complete checkpoint.
 `manifest.json` (every other file's size and digest, `checkpoint_files`) is written last, by rank 0 after a
@@ -61,6 +62,19 @@ _CHECKPOINT_NAME = re.compile(r"(rollout_|tmp-)(\d+)")
 log = logging.getLogger(__name__)
 
 
+#: the critic's schedule beside the policy's; its presence says the checkpoint holds a critic
+CRITIC_SCHEDULER = "critic_scheduler.json"
+
+
+@dataclass
+class CriticState:
+    """PPO's value model, saved and restored with the policy (`train_rank.critic.Critic`)."""
+
+    model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
 @dataclass
 class LoadedCheckpoint:
     rollout_id: int
@@ -110,6 +124,7 @@ def save_checkpoint(
     write_files: Callable[[Path], None] | None = None,
     base_model: dict[str, Any] | None = None,
     publish: bool = True,
+    critic: CriticState | None = None,
 ) -> Path:
     """Collective: every rank calls it with the same arguments. Returns the final directory (with
     `publish=False`, the complete `tmp-<id>` that `publish_checkpoint` publishes later).
@@ -120,7 +135,7 @@ def save_checkpoint(
     in extra.json for `rayless export`."""
     save_dir = Path(save_dir)
     write_tmp(save_dir, rollout_id, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra,
-              adapters=adapters, write_files=write_files, base_model=base_model)
+              adapters=adapters, write_files=write_files, base_model=base_model, critic=critic)
     if not publish:
         _barrier()
         return save_dir / f"tmp-{rollout_id}"
@@ -151,6 +166,7 @@ def write_tmp(
     save_dir: Path, rollout_id: int, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     extra: dict[str, Any], adapters: dict[str, Any] | None = None,
     write_files: Callable[[Path], None] | None = None, base_model: dict[str, Any] | None = None,
+    critic: CriticState | None = None,
 ) -> Path:
     """Collective: the complete checkpoint in `tmp-<id>`, not yet published (rank 0 publishes it)."""
     rank = _rank()
@@ -163,7 +179,10 @@ def write_tmp(
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     model_state = _without_frozen(model, model_state)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    shards: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    if critic is not None:
+        shards["critic"], shards["critic_optim"] = get_state_dict(critic.model, critic.optimizer)
+    dcp.save(shards, checkpoint_id=str(tmp))
     _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
     if write_files is not None:
         write_files(tmp)
@@ -171,6 +190,8 @@ def write_tmp(
     _barrier()
     if rank == 0:
         _write_json(tmp / "scheduler.json", scheduler.state_dict())
+        if critic is not None:
+            _write_json(tmp / CRITIC_SCHEDULER, critic.scheduler.state_dict())
         meta: dict[str, Any] = {"rollout_id": rollout_id, "extra": extra}
         if adapters is not None:
             meta["lora"] = adapters
@@ -347,6 +368,20 @@ def load_model_weights(path: str | Path, model: Any) -> Path:
     return directory
 
 
+def load_critic_weights(path: str | Path, model: Any) -> Path:
+    """Collective: the critic weights of a rayless checkpoint into `model` (sharded or not; `--critic-load`)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    directory = resolve_checkpoint(path)
+    checkpoint_files.verify_checkpoint(directory, digests=False)
+    if not (directory / CRITIC_SCHEDULER).is_file():
+        raise CheckpointError(f"{directory} holds no critic (it was not saved by an --advantage-estimator ppo run)")
+    state = {"critic": get_model_state_dict(model)}
+    _dcp_load(state, directory)
+    set_model_state_dict(model, state["critic"])
+    return directory
+
+
 def _dcp_load(state: dict[str, Any], directory: Path) -> None:
     """DCP's load, its metadata and non-tensor values read without pickle (`checkpoint_files`)."""
     dcp.load(state, storage_reader=checkpoint_files.safe_reader(directory), planner=checkpoint_files.safe_planner())
@@ -435,7 +470,7 @@ def _choices(save_dir: Path) -> str:
 
 def load_checkpoint(
     path: str | Path, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
-    adapters: dict[str, Any] | None = None, step: int | None = None,
+    adapters: dict[str, Any] | None = None, step: int | None = None, critic: CriticState | None = None,
 ) -> LoadedCheckpoint:
     """Collective: restores model, optimizer, scheduler and this rank's RNG; returns the rollout id.
     adapters: this run's LoRA record (None: it trains the full model); the checkpoint's must be the same.
@@ -446,10 +481,19 @@ def load_checkpoint(
     options = _options(model)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": _without_frozen(model, model_state), "optim": optim_state}
+    if critic is not None:
+        if not (directory / CRITIC_SCHEDULER).is_file():
+            raise CheckpointError(f"{directory} holds no critic: this run trains one (--advantage-estimator ppo); "
+                                  "resume a PPO run from its own checkpoints")
+        state["critic"], state["critic_optim"] = get_state_dict(critic.model, critic.optimizer)
     _dcp_load(state, directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
     scheduler.load_state_dict(read_json(directory / "scheduler.json", dict[str, Any]))
+    if critic is not None:
+        set_state_dict(critic.model, critic.optimizer, model_state_dict=state["critic"],
+                       optim_state_dict=state["critic_optim"])
+        critic.scheduler.load_state_dict(read_json(directory / CRITIC_SCHEDULER, dict[str, Any]))
     rng_file = directory / f"rng_rank{_rank()}.json"
     if rng_file.is_file():
         rng = read_json(rng_file, RngState)

@@ -1,7 +1,7 @@
 """The rank's training state off the device between steps, and back for the step bit-identical (colocation).
 
-Owns `StateOffload`: the parameters, their gradients, the optimizer state and the reference model of one rank,
-moved out by `offload()` and back by `onload()`. Two ways, chosen by the device the rank trains on:
+Owns `StateOffload`: the parameters, their gradients, the optimizer state and the reference model of one rank
+(and PPO's critic with its optimizer state), moved out by `offload()` and back by `onload()`. Two ways, chosen by the device the rank trains on:
 
 - CUDA (FSDP2): each module moves with `module.to("cpu", non_blocking=True)` and back with
   `module.to(device, non_blocking=True)` — FSDP2's `_apply` re-points its sharded parameters (the way miles'
@@ -59,27 +59,34 @@ class StateOffload:
     optimizer: torch.optim.Optimizer
     reference: torch.nn.Module | None
     device: torch.device
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
     offload_dir: str | None = None
     memory_margin_bytes: int = 0
     offloaded: bool = field(default=False, init=False)
     _state_bytes: int = field(default=0, init=False)
     _spill: Path | None = field(default=None, init=False)
-    _optimizer_devices: dict[tuple[int, str], torch.device] = field(default_factory=dict, init=False)
+    _optimizer_devices: dict[tuple[str, int, str], torch.device] = field(default_factory=dict, init=False)
     _grads: set[str] = field(default_factory=set, init=False)
 
     # -- what the state is ---------------------------------------------------------------------------
 
     def _modules(self) -> list[tuple[str, torch.nn.Module]]:
-        return [("model", self.model)] + ([("reference", self.reference)] if self.reference is not None else [])
+        return ([("model", self.model)] + ([("reference", self.reference)] if self.reference is not None else [])
+                + ([("critic", self.critic)] if self.critic is not None else []))
 
-    def _optimizer_tensors(self) -> Iterator[tuple[int, str, dict[str, Any]]]:
-        """(parameter index, state key, the state dict holding it) of every optimizer state tensor."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        for index, param in enumerate(params):
-            state = self.optimizer.state.get(param)
-            for key, value in (state or {}).items():
-                if isinstance(value, torch.Tensor):
-                    yield index, key, state
+    def _optimizer_tensors(self) -> Iterator[tuple[str, int, str, dict[str, Any]]]:
+        """(optimizer name, parameter index, state key, the state dict holding it) of every optimizer state
+        tensor."""
+        optimizers = [("optimizer", self.optimizer)] + (
+            [("critic_optimizer", self.critic_optimizer)] if self.critic_optimizer is not None else [])
+        for prefix, optimizer in optimizers:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for index, param in enumerate(params):
+                state = optimizer.state.get(param)
+                for key, value in (state or {}).items():
+                    if isinstance(value, torch.Tensor):
+                        yield prefix, index, key, state
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the state, by a stable name (the local shard of a sharded one)."""
@@ -89,8 +96,8 @@ class StateOffload:
                 out[f"{prefix}/{name}"] = _local(param.data)
                 if param.grad is not None:
                     out[f"{prefix}.grad/{name}"] = _local(param.grad)
-        for index, key, state in self._optimizer_tensors():
-            out[f"optimizer/{index}/{key}"] = _local(state[key])
+        for prefix, index, key, state in self._optimizer_tensors():
+            out[f"{prefix}/{index}/{key}"] = _local(state[key])
         return out
 
     def digest(self) -> str:
@@ -153,10 +160,10 @@ class StateOffload:
         for _, module in self._modules():
             module.to("cpu", non_blocking=True)
         self._optimizer_devices = {}
-        for index, key, state in self._optimizer_tensors():
+        for prefix, index, key, state in self._optimizer_tensors():
             value = state[key]
             if value.device.type != "cpu":
-                self._optimizer_devices[(index, key)] = value.device
+                self._optimizer_devices[(prefix, index, key)] = value.device
                 state[key] = value.to("cpu", non_blocking=True)
         torch.cuda.synchronize(self.device)  # the copies are done before their device blocks are reused
         gc.collect()
@@ -175,8 +182,8 @@ class StateOffload:
     def _to_device(self) -> None:
         for _, module in self._modules():
             module.to(self.device, non_blocking=True)
-        for index, key, state in self._optimizer_tensors():
-            device = self._optimizer_devices.get((index, key))
+        for prefix, index, key, state in self._optimizer_tensors():
+            device = self._optimizer_devices.get((prefix, index, key))
             if device is not None:
                 state[key] = state[key].to(device, non_blocking=True)
         self._optimizer_devices = {}
@@ -208,7 +215,7 @@ class StateOffload:
                 if param.grad is not None:
                     self._grads.add(f"{prefix}/{param_name}")
                     param.grad = None
-        for _, key, state in self._optimizer_tensors():
+        for _, _, key, state in self._optimizer_tensors():
             state[key] = torch.empty(0, dtype=state[key].dtype)
         trim_host_heap()
 
@@ -222,8 +229,8 @@ class StateOffload:
                 param.data = tensors.pop(f"{prefix}/{name}")
                 if f"{prefix}/{name}" in self._grads:
                     param.grad = tensors.pop(f"{prefix}.grad/{name}")
-        for index, key, state in self._optimizer_tensors():
-            state[key] = tensors.pop(f"optimizer/{index}/{key}")
+        for prefix, index, key, state in self._optimizer_tensors():
+            state[key] = tensors.pop(f"{prefix}/{index}/{key}")
         self._spill.unlink(missing_ok=True)
         self._spill = None
 

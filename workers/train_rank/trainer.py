@@ -1,6 +1,7 @@
 """The rank's training state and one method per control-channel command.
 
-Owns the model, its reference copy, the optimizer and scheduler between commands, and where they are
+Owns the model, its reference copy, the optimizer and scheduler (and, with PPO, the critic: `critic`) between
+commands, and where they are
 (`offload`: off the device between steps in colocation). Invariants: every rank runs the same commands in the
 same order (the coordinator serialises them), so each collective here is entered by all ranks; a rank's shard
 may differ but never its number of optimizer steps. A command that reads the state finds it on the device: one
@@ -23,8 +24,18 @@ import torch
 from workers import protocol
 from workers.protocol.train_settings import LoraSettings, TrainSettings
 from workers.shared_torch.token_scores import token_scores
-from workers.train_rank import checkpoint, determinism, distill, lora, packing, weight_buckets, weight_export
+from workers.train_rank import (
+    checkpoint,
+    determinism,
+    distill,
+    lora,
+    packing,
+    returns,
+    weight_buckets,
+    weight_export,
+)
 from workers.train_rank.batching import MicroBatch
+from workers.train_rank.critic import Critic
 from workers.train_rank.model import enable_activation_checkpointing, load_causal_lm
 from workers.train_rank.offload import StateOffload
 from workers.train_rank.optim import build_optimizer, build_scheduler, clip_gradients, lr_schedule
@@ -58,6 +69,7 @@ class Trainer:
         self.state: StateOffload | None = None
         self.lora: LoraSettings | None = None
         self.distiller: distill.Distiller | None = None
+        self.critic: Critic | None = None
         self.steps_done = 0
 
     # ------------------------------------------------------------------------------------------ commands
@@ -78,6 +90,7 @@ class Trainer:
         self.parallel = (FullySharded(model, self.device) if use_fsdp(settings.parallel.data_parallel, self.device)
                          else Replicated(model))
         self.model = model
+        self.critic = Critic(settings, self.device) if settings.critic is not None else None
         self.optimizer = build_optimizer(
             model,
             lr=settings.optimizer.lr,
@@ -94,7 +107,9 @@ class Trainer:
             self.state.discard()  # a re-init (train FT) replaces a state offloaded before it
         self.state = StateOffload(model=model, optimizer=self.optimizer, reference=self.reference,
                                   device=self.device, offload_dir=settings.memory.offload_dir,
-                                  memory_margin_bytes=settings.memory.train_memory_margin_bytes)
+                                  memory_margin_bytes=settings.memory.train_memory_margin_bytes,
+                                  critic=self.critic.model if self.critic is not None else None,
+                                  critic_optimizer=self.critic.optimizer if self.critic is not None else None)
         self.settings = settings
         trainable, total = lora.trainable_counts(model)
         return {"num_parameters": total, "trainable_parameters": trainable, "device": str(self.device)}
@@ -162,11 +177,62 @@ class Trainer:
                 [(SAME_POLICY if index == 0 and reuse_first else self._log_probs(batch)) if recompute else None
                  for batch in step]
                 for index, step in enumerate(batches)]
+        if settings.returns is not None:
+            self._token_advantages(batches)
+        # slime's --num-critic-only-steps: the first rollouts train the critic alone (the policy stays as it is)
+        policy_trains = settings.critic is None or command.rollout_id >= settings.critic.critic_only_steps
         steps = []
         for step_batches, step_old, global_tokens in zip(batches, old, command.step_loss_tokens, strict=True):
-            steps.append(self._train_step(step_batches, step_old, int(global_tokens)))
+            critic_sums = self.critic.train_step(step_batches, int(global_tokens)) if self.critic is not None else {}
+            metrics = (self._train_step(step_batches, step_old, int(global_tokens)) if policy_trains
+                       else self._critic_only_step(step_batches))
+            metrics.extra.update(critic_sums)
+            steps.append(metrics)
             self._after_step(settings)
         return protocol.TrainResult(steps)
+
+    def _token_advantages(self, batches: list[list[MicroBatch]]) -> None:
+        """Per-token advantages in place of the samples' scalar rewards (`returns`): GAE on the critic's values
+        before any update of this rollout (`ppo`) or REINFORCE++'s discounted returns; whitened over every
+        rank's loss tokens with --normalize-advantages (a collective: every rank runs it once per command)."""
+        settings, _, _ = self._require()
+        spec = settings.returns
+        assert spec is not None
+        flat = [batch for step in batches for batch in step]
+        for batch in flat:
+            if self.critic is not None:
+                batch.old_values = self.critic.old_values(batch)
+            rewards = batch.advantages.detach().cpu().view(-1)
+            mask = batch.loss_mask.detach().cpu().view(-1)
+            values = batch.old_values.detach().cpu().view(-1) if batch.old_values is not None else None
+            advantages = torch.zeros_like(rewards)
+            targets = torch.zeros_like(rewards)
+            for start, end in batch.spans:
+                if end <= start:
+                    continue
+                reward = float(rewards[start])
+                if values is not None:
+                    advantages[start:end], targets[start:end] = returns.gae(
+                        returns.token_rewards(reward, end - start), values[start:end], gamma=spec.gamma,
+                        lambd=spec.lambd)
+                else:
+                    advantages[start:end] = returns.reinforce_returns(reward, mask[start:end], gamma=spec.gamma)
+            batch.advantages = advantages.view_as(batch.loss_mask).to(batch.loss_mask.device)
+            if values is not None:
+                batch.returns = targets.view_as(batch.loss_mask).to(batch.loss_mask.device)
+        if spec.normalize:
+            whitened = returns.whiten([batch.advantages for batch in flat], [batch.loss_mask for batch in flat])
+            for batch, advantages in zip(flat, whitened, strict=True):
+                batch.advantages = advantages
+
+    def _critic_only_step(self, micro_batches: list[MicroBatch]) -> protocol.StepMetrics:
+        """A step of --num-critic-only-steps for the policy: nothing trained, its tokens counted."""
+        _, _, optimizer = self._require()
+        return protocol.StepMetrics(
+            loss=0.0, pg_loss=0.0, loss_tokens=float(sum(float(b.loss_mask.sum()) for b in micro_batches)),
+            clipped_tokens=0.0, entropy_sum=0.0, kl_sum=0.0, logprob_abs_diff_sum=0.0,
+            num_tokens=float(sum(b.num_tokens for b in micro_batches)), logprob_abs_diff_max=0.0, grad_norm=0.0,
+            lr=float(optimizer.param_groups[0]["lr"]), step_time_s=0.0)
 
     def _after_step(self, settings: TrainSettings) -> None:
         """After the first step (model load, first gathers) the process group's timeout is shortened, as
@@ -285,8 +351,13 @@ class Trainer:
             write_files=self._write_adapter if self.lora is not None else None,
             base_model=self._base_model_record(),
             publish=command.publish,
+            critic=self._critic_state(),
         )
         return {"path": str(path)}
+
+    def _critic_state(self) -> checkpoint.CriticState | None:
+        critic = self.critic
+        return None if critic is None else checkpoint.CriticState(critic.model, critic.optimizer, critic.scheduler)
 
     @property
     def _retain_interval(self) -> int | None:
@@ -335,7 +406,7 @@ class Trainer:
         _, model, optimizer = self._require()
         loaded = checkpoint.load_checkpoint(
             command.path, model=model, optimizer=optimizer, scheduler=self.scheduler,
-            adapters=self.lora.record() if self.lora is not None else None,
+            adapters=self.lora.record() if self.lora is not None else None, critic=self._critic_state(),
         )
         return {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "path": str(loaded.path)}
 
