@@ -53,6 +53,12 @@ def test_actor_overrides_win_over_the_command_line_and_the_notice_says_what_each
     assert "its critic entry is not read: this run trains no critic" in notice
 
 
+def test_a_critic_entry_sets_the_critic_flags_in_a_ppo_run(tmp_path: Path) -> None:
+    path = write(tmp_path, "megatron:\n  - {role: critic, overrides: {lr: 1e-5}}\n")
+    config = parse_config([*BASE, "--advantage-estimator", "ppo", "--megatron-config-path", path])
+    assert config.critic.critic_lr == pytest.approx(1e-5) and config.train.lr == pytest.approx(1e-6)
+
+
 def test_values_meet_the_flags_checks(tmp_path: Path) -> None:
     path = write(tmp_path, "megatron:\n  - {role: actor, overrides: {lr: -1}}\n")
     with pytest.raises(ConfigError, match=r"--megatron-config-path .*: role actor: lr"):
@@ -64,8 +70,6 @@ def test_values_meet_the_flags_checks(tmp_path: Path) -> None:
      r"role actor: not_an_argument_anywhere: no slime/miles/Megatron-LM argument of that name"),
     ("megatron:\n  - {role: actor, overrides: {enable_mtp_training: true}}\n", (),
      r"role actor: enable_mtp_training: sets --enable-mtp-training, which rayless refuses: "),
-    ("megatron:\n  - {role: critic, overrides: {lr: 1e-5}}\n", ("--advantage-estimator", "ppo"),
-     r"role critic: lr: sets --critic-lr, which rayless refuses: PPO critic"),
     ("megatron:\n  - {role: reward, overrides: {}}\n", (), r"megatron\[0\].role: must be actor or critic"),
     ("megatron:\n  - {role: actor}\n  - {role: actor}\n", (), r"megatron\[1\]: a second entry with role=actor"),
     ("megatron:\n  - {role: actor, extra: 1}\n", (), r"megatron\[0\].extra: not a key of slime's role entries"),
