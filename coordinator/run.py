@@ -235,7 +235,8 @@ async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, ta
         client = await resources.enter_async_context(EngineClient(
             max_connections=min(config.generate_concurrency, 1024), api_key=config.sglang.sglang_api_key,
             admin_api_key=config.sglang.sglang_admin_api_key,
-            stall_timeout=config.fault_tolerance.engine_stall_timeout_s))
+            stall_timeout=config.fault_tolerance.engine_stall_timeout_s,
+            token_timeout=config.fault_tolerance.engine_token_timeout_s))
         await task_group.start(client.watch_stalls)  # the head-liveness rule (coordinator/engines/stall.py)
     processes = build_processes(config, plan, run_dir, client=client, nodes=nodes, progress=progress)
     tokenizer, context_length = await start_processes(config, processes, task_group, clock)
