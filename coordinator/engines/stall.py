@@ -228,7 +228,8 @@ class HeadWatch:
     async def _judge(self, base_url: str, requests: list[ReplyClock]) -> None:
         if await self.liveness.answers(base_url):
             oldest = min(requests, key=lambda waiting: waiting.started)
-            self.liveness.still_waiting(base_url, oldest.what, time.monotonic() - oldest.started, oldest.limit)
+            limit = oldest.answer_by[0] if oldest.answer_by is not None else oldest.limit
+            self.liveness.still_waiting(base_url, oldest.what, time.monotonic() - oldest.started, limit)
             return
         for waiting in requests:
             if waiting in self.waiting:  # not answered meanwhile

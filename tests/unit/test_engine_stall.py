@@ -190,7 +190,7 @@ async def test_an_engine_answering_health_is_waited_for_with_a_warning_not_stall
         out = await c.engine(url).generate(PAYLOAD)
     assert out["output_ids"] == [4, 5]
     assert f"engine {url}: POST /generate has had no answer for" in caplog.text
-    assert "the engine answers /health (alive, busy): still waiting, up to 60 s" in caplog.text
+    assert "the engine answers /health (alive, busy): still waiting, up to 1.5 s" in caplog.text  # its generation bound
 
 
 async def test_an_engine_answering_health_but_never_generate_is_stalled_at_its_requests_bound() -> None:
