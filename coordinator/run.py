@@ -209,14 +209,16 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
 
 
 def rank_call_watch(server: ControlServer, config: Config, stacks_dir: Path) -> RankCallWatch:
-    """Names the ranks a command waits on past its bound (`--rank-call-warn-s`), with every process's stacks."""
+    """Names the ranks a command waits on past its bound (`--rank-call-warn-s`), with every process's stacks, and
+    ends the wait at its deadline (`--rank-call-timeout-s`)."""
 
     def rank_pid(rank: int) -> int | None:
         info = server.ranks.get(rank)
         return info.pid if info is not None else None
 
     return RankCallWatch(in_flight=lambda: server.in_flight, longest_s=lambda kind: server.longest_s.get(kind, 0.0),
-                         rank_pid=rank_pid, floor_s=config.logging.rank_call_warn_s, stacks_dir=stacks_dir)
+                         rank_pid=rank_pid, floor_s=config.logging.rank_call_warn_s, stacks_dir=stacks_dir,
+                         deadline_floor_s=config.logging.rank_call_timeout_s, kill_overdue=config.train_ft_enabled)
 
 
 async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, task_group: TaskGroup,
