@@ -155,8 +155,9 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         default of 128 when it names none)."""
         params = body.get("sampling_params")
         each = params if isinstance(params, list) else [params]
-        tokens = max((p.get("max_new_tokens") if isinstance(p, dict) else None) or DEFAULT_MAX_NEW_TOKENS
-                     for p in each or [None])
+        asked = [p.get("max_new_tokens") if isinstance(p, dict) else None for p in each or [None]]
+        tokens = max(DEFAULT_MAX_NEW_TOKENS if n is None or isinstance(n, bool) or not isinstance(n, int) else n
+                     for n in asked)
         return (self.stall_timeout + tokens * self.token_timeout,
                 f"{self.stall_timeout:g} s + {tokens} new tokens × {self.token_timeout:g} s "
                 "(--engine-stall-timeout-s, --engine-token-timeout-s)")

@@ -238,3 +238,13 @@ async def test_without_its_head_watch_a_client_keeps_the_body_rule() -> None:
     async with fake_engine(drip) as url, EngineClient(max_connections=4, stall_timeout=STALL, retry=NO_RETRY) as c:
         with anyio.fail_after(READ / 4), pytest.raises(EngineStalled, match="a reply dripping"):
             await c.engine(url).generate(PAYLOAD)
+
+
+def test_a_generates_bound_is_derived_from_its_request() -> None:
+    c = EngineClient(stall_timeout=10.0, token_timeout=0.5)
+    assert c.generation_bound({"sampling_params": {"max_new_tokens": 8}})[0] == 14.0
+    assert c.generation_bound({"sampling_params": {"max_new_tokens": 0}})[0] == 10.0  # scoring only: the head's
+    assert c.generation_bound({})[0] == 10.0 + 128 * 0.5  # SGLang's default when a request names none
+    batch = {"sampling_params": [{"max_new_tokens": 4}, {"max_new_tokens": 64}]}
+    bound, derived = c.generation_bound(batch)
+    assert bound == 42.0 and derived.startswith("10 s + 64 new tokens × 0.5 s")
