@@ -12,7 +12,8 @@ deadline is one cancel scope per engine per update and stays in both.
 Runs alternate on/off, the order of each pair swapped every other pair, so a change in the machine's load falls
 on both alike. A run's rollouts/s is its rollouts after the first (warm-up) over the sum of their `step/time_s`
 (the loop's own time per rollout in metrics.jsonl: start-up is not counted). Prints every run, the median of each
-condition and their ratio (goal: on ≥ 0.98 × off; exit 1 when missed), and the median of the pairs' ratios. Usage:
+condition and their ratio (goal: on ≥ 0.98 × off; exit 1 when missed), the median of the pairs' ratios, and the
+coordinator process's own CPU seconds per run (its share whatever else the machine runs). Usage:
 python -m bench.deadline_overhead [--pairs 3] [--rollouts 6] [--model DIR]
 """
 
@@ -76,18 +77,34 @@ def child(condition: str, argv: list[str]) -> None:
 
 
 def one_run(condition: str, model: Path, rollouts: int, run_dir: Path) -> dict[str, Any]:
+    """One run; its rollouts/s and the coordinator process's own CPU seconds (sampled until it exits: the
+    engines' and ranks' are their processes', not counted)."""
+    import psutil
+
     command = [sys.executable, "-m", "bench.deadline_overhead", "--child", condition, "--", "train",
                "--hf-checkpoint", str(model), *DEFAULT_JOB, "--num-rollout", str(rollouts), "--run-dir",
                str(run_dir), "--no-progress"]
+    run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    wall = time.monotonic() - started
-    if result.returncode != 0:
-        raise SystemExit(f"{condition} run failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    cpu = 0.0
+    with open(run_dir.parent / f"{run_dir.name}.stderr", "w+b") as stderr:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        coordinator = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                times = coordinator.cpu_times()
+                cpu = times.user + times.system
+            except psutil.Error:
+                pass
+            time.sleep(0.25)
+        wall = time.monotonic() - started
+        if proc.returncode != 0:
+            stderr.seek(0)
+            raise SystemExit(f"{condition} run failed ({proc.returncode}):\n{stderr.read()[-3000:].decode()}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     seconds = [row["step/time_s"] for row in rows[1:]]
     return {"condition": condition, "rollouts_per_s": len(seconds) / sum(seconds), "wall_s": wall,
-            "rollouts": len(rows)}
+            "rollouts": len(rows), "coordinator_cpu_s": cpu}
 
 
 def main() -> None:
@@ -114,7 +131,8 @@ def main() -> None:
                 run = one_run(condition, model, args.rollouts, root / f"run-{pair}-{condition}")
                 runs.append(run)
                 print(f"pair {pair} {condition:3}: {run['rollouts_per_s']:.3f} rollouts/s "
-                      f"({run['rollouts']} rollouts, {run['wall_s']:.0f} s wall)", flush=True)
+                      f"({run['rollouts']} rollouts, {run['wall_s']:.0f} s wall, coordinator CPU "
+                      f"{run['coordinator_cpu_s']:.1f} s)", flush=True)
     on = [run["rollouts_per_s"] for run in runs if run["condition"] == "on"]
     off = [run["rollouts_per_s"] for run in runs if run["condition"] == "off"]
     pairs = [a / b for a, b in zip(on, off, strict=True)]
@@ -122,6 +140,10 @@ def main() -> None:
     print(f"median rollouts/s: on {statistics.median(on):.3f}, off {statistics.median(off):.3f}; ratio {ratio:.3f} "
           f"(goal >= {TARGET}); median of the pairs' ratios {statistics.median(pairs):.3f} "
           f"(each: {', '.join(f'{r:.3f}' for r in pairs)}): {'MET' if ratio >= TARGET else 'NOT MET'}")
+    cpu_on = statistics.median(run["coordinator_cpu_s"] for run in runs if run["condition"] == "on")
+    cpu_off = statistics.median(run["coordinator_cpu_s"] for run in runs if run["condition"] == "off")
+    print(f"coordinator CPU per run (median, start-up included): on {cpu_on:.1f} s, off {cpu_off:.1f} s "
+          f"({(cpu_on - cpu_off) / args.rollouts * 1000:+.0f} ms per rollout)")
     if ratio < TARGET:
         raise SystemExit(1)
 
