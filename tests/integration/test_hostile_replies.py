@@ -245,3 +245,26 @@ async def test_an_engine_that_never_acknowledges_a_weight_load_is_named_within_t
         assert await client.engine(real_engine).get_weight_version() == "2"
         assert hostile.held == 2
         group.cancel_scope.cancel()
+
+
+async def test_with_only_an_engine_that_never_finishes_a_generate_the_request_ends_naming_it(tmp_path: Path) -> None:
+    """No other engine to take the request (and no rollout FT to replace the engine): each attempt ends at the
+    request's generation bound (1 s + 4 tokens × 0.1 s) and the request fails in one line naming the engine and
+    the wait, after `max_attempts` bounds — never the hour's read timeout."""
+    async with anyio.create_task_group() as group, EngineClient(max_connections=4, retry=NO_RETRY, stall_timeout=1.0,
+                                                                probe_timeout=1.0, token_timeout=0.1) as client:
+        await group.start(client.watch_stalls)
+        hostile = await group.start(HostileEngine("hold").run)
+        fleet = EngineFleet(client=client, external_urls=[hostile.url.removeprefix("http://")], run_dir=tmp_path,
+                            group="held", probe_timeout=2.0)
+        await group.start(fleet.run)
+        dispatcher = Dispatcher(client=client, pool=fleet, watch_engine_state=False, max_attempts=2)
+        started = anyio.current_time()
+        with anyio.fail_after(60), pytest.raises(NoEngineAvailable) as failed:
+            await dispatcher.generate({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+        elapsed = anyio.current_time() - started
+        message = str(failed.value)
+        assert "\n" not in message and "request failed on 2 engines in a row" in message, message
+        assert f"the last: engine {hostile.url}/generate stalled: POST /generate made no progress for 1.4 s" in message
+        assert hostile.held == 2 and 2 * 1.4 <= elapsed < 30, elapsed
+        group.cancel_scope.cancel()
