@@ -209,14 +209,16 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
 
 
 def rank_call_watch(server: ControlServer, config: Config, stacks_dir: Path) -> RankCallWatch:
-    """Names the ranks a command waits on past its bound (`--rank-call-warn-s`), with every process's stacks."""
+    """Names the ranks a command waits on past its bound (`--rank-call-warn-s`), with every process's stacks, and
+    ends the wait at its deadline (`--rank-call-timeout-s`)."""
 
     def rank_pid(rank: int) -> int | None:
         info = server.ranks.get(rank)
         return info.pid if info is not None else None
 
     return RankCallWatch(in_flight=lambda: server.in_flight, longest_s=lambda kind: server.longest_s.get(kind, 0.0),
-                         rank_pid=rank_pid, floor_s=config.logging.rank_call_warn_s, stacks_dir=stacks_dir)
+                         rank_pid=rank_pid, floor_s=config.logging.rank_call_warn_s, stacks_dir=stacks_dir,
+                         deadline_floor_s=config.logging.rank_call_timeout_s, kill_overdue=config.train_ft_enabled)
 
 
 async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, task_group: TaskGroup,
@@ -235,7 +237,8 @@ async def _start_services(config: Config, plan: PlacementPlan, run_dir: Path, ta
         client = await resources.enter_async_context(EngineClient(
             max_connections=min(config.generate_concurrency, 1024), api_key=config.sglang.sglang_api_key,
             admin_api_key=config.sglang.sglang_admin_api_key,
-            stall_timeout=config.fault_tolerance.engine_stall_timeout_s))
+            stall_timeout=config.fault_tolerance.engine_stall_timeout_s,
+            token_timeout=config.fault_tolerance.engine_token_timeout_s))
         await task_group.start(client.watch_stalls)  # the head-liveness rule (coordinator/engines/stall.py)
     processes = build_processes(config, plan, run_dir, client=client, nodes=nodes, progress=progress)
     tokenizer, context_length = await start_processes(config, processes, task_group, clock)

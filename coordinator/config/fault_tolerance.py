@@ -31,6 +31,10 @@ class FaultToleranceConfig(Slice):
                                          "or stream event dripping; no answer from an engine that answers /health "
                                          "neither) before the request fails as stalled and goes to another engine",
                                          above=0, metavar="SECONDS")
+    engine_token_timeout_s: float = flag(1.0, help="seconds per requested new token a non-streamed /generate may "
+                                         "take beyond --engine-stall-timeout-s (time paused for a weight update "
+                                         "not counted) before it fails as stalled and goes to another engine, even "
+                                         "from an engine that answers /health", above=0, metavar="SECONDS")
     max_restarts: int = flag(3, help="torchrun restarts of dead ranks (train FT)", minimum=0)
     inject_engine_fault_at_rollout: int | None = flag(
         None, help="kill one rollout engine once at this rollout (FT tests)", minimum=0)

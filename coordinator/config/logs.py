@@ -52,6 +52,11 @@ class LoggingConfig(Slice):
                                    "longest earlier command of its kind, when more) before the ranks that have "
                                    "not answered are named and every process's stacks collected into "
                                    "RUN_DIR/stacks", above=0, metavar="SECONDS")
+    rank_call_timeout_s: float = flag(3600.0, help="seconds a command to the training ranks may wait (or 10x the "
+                                      "longest earlier command of its kind, when more) before its wait ends: the "
+                                      "stacks collected, then with train FT the ranks that have not answered are "
+                                      "killed and restarted, otherwise the run ends naming them", above=0,
+                                      metavar="SECONDS")
 
     def check(self) -> None:
         if self.status_host != "127.0.0.1" and not self.status_port:

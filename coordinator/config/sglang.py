@@ -50,6 +50,10 @@ class SglangConfig(Slice):
                                           "(slime's flag)", minimum=1)
     update_weight_join_timeout: float = flag(120.0, help="seconds the engines get to join a distributed weight "
                                              "update's group before the update fails naming them", above=0)
+    update_weight_ack_timeout: float = flag(600.0, help="seconds each engine gets to acknowledge loading a weight "
+                                            "snapshot (/update_weights_from_disk: an update, a resume, a recovered "
+                                            "engine) before it is named; with rollout FT it is marked dead and "
+                                            "recovered, otherwise the update fails", above=0)
     pause_generation_mode: str = flag(
         "in_place", help="how in-flight requests wait out a weight update (miles' flag; SGLang's /pause_generation "
         "mode): in_place keeps them and their KV cache, retract re-queues them and recomputes the cache, abort "

@@ -5,7 +5,8 @@ Re-exports nothing (importers name the module, so importing one part never impor
   api.py     EngineAPI: one engine's endpoints; stream.py the streaming /generate reader
   errors.py  the typed EngineError family; policy.py RetryPolicy / NO_RETRY
   transport.py  each attempt's deadlines; httpx/aiohttp failures and error answers mapped to EngineErrors
-  stall.py   a reply that stops moving: the body rule (ReplyClock) and the head rule (HeadWatch, a service)
+  stall.py   a reply that stops moving: the body rule (ReplyClock), the head rule and a generate's bound (HeadWatch)
+  deadline.py  a control call (a weight load, a pin) acknowledged within its bound, or EngineOverdue naming it
   bounded.py replies read under a byte cap and decoded bounded; replies.py the check of every /generate reply
   reply_decode.py  a /generate answer read from its bytes: typed decode, the same verdict as replies.py
   spec.py    EngineLaunchSpec, ports and log paths: what a launch needs, importable without the HTTP client

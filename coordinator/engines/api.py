@@ -86,7 +86,7 @@ class EngineAPI:
         t = timeout if timeout is not None else self.client.generate_timeout
         cap = generate_reply_limit(body)
         resp = await self.client.request(self.url, "POST", "/generate", json_body=body, timeout=t, retry=retry,
-                                         max_bytes=cap)
+                                         max_bytes=cap, answer_by=self.client.generation_bound(body))
         out, _ = await read_generate_answer_async(resp.content, self.url, body, self.client.vocab_size,
                                                   limits_for(cap), source=str(resp.url))
         return out  # type: ignore[no-any-return]
@@ -174,12 +174,16 @@ class EngineAPI:
         """POST /pause_generation {mode}: "abort" | "retract" | "in_place" (None: no mode, pre-0.5.6)."""
         if mode not in (None, "abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+        self.client.pausing(self.url)  # before it answers: a request may stand still from now on
         await self.client.request(
             self.url, "POST", "/pause_generation", json_body=_drop_none({"mode": mode}), **kw
         )
 
     async def continue_generation(self, **kw: Any) -> None:
-        await self.client.request(self.url, "POST", "/continue_generation", json_body={}, **kw)
+        try:
+            await self.client.request(self.url, "POST", "/continue_generation", json_body={}, **kw)
+        finally:
+            self.client.continuing(self.url)
 
     async def release_memory_occupation(self, tags: Sequence[str] | None = None, **kw: Any) -> None:
         """Requires no in-flight request (the engine answers an error otherwise)."""

@@ -68,7 +68,10 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         connect_timeout: seconds to open a TCP connection.
         read_timeout: default seconds to wait for a response (each call may override).
         generate_timeout: default read timeout for `/generate` (long generations).
-        stall_timeout: seconds a reply may go without progress (`stall`; `--engine-stall-timeout-s`).
+        stall_timeout: seconds a reply may go without progress (`stall`; `--engine-stall-timeout-s`); also a
+            non-streamed generate's head allowance in its generation bound.
+        token_timeout: seconds per requested new token in a non-streamed generate's bound
+            (`--engine-token-timeout-s`; `stall.HeadWatch`).
         probe_timeout: seconds the `/health` probe of an engine whose answer is late may take (`stall.PROBE_S`).
         retry: default retry policy.
         transport: "aiohttp" (default, measured fastest with the httpx API) or "httpx" (httpcore).
@@ -84,6 +87,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         read_timeout: float = 60.0,
         generate_timeout: float = 3600.0,
         stall_timeout: float = 120.0,
+        token_timeout: float = 1.0,
         probe_timeout: float = PROBE_S,
         retry: RetryPolicy = RetryPolicy(),
         transport: str = "aiohttp",
@@ -101,9 +105,15 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0, got {stall_timeout}")
         self.stall_timeout = stall_timeout
-        #: the head-liveness rule; `watch_stalls` runs it
+        if not token_timeout > 0:
+            raise ValueError(f"token_timeout must be > 0, got {token_timeout}")
+        self.token_timeout = token_timeout
+        #: per engine base URL: [paused since (monotonic) or None, seconds paused before that] — the time its
+        #: generation stood still for a weight update, which no generation bound counts
+        self._paused: dict[str, list[float | None]] = {}
+        #: the head-liveness rule and the generation bound; `watch_stalls` runs it
         self.head_watch = HeadWatch(Liveness(lambda: self.http, fresh=stall_timeout / 2, probe_s=probe_timeout),
-                                    stall_timeout)
+                                    stall_timeout, self.paused_for)
         self.retry = retry
         self.transport = transport
         #: the model's vocabulary (`set_vocab_size`, once the tokenizer is loaded): ids a reply may hold
@@ -139,6 +149,37 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         """A light handle bound to one engine's base URL (shares this client's pool)."""
         return EngineAPI(self, url)
 
+    def generation_bound(self, body: Mapping[str, Any]) -> tuple[float, str]:
+        """Seconds a non-streamed generate of `body` may take (the engine's unpaused time) and how they were
+        derived: the head allowance (`stall_timeout`) + its largest max_new_tokens × `token_timeout` (SGLang's
+        default of 128 when it names none)."""
+        params = body.get("sampling_params")
+        each = params if isinstance(params, list) else [params]
+        asked = [p.get("max_new_tokens") if isinstance(p, dict) else None for p in each or [None]]
+        tokens = max(DEFAULT_MAX_NEW_TOKENS if n is None or isinstance(n, bool) or not isinstance(n, int) else n
+                     for n in asked)
+        return (self.stall_timeout + tokens * self.token_timeout,
+                f"{self.stall_timeout:g} s + {tokens} new tokens × {self.token_timeout:g} s "
+                "(--engine-stall-timeout-s, --engine-token-timeout-s)")
+
+    def pausing(self, base_url: str) -> None:
+        """The engine at `base_url` is being paused (`/pause_generation`): its clock stops for the bounds."""
+        ledger = self._paused.setdefault(base_url.rstrip("/"), [None, 0.0])
+        if ledger[0] is None:
+            ledger[0] = time.monotonic()
+
+    def continuing(self, base_url: str) -> None:
+        """The engine at `base_url` generates again (`/continue_generation`, answered or not)."""
+        ledger = self._paused.get(base_url.rstrip("/"))
+        if ledger is not None and ledger[0] is not None:
+            ledger[1] = (ledger[1] or 0.0) + time.monotonic() - ledger[0]
+            ledger[0] = None
+
+    def paused_for(self, base_url: str) -> float:
+        """Seconds the engine at `base_url` has been paused for weight updates, the current pause included."""
+        since, before = self._paused.get(base_url, (None, 0.0))
+        return (before or 0.0) + (time.monotonic() - since if since is not None else 0.0)
+
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
@@ -157,10 +198,12 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         retry: RetryPolicy | None = None,
         headers: Mapping[str, str] | None = None,
         max_bytes: int = DEFAULT_REPLY_BYTES,
+        answer_by: tuple[float, str] | None = None,
     ) -> httpx.Response:
         """Send one request with retries; return the 2xx response or raise an `EngineError`. `headers` are
         added to this request only (the client's own, e.g. the API key, are sent as well). The body is read
-        as it streams in and refused (`EngineReplyError`, not retried) past `max_bytes`."""
+        as it streams in and refused (`EngineReplyError`, not retried) past `max_bytes`. `answer_by`: the generation bound
+        (`generation_bound`) each attempt's answer must come within, ended by the head watch."""
         url = base_url.rstrip("/") + path
         policy = retry or self.retry
         read = timeout if timeout is not None else self.read_timeout
@@ -176,7 +219,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
             error: EngineError
             try:
                 resp = await self._send_capped(base_url, f"{method} {path}", url, content, params, headers,
-                                               req_timeout, max_bytes, read)
+                                               req_timeout, max_bytes, read, answer_by)
             except TRANSPORT_ERRORS as exc:
                 error = map_transport_error(exc, url, read)
             else:
@@ -192,12 +235,13 @@ class EngineClient(anyio.AsyncContextManagerMixin):
 
     async def _send_capped(self, base_url: str, what: str, url: str, content: bytes | None,
                            params: Mapping[str, str] | None, headers: Mapping[str, str], timeout: httpx.Timeout,
-                           max_bytes: int, read: float | None) -> httpx.Response:
+                           max_bytes: int, read: float | None,
+                           answer_by: tuple[float, str] | None = None) -> httpx.Response:
         """One exchange, its body read under the cap and the stall rules; the answer rebuilt around the bytes
         read."""
         started = time.monotonic()
         with ReplyClock(stall=self.stall_timeout, url=url, base_url=base_url.rstrip("/"), what=what, started=started,
-                        watch=self.head_watch, limit=read) as clock:
+                        watch=self.head_watch, limit=read, answer_by=answer_by) as clock:
             async with self.http.stream(what.split(" ", 1)[0], url, content=content, params=params, headers=headers,
                                         timeout=timeout) as resp:
                 clock.headed()
@@ -222,6 +266,9 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         resp = await self.request(base_url, method, path, **kw)
         return await decode_reply(resp.content, str(resp.url), kw.get("max_bytes", DEFAULT_REPLY_BYTES))
 
+
+#: SGLang's max_new_tokens when a request names none (sampling_params.py)
+DEFAULT_MAX_NEW_TOKENS = 128
 
 #: headers that described the bytes on the wire, not the decoded body a rebuilt answer holds
 _DECODED_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encoding"})

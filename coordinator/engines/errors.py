@@ -92,3 +92,18 @@ class EngineStalled(EngineTimeout):
         self.wait = wait
         self.stall = stall
         self.elapsed = elapsed
+
+
+class EngineOverdue(EngineTimeout):
+    """An engine did not acknowledge a control call (a weight load, a pin) within its deadline
+    (`coordinator.engines.deadline`): `wait` names the call ("POST /update_weights_from_disk"), `bound` the
+    deadline and the flag that sets it, `elapsed` the seconds waited."""
+
+    def __init__(self, url: str, wait: str, *, bound: float, flag: str, elapsed: float) -> None:
+        EngineError.__init__(self, f"engine {url}: {wait} not acknowledged within {bound:g} s ({flag}); "
+                             f"{elapsed:.1f} s waited", url)
+        self.timeout = bound
+        self.cause = f"{wait} overdue"
+        self.wait = wait
+        self.bound = bound
+        self.elapsed = elapsed

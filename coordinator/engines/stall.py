@@ -1,7 +1,7 @@
 """The engine client's stall detector: a reply that stops moving is an error naming the engine, the wait and the
 time waited, long before the request's read timeout (an hour for `/generate`).
 
-Owns two rules, each with the client's `stall_timeout` (`--engine-stall-timeout-s`) as N:
+Owns three rules, each with the client's `stall_timeout` (`--engine-stall-timeout-s`) as N:
 - *body progress*: once an answer's head arrived, its body — and, in a stream, each event line once begun — must
   end or bring `STALL_BYTES` within every N seconds (an honest engine writes a reply, or an event, at once; one
   that drips a byte a second is refused after N s, not after the whole reply's hour);
@@ -17,7 +17,7 @@ One cancel scope per request carries both rules (`ReplyClock`): no deadline whil
 cancels it), then the body's, moved on at each `STALL_BYTES`; a stream's lines, read by a generator that yields
 between them, go through `progressing` instead.
 
-Invariant: what either rule ends is an `EngineStalled` (an `EngineTimeout`): the dispatch handles it as any
+Invariant: what any rule ends is an `EngineStalled` (an `EngineTimeout`): the dispatch handles it as any
 failed request (the engine is probed, then the request goes to another engine), never retried on the same one.
 A probe never changes an engine's state; only the fleet does.
 """
@@ -83,10 +83,14 @@ class ReplyClock:
     moved on by `advance`. Leaving it cancelled raises `EngineStalled` (the watch's, or the body's)."""
 
     def __init__(self, *, stall: float, url: str, base_url: str, what: str, started: float,
-                 watch: HeadWatch | None, limit: float | None) -> None:
+                 watch: HeadWatch | None, limit: float | None, answer_by: tuple[float, str] | None = None) -> None:
         self.stall, self.url, self.base_url, self.what, self.started, self.limit = stall, url, base_url, what, \
             started, limit
         self._watch = watch if watch is not None and (limit is None or limit > stall) else None
+        #: the generation bound (seconds of the engine's unpaused time, and how it was derived), when it is
+        #: shorter than the read timeout
+        self.answer_by = answer_by if answer_by is not None and (limit is None or answer_by[0] < limit) else None
+        self.paused_before = self._watch.paused(self.base_url) if self._watch is not None else 0.0
         self._scope = anyio.CancelScope()
         self._window_start = started
         self._bytes = 0
@@ -182,9 +186,12 @@ class HeadWatch:
     engine, concurrently) and ends the requests of an engine that answered nothing. A client whose watch is not
     running (a hook's own client, a tool) keeps the body rule and its read timeouts."""
 
-    def __init__(self, liveness: Liveness, stall: float) -> None:
+    def __init__(self, liveness: Liveness, stall: float,
+                 paused: Callable[[str], float] = lambda base_url: 0.0) -> None:
         self.liveness = liveness
         self.stall = stall
+        #: seconds an engine has spent paused for weight updates so far (the client's ledger)
+        self.paused = paused
         self.tick = min(stall / 4, 5.0)
         #: the requests awaiting their answer's head (each `ReplyClock` adds and removes itself)
         self.waiting: set[ReplyClock] = set()
@@ -196,11 +203,23 @@ class HeadWatch:
             await self.sweep()
 
     async def sweep(self) -> None:
-        """Judge every engine with a request waiting longer than `stall` for its head."""
+        """End every request past its generation bound; judge every engine with a request waiting longer than
+        `stall` for its head."""
         now = time.monotonic()
         late: dict[str, list[ReplyClock]] = {}
-        for waiting in self.waiting:
-            if waiting.failed is None and now - waiting.started >= self.stall:
+        for waiting in list(self.waiting):
+            if waiting.failed is not None:
+                continue
+            if waiting.answer_by is not None:
+                paused = self.paused(waiting.base_url) - waiting.paused_before
+                bound, derived = waiting.answer_by
+                if now - waiting.started - paused >= bound:
+                    held = f", {paused:.1f} s of it paused for a weight update (not counted)" if paused else ""
+                    waiting.stop(EngineStalled(
+                        waiting.url, waiting.what, f"no answer within {bound:g} s, the bound of its request: "
+                        f"{derived}{held}", stall=bound, elapsed=now - waiting.started))
+                    continue
+            if now - waiting.started >= self.stall:
                 late.setdefault(waiting.base_url, []).append(waiting)
         async with anyio.create_task_group() as group:
             for base_url, requests in late.items():
@@ -209,7 +228,8 @@ class HeadWatch:
     async def _judge(self, base_url: str, requests: list[ReplyClock]) -> None:
         if await self.liveness.answers(base_url):
             oldest = min(requests, key=lambda waiting: waiting.started)
-            self.liveness.still_waiting(base_url, oldest.what, time.monotonic() - oldest.started, oldest.limit)
+            limit = oldest.answer_by[0] if oldest.answer_by is not None else oldest.limit
+            self.liveness.still_waiting(base_url, oldest.what, time.monotonic() - oldest.started, limit)
             return
         for waiting in requests:
             if waiting in self.waiting:  # not answered meanwhile

@@ -11,6 +11,8 @@ Invariants:
   generate; otherwise `EvalSkip("unhealthy" | "pin_violation")`.
 - It probes exactly when no monitor watches the engines (`probe_before_pin`).
 - While a pin loads weights its `updating` event is clear; an engine relaunched after a pin is not in its pool.
+- Every engine call of a pin (load, version, 1-token generate) ends within `timeout` (`acknowledged`): an engine
+  past it is named with the call and the time waited in the skip's reason (`EngineOverdue`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ from typing import Any
 import anyio
 
 from coordinator.engines.client import EngineClient
+from coordinator.engines.deadline import acknowledged, read_timeout
 from coordinator.engines.errors import EngineError
 from coordinator.engines.fleet import EngineFleet, EngineHandle, EngineState
 from coordinator.engines.policy import NO_RETRY
 from coordinator.engines.recovery import EngineRecovery
 
 log = logging.getLogger(__name__)
+
+
+#: where a pin's per-call bound comes from (named in an overdue engine's message)
+PIN_BOUND = "the eval pin's per-call bound"
 
 
 class EvalSkip(Exception):
@@ -164,13 +171,13 @@ class EvalPin:
     async def _load(self, engines: list[EngineHandle], checkpoint_dir: str, version: str) -> None:
         async def load(handle: EngineHandle) -> None:
             api = self.client.engine(handle.url)
-            with anyio.fail_after(self.timeout):
+            with acknowledged(handle.url, "POST /update_weights_from_disk", bound=self.timeout, flag=PIN_BOUND):
                 await api.update_weights_from_disk(checkpoint_dir, weight_version=version, flush_cache=True,
-                                                   timeout=self.timeout)
+                                                   timeout=read_timeout(self.timeout))
 
         async def version_of(handle: EngineHandle) -> str:
-            with anyio.fail_after(self.timeout):
-                return await self.client.engine(handle.url).get_weight_version(timeout=self.timeout)
+            with acknowledged(handle.url, "GET /get_weight_version", bound=self.timeout, flag=PIN_BOUND):
+                return await self.client.engine(handle.url).get_weight_version(timeout=read_timeout(self.timeout))
 
         wrong = await self._for_each(engines, load, version_of, version)
         if wrong:
@@ -186,7 +193,7 @@ class EvalPin:
             try:
                 await load(handle)
                 got = await version_of(handle)
-            except (EngineError, TimeoutError) as error:
+            except EngineError as error:
                 got = f"<load failed: {error}>"[:300]
             if got != version:
                 wrong[handle.name] = got
@@ -202,9 +209,10 @@ class EvalPin:
         async def one(handle: EngineHandle) -> None:
             payload = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
             try:
-                with anyio.fail_after(self.timeout):
-                    await self.client.engine(handle.url).generate(payload, timeout=self.timeout, retry=NO_RETRY)
-            except (EngineError, TimeoutError) as error:
+                with acknowledged(handle.url, "POST /generate (1 token)", bound=self.timeout, flag=PIN_BOUND):
+                    await self.client.engine(handle.url).generate(payload, timeout=read_timeout(self.timeout),
+                                                                  retry=NO_RETRY)
+            except EngineError as error:
                 failed[handle.name] = str(error)[:300]
 
         async with anyio.create_task_group() as tg:

@@ -163,14 +163,16 @@ class Dispatcher:
             return await self._through_router(self.router_url, payload), self.router_url
         handle = engine if engine is not None else await self.pick()
         failed: set[str] = set()
+        last_error: EngineError | None = None
         for attempt in range(1, self.max_attempts + 1):
             try:
                 response = await self._send_unless_dead(handle, payload)
                 if response is not None:
                     return response, handle.url
                 # The fleet marked the engine dead (the health monitor saw it hang) while we waited.
-                last_error: EngineError = EngineUnreachable(handle.url, "the fleet marked the engine dead")
+                last_error = EngineUnreachable(handle.url, "the fleet marked the engine dead")
             except EngineReplyError as error:  # alive, but its reply is refused: another engine gets it
+                last_error = error
                 self._refused(handle.url, error, attempt)
                 failed.add(handle.url)
                 handle = await self.pick(exclude=failed)
@@ -203,7 +205,7 @@ class Dispatcher:
             )
             handle = await self.pick(exclude=failed)
         raise NoEngineAvailable(f"request failed on {self.max_attempts} engines in a row (replies refused: "
-                                f"{dict(self.refused)})")
+                                f"{dict(self.refused)}); the last: {last_error}")
 
     async def _through_router(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
         """The router balances and retries dead workers itself; a refused reply is re-sent (another worker

@@ -8,7 +8,12 @@ docs/weight-sync.md.
 
 Invariants:
 - after `update()` returns, every engine it updated reports `version`; otherwise `WeightSyncError` names the
-  engines that did not;
+  engines that did not — or, with rollout FT (`recover_engines`), those engines are marked dead (recovery
+  brings them back with the current weights) and the update goes on with the others, failing only when none
+  is left;
+- each engine's acknowledgment of a load (`/update_weights_from_disk`, in an update and in `admit`) is waited
+  for at most `ack_timeout_s` (`--update-weight-ack-timeout`): past it, `EngineOverdue` names the engine, the
+  call and the time waited;
 - `current_weights()` never pairs a snapshot with another version's name;
 - `admit()` returns only at a moment when the engine reports the current version and no update runs;
 - dead rollout engines are recovered before an update only when rollout FT is on (`recover_engines`);
@@ -26,6 +31,7 @@ from typing import Any, Protocol
 import anyio
 
 from coordinator.engines.client import EngineClient
+from coordinator.engines.deadline import acknowledged, read_timeout
 from coordinator.engines.errors import EngineError
 from coordinator.engines.fleet import EngineFleet, EngineHandle
 from coordinator.engines.recovery import EngineRecovery, RouterLike
@@ -66,6 +72,7 @@ class WeightSync:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         load_format: str | None = FLATTENED_BUCKET,
         join_timeout_s: float = 120.0,
+        ack_timeout_s: float = 600.0,
     ) -> None:
         if mode not in TRANSFER_MODES:
             raise ValueError(f"--update-weight-transfer-mode {mode!r}: choose {', '.join(TRANSFER_MODES)}")
@@ -73,6 +80,9 @@ class WeightSync:
             raise ValueError(f"--update-weight-buffer-size must be > 0 bytes, got {bucket_bytes}")
         if not join_timeout_s > 0:
             raise ValueError(f"the weight-update group join timeout must be > 0 s, got {join_timeout_s}")
+        if not ack_timeout_s > 0:
+            raise ValueError(f"the weight-load acknowledgment timeout must be > 0 s, got {ack_timeout_s}")
+        self.ack_timeout_s = ack_timeout_s
         self.mode = TRANSFER_MODES[mode]
         self.fleet = fleet
         self.client = client
@@ -127,18 +137,19 @@ class WeightSync:
         if not engines:
             raise WeightSyncError("no rollout engine is alive to take the new weights")
         self.updating = anyio.Event()
+        paused = engines
         try:
-            await self._for_each(engines, lambda e: self.client.engine(e.url).pause_generation(self.pause_mode),
-                                 what="pause generation")
+            engines = await self._for_each(engines, lambda e: self.client.engine(e.url).pause_generation(
+                self.pause_mode), what="pause generation")
             try:
                 if self.mode == "disk":
-                    await self._by_disk(engines, version)
+                    engines = await self._by_disk(engines, version)
                 else:
                     await self._by_distributed(engines, version)
-                await self._verify(engines, version)
+                engines = await self._verify(engines, version)
             finally:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-                    await self._for_each(engines, lambda e: self.client.engine(e.url).continue_generation(),
+                    await self._for_each(paused, lambda e: self.client.engine(e.url).continue_generation(),
                                          what="continue generation", raise_errors=False)
         finally:
             self.updating.set()
@@ -146,34 +157,35 @@ class WeightSync:
         seconds = time.monotonic() - started
         return {"sync/time_s": seconds, "sync/engines": float(len(engines))}
 
-    async def _by_disk(self, engines: list[Any], version: str) -> None:
+    async def _load(self, api: Any, path: str, version: str, **kw: Any) -> None:
+        """One engine's load of the snapshot at `path`, acknowledged within `ack_timeout_s`."""
+        with acknowledged(api.url, "POST /update_weights_from_disk", bound=self.ack_timeout_s,
+                          flag="--update-weight-ack-timeout"):
+            await api.update_weights_from_disk(path, weight_version=version, timeout=read_timeout(self.ack_timeout_s),
+                                               **kw)
+
+    async def _by_disk(self, engines: list[Any], version: str) -> list[Any]:
         async with self._export_lock:
             snapshot = self._snapshot
             if snapshot is not None and snapshot[1] == version and await anyio.Path(snapshot[0]).exists():
                 path = snapshot[0]  # exported ahead (`prepare`)
             else:
                 path, _ = await self._export(version)
-        await self._for_each(
-            engines,
-            lambda e: self.client.engine(e.url).update_weights_from_disk(str(path), weight_version=version,
-                                                                         flush_cache=True),
-            what="update_weights_from_disk",
-        )
+        return await self._for_each(
+            engines, lambda e: self._load(self.client.engine(e.url), str(path), version, flush_cache=True),
+            what="update_weights_from_disk")
 
     async def _by_distributed(self, engines: list[Any], version: str) -> None:
         # A fresh group per update: an engine relaunched since the last update can always join.
         await self.distributed.run(engines, version)
 
-    async def _verify(self, engines: list[Any], version: str) -> None:
-        reported: dict[str, str] = {}
-
+    async def _verify(self, engines: list[Any], version: str) -> list[Any]:
         async def ask(engine: Any) -> None:
-            reported[engine.name] = await self.client.engine(engine.url).get_weight_version()
+            got = await self.client.engine(engine.url).get_weight_version()
+            if got != version:
+                raise EngineError(f"reports weight version {got!r} after the update to {version!r}", engine.url)
 
-        await self._for_each(engines, ask, what="get_weight_version")
-        wrong = {name: got for name, got in reported.items() if got != version}
-        if wrong:
-            raise WeightSyncError(f"engines report the wrong weight version after the update to {version!r}: {wrong}")
+        return await self._for_each(engines, ask, what="get_weight_version")
 
     # -- the current weights, for an engine that comes back ----------------------------------------------
 
@@ -214,7 +226,7 @@ class WeightSync:
                 current = await self.current_weights()
                 if current is None or current[1] != version:
                     continue  # an update finished meanwhile: load the newer weights instead
-                await api.update_weights_from_disk(str(current[0]), weight_version=version)
+                await self._load(api, str(current[0]), version)
                 got = await api.get_weight_version()
                 if got != version:
                     raise WeightSyncError(f"{engine.name} reports weight version {got!r} after recovery, "
@@ -229,7 +241,10 @@ class WeightSync:
             if await self.recovery.recover(engine):
                 self.recoveries += 1
 
-    async def _for_each(self, engines: list[Any], fn: Any, *, what: str, raise_errors: bool = True) -> None:
+    async def _for_each(self, engines: list[Any], fn: Any, *, what: str, raise_errors: bool = True) -> list[Any]:
+        """`fn(engine)` on every engine at once; the engines it succeeded on. Failures raise one
+        `WeightSyncError` naming each engine — unless rollout FT recovers engines and some succeeded: then the
+        failed ones are marked dead (their recovery loads the current weights) and the update goes on."""
         errors: dict[str, str] = {}
 
         async def one(engine: Any) -> None:
@@ -242,7 +257,18 @@ class WeightSync:
         async with anyio.create_task_group() as group:
             for engine in engines:
                 group.start_soon(one, engine)
-        if errors:
-            if raise_errors:
-                raise WeightSyncError(f"{what} failed on {len(errors)} engine(s): {errors}")
+        if not errors:
+            return engines
+        if not raise_errors:
             log.warning("%s failed on %s", what, errors)
+            return engines
+        survivors = [engine for engine in engines if engine.name not in errors]
+        if not (self.recover_engines and survivors):
+            raise WeightSyncError(f"{what} failed on {len(errors)} engine(s): {errors}")
+        for engine in engines:
+            if engine.name in errors:
+                log.warning("rollout engine %s failed the weight update (%s: %s): marked dead, it is recovered "
+                            "with the current weights; the update goes on with %d engine(s)", engine.name, what,
+                            errors[engine.name], len(survivors))
+                self.fleet.mark_dead(engine, f"{what} failed during a weight update: {errors[engine.name]}")
+        return survivors

@@ -4,7 +4,11 @@ Each bad `/generate` reply of issue 24 (nested 100k deep, 300 MB, ids and logpro
 or out-of-vocabulary ids, an unhashable finish reason, a NaN logprob, float ids) is refused by the engine client
 as one `EngineReplyError`, counted per peer by the dispatcher, and its request answered by the real engine; the
 300 MB reply is cut at its cap (memory growth bounded). An engine that drips its reply, or wedges, costs the
-stall bound and the request is answered by the real engine. Then one real `rayless train` run with the hostile engine
+stall bound, one that answers /health but never finishes a generate costs its request's generation bound, and
+the request is answered by the real engine. An engine that never acknowledges a weight load (as on a resume,
+whose engines load the checkpoint's weights through the same update) is named within the acknowledgment
+deadline: the update fails in one line, or, with rollout FT, the engine is marked dead and the update reaches
+the real one. Then one real `rayless train` run with the hostile engine
 attached by `--rollout-external-engine-addrs`: it completes, the refused replies are in its metrics, no
 traceback.
 """
@@ -160,9 +164,10 @@ async def test_a_stalled_engine_costs_its_bound_and_the_request_is_answered_else
         mode: str, real_engine: str, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Issue 37's drills on the dispatch path (the fake's `drip` and `wedge`): the engine client ends the request
     as stalled within its bound (1 s here; the read timeout is an hour), and the dispatch sends it to the real
-    engine — a dripping engine that answers its probe is kept out of picks, a wedged one is marked dead."""
+    engine — a dripping engine that answers its probe is kept out of picks, a wedged one is marked dead. `hold`
+    answers /health but never the generate: its request's generation bound (1 s + 64 tokens × 0.1 s) ends it."""
     async with anyio.create_task_group() as group, EngineClient(max_connections=8, retry=NO_RETRY, stall_timeout=1.0,
-                                                                probe_timeout=1.0) as client:
+                                                                probe_timeout=1.0, token_timeout=0.1) as client:
         await group.start(client.watch_stalls)
         client.set_vocab_size(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
         hostile = await group.start(HostileEngine(mode).run)
@@ -174,11 +179,92 @@ async def test_a_stalled_engine_costs_its_bound_and_the_request_is_answered_else
         with caplog.at_level(logging.WARNING, logger="coordinator.rollout.dispatch"), anyio.fail_after(60):
             responses, url = await dispatcher.generate(dict(PAYLOAD), engine=handle)
         assert url == real_engine and hostile.generated == 1 and len(responses) == 2
-        (warning,) = [r.getMessage() for r in caplog.records if hostile.url in r.getMessage()]
+        (warning,) = [r.getMessage() for r in caplog.records
+                      if r.name == "coordinator.rollout.dispatch" and hostile.url in r.getMessage()]
+        if mode == "hold":
+            assert f"engine {hostile.url}/generate stalled: POST /generate made no progress for 7.4 s (no answer " \
+                   "within 7.4 s, the bound of its request: 1 s + 64 new tokens × 0.1 s" in warning
+            assert "answers its probe" in warning and handle.alive and hostile.held == 1
+            group.cancel_scope.cancel()
+            return
         assert f"engine {hostile.url}/generate stalled: POST /generate made no progress for 1 s" in warning
         if mode == "drip":
             assert "a reply dripping" in warning and "answers its probe" in warning and handle.alive
         else:
             assert "/health gave none within 1 s" in warning and "died during a request" in warning
             assert not handle.alive
+        group.cancel_scope.cancel()
+
+
+class ModelAsSnapshot:
+    """Stand-in for the TrainGroup's `export_weights` (the ranks are not what these drills are about): the
+    snapshot every engine loads is the tiny model itself, which the real engine serves already."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+
+    async def export_weights(self, directory: Path, weight_version: str, keep: int = 2) -> Path:
+        return self.model_dir
+
+
+async def test_an_engine_that_never_acknowledges_a_weight_load_is_named_within_the_deadline(
+        real_engine: str, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 37's drill "a resume where one engine never finishes loading the weights": the resume's engines
+    take the checkpoint's weights through `WeightSync.update` (coordinator/loop.py `_resume`), driven here
+    directly with the fake's `noload` beside the real engine and a 1 s `--update-weight-ack-timeout`. Without
+    rollout FT the update fails with one line naming the engine, the call and the time waited; with it, the
+    engine is marked dead (its recovery loads the current weights) and the real engine serves the version."""
+    from coordinator.weights.sync import WeightSync, WeightSyncError
+
+    async with anyio.create_task_group() as group, EngineClient(max_connections=8, retry=NO_RETRY) as client:
+        hostile = await group.start(HostileEngine("noload").run)
+        fleet = EngineFleet(client=client, external_urls=[real_engine.removeprefix("http://"),
+                                                          hostile.url.removeprefix("http://")],
+                            run_dir=tmp_path, group="noload")
+        await group.start(fleet.run)
+        (handle,) = [h for h in fleet.alive() if h.url == hostile.url]
+        for recover in (False, True):
+            sync = WeightSync(mode="disk", fleet=fleet, client=client, trainer=ModelAsSnapshot(tiny_model_dir),  # type: ignore[arg-type]
+                              snapshot_dir=tmp_path / "weights", recover_engines=recover, ack_timeout_s=1.0)
+            started = anyio.current_time()
+            with anyio.fail_after(30), caplog.at_level(logging.WARNING, logger="coordinator.weights.sync"):
+                if recover:
+                    await sync.update("2")
+                else:
+                    with pytest.raises(WeightSyncError) as failed:
+                        await sync.update("1")
+            elapsed = anyio.current_time() - started
+            assert 1.0 <= elapsed < 10, elapsed  # the deadline, not the transport's 600 s
+            overdue = (f"{handle.name}': 'engine {hostile.url}: POST /update_weights_from_disk not acknowledged "
+                       "within 1 s (--update-weight-ack-timeout); 1.")
+            if not recover:
+                message = str(failed.value)
+                assert "\n" not in message and overdue in message, message
+                assert handle.alive
+        assert not handle.alive and "marked dead" in caplog.text and "POST /update_weights_from_disk" in caplog.text
+        assert await client.engine(real_engine).get_weight_version() == "2"
+        assert hostile.held == 2
+        group.cancel_scope.cancel()
+
+
+async def test_with_only_an_engine_that_never_finishes_a_generate_the_request_ends_naming_it(tmp_path: Path) -> None:
+    """No other engine to take the request (and no rollout FT to replace the engine): each attempt ends at the
+    request's generation bound (1 s + 4 tokens × 0.1 s) and the request fails in one line naming the engine and
+    the wait, after `max_attempts` bounds — never the hour's read timeout."""
+    async with anyio.create_task_group() as group, EngineClient(max_connections=4, retry=NO_RETRY, stall_timeout=1.0,
+                                                                probe_timeout=1.0, token_timeout=0.1) as client:
+        await group.start(client.watch_stalls)
+        hostile = await group.start(HostileEngine("hold").run)
+        fleet = EngineFleet(client=client, external_urls=[hostile.url.removeprefix("http://")], run_dir=tmp_path,
+                            group="held", probe_timeout=2.0)
+        await group.start(fleet.run)
+        dispatcher = Dispatcher(client=client, pool=fleet, watch_engine_state=False, max_attempts=2)
+        started = anyio.current_time()
+        with anyio.fail_after(60), pytest.raises(NoEngineAvailable) as failed:
+            await dispatcher.generate({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+        elapsed = anyio.current_time() - started
+        message = str(failed.value)
+        assert "\n" not in message and "request failed on 2 engines in a row" in message, message
+        assert f"the last: engine {hostile.url}/generate stalled: POST /generate made no progress for 1.4 s" in message
+        assert hostile.held == 2 and 2 * 1.4 <= elapsed < 30, elapsed
         group.cancel_scope.cancel()

@@ -1,19 +1,28 @@
 """A training rank that stops answering (SIGSTOP mid-run: a wedged GPU or a deadlocked collective looks the same
 from the coordinator) is named within its bound, with every process's stacks collected automatically; the run
-goes on once the rank does. One rank, replaying small dumps: no engine is started."""
+goes on once the rank does. Stopped again, and never let go, the command's deadline ends the run (no train FT)
+with one `RankOverdue` naming the command, the rank and the time waited. One rank, replaying small dumps: no
+engine is started."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
 from coordinator.config import parse_config
+from coordinator.lifecycle.processes import leaf_exceptions
+from coordinator.observe.rank_watch import RankOverdue
 from coordinator.run import run_training
 from coordinator.services import Services
 from tests.support.replay_inputs import write_sample_dump
@@ -33,6 +42,7 @@ async def test_a_stopped_rank_is_named_with_the_stacks(tiny_model_dir: Path, tmp
         "--hf-checkpoint", str(tiny_model_dir), "--actor-num-gpus-per-node", "1", "--rollout-batch-size", "3",
         "--n-samples-per-prompt", "2", "--load-debug-rollout-data", str(tmp_path / "dumps" / "{rollout_id}.rld"),
         "--num-rollout", str(ROLLOUTS), "--run-dir", str(run_dir), "--no-progress", "--rank-call-warn-s", "1",
+        "--rank-call-timeout-s", "2",
     ])
     caplog.set_level(logging.WARNING, logger="rayless")
     stopped: list[int] = []
@@ -42,7 +52,7 @@ async def test_a_stopped_rank_is_named_with_the_stacks(tiny_model_dir: Path, tmp
             self.services = services
 
         async def after_step(self, rollout_id: int, weight_version: str) -> None:
-            if rollout_id == 0:
+            if rollout_id in (0, 1):  # let go after the first stop; the second lasts until the deadline
                 assert self.services.train_group is not None
                 pid = self.services.train_group.ranks[0].pid
                 os.kill(pid, signal.SIGSTOP)  # the next train command waits on it
@@ -57,9 +67,10 @@ async def test_a_stopped_rank_is_named_with_the_stacks(tiny_model_dir: Path, tmp
         os.kill(stopped[0], signal.SIGCONT)
 
     try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(let_it_go_once_named)
-            await run_training(config, extra_hooks=hooks)
+        with pytest.raises(BaseExceptionGroup) as failed:
+            async with anyio.create_task_group() as group:
+                group.start_soon(let_it_go_once_named)
+                await run_training(config, extra_hooks=hooks)
     finally:
         for pid in stopped:
             try:
@@ -76,4 +87,17 @@ async def test_a_stopped_rank_is_named_with_the_stacks(tiny_model_dir: Path, tmp
     assert "event loop tasks ===" in dump  # the coordinator answered while the rank could not
     assert "no answer within" in dump and f"rank0 (pid {pid}, stopped)" in dump
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == ROLLOUTS, "the run did not go on once the rank did"
+    assert len(rows) == 2, "the run did not go on once the rank did, or did not stop at the second stop"
+
+    (overdue,) = [error for error in leaf_exceptions(failed.value) if isinstance(error, RankOverdue)]
+    message = str(overdue)
+    assert "\n" not in message and "'train' command passed its deadline" in message, message
+    assert f"rank 0 (pid {stopped[1]}, stopped)" in message and "--rank-call-timeout-s" in message
+    # the deadline: --rank-call-timeout-s or 10x the longest earlier train command (not the first stop's: a
+    # command warned about does not lengthen the next one's bound), met within the watch's tick and the stacks'
+    # collection
+    found = re.search(r"(\d+)s waited for .* \(deadline (\d+)s: --rank-call-timeout-s, or 10x", message)
+    assert found, message
+    waited, deadline = (float(number) for number in found.groups())
+    assert 2 <= deadline <= waited < deadline + 10 and deadline < 60, message
+    assert len(list((run_dir / "stacks").glob("dump-*.txt"))) >= 3  # 1st stop; 2nd: its warning and its deadline

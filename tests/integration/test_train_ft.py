@@ -1,5 +1,6 @@
-"""Train FT end to end: a rank killed mid-run is restarted by torchrun, reloaded from the last checkpoint and
-sent the step again; every rollout completes and the engines are never relaunched. Without train FT the same
+"""Train FT end to end: a rank stopped mid-run (SIGSTOP: it never answers) is killed at its command's deadline
+(`--rank-call-timeout-s`), restarted by torchrun, reloaded from the last checkpoint and sent the step again;
+every rollout completes and the engines are never relaunched. Without train FT the same
 kill ends the run with a RankFailure naming the rank: that run replays the FT run's dumps, as the kill needs
 no engine (one engine process fewer)."""
 
@@ -26,11 +27,13 @@ if sys.version_info < (3, 11):
 
 
 class RankKiller:
-    """Hook: SIGKILL rank 0's process right after the step of `at_rollout` (between steps, like a crash)."""
+    """Hook: signal rank 0's process right after the step of `at_rollout` (between steps): SIGKILL, like a
+    crash, or SIGSTOP, a rank that stops answering."""
 
-    def __init__(self, services: Services, at_rollout: int) -> None:
+    def __init__(self, services: Services, at_rollout: int, sig: signal.Signals = signal.SIGKILL) -> None:
         self.services = services
         self.at_rollout = at_rollout
+        self.sig = sig
         self.killed: list[int] = []
         self.engine_incarnations: list[dict[str, int]] = []
 
@@ -39,7 +42,7 @@ class RankKiller:
             self.engine_incarnations.append({h.name: h.incarnation for h in self.services.fleet.engines})
         if rollout_id == self.at_rollout:
             pid = self.services.train_group.ranks[0].pid
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, self.sig)
             self.killed.append(pid)
 
 
@@ -79,13 +82,14 @@ def ft_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ft
     dumps = str(tmp_path / "dumps" / "{rollout_id}.rld")
     config = train_config(tiny_model_dir, tmp_path, "--engine-backend", "cpu", "--rollout-num-engines", "1",
                           "--sglang-server-concurrency", "8", "--save-debug-rollout-data", dumps,
-                          "--use-fault-tolerance", "--ft-components", "train", "--max-restarts", "2")
+                          "--use-fault-tolerance", "--ft-components", "train", "--max-restarts", "2",
+                          "--rank-call-warn-s", "1", "--rank-call-timeout-s", "2")
     killers: list[RankKiller] = []
     seen: list[Services] = []
 
     def hooks(services: Services) -> list[Any]:
         seen.append(services)
-        killers.append(RankKiller(services, at_rollout=0))
+        killers.append(RankKiller(services, at_rollout=0, sig=signal.SIGSTOP))
         return killers
 
     handler = Messages()
@@ -99,10 +103,13 @@ def ft_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ft
                  handler.messages, dumps)
 
 
-def test_a_killed_rank_is_restarted_and_the_run_completes_without_touching_engines(ft_run: FtRun) -> None:
+def test_a_stopped_rank_is_killed_at_its_deadline_restarted_and_the_run_completes_without_touching_engines(
+        ft_run: FtRun) -> None:
     assert ft_run.ft_enabled == (True, False)  # train FT on, rollout FT off
     summary, killer = ft_run.summary, ft_run.killer
-    assert killer.killed, "the hook killed rank 0"
+    assert killer.killed, "the hook stopped rank 0"
+    (deadline,) = [m for m in ft_run.messages if "passed its deadline" in m]
+    assert f"rank 0 (pid {killer.killed[0]}, stopped)" in deadline and "killed them: train FT restarts" in deadline
     assert summary["rollouts"] == 3 and summary["train_steps"] == 3 and summary["final_weight_version"] == "3"
     assert summary["train_recoveries"] == 1
     ft = summary["ft"]

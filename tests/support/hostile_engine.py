@@ -2,7 +2,9 @@
 where it gives one chosen bad reply (the peers of issue 24: a broken or malicious server given with
 `--rollout-external-engine-addrs`), or stalls (issue 37: `drip` sends a reply's head and then a byte every
 0.1 s; `wedge` answers nothing at all — /health included — from its first `/generate` on, as a stopped or
-wedged server whose kernel still accepts connections). A real engine cannot be made to do these on demand, so
+wedged server whose kernel still accepts connections; `hold` answers every route, /health included, but never
+finishes a `/generate`, as a scheduler that lost its requests; `noload` never acknowledges
+`/update_weights_from_disk` nor finishes a `/generate`, as an engine stuck loading weights). A real engine cannot be made to do these on demand, so
 this one does, over real sockets; everything else in the tests around it is real.
 
 Owns its listener and handlers (asyncio's server; `serve()` until cancelled). Run it in-process with
@@ -45,9 +47,11 @@ BAD_REPLIES: dict[str, Callable[[], dict[str, Any]]] = {
 RAW_MODES = ("deep", "huge", "nan_logprob", "inf_logprob", "not_json")
 BAD_MODES = (*BAD_REPLIES, *RAW_MODES)
 #: the stalls (see the module's docstring)
-STALL_MODES = ("drip", "wedge")
+STALL_MODES = ("drip", "wedge", "hold")
+#: the modes that never answer some routes while answering all others
+HELD: dict[str, tuple[str, ...]] = {"hold": ("/generate",), "noload": ("/generate", "/update_weights_from_disk")}
 #: cycle: each /generate gets the next bad mode in turn; deep_error: HTTP 500 with a body nested 100k deep
-MODES = (*BAD_MODES, "cycle", "deep_error", *STALL_MODES)
+MODES = (*BAD_MODES, "cycle", "deep_error", *STALL_MODES, "noload")
 
 
 class HostileEngine:
@@ -58,6 +62,8 @@ class HostileEngine:
         self.port = port
         self.generated = 0
         self.wedged = False
+        #: requests `hold` / `noload` left unanswered
+        self.held = 0
 
     @property
     def url(self) -> str:
@@ -103,6 +109,11 @@ class HostileEngine:
                 self.wedged = True
                 self.generated += path == "/generate"
                 await reader.read()  # nothing answered; returns when the client hangs up or the server closes
+                return
+            if path in HELD.get(self.mode, ()):
+                self.generated += path == "/generate"
+                self.held += 1
+                await reader.read()  # this one is never answered; returns when the client hangs up
                 return
             if path == "/generate" and self.mode == "drip":
                 self.generated += 1

@@ -24,6 +24,8 @@ from coordinator.engines.policy import NO_RETRY
 
 STALL = 0.5
 PROBE = 0.3
+#: per requested token: PAYLOAD's 2 tokens give a generation bound of STALL + 2 × TOKEN = 1.5 s
+TOKEN = 0.5
 #: the read timeout every request here runs under: the stall rule must end it long before
 READ = 60.0
 PAYLOAD = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
@@ -84,7 +86,8 @@ async def silent(stream: anyio.abc.SocketStream, line: bytes) -> None:
 
 
 async def health_but_no_generate(stream: anyio.abc.SocketStream, line: bytes) -> None:
-    if b"/health" in line:
+    """Answers every route (/health, /pause_generation, ...) but `/generate`, which it never answers."""
+    if b"/generate" not in line:
         return await health_ok(stream)
     await anyio.sleep_forever()
 
@@ -129,7 +132,7 @@ async def late_but_alive(stream: anyio.abc.SocketStream, line: bytes) -> None:
 async def client(read: float = READ) -> AsyncIterator[EngineClient]:
     """A client with its head watch running, as the run starts it."""
     async with EngineClient(max_connections=4, stall_timeout=STALL, probe_timeout=PROBE, generate_timeout=read,
-                            retry=NO_RETRY) as c, anyio.create_task_group() as group:
+                            token_timeout=TOKEN, retry=NO_RETRY) as c, anyio.create_task_group() as group:
         await group.start(c.watch_stalls)
         yield c
         group.cancel_scope.cancel()
@@ -187,16 +190,47 @@ async def test_an_engine_answering_health_is_waited_for_with_a_warning_not_stall
         out = await c.engine(url).generate(PAYLOAD)
     assert out["output_ids"] == [4, 5]
     assert f"engine {url}: POST /generate has had no answer for" in caplog.text
-    assert "the engine answers /health (alive, busy): still waiting, up to 60 s" in caplog.text
+    assert "the engine answers /health (alive, busy): still waiting, up to 1.5 s" in caplog.text  # its generation bound
 
 
-async def test_an_engine_answering_health_but_never_generate_is_left_to_the_read_timeout() -> None:
-    """The client cannot tell a long generation from a lost one on an engine that answers /health: the read
-    timeout ends it (the HealthMonitor's generating probe finds such an engine first; docs/fault-tolerance.md)."""
-    async with fake_engine(health_but_no_generate) as url, client(read=3 * STALL) as c:
-        with pytest.raises(EngineTimeout) as error:
-            await c.engine(url).generate(PAYLOAD)
-    assert not isinstance(error.value, EngineStalled)
+async def test_an_engine_answering_health_but_never_generate_is_stalled_at_its_requests_bound() -> None:
+    """Issue 37's drill: the engine answers /health (so the head rule waits), but the generate's answer never
+    comes: the generation bound (STALL + 2 tokens × TOKEN) ends it, naming the engine, the wait, the bound and
+    how it was derived, far below the read timeout."""
+    async with fake_engine(health_but_no_generate) as url:
+        error = await stalled(url)
+    bound = STALL + 2 * TOKEN
+    assert isinstance(error, EngineStalled)
+    assert f"engine {url}/generate stalled: POST /generate made no progress for {bound:g} s (no answer within " \
+           f"{bound:g} s, the bound of its request: {STALL:g} s + 2 new tokens × {TOKEN:g} s" in str(error)
+    assert bound <= error.elapsed < READ / 4
+
+
+async def test_time_paused_for_a_weight_update_does_not_count_against_the_bound() -> None:
+    """The same engine, paused for an update (through the client) while the request waits: the pause is added
+    to the bound, and the message says how much of the wait it was."""
+    async with fake_engine(health_but_no_generate) as url, client() as c:
+        engine = c.engine(url)
+        started = anyio.current_time()
+        errors: list[EngineError] = []
+
+        async def generate() -> None:
+            try:
+                await engine.generate(PAYLOAD)
+            except EngineStalled as error:
+                errors.append(error)
+
+        with anyio.fail_after(READ / 4):
+            async with anyio.create_task_group() as group:
+                group.start_soon(generate)
+                await anyio.sleep(STALL)
+                await engine.pause_generation("in_place")
+                await anyio.sleep(4 * TOKEN)
+                await engine.continue_generation()
+    waited = anyio.current_time() - started
+    assert len(errors) == 1 and waited >= STALL + 2 * TOKEN + 4 * TOKEN, (errors, waited)
+    assert "of it paused for a weight update (not counted)" in str(errors[0])
+    assert c.paused_for(url) >= 4 * TOKEN
 
 
 async def test_without_its_head_watch_a_client_keeps_the_body_rule() -> None:
@@ -204,3 +238,13 @@ async def test_without_its_head_watch_a_client_keeps_the_body_rule() -> None:
     async with fake_engine(drip) as url, EngineClient(max_connections=4, stall_timeout=STALL, retry=NO_RETRY) as c:
         with anyio.fail_after(READ / 4), pytest.raises(EngineStalled, match="a reply dripping"):
             await c.engine(url).generate(PAYLOAD)
+
+
+def test_a_generates_bound_is_derived_from_its_request() -> None:
+    c = EngineClient(stall_timeout=10.0, token_timeout=0.5)
+    assert c.generation_bound({"sampling_params": {"max_new_tokens": 8}})[0] == 14.0
+    assert c.generation_bound({"sampling_params": {"max_new_tokens": 0}})[0] == 10.0  # scoring only: the head's
+    assert c.generation_bound({})[0] == 10.0 + 128 * 0.5  # SGLang's default when a request names none
+    batch = {"sampling_params": [{"max_new_tokens": 4}, {"max_new_tokens": 64}]}
+    bound, derived = c.generation_bound(batch)
+    assert bound == 42.0 and derived.startswith("10 s + 64 new tokens × 0.5 s")
