@@ -42,7 +42,7 @@ import httpx
 import msgspec
 from httpx_aiohttp import AiohttpTransport
 
-from coordinator.engines.api import JSON, EngineAPI
+from coordinator.engines.api import EngineAPI
 from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, read_capped, read_prefix
 from coordinator.engines.errors import EngineError
 from coordinator.engines.policy import RetryPolicy
@@ -54,6 +54,7 @@ from coordinator.engines.transport import (
     request_timeout,
 )
 from workers.boundary.engine_routes import is_admin
+from workers.boundary.json_input import JsonValue
 
 
 class EngineClient(anyio.AsyncContextManagerMixin):
@@ -151,7 +152,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         method: str,
         path: str,
         *,
-        json_body: JSON = None,
+        json_body: JsonValue = None,
         params: Mapping[str, str] | None = None,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
@@ -217,7 +218,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         return lambda chunks, between: progressing(chunks, stall=self.stall_timeout, url=url, what=what,
                                                    started=started, between=between)
 
-    async def request_json(self, base_url: str, method: str, path: str, **kw: Any) -> JSON:
+    async def request_json(self, base_url: str, method: str, path: str, **kw: Any) -> JsonValue:
         """`request`, its body decoded through the boundary layer (bounded in size, depth and element count)."""
         resp = await self.request(base_url, method, path, **kw)
         return await decode_reply(resp.content, str(resp.url), kw.get("max_bytes", DEFAULT_REPLY_BYTES))

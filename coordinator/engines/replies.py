@@ -1,11 +1,11 @@
 """The check of every `/generate` reply (plain, batched or one streamed chunk) against SGLang's shape.
 
-Owns `GenerateReply`, the typed view of one reply, and `check_generate_reply`, the one function that builds it
-from decoded JSON. Invariant: a reply it accepts has output ids that are ints (never floats, never bools) in
+Owns `GenerateReply`, the typed view of one reply, `GenerateAnswer` (one answer's replies and the bytes they were
+read from), and `check_generate_reply`, the one function that builds a reply from decoded JSON (the generic path;
+`reply_decode` builds the same replies from the bytes on the typed path). Invariant: a reply it accepts has output ids that are ints (never floats, never bools) in
 `[0, vocab_size)`, one finite logprob per id whose triple names that same id, a `finish_reason` of SGLang's
 known set (`stop` / `length` / `abort`; None only in a streamed chunk), a string text and meta fields of the
-types SGLang gives; anything else raises `EngineReplyError` naming the peer and the field. The accepted dict
-is returned unchanged, so callers that read it as SGLang's JSON keep working.
+types SGLang gives; anything else raises `EngineReplyError` naming the peer and the field.
 
 The finish reasons are SGLang's `BaseFinishReason.to_json` (srt/managers/schedule_batch.py): `{"type":
 "stop", "matched": int | [int] | str}`, `{"type": "length", "length": int}`, `{"type": "abort", "message",
@@ -54,7 +54,9 @@ class FinishReason:
 
 @dataclass(frozen=True, slots=True)
 class GenerateReply:
-    """One checked reply. `logprobs` is None when the request did not ask for them."""
+    """One checked reply. `logprobs` is None when the request did not ask for them; `input_logprobs` holds
+    `meta_info.input_token_logprobs`' logprobs when the engine sent them (the first may be None: SGLang has no
+    logprob for a prompt's first token)."""
 
     text: str | None
     output_ids: tuple[int, ...]
@@ -62,6 +64,16 @@ class GenerateReply:
     finish: FinishReason | None
     weight_version: str | None
     rid: str | None
+    input_logprobs: tuple[float | None, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateAnswer:
+    """One `/generate` answer, checked: its replies (prompt-major, one per prompt × n) and the bytes they were
+    read from, which only a forwarder (the hook endpoint) sends on as they came."""
+
+    replies: tuple[GenerateReply, ...]
+    body: bytes
 
 
 _NONE = object()
@@ -188,15 +200,17 @@ def check_generate_reply(value: Any, url: str, rules: ReplyRules) -> GenerateRep
                              f"output_ids[{mismatch}] is {ids[mismatch]}")
     if not ids and rules.expect_tokens and not rules.stream and finish is not None and finish.type != "abort":
         raise _fail(url, f"no output ids, though it finished with {finish.type!r} (only an abort ends empty)")
+    inputs = None
     if "input_token_logprobs" in meta:
-        _check_triples(meta["input_token_logprobs"], url, "input_token_logprobs", rules.vocab_size,
-                       first_may_be_null=True)
+        inputs = tuple(_check_triples(meta["input_token_logprobs"], url, "input_token_logprobs", rules.vocab_size,
+                                      first_may_be_null=True))
     if "prompt_token_ids" in value:
         check_ids(value["prompt_token_ids"], url, "prompt_token_ids", rules.vocab_size)
     version = meta.get("weight_version")
     rid = meta.get("id")
     return GenerateReply(text, ids, None if logprobs is None else tuple(logprobs),  # type: ignore[arg-type]
-                         finish, None if version is None else str(version), None if rid is None else str(rid))
+                         finish, None if version is None else str(version), None if rid is None else str(rid),
+                         inputs)
 
 
 def per_reply(values: Any, count: int) -> list[Any]:

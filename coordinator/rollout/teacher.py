@@ -14,13 +14,13 @@ the engine client's deadline.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
 
 from coordinator.config.distill import DEFAULT_TEACHER
+from coordinator.engines.replies import GenerateAnswer
 from replay.sample import Sample, SampleStatus
 from workers.errors import RaylessError
 
@@ -39,21 +39,20 @@ def score_payload(sample: Sample) -> dict[str, Any]:
     }
 
 
-def response_log_probs(answer: Any, response_length: int, where: str) -> list[float]:
-    """The teacher's logprobs of the response tokens: the last `response_length` `input_token_logprobs`."""
-    meta = answer.get("meta_info") if isinstance(answer, Mapping) else None
-    entries = meta.get("input_token_logprobs") if isinstance(meta, Mapping) else None
-    if not isinstance(entries, list) or len(entries) < response_length:
-        count = len(entries) if isinstance(entries, list) else "no"
+def response_log_probs(answer: GenerateAnswer, response_length: int, where: str) -> list[float]:
+    """The teacher's logprobs of the response tokens: the last `response_length` `input_token_logprobs` of its
+    one reply (checked where the answer was decoded: finite numbers, the first alone may be null)."""
+    entries = answer.replies[0].input_logprobs if len(answer.replies) == 1 else None
+    if entries is None or len(entries) < response_length:
+        count = "no" if entries is None else len(entries)
         raise TeacherError(f"{where}: the teacher's answer has {count} meta_info.input_token_logprobs, the "
                            f"response has {response_length} tokens")
     values = []
-    for entry in entries[len(entries) - response_length:]:
-        value = entry[0] if isinstance(entry, list | tuple) and entry else None
-        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+    for value in entries[len(entries) - response_length:]:
+        if value is None:  # the input's first token has none: a response cannot start there
             raise TeacherError(f"{where}: the teacher's logprob {value!r:.40} of a response token is not a finite "
                                "number")
-        values.append(float(value))
+        values.append(value)
     return values
 
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import anyio
 import msgspec
 
 from workers.boundary.errors import BoundaryError
+
+#: a value of a JSON document as `decode_json` returns it (what a JSON object's fields, an HTTP body, a label hold)
+JsonValue: TypeAlias = bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"] | None
 
 PARSE_IN_THREAD_BYTES = 1 << 20  # above this, decoding takes long enough (>~5 ms) to move off the loop
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -57,6 +60,28 @@ def check_depth(value: Any, source: str, max_depth: int, *, level: int = 1) -> N
         for child in item.values() if isinstance(item, dict) else item:
             if isinstance(child, (list, dict)):
                 stack.append((child, depth + 1))
+
+
+_BRACKETS_ONLY = bytes(range(256)).translate(None, b"[]{}")  # translate's delete table: all but brackets
+_LEAF = re.compile(rb"\[\]|\{\}")  # one scan of the text: a pass removes the leaves of this pass only
+
+
+def check_depth_of_bytes(raw: bytes, source: str, max_depth: int) -> None:
+    """The depth rule of `check_depth`, read from a document's bytes without decoding them (for a reader that
+    decoded only the fields it needs, e.g. into a msgspec schema that skips the rest). `raw` must be valid
+    JSON. Strings are cut out first (they may hold brackets): by splitting at quotes when no quote is escaped,
+    else by the string pattern; then each pass deletes the empty `[]` / `{}` pairs, exactly one level a pass
+    (one regex scan, so a pair emptied by this pass waits for the next)."""
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:  # depth is at most the number of openings
+        return
+    text = b"".join(raw.split(b'"')[0::2]) if b'\\"' not in raw else _STRING.sub(b"", raw)
+    brackets = text.translate(None, _BRACKETS_ONLY)
+    for _ in range(max_depth):
+        if not brackets:
+            return
+        brackets = _LEAF.sub(b"", brackets)
+    if brackets:
+        raise BoundaryError(source, f"JSON nested deeper than {max_depth} levels")
 
 
 def check_bounds(raw: bytes, source: str, limits: JsonLimits) -> None:
