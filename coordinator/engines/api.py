@@ -19,9 +19,7 @@ from coordinator.engines.policy import COLLECTIVE, RetryPolicy
 from coordinator.engines.replies import GenerateAnswer
 from coordinator.engines.reply_decode import read_generate_answer_async
 from coordinator.engines.stream import stream_generate
-from workers.boundary.json_input import JsonValue
-
-JsonObject = dict[str, JsonValue]
+from workers.boundary.json_input import JsonObject, JsonValue
 
 
 class Requester(Protocol):

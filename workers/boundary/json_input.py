@@ -18,6 +18,8 @@ from workers.boundary.errors import BoundaryError
 
 #: a value of a JSON document as `decode_json` returns it (what a JSON object's fields, an HTTP body, a label hold)
 JsonValue: TypeAlias = bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"] | None
+#: a JSON object: a request or reply body, a message, a tool call
+JsonObject: TypeAlias = dict[str, JsonValue]
 
 PARSE_IN_THREAD_BYTES = 1 << 20  # above this, decoding takes long enough (>~5 ms) to move off the loop
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from workers.boundary.json_input import JsonObject
 from workers.engine.anthropic_protocol import MessagesSpec, messages_request
 from workers.engine.assistant_turns import Started, Turn, TurnRunner
 from workers.engine.http_input import read_json
@@ -48,7 +49,7 @@ def stop_reason(turn: Turn, spec: MessagesSpec) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def usage(turn: Turn) -> dict[str, Any]:
+def usage(turn: Turn) -> JsonObject:
     return {
         "input_tokens": turn.prompt_tokens,
         "output_tokens": turn.output_tokens,
@@ -57,7 +58,7 @@ def usage(turn: Turn) -> dict[str, Any]:
     }
 
 
-def tool_blocks(turn: Turn) -> list[dict[str, Any]]:
+def tool_blocks(turn: Turn) -> list[JsonObject]:
     return [
         {
             "type": "tool_use",
@@ -69,7 +70,7 @@ def tool_blocks(turn: Turn) -> list[dict[str, Any]]:
     ]
 
 
-def message(turn: Turn, spec: MessagesSpec) -> dict[str, Any]:
+def message(turn: Turn, spec: MessagesSpec) -> JsonObject:
     content: list[dict[str, Any]] = []
     if turn.text or not turn.calls:
         content.append({"type": "text", "text": turn.text})
@@ -90,7 +91,7 @@ def message(turn: Turn, spec: MessagesSpec) -> dict[str, Any]:
     return body
 
 
-def _event(name: str, data: dict[str, Any]) -> str:
+def _event(name: str, data: JsonObject) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
 
 

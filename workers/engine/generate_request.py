@@ -13,10 +13,11 @@ tokenized off the event loop.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine.sampling import RequestError, parse_sampling_params
 from workers.engine.sampling_params import INT64_MAX, show
 from workers.engine.sequences import RequestGroup, Seq
@@ -63,7 +64,7 @@ class RequestBuilder:
             prompts.append(tokenizer.encode(text))
         return prompts
 
-    async def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    async def _prompts(self, body: JsonObject) -> tuple[list[list[int]], bool]:
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise RequestError("give exactly one of 'text' or 'input_ids'")
@@ -101,7 +102,7 @@ class RequestBuilder:
                 )
         return [list(ids) for ids in prompts], batched
 
-    def _check_ids(self, prompts: list[Any]) -> None:
+    def _check_ids(self, prompts: list[JsonValue]) -> None:
         vocab = self.server.runner.vocab_size
         for ids in prompts:
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -118,7 +119,7 @@ class RequestBuilder:
             )
 
     @staticmethod
-    def _per_item(value: Any, count: int, name: str) -> list[Any]:
+    def _per_item(value: JsonValue, count: int, name: str) -> list[JsonValue]:
         if isinstance(value, list):
             if len(value) != count:
                 raise RequestError(f"'{name}' has {len(value)} entries for {count} prompts")
@@ -126,7 +127,7 @@ class RequestBuilder:
         return [value] * count
 
     @staticmethod
-    def _flag(body: dict[str, Any], key: str) -> bool:
+    def _flag(body: JsonObject, key: str) -> bool:
         value = body.get(key)
         if value is None:
             return False
@@ -134,12 +135,12 @@ class RequestBuilder:
             raise RequestError(f"'{key}' must be true or false, got {show(value)}")
         return value
 
-    def _int_field(self, value: Any, name: str, low: int) -> int:
+    def _int_field(self, value: JsonValue, name: str, low: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= INT64_MAX:
             raise RequestError(f"{name} must be an integer in [{low}, 2**63 - 1], got {show(value)}")
         return value
 
-    async def build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]:
+    async def build(self, body: JsonObject) -> tuple[list[Seq], bool, RequestGroup]:
         """Validate the whole request and make its sequences; nothing reaches the scheduler before this
         returns, so a bad request is refused whole and never joins (or breaks) the running batch."""
         if body.get("lora_path") is not None:

@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine.assistant_turns import Started, Turn, TurnRunner
 from workers.engine.http_input import read_json
 from workers.engine.openai_routes import EngineCore, openai_error
@@ -35,7 +36,7 @@ from workers.engine.sampling_params import RequestError
 from workers.engine.sequences import MemoryReleasedError
 
 
-def _usage(turn: Turn) -> dict[str, Any]:
+def _usage(turn: Turn) -> JsonObject:
     return {
         "input_tokens": turn.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -45,7 +46,7 @@ def _usage(turn: Turn) -> dict[str, Any]:
     }
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def _message_item(item_id: str, text: str, status: str) -> JsonObject:
     content = (
         [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
         if status != "in_progress"
@@ -54,7 +55,7 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def _call_items(turn: Turn) -> list[dict[str, Any]]:
+def _call_items(turn: Turn) -> list[JsonObject]:
     return [
         {
             "type": "function_call",
@@ -69,8 +70,8 @@ def _call_items(turn: Turn) -> list[dict[str, Any]]:
 
 
 def response_object(
-    spec: ResponsesSpec, response_id: str, created: int, turn: Turn | None, output: list[dict[str, Any]]
-) -> dict[str, Any]:
+    spec: ResponsesSpec, response_id: str, created: int, turn: Turn | None, output: list[JsonObject]
+) -> JsonObject:
     """The `Response`; `turn` None: still in progress."""
     status, incomplete = "in_progress", None
     if turn is not None:
@@ -102,7 +103,7 @@ def response_object(
     return body
 
 
-def _output(turn: Turn) -> list[dict[str, Any]]:
+def _output(turn: Turn) -> list[JsonObject]:
     output = []
     if turn.text or not turn.calls:
         output.append(_message_item(f"msg_{turn.id}", turn.text, "completed"))
@@ -141,7 +142,7 @@ class ResponsesRoutes:
     ) -> AsyncIterator[str]:
         number = 0
 
-        def event(kind: str, **data: Any) -> str:
+        def event(kind: str, **data: JsonValue) -> str:
             nonlocal number
             number += 1
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': number - 1, **data})}\n\n"
@@ -223,7 +224,7 @@ class ResponsesRoutes:
             self.turns.abort(started)
 
 
-def _opening(event: Any, item_id: str) -> list[str]:
+def _opening(event: Callable[..., str], item_id: str) -> list[str]:
     """The message item's and its text part's opening events (output index 0: text comes before calls)."""
     part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
     return [
