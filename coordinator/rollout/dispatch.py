@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -46,16 +46,16 @@ class EngineHandleLike(Protocol):
 class EnginePool(Protocol):
     """What dispatch needs from the engine fleet (coordinator.engines.fleet.EngineFleet provides it)."""
 
-    def alive(self) -> Sequence[Any]: ...
+    def alive(self) -> Sequence[EngineHandleLike]: ...
 
-    async def check(self, handle: Any) -> bool: ...
+    async def check(self, handle: EngineHandleLike) -> bool: ...
 
-    async def wait_any_alive(self, timeout: float) -> Any: ...
+    async def wait_any_alive(self, timeout: float) -> EngineHandleLike: ...
 
-    def mark_dead(self, handle: Any, reason: str) -> None: ...
+    def mark_dead(self, handle: EngineHandleLike, reason: str) -> None: ...
 
 
-def _still_alive(handle: Any) -> bool:
+def _still_alive(handle: EngineHandleLike) -> bool:
     return bool(getattr(handle, "alive", True))
 
 
@@ -115,7 +115,7 @@ class Dispatcher:
         until = self._quarantined.get(url)
         return until is not None and time.monotonic() < until
 
-    def _least_loaded(self, exclude: set[str]) -> Any | None:
+    def _least_loaded(self, exclude: set[str]) -> EngineHandleLike | None:
         assert self.pool is not None
         candidates = [handle for handle in self.pool.alive() if handle.url not in exclude]
         # A peer whose reply was just refused gets requests only when no other engine is left.
@@ -124,7 +124,7 @@ class Dispatcher:
             return None
         return min(candidates, key=lambda handle: (self.assigned[handle.url], self.in_flight[handle.url]))
 
-    async def pick(self, exclude: set[str] | None = None) -> Any:
+    async def pick(self, exclude: set[str] | None = None) -> EngineHandleLike:
         """An alive engine with the fewest requests in flight; waits for one to come back if all are dead."""
         exclude = exclude or set()
         handle = self._least_loaded(exclude)
@@ -145,7 +145,7 @@ class Dispatcher:
         return handle
 
     @asynccontextmanager
-    async def group_engine(self) -> AsyncIterator[Any]:
+    async def group_engine(self) -> AsyncIterator[EngineHandleLike | None]:
         """The engine one prompt group uses (None with a router): counted as assigned while the block runs."""
         if self.router_url is not None:
             yield None

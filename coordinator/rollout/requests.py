@@ -31,7 +31,7 @@ from coordinator.data.source import PromptRecord
 from coordinator.engines.replies import FinishReason, GenerateReply
 from coordinator.rollout.dispatch import Dispatcher, EngineHandleLike
 from replay.sample import FINISH_STATUS, Sample, SampleStatus
-from workers.boundary.json_input import JsonValue
+from workers.boundary.json_input import JsonObject, JsonValue
 
 _SEED_MODULUS = 2**31 - 1
 
@@ -146,7 +146,7 @@ def new_sample(record: PromptRecord, prompt_ids: list[int], group: int, index: i
     )
 
 
-def request_params(state: GenerateState, sample: Sample, rollout_id: int) -> dict[str, Any] | None:
+def request_params(state: GenerateState, sample: Sample, rollout_id: int) -> JsonObject | None:
     """The sampling params of one sample's request, or None when it has no room left to generate."""
     prompt_length = sample.prompt_length
     budget = state.max_new_tokens(prompt_length, sample.response_length)

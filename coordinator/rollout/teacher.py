@@ -14,22 +14,27 @@ the engine client's deadline.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
 
 from coordinator.config.distill import DEFAULT_TEACHER
 from coordinator.engines.replies import GenerateAnswer
 from replay.sample import Sample, SampleStatus
+from workers.boundary.json_input import JsonObject
 from workers.errors import RaylessError
+
+if TYPE_CHECKING:
+    from coordinator.engines.client import EngineClient
 
 
 class TeacherError(RaylessError, RuntimeError):
     """The teacher could not score a sample: no route to a teacher, or its answer lacks the logprobs."""
 
 
-def score_payload(sample: Sample) -> dict[str, Any]:
+def score_payload(sample: Sample) -> JsonObject:
     """The teacher's request for one sample: prefill only, the input logprobs from the prompt's last token."""
     return {
         "input_ids": [int(token) for token in sample.tokens],
@@ -59,7 +64,7 @@ def response_log_probs(answer: GenerateAnswer, response_length: int, where: str)
 class TeacherScorer:
     """Scores a rollout's samples on the teacher engines (`routes`: teacher name → engine base URL)."""
 
-    def __init__(self, client: Any, routes: Mapping[str, str], *, key: str = "opd_teacher",
+    def __init__(self, client: EngineClient, routes: Mapping[str, str], *, key: str = "opd_teacher",
                  concurrency: int = 64) -> None:
         if not routes:
             raise TeacherError("on-policy distillation (--opd-type sglang) has no teacher: give --opd-teacher-urls "
@@ -125,13 +130,13 @@ def require_teacher_log_probs(samples: Sequence[Sample], *, hook: str) -> None:
                                "sglang and no teacher address the hook supplies them (slime's contract)")
 
 
-def distill_reward(args: Any, sample: Any, **kwargs: Any) -> float:
+def distill_reward(args: argparse.Namespace, sample: Sample, **kwargs: object) -> float:
     """Stands in for slime's / miles' `on_policy_distillation.reward_func` (which posts to the teacher at
     `--rm-url`): rayless asks the teacher itself (`TeacherScorer`), so the task reward is pure distillation's 0."""
     return 0.0
 
 
-def distill_post_process(args: Any, samples: Sequence[Any], **kwargs: Any) -> tuple[list[float], list[float]]:
+def distill_post_process(args: argparse.Namespace, samples: Sequence[Sample], **kwargs: object) -> tuple[list[float], list[float]]:
     """Stands in for slime's / miles' `on_policy_distillation.post_process_rewards`: the teacher logprobs are
     already on the samples, and the rewards (hence the task advantages) are 0, as theirs for pure distillation."""
     zeros = [0.0] * len(samples)
