@@ -26,6 +26,7 @@ import anyio
 
 from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
 from replay.sample import FINISH_STATUS, SampleStatus
+from workers.boundary.json_input import JsonObject, JsonValue
 
 
 @dataclass
@@ -56,11 +57,11 @@ class Session:
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     closed: bool = False
 
-    def _continues(self, turn: Turn, messages: list[dict[str, Any]], matches: Matcher) -> bool:
+    def _continues(self, turn: Turn, messages: list[JsonObject], matches: Matcher) -> bool:
         stored = self.messages[:turn.answered]
         return len(messages) > len(stored) and all(matches(a, b) for a, b in zip(stored, messages, strict=False))
 
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None, tito: TitoTokenizer,
+    def prompt_ids(self, messages: list[JsonObject], tools: list[JsonValue] | None, tito: TitoTokenizer,
                    matches: Matcher) -> tuple[list[int], int]:
         """The prompt ids of a request with these messages, and how many stored turns it continues (the later
         ones are dropped when the turn is recorded)."""
@@ -82,9 +83,9 @@ class Session:
                     "then new messages)")
         return tito.first_prompt(messages, tools), 0
 
-    def record(self, *, kept: int, prompt_ids: list[int], messages: list[dict[str, Any]], reply: dict[str, Any],
+    def record(self, *, kept: int, prompt_ids: list[int], messages: list[JsonObject], reply: JsonObject,
                output_ids: list[int], logprobs: list[float], finish: str | None, weight_version: str | None,
-               record: dict[str, Any]) -> Turn:
+               record: JsonObject) -> Turn:
         """Append a turn after the first `kept` ones (dropping the rest): `messages` are its request's."""
         del self.turns[kept:]
         turn = Turn(prompt_len=len(prompt_ids), output_ids=output_ids, logprobs=logprobs, finish=finish,
@@ -94,7 +95,7 @@ class Session:
         self.turns.append(turn)
         return turn
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> list[JsonObject]:
         """The records of the turns, each request with its `messages` and `input_ids` again."""
         records = []
         for turn in self.turns:
