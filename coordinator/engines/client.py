@@ -34,7 +34,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -218,7 +217,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         return lambda chunks, between: progressing(chunks, stall=self.stall_timeout, url=url, what=what,
                                                    started=started, between=between)
 
-    async def request_json(self, base_url: str, method: str, path: str, **kw: Any) -> JsonValue:
+    async def request_json(self, base_url: str, method: str, path: str, **kw: object) -> JsonValue:
         """`request`, its body decoded through the boundary layer (bounded in size, depth and element count)."""
         resp = await self.request(base_url, method, path, **kw)
         return await decode_reply(resp.content, str(resp.url), kw.get("max_bytes", DEFAULT_REPLY_BYTES))

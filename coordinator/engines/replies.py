@@ -18,11 +18,11 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
 from coordinator.engines.errors import EngineReplyError
+from workers.boundary.json_input import JsonValue
 
 FINISH_TYPES = frozenset({"stop", "length", "abort"})
 #: with no vocabulary known yet (the tokenizer loads while the engines start), ids must fit SGLang's int32
@@ -83,15 +83,15 @@ def _fail(url: str, reason: str) -> EngineReplyError:
     return EngineReplyError(url, reason)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: JsonValue) -> bool:
     return type(value) is int  # bool is a subclass of int: True is no token id
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: JsonValue) -> bool:
     return type(value) in (int, float)
 
 
-def check_ids(ids: Any, url: str, field: str, vocab_size: int | None) -> tuple[int, ...]:
+def check_ids(ids: JsonValue, url: str, field: str, vocab_size: int | None) -> tuple[int, ...]:
     """A list of token ids: ints in `[0, vocab_size)` (int32 when the vocabulary is not known)."""
     if not isinstance(ids, list):
         raise _fail(url, f"{field} is {type(ids).__name__}, not a list of token ids")
@@ -105,7 +105,7 @@ def check_ids(ids: Any, url: str, field: str, vocab_size: int | None) -> tuple[i
     return tuple(ids)
 
 
-def _check_triples(triples: Any, url: str, field: str, vocab_size: int | None, *,
+def _check_triples(triples: JsonValue, url: str, field: str, vocab_size: int | None, *,
                    first_may_be_null: bool) -> list[float | None]:
     """SGLang's `[logprob, token_id, text | null]` triples: finite logprobs, ids in the vocabulary."""
     if not isinstance(triples, list):
@@ -128,7 +128,7 @@ def _check_triples(triples: Any, url: str, field: str, vocab_size: int | None, *
     return out
 
 
-def check_finish(value: Any, url: str, *, stream: bool) -> FinishReason | None:
+def check_finish(value: JsonValue, url: str, *, stream: bool) -> FinishReason | None:
     """SGLang's finish reason: a dict whose `type` is stop, length or abort (None: not finished yet)."""
     if value is None:
         if stream:
@@ -152,7 +152,7 @@ def check_finish(value: Any, url: str, *, stream: bool) -> FinishReason | None:
     return FinishReason(kind, tuple(matched) if isinstance(matched, list) else matched, length, message)
 
 
-def _check_meta_fields(meta: Mapping[str, Any], url: str) -> None:
+def _check_meta_fields(meta: Mapping[str, JsonValue], url: str) -> None:
     for field in _INT_FIELDS:
         if field in meta and not (_is_int(meta[field]) and meta[field] >= 0):
             raise _fail(url, f"meta_info.{field} is {meta[field]!r:.40}, not a count")
@@ -166,7 +166,7 @@ def _check_meta_fields(meta: Mapping[str, Any], url: str) -> None:
             raise _fail(url, f"meta_info.{field} is {item!r:.40}, not a string")
 
 
-def check_generate_reply(value: Any, url: str, rules: ReplyRules) -> GenerateReply:
+def check_generate_reply(value: JsonValue, url: str, rules: ReplyRules) -> GenerateReply:
     """The typed view of one reply from `url`, or `EngineReplyError` saying what is wrong with it."""
     if not isinstance(value, dict):
         raise _fail(url, f"the reply is {type(value).__name__}, not a JSON object")
@@ -213,7 +213,7 @@ def check_generate_reply(value: Any, url: str, rules: ReplyRules) -> GenerateRep
                          inputs)
 
 
-def per_reply(values: Any, count: int) -> list[Any]:
+def per_reply(values: JsonValue, count: int) -> list[JsonValue]:
     """A request field of each reply: one value for all, or one per prompt (replies are prompt-major)."""
     if not isinstance(values, list):
         return [values] * count
@@ -223,13 +223,13 @@ def per_reply(values: Any, count: int) -> list[Any]:
     return [values[min(i // per_prompt, len(values) - 1)] for i in range(count)]
 
 
-def asks_tokens(params: Any) -> bool:
+def asks_tokens(params: JsonValue) -> bool:
     """Whether a prompt's sampling params let it generate (SGLang's max_new_tokens defaults to 128)."""
     budget = params.get("max_new_tokens") if isinstance(params, dict) else None
     return not (type(budget) is int and budget <= 0)
 
 
-def check_generate_body(body: Any, url: str, payload: Mapping[str, Any], vocab_size: int | None,
+def check_generate_body(body: JsonValue, url: str, payload: Mapping[str, JsonValue], vocab_size: int | None,
                         *, stream: bool = False) -> Sequence[GenerateReply]:
     """Every reply of one `/generate` answer (a dict, or a list for a batch), each checked."""
     replies = body if isinstance(body, list) else [body]
@@ -239,7 +239,7 @@ def check_generate_body(body: Any, url: str, payload: Mapping[str, Any], vocab_s
             for reply, logprobs, params in zip(replies, asked, budgets, strict=True)]
 
 
-def check_chat_reply(body: Any, url: str, vocab_size: int | None) -> None:
+def check_chat_reply(body: JsonValue, url: str, vocab_size: int | None) -> None:
     """An OpenAI chat answer with SGLang's `return_meta_info` (what the session server trains on): its first
     choice's output logprob triples finite and in the vocabulary, its finish reason a string or null."""
     choices = body.get("choices") if isinstance(body, dict) else None
@@ -261,12 +261,12 @@ def check_chat_reply(body: Any, url: str, vocab_size: int | None) -> None:
 CHECK_IN_THREAD_TOKENS = 16_384
 
 
-def _tokens_in(body: Any) -> int:
+def _tokens_in(body: JsonValue) -> int:
     replies = body if isinstance(body, list) else [body]
     return sum(len(r["output_ids"]) for r in replies if isinstance(r, dict) and isinstance(r.get("output_ids"), list))
 
 
-async def check_generate_body_async(body: Any, url: str, payload: Mapping[str, Any], vocab_size: int | None,
+async def check_generate_body_async(body: JsonValue, url: str, payload: Mapping[str, JsonValue], vocab_size: int | None,
                                     *, stream: bool = False) -> Sequence[GenerateReply]:
     """`check_generate_body`, in a worker thread when the answer is large enough to stall the event loop."""
     if _tokens_in(body) > CHECK_IN_THREAD_TOKENS:

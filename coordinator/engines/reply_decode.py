@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import anyio
 import msgspec
@@ -35,6 +35,7 @@ from workers.boundary.errors import BoundaryError
 from workers.boundary.json_input import (
     PARSE_IN_THREAD_BYTES,
     JsonLimits,
+    JsonValue,
     check_bounds,
     check_depth_of_bytes,
     decode_json,
@@ -117,7 +118,7 @@ def _check_reply(reply: _Reply, limit: int, logprobs_asked: bool, expect_tokens:
                          None if version is None else str(version), None if rid is None else str(rid), inputs)
 
 
-def read_generate_answer(raw: bytes, url: str, payload: Mapping[str, Any], vocab_size: int | None,
+def read_generate_answer(raw: bytes, url: str, payload: Mapping[str, JsonValue], vocab_size: int | None,
                          limits: JsonLimits, *, source: str | None = None) -> GenerateAnswer:
     """The answer from `url`'s bytes, each reply checked, or `EngineReplyError`. `source` names the peer in
     decoding errors (the request's URL), `url` in check errors (the engine's)."""
@@ -144,7 +145,7 @@ def read_generate_answer(raw: bytes, url: str, payload: Mapping[str, Any], vocab
     return GenerateAnswer(tuple(check_generate_body(value, url, payload, vocab_size)), raw)
 
 
-async def read_generate_answer_async(raw: bytes, url: str, payload: Mapping[str, Any], vocab_size: int | None,
+async def read_generate_answer_async(raw: bytes, url: str, payload: Mapping[str, JsonValue], vocab_size: int | None,
                                      limits: JsonLimits, *, source: str | None = None
                                      ) -> GenerateAnswer:
     """`read_generate_answer`, in a worker thread when the answer is large enough to stall the event loop."""
