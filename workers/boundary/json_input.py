@@ -64,24 +64,29 @@ def check_depth(value: Any, source: str, max_depth: int, *, level: int = 1) -> N
                 stack.append((child, depth + 1))
 
 
-_BRACKETS_ONLY = bytes(range(256)).translate(None, b"[]{}")  # translate's delete table: all but brackets
-_LEAF = re.compile(rb"\[\]|\{\}")  # one scan of the text: a pass removes the leaves of this pass only
+# translate's delete tables: everything but the brackets; everything but the brackets, quotes and backslashes
+_BRACKETS_ONLY = bytes(range(256)).translate(None, b"[]{}")
+_BRACKETS_AND_QUOTES = bytes(range(256)).translate(None, b'[]{}"\\')
 
 
 def check_depth_of_bytes(raw: bytes, source: str, max_depth: int) -> None:
     """The depth rule of `check_depth`, read from a document's bytes without decoding them (for a reader that
     decoded only the fields it needs, e.g. into a msgspec schema that skips the rest). `raw` must be valid
-    JSON. Strings are cut out first (they may hold brackets): by splitting at quotes when no quote is escaped,
-    else by the string pattern; then each pass deletes the empty `[]` / `{}` pairs, exactly one level a pass
-    (one regex scan, so a pair emptied by this pass waits for the next)."""
+    JSON. Strings are cut out first (they may hold brackets): when no quote is escaped, every quote delimits
+    a string, so the pieces between an even and the next odd quote are outside strings; else by the string
+    pattern. Then each pass deletes the empty `[]` / `{}` pairs, exactly one level a pass (a pair is marked
+    before any is deleted, so a pair this pass empties waits for the next). All of it runs at C speed: about a
+    third of a plain decode of a reply with logprobs."""
     if raw.count(b"[") + raw.count(b"{") <= max_depth:  # depth is at most the number of openings
         return
-    text = b"".join(raw.split(b'"')[0::2]) if b'\\"' not in raw else _STRING.sub(b"", raw)
-    brackets = text.translate(None, _BRACKETS_ONLY)
+    if b'\\"' in raw:
+        brackets = _STRING.sub(b"", raw).translate(None, _BRACKETS_ONLY)
+    else:  # outside strings valid JSON holds no backslash: the even pieces are brackets only
+        brackets = b"".join(raw.translate(None, _BRACKETS_AND_QUOTES).split(b'"')[0::2])
     for _ in range(max_depth):
         if not brackets:
             return
-        brackets = _LEAF.sub(b"", brackets)
+        brackets = brackets.replace(b"[]", b"\0").replace(b"{}", b"\1").replace(b"\0", b"").replace(b"\1", b"")
     if brackets:
         raise BoundaryError(source, f"JSON nested deeper than {max_depth} levels")
 
