@@ -34,9 +34,9 @@ async def generate(client: EngineClient, url: str, prompts: list[list[int]], res
                 "input_ids": prompt, "return_logprob": True,
                 "sampling_params": {"max_new_tokens": response_len, "min_new_tokens": response_len,
                                     "temperature": 1.0}})
-        assert isinstance(answer, dict)
-        output = list(answer["output_ids"])
-        logprobs = [float(entry[0]) for entry in answer["meta_info"]["output_token_logprobs"]]
+        (reply,) = answer.replies
+        output = list(reply.output_ids)
+        logprobs = list(reply.logprobs or ())
         samples.append(Sample(sample_index=index, tokens=[*prompt, *output], response_length=len(output),
                               loss_mask=[1] * len(output), rollout_log_probs=logprobs,
                               status=SampleStatus.COMPLETED))

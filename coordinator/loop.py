@@ -40,7 +40,7 @@ from coordinator.config import CheckpointConfig, RolloutConfig
 from coordinator.config.checkpoint import save_hf_path
 from coordinator.observe import timeline
 from coordinator.observe.progress import MetricsLog, RunProgress
-from replay.sample import RolloutBatch
+from replay.sample import RolloutBatch, Sample
 
 log = logging.getLogger("rayless")
 
@@ -76,7 +76,7 @@ class Checkpoint(Protocol):
 
 
 class Trainer(Protocol):
-    async def train(self, rollout_id: int, samples: list[Any]) -> dict[str, float]: ...
+    async def train(self, rollout_id: int, samples: list[Sample]) -> dict[str, float]: ...
 
     async def save(self, rollout_id: int, extra: dict[str, Any], *, publish: bool = True) -> Any: ...
 

@@ -28,12 +28,16 @@ from collections.abc import Iterable
 from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from replay import bounds
 from replay.sample import Sample, SampleError, SampleStatus
+
+if TYPE_CHECKING:
+    from workers.boundary.json_input import JsonObject
 
 MAGIC = b"\x89RLDUMP\n"
 FORMAT_VERSION = 2
@@ -98,7 +102,7 @@ def dump_path(template: str, rollout_id: int, *, eval: bool = False) -> Path:
 # ------------------------------------------------------------------------------------------ encoding
 
 
-def pack_ints(values: Any, order: tuple[str, ...] = ("i", "q")) -> msgpack.ExtType:
+def pack_ints(values: Iterable[int], order: tuple[str, ...] = ("i", "q")) -> msgpack.ExtType:
     """Pack an int sequence into the narrowest listed array type that holds every value."""
     for typecode in order:
         try:
@@ -111,7 +115,7 @@ def pack_ints(values: Any, order: tuple[str, ...] = ("i", "q")) -> msgpack.ExtTy
     raise OverflowError("an integer does not fit in 64 bits")
 
 
-def pack_floats(values: Any) -> msgpack.ExtType:
+def pack_floats(values: Iterable[float]) -> msgpack.ExtType:
     """Pack a float sequence as a little-endian float64 array (bit-exact: NaN payloads and -0.0 kept)."""
     packed = array("d", values)
     if _BIG_ENDIAN:
@@ -119,7 +123,7 @@ def pack_floats(values: Any) -> msgpack.ExtType:
     return msgpack.ExtType(_EXT_FLOAT64, packed.tobytes())
 
 
-def _default(obj: Any) -> Any:
+def _default(obj: object) -> msgpack.ExtType | str:
     """msgpack hook for the few non-msgpack types we keep exactly; anything else is refused by name."""
     if type(obj) is tuple:
         return msgpack.ExtType(_EXT_TUPLE, packb(list(obj)))
@@ -136,7 +140,7 @@ def _default(obj: Any) -> Any:
     )
 
 
-def packb(obj: Any) -> bytes:
+def packb(obj: object) -> bytes:
     """msgpack bytes of plain data, with tuples and packed arrays kept as our extension types."""
     # strict_types: a tuple or a str/int subclass goes through _default instead of silently becoming
     # something that reads back as a different type.
@@ -221,11 +225,11 @@ def encode_sample(sample: Sample) -> bytes:
     return packb(record)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return type(value) is int
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> bool:
     return type(value) is float or type(value) is int
 
 
@@ -255,7 +259,7 @@ def _check_write(sample: Sample, where: str) -> None:
         raise DumpError(f"{where}: " + "; ".join(problems))
 
 
-def reward_ok(reward: Any) -> bool:
+def reward_ok(reward: object) -> bool:
     if reward is None or is_number(reward):
         return True
     return type(reward) is dict and all(type(k) is str and is_number(v) for k, v in reward.items())
@@ -275,7 +279,7 @@ def write_dump(
     rollout_id: int,
     samples: Iterable[Sample],
     *,
-    config_facts: dict[str, Any],
+    config_facts: JsonObject,
     kind: str = "rollout",
 ) -> Path:
     """Write one dump atomically and return its path.
@@ -347,7 +351,8 @@ class _suppress_oserror:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
         return exc_type is not None and issubclass(exc_type, OSError)
 
 

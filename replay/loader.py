@@ -20,7 +20,7 @@ from functools import partial
 from glob import escape as glob_escape
 from glob import glob
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio.to_thread
 
@@ -28,6 +28,9 @@ from replay.format import ROLLOUT_ID_FIELD, DumpError, check_template, dump_path
 from replay.meaning import MeaningCheck
 from replay.reader import read_dump
 from replay.sample import RolloutBatch, Sample
+
+if TYPE_CHECKING:
+    from workers.boundary.json_input import JsonObject
 
 #: Metrics of a dump that time the generation that wrote it; a replay does not report them as its own.
 GENERATION_TIMINGS = frozenset({"rollout/time_s", "rollout/tokens_per_s"})
@@ -135,7 +138,7 @@ class ReplayLoader:
         }
         return RolloutBatch(rollout_id=rollout_id, groups=groups, metrics=metrics)
 
-    def _check_group_sizes(self, path: Path, config: dict[str, Any], groups: list[list[Sample]]) -> None:
+    def _check_group_sizes(self, path: Path, config: JsonObject, groups: list[list[Sample]]) -> None:
         n = self.n_samples_per_prompt
         if n is None:
             return
@@ -171,11 +174,11 @@ class ReplayLoader:
         }
         return sorted(found)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JsonObject:
         # Replay is stateless per rollout id: the batch depends on (template, seed, subsample, rollout_id) only.
         return {"kind": "replay", "seed": self.seed, "subsample": self.subsample}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: JsonObject) -> None:
         # Accept any data source's state (e.g. a checkpoint from a generate run): nothing to restore.
         del state
 

@@ -11,7 +11,6 @@ one line naming the sample (`sample #k (group/sample)`) and the field; the first
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from replay.sample import Sample
 
@@ -20,11 +19,11 @@ INT32_MAX = 2**31 - 1
 LOGPROB_MAX = 1e-3
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def reward_problem(reward: Any) -> str | None:
+def reward_problem(reward: object) -> str | None:
     if reward is None:
         return None
     if isinstance(reward, dict):

@@ -163,7 +163,7 @@ _STATUS = {status.value: status for status in SampleStatus}
 _REQUIRED = {1: frozenset(SAMPLE_FIELDS_V1), 2: frozenset(SAMPLE_FIELDS) - OPTIONAL_SAMPLE_FIELDS}
 
 
-def _int_list(value: Any, name: str) -> list[int]:
+def _int_list(value: object, name: str) -> list[int]:
     if type(value) is array and value.typecode in "biq":
         return value.tolist()
     raise SchemaError(f"{name} must be a packed integer array, got {type(value).__name__}")

@@ -16,7 +16,13 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import argparse
+
+    from workers.boundary.json_input import JsonObject, JsonValue
+
 
 Reward = float | dict[str, float] | None
 
@@ -42,7 +48,7 @@ class SampleError(ValueError):
     """A sample whose fields contradict each other."""
 
 
-def label_value(value: Any, *, where: str, key: str) -> Any:
+def label_value(value: JsonValue, *, where: str, key: str) -> JsonValue:
     """The label as the data file holds it, its JSON type kept, as slime's `Sample.label = data[label_key]`:
     text, a number (a choice index to `gpqa`, a number to `math`), a list or an object (several accepted
     answers, test cases, Search-R1's `reward_model`), or null. A boolean is refused (a data mistake more often
@@ -129,7 +135,7 @@ class Sample:
             return float(self.reward[reward_key])
         return float(self.reward)
 
-    def get_reward_value(self, args: Any) -> Any:
+    def get_reward_value(self, args: argparse.Namespace) -> Reward:
         """slime's: `reward`, or `reward[args.reward_key]` when `--reward-key` is set."""
         key = getattr(args, "reward_key", None)
         return self.reward if not key else self.reward[key]  # type: ignore[index]
@@ -141,7 +147,7 @@ class Sample:
         tokens: Any = None,
         log_probs: Any = None,
         trainable: bool = True,
-        meta_info: dict[str, Any] | None = None,
+        meta_info: JsonObject | None = None,
         text: str | None = None,
         update_terminal_info: bool = True,
     ) -> None:
@@ -181,7 +187,7 @@ class Sample:
             raise SampleError(f"loss_mask has {len(self.loss_mask)} entries, response_length is "
                               f"{self.response_length}")
 
-    def apply_meta_info(self, meta_info: dict[str, Any]) -> None:
+    def apply_meta_info(self, meta_info: JsonObject) -> None:
         """The status from SGLang's finish reason and the weight version that answered (slime's rules)."""
         if "weight_version" in meta_info:
             version = str(meta_info["weight_version"])

@@ -197,7 +197,7 @@ def _show(console: Console, path: Path, tokenizer_dir: Path | None, first: int) 
     return 0
 
 
-def _clip(value: Any, limit: int = 400) -> str:
+def _clip(value: object, limit: int = 400) -> str:
     """Text on one line, clipped; a non-text prompt (chat messages, a task index) shown as its repr."""
     text = (value if isinstance(value, str) else repr(value)).replace("\n", "⏎")
     return text if len(text) <= limit else text[:limit] + f"… (+{len(text) - limit} chars)"

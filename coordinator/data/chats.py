@@ -11,14 +11,19 @@ reason names the message by position, for the caller to prefix with `file:line`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+from workers.boundary.json_input import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 #: the roles chat templates render: the OpenAI API's, and Llama 3's tool-output role
 ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 _MARK = "rayless-probe-7d3"
 
 
-def _kind(value: Any) -> str:
+def _kind(value: JsonValue) -> str:
     return "null" if value is None else type(value).__name__
 
 
@@ -33,7 +38,7 @@ class TemplateForms:
 UNKNOWN = TemplateForms()
 
 
-def _parts_problem(parts: list[Any], *, parts_taken: bool | None) -> str | None:
+def _parts_problem(parts: list[JsonValue], *, parts_taken: bool | None) -> str | None:
     if parts_taken is False:
         return ("content is a list of parts, which the chat template does not render (it would print the list); "
                 "give the text as a string")
@@ -45,7 +50,7 @@ def _parts_problem(parts: list[Any], *, parts_taken: bool | None) -> str | None:
     return None
 
 
-def chat_problem(messages: list[Any], *, forms: TemplateForms = UNKNOWN, loose: bool = False) -> str | None:
+def chat_problem(messages: list[JsonValue], *, forms: TemplateForms = UNKNOWN, loose: bool = False) -> str | None:
     """Why `messages` cannot be rendered as a chat, or None. `forms`: what the run's chat template takes (not
     known: the parts' shape alone is checked). `loose`: a custom generate function reads the chats itself —
     only objects with a string role and a content are asked for."""
@@ -80,14 +85,14 @@ def chat_problem(messages: list[Any], *, forms: TemplateForms = UNKNOWN, loose: 
     return None
 
 
-def _renders(tokenizer: Any, messages: list[dict[str, Any]]) -> str | None:
+def _renders(tokenizer: PreTrainedTokenizerBase, messages: list[JsonObject]) -> str | None:
     try:
         return str(tokenizer.apply_chat_template(messages, tokenize=False))
     except Exception:  # a template that raises on the form does not take it
         return None
 
 
-def template_forms(tokenizer: Any) -> TemplateForms:
+def template_forms(tokenizer: PreTrainedTokenizerBase) -> TemplateForms:
     """What the tokenizer's chat template renders, by rendering a probe of each form (UNKNOWN: no template)."""
     if not getattr(tokenizer, "chat_template", None):
         return UNKNOWN

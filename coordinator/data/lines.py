@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from workers.boundary.errors import BoundaryError
-from workers.boundary.json_input import JsonLimits, decode_json
+from workers.boundary.json_input import JsonLimits, JsonValue, decode_json
 
 #: Default of `--data-max-line-bytes`: one prompt line (or Parquet row) may hold 1 MiB, about 250k tokens of
 #: text, more than any context length; a longer line is refused at start-up, naming the flag that raises it.
@@ -132,7 +132,7 @@ def _parquet_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[str, Row | B
         raise BoundaryError(str(path), f"cannot read as Parquet: {type(error).__name__}: {error}") from None
 
 
-def bounded_size(value: Any, cap: int) -> int:
+def bounded_size(value: JsonValue, cap: int) -> int:
     """Bytes of text a Parquet row holds (strings and bytes, 8 per other value), counted up to just past `cap`."""
     total, stack = 0, [value]
     while stack and total <= cap:

@@ -26,7 +26,7 @@ from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES, iter_rows, line_limit
 from replay.sample import SampleError
 from replay.sample import label_value as sample_label_value
 from workers.boundary.errors import BoundaryError
-from workers.boundary.json_input import decode_json
+from workers.boundary.json_input import JsonObject, JsonValue, decode_json
 from workers.errors import RaylessError
 
 ChatMessages = list[dict[str, Any]]
@@ -38,7 +38,7 @@ class DataSourceError(RaylessError, ValueError):
 
 
 class ChatTokenizer(Protocol):
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+    def apply_chat_template(self, conversation: JsonValue, **kwargs: object) -> str | list[int]: ...
 
 
 @dataclass
@@ -53,7 +53,7 @@ class PromptRecord:
     index: int = -1
 
 
-def label_value(value: Any, *, where: str, key: str) -> Any:
+def label_value(value: JsonValue, *, where: str, key: str) -> JsonValue:
     """`replay.sample.label_value` (the one rule, shared with `rayless reward score`) as a DataSourceError."""
     try:
         return sample_label_value(value, where=where, key=key)
@@ -61,7 +61,7 @@ def label_value(value: Any, *, where: str, key: str) -> Any:
         raise DataSourceError(str(error)) from None
 
 
-def _check_prompt(value: Any, *, where: str, key: str, forms: TemplateForms = UNKNOWN,
+def _check_prompt(value: JsonValue, *, where: str, key: str, forms: TemplateForms = UNKNOWN,
                   loose: bool = False) -> str | ChatMessages:
     if isinstance(value, str):
         return value
@@ -75,7 +75,7 @@ def _check_prompt(value: Any, *, where: str, key: str, forms: TemplateForms = UN
     )
 
 
-def _check_metadata(value: Any, *, where: str, key: str) -> dict[str, Any]:
+def _check_metadata(value: JsonValue, *, where: str, key: str) -> JsonObject:
     if value is None:
         return {}
     if isinstance(value, str):
@@ -125,7 +125,7 @@ def read_prompt_file(
     return records
 
 
-def build_record(where: str, row: dict[str, Any], *, input_key: str, label_key: str | None,
+def build_record(where: str, row: JsonObject, *, input_key: str, label_key: str | None,
                  metadata_key: str | None, index: int, raw_prompts: bool = False,
                  forms: TemplateForms = UNKNOWN, tool_key: str | None = None) -> PromptRecord:
     """One row as a record: the keys the run reads present, each value of a kind it can use (a chat's roles
@@ -151,7 +151,7 @@ def build_record(where: str, row: dict[str, Any], *, input_key: str, label_key: 
     )
 
 
-def _check_tools(value: Any, *, where: str, key: str) -> list[Any]:
+def _check_tools(value: JsonValue, *, where: str, key: str) -> list[JsonValue]:
     """slime's rule: the tools column holds a list (JSON text of one is parsed)."""
     if isinstance(value, str):
         try:
@@ -321,7 +321,7 @@ class PromptDataSource:
             self._position += 1
         return taken
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JsonObject:
         return {
             "version": STATE_VERSION,
             "epoch": self._epoch,
@@ -331,7 +331,7 @@ class PromptDataSource:
             "num_records": len(self._records),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: JsonObject) -> None:
         """Continue where the saved source stopped; refuses a state saved over different data or seed."""
         try:
             version, epoch, position = int(state["version"]), int(state["epoch"]), int(state["position"])

@@ -10,11 +10,11 @@ decoder. Invariant: a reader never holds more than its cap plus one network chun
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from coordinator.engines.errors import EngineReplyError
 from workers.boundary.errors import BoundaryError
-from workers.boundary.json_input import JsonLimits, decode_json_async
+from workers.boundary.json_input import JsonLimits, JsonValue, decode_json_async
 
 if TYPE_CHECKING:
     import httpx
@@ -39,7 +39,7 @@ MAX_REPLY_BYTES = 1 << 30
 REPLY_DEPTH = 32  # SGLang's deepest field: a batch list > reply > meta_info > top logprobs > entry > triple
 
 
-def _count(payload: Mapping[str, Any]) -> tuple[int, int]:
+def _count(payload: Mapping[str, JsonValue]) -> tuple[int, int]:
     """(prompts, prompt tokens or characters) of a `/generate` request."""
     ids, text = payload.get("input_ids"), payload.get("text")
     if isinstance(ids, list) and ids and isinstance(ids[0], list):
@@ -51,11 +51,11 @@ def _count(payload: Mapping[str, Any]) -> tuple[int, int]:
     return 1, len(text) if isinstance(text, str) else 0
 
 
-def _int(value: Any, default: int) -> int:
+def _int(value: JsonValue, default: int) -> int:
     return value if type(value) is int and value >= 0 else default
 
 
-def generate_reply_limit(payload: Mapping[str, Any]) -> int:
+def generate_reply_limit(payload: Mapping[str, JsonValue]) -> int:
     """The byte cap of the reply to `payload`: what its longest honest reply can take, and headroom."""
     prompts, prompt_tokens = _count(payload)
     params = payload.get("sampling_params") or {}
@@ -82,7 +82,7 @@ def generate_reply_limit(payload: Mapping[str, Any]) -> int:
     return min(MAX_REPLY_BYTES, tokens * per_token + (replies + 1) * REPLY_HEADROOM)
 
 
-def chat_reply_limit(body: Mapping[str, Any] | None) -> int:
+def chat_reply_limit(body: Mapping[str, JsonValue] | None) -> int:
     """The byte cap of an OpenAI chat answer with SGLang's meta info: each token comes back twice (OpenAI's
     `logprobs.content` and `meta_info.output_token_logprobs`); never below `DEFAULT_REPLY_BYTES`."""
     body = body or {}
@@ -153,7 +153,7 @@ async def iter_lines_capped(resp: httpx.Response, cap: int, url: str,
         yield bytes(pending)
 
 
-async def decode_reply(body: bytes, url: str, max_bytes: int) -> Any:
+async def decode_reply(body: bytes, url: str, max_bytes: int) -> JsonValue:
     """The JSON value of a reply, decoded bounded (size, depth, element count), off the loop when large."""
     try:
         return await decode_json_async(body, f"engine {url}", limits_for(max_bytes))

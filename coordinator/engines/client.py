@@ -34,7 +34,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -42,7 +41,7 @@ import httpx
 import msgspec
 from httpx_aiohttp import AiohttpTransport
 
-from coordinator.engines.api import JSON, EngineAPI
+from coordinator.engines.api import EngineAPI
 from coordinator.engines.bounded import DEFAULT_REPLY_BYTES, decode_reply, read_capped, read_prefix
 from coordinator.engines.errors import EngineError
 from coordinator.engines.policy import RetryPolicy
@@ -54,6 +53,7 @@ from coordinator.engines.transport import (
     request_timeout,
 )
 from workers.boundary.engine_routes import is_admin
+from workers.boundary.json_input import JsonValue
 
 
 class EngineClient(anyio.AsyncContextManagerMixin):
@@ -149,7 +149,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         """A light handle bound to one engine's base URL (shares this client's pool)."""
         return EngineAPI(self, url)
 
-    def generation_bound(self, body: Mapping[str, Any]) -> tuple[float, str]:
+    def generation_bound(self, body: Mapping[str, JsonValue]) -> tuple[float, str]:
         """Seconds a non-streamed generate of `body` may take (the engine's unpaused time) and how they were
         derived: the head allowance (`stall_timeout`) + its largest max_new_tokens × `token_timeout` (SGLang's
         default of 128 when it names none)."""
@@ -192,7 +192,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         method: str,
         path: str,
         *,
-        json_body: JSON = None,
+        json_body: JsonValue = None,
         params: Mapping[str, str] | None = None,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
@@ -261,7 +261,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         return lambda chunks, between: progressing(chunks, stall=self.stall_timeout, url=url, what=what,
                                                    started=started, between=between)
 
-    async def request_json(self, base_url: str, method: str, path: str, **kw: Any) -> JSON:
+    async def request_json(self, base_url: str, method: str, path: str, **kw: object) -> JsonValue:
         """`request`, its body decoded through the boundary layer (bounded in size, depth and element count)."""
         resp = await self.request(base_url, method, path, **kw)
         return await decode_reply(resp.content, str(resp.url), kw.get("max_bytes", DEFAULT_REPLY_BYTES))

@@ -1,11 +1,11 @@
 """The check of every `/generate` reply (plain, batched or one streamed chunk) against SGLang's shape.
 
-Owns `GenerateReply`, the typed view of one reply, and `check_generate_reply`, the one function that builds it
-from decoded JSON. Invariant: a reply it accepts has output ids that are ints (never floats, never bools) in
+Owns `GenerateReply`, the typed view of one reply, `GenerateAnswer` (one answer's replies and the bytes they were
+read from), and `check_generate_reply`, the one function that builds a reply from decoded JSON (the generic path;
+`reply_decode` builds the same replies from the bytes on the typed path). Invariant: a reply it accepts has output ids that are ints (never floats, never bools) in
 `[0, vocab_size)`, one finite logprob per id whose triple names that same id, a `finish_reason` of SGLang's
 known set (`stop` / `length` / `abort`; None only in a streamed chunk), a string text and meta fields of the
-types SGLang gives; anything else raises `EngineReplyError` naming the peer and the field. The accepted dict
-is returned unchanged, so callers that read it as SGLang's JSON keep working.
+types SGLang gives; anything else raises `EngineReplyError` naming the peer and the field.
 
 The finish reasons are SGLang's `BaseFinishReason.to_json` (srt/managers/schedule_batch.py): `{"type":
 "stop", "matched": int | [int] | str}`, `{"type": "length", "length": int}`, `{"type": "abort", "message",
@@ -18,11 +18,11 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
 from coordinator.engines.errors import EngineReplyError
+from workers.boundary.json_input import JsonValue
 
 FINISH_TYPES = frozenset({"stop", "length", "abort"})
 #: with no vocabulary known yet (the tokenizer loads while the engines start), ids must fit SGLang's int32
@@ -54,7 +54,9 @@ class FinishReason:
 
 @dataclass(frozen=True, slots=True)
 class GenerateReply:
-    """One checked reply. `logprobs` is None when the request did not ask for them."""
+    """One checked reply. `logprobs` is None when the request did not ask for them; `input_logprobs` holds
+    `meta_info.input_token_logprobs`' logprobs when the engine sent them (the first may be None: SGLang has no
+    logprob for a prompt's first token)."""
 
     text: str | None
     output_ids: tuple[int, ...]
@@ -62,6 +64,19 @@ class GenerateReply:
     finish: FinishReason | None
     weight_version: str | None
     rid: str | None
+    input_logprobs: tuple[float | None, ...] | None = None
+    #: `meta_info.output_top_logprobs` as the engine sent it (a request with `top_logprobs_num`: each output
+    #: token's top-k [logprob, id, text]; miles' top-k OPD keeps the student's), else None
+    output_top_logprobs: JsonValue = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateAnswer:
+    """One `/generate` answer, checked: its replies (prompt-major, one per prompt × n) and the bytes they were
+    read from, which only a forwarder (the hook endpoint) sends on as they came."""
+
+    replies: tuple[GenerateReply, ...]
+    body: bytes
 
 
 _NONE = object()
@@ -71,15 +86,15 @@ def _fail(url: str, reason: str) -> EngineReplyError:
     return EngineReplyError(url, reason)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: JsonValue) -> bool:
     return type(value) is int  # bool is a subclass of int: True is no token id
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: JsonValue) -> bool:
     return type(value) in (int, float)
 
 
-def check_ids(ids: Any, url: str, field: str, vocab_size: int | None) -> tuple[int, ...]:
+def check_ids(ids: JsonValue, url: str, field: str, vocab_size: int | None) -> tuple[int, ...]:
     """A list of token ids: ints in `[0, vocab_size)` (int32 when the vocabulary is not known)."""
     if not isinstance(ids, list):
         raise _fail(url, f"{field} is {type(ids).__name__}, not a list of token ids")
@@ -93,7 +108,7 @@ def check_ids(ids: Any, url: str, field: str, vocab_size: int | None) -> tuple[i
     return tuple(ids)
 
 
-def _check_triples(triples: Any, url: str, field: str, vocab_size: int | None, *,
+def _check_triples(triples: JsonValue, url: str, field: str, vocab_size: int | None, *,
                    first_may_be_null: bool) -> list[float | None]:
     """SGLang's `[logprob, token_id, text | null]` triples: finite logprobs, ids in the vocabulary."""
     if not isinstance(triples, list):
@@ -116,7 +131,7 @@ def _check_triples(triples: Any, url: str, field: str, vocab_size: int | None, *
     return out
 
 
-def check_finish(value: Any, url: str, *, stream: bool) -> FinishReason | None:
+def check_finish(value: JsonValue, url: str, *, stream: bool) -> FinishReason | None:
     """SGLang's finish reason: a dict whose `type` is stop, length or abort (None: not finished yet)."""
     if value is None:
         if stream:
@@ -140,7 +155,7 @@ def check_finish(value: Any, url: str, *, stream: bool) -> FinishReason | None:
     return FinishReason(kind, tuple(matched) if isinstance(matched, list) else matched, length, message)
 
 
-def _check_meta_fields(meta: Mapping[str, Any], url: str) -> None:
+def _check_meta_fields(meta: Mapping[str, JsonValue], url: str) -> None:
     for field in _INT_FIELDS:
         if field in meta and not (_is_int(meta[field]) and meta[field] >= 0):
             raise _fail(url, f"meta_info.{field} is {meta[field]!r:.40}, not a count")
@@ -154,7 +169,7 @@ def _check_meta_fields(meta: Mapping[str, Any], url: str) -> None:
             raise _fail(url, f"meta_info.{field} is {item!r:.40}, not a string")
 
 
-def check_generate_reply(value: Any, url: str, rules: ReplyRules) -> GenerateReply:
+def check_generate_reply(value: JsonValue, url: str, rules: ReplyRules) -> GenerateReply:
     """The typed view of one reply from `url`, or `EngineReplyError` saying what is wrong with it."""
     if not isinstance(value, dict):
         raise _fail(url, f"the reply is {type(value).__name__}, not a JSON object")
@@ -188,18 +203,20 @@ def check_generate_reply(value: Any, url: str, rules: ReplyRules) -> GenerateRep
                              f"output_ids[{mismatch}] is {ids[mismatch]}")
     if not ids and rules.expect_tokens and not rules.stream and finish is not None and finish.type != "abort":
         raise _fail(url, f"no output ids, though it finished with {finish.type!r} (only an abort ends empty)")
+    inputs = None
     if "input_token_logprobs" in meta:
-        _check_triples(meta["input_token_logprobs"], url, "input_token_logprobs", rules.vocab_size,
-                       first_may_be_null=True)
+        inputs = tuple(_check_triples(meta["input_token_logprobs"], url, "input_token_logprobs", rules.vocab_size,
+                                      first_may_be_null=True))
     if "prompt_token_ids" in value:
         check_ids(value["prompt_token_ids"], url, "prompt_token_ids", rules.vocab_size)
     version = meta.get("weight_version")
     rid = meta.get("id")
     return GenerateReply(text, ids, None if logprobs is None else tuple(logprobs),  # type: ignore[arg-type]
-                         finish, None if version is None else str(version), None if rid is None else str(rid))
+                         finish, None if version is None else str(version), None if rid is None else str(rid),
+                         inputs, meta.get("output_top_logprobs"))
 
 
-def per_reply(values: Any, count: int) -> list[Any]:
+def per_reply(values: JsonValue, count: int) -> list[JsonValue]:
     """A request field of each reply: one value for all, or one per prompt (replies are prompt-major)."""
     if not isinstance(values, list):
         return [values] * count
@@ -209,13 +226,13 @@ def per_reply(values: Any, count: int) -> list[Any]:
     return [values[min(i // per_prompt, len(values) - 1)] for i in range(count)]
 
 
-def asks_tokens(params: Any) -> bool:
+def asks_tokens(params: JsonValue) -> bool:
     """Whether a prompt's sampling params let it generate (SGLang's max_new_tokens defaults to 128)."""
     budget = params.get("max_new_tokens") if isinstance(params, dict) else None
     return not (type(budget) is int and budget <= 0)
 
 
-def check_generate_body(body: Any, url: str, payload: Mapping[str, Any], vocab_size: int | None,
+def check_generate_body(body: JsonValue, url: str, payload: Mapping[str, JsonValue], vocab_size: int | None,
                         *, stream: bool = False) -> Sequence[GenerateReply]:
     """Every reply of one `/generate` answer (a dict, or a list for a batch), each checked."""
     replies = body if isinstance(body, list) else [body]
@@ -225,7 +242,7 @@ def check_generate_body(body: Any, url: str, payload: Mapping[str, Any], vocab_s
             for reply, logprobs, params in zip(replies, asked, budgets, strict=True)]
 
 
-def check_chat_reply(body: Any, url: str, vocab_size: int | None) -> None:
+def check_chat_reply(body: JsonValue, url: str, vocab_size: int | None) -> None:
     """An OpenAI chat answer with SGLang's `return_meta_info` (what the session server trains on): its first
     choice's output logprob triples finite and in the vocabulary, its finish reason a string or null."""
     choices = body.get("choices") if isinstance(body, dict) else None
@@ -247,12 +264,12 @@ def check_chat_reply(body: Any, url: str, vocab_size: int | None) -> None:
 CHECK_IN_THREAD_TOKENS = 16_384
 
 
-def _tokens_in(body: Any) -> int:
+def _tokens_in(body: JsonValue) -> int:
     replies = body if isinstance(body, list) else [body]
     return sum(len(r["output_ids"]) for r in replies if isinstance(r, dict) and isinstance(r.get("output_ids"), list))
 
 
-async def check_generate_body_async(body: Any, url: str, payload: Mapping[str, Any], vocab_size: int | None,
+async def check_generate_body_async(body: JsonValue, url: str, payload: Mapping[str, JsonValue], vocab_size: int | None,
                                     *, stream: bool = False) -> Sequence[GenerateReply]:
     """`check_generate_body`, in a worker thread when the answer is large enough to stall the event loop."""
     if _tokens_in(body) > CHECK_IN_THREAD_TOKENS:

@@ -1,19 +1,21 @@
-"""Reading a `/generate` answer from its bytes: a typed decode (types checked in C) and then the checks no type
+"""Reading a `/generate` answer from its bytes: one typed decode (types checked in C) and then the checks no type
 can express, with the generic path as the fallback.
 
 Owns `read_generate_answer`. Invariant: its verdict on an answer's bytes is that of the generic path (bounded
-`decode_json`, then `replies.check_generate_body`): it returns the same plain JSON and the same checked replies,
-or raises `EngineReplyError`. Whatever the typed schema does not cover (a reply before SGLang 0.5.1 with no
-`output_ids`, two-element logprob pairs, any value of a wrong type) is handed to the generic path, whose message
-names the field. Why two paths: the generic one walks every value in Python (about 9x a bare decode for a
-reply with logprobs); answers of SGLang's own shape are by far the common case.
+`decode_json`, then `replies.check_generate_body`): the same checked replies, or `EngineReplyError` with the same
+message. An answer of SGLang's own shape (by far the common case) is decoded once, into the typed schema, and
+never into plain JSON; the fields the schema skips are held to the depth limit from the bytes
+(`check_depth_of_bytes`). Whatever the typed schema does not cover (a reply before SGLang 0.5.1 with no
+`output_ids`, two-element logprob pairs, any value of a wrong type) is decoded again by the generic path, whose
+message names the field. Why two paths: the generic one walks every value in Python (about 9x a bare decode for
+a reply with logprobs).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Literal
 
 import anyio
 import msgspec
@@ -23,6 +25,7 @@ from coordinator.engines.errors import EngineReplyError
 from coordinator.engines.replies import (
     INT32_LIMIT,
     FinishReason,
+    GenerateAnswer,
     GenerateReply,
     asks_tokens,
     check_generate_body,
@@ -32,8 +35,9 @@ from workers.boundary.errors import BoundaryError
 from workers.boundary.json_input import (
     PARSE_IN_THREAD_BYTES,
     JsonLimits,
+    JsonValue,
     check_bounds,
-    check_depth,
+    check_depth_of_bytes,
     decode_json,
 )
 
@@ -53,6 +57,7 @@ class _Meta(msgspec.Struct):
     finish_reason: _Finish | None = None
     output_token_logprobs: list[_Triple] | None = None
     input_token_logprobs: list[_InputTriple] | UnsetType = UNSET
+    output_top_logprobs: list[list[_InputTriple]] | None = None
     id: str | int | None = None
     weight_version: str | int | None = None
     prompt_tokens: _Count | UnsetType = UNSET
@@ -74,8 +79,6 @@ class _Reply(msgspec.Struct):
 
 
 _ANSWER = msgspec.json.Decoder(_Reply | list[_Reply])
-_REPLY_FIELDS = frozenset(_Reply.__struct_fields__)
-_META_FIELDS = frozenset(_Meta.__struct_fields__)
 
 
 class _NotCovered(Exception):
@@ -110,27 +113,18 @@ def _check_reply(reply: _Reply, limit: int, logprobs_asked: bool, expect_tokens:
         raise _NotCovered
     matched = tuple(finish.matched) if isinstance(finish.matched, list) else finish.matched
     version, rid = meta.weight_version, meta.id
+    inputs = None if meta.input_token_logprobs is UNSET else tuple([t[0] for t in meta.input_token_logprobs])
+    tops = meta.output_top_logprobs
     return GenerateReply(None if reply.text is UNSET else reply.text, tuple(ids), logprobs,
                          FinishReason(finish.type, matched, finish.length, finish.message),
-                         None if version is None else str(version), None if rid is None else str(rid))
+                         None if version is None else str(version), None if rid is None else str(rid), inputs,
+                         None if tops is None else [[list(entry) for entry in position] for position in tops])
 
 
-def _check_unknown_depth(value: Any, source: str, limits: JsonLimits) -> None:
-    """The schema bounds the depth of every field it declares; a field it skips may still nest deep."""
-    level = 2 if isinstance(value, list) else 1  # a reply's own level in the document
-    for reply in value if isinstance(value, list) else [value]:
-        for key, item in reply.items():
-            if key not in _REPLY_FIELDS and isinstance(item, (list, dict)):
-                check_depth(item, source, limits.max_depth, level=level + 1)
-        for key, item in reply["meta_info"].items():
-            if key not in _META_FIELDS and isinstance(item, (list, dict)):
-                check_depth(item, source, limits.max_depth, level=level + 2)
-
-
-def read_generate_answer(raw: bytes, url: str, payload: Mapping[str, Any], vocab_size: int | None,
-                         limits: JsonLimits, *, source: str | None = None) -> tuple[Any, Sequence[GenerateReply]]:
-    """(the answer as SGLang's plain JSON, each reply checked) from `url`'s bytes, or `EngineReplyError`.
-    `source` names the peer in decoding errors (the request's URL), `url` in check errors (the engine's)."""
+def read_generate_answer(raw: bytes, url: str, payload: Mapping[str, JsonValue], vocab_size: int | None,
+                         limits: JsonLimits, *, source: str | None = None) -> GenerateAnswer:
+    """The answer from `url`'s bytes, each reply checked, or `EngineReplyError`. `source` names the peer in
+    decoding errors (the request's URL), `url` in check errors (the engine's)."""
     where = f"engine {source or url}"
     try:
         check_bounds(raw, where, limits)
@@ -141,9 +135,8 @@ def read_generate_answer(raw: bytes, url: str, payload: Mapping[str, Any], vocab
         limit = vocab_size if vocab_size is not None else INT32_LIMIT
         checked = [_check_reply(reply, limit, bool(logprobs), asks_tokens(params))
                    for reply, logprobs, params in zip(replies, asked, budgets, strict=True)]
-        value = msgspec.json.decode(raw)
-        _check_unknown_depth(value, where, limits)
-        return value, checked
+        check_depth_of_bytes(raw, where, limits.max_depth)  # the fields the schema skipped were not decoded
+        return GenerateAnswer(tuple(checked), raw)
     except BoundaryError as exc:
         raise EngineReplyError(source or url, exc.reason) from None
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, _NotCovered):
@@ -152,12 +145,12 @@ def read_generate_answer(raw: bytes, url: str, payload: Mapping[str, Any], vocab
         value = decode_json(raw, where, limits)
     except BoundaryError as exc:
         raise EngineReplyError(source or url, exc.reason) from None
-    return value, check_generate_body(value, url, payload, vocab_size)
+    return GenerateAnswer(tuple(check_generate_body(value, url, payload, vocab_size)), raw)
 
 
-async def read_generate_answer_async(raw: bytes, url: str, payload: Mapping[str, Any], vocab_size: int | None,
+async def read_generate_answer_async(raw: bytes, url: str, payload: Mapping[str, JsonValue], vocab_size: int | None,
                                      limits: JsonLimits, *, source: str | None = None
-                                     ) -> tuple[Any, Sequence[GenerateReply]]:
+                                     ) -> GenerateAnswer:
     """`read_generate_answer`, in a worker thread when the answer is large enough to stall the event loop."""
     read = functools.partial(read_generate_answer, raw, url, payload, vocab_size, limits, source=source)
     if len(raw) > PARSE_IN_THREAD_BYTES:

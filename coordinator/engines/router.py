@@ -20,7 +20,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import anyio
 
@@ -36,6 +36,7 @@ from coordinator.lifecycle.processes import (
     with_log_tail,
 )
 from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
+from workers.boundary.json_input import JsonObject
 from workers.errors import RaylessError
 
 
@@ -204,7 +205,7 @@ class RouterHandle:
         """URLs of the registered workers (healthy or not: a killed worker stays listed)."""
         return [w["url"] for w in await self._workers()]
 
-    async def _workers(self) -> list[dict[str, Any]]:
+    async def _workers(self) -> list[JsonObject]:
         if self.api == "workers":
             body = await self.client.request_json(self.url, "GET", "/workers", timeout=10.0)  # decoded bounded
             workers = body.get("workers", []) if isinstance(body, dict) else []

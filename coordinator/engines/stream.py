@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, Mapping
 from contextlib import AsyncExitStack
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
@@ -33,6 +33,10 @@ from coordinator.engines.transport import (
     map_transport_error,
     request_timeout,
 )
+from workers.boundary.json_input import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    pass
 
 
 class StreamingClient(Protocol):
@@ -50,8 +54,8 @@ class StreamingClient(Protocol):
 
 
 async def stream_generate(
-    client: StreamingClient, base_url: str, body: Mapping[str, Any], *, read: float,
-) -> AsyncGenerator[dict[str, Any]]:
+    client: StreamingClient, base_url: str, body: Mapping[str, JsonValue], *, read: float,
+) -> AsyncGenerator[JsonObject]:
     """POST `body` to `base_url`'s `/generate` and yield each SSE chunk, checked, until `[DONE]`."""
     url = base_url + "/generate"
     cap = generate_reply_limit(body)
@@ -80,7 +84,7 @@ async def stream_generate(
         raise map_transport_error(exc, url, read) from exc
 
 
-def _stream_error(err: Any, url: str) -> EngineStreamError:
+def _stream_error(err: JsonValue, url: str) -> EngineStreamError:
     """The error of an `{"error": ...}` event: its message and, when it names an integer one, its code."""
     msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
     status = err.get("code", 200) if isinstance(err, dict) else 200

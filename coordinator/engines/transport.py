@@ -10,7 +10,6 @@ which imports no HTTP library.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import aiohttp
 import httpx
@@ -26,7 +25,7 @@ WRITE_TIMEOUT = 30.0
 TRANSPORT_ERRORS = (httpx.TransportError, aiohttp.ClientError, TimeoutError, ConnectionError)
 
 
-def _decoded(resp: httpx.Response) -> Any:
+def _decoded(resp: httpx.Response) -> object:
     """The error answer's JSON (bounded: a hostile error body cannot recurse), or `_NOT_JSON`."""
     try:
         return decode_json(resp.content, "engine error answer")

@@ -30,6 +30,8 @@ import re
 import string
 from typing import Any
 
+from workers.boundary.json_input import JsonObject, JsonValue
+
 DEFAULT_LETTERS = tuple(string.ascii_uppercase[:10])
 _PHRASES = (
     re.compile(r"(?:answer|option|choice)\s*(?:is|:)?\s*([A-Z])", re.IGNORECASE),
@@ -73,14 +75,14 @@ def chosen_letter(response: str, letters: list[str]) -> str | None:
     return None
 
 
-def _choices(metadata: dict[str, Any]) -> list[Any] | None:
+def _choices(metadata: JsonObject) -> list[JsonValue] | None:
     choices = metadata.get("choices")
     if isinstance(choices, dict):
         return list(choices.values())
     return None if choices is None else list(choices)
 
 
-def _letters(metadata: dict[str, Any], choices: list[Any] | None) -> list[str]:
+def _letters(metadata: JsonObject, choices: list[JsonValue] | None) -> list[str]:
     valid = metadata.get("valid_letters")
     if valid:
         return [str(letter).upper() for letter in valid]
@@ -89,8 +91,8 @@ def _letters(metadata: dict[str, Any], choices: list[Any] | None) -> list[str]:
     return list(DEFAULT_LETTERS)
 
 
-def _correct_letter(label: Any, metadata: dict[str, Any], letters: list[str],
-                    choices: list[Any] | None) -> tuple[str | None, str | None, Any]:
+def _correct_letter(label: JsonValue, metadata: JsonObject, letters: list[str],
+                    choices: list[JsonValue] | None) -> tuple[str | None, str | None, Any]:
     """(the correct letter, the label's text when the label is text, the choice the label's text matched)."""
     given = metadata.get("correct_letter")
     correct = given.strip().upper() if isinstance(given, str) else None
@@ -113,7 +115,7 @@ def _correct_letter(label: Any, metadata: dict[str, Any], letters: list[str],
     return correct, label_text, matched
 
 
-def gpqa_score(response: str, label: Any, metadata: dict[str, Any] | None) -> float:
+def gpqa_score(response: str, label: JsonValue, metadata: JsonObject | None) -> float:
     """slime's `gpqa` reward (1.0 / 0.0) of a response; see the module docstring."""
     metadata = metadata if isinstance(metadata, dict) else {}
     choices = _choices(metadata)

@@ -31,6 +31,7 @@ from coordinator.rewards.math_normalize import (
     strip_formatted_commas,
     symbolic_form,
 )
+from workers.boundary.json_input import JsonObject
 
 MAX_LETTERS = 2
 _BAD_SUBSTRINGS = ("^{", "^(")
@@ -47,7 +48,7 @@ def _sympy() -> Any:
 
 
 @functools.cache
-def _slime_names() -> dict[str, Any]:
+def _slime_names() -> JsonObject:
     sympy, _ = _sympy()
     return {"__builtins__": {}, **{name: value for name, value in vars(sympy).items() if not name.startswith("_")}}
 

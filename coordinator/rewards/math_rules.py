@@ -17,10 +17,9 @@ Invariant: pure functions of (response, label); 1.0 or 0.0.
 
 from __future__ import annotations
 
-from typing import Any
-
 from coordinator.rewards.math_equal import answer_matches
 from coordinator.rewards.math_normalize import BOXED, last_boxed
+from workers.boundary.json_input import JsonValue
 from workers.errors import RaylessError
 
 
@@ -28,11 +27,11 @@ class MathLabelError(RaylessError, ValueError):
     """A label of a type the math rules cannot read (not text or a number)."""
 
 
-def _is_numeric_zero(label: Any) -> bool:
+def _is_numeric_zero(label: JsonValue) -> bool:
     return isinstance(label, (int, float)) and not isinstance(label, bool) and label == 0
 
 
-def math_reward(response: str, label: Any) -> float:
+def math_reward(response: str, label: JsonValue) -> float:
     """slime's `math` (`grade_answer_verl`), with a numeric label 0 graded as "0"."""
     if not label and not _is_numeric_zero(label):
         return 0.0
@@ -45,7 +44,7 @@ def math_reward(response: str, label: Any) -> float:
     return 1.0 if answer_matches(given, truth) else 0.0
 
 
-def _boxed_solution_reward(solution: str, label: Any, *, sympy_defaults: bool) -> float:
+def _boxed_solution_reward(solution: str, label: JsonValue, *, sympy_defaults: bool) -> float:
     given = last_boxed(solution)
     if given is None or (isinstance(label, str) and label == ""):
         return 0.0
@@ -59,7 +58,7 @@ def _boxed_solution_reward(solution: str, label: Any, *, sympy_defaults: bool) -
     return 1.0 if answer_matches(given, truth, sympy_defaults=sympy_defaults) else 0.0
 
 
-def deepscaler_reward(response: str, label: Any) -> float:
+def deepscaler_reward(response: str, label: JsonValue) -> float:
     """slime's `deepscaler`: the box after the thinking; without `</think>` or `###Response`, 0."""
     if "</think>" in response:
         solution = response.split("</think>")[-1]
@@ -70,7 +69,7 @@ def deepscaler_reward(response: str, label: Any) -> float:
     return _boxed_solution_reward(solution, label, sympy_defaults=False)
 
 
-def gemma_math_reward(response: str, label: Any) -> float:
+def gemma_math_reward(response: str, label: JsonValue) -> float:
     """miles' `gemma_math`: the box after the last `<channel|>` (Gemma's end of thinking)."""
     solution = response.split("<channel|>")[-1]
     return _boxed_solution_reward(solution, label, sympy_defaults=True)

@@ -17,6 +17,7 @@ import functools
 import threading
 from typing import Any
 
+from workers.boundary.json_input import JsonValue
 from workers.errors import RaylessError
 
 PARSE_SECONDS = 5
@@ -40,7 +41,7 @@ def math_verify_library() -> Any:
     return math_verify
 
 
-def _gold(library: Any, label: str, timeout: int | None) -> list[Any]:
+def _gold(library: Any, label: str, timeout: int | None) -> list[JsonValue]:
     if "$" not in label and "\\boxed" not in label:
         wrapped = library.parse(f"${label}$", parsing_timeout=timeout)
         if wrapped:
@@ -48,7 +49,7 @@ def _gold(library: Any, label: str, timeout: int | None) -> list[Any]:
     return library.parse(label, parsing_timeout=timeout)
 
 
-def math_verify_reward(response: str, label: Any) -> float:
+def math_verify_reward(response: str, label: JsonValue) -> float:
     """1.0 when Math-Verify finds the response's answer equal to the label's, else 0.0."""
     library = math_verify_library()
     main = threading.current_thread() is threading.main_thread()

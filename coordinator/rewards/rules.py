@@ -38,6 +38,7 @@ from coordinator.rewards.math_rules import (
 from coordinator.rewards.math_verify_rule import MathVerifyMissing, math_verify_library, math_verify_reward
 from coordinator.rewards.minerva import dapo_score
 from replay.sample import Sample
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.errors import RaylessError
 
 FIRST_DIGIT_WINDOW = 4
@@ -213,7 +214,7 @@ def ifbench_library() -> Any:
         ) from None
 
 
-def _ifbench_kwargs(raw: Any, count: int) -> list[dict[str, Any]]:
+def _ifbench_kwargs(raw: JsonValue, count: int) -> list[JsonObject]:
     """slime's reading of `metadata.kwargs`: a list (one dict per instruction, padded with the last) or
     one dict for all; None values dropped."""
     if isinstance(raw, list):

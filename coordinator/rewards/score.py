@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from coordinator.rewards.rules import RewardError, apply_rule
+from coordinator.rewards.rules import RewardError, RuleResult, apply_rule
 from replay.sample import Sample, SampleError, SampleStatus, label_value
 from workers.boundary.errors import BoundaryError
 from workers.boundary.json_input import JsonLimits, decode_json
@@ -104,7 +104,7 @@ class Progress:
         self.stream.flush()
 
 
-def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Any:
+def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Sample:
     try:  # through the boundary layer: a line nested 100k deep is one row's error, not a RecursionError
         row = decode_json(line, f"line {number}", LINE_LIMITS)
     except BoundaryError as error:
@@ -131,20 +131,20 @@ def _sample(line: bytes, number: int, keys: Keys, needs_label: bool) -> Any:
                   response=response, metadata=metadata)
 
 
-def _score(rm_type: str, sample: Any) -> tuple[Any, str | None]:
+def _score(rm_type: str, sample: Sample) -> tuple[RuleResult | None, str | None]:
     try:
         return apply_rule(rm_type, sample), None
     except RewardError as error:
         return None, str(error)
 
 
-def _comparable(reward: Any, reward_key: str | None) -> Any:
+def _comparable(reward: RuleResult | None, reward_key: str | None) -> RuleResult | float | None:
     if isinstance(reward, dict) and reward_key is not None:
         return reward.get(reward_key)
     return reward
 
 
-def _excerpt(text: Any) -> str:
+def _excerpt(text: object) -> str:
     shown = json.dumps(text, ensure_ascii=False)
     return shown if len(shown) <= EXCERPT_CHARS else shown[: EXCERPT_CHARS - 1] + "…"
 

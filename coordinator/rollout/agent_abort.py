@@ -4,9 +4,9 @@ no error and a failing one is logged, never raised: the rollout's abort goes on.
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import logging
-from typing import Any
 
 from workers.hook_loading import HookLoadError, load_object
 
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 FLAG = "--custom-agent-function-path"
 
 
-async def call_agent_abort_hook(args: Any) -> None:
+async def call_agent_abort_hook(args: argparse.Namespace) -> None:
     """miles' `call_agent_abort_hook`: when the rollout aborts its stragglers, the `abort(args)` beside the
     agent (same module), if there is one, tells the agent's backend to stop; its failure is logged."""
     path = getattr(args, "custom_agent_function_path", None)

@@ -9,18 +9,23 @@ tokenizer itself is returned, so a run without the flag renders exactly as befor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from workers.boundary.json_input import JsonValue
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class ChatTemplateKwargs:
-    def __init__(self, tokenizer: Any, kwargs: Mapping[str, Any]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, kwargs: Mapping[str, object]) -> None:
         self.wrapped = tokenizer
         self.chat_template_kwargs = dict(kwargs)
 
-    def apply_chat_template(self, conversation: Any, *args: Any, **kwargs: Any) -> Any:
+    def apply_chat_template(self, conversation: JsonValue, *args: object, **kwargs: object) -> Any:
         return self.wrapped.apply_chat_template(conversation, *args, **{**self.chat_template_kwargs, **kwargs})
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         return self.wrapped(*args, **kwargs)
 
     def __len__(self) -> int:
@@ -30,7 +35,7 @@ class ChatTemplateKwargs:
         return getattr(self.wrapped, name)
 
 
-def with_chat_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any] | None) -> Any:
+def with_chat_template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: Mapping[str, object] | None) -> Any:
     if tokenizer is None or not kwargs:
         return tokenizer
     return ChatTemplateKwargs(tokenizer, kwargs)

@@ -4,13 +4,15 @@ that turned it off, never returns None."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from workers.errors import RaylessError
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from coordinator.config import Config
     from coordinator.data.source import PromptDataSource
     from coordinator.hooks.runtime import HookRuntime
@@ -44,7 +46,7 @@ class RolloutContext:
         self,
         *,
         config: Config,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         data_source: PromptDataSource | None,
         generate_state: GenerateState | None,
         dispatcher: Dispatcher | None,
@@ -91,5 +93,5 @@ class RolloutContext:
 
 
 @contextmanager
-def _no_progress(title: str, source: Any) -> Any:
+def _no_progress(title: str, source: object) -> Iterator[Callable[[], None]]:
     yield lambda: None

@@ -4,7 +4,8 @@ Owns the choice of engine for each prompt group (least requests in flight among 
 alive; all samples of a group on one engine, for its prefix cache) and the retry of a request whose engine
 died. With `--use-sglang-router` every request goes to the router instead, which balances and retries itself.
 
-Invariant: `generate()` returns exactly one response per request or raises. A request is re-sent to another
+Invariant: `generate()` returns exactly one answer per request, its checked replies as many as the request has
+prompts (`GenerateAnswer`, decoded once by the engine client), or raises. A request is re-sent to another
 engine only after the fleet confirmed its first engine is dead (a request still waiting on an engine the fleet
 marks dead is abandoned then, not at its timeout), so no response is counted twice; a request
 whose engine is alive but answered 4xx raises at once (the request is wrong, retrying cannot help). A reply
@@ -22,11 +23,13 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
 from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReplyError, EngineUnreachable
+from coordinator.engines.replies import GenerateAnswer
+from workers.boundary.json_input import JsonValue
 from workers.errors import RaylessError
 
 if TYPE_CHECKING:
@@ -43,16 +46,16 @@ class EngineHandleLike(Protocol):
 class EnginePool(Protocol):
     """What dispatch needs from the engine fleet (coordinator.engines.fleet.EngineFleet provides it)."""
 
-    def alive(self) -> Sequence[Any]: ...
+    def alive(self) -> Sequence[EngineHandleLike]: ...
 
-    async def check(self, handle: Any) -> bool: ...
+    async def check(self, handle: EngineHandleLike) -> bool: ...
 
-    async def wait_any_alive(self, timeout: float) -> Any: ...
+    async def wait_any_alive(self, timeout: float) -> EngineHandleLike: ...
 
-    def mark_dead(self, handle: Any, reason: str) -> None: ...
+    def mark_dead(self, handle: EngineHandleLike, reason: str) -> None: ...
 
 
-def _still_alive(handle: Any) -> bool:
+def _still_alive(handle: EngineHandleLike) -> bool:
     return bool(getattr(handle, "alive", True))
 
 
@@ -112,7 +115,7 @@ class Dispatcher:
         until = self._quarantined.get(url)
         return until is not None and time.monotonic() < until
 
-    def _least_loaded(self, exclude: set[str]) -> Any | None:
+    def _least_loaded(self, exclude: set[str]) -> EngineHandleLike | None:
         assert self.pool is not None
         candidates = [handle for handle in self.pool.alive() if handle.url not in exclude]
         # A peer whose reply was just refused gets requests only when no other engine is left.
@@ -121,7 +124,7 @@ class Dispatcher:
             return None
         return min(candidates, key=lambda handle: (self.assigned[handle.url], self.in_flight[handle.url]))
 
-    async def pick(self, exclude: set[str] | None = None) -> Any:
+    async def pick(self, exclude: set[str] | None = None) -> EngineHandleLike:
         """An alive engine with the fewest requests in flight; waits for one to come back if all are dead."""
         exclude = exclude or set()
         handle = self._least_loaded(exclude)
@@ -142,7 +145,7 @@ class Dispatcher:
         return handle
 
     @asynccontextmanager
-    async def group_engine(self) -> AsyncIterator[Any]:
+    async def group_engine(self) -> AsyncIterator[EngineHandleLike | None]:
         """The engine one prompt group uses (None with a router): counted as assigned while the block runs."""
         if self.router_url is not None:
             yield None
@@ -156,9 +159,9 @@ class Dispatcher:
             self.assigned[url] -= 1
 
     async def generate(
-        self, payload: dict[str, Any], *, engine: Any | None = None
-    ) -> tuple[dict[str, Any], str]:
-        """Send one /generate request; return (response, url of the engine that answered)."""
+        self, payload: dict[str, JsonValue], *, engine: EngineHandleLike | None = None
+    ) -> tuple[GenerateAnswer, str]:
+        """Send one /generate request; return (its answer, url of the engine that answered)."""
         if self.router_url is not None:
             return await self._through_router(self.router_url, payload), self.router_url
         handle = engine if engine is not None else await self.pick()
@@ -207,7 +210,7 @@ class Dispatcher:
         raise NoEngineAvailable(f"request failed on {self.max_attempts} engines in a row (replies refused: "
                                 f"{dict(self.refused)}); the last: {last_error}")
 
-    async def _through_router(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _through_router(self, url: str, payload: dict[str, JsonValue]) -> GenerateAnswer:
         """The router balances and retries dead workers itself; a refused reply is re-sent (another worker
         may answer it) up to `max_attempts` times."""
         for attempt in range(1, self.max_attempts + 1):
@@ -217,13 +220,14 @@ class Dispatcher:
                 self._refused(url, error, attempt)
         raise NoEngineAvailable(f"the router at {url} gave {self.max_attempts} refused replies in a row")
 
-    async def _send_unless_dead(self, handle: Any, payload: dict[str, Any]) -> dict[str, Any] | None:
+    async def _send_unless_dead(self, handle: EngineHandleLike,
+                                payload: dict[str, JsonValue]) -> GenerateAnswer | None:
         """`_send`, abandoned (None) as soon as the fleet marks `handle` dead: a request blocked on a hung
         (e.g. SIGSTOPped) engine would otherwise wait for the generate timeout instead of being retried."""
         wait_changed = getattr(self.pool, "wait_changed", None)
         if not self.watch_engine_state or wait_changed is None or not hasattr(handle, "alive"):
             return await self._send(handle.url, payload)
-        result: dict[str, Any] | None = None
+        result: GenerateAnswer | None = None
         failure: EngineError | None = None
         async with anyio.create_task_group() as group:
 
@@ -248,18 +252,17 @@ class Dispatcher:
             raise failure
         return result
 
-    async def _send(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _send(self, url: str, payload: dict[str, JsonValue]) -> GenerateAnswer:
         self.in_flight[url] += 1
         try:
-            response = await self.client.engine(url).generate(payload)
+            answer = await self.client.engine(url).generate(payload)
         finally:
             self.in_flight[url] -= 1
         # A batched request (input_ids is a list of prompts) answers one result per prompt, in order.
-        expected = len(payload.get("input_ids") or payload["text"]) if _is_batched(payload) else 1
-        results = response if isinstance(response, list) else [response]
-        if len(results) != expected:
-            raise EngineReplyError(url, f"expected {expected} generate result(s), got {len(results)}")
-        return results if _is_batched(payload) else results[0]  # type: ignore[return-value]
+        expected = _prompts(payload)
+        if len(answer.replies) != expected:
+            raise EngineReplyError(url, f"expected {expected} generate result(s), got {len(answer.replies)}")
+        return answer
 
     async def abort_all(self) -> None:
         """Abort every request in flight on every alive engine (the rollout has what it needs)."""
@@ -280,8 +283,10 @@ class Dispatcher:
                 group.start_soon(abort, url)
 
 
-def _is_batched(payload: dict[str, Any]) -> bool:
-    """A request of several prompts: `input_ids` a list of lists, or `text` a list of strings."""
+def _prompts(payload: dict[str, JsonValue]) -> int:
+    """How many prompts a request holds: `input_ids` a list of lists, or `text` a list of strings; else one."""
     ids = payload.get("input_ids")
     text = payload.get("text")
-    return (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)) or (isinstance(text, list) and bool(text))
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return len(text) if isinstance(text, list) and text else 1

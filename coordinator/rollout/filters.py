@@ -15,6 +15,7 @@ equal, with reason "zero_std": such a group has zero advantage everywhere and te
 
 from __future__ import annotations
 
+import argparse
 import inspect
 from collections import Counter
 from collections.abc import Callable
@@ -50,7 +51,7 @@ def reward_std_positive(group: list[Sample], *, reward_key: str | None = None) -
     return FilterResult(keep=False, reason="zero_std")
 
 
-def _accepts_reward_key(fn: Callable[..., Any]) -> bool:
+def _accepts_reward_key(fn: Callable[..., object]) -> bool:
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # builtins and some C callables have no signature
@@ -61,8 +62,8 @@ def _accepts_reward_key(fn: Callable[..., Any]) -> bool:
 class DynamicFilter:
     """A loaded filter with its contract checked; also counts drop reasons for the rollout metrics."""
 
-    def __init__(self, fn: Callable[..., Any], *, name: str, reward_key: str | None = None,
-                 args: Any = None) -> None:
+    def __init__(self, fn: Callable[..., object], *, name: str, reward_key: str | None = None,
+                 args: argparse.Namespace | None = None) -> None:
         if not callable(fn):
             raise FilterError(f"{FILTER_FLAG} {name!r} is not callable")
         try:
@@ -78,7 +79,7 @@ class DynamicFilter:
         self.kept = 0
 
     @classmethod
-    def load(cls, path: str, *, reward_key: str | None = None, args: Any = None) -> DynamicFilter:
+    def load(cls, path: str, *, reward_key: str | None = None, args: argparse.Namespace | None = None) -> DynamicFilter:
         """`args`: what a slime-style filter gets as its first argument (the hooks' args)."""
         return cls(load_object(path, what=FILTER_FLAG), name=path, reward_key=reward_key, args=args)
 

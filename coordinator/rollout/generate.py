@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from anyio.streams.memory import MemoryObjectSendStream
 
 from coordinator.data.source import PromptRecord
 from coordinator.observe.progress import ENGINE_RATE_PREFIX
 from coordinator.observe.timeline import span
 from coordinator.rewards.pass_rate import pass_rates
-from coordinator.rollout.dispatch import Dispatcher
+from coordinator.rollout.dispatch import Dispatcher, EnginePool
 from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate
 from coordinator.rollout.requests import GenerateState, generate_group, new_sample
@@ -127,7 +128,8 @@ class DefaultRollout:
         next_group_index = 0
         pending = 0
 
-        async def run_group(group: PartialGroup, stream: Any) -> None:
+        async def run_group(group: PartialGroup,
+                            stream: MemoryObjectSendStream[tuple[PartialGroup, list[Sample]]]) -> None:
             async with stream:
                 samples = await self._generate_group(group, rollout_id)
                 await stream.send((group, samples))
@@ -306,7 +308,7 @@ def model_turns(sample: Sample) -> int:
     return sum(1 for i, value in enumerate(mask) if value and (i == 0 or not mask[i - 1]))
 
 
-def engine_rates(tokens_by_engine: Counter[str], pool: Any, seconds: float) -> dict[str, float]:
+def engine_rates(tokens_by_engine: Counter[str], pool: EnginePool, seconds: float) -> dict[str, float]:
     """`rollout/tokens_per_s/<engine>`: each engine's generated tokens of this rollout over the rollout's
     seconds, so the engines' rates add up to `rollout/tokens_per_s` (what the terminal's rollout line
     shows). An engine is named as the fleet names it; tokens from a URL that is no engine of the fleet (the

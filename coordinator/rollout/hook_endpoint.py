@@ -2,7 +2,8 @@
 goes through the rollout's dispatcher.
 
 Owns `HookEndpoint`: two routes on 127.0.0.1 (port chosen by the OS unless given) — `POST /generate` (the body
-forwarded to an engine exactly as the default generate path sends its requests: least-in-flight, the prompt
+forwarded to an engine exactly as the default generate path sends its requests, and the engine's answer, once
+checked, forwarded as the bytes it came in: the one place an answer leaves the generate path as plain JSON: least-in-flight, the prompt
 group kept on one engine, retried on another when its engine dies; engines paused for a weight update hold it
 until they resume) and `GET /health` — each answer naming the engine that served it (`X-Rayless-Engine`). A
 request carrying a hook call's route (`X-Rayless-Route`, set by `post`) goes to its group's engine (picked
@@ -18,9 +19,7 @@ engine passed through, 502 for an engine failure, 503 when no engine is alive), 
 
 from __future__ import annotations
 
-import json
 import logging
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -30,6 +29,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from coordinator.engines.errors import EngineError, EngineHTTPError
+from coordinator.engines.replies import GenerateAnswer
 from coordinator.hooks.runtime import ROUTE_HEADER, HookRoutes
 from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
 from coordinator.rollout.requests import seed_for
@@ -44,6 +44,7 @@ from workers.boundary.http_gates import (
 )
 from workers.boundary.http_guard import ServerLimits
 from workers.boundary.http_server import AppServer
+from workers.boundary.json_input import JsonValue
 
 ENGINE_HEADER = "X-Rayless-Engine"
 
@@ -56,12 +57,6 @@ def guarded(app: ASGIApp, *, max_body_bytes: int, api_key: str | None) -> ASGIAp
     """`app` behind the coordinator servers' gates: body limit, then the API key when one is set."""
     app = BodyLimitMiddleware(app, max_body_bytes)
     return ApiKeyMiddleware(app, api_key, body=UNAUTHORIZED) if api_key else app
-
-
-def json_reply(body: Any, headers: dict[str, str] | None = None) -> Response:
-    """`body` as compact JSON, as the engines answered it (their NaN logprobs included: not ours to refuse)."""
-    return Response(json.dumps(body, separators=(",", ":")).encode(), media_type="application/json",
-                    headers=headers)
 
 
 class HookEndpoint(AppServer):
@@ -112,10 +107,11 @@ class HookEndpoint(AppServer):
         except BoundaryError as error:
             raise HttpReply(400, f"the body is not JSON this endpoint takes ({error.reason}): SGLang's "
                             "/generate request is a JSON object") from None
-        response, url = await self._generate(payload, request.headers.get(ROUTE_HEADER))
-        return json_reply(response, {ENGINE_HEADER: url})
+        answer, url = await self._generate(payload, request.headers.get(ROUTE_HEADER))
+        # the engine's bytes as they came (checked, not re-encoded): its NaN logprobs too are not ours to refuse
+        return Response(answer.body, media_type="application/json", headers={ENGINE_HEADER: url})
 
-    async def _generate(self, payload: dict[str, Any], token: str | None) -> tuple[Any, str]:
+    async def _generate(self, payload: dict[str, JsonValue], token: str | None) -> tuple[GenerateAnswer, str]:
         route = self.routes.get(token)
         engine = None
         if route is not None and self.dispatcher.router_url is None:
@@ -132,12 +128,12 @@ class HookEndpoint(AppServer):
                 payload["sampling_params"] = {**params, "sampling_seed": seed_for(
                     self.seed, group.rollout_id, group.group_index, route.sample_index, progress)}
         try:
-            response, url = await self.dispatcher.generate(payload, engine=engine)
+            answer, url = await self.dispatcher.generate(payload, engine=engine)
             if route is not None and engine is not None and url != engine.url:
                 # Its engine died and another answered: the group sticks to that one from now on.
                 pool = self.dispatcher.pool
                 route.group.engine = next((h for h in (pool.alive() if pool else ()) if h.url == url), None)
-            return response, url
+            return answer, url
         except EngineHTTPError as error:
             raise HttpReply(error.status if 400 <= error.status < 500 else 502, error.server_message) from None
         except NoEngineAvailable as error:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 
@@ -35,6 +34,7 @@ from coordinator.hooks.runtime import GenerateFnInput, GroupRoute, HookError, Ho
 from coordinator.rollout.dispatch import Dispatcher
 from coordinator.rollout.requests import GenerateProgress, GenerateState
 from replay.sample import Sample, SampleError, SampleStatus, settle_hook_fields
+from workers.boundary.json_input import JsonObject
 from workers.hook_loading import load_object
 
 FLAG = "--custom-generate-function-path"
@@ -45,7 +45,7 @@ DONE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.FAILED)
 class CustomGenerate:
     """A loaded generate function and how to call it (`coordinator.hooks.forms.read_generate`)."""
 
-    def __init__(self, fn: Callable[..., Any], *, path: str, runtime: HookRuntime,
+    def __init__(self, fn: Callable[..., object], *, path: str, runtime: HookRuntime,
                  dispatcher: Dispatcher) -> None:
         self.fn = fn
         self.path = path
@@ -58,7 +58,7 @@ class CustomGenerate:
         return cls(load_object(path, what=FLAG), path=path, runtime=runtime, dispatcher=dispatcher)
 
     async def generate_group(self, samples: list[Sample], rollout_id: int, *, state: GenerateState,
-                             sampling_params: dict[str, Any], evaluation: bool = False,
+                             sampling_params: JsonObject, evaluation: bool = False,
                              progress: GenerateProgress | None = None) -> list[Sample]:
         """The group after its unfinished samples went through the hook: finished ones as they were, each
         hook's result in place of its sample (a list of samples flattened in), `sample_index` renumbered."""
@@ -85,7 +85,7 @@ class CustomGenerate:
             sample.sample_index = position
         return group
 
-    async def _one(self, sample: Sample, route: GroupRoute, sampling_params: dict[str, Any], evaluation: bool,
+    async def _one(self, sample: Sample, route: GroupRoute, sampling_params: JsonObject, evaluation: bool,
                    results: dict[int, list[Sample]], progress: GenerateProgress | None) -> None:
         sample.reward = None  # the hook may set one (then the reward model leaves it)
         before = sample.response_length
@@ -112,7 +112,7 @@ class CustomGenerate:
         sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [], [], []
         sample.reward = None
 
-    async def _call(self, sample: Sample, params: dict[str, Any], evaluation: bool) -> Any:
+    async def _call(self, sample: Sample, params: JsonObject, evaluation: bool) -> object:
         args = self.runtime.args
         what = f"{FLAG} {self.path!r}"
         if self.reading.form is HookForm.MILES:
@@ -124,7 +124,7 @@ class CustomGenerate:
             return await call_hook(self.fn, args, sample, params, what=what, kind="generate", evaluation=evaluation)
         return await call_hook(self.fn, args, sample, params, what=what, kind="generate")
 
-    def _settle(self, returned: Any, original: Sample) -> list[Sample]:
+    def _settle(self, returned: object, original: Sample) -> list[Sample]:
         where = f"{FLAG} {self.path!r} (sample {original.group_index}/{original.sample_index})"
         produced = returned if isinstance(returned, list) else [returned]
         if not produced or not all(isinstance(sample, Sample) for sample in produced):

@@ -19,11 +19,12 @@ advantages computed here (one place, for generated and replayed rollouts alike) 
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -37,7 +38,7 @@ from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.advantages import compute_advantages
 from coordinator.rollout.chat_kwargs import with_chat_template_kwargs
 from coordinator.rollout.context import NotBuiltError, RolloutContext, not_built
-from coordinator.rollout.dispatch import Dispatcher
+from coordinator.rollout.dispatch import Dispatcher, EnginePool
 from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate
 from coordinator.rollout.requests import GenerateState
@@ -46,7 +47,14 @@ from coordinator.rollout.reward_post import RewardPostProcess
 from coordinator.rollout.rewards import RewardModel
 from coordinator.rollout.teacher import TeacherScorer, require_teacher_log_probs, settle_teacher_log_probs
 from replay.sample import RolloutBatch
+from workers.boundary.json_input import JsonObject
 from workers.hook_loading import load_object
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from coordinator.engines.client import EngineClient
+    from replay.loader import ReplayLoader
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +85,7 @@ def instantiate_rollout_fn(path: str, context: RolloutContext, *, what: str) -> 
     raise TypeError(f"{what} {path!r} is neither a class nor a function")
 
 
-def _as_async(fn: Callable[[int, str], Any], path: str, what: str) -> RolloutCallable:
+def _as_async(fn: Callable[[int, str], object], path: str, what: str) -> RolloutCallable:
     async def call(rollout_id: int, weight_version: str) -> RolloutBatch:
         result = fn(rollout_id, weight_version)
         if inspect.isawaitable(result):
@@ -106,7 +114,7 @@ class RolloutManager:
         self.counts: Counter[str] = Counter(dict.fromkeys(BUILT_PIECES, 0))
         self._rollout_fn: RolloutCallable | None = None
         self._eval_fn: RolloutCallable | None = None
-        self._replay_loader: Any = None
+        self._replay_loader: ReplayLoader | None = None
         self.context: RolloutContext | None = None
         #: slime's --custom-reward-post-process-path (not in replay: the dumps are re-scored by the estimator)
         self.reward_post_process: RewardPostProcess | None = None
@@ -121,9 +129,9 @@ class RolloutManager:
         cls,
         config: Config,
         *,
-        tokenizer: Any = None,
-        client: Any = None,
-        pool: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        client: EngineClient | None = None,
+        pool: EnginePool | None = None,
         router_url: str | None = None,
         context_length: int | None = None,
         progress: ProgressDisplay | None = None,
@@ -183,8 +191,8 @@ class RolloutManager:
         self.counts["replay_loaders"] += 1
 
     def _build_generate_path(
-        self, runtime: HookRuntime, *, tokenizer: Any, client: Any, pool: Any, router_url: str | None,
-        context_length: int | None,
+        self, runtime: HookRuntime, *, tokenizer: PreTrainedTokenizerBase, client: EngineClient,
+        pool: EnginePool | None, router_url: str | None, context_length: int | None,
     ) -> tuple[GenerateState | None, Dispatcher | None]:
         """The GenerateState and the dispatcher, when the run has engines (else neither); the hooks' runtime
         is given the state's request slots."""
@@ -212,7 +220,7 @@ class RolloutManager:
         return generate_state, dispatcher
 
     def _build_context(
-        self, runtime: HookRuntime, *, tokenizer: Any, generate_state: GenerateState | None,
+        self, runtime: HookRuntime, *, tokenizer: PreTrainedTokenizerBase, generate_state: GenerateState | None,
         dispatcher: Dispatcher | None, progress: ProgressDisplay | None,
     ) -> RolloutContext:
         """What a rollout fn is built with: the custom generate fn, the prompt data, the reward and the filter."""
@@ -276,7 +284,7 @@ class RolloutManager:
         return self._eval_fn
 
     @property
-    def replay_loader(self) -> Any:
+    def replay_loader(self) -> ReplayLoader:
         if self._replay_loader is None:
             raise NotBuiltError("the replay loader is built only with --load-debug-rollout-data")
         return self._replay_loader
@@ -371,17 +379,17 @@ class RolloutManager:
             lambda: write_dump(path, batch.rollout_id, batch.samples, config_facts=facts, kind=kind)
         )
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JsonObject:
         if self.context is not None and self.context._data_source is not None:
             return {"data_source": self.context._data_source.state_dict()}
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: JsonObject) -> None:
         if "data_source" in state and self.context is not None and self.context._data_source is not None:
             self.context._data_source.load_state_dict(state["data_source"])
 
 
-def sampling_params(rollout: RolloutConfig) -> dict[str, Any]:
+def sampling_params(rollout: RolloutConfig) -> JsonObject:
     params: dict[str, Any] = {
         "temperature": rollout.rollout_temperature,
         "top_p": rollout.rollout_top_p,
@@ -394,7 +402,7 @@ def sampling_params(rollout: RolloutConfig) -> dict[str, Any]:
     return params
 
 
-def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bool = False,
+def build_data_source(rollout: RolloutConfig, tokenizer: PreTrainedTokenizerBase, *, raw_prompts: bool = False,
                       chat_template: bool = True) -> PromptDataSource:
     """`raw_prompts`: prompts may be any JSON value (a custom generate function reads them); `chat_template`
     False: chats stay messages whatever `--apply-chat-template` says (the SFT rollout templates them itself)."""
@@ -415,6 +423,6 @@ def build_data_source(rollout: RolloutConfig, tokenizer: Any, *, raw_prompts: bo
     )
 
 
-def build_reward_model(rollout: RolloutConfig, *, args: Any = None) -> RewardModel | None:
+def build_reward_model(rollout: RolloutConfig, *, args: argparse.Namespace | None = None) -> RewardModel | None:
     """The rollout's reward; `args`: what a slime-style `--custom-rm-path` gets as its first argument."""
     return RewardChoice.from_rollout(rollout).resolved(rollout.prompt_data).model(args=args)

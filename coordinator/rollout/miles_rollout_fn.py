@@ -17,7 +17,7 @@ anything else is a HookError naming the path. Samples are settled and renumbered
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio.to_thread
 
@@ -54,7 +54,7 @@ class MilesRolloutFn(SlimeRolloutFn):
         if not callable(self.instance):
             raise HookError(f"{what} {path!r}: instances of {cls.__name__} are not callable")
 
-    async def _call(self, record: RolloutFnTrainInput | RolloutFnEvalInput) -> Any:
+    async def _call(self, record: RolloutFnTrainInput | RolloutFnEvalInput) -> object:
         runtime = self.context.hook_runtime
         assert runtime is not None  # checked at construction
         with hook_call(runtime):

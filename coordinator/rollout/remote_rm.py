@@ -25,6 +25,7 @@ from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReply
 from coordinator.engines.policy import RetryPolicy
 from coordinator.rewards.rules import RewardError
 from replay.sample import Sample
+from workers.boundary.json_input import JsonObject
 
 #: slime's remote rm: up to 10 attempts, backoff min(2**attempt, 30) s; a total budget bounds them here.
 REMOTE_RETRY = RetryPolicy(attempts=10, backoff=1.0, backoff_max=30.0, budget=300.0)
@@ -50,7 +51,7 @@ class RemoteReward:
         self.max_connections = max_connections
 
     @staticmethod
-    def payload(sample: Sample) -> dict[str, Any]:
+    def payload(sample: Sample) -> JsonObject:
         return {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
 
     async def score(self, samples: Sequence[Sample]) -> list[Any]:

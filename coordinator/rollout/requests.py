@@ -3,14 +3,16 @@
 Owns, for every path that generates (the default rollout and the eval fleet): `GenerateState` (tokenizer,
 sampling defaults, response budget, request slots, base seed), the per-sample sampling seed, the request of
 one group on one engine (one batched request without a router, one request per sample through
-sglang-router, which refuses batched bodies), and the reading of a response into its sample (tokens,
-logprobs, finish reason → status, weight version, engine).
+sglang-router, which refuses batched bodies), and the reading of a checked reply (`GenerateReply`, as the
+engine client decoded it once) into its sample (tokens, logprobs, finish reason → status, weight version,
+engine). The reply's shape was checked where it was decoded; nothing here parses it again.
 
 Invariants:
 - every finish reason maps to a status through `FINISH_STATUS`; any other one is an error, never a guess;
 - a sample's seed depends only on (base seed, rollout or eval id, group, index, tokens generated so far), so a
   rerun with the same weights draws the same tokens, and a resumed partial sample draws new ones;
-- with logprobs requested, a response's tokens and logprobs agree in number, or it is an error;
+- with logprobs requested, a sample gains one logprob per token it gains (the reply's check guarantees they
+  agree in number), or it is an error;
 - at most `GenerateState.concurrency` requests are in flight, taken a group at a time (`slots`); states that
   share one `RequestSlots` (rollout and eval on the same engines) share that bound.
 """
@@ -26,8 +28,10 @@ from typing import Any, Protocol
 import anyio
 
 from coordinator.data.source import PromptRecord
-from coordinator.rollout.dispatch import Dispatcher
+from coordinator.engines.replies import FinishReason, GenerateReply
+from coordinator.rollout.dispatch import Dispatcher, EngineHandleLike
 from replay.sample import FINISH_STATUS, Sample, SampleStatus
+from workers.boundary.json_input import JsonObject, JsonValue
 
 _SEED_MODULUS = 2**31 - 1
 
@@ -145,7 +149,7 @@ def new_sample(record: PromptRecord, prompt_ids: list[int], group: int, index: i
     )
 
 
-def request_params(state: GenerateState, sample: Sample, rollout_id: int) -> dict[str, Any] | None:
+def request_params(state: GenerateState, sample: Sample, rollout_id: int) -> JsonObject | None:
     """The sampling params of one sample's request, or None when it has no room left to generate."""
     prompt_length = sample.prompt_length
     budget = state.max_new_tokens(prompt_length, sample.response_length)
@@ -161,45 +165,39 @@ def request_params(state: GenerateState, sample: Sample, rollout_id: int) -> dic
     return {**state.sampling_params, "max_new_tokens": budget, "sampling_seed": seed}
 
 
-def finish_status(meta: dict[str, Any]) -> SampleStatus:
-    finish = meta.get("finish_reason") or {}
-    status = FINISH_STATUS.get(finish.get("type") if isinstance(finish, dict) else None)
+def finish_status(finish: FinishReason | None) -> SampleStatus:
+    status = FINISH_STATUS.get(finish.type) if finish is not None else None
     if status is None:
         raise ValueError(f"engine returned an unknown finish_reason {finish!r}")
     return status
 
 
-def apply_response(state: GenerateState, sample: Sample, response: dict[str, Any], *, logprobs: bool = True) -> int:
-    """Append one response to its sample (tokens, logprobs, status, text, weight version); returns the number
-    of tokens it added."""
-    meta = response.get("meta_info") or {}
-    output_ids = response.get("output_ids")
-    logprob_triples = meta.get("output_token_logprobs") or []
-    if output_ids is None:  # SGLang before 0.5.1 has no output_ids; the logprob triples carry the ids
-        if not logprobs:
-            raise ValueError(f"engine returned no output_ids for rid {meta.get('id')}; it needs SGLang 0.5.1+")
-        output_ids = [int(triple[1]) for triple in logprob_triples]
-    if logprobs and len(logprob_triples) != len(output_ids):
+def apply_response(state: GenerateState, sample: Sample, reply: GenerateReply, *, logprobs: bool = True) -> int:
+    """Append one checked reply to its sample (tokens, logprobs, status, text, weight version); returns the
+    number of tokens it added."""
+    output_ids = reply.output_ids
+    if logprobs and (reply.logprobs is None or len(reply.logprobs) != len(output_ids)):
+        count = "no" if reply.logprobs is None else len(reply.logprobs)
         raise ValueError(
-            f"engine returned {len(output_ids)} tokens but {len(logprob_triples)} logprobs for rid "
-            f"{meta.get('id')}; the engine must honour return_logprob"
+            f"engine returned {len(output_ids)} tokens but {count} logprobs for rid {reply.rid}; the engine "
+            "must honour return_logprob"
         )
-    status = finish_status(meta)
-    sample.tokens = sample.tokens + [int(token) for token in output_ids]
+    status = finish_status(reply.finish)
+    sample.tokens = [*sample.tokens, *output_ids]
     sample.response_length += len(output_ids)
     sample.loss_mask = sample.loss_mask + [1] * len(output_ids)
-    if logprobs:
-        sample.rollout_log_probs = sample.rollout_log_probs + [float(triple[0]) for triple in logprob_triples]
+    if logprobs and reply.logprobs is not None:
+        sample.rollout_log_probs = [*sample.rollout_log_probs, *reply.logprobs]
     if state.top_logprobs_num > 0 and logprobs:  # miles' key: the student's top-k [logprob, id, text] of each response token
-        tops = meta.get("output_top_logprobs")
+        tops = reply.output_top_logprobs
         if not isinstance(tops, list) or len(tops) != len(output_ids):
             count = len(tops) if isinstance(tops, list) else "no"
             raise ValueError(f"engine returned {count} output_top_logprobs for {len(output_ids)} tokens of rid "
-                             f"{meta.get('id')}; top-k OPD needs the engine to honour top_logprobs_num")
+                             f"{reply.rid}; top-k OPD needs the engine to honour top_logprobs_num")
         sample.metadata["opd_student_top_logprobs"] = [*sample.metadata.get("opd_student_top_logprobs", []), *tops]
     sample.response = state.decode(sample.response_tokens)
     sample.status = status
-    version = str(meta.get("weight_version", "default"))
+    version = "default" if reply.weight_version is None else reply.weight_version
     if not sample.weight_versions or sample.weight_versions[-1] != version:
         sample.weight_versions = [*sample.weight_versions, version]
     return len(output_ids)
@@ -227,37 +225,39 @@ async def generate_group(
     if not ready:
         return samples
 
-    def received(sample: Sample, response: dict[str, Any], url: str) -> None:
+    def received(sample: Sample, reply: GenerateReply, url: str) -> None:
         sample.metadata["engine"] = url
-        tokens = apply_response(state, sample, response, logprobs=logprobs)
+        tokens = apply_response(state, sample, reply, logprobs=logprobs)
         if progress is not None:
             progress.generated_tokens += tokens
             by_engine = getattr(progress, "tokens_by_engine", None)  # the rollout's progress counts per engine
             if by_engine is not None:
                 by_engine[url] += tokens
 
-    top = {"top_logprobs_num": state.top_logprobs_num} if state.top_logprobs_num > 0 and logprobs else {}
+    top: dict[str, JsonValue] = ({"top_logprobs_num": state.top_logprobs_num}
+                                 if state.top_logprobs_num > 0 and logprobs else {})
 
-    async def one(sample: Sample, params: dict[str, Any], engine: Any) -> None:
-        payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": logprobs,
-                   "rid": uuid.uuid4().hex, **top}
-        response, url = await dispatcher.generate(payload, engine=engine)
-        received(sample, response, url)
+    async def one(sample: Sample, params: dict[str, JsonValue], engine: EngineHandleLike | None) -> None:
+        payload: dict[str, JsonValue] = {"input_ids": sample.tokens, "sampling_params": params,
+                                         "return_logprob": logprobs, "rid": uuid.uuid4().hex, **top}
+        answer, url = await dispatcher.generate(payload, engine=engine)
+        (reply,) = answer.replies  # the dispatcher holds an answer to one prompt to one reply
+        received(sample, reply, url)
 
     async with dispatcher.group_engine() as engine, state.slots(len(ready)):
         if progress is not None:
             progress.in_flight += len(ready)
         try:
             if dispatcher.router_url is None:
-                payload = {
+                payload: dict[str, JsonValue] = {
                     "input_ids": [sample.tokens for sample, _ in ready],
                     "sampling_params": [params for _, params in ready],
                     "return_logprob": logprobs,
                     **top,
                 }
-                responses, url = await dispatcher.generate(payload, engine=engine)
-                for (sample, _), response in zip(ready, responses, strict=True):  # type: ignore[arg-type]
-                    received(sample, response, url)
+                answer, url = await dispatcher.generate(payload, engine=engine)
+                for (sample, _), reply in zip(ready, answer.replies, strict=True):
+                    received(sample, reply, url)
             else:
                 async with anyio.create_task_group() as task_group:
                     for sample, params in ready:

@@ -8,9 +8,10 @@ and the caller names the flag to give.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from coordinator.data.tasks import builtin_task_name, get_task
 from coordinator.rollout.rewards import RewardModel
@@ -39,7 +40,7 @@ class RewardChoice:
             return dataclasses.replace(self, rm_type=get_task(task).rm_type)
         return self
 
-    def model(self, *, args: Any = None) -> RewardModel | None:
+    def model(self, *, args: argparse.Namespace | None = None) -> RewardModel | None:
         """The RewardModel of this choice; None when it names no reward. `args`: the hooks' args, which a
         slime-style custom rm gets first."""
         if self.rm_type is None and self.custom_rm_path is None:

@@ -15,10 +15,10 @@ changed; a failure is a `RewardPostProcessError` naming the flag and the hook.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from coordinator.rollout.advantages import whiten_over_tokens
 from replay.sample import Sample, SampleStatus
@@ -31,7 +31,7 @@ class RewardPostProcessError(RaylessError, ValueError):
     """The reward post-process hook returned something slime's contract does not allow."""
 
 
-def _numbers(values: Any, what: str, count: int, path: str) -> list[float]:
+def _numbers(values: object, what: str, count: int, path: str) -> list[float]:
     if not isinstance(values, Sequence) or isinstance(values, str | bytes) or len(values) != count:
         size = len(values) if isinstance(values, Sequence) else type(values).__name__
         raise RewardPostProcessError(f"{FLAG} {path}: {what} must be a list of one number per sample ({count}), "
@@ -46,11 +46,11 @@ def _numbers(values: Any, what: str, count: int, path: str) -> list[float]:
 
 
 class RewardPostProcess:
-    def __init__(self, fn: Any, path: str, args: Any) -> None:
+    def __init__(self, fn: Callable[..., object], path: str, args: argparse.Namespace) -> None:
         self.fn, self.path, self.args = fn, path, args
 
     @classmethod
-    def load(cls, path: str, *, args: Any) -> RewardPostProcess:
+    def load(cls, path: str, *, args: argparse.Namespace) -> RewardPostProcess:
         from workers.hook_loading import load_object
 
         return cls(load_object(path, what=FLAG), path, args)

@@ -35,6 +35,7 @@ logged with the traceback.
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import math
 import numbers
@@ -72,7 +73,7 @@ def _where(sample: Sample) -> str:
     return f"sample {sample.group_index}/{sample.sample_index}"
 
 
-def _is_async_callable(fn: Any) -> bool:
+def _is_async_callable(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
 
 
@@ -95,10 +96,10 @@ class RewardModel:
         custom_rm_path: str | None = None,
         group_rm: bool = False,
         reward_key: str | None = None,
-        custom_rm: Callable[..., Any] | None = None,
+        custom_rm: Callable[..., object] | None = None,
         rm_url: str | None = None,
         remote: RemoteReward | None = None,
-        args: Any = None,
+        args: argparse.Namespace | None = None,
     ) -> None:
         self.rm_type = rm_type
         self.args = args
@@ -147,7 +148,7 @@ class RewardModel:
         assert self.rm_type is not None
         return self.rm_type
 
-    def _check(self, value: Any, sample: Sample, source: str | None = None) -> Reward:
+    def _check(self, value: object, sample: Sample, source: str | None = None) -> Reward:
         if source is None:
             source = f"--custom-rm-path {self._custom_name!r}" if self._custom is not None else (
                 f"--rm-type {self.rm_type}")
@@ -165,7 +166,7 @@ class RewardModel:
             "expected a float or a dict[str, float]"
         )
 
-    def _check_dict(self, value: dict[Any, Any], sample: Sample, source: str) -> dict[str, float]:
+    def _check_dict(self, value: dict[object, object], sample: Sample, source: str) -> dict[str, float]:
         checked: dict[str, float] = {}
         if self._slime_form and source.startswith("--custom-rm-path"):
             # slime's rms return extras beside the score (retool: `acc` a bool, `pred` the answer text).

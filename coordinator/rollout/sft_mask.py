@@ -16,9 +16,13 @@ Invariant: `len(token_ids) == len(loss_mask)`; a rule that cannot find its marke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from workers.boundary.json_input import JsonObject
 from workers.errors import RaylessError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Messages = list[dict[str, Any]]
 _PROBE = "FOR TESTING ONLY"
@@ -35,12 +39,12 @@ def response_length(loss_mask: list[int]) -> int:
     return len(loss_mask) - loss_mask.index(1) if 1 in loss_mask else 0
 
 
-def _trained(message: dict[str, Any]) -> bool:
+def _trained(message: JsonObject) -> bool:
     return message.get("step_loss_mask", 1) == 1
 
 
 class ChatLossMask:
-    def __init__(self, tokenizer: Any, mask_type: str = "qwen") -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, mask_type: str = "qwen") -> None:
         self.tokenizer = tokenizer
         self.mask_type = mask_type
         self.preamble_length = self.header_length = 0
@@ -49,7 +53,7 @@ class ChatLossMask:
         elif mask_type in ("qwen", "qwen3"):
             self.preamble_length, self.header_length = self._measure_template()
 
-    def _ids(self, messages: Messages, **kwargs: Any) -> list[int]:
+    def _ids(self, messages: Messages, **kwargs: object) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
@@ -71,12 +75,12 @@ class ChatLossMask:
         header = len(self._ids(probe, add_generation_prompt=True)) - len(rendered)
         return first - ((second - first) - tail - len(raw)), header
 
-    def _turn_mask(self, message: dict[str, Any], length: int) -> list[int]:
+    def _turn_mask(self, message: JsonObject, length: int) -> list[int]:
         if message["role"] != "assistant" or not _trained(message):
             return [0] * length
         return [0] * self.header_length + [1] * (length - self.header_length)
 
-    def __call__(self, messages: Messages, tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
+    def __call__(self, messages: Messages, tools: list[JsonObject] | None = None) -> tuple[list[int], list[int]]:
         """(token ids, loss mask) of one chat."""
         if not messages:
             raise LossMaskError("a chat with no messages")
@@ -90,7 +94,7 @@ class ChatLossMask:
                                 f"({len(token_ids)} token ids, {len(loss_mask)} mask entries); try another")
         return token_ids, loss_mask
 
-    def _qwen(self, messages: Messages, tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]]:
+    def _qwen(self, messages: Messages, tools: list[JsonObject] | None) -> tuple[list[int], list[int]]:
         token_ids: list[int] = []
         loss_mask: list[int] = []
         for i, message in enumerate(messages):
@@ -101,7 +105,7 @@ class ChatLossMask:
             loss_mask += self._turn_mask(message, len(ids))
         return token_ids, loss_mask
 
-    def _qwen3(self, messages: Messages, tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]]:
+    def _qwen3(self, messages: Messages, tools: list[JsonObject] | None) -> tuple[list[int], list[int]]:
         neighbour = self._ids([_NEIGHBOUR])
         token_ids: list[int] = []
         loss_mask: list[int] = []
@@ -123,7 +127,7 @@ class ChatLossMask:
             i = end
         return token_ids, loss_mask
 
-    def _by_characters(self, messages: Messages, tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]]:
+    def _by_characters(self, messages: Messages, tools: list[JsonObject] | None) -> tuple[list[int], list[int]]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools)
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         token_ids, offsets = list(encoded["input_ids"]), encoded.get("offset_mapping")
@@ -153,7 +157,7 @@ class ChatLossMask:
         loss_mask = [int(end > start and trained[end] > trained[start]) for start, end in offsets]
         return token_ids, loss_mask
 
-    def _distill(self, messages: Messages, tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]]:
+    def _distill(self, messages: Messages, tools: list[JsonObject] | None) -> tuple[list[int], list[int]]:
         prompt = self.tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True,
                                                     tools=tools)
         prompt_ids, response_ids = self._text_ids(prompt), self._text_ids(messages[-1]["content"])

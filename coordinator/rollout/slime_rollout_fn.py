@@ -67,7 +67,7 @@ class SlimeRolloutFn:
     #: Its generate calls need an address to post to (the run serves one when no router is used).
     posts_to_engines = True
 
-    def __init__(self, fn: Callable[..., Any], *, path: str, context: RolloutContext, what: str) -> None:
+    def __init__(self, fn: Callable[..., object], *, path: str, context: RolloutContext, what: str) -> None:
         self.fn = fn
         self.path = path
         self.what = what
@@ -80,7 +80,7 @@ class SlimeRolloutFn:
             self._data_source = SlimeDataSource(self.context)
         return self._data_source
 
-    async def _call_fn(self, rollout_id: int, *, evaluation: bool) -> Any:
+    async def _call_fn(self, rollout_id: int, *, evaluation: bool) -> object:
         runtime = self.context.hook_runtime
         if runtime is None:
             raise HookError(f"{self.what} {self.path!r}: slime-style rollout functions need the run's hook "
@@ -96,7 +96,7 @@ class SlimeRolloutFn:
         """slime's eval call, `fn(args, rollout_id, data_source, evaluation=True)`: its `data` and metrics."""
         return eval_result(await self._call_fn(rollout_id, evaluation=True), where=f"{self.what} {self.path!r}")
 
-    def _batch(self, result: Any, rollout_id: int) -> RolloutBatch:
+    def _batch(self, result: object, rollout_id: int) -> RolloutBatch:
         groups = getattr(result, "samples", result)
         metrics = getattr(result, "metrics", None) or {}
         where = f"{self.what} {self.path!r}"
@@ -133,7 +133,7 @@ class EvalResult:
     metrics: dict[str, Any]
 
 
-def eval_result(result: Any, *, where: str) -> EvalResult:
+def eval_result(result: object, *, where: str) -> EvalResult:
     """`RolloutFnEvalOutput(data, metrics)` or the bare `data` dict (slime's legacy return)."""
     data = getattr(result, "data", result)
     metrics = getattr(result, "metrics", None) or {}

@@ -17,23 +17,29 @@ the engine client's deadline.
 
 from __future__ import annotations
 
-import math
+import argparse
+import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
 
 from coordinator.config.distill import DEFAULT_TEACHER
+from coordinator.engines.replies import GenerateAnswer
 from coordinator.rollout import teacher_topk as topk
 from replay.sample import Sample, SampleStatus
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.errors import RaylessError
+
+if TYPE_CHECKING:
+    from coordinator.engines.client import EngineClient
 
 
 class TeacherError(RaylessError, RuntimeError):
     """The teacher could not score a sample: no route to a teacher, or its answer lacks the logprobs."""
 
 
-def score_payload(sample: Sample) -> dict[str, Any]:
+def score_payload(sample: Sample) -> JsonObject:
     """The teacher's request for one sample: prefill only, the input logprobs from the prompt's last token."""
     return {
         "input_ids": [int(token) for token in sample.tokens],
@@ -43,22 +49,29 @@ def score_payload(sample: Sample) -> dict[str, Any]:
     }
 
 
-def response_log_probs(answer: Any, response_length: int, where: str) -> list[float]:
-    """The teacher's logprobs of the response tokens: the last `response_length` `input_token_logprobs`."""
-    meta = answer.get("meta_info") if isinstance(answer, Mapping) else None
-    entries = meta.get("input_token_logprobs") if isinstance(meta, Mapping) else None
-    if not isinstance(entries, list) or len(entries) < response_length:
-        count = len(entries) if isinstance(entries, list) else "no"
+def response_log_probs(answer: GenerateAnswer, response_length: int, where: str) -> list[float]:
+    """The teacher's logprobs of the response tokens: the last `response_length` `input_token_logprobs` of its
+    one reply (checked where the answer was decoded: finite numbers, the first alone may be null)."""
+    entries = answer.replies[0].input_logprobs if len(answer.replies) == 1 else None
+    if entries is None or len(entries) < response_length:
+        count = "no" if entries is None else len(entries)
         raise TeacherError(f"{where}: the teacher's answer has {count} meta_info.input_token_logprobs, the "
                            f"response has {response_length} tokens")
     values = []
-    for entry in entries[len(entries) - response_length:]:
-        value = entry[0] if isinstance(entry, list | tuple) and entry else None
-        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+    for value in entries[len(entries) - response_length:]:
+        if value is None:  # the input's first token has none: a response cannot start there
             raise TeacherError(f"{where}: the teacher's logprob {value!r:.40} of a response token is not a finite "
                                "number")
-        values.append(float(value))
+        values.append(value)
     return values
+
+
+def plain_answer(answer: GenerateAnswer) -> JsonValue:
+    """An answer's JSON, for top-k OPD's fields the typed reply does not carry (`input_top_logprobs`,
+    `input_token_ids_logprobs`): its bytes were bounded and depth-checked where they were read (the engine
+    client's `read_generate_answer`), so this decode is the plain one. One prompt's answer is its one reply."""
+    value = json.loads(answer.body)
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
 class TeacherScorer:
@@ -66,9 +79,9 @@ class TeacherScorer:
     `top_k` (miles' top-k OPD) it sets `opd_reverse_kl` instead of `teacher_log_probs`; `student` then posts a
     scoring request to the policy's engines (strategies that read the student's logprobs of the teacher's ids)."""
 
-    def __init__(self, client: Any, routes: Mapping[str, str], *, key: str = "opd_teacher",
+    def __init__(self, client: EngineClient, routes: Mapping[str, str], *, key: str = "opd_teacher",
                  concurrency: int = 64, top_k: topk.TopK | None = None,
-                 student: Callable[[dict[str, Any]], Awaitable[Any]] | None = None) -> None:
+                 student: Callable[[JsonObject], Awaitable[GenerateAnswer]] | None = None) -> None:
         if not routes:
             raise TeacherError("on-policy distillation (--opd-type sglang) has no teacher: give --opd-teacher-urls "
                                "NAME=URL, --opd-teacher-load DIR or --rm-url")
@@ -128,9 +141,10 @@ class TeacherScorer:
                                      asked=asked)
         async with self.limit:
             answer = await self.client.engine(url).generate(payload)
-        teacher_top = (topk.response_maps(answer, "input_top_logprobs", length, where)
+        plain = plain_answer(answer)
+        teacher_top = (topk.response_maps(plain, "input_top_logprobs", length, where)
                        if spec.strategy in topk.TEACHER_TOP else empty)
-        teacher_asked = (topk.response_maps(answer, "input_token_ids_logprobs", length, where)
+        teacher_asked = (topk.response_maps(plain, "input_token_ids_logprobs", length, where)
                          if asked is not None else empty)
         student_asked = empty
         if spec.student_on_teacher:
@@ -140,7 +154,7 @@ class TeacherScorer:
                                          asked=topk.asked_ids(spec, sample.tokens, prompt, teacher_entries))
             async with self.limit:
                 student_answer = await self.student(request)
-            student_asked = topk.response_maps(student_answer, "input_token_ids_logprobs", length,
+            student_asked = topk.response_maps(plain_answer(student_answer), "input_token_ids_logprobs", length,
                                                f"student engines, sample {sample.group_index}/{sample.sample_index}")
         student_top = [topk.entries_to_map(entries) for entries in student_entries] if student_entries else empty
         try:
@@ -179,13 +193,13 @@ def require_teacher_log_probs(samples: Sequence[Sample], *, hook: str) -> None:
                                "sglang and no teacher address the hook supplies them (slime's contract)")
 
 
-def distill_reward(args: Any, sample: Any, **kwargs: Any) -> float:
+def distill_reward(args: argparse.Namespace, sample: Sample, **kwargs: object) -> float:
     """Stands in for slime's / miles' `on_policy_distillation.reward_func` (which posts to the teacher at
     `--rm-url`): rayless asks the teacher itself (`TeacherScorer`), so the task reward is pure distillation's 0."""
     return 0.0
 
 
-def distill_post_process(args: Any, samples: Sequence[Any], **kwargs: Any) -> tuple[list[float], list[float]]:
+def distill_post_process(args: argparse.Namespace, samples: Sequence[Sample], **kwargs: object) -> tuple[list[float], list[float]]:
     """Stands in for slime's / miles' `on_policy_distillation.post_process_rewards`: the teacher logprobs are
     already on the samples, and the rewards (hence the task advantages) are 0, as theirs for pure distillation."""
     zeros = [0.0] * len(samples)

@@ -22,17 +22,23 @@ reward), `session_leaves` their count and `session_leaf` its place.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from coordinator.hooks.calls import HookBudgetSpent, HookEscaped, call_hook, current_bounds
 from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError, current_call
 from coordinator.lifecycle.failures import ContainedFailures
 from coordinator.sessions.trajectory import assemble_all
 from replay.sample import Sample, SampleStatus
+from workers.boundary.json_input import JsonObject
 from workers.hook_loading import load_object
+
+if TYPE_CHECKING:
+    from coordinator.sessions.server import SessionServer
 
 log = logging.getLogger(__name__)
 #: the agent's failures: one line and a count on the terminal, each traceback in the run's log
@@ -48,7 +54,7 @@ _CHAT_FIELDS = frozenset({
 })
 
 
-def build_chat_request_kwargs(sampling_params: dict[str, Any]) -> dict[str, Any]:
+def build_chat_request_kwargs(sampling_params: JsonObject) -> JsonObject:
     """The rollout's sampling params as a chat request's fields (miles' build_chat_request_kwargs)."""
     kwargs = dict(sampling_params)
     for ours, theirs in _RENAMED.items():
@@ -58,7 +64,7 @@ def build_chat_request_kwargs(sampling_params: dict[str, Any]) -> dict[str, Any]
     return {key: value for key, value in kwargs.items() if key in _CHAT_FIELDS and value is not None}
 
 
-def check_agent_hook(flag: str, path: str, target: Any) -> str:
+def check_agent_hook(flag: str, path: str, target: object) -> str:
     """Start-up check of the agent (keywords base_url, prompt, request_kwargs, metadata) or of a message
     matcher (two positional messages); ConfigError naming the flag otherwise."""
     from coordinator.config.fields import ConfigError
@@ -82,7 +88,7 @@ def check_agent_hook(flag: str, path: str, target: Any) -> str:
     return "called as fn(stored_message, new_message) -> bool"
 
 
-def _sessions(args: Any) -> Any:
+def _sessions(args: argparse.Namespace) -> SessionServer:
     runtime = getattr(args, "_rayless_runtime", None)
     sessions = getattr(runtime, "sessions", None)
     if sessions is None:
@@ -97,7 +103,7 @@ def _aborted(sample: Sample) -> Sample:
     return sample
 
 
-async def _run_agent(agent: Any, what: str, **kwargs: Any) -> Any:
+async def _run_agent(agent: Callable[..., object], what: str, **kwargs: object) -> object:
     # a sync agent runs in a worker thread a stop abandons; its exit, interrupt or own CancelledError comes out
     # as HookEscaped (an Exception), never as a cancellation that would end this task as if it had finished
     # counted=False: whether the episode is usable (a model call recorded) is judged by `generate` after it

@@ -39,7 +39,7 @@ from starlette.types import ASGIApp
 from coordinator.engines.bounded import chat_reply_limit
 from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReplyError
 from coordinator.engines.replies import check_chat_reply
-from coordinator.rollout.dispatch import Dispatcher, NoEngineAvailable
+from coordinator.rollout.dispatch import Dispatcher, EngineHandleLike, NoEngineAvailable
 from coordinator.rollout.hook_endpoint import ENGINE_HEADER, guarded
 from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
 from coordinator.sessions.trajectory import Session, SessionBounds, SessionFull, assemble_all
@@ -59,7 +59,7 @@ from workers.boundary.errors import BoundaryError
 from workers.boundary.http_gates import BodyTooLarge, HttpReply, read_body, reply_handler
 from workers.boundary.http_guard import ServerLimits
 from workers.boundary.http_server import AppServer
-from workers.boundary.json_input import JsonLimits, decode_json_async
+from workers.boundary.json_input import JsonLimits, JsonObject, JsonValue, decode_json_async
 from workers.engine.finished_turns import Turn as FinishedTurn
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,11 @@ CHAT_PATH = "v1/chat/completions"
 FORMATS: dict[str, Callable[[Any, str], FormatCall]] = {MESSAGES_PATH: messages_call, RESPONSES_PATH: responses_call}
 
 
-def _json(body: Any) -> bytes:
+def _json(body: JsonValue) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def _sse(response: dict[str, Any]) -> bytes:
+def _sse(response: JsonObject) -> bytes:
     """The engine's whole answer as one `chat.completion.chunk` and [DONE] (miles' fake streaming: the engine
     call is not streamed, since the session needs the complete message and meta info). As miles: one delta
     with the role and content (and reasoning / tool calls, each with its index), the usage; and the logprobs."""
@@ -121,7 +121,7 @@ class SessionServer(AppServer):
         self.direct = dispatcher.pool is not None
 
     # --- in-process API (the agentic generate uses it; the routes below are the same calls over HTTP) --------
-    async def create(self, engine: Any = None) -> Session:
+    async def create(self, engine: EngineHandleLike | None = None) -> Session:
         """A new session on `engine` (the prompt group's, for its prefix cache) when it is alive, else on the
         least loaded one."""
         if len(self.sessions) >= self.max_sessions:
@@ -208,7 +208,7 @@ class SessionServer(AppServer):
         self._check_chat(payload)
         return await self._proxy(session, method, rest + (f"?{query}" if query else ""), payload)
 
-    async def _body(self, request: Request, *, proxied: bool = False) -> Any:
+    async def _body(self, request: Request, *, proxied: bool = False) -> JsonValue:
         """The request's JSON object, bounded by the shared decoder; no body is {} (None when `proxied`)."""
         try:
             body = await read_body(request, self.max_body_bytes)
@@ -223,11 +223,11 @@ class SessionServer(AppServer):
             raise HttpReply(400, "the body must be a JSON object")
         return value
 
-    def _describe(self, session: Session) -> dict[str, Any]:
+    def _describe(self, session: Session) -> JsonObject:
         return {"session_id": session.id, "records": session.describe(),
                 "metadata": {"accumulated_token_ids": session.token_ids, "max_trim_tokens": 0}}
 
-    def _samples(self, session: Session, body: dict[str, Any]) -> dict[str, Any]:
+    def _samples(self, session: Session, body: JsonObject) -> JsonObject:
         limit = body.get("max_seq_len")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise HttpReply(400, f"max_seq_len must be a positive integer, got {limit!r}")
@@ -241,7 +241,7 @@ class SessionServer(AppServer):
         return {"samples": [vars(one) | {"status": one.status.value} for one in assembled], "empty_reason": None}
 
     # --- chat -----------------------------------------------------------------------------------------------
-    def _check_chat(self, request: dict[str, Any] | None) -> None:
+    def _check_chat(self, request: JsonObject | None) -> None:
         """A request's messages within the per-message limit (413) and no template of its own (400): the
         policy's prompts are rendered with the model's template."""
         if not request:
@@ -319,7 +319,7 @@ class SessionServer(AppServer):
         return response, url
 
     @staticmethod
-    def _turn(response: dict[str, Any]) -> dict[str, Any]:
+    def _turn(response: JsonObject) -> JsonObject:
         """What a turn keeps of the engine's answer: the reply message, generated ids and their logprobs."""
         try:
             choice = response["choices"][0]
@@ -338,12 +338,12 @@ class SessionServer(AppServer):
                 "finish": choice.get("finish_reason"), "weight_version": meta.get("weight_version")}
 
     async def _proxy(self, session: Session, method: str, path: str,
-                     payload: dict[str, Any] | None) -> tuple[int, bytes, str | None]:
+                     payload: JsonObject | None) -> tuple[int, bytes, str | None]:
         response, url = await self._engine_call(session, method, path, payload)
         return 200, _json(response), url
 
     async def _engine_call(self, session: Session, method: str, path: str,
-                           body: dict[str, Any] | None) -> tuple[Any, str]:
+                           body: JsonObject | None) -> tuple[JsonValue, str]:
         """One call on the session's engine; if it died (the fleet confirms), once more on another."""
         client, dispatcher = self.dispatcher.client, self.dispatcher
         headers = {"X-SMG-Routing-Key": session.id}
@@ -374,7 +374,7 @@ class SessionServer(AppServer):
         session.engine = await self._pick(exclude={dead})
         log.warning("session %s moved from engine %s to %s", session.id, dead, session.engine.url)
 
-    async def _pick(self, exclude: set[str] | None = None) -> Any:
+    async def _pick(self, exclude: set[str] | None = None) -> EngineHandleLike:
         try:
             handle = await self.dispatcher.pick(exclude=exclude)
         except NoEngineAvailable as error:

@@ -19,12 +19,15 @@ newline the template writes after `<|im_end|>` that the model stops before (`min
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from workers.boundary.json_input import decode_json
+from workers.boundary.json_input import JsonObject, JsonValue, decode_json
 from workers.engine.openai_protocol import normalise_messages
 from workers.errors import RaylessError
 from workers.hook_loading import load_object
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ALLOWED_APPEND_ROLES = frozenset({"user", "tool", "system", "developer"})
 _DUMMY_SYSTEM = {"role": "system", "content": "FOR CALCULATING TOKENS ONLY"}
@@ -37,7 +40,7 @@ class SessionRequestError(RaylessError, ValueError):
     """A chat request the session cannot continue from (answered 400 with this message)."""
 
 
-def _normal(value: Any) -> Any:
+def _normal(value: JsonValue) -> JsonValue:
     if value in (None, "", []):
         return None
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
@@ -45,7 +48,7 @@ def _normal(value: Any) -> Any:
     return value
 
 
-def _tool_calls(value: Any) -> Any:
+def _tool_calls(value: JsonValue) -> JsonValue:
     if not isinstance(value, list):
         return _normal(value)
     calls = []
@@ -64,7 +67,7 @@ def _tool_calls(value: Any) -> Any:
     return calls or None
 
 
-def strict_matches(stored: dict[str, Any], new: dict[str, Any]) -> bool:
+def strict_matches(stored: JsonObject, new: JsonObject) -> bool:
     """miles' strict matcher: the keys a chat template reads (role, content, reasoning_content, tool_calls),
     with wire-only tool-call keys (id, index) and JSON spacing of arguments ignored."""
     for key in _TEMPLATE_KEYS:
@@ -76,7 +79,7 @@ def strict_matches(stored: dict[str, Any], new: dict[str, Any]) -> bool:
     return True
 
 
-def role_content_matches(stored: dict[str, Any], new: dict[str, Any]) -> bool:
+def role_content_matches(stored: JsonObject, new: JsonObject) -> bool:
     return stored.get("role") == new.get("role") and _normal(stored.get("content")) == _normal(new.get("content"))
 
 
@@ -97,7 +100,7 @@ class TitoTokenizer:
     #: roles that may be appended after an assistant turn (a family whose template drops some narrows it)
     append_roles: ClassVar[frozenset[str]] = ALLOWED_APPEND_ROLES
 
-    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: JsonObject | None = None) -> None:
         self.tokenizer = tokenizer
         kwargs = dict(chat_template_kwargs or {})
         for key, value in self.pinned_kwargs.items():
@@ -115,8 +118,8 @@ class TitoTokenizer:
                              "is this the family's model?")
         return int(ids[0])
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-               tools: list[Any] | None) -> str:
+    def render(self, messages: list[JsonObject], *, add_generation_prompt: bool,
+               tools: list[JsonValue] | None) -> str:
         try:
             # As the engine renders chat (SGLang's 'string' content format): text parts joined, None as "".
             messages = normalise_messages(messages)
@@ -132,11 +135,11 @@ class TitoTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def first_prompt(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+    def first_prompt(self, messages: list[JsonObject], tools: list[JsonValue] | None) -> list[int]:
         return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
 
-    def appended_ids(self, last_assistant: dict[str, Any], appended: list[dict[str, Any]],
-                     tools: list[Any] | None) -> list[int]:
+    def appended_ids(self, last_assistant: JsonObject, appended: list[JsonObject],
+                     tools: list[JsonValue] | None) -> list[int]:
         """The ids of `appended` (and the generation prompt) after an assistant turn, as the template writes
         them: the suffix of rendering a placeholder pair with them over rendering the pair alone."""
         bad = [m.get("role") for m in appended if m.get("role") not in self.append_roles]
@@ -162,7 +165,7 @@ class NewlineAfterStopTito(TitoTokenizer):
 
     stop_token = "<|im_end|>"
 
-    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: JsonObject | None = None) -> None:
         super().__init__(tokenizer, chat_template_kwargs)
         newline = tokenizer.encode("\n", add_special_tokens=False)
         if len(newline) != 1:
@@ -269,5 +272,5 @@ FAMILIES: dict[str, type[TitoTokenizer]] = {
 }
 
 
-def tito_tokenizer(family: str, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> TitoTokenizer:
+def tito_tokenizer(family: str, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: JsonObject | None = None) -> TitoTokenizer:
     return FAMILIES[family](tokenizer, chat_template_kwargs)

@@ -25,6 +25,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from replay.sample import Sample
+from workers.boundary.json_input import JsonObject, JsonValue
+
 ENV_VAR = "RAYLESS_VERIFIERS_ENV"
 ARGS_VAR = "RAYLESS_VERIFIERS_ENV_ARGS"
 MODEL = "policy"  # the session server serves one model whatever the name; verifiers requires one
@@ -40,7 +43,7 @@ def _tls() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def load_env(env_id: str, env_args: dict[str, Any] | None = None) -> Any:
+def load_env(env_id: str, env_args: JsonObject | None = None) -> Any:
     """The environment `env_id` (a module path or an installed environment's id), built once per process."""
     import verifiers as vf
 
@@ -55,7 +58,7 @@ def load_env(env_id: str, env_args: dict[str, Any] | None = None) -> Any:
     return _ENVS[key]
 
 
-def _from_environment() -> tuple[str, dict[str, Any]]:
+def _from_environment() -> tuple[str, JsonObject]:
     env_id = os.environ.get(ENV_VAR, "")
     if not env_id:
         raise ValueError(f"coordinator.sessions.verifiers_agent.run_agent needs {ENV_VAR}=<module or "
@@ -71,14 +74,14 @@ def _from_environment() -> tuple[str, dict[str, Any]]:
     return env_id, env_args
 
 
-def rollout_input(prompt: Any, metadata: dict[str, Any]) -> dict[str, Any]:
+def rollout_input(prompt: JsonValue, metadata: JsonObject) -> JsonObject:
     """verifiers' `RolloutInput` for one sample: the prompt as the data holds it, the rest from metadata."""
     row: dict[str, Any] = {"prompt": prompt, "example_id": int(metadata.get("example_id", 0))}
     row.update({field: metadata[field] for field in ("answer", "info", "task") if field in metadata})
     return row
 
 
-def sampling_args(env: Any, request_kwargs: dict[str, Any]) -> dict[str, Any]:
+def sampling_args(env: Any, request_kwargs: JsonObject) -> JsonObject:
     """The environment's own sampling args (e.g. its stop strings) overridden by the rollout's, as verifiers'
     `Environment.generate` merges them; the rollout's empty lists (no stop given) leave the environment's."""
     merged = copy.deepcopy(getattr(env, "sampling_args", None) or {})
@@ -86,8 +89,8 @@ def sampling_args(env: Any, request_kwargs: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-async def run_env_rollout(env: Any, *, base_url: str, prompt: Any, request_kwargs: dict[str, Any],
-                          metadata: dict[str, Any], api_key: str = "EMPTY") -> dict[str, Any]:
+async def run_env_rollout(env: Any, *, base_url: str, prompt: JsonValue, request_kwargs: JsonObject,
+                          metadata: JsonObject, api_key: str = "EMPTY") -> JsonObject:
     """One rollout of `env` through the session at `base_url`; the rubric's reward and metrics returned."""
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
     from verifiers.clients import OpenAIChatCompletionsClient
@@ -108,19 +111,19 @@ async def run_env_rollout(env: Any, *, base_url: str, prompt: Any, request_kwarg
 AgentFn = Callable[..., Awaitable[dict[str, Any]]]
 
 
-def make_agent(env_id: str, **env_args: Any) -> AgentFn:
+def make_agent(env_id: str, **env_args: JsonValue) -> AgentFn:
     """A miles agent running the verifiers environment `env_id` (built with `env_args`) for each sample."""
 
-    async def run_agent(*, base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any],
-                        api_key: str = "EMPTY", **kwargs: Any) -> dict[str, Any]:
+    async def run_agent(*, base_url: str, prompt: JsonValue, request_kwargs: JsonObject, metadata: JsonObject,
+                        api_key: str = "EMPTY", **kwargs: object) -> JsonObject:
         return await run_env_rollout(load_env(env_id, env_args), base_url=base_url, prompt=prompt,
                                      request_kwargs=request_kwargs, metadata=metadata, api_key=api_key)
 
     return run_agent
 
 
-async def run_agent(*, base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any],
-                    api_key: str = "EMPTY", **kwargs: Any) -> dict[str, Any]:
+async def run_agent(*, base_url: str, prompt: JsonValue, request_kwargs: JsonObject, metadata: JsonObject,
+                    api_key: str = "EMPTY", **kwargs: object) -> JsonObject:
     """The agent for `--custom-agent-function-path coordinator.sessions.verifiers_agent.run_agent`: the
     environment named by $RAYLESS_VERIFIERS_ENV (its arguments, JSON, in $RAYLESS_VERIFIERS_ENV_ARGS)."""
     env_id, env_args = _from_environment()
@@ -128,12 +131,12 @@ async def run_agent(*, base_url: str, prompt: Any, request_kwargs: dict[str, Any
                                  request_kwargs=request_kwargs, metadata=metadata, api_key=api_key)
 
 
-async def reward(args: Any, sample: Any, **kwargs: Any) -> float:
+async def reward(args: argparse.Namespace, sample: Sample, **kwargs: object) -> float:
     """`--custom-rm-path coordinator.sessions.verifiers_agent:reward`: the rubric's reward the agent left."""
     return float((sample.metadata or {}).get("reward", 0.0))
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> JsonValue:
     """A dataset cell as JSON: verifiers' message models (pydantic) dumped, the rest kept."""
     if hasattr(value, "model_dump"):
         return value.model_dump(exclude_none=True)

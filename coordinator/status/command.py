@@ -28,22 +28,22 @@ from coordinator.status.reading import (
 )
 from workers.boundary.errors import BoundaryError
 from workers.boundary.exposure import key_problem
-from workers.boundary.json_input import JsonLimits, decode_json
+from workers.boundary.json_input import JsonLimits, JsonObject, JsonValue, decode_json
 
 LIMITS = JsonLimits(max_bytes=MAX_BYTES)
 MAX_URL_FILE_BYTES = 4096
 
 
-def from_server(url: str, api_key: str | None) -> dict[str, Any]:
+def from_server(url: str, api_key: str | None) -> JsonObject:
     endpoint = status_endpoint(url)
     return check_shape(decode_json(fetch(url, api_key), endpoint, LIMITS), endpoint)
 
 
-def _json_file(path: Path) -> Any:
+def _json_file(path: Path) -> JsonValue:
     return decode_json(read_capped(path), str(path), LIMITS)
 
 
-def from_files(run_dir: Path) -> dict[str, Any]:
+def from_files(run_dir: Path) -> JsonObject:
     """The last document (`status.json`), else one pieced together from the run's files."""
     final = run_dir / "status.json"
     if final.is_file():
@@ -78,7 +78,7 @@ def _planned_rollouts(config: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def load(run_dir: Path | None, url: str | None, api_key: str | None) -> tuple[dict[str, Any], str]:
+def load(run_dir: Path | None, url: str | None, api_key: str | None) -> tuple[JsonObject, str]:
     """(document, where it came from)."""
     if url is not None:
         return from_server(url, api_key), f"status server {url}"
@@ -97,14 +97,14 @@ def load(run_dir: Path | None, url: str | None, api_key: str | None) -> tuple[di
     return check_shape(from_files(run_dir), str(run_dir)), f"files in {run_dir}{tried}"
 
 
-def _clock(seconds: Any) -> str:
+def _clock(seconds: JsonValue) -> str:
     if not isinstance(seconds, int | float):
         return "?"
     s = max(0, int(seconds))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def _num(value: Any, fmt: str) -> str:
+def _num(value: JsonValue, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, int | float) else "-"
 
 
@@ -114,7 +114,7 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
             for row in [list(header), *rows]]
 
 
-def render(document: dict[str, Any], source: str) -> str:
+def render(document: JsonObject, source: str) -> str:
     run = document["run"]
     # a count of rollouts done, not a rollout id (ids count from 0: "last rollouts" below)
     lines = [f"run {run['run_dir']}: {run['state']} · {run['rollouts_done']}/{run['num_rollout'] or '?'} rollouts · "

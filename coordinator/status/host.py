@@ -9,7 +9,8 @@ gives no entry, never an error.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+
+from workers.boundary.json_input import JsonObject
 
 TAIL_BYTES = 4096
 
@@ -37,7 +38,7 @@ def rss_bytes(pid: int) -> int | None:
         return None
 
 
-def host_facts(logs: dict[str, Path], rank_pids: dict[int, int]) -> dict[str, Any]:
+def host_facts(logs: dict[str, Path], rank_pids: dict[int, int]) -> JsonObject:
     """`{"log_lines": {engine: line}, "rank_memory": {rank: bytes}}`; `rank_pids` only of this node's ranks."""
     memory = {rank: rss for rank, pid in rank_pids.items() if (rss := rss_bytes(pid)) is not None}
     return {"log_lines": {name: last_line(path) for name, path in logs.items()}, "rank_memory": memory}

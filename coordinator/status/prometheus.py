@@ -9,13 +9,13 @@ Invariant: a figure the document does not have (no ETA yet, an engine with no ra
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from coordinator.status.sources import ENGINE_STATES
+from workers.boundary.json_input import JsonObject
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: last row's metrics as gauges: (metrics.jsonl key, name, help)
@@ -33,7 +33,7 @@ _HEALTH = (("probes", "rayless_health_probes_total", "health probes sent"),
 
 
 class _Document(Collector):
-    def __init__(self, document: dict[str, Any]) -> None:
+    def __init__(self, document: JsonObject) -> None:
         self.document = document
 
     def collect(self) -> Iterator[Metric]:
@@ -45,7 +45,7 @@ class _Document(Collector):
         yield from _last_row(d["metrics"])
 
 
-def render(document: dict[str, Any]) -> bytes:
+def render(document: JsonObject) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Document(document))
     return generate_latest(registry)
@@ -56,7 +56,7 @@ def _gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
         yield GaugeMetricFamily(name, doc, value=float(value))
 
 
-def _run(run: dict[str, Any]) -> Iterator[Metric]:
+def _run(run: JsonObject) -> Iterator[Metric]:
     yield CounterMetricFamily("rayless_rollouts_completed", "rollouts finished (trained) so far",
                               value=float(run["rollouts_done"]))
     yield from _gauge("rayless_rollouts_planned", "rollouts this run makes (--num-rollout)", run["num_rollout"])
@@ -80,7 +80,7 @@ def _run(run: dict[str, Any]) -> Iterator[Metric]:
                       int(version) if isinstance(version, str) and version.isdigit() else None)
 
 
-def _engines(engines: list[dict[str, Any]]) -> Iterator[Metric]:
+def _engines(engines: list[JsonObject]) -> Iterator[Metric]:
     labels = ["engine", "group"]
     state = GaugeMetricFamily("rayless_engine_state", "1 for the state each engine is in, 0 for the others",
                               labels=[*labels, "state"])
@@ -101,7 +101,7 @@ def _engines(engines: list[dict[str, Any]]) -> Iterator[Metric]:
     yield from (state, in_flight, rate, restarts)
 
 
-def _ranks(ranks: list[dict[str, Any]]) -> Iterator[Metric]:
+def _ranks(ranks: list[JsonObject]) -> Iterator[Metric]:
     up = GaugeMetricFamily("rayless_rank_connected", "1 while the rank is connected to the control channel",
                            labels=["rank"])
     step = GaugeMetricFamily("rayless_rank_last_step_seconds", "the rank's seconds in the last train step",
@@ -128,7 +128,7 @@ def _health(health: dict[str, dict[str, int]]) -> Iterator[Metric]:
             yield family
 
 
-def _last_row(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+def _last_row(rows: list[JsonObject]) -> Iterator[Metric]:
     if not rows:
         return
     last = rows[-1]

@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 import unicodedata
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
+
+from workers.boundary.json_input import JsonObject, JsonValue
 
 #: A status document is a few hundred KiB (500 metric rows, the timeline's last events); far past that is not one.
 MAX_BYTES = 16 << 20
@@ -106,7 +107,7 @@ _OPTIONAL = {"phase", "weight_version", "elapsed_s", "eta_s", "tokens_per_s", "d
              "log_line", "last_step_s", "memory_bytes", "detail"}
 
 
-def check_shape(document: Any, source: str) -> dict[str, Any]:
+def check_shape(document: JsonValue, source: str) -> JsonObject:
     """`document` when every field the terminal text reads has its type; NoStatus naming the first that does not."""
     if not isinstance(document, dict):
         raise NoStatus(f"{source} is not a rayless status document (a JSON {type(document).__name__}, not an object)")
@@ -126,7 +127,7 @@ def check_shape(document: Any, source: str) -> dict[str, Any]:
     return document
 
 
-def _fields(value: Any, shape: dict[str, tuple[type, ...]], where: str, *, required: bool) -> None:
+def _fields(value: JsonValue, shape: dict[str, tuple[type, ...]], where: str, *, required: bool) -> None:
     if not isinstance(value, dict):
         raise NoStatus(f"{where} is {type(value).__name__}, not an object: not a rayless status document")
     for name, kinds in shape.items():
@@ -141,7 +142,7 @@ def _fields(value: Any, shape: dict[str, tuple[type, ...]], where: str, *, requi
 
 
 # --- what reaches the terminal ----------------------------------------------------------------------------
-def printable(value: Any) -> Any:
+def printable(value: JsonValue) -> JsonValue:
     """`value` with every string (keys too) stripped of control and format characters (ESC, CR, NUL, bidi
     overrides...; a line break becomes a space): a document cannot move the cursor or recolour the terminal."""
     if isinstance(value, str):

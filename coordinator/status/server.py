@@ -17,7 +17,6 @@ import logging
 import time
 from dataclasses import KW_ONLY, dataclass, field
 from importlib import resources
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -35,6 +34,7 @@ from coordinator.status.sources import StatusSources, snapshot
 from workers.boundary.http_gates import ApiKeyMiddleware
 from workers.boundary.http_guard import ServerLimits
 from workers.boundary.http_server import HttpService
+from workers.boundary.json_input import JsonObject
 
 log = logging.getLogger("rayless")
 
@@ -65,7 +65,7 @@ class StatusServer:
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return f"http://{host}:{self.port}"
 
-    async def document(self) -> dict[str, Any]:
+    async def document(self) -> JsonObject:
         """The `/status` document, at most `min_interval` old."""
         return (await self._built()).document
 
@@ -133,7 +133,7 @@ class StatusServer:
 class _Built:
     """One document and its two renderings, each made once, when first asked for."""
 
-    def __init__(self, at: float, document: dict[str, Any]) -> None:
+    def __init__(self, at: float, document: JsonObject) -> None:
         self.at = at
         self.document = document
         self._json: bytes | None = None

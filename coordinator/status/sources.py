@@ -17,7 +17,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from workers.boundary.json_input import JsonObject
 
 if TYPE_CHECKING:
     from coordinator.engines.fleet import EngineFleet, EngineHandle
@@ -104,7 +106,7 @@ class StatusSources:
         return self.colocation.released_engines() if self.colocation is not None else frozenset()
 
 
-def snapshot(s: StatusSources, *, host: dict[str, Any] | None = None) -> dict[str, Any]:
+def snapshot(s: StatusSources, *, host: JsonObject | None = None) -> JsonObject:
     """The `/status` document. `host`: `host_facts`' result."""
     host = host or {}
     return {
@@ -119,7 +121,7 @@ def snapshot(s: StatusSources, *, host: dict[str, Any] | None = None) -> dict[st
     }
 
 
-def _run(s: StatusSources) -> dict[str, Any]:
+def _run(s: StatusSources) -> JsonObject:
     p, t = s.progress, s.timeline
     eta = p.eta()
     return {
@@ -140,7 +142,7 @@ def _run(s: StatusSources) -> dict[str, Any]:
     }
 
 
-def engine_rates(row: dict[str, Any]) -> dict[str, float]:
+def engine_rates(row: JsonObject) -> dict[str, float]:
     """Each engine's tokens/s in the last rollout, from the metrics row the run logged (one source: the same
     figures as `metrics.jsonl`'s `rollout/tokens_per_s/<engine>`, which add up to the terminal's rate)."""
     from coordinator.observe.progress import ENGINE_RATE_PREFIX
@@ -149,7 +151,7 @@ def engine_rates(row: dict[str, Any]) -> dict[str, float]:
             if key.startswith(ENGINE_RATE_PREFIX) and isinstance(value, int | float)}
 
 
-def _engines(s: StatusSources, rates: dict[str, float], log_lines: dict[str, str]) -> list[dict[str, Any]]:
+def _engines(s: StatusSources, rates: dict[str, float], log_lines: dict[str, str]) -> list[JsonObject]:
     released = s.released()
     where = {row.name: row.where for row in s.board.rows()} if s.board is not None else {}
     rows = []
@@ -183,7 +185,7 @@ def _fleet_version(s: StatusSources, fleet: EngineFleet) -> str | None:
     return "0" if s.weight_sync is not None else None
 
 
-def _ranks(s: StatusSources, memory: dict[int, int]) -> list[dict[str, Any]]:
+def _ranks(s: StatusSources, memory: dict[int, int]) -> list[JsonObject]:
     g = s.train_group
     if g is None:
         return []
@@ -203,7 +205,7 @@ def _ranks(s: StatusSources, memory: dict[int, int]) -> list[dict[str, Any]]:
     return rows
 
 
-def _eval(s: StatusSources) -> dict[str, Any] | None:
+def _eval(s: StatusSources) -> JsonObject | None:
     ev = s.eval_fleet
     if ev is None:
         return None
@@ -218,7 +220,7 @@ def _eval(s: StatusSources) -> dict[str, Any] | None:
     }
 
 
-def _events(s: StatusSources) -> list[dict[str, Any]]:
+def _events(s: StatusSources) -> list[JsonObject]:
     """Failures and recoveries, newest last: the monitors' health events and the fault injector's kills."""
     now_wall, now = time.time(), time.monotonic()
     events = [{"at": now_wall - (now - e.at), "group": m.group, "engine": e.engine, "kind": e.kind,
@@ -231,10 +233,10 @@ def _events(s: StatusSources) -> list[dict[str, Any]]:
     return events[-RECENT_EVENTS:]
 
 
-def _metrics(s: StatusSources) -> list[dict[str, Any]]:
+def _metrics(s: StatusSources) -> list[JsonObject]:
     return [dict(row) for row in s.metrics.history[-RECENT_ROWS:]]
 
 
-def _timeline(s: StatusSources) -> list[dict[str, Any]]:
+def _timeline(s: StatusSources) -> list[JsonObject]:
     events = [e for e in s.timeline.recent(TIMELINE_S) if e["ph"] == "X"]
     return events[-TIMELINE_EVENTS:]

@@ -25,6 +25,7 @@ from coordinator.train.planning import (
     reduce_step_metrics,
 )
 from coordinator.train.recovery import RankRecovery
+from replay.sample import Sample
 from workers import protocol
 from workers.protocol.train_settings import TrainSettings
 
@@ -69,7 +70,7 @@ class TrainCommands:
             self.recovery.initialised()
         return results[0]
 
-    async def train(self, rollout_id: int, samples: Sequence[Any]) -> dict[str, float]:
+    async def train(self, rollout_id: int, samples: Sequence[Sample]) -> dict[str, float]:
         """Train on one rollout's samples (`replay.sample.Sample`s with advantages set).
 
         The samples are cut into optimizer steps in order (`global_batch_size` samples each, or
@@ -83,7 +84,7 @@ class TrainCommands:
             return await self._train_once(rollout_id, samples)
         return await self.recovery.run_step(rollout_id, lambda: self._train_once(rollout_id, samples))
 
-    async def _train_once(self, rollout_id: int, samples: Sequence[Any]) -> dict[str, float]:
+    async def _train_once(self, rollout_id: int, samples: Sequence[Sample]) -> dict[str, float]:
         assert self.settings is not None  # train() checked
         batching = self.settings.batching
 

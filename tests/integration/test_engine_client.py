@@ -66,20 +66,19 @@ PROMPT = {"text": "abc", "sampling_params": {"max_new_tokens": 4, "temperature":
 
 
 async def test_generate_single_returns_object(client: EngineClient, keyed_engine: str) -> None:
-    out = await client.engine(keyed_engine).generate(PROMPT)
-    assert isinstance(out, dict)
-    assert isinstance(out["text"], str)
-    assert out["meta_info"]["completion_tokens"] >= 1
-    assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+    answer = await client.engine(keyed_engine).generate(PROMPT)
+    (out,) = answer.replies
+    assert isinstance(out.text, str)
+    assert len(out.output_ids) >= 1
+    assert out.finish is not None and out.finish.type in ("length", "stop")
 
 
 async def test_generate_batched_n_returns_list(client: EngineClient, keyed_engine: str) -> None:
     out = await client.engine(keyed_engine).generate(
         {"text": ["ab", "cd"], "sampling_params": {"max_new_tokens": 3, "n": 2}}
     )
-    assert isinstance(out, list)
-    assert len(out) == 4
-    assert all("meta_info" in o for o in out)
+    assert len(out.replies) == 4
+    assert all(o.finish is not None and len(o.output_ids) >= 1 for o in out.replies)
 
 
 async def test_generate_stream_yields_chunks_until_done(client: EngineClient, keyed_engine: str) -> None:
@@ -92,7 +91,7 @@ async def test_generate_stream_yields_chunks_until_done(client: EngineClient, ke
     assert chunks, "no chunk streamed"
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     full = await client.engine(keyed_engine).generate(payload)
-    assert chunks[-1]["text"] == full["text"]  # cumulative chunks end on the whole greedy text
+    assert chunks[-1]["text"] == full.replies[0].text  # cumulative chunks end on the whole greedy text
 
 
 async def test_info_and_health_endpoints(client: EngineClient, keyed_engine: str) -> None:
@@ -122,7 +121,7 @@ async def test_weight_version_and_control_endpoints(client: EngineClient, keyed_
     await e.continue_generation()
     await e.release_memory_occupation()
     await e.resume_memory_occupation()
-    assert isinstance(await e.generate(PROMPT), dict)  # still serving after all of the above
+    assert len((await e.generate(PROMPT)).replies) == 1  # still serving after all of the above
     with pytest.raises(ValueError, match="rid or abort_all"):
         await e.abort_request()
     with pytest.raises(ValueError, match="pause mode"):
@@ -319,7 +318,7 @@ async def test_distributed_weight_update_methods(
     assert results["update"]["success"] is True
     assert await e.get_weight_version() == "dist-1"
     after = await e.generate(greedy)
-    assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    assert after.replies[0].logprobs != before.replies[0].logprobs
     assert (await e.destroy_weights_update_group("g1"))["success"] is True
     with pytest.raises(EngineHTTPError) as err:  # a second destroy: the group is gone, a 400 at once
         await e.destroy_weights_update_group("g1")
@@ -330,6 +329,4 @@ async def test_distributed_weight_update_methods(
     await e.update_weights_from_disk(
         str(tiny_model_dir), weight_version="restored"
     )  # leave it as we found it
-    assert (await e.generate(greedy))["meta_info"]["output_token_logprobs"] == before["meta_info"][
-        "output_token_logprobs"
-    ]
+    assert (await e.generate(greedy)).replies[0].logprobs == before.replies[0].logprobs

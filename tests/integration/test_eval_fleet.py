@@ -16,6 +16,7 @@ from coordinator.config import parse_config
 from coordinator.data.source import PromptRecord
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
+from coordinator.engines.replies import FinishReason, GenerateReply
 from coordinator.eval.fleet import EvalFleet, EvalSkip
 from coordinator.eval.settings import EVAL_SEED, EvalSettings
 from coordinator.lifecycle.processes import terminate_process_group_blocking
@@ -337,11 +338,11 @@ def test_eval_and_rollout_read_a_response_with_the_same_code(tiny_model_dir: Pat
                           max_response_len=4, context_length=64, concurrency=1, seed=EVAL_SEED)
     record = PromptRecord(prompt="3 7 1=", label="3", index=0)
     prompt_ids = state.encode("3 7 1=")
-    triples = [[-0.5, 5, None]] if logprobs else []
+    triples = [-0.5] if logprobs else []
 
-    def response(finish: str) -> dict[str, Any]:
-        return {"output_ids": [5], "meta_info": {"id": "r", "finish_reason": {"type": finish},
-                                                 "weight_version": "2", "output_token_logprobs": triples}}
+    def response(finish: str) -> GenerateReply:  # a checked reply; no check passes a finish of "weird"
+        return GenerateReply(text="5", output_ids=(5,), logprobs=tuple(triples) if logprobs else None,
+                             finish=FinishReason(finish), weight_version="2", rid="r")
 
     sample = new_sample(record, prompt_ids, 0, 0)
     assert apply_response(state, sample, response("length"), logprobs=logprobs) == 1

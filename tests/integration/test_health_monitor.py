@@ -281,5 +281,5 @@ async def test_a_released_engine_is_alive_and_the_swap_pauses_probing(tiny_model
         assert record["colocate/engine_weight_train_bytes"] == 0 and record["colocate/engine_weight_generate_bytes"] > 0
         assert record["colocate/engine_requests_refused_while_released"] == 0
         out = await api.generate({"text": "1 2=", "sampling_params": {"max_new_tokens": 2}})
-        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert out.replies[0].finish is not None and out.replies[0].finish.type == "length"
         group.cancel_scope.cancel()

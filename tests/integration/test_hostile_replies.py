@@ -76,13 +76,13 @@ async def test_a_hostile_reply_is_refused_counted_and_answered_elsewhere(
     (handle,) = [h for h in dispatcher.pool.alive() if h.url == hostile.url]  # type: ignore[union-attr]
     memory = PeakMemory()
     with caplog.at_level(logging.WARNING, logger="coordinator.rollout.dispatch"):
-        responses, url = await dispatcher.generate(dict(PAYLOAD), engine=handle)
+        answer, url = await dispatcher.generate(dict(PAYLOAD), engine=handle)
     growth = memory.growth_mib
     assert (url, hostile.generated, dict(dispatcher.refused)) == (real_engine, 1, {hostile.url: 1})
     (warning,) = [r.getMessage() for r in caplog.records if "refused a reply from" in r.getMessage()]
     assert hostile.url in warning and re.search(REASONS[hostile.mode], warning), warning
-    for response in responses:  # the real engine's answers, whole
-        assert 1 <= len(response["output_ids"]) == len(response["meta_info"]["output_token_logprobs"]) <= 64
+    for reply in answer.replies:  # the real engine's answers, whole
+        assert 1 <= len(reply.output_ids) == len(reply.logprobs or ()) <= 64
     assert growth < 256, f"{hostile.mode}: the coordinator grew {growth:.0f} MiB refusing one reply"
     # Kept out of picks for a while: the next request goes to the real engine without asking the hostile one.
     _, url = await dispatcher.generate(dict(PAYLOAD))
@@ -177,8 +177,8 @@ async def test_a_stalled_engine_costs_its_bound_and_the_request_is_answered_else
         dispatcher = Dispatcher(client=client, pool=fleet, watch_engine_state=False)
         (handle,) = [h for h in fleet.alive() if h.url == hostile.url]
         with caplog.at_level(logging.WARNING, logger="coordinator.rollout.dispatch"), anyio.fail_after(60):
-            responses, url = await dispatcher.generate(dict(PAYLOAD), engine=handle)
-        assert url == real_engine and hostile.generated == 1 and len(responses) == 2
+            answer, url = await dispatcher.generate(dict(PAYLOAD), engine=handle)
+        assert url == real_engine and hostile.generated == 1 and len(answer.replies) == 2
         (warning,) = [r.getMessage() for r in caplog.records
                       if r.name == "coordinator.rollout.dispatch" and hostile.url in r.getMessage()]
         if mode == "hold":

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from coordinator.config import parse_config
+from coordinator.data.source import PromptRecord
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.engines.spec import EngineLaunchSpec
@@ -25,7 +27,7 @@ from coordinator.observe.progress import ProgressDisplay
 from coordinator.rollout.manager import RolloutManager
 from replay.format import dump_path
 from replay.reader import read_dump
-from replay.sample import RolloutBatch, SampleStatus
+from replay.sample import RolloutBatch, Sample, SampleStatus
 from tests.support.rollout_fns import RecordedDefaultRollout
 from tests.support.waiting import wait_until
 
@@ -207,3 +209,71 @@ async def test_stragglers_are_aborted_and_partial_rollout_continues_them_next_ti
     for sample in continued:
         assert sample.response_length >= started[(sample.metadata["prompt_index"], sample.sample_index)]
         assert len(sample.rollout_log_probs) == sample.response_length
+
+
+async def test_an_engine_reply_is_decoded_once_and_changes_form_four_times_on_its_way_to_a_micro_batch(
+        tiny_model_dir: Path, shared_fleet: tuple[EngineClient, EngineFleet], monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/architecture.md#data-flow: bytes → GenerateReply → Sample → WireSample → micro-batch. One group through
+    the real generate path (dispatcher, engine client, a real engine): the answer's bytes are decoded once (the
+    typed schema; no plain-JSON decode, no generic check beside it), and each seam hands the next the form named."""
+    from transformers import AutoTokenizer
+
+    from coordinator.engines import reply_decode
+    from coordinator.engines.replies import GenerateReply
+    from coordinator.rollout import requests
+    from coordinator.rollout.dispatch import Dispatcher
+    from coordinator.train.planning import plan_steps
+    from workers.protocol import WireSample
+    from workers.protocol.train_settings import BatchingSettings
+    from workers.train_rank.batching import MicroBatch
+    from workers.train_rank.packing import pack
+
+    client, fleet = shared_fleet
+    decodes: list[str] = []
+    typed, plain, generic_check = reply_decode._ANSWER, msgspec.json.decode, reply_decode.check_generate_body
+
+    class CountingDecoder:  # counts, then decodes with the real decoder
+        def decode(self, raw: bytes) -> object:
+            decodes.append("typed")
+            return typed.decode(raw)
+
+    def counting_plain(raw: bytes, *args: Any, **kwargs: Any) -> Any:
+        decodes.append("plain")
+        return plain(raw, *args, **kwargs)
+
+    def counting_check(*args: Any, **kwargs: Any) -> Any:
+        decodes.append("generic check")
+        return generic_check(*args, **kwargs)
+
+    seams: list[tuple[str, str]] = []
+    apply_response = requests.apply_response
+
+    def recorded_apply(state: Any, sample: Any, reply: Any, **kwargs: Any) -> int:
+        seams.append((type(reply).__name__, type(sample).__name__))
+        return apply_response(state, sample, reply, **kwargs)
+
+    monkeypatch.setattr(reply_decode, "_ANSWER", CountingDecoder())
+    monkeypatch.setattr(msgspec.json, "decode", counting_plain)
+    monkeypatch.setattr(reply_decode, "check_generate_body", counting_check)
+    monkeypatch.setattr(requests, "apply_response", recorded_apply)
+    state = requests.GenerateState(tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+                                   sampling_params={"temperature": 1.0}, max_response_len=3, context_length=64,
+                                   concurrency=4, seed=1)
+    record = PromptRecord(prompt="3 7 1=", label="3", index=0)
+    prompt_ids = state.encode("3 7 1=")
+    samples = [requests.new_sample(record, prompt_ids, 0, index, n_samples=3) for index in range(3)]
+    dispatcher = Dispatcher(client=client, pool=fleet, watch_engine_state=False)
+    await requests.generate_group(state, dispatcher, samples, rollout_id=0)
+
+    assert decodes == ["typed"], "one batched answer for the group, decoded once"
+    assert seams == [(GenerateReply.__name__, Sample.__name__)] * 3
+    for sample in samples:
+        sample.advantage = 0.5
+    wire = [WireSample.from_sample(sample) for sample in samples]
+    assert all(type(item) is WireSample and item.response_length == s.response_length >= 1
+               for item, s in zip(wire, samples, strict=True))
+    (step,) = plan_steps(wire, BatchingSettings(), world_size=1)
+    batch = pack(step.shards[0], pad_token_id=0)
+    assert type(batch) is MicroBatch
+    assert batch.num_tokens == sum(len(s.tokens) for s in samples)
+    assert float(batch.loss_mask.sum()) == sum(s.response_length for s in samples)

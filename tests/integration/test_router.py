@@ -41,19 +41,19 @@ async def test_router_in_front_of_two_cpu_engines(tiny_model_dir: Path, tmp_path
                 "rid": "r-1",
                 "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
             }
-            out = await via.generate(payload)
-            assert isinstance(out, dict) and isinstance(out["text"], str)
-            direct = await client.engine(urls[0]).generate(dict(payload, rid="r-2"))
-            assert out["text"] == direct["text"]  # same weights, greedy: same text whichever worker served
+            (out,) = (await via.generate(payload)).replies
+            assert isinstance(out.text, str)
+            (direct,) = (await client.engine(urls[0]).generate(dict(payload, rid="r-2"))).replies
+            assert out.text == direct.text  # same weights, greedy: same text whichever worker served
 
             await router.remove_worker(urls[0])
             assert await router.list_workers() == [urls[1]]
             for i in range(3):
-                assert isinstance(await via.generate(dict(payload, rid=f"r-after-remove-{i}")), dict)
+                assert len((await via.generate(dict(payload, rid=f"r-after-remove-{i}"))).replies) == 1
 
             await router.add_worker(urls[0])
             assert sorted(await router.list_workers()) == sorted(urls)
-            assert isinstance(await via.generate(dict(payload, rid="r-after-add")), dict)
+            assert len((await via.generate(dict(payload, rid="r-after-add"))).replies) == 1
             tg.cancel_scope.cancel()
         assert router.proc is not None and router.proc.returncode is not None
         assert (tmp_path / "logs" / "router-rollout.log").is_file()
@@ -78,7 +78,7 @@ async def test_attaching_to_a_running_router_registers_and_leaves(tiny_model_dir
                 assert await theirs.list_workers() == [url]
                 out = await client.engine(ours.url).generate(
                     {"text": "abc", "rid": "r-attached", "sampling_params": {"max_new_tokens": 2}})
-                assert isinstance(out["text"], str)
+                assert isinstance(out.replies[0].text, str)
                 attached.cancel_scope.cancel()
             assert await theirs.list_workers() == []
             assert theirs.proc is not None and theirs.proc.returncode is None  # still running: not ours to stop

@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workers.boundary.errors import BoundaryError
-from workers.boundary.json_input import JsonLimits, decode_json, decode_json_async
+from workers.boundary.json_input import (
+    JsonLimits,
+    check_depth,
+    check_depth_of_bytes,
+    decode_json,
+    decode_json_async,
+)
 from workers.boundary.yaml_input import load_yaml
 
 json_values = st.recursive(
@@ -43,6 +49,26 @@ def test_arbitrary_bytes_decode_or_raise_only_boundary_error(data: bytes) -> Non
 def test_deep_nesting_is_refused_with_the_source_named(depth: int) -> None:
     with pytest.raises(BoundaryError, match=r"^engine 127\.0\.0\.1:1: JSON nested deeper than 64"):
         decode_json("[" * depth + "]" * depth, "engine 127.0.0.1:1")
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values, st.integers(1, 6))
+def test_the_depth_read_from_bytes_is_the_depth_of_the_decoded_value(value: object, max_depth: int) -> None:
+    """`check_depth_of_bytes` (what a typed reader that skipped fields uses) agrees with `check_depth` on the
+    decoded value, brackets and escaped quotes inside strings included."""
+    raw = json.dumps(value).encode()
+
+    def verdict(check: object, *args: object) -> bool:
+        try:
+            check(*args)  # type: ignore[operator]
+        except BoundaryError:
+            return False
+        return True
+
+    by_value = not isinstance(value, (list, dict)) or verdict(check_depth, value, "peer", max_depth)
+    assert verdict(check_depth_of_bytes, raw, "peer", max_depth) == by_value
+    tricky = json.dumps([{"[\"{": ["]]"]}]).encode()  # strings holding brackets, quotes and backslashes
+    assert verdict(check_depth_of_bytes, tricky, "peer", 3) and not verdict(check_depth_of_bytes, tricky, "peer", 2)
 
 
 def test_many_small_containers_are_refused_before_any_is_built() -> None:

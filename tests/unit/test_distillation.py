@@ -4,6 +4,7 @@ teacher engine."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import msgspec
@@ -12,6 +13,8 @@ import torch
 
 from coordinator.config import ConfigError, parse_config
 from coordinator.config.distill import teacher_hook
+from coordinator.engines.replies import GenerateAnswer
+from coordinator.engines.reply_decode import read_generate_answer
 from coordinator.plan import GpuInventory, build_plan
 from coordinator.rollout.teacher import (
     TeacherError,
@@ -24,6 +27,7 @@ from coordinator.rollout.teacher import (
 from replay.format import write_dump
 from replay.reader import read_dump
 from replay.sample import Sample, SampleError, SampleStatus
+from workers.boundary.json_input import DEFAULT_LIMITS
 from workers.protocol import WireSample
 from workers.protocol.train_settings import OpdSettings
 from workers.train_rank.distill import Distiller, DistillError, teacher_tensor
@@ -138,12 +142,18 @@ def test_the_teacher_is_asked_from_the_prompts_end_and_its_answer_checked() -> N
     payload = score_payload(sample)
     assert payload["input_ids"] == [5, 6, 7, 8, 9] and payload["return_logprob"] is True
     assert payload["logprob_start_len"] == 2 and payload["sampling_params"]["max_new_tokens"] == 0
-    answer = {"meta_info": {"input_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None], [-0.125, 9, None]]}}
-    assert response_log_probs(answer, 2, "t") == [-0.25, -0.125]
+
+    def answer(triples: list[list[object]]) -> GenerateAnswer:  # the teacher's bytes, read as the client reads them
+        body = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "length", "length": 0},
+                                                            "output_token_logprobs": [], "input_token_logprobs": triples}}
+        return read_generate_answer(json.dumps(body).encode(), "http://teacher", payload, None, DEFAULT_LIMITS)
+
+    assert response_log_probs(answer([[-0.5, 7, None], [-0.25, 8, None], [-0.125, 9, None]]), 2, "t") == [-0.25,
+                                                                                                          -0.125]
     with pytest.raises(TeacherError, match=r"has 1 meta_info\.input_token_logprobs, the response has 2"):
-        response_log_probs({"meta_info": {"input_token_logprobs": [[-1.0, 9, None]]}}, 2, "t")
+        response_log_probs(answer([[-1.0, 9, None]]), 2, "t")
     with pytest.raises(TeacherError, match="not a finite number"):
-        response_log_probs({"meta_info": {"input_token_logprobs": [[None, 8, None], [-1.0, 9, None]]}}, 2, "t")
+        response_log_probs(answer([[None, 8, None], [-1.0, 9, None]]), 2, "t")
 
 
 def test_the_reverse_kl_term_is_slimes_and_only_on_loss_tokens() -> None:

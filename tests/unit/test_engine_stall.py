@@ -188,7 +188,7 @@ async def test_an_engine_answering_health_is_waited_for_with_a_warning_not_stall
     caplog.set_level(logging.WARNING)
     async with fake_engine(late_but_alive) as url, client() as c:
         out = await c.engine(url).generate(PAYLOAD)
-    assert out["output_ids"] == [4, 5]
+    assert out.replies[0].output_ids == (4, 5)
     assert f"engine {url}: POST /generate has had no answer for" in caplog.text
     assert "the engine answers /health (alive, busy): still waiting, up to 1.5 s" in caplog.text  # its generation bound
 

@@ -2,7 +2,8 @@
 
 The generic path is bounded `decode_json` then `check_generate_body`; for any SGLang-shaped answer (one reply or a
 batch, logprobs asked or not), any one mutation of a type, length or range, and the shapes only the generic path
-reads, both return the same JSON and the same checked replies, or both refuse with the same message.
+reads, both return the same checked replies, or both refuse with the same message. An answer of SGLang's shape is
+decoded once: into the typed schema, never also into plain JSON.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.engines import reply_decode
 from coordinator.engines.bounded import limits_for
 from coordinator.engines.errors import EngineReplyError
-from coordinator.engines.replies import check_generate_body
+from coordinator.engines.replies import GenerateReply, check_generate_body
 from coordinator.engines.reply_decode import read_generate_answer, read_generate_answer_async
 from tests.unit.test_engine_replies import MUTATIONS, URL, VOCAB, replies
 from workers.boundary.json_input import decode_json
@@ -31,16 +34,19 @@ def generic(raw: bytes, payload: dict[str, Any]) -> tuple[Any, Any]:
     except Exception as exc:
         return "refused", str(EngineReplyError(SOURCE, getattr(exc, "reason", str(exc))))
     try:
-        return value, check_generate_body(value, URL, payload, VOCAB)
+        return value, tuple(check_generate_body(value, URL, payload, VOCAB))
     except EngineReplyError as exc:
         return "refused", str(exc)
 
 
 def verdict(raw: bytes, payload: dict[str, Any]) -> tuple[Any, Any]:
+    """(the JSON the answer's bytes hold, its checked replies), or ("refused", the message)."""
     try:
-        return read_generate_answer(raw, URL, payload, VOCAB, LIMITS, source=SOURCE)
+        answer = read_generate_answer(raw, URL, payload, VOCAB, LIMITS, source=SOURCE)
     except EngineReplyError as exc:
         return "refused", str(exc)
+    assert answer.body is raw  # the bytes are kept as they came, for a forwarder
+    return json.loads(raw), answer.replies
 
 
 def payload_for(count: int, logprobs: bool) -> dict[str, Any]:
@@ -112,8 +118,44 @@ async def test_a_large_answer_is_read_off_the_loop_with_the_same_verdict() -> No
                                                            "output_token_logprobs": [[-0.5, i, None] for i in ids]}}
     raw = json.dumps(reply).encode()
     limits = limits_for(len(raw) + 1)
-    value, (checked,) = await read_generate_answer_async(raw, URL, payload_for(1, True), VOCAB, limits)
-    assert value == reply and checked.output_ids == tuple(ids)
+    answer = await read_generate_answer_async(raw, URL, payload_for(1, True), VOCAB, limits)
+    (checked,) = answer.replies
+    assert answer.body == raw and checked.output_ids == tuple(ids)
     reply["output_ids"][-1] = VOCAB
     with pytest.raises(EngineReplyError, match=f"token id {VOCAB}, outside the vocabulary"):
         await read_generate_answer_async(json.dumps(reply).encode(), URL, payload_for(1, True), VOCAB, limits)
+
+
+def test_an_sglang_shaped_answer_is_decoded_once_and_never_into_plain_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second decode of the same bytes (the plain JSON beside the typed schema, as before) fails this test."""
+    calls: list[str] = []
+    typed = reply_decode._ANSWER
+
+    class CountingDecoder:
+        def decode(self, raw: bytes) -> Any:
+            calls.append("typed")
+            return typed.decode(raw)
+
+    plain = msgspec.json.decode
+
+    def counting_plain(raw: bytes, *args: Any, **kwargs: Any) -> Any:
+        calls.append("plain")
+        return plain(raw, *args, **kwargs)
+
+    monkeypatch.setattr(reply_decode, "_ANSWER", CountingDecoder())
+    monkeypatch.setattr(msgspec.json, "decode", counting_plain)
+    reply = {"text": "ab", "output_ids": [3, 4], "meta_info": {
+        "id": "r1", "finish_reason": {"type": "length", "length": 2}, "weight_version": "7",
+        "output_token_logprobs": [[-0.5, 3, "a"], [-0.25, 4, "b"]], "routed_experts": [[1, 2]] * 40}}
+    for body in (reply, [reply, reply]):
+        calls.clear()
+        answer = read_generate_answer(json.dumps(body).encode(), URL, payload_for(1 if body is reply else 2, True),
+                                      VOCAB, LIMITS, source=SOURCE)
+        assert calls == ["typed"]
+        assert all(type(r) is GenerateReply and r.logprobs == (-0.5, -0.25) and r.weight_version == "7"
+                   for r in answer.replies)
+    calls.clear()  # outside the typed cover (no output_ids: SGLang before 0.5.1) the generic path decodes it
+    old = {"text": "a", "meta_info": {"finish_reason": {"type": "length", "length": 1},
+                                      "output_token_logprobs": [[-0.1, 7, None]]}}
+    (checked,) = read_generate_answer(json.dumps(old).encode(), URL, payload_for(1, True), VOCAB, LIMITS).replies
+    assert calls == ["typed", "plain"] and checked.output_ids == (7,)

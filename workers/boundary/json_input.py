@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import anyio
 import msgspec
 
 from workers.boundary.errors import BoundaryError
+
+#: a value of a JSON document as `decode_json` returns it (what a JSON object's fields, an HTTP body, a label hold)
+JsonValue: TypeAlias = bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"] | None
+#: a JSON object: a request or reply body, a message, a tool call
+JsonObject: TypeAlias = dict[str, JsonValue]
 
 PARSE_IN_THREAD_BYTES = 1 << 20  # above this, decoding takes long enough (>~5 ms) to move off the loop
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -57,6 +62,33 @@ def check_depth(value: Any, source: str, max_depth: int, *, level: int = 1) -> N
         for child in item.values() if isinstance(item, dict) else item:
             if isinstance(child, (list, dict)):
                 stack.append((child, depth + 1))
+
+
+# translate's delete tables: everything but the brackets; everything but the brackets, quotes and backslashes
+_BRACKETS_ONLY = bytes(range(256)).translate(None, b"[]{}")
+_BRACKETS_AND_QUOTES = bytes(range(256)).translate(None, b'[]{}"\\')
+
+
+def check_depth_of_bytes(raw: bytes, source: str, max_depth: int) -> None:
+    """The depth rule of `check_depth`, read from a document's bytes without decoding them (for a reader that
+    decoded only the fields it needs, e.g. into a msgspec schema that skips the rest). `raw` must be valid
+    JSON. Strings are cut out first (they may hold brackets): when no quote is escaped, every quote delimits
+    a string, so the pieces between an even and the next odd quote are outside strings; else by the string
+    pattern. Then each pass deletes the empty `[]` / `{}` pairs, exactly one level a pass (a pair is marked
+    before any is deleted, so a pair this pass empties waits for the next). All of it runs at C speed: about a
+    third of a plain decode of a reply with logprobs."""
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:  # depth is at most the number of openings
+        return
+    if b'\\"' in raw:
+        brackets = _STRING.sub(b"", raw).translate(None, _BRACKETS_ONLY)
+    else:  # outside strings valid JSON holds no backslash: the even pieces are brackets only
+        brackets = b"".join(raw.translate(None, _BRACKETS_AND_QUOTES).split(b'"')[0::2])
+    for _ in range(max_depth):
+        if not brackets:
+            return
+        brackets = brackets.replace(b"[]", b"\0").replace(b"{}", b"\1").replace(b"\0", b"").replace(b"\1", b"")
+    if brackets:
+        raise BoundaryError(source, f"JSON nested deeper than {max_depth} levels")
 
 
 def check_bounds(raw: bytes, source: str, limits: JsonLimits) -> None:

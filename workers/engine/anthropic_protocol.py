@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine.sampling_params import RequestError, show
 
 _ROLES = ("user", "assistant")
@@ -43,7 +44,7 @@ class MessagesSpec:
     meta_info: bool = False
 
 
-def _text_of(blocks: list[Any], where: str) -> str:
+def _text_of(blocks: list[JsonValue], where: str) -> str:
     texts = []
     for index, block in enumerate(blocks):
         if (
@@ -57,7 +58,7 @@ def _text_of(blocks: list[Any], where: str) -> str:
     return "\n".join(texts)
 
 
-def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _system(body: JsonObject) -> list[JsonObject]:
     system = body.get("system")
     if system is None:
         return []
@@ -70,7 +71,7 @@ def _system(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": text}] if text else []
 
 
-def _tool_result_text(block: dict[str, Any], where: str) -> str:
+def _tool_result_text(block: JsonObject, where: str) -> str:
     content = block.get("content")
     if content is None:
         return ""
@@ -81,7 +82,7 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
     raise RequestError(f"{where}.content must be a string or a list of text blocks")
 
 
-def _message(message: Any, index: int) -> list[dict[str, Any]]:
+def _message(message: JsonValue, index: int) -> list[JsonObject]:
     """One Anthropic message as the OpenAI messages it stands for (tool results become their own messages)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in _ROLES:
@@ -136,7 +137,7 @@ def _message(message: Any, index: int) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def _tools(body: JsonObject) -> list[JsonObject] | None:
     tools = body.get("tools")
     if tools is None:
         return None
@@ -166,7 +167,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return converted
 
 
-def _tool_choice(body: dict[str, Any]) -> str | None:
+def _tool_choice(body: JsonObject) -> str | None:
     choice = body.get("tool_choice")
     if choice is None:
         return None
@@ -179,7 +180,7 @@ def _tool_choice(body: dict[str, Any]) -> str | None:
     )
 
 
-def messages_request(body: Any, default_model: str, *, counting: bool = False) -> MessagesSpec:
+def messages_request(body: JsonValue, default_model: str, *, counting: bool = False) -> MessagesSpec:
     """A /v1/messages body (or a count_tokens body) as the chat body that runs it."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")

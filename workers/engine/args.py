@@ -27,10 +27,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
 
 from workers.boundary.errors import BoundaryError
 from workers.boundary.exposure import exposure_problem, key_problem
+from workers.boundary.json_input import JsonValue
 from workers.boundary.yaml_input import load_yaml
 
 #: A config file is a few flags; anything larger is not one.
@@ -259,7 +259,7 @@ def config_file_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[s
     return merged + rest
 
 
-def _flag_tokens(parser: argparse.ArgumentParser, path: str, key: str, value: Any, switches: set[str]) -> list[str]:
+def _flag_tokens(parser: argparse.ArgumentParser, path: str, key: str, value: JsonValue, switches: set[str]) -> list[str]:
     flag = "--" + key.replace("_", "-")
     if isinstance(value, bool):
         if key.replace("-", "_") not in switches:

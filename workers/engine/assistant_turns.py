@@ -20,6 +20,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from workers.boundary.json_input import JsonObject
 from workers.engine.finished_turns import Turn
 from workers.engine.openai_protocol import chat_request
 from workers.engine.openai_routes import EngineCore, OpenAIRoutes
@@ -44,13 +45,13 @@ class TurnRunner:
         self.chat = OpenAIRoutes(server)
 
     async def start(
-        self, chat_body: dict[str, Any], *, prefill: str, known: set[str], stops: list[str] | None = None
+        self, chat_body: JsonObject, *, prefill: str, known: set[str], stops: list[str] | None = None
     ) -> Started:
         """Validated, rendered and submitted; `RequestError` / `MemoryReleasedError` before anything runs."""
         _spec, seqs, group = await self.chat.start(chat_body)
         return Started(seqs[0], group, prefill, known, list(stops or []))
 
-    async def count(self, chat_body: dict[str, Any]) -> int:
+    async def count(self, chat_body: JsonObject) -> int:
         """The prompt's token count as the chat route would render it (nothing runs)."""
         template = self.chat._chat_input(chat_body)  # the chat route's limits and template rule, then its render
         spec = chat_request(chat_body, self.server.model_path)

@@ -30,7 +30,10 @@ from typing import Any, TypeVar
 import anyio
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
+from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from workers.boundary.json_input import JsonObject
 
 T = TypeVar("T")
 
@@ -107,7 +110,8 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None,
             sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -124,7 +128,7 @@ class RequestTemplateEnvironment(ImmutableSandboxedEnvironment):
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
 
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> object:
         if operator == "**":
             if (isinstance(right, int) and abs(right) > 64) or (isinstance(left, int) and abs(left) > 1 << 64):
                 raise SecurityError("a power this large is not computed in a chat template")
@@ -135,8 +139,8 @@ class RequestTemplateEnvironment(ImmutableSandboxedEnvironment):
         return left * right
 
 
-def render_request_template(template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                            tools: Any = None, **kwargs: Any) -> str:
+def render_request_template(template: str, messages: list[JsonObject], *, add_generation_prompt: bool,
+                            tools: object = None, **kwargs: object) -> str:
     """A request's own template over `messages`, as transformers passes its variables (blocking)."""
     try:
         compiled = RequestTemplateEnvironment().from_string(template)

@@ -9,12 +9,13 @@ Invariant: a rejected body is a 400 `{"error": {"message": ...}}` and changes no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from workers.boundary.json_input import JsonObject
 from workers.engine.replies import handle
 from workers.engine.sampling import RequestError
 
@@ -51,7 +52,7 @@ class ControlRoutes:
         return PlainTextResponse("Cache not flushed because there are running or waiting requests.\n", 400)
 
     async def abort_request(self, request: Request) -> Response:
-        async def action(body: dict[str, Any]) -> Response:
+        async def action(body: JsonObject) -> Response:
             rid = body.get("rid")
             if rid is not None and not isinstance(rid, str):
                 raise RequestError("'rid' must be a string")
@@ -61,7 +62,7 @@ class ControlRoutes:
         return await handle(request, self.server.args.max_request_bytes, action)
 
     async def pause_generation(self, request: Request) -> Response:
-        async def action(body: dict[str, Any]) -> Response:
+        async def action(body: JsonObject) -> Response:
             await self.server.scheduler.pause(str(body.get("mode", "abort")))
             return JSONResponse({"success": True, "message": "Generation paused successfully."})
 

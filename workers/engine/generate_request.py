@@ -13,10 +13,11 @@ tokenized off the event loop.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine.sampling import RequestError, parse_sampling_params
 from workers.engine.sampling_params import INT64_MAX, show
 from workers.engine.sequences import RequestGroup, Seq
@@ -63,7 +64,7 @@ class RequestBuilder:
             prompts.append(tokenizer.encode(text))
         return prompts
 
-    async def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    async def _prompts(self, body: JsonObject) -> tuple[list[list[int]], bool]:
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
             raise RequestError("give exactly one of 'text' or 'input_ids'")
@@ -101,7 +102,7 @@ class RequestBuilder:
                 )
         return [list(ids) for ids in prompts], batched
 
-    def _check_ids(self, prompts: list[Any]) -> None:
+    def _check_ids(self, prompts: list[JsonValue]) -> None:
         vocab = self.server.runner.vocab_size
         for ids in prompts:
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -118,7 +119,7 @@ class RequestBuilder:
             )
 
     @staticmethod
-    def _per_item(value: Any, count: int, name: str) -> list[Any]:
+    def _per_item(value: JsonValue, count: int, name: str) -> list[JsonValue]:
         if isinstance(value, list):
             if len(value) != count:
                 raise RequestError(f"'{name}' has {len(value)} entries for {count} prompts")
@@ -126,7 +127,7 @@ class RequestBuilder:
         return [value] * count
 
     @staticmethod
-    def _flag(body: dict[str, Any], key: str) -> bool:
+    def _flag(body: JsonObject, key: str) -> bool:
         value = body.get(key)
         if value is None:
             return False
@@ -134,12 +135,12 @@ class RequestBuilder:
             raise RequestError(f"'{key}' must be true or false, got {show(value)}")
         return value
 
-    def _int_field(self, value: Any, name: str, low: int) -> int:
+    def _int_field(self, value: JsonValue, name: str, low: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= INT64_MAX:
             raise RequestError(f"{name} must be an integer in [{low}, 2**63 - 1], got {show(value)}")
         return value
 
-    def _token_ids_logprob(self, value: Any, count: int) -> list[tuple[int, ...]]:
+    def _token_ids_logprob(self, value: JsonValue, count: int) -> list[tuple[int, ...]]:
         """SGLang's `token_ids_logprob`: one list of ids for every prompt, or one list per prompt (a list of
         lists); each id in the vocabulary."""
         if value is None:
@@ -154,9 +155,10 @@ class RequestBuilder:
             if not isinstance(ids, list) or not all(
                     isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
                 raise RequestError(f"'token_ids_logprob' must hold token ids in [0, {vocab}), got {show(ids)}")
-        return [tuple(ids) for ids in per_prompt]
+        return [tuple(ids) for ids in per_prompt]  # type: ignore[arg-type]
 
-    def _position_token_ids(self, value: Any, prompts: list[list[int]]) -> list[tuple[tuple[int, ...], ...] | None]:
+    def _position_token_ids(self, value: JsonValue, prompts: list[list[int]]
+                            ) -> list[tuple[tuple[int, ...], ...] | None]:
         """miles' patched-SGLang `token_ids_logprob_positions`: one list of ids per input position (from position
         0) of a single prompt, or one such list per prompt; each id in the vocabulary."""
         if value is None:
@@ -164,21 +166,21 @@ class RequestBuilder:
         nested = isinstance(value, list) and value and isinstance(value[0], list) and value[0] \
             and isinstance(value[0][0], list)
         per_prompt = value if nested else [value]
-        if not isinstance(value, list) or len(per_prompt) != len(prompts):
+        if not isinstance(value, list) or not isinstance(per_prompt, list) or len(per_prompt) != len(prompts):
             raise RequestError(f"'token_ids_logprob_positions' must be one list of ids per input position of "
                                f"each of the {len(prompts)} prompts")
         vocab = self.server.runner.vocab_size
-        out = []
+        out: list[tuple[tuple[int, ...], ...] | None] = []
         for positions, ids in zip(per_prompt, prompts, strict=True):
             if not isinstance(positions, list) or len(positions) != len(ids) or not all(
                     isinstance(row, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab
                                                   for i in row) for row in positions):
                 raise RequestError(f"'token_ids_logprob_positions' must hold {len(ids)} lists (one per input "
                                    f"position) of token ids in [0, {vocab})")
-            out.append(tuple(tuple(row) for row in positions))
+            out.append(tuple(tuple(row) for row in positions))  # type: ignore[arg-type,union-attr]
         return out
 
-    async def build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]:
+    async def build(self, body: JsonObject) -> tuple[list[Seq], bool, RequestGroup]:
         """Validate the whole request and make its sequences; nothing reaches the scheduler before this
         returns, so a bad request is refused whole and never joins (or breaks) the running batch."""
         if body.get("lora_path") is not None:

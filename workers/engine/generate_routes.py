@@ -20,10 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from workers.boundary.json_input import JsonObject
 from workers.engine.http_input import read_json
 from workers.engine.replies import error, released_error
 from workers.engine.sampling import RequestError
-from workers.engine.sequences import MemoryReleasedError, Seq
+from workers.engine.sequences import MemoryReleasedError, RequestGroup, Seq
 
 if TYPE_CHECKING:
     from workers.engine.args import EngineArgs
@@ -41,7 +42,7 @@ class GenerateCore(Protocol):
     @property
     def weight_version(self) -> str: ...
 
-    async def build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]: ...
+    async def build(self, body: JsonObject) -> tuple[list[Seq], bool, RequestGroup]: ...
 
 
 class GenerateRoutes:
@@ -56,7 +57,7 @@ class GenerateRoutes:
     def _token_text(self, token: int, with_text: bool) -> str | None:
         return self.server.runner.tokenizer.decode([token]) if with_text else None
 
-    def render(self, seq: Seq, *, with_text: bool, final: bool) -> dict[str, Any]:
+    def render(self, seq: Seq, *, with_text: bool, final: bool) -> JsonObject:
         scheduler = self.server.scheduler
         if final or seq.finished:
             text = scheduler.text_of(seq)
@@ -121,7 +122,7 @@ class GenerateRoutes:
         rendered = [self.render(seq, with_text=with_text, final=True) for seq in seqs]
         return JSONResponse(rendered[0] if single else rendered)
 
-    async def wait_or_disconnect(self, request: Request, group: Any) -> None:
+    async def wait_or_disconnect(self, request: Request, group: RequestGroup) -> None:
         """Wait for the group; if the client goes away first, abort its sequences."""
 
         async def watch_disconnect() -> None:
@@ -137,7 +138,7 @@ class GenerateRoutes:
             tg.cancel_scope.cancel()
 
     async def _stream(
-        self, group: Any, seqs: list[Seq], *, single: bool, with_text: bool
+        self, group: RequestGroup, seqs: list[Seq], *, single: bool, with_text: bool
     ) -> AsyncIterator[str]:
         sent: dict[int, tuple[int, bool]] = {}
         try:

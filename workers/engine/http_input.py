@@ -12,15 +12,13 @@ before its body is complete costs one log line (`ClientGone`), not a traceback.
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.requests import Request
 
 from workers.boundary.errors import BoundaryError
 from workers.boundary.http_gates import AdminKeyMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
 from workers.boundary.http_gates import ClientGone as _Gone
 from workers.boundary.http_gates import read_json as _read_json
-from workers.boundary.json_input import JsonLimits
+from workers.boundary.json_input import JsonLimits, JsonObject
 from workers.engine.sampling_params import RequestError
 
 __all__ = ["MAX_JSON_DEPTH", "AdminKeyMiddleware", "ApiKeyMiddleware", "BodyLimitMiddleware", "ClientGone",
@@ -34,7 +32,7 @@ class ClientGone(RequestError):
     """The client disconnected before its body was complete; the answer goes nowhere."""
 
 
-async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+async def read_json(request: Request, max_bytes: int) -> JsonObject:
     """The body as a JSON object ({} when empty); RequestError (400) otherwise."""
     limits = JsonLimits(max_bytes=max(max_bytes, 1), max_depth=MAX_JSON_DEPTH)
     try:

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from workers.boundary.json_input import JsonObject
 from workers.engine.replies import error, released_error
 from workers.engine.sampling import SamplingParams
 from workers.engine.sequences import MemoryReleasedError, RequestGroup, Seq
@@ -104,7 +105,7 @@ class InfoRoutes:
             return error("health check generation did not finish", 503)
         return Response(status_code=200)
 
-    def _model_info(self) -> dict[str, Any]:
+    def _model_info(self) -> JsonObject:
         return {
             "model_path": self.server.model_path,
             "tokenizer_path": self.server.args.tokenizer_path,
@@ -151,7 +152,7 @@ class InfoRoutes:
         )
         return JSONResponse(info)
 
-    def _memory_figures(self) -> dict[str, Any]:
+    def _memory_figures(self) -> JsonObject:
         runner = self.server.runner
         figures: dict[str, Any] = {
             "device": str(runner.device),

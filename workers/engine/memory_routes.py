@@ -11,12 +11,13 @@ stays 200.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from workers.boundary.json_input import JsonObject
 from workers.engine.replies import error, handle
 from workers.engine.sampling import RequestError
 from workers.engine.sampling_params import show
@@ -48,7 +49,7 @@ class MemoryRoutes:
         ]
 
     @staticmethod
-    def _tags(body: dict[str, Any]) -> set[str]:
+    def _tags(body: JsonObject) -> set[str]:
         tags = body.get("tags")
         if tags is None or tags == []:  # SGLang: null or empty means every tag
             return set(MEMORY_TAGS)
@@ -57,7 +58,7 @@ class MemoryRoutes:
         return set(tags)
 
     async def release_memory(self, request: Request) -> Response:
-        async def action(body: dict[str, Any]) -> Response:
+        async def action(body: JsonObject) -> Response:
             tags = self._tags(body)
             try:
                 freed = await self.server.scheduler.release(tags)
@@ -69,7 +70,7 @@ class MemoryRoutes:
         return await handle(request, self.server.args.max_request_bytes, action)
 
     async def resume_memory(self, request: Request) -> Response:
-        async def action(body: dict[str, Any]) -> Response:
+        async def action(body: JsonObject) -> Response:
             tags = self._tags(body)
             try:
                 await self.server.scheduler.resume_memory(tags)

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine.sampling_params import RequestError, show
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat) / logprobs (completions)
@@ -67,7 +68,7 @@ class GenerateBody:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _bool(body: dict[str, Any], key: str, default: bool = False) -> bool:
+def _bool(body: JsonObject, key: str, default: bool = False) -> bool:
     value = body.get(key)
     if value is None:
         return default
@@ -76,7 +77,7 @@ def _bool(body: dict[str, Any], key: str, default: bool = False) -> bool:
     return value
 
 
-def _optional_int(body: dict[str, Any], key: str, low: int, high: int | None = None) -> int | None:
+def _optional_int(body: JsonObject, key: str, low: int, high: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return None
@@ -91,7 +92,7 @@ def _optional_int(body: dict[str, Any], key: str, low: int, high: int | None = N
     return value
 
 
-def _model(body: dict[str, Any], default: str) -> str:
+def _model(body: JsonObject, default: str) -> str:
     model = body.get("model", default)
     if model is None:
         return default
@@ -100,7 +101,7 @@ def _model(body: dict[str, Any], default: str) -> str:
     return model
 
 
-def _sampling(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+def _sampling(body: JsonObject, max_tokens: int | None) -> JsonObject:
     params: dict[str, Any] = {"max_new_tokens": max_tokens}
     for key, target in _SAMPLING_MAP.items():
         if body.get(key) is not None:
@@ -114,7 +115,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
     return params
 
 
-def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+def _stream_options(body: JsonObject, stream: bool) -> bool:
     options = body.get("stream_options")
     if options is None:
         return False
@@ -125,7 +126,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     return _bool(options, "include_usage")
 
 
-def _common(body: dict[str, Any]) -> None:
+def _common(body: JsonObject) -> None:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     if body.get("lora_path") is not None:
@@ -135,7 +136,7 @@ def _common(body: dict[str, Any]) -> None:
         raise RequestError("'rid' must be a string")
 
 
-def _message_content(message: dict[str, Any], index: int) -> Any:
+def _message_content(message: JsonObject, index: int) -> JsonValue:
     """SGLang's 'string' content format: text parts joined with newlines; other parts refused."""
     content = message.get("content")
     if content is None or isinstance(content, str):
@@ -153,7 +154,7 @@ def _message_content(message: dict[str, Any], index: int) -> Any:
     return "\n".join(texts)
 
 
-def normalise_messages(messages: Any) -> list[dict[str, Any]]:
+def normalise_messages(messages: JsonValue) -> list[JsonObject]:
     """The messages as the chat template sees them (content flattened to a string, None kept)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of message objects")
@@ -169,7 +170,7 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
     return normalised
 
 
-def chat_request(body: dict[str, Any], default_model: str) -> GenerateBody:
+def chat_request(body: JsonObject, default_model: str) -> GenerateBody:
     """A /v1/chat/completions body as a generate body; `messages` left for the server to render unless
     `input_ids` are given (then the messages are not rendered, as in SGLang)."""
     _common(body)
@@ -233,7 +234,7 @@ def chat_request(body: dict[str, Any], default_model: str) -> GenerateBody:
     return result
 
 
-def completion_request(body: dict[str, Any], default_model: str) -> GenerateBody:
+def completion_request(body: JsonObject, default_model: str) -> GenerateBody:
     """A /v1/completions body as a generate body (text or token-id prompts, one or a batch)."""
     _common(body)
     stream = _bool(body, "stream")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from workers.boundary.json_input import JsonValue
+
 JsonDict = dict[str, Any]
 
 
@@ -23,7 +25,7 @@ def error_body(message: str, status: int, kind: str = "BadRequestError") -> Json
     return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
 
 
-def _finish(meta: JsonDict) -> tuple[str | None, Any]:
+def _finish(meta: JsonDict) -> tuple[str | None, JsonValue]:
     reason = meta.get("finish_reason")
     if not reason:
         return None, None

@@ -26,12 +26,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from workers.boundary.chat_requests import oversized_message, request_template
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine import openai_render as render
 from workers.engine.chat_template import TemplateRefused, bounded, render_request_template
 from workers.engine.http_input import read_json
 from workers.engine.openai_protocol import GenerateBody, chat_request, completion_request
 from workers.engine.sampling_params import RequestError
-from workers.engine.sequences import MemoryReleasedError, Seq
+from workers.engine.sequences import MemoryReleasedError, RequestGroup, Seq
 
 if TYPE_CHECKING:
     from workers.engine.args import EngineArgs
@@ -49,11 +50,11 @@ class EngineCore(Protocol):
     model_path: str
     context_length: int
 
-    async def build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]: ...
+    async def build(self, body: JsonObject) -> tuple[list[Seq], bool, RequestGroup]: ...
 
-    def render(self, seq: Seq, *, with_text: bool, final: bool) -> dict[str, Any]: ...
+    def render(self, seq: Seq, *, with_text: bool, final: bool) -> JsonObject: ...
 
-    async def wait_or_disconnect(self, request: Request, group: Any) -> None: ...
+    async def wait_or_disconnect(self, request: Request, group: RequestGroup) -> None: ...
 
 
 class RequestTooLarge(RequestError):
@@ -61,7 +62,7 @@ class RequestTooLarge(RequestError):
 
 
 def openai_error(
-    message: str, status: int = 400, kind: str = "BadRequestError", **extra: Any
+    message: str, status: int = 400, kind: str = "BadRequestError", **extra: JsonValue
 ) -> JSONResponse:
     return JSONResponse({**render.error_body(message, status, kind), **extra}, status_code=status)
 
@@ -122,7 +123,7 @@ class OpenAIRoutes:
             raise RequestError(str(exc)) from None
         return await anyio.to_thread.run_sync(lambda: list(tokenizer.encode(text, add_special_tokens=False)))
 
-    def _chat_input(self, body: dict[str, Any]) -> str | None:
+    def _chat_input(self, body: JsonObject) -> str | None:
         """The request's own chat template (None: the model's) once its messages passed their size limit (413)
         and a template of its own is allowed (400 unless --trust-request-chat-template)."""
         reason = oversized_message(body.get("messages"), self.server.args.max_message_bytes)
@@ -138,11 +139,11 @@ class OpenAIRoutes:
             raise RequestError("'chat_template' must be a string")
         return template
 
-    async def _start(self, request: Request, chat: bool) -> tuple[GenerateBody, list[Seq], Any]:
+    async def _start(self, request: Request, chat: bool) -> tuple[GenerateBody, list[Seq], RequestGroup]:
         body = await read_json(request, self.server.args.max_request_bytes)
         return await self.start(body, chat)
 
-    async def start(self, body: dict[str, Any], chat: bool = True) -> tuple[GenerateBody, list[Seq], Any]:
+    async def start(self, body: JsonObject, chat: bool = True) -> tuple[GenerateBody, list[Seq], RequestGroup]:
         """An OpenAI body validated, rendered, built and submitted (the other wire formats map onto a chat body
         and come in here)."""
         default_model = self.server.model_path
@@ -200,7 +201,7 @@ class OpenAIRoutes:
     # ---- streams -----------------------------------------------------------------------------------------
 
     async def _sse(
-        self, events: AsyncIterator[dict[str, Any]], group: Any, spec: GenerateBody, seqs: list[Seq]
+        self, events: AsyncIterator[JsonObject], group: RequestGroup, spec: GenerateBody, seqs: list[Seq]
     ) -> AsyncIterator[str]:
         try:
             async for event in events:
@@ -240,7 +241,7 @@ class OpenAIRoutes:
         sent[seq.index] = (text_sent + delta, end)
         return delta, tokens_sent, end
 
-    def _token_meta(self, seq: Seq, start: int, end: int, top: bool) -> dict[str, Any]:
+    def _token_meta(self, seq: Seq, start: int, end: int, top: bool) -> JsonObject:
         decode = self.server.runner.tokenizer.decode
         meta: dict[str, Any] = {
             "output_token_logprobs": [
@@ -254,7 +255,7 @@ class OpenAIRoutes:
             ]
         return meta
 
-    async def _changes(self, group: Any, seqs: list[Seq]) -> AsyncIterator[Seq]:
+    async def _changes(self, group: RequestGroup, seqs: list[Seq]) -> AsyncIterator[Seq]:
         """Each sequence whenever the scheduler may have advanced it, until the whole group is finished."""
         done: set[int] = set()
         while True:
@@ -269,13 +270,13 @@ class OpenAIRoutes:
             await group.changed.wait()
 
     async def _chat_events(
-        self, spec: GenerateBody, group: Any, seqs: list[Seq]
-    ) -> AsyncIterator[dict[str, Any]]:
+        self, spec: GenerateBody, group: RequestGroup, seqs: list[Seq]
+    ) -> AsyncIterator[JsonObject]:
         created, chunk_id = int(time.time()), seqs[0].public_id
         sent: dict[int, tuple[str, int]] = {}
         started: set[int] = set()
 
-        def event(choice: dict[str, Any]) -> dict[str, Any]:
+        def event(choice: JsonObject) -> JsonObject:
             return render.chunk("chat.completion.chunk", chunk_id, spec.model, [choice], created)
 
         async for seq in self._changes(group, seqs):
@@ -318,8 +319,8 @@ class OpenAIRoutes:
                 )
 
     async def _completion_events(
-        self, spec: GenerateBody, group: Any, seqs: list[Seq], echo: list[str] | None
-    ) -> AsyncIterator[dict[str, Any]]:
+        self, spec: GenerateBody, group: RequestGroup, seqs: list[Seq], echo: list[str] | None
+    ) -> AsyncIterator[JsonObject]:
         created, chunk_id = int(time.time()), seqs[0].public_id
         sent: dict[int, tuple[str, int]] = {}
         echoed: set[int] = set()

@@ -10,12 +10,12 @@ Invariant: a rejected input is one of these replies, never a 500 from the except
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from workers.boundary.http_gates import error_response
+from workers.boundary.json_input import JsonObject
 from workers.engine.http_input import read_json
 from workers.engine.sampling_params import RequestError
 from workers.engine.sequences import MemoryReleasedError
@@ -32,7 +32,7 @@ def released_error(exc: MemoryReleasedError) -> JSONResponse:
 
 
 async def handle(
-    request: Request, max_bytes: int, action: Callable[[dict[str, Any]], Awaitable[Response]]
+    request: Request, max_bytes: int, action: Callable[[JsonObject], Awaitable[Response]]
 ) -> Response:
     """`action` on the request's JSON body; a RequestError (from the body or the action) is a 400."""
     try:

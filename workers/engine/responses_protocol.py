@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine.sampling_params import RequestError, show
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -48,7 +49,7 @@ class ResponsesSpec:
     meta_info: bool = False
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: JsonValue, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -64,7 +65,7 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _items(items: Any) -> list[dict[str, Any]]:
+def _items(items: JsonValue) -> list[JsonObject]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -111,7 +112,7 @@ def _items(items: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _tools(body: dict[str, Any], spec: ResponsesSpec) -> list[dict[str, Any]] | None:
+def _tools(body: JsonObject, spec: ResponsesSpec) -> list[JsonObject] | None:
     tools = body.get("tools")
     if tools is None:
         return None
@@ -144,7 +145,7 @@ def _tools(body: dict[str, Any], spec: ResponsesSpec) -> list[dict[str, Any]] | 
     return converted
 
 
-def responses_request(body: Any, default_model: str) -> ResponsesSpec:
+def responses_request(body: JsonValue, default_model: str) -> ResponsesSpec:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     for key in ("previous_response_id", "conversation"):

@@ -25,13 +25,16 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from workers.engine.memory import WeightStash, return_freed_memory
 from workers.engine.sampling import RowResult, RowSampling, sample_rows
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 log = logging.getLogger("rayless.engine.runner")
 
@@ -132,7 +135,7 @@ class ModelRunner:
         self._last_token: dict[str, int] = {}
         self.stash = WeightStash(self.model, self.device, weight_spill_dir)
 
-    def _tensor(self, data: Any) -> torch.Tensor:
+    def _tensor(self, data: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def _eos_ids(self) -> frozenset[int]:
@@ -149,7 +152,7 @@ class ModelRunner:
 
     # ---- forward passes -------------------------------------------------------------------------------
 
-    def _new_cache(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
+    def _new_cache(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
         from transformers import DynamicCache
 
         if kv:
@@ -157,7 +160,7 @@ class ModelRunner:
         return DynamicCache(config=self.config)
 
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache: Any
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache
     ):
         if self.stash.released:
             raise WeightsReleasedError("the weights are released; call /resume_memory_occupation first")
@@ -167,7 +170,7 @@ class ModelRunner:
         ).logits
 
     @staticmethod
-    def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     @torch.inference_mode()

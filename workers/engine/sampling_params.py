@@ -28,6 +28,8 @@ from typing import Any
 
 import regex as regex_module  # the stop-regex matcher: like `re`, but a search can be given a timeout
 
+from workers.boundary.json_input import JsonObject, JsonValue
+
 
 class RequestError(ValueError):
     """Input the server rejects with 400 and this message."""
@@ -39,7 +41,7 @@ _repr.maxlist = _repr.maxdict = 8
 _repr.maxlevel = 3
 
 
-def show(value: Any) -> str:
+def show(value: object) -> str:
     """A repr short enough for an error message whatever the client sent (bounded size and depth)."""
     return _repr.repr(value)
 
@@ -126,7 +128,7 @@ class SamplingParams:
 # ---- typed readers: None means the default, as in SGLang's __post_init__ --------------------------------
 
 
-def _finite(value: Any, name: str) -> float:
+def _finite(value: JsonValue, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"{name} must be a number, got {show(value)}")
     try:
@@ -138,12 +140,12 @@ def _finite(value: Any, name: str) -> float:
     return number
 
 
-def _number(raw: dict[str, Any], key: str, default: float) -> float:
+def _number(raw: JsonObject, key: str, default: float) -> float:
     value = raw.get(key)
     return default if value is None else _finite(value, f"sampling_params.{key}")
 
 
-def _integer(raw: dict[str, Any], key: str, default: int | None) -> int | None:
+def _integer(raw: JsonObject, key: str, default: int | None) -> int | None:
     value = raw.get(key)
     if value is None:
         return default
@@ -156,7 +158,7 @@ def _integer(raw: dict[str, Any], key: str, default: int | None) -> int | None:
     return value
 
 
-def _boolean(raw: dict[str, Any], key: str, default: bool) -> bool:
+def _boolean(raw: JsonObject, key: str, default: bool) -> bool:
     value = raw.get(key)
     if value is None:
         return default
@@ -165,7 +167,7 @@ def _boolean(raw: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def _strings(raw: dict[str, Any], key: str) -> list[str]:
+def _strings(raw: JsonObject, key: str) -> list[str]:
     value = raw.get(key)
     if value is None:
         return []
@@ -208,7 +210,7 @@ def _subpattern_max(parser: Any, subpattern: Any) -> int:
     return total
 
 
-def _stop_regexes(raw: dict[str, Any]) -> tuple[tuple[str, ...], int]:
+def _stop_regexes(raw: JsonObject) -> tuple[tuple[str, ...], int]:
     patterns = _strings(raw, "stop_regex")
     if len(patterns) > MAX_STOP_REGEX_COUNT:
         raise RequestError(
@@ -231,7 +233,7 @@ def _stop_regexes(raw: dict[str, Any]) -> tuple[tuple[str, ...], int]:
 # ---- fields SGLang takes whose use here is refused or only checked -------------------------------------
 
 
-def _check_unsupported(raw: dict[str, Any]) -> None:
+def _check_unsupported(raw: JsonObject) -> None:
     grammars = [key for key in _GRAMMARS if raw.get(key) not in (None, "")]
     for key in grammars:
         if not isinstance(raw[key], str):
@@ -270,11 +272,11 @@ def _check_unsupported(raw: dict[str, Any]) -> None:
         )
 
 
-def _scalar(value: Any) -> bool:
+def _scalar(value: JsonValue) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def _custom_value_ok(value: Any) -> bool:
+def _custom_value_ok(value: JsonValue) -> bool:
     if isinstance(value, list):
         return all(_scalar(v) for v in value)
     if isinstance(value, dict):
@@ -282,7 +284,7 @@ def _custom_value_ok(value: Any) -> bool:
     return _scalar(value)
 
 
-def _logit_bias(raw: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+def _logit_bias(raw: JsonObject, vocab_size: int) -> tuple[tuple[int, float], ...]:
     value = raw.get("logit_bias")
     if value is None:
         return ()
@@ -300,7 +302,7 @@ def _logit_bias(raw: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float]
     return tuple(sorted(bias.items()))
 
 
-def _stop_token_ids(raw: dict[str, Any], vocab_size: int) -> frozenset[int]:
+def _stop_token_ids(raw: JsonObject, vocab_size: int) -> frozenset[int]:
     value = raw.get("stop_token_ids")
     if value is None:
         return frozenset()
@@ -316,7 +318,7 @@ def _stop_token_ids(raw: dict[str, Any], vocab_size: int) -> frozenset[int]:
 # ---- the whole item ------------------------------------------------------------------------------------
 
 
-def _verify(v: dict[str, Any], max_n: int) -> None:
+def _verify(v: JsonObject, max_n: int) -> None:
     """SGLang's verify(), in its order and words (plus our bounds on n and stream_interval)."""
     if v["temperature"] < 0.0:
         raise RequestError(f"temperature must be a non-negative finite number, got {v['temperature']}.")
@@ -347,7 +349,7 @@ def _verify(v: dict[str, Any], max_n: int) -> None:
         raise RequestError(f"sampling_params.stream_interval must be at least 1, got {v['stream_interval']}")
 
 
-def parse_sampling_params(raw: Any, *, vocab_size: int, max_n: int = 128) -> SamplingParams:
+def parse_sampling_params(raw: JsonValue, *, vocab_size: int, max_n: int = 128) -> SamplingParams:
     """Validate one `sampling_params` dict (None = all defaults) against SGLang's rules."""
     if raw is None:
         raw = {}

@@ -24,7 +24,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import torch
 
+from workers.boundary.json_input import JsonObject
 from workers.engine.runner import ModelRunner, PrefillItem, StepOutput
 from workers.engine.sampling import RequestError, RowResult, RowSampling
 from workers.engine.sequences import MemoryReleasedError, RequestGroup, Seq, SeqState
@@ -139,7 +140,7 @@ class Scheduler:
             if not seq.finished:
                 self._finish(seq, {"type": "abort", "message": message})
 
-    def _finish(self, seq: Seq, reason: dict[str, Any]) -> None:
+    def _finish(self, seq: Seq, reason: JsonObject) -> None:
         if seq.finished:
             return
         if seq.state is SeqState.WAITING:
@@ -378,7 +379,7 @@ class Scheduler:
             seq.output_logprobs[:] = logprobs
             self._finish(seq, reason)
 
-    def _decode_for_stops(self, ids: Any) -> str:
+    def _decode_for_stops(self, ids: Iterable[int]) -> str:
         # Special tokens included, as SGLang's tail check decodes them: stop=["<|im_end|>"] matches.
         return self.runner.tokenizer.decode(list(ids), skip_special_tokens=False)
 

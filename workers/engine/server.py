@@ -20,7 +20,6 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 import torch
@@ -31,6 +30,7 @@ from starlette.types import ASGIApp
 from workers import stack_dumps
 from workers.boundary.engine_routes import is_admin
 from workers.boundary.http_server import serve_process
+from workers.boundary.json_input import JsonObject
 from workers.engine.anthropic_routes import AnthropicRoutes
 from workers.engine.args import EngineArgs
 from workers.engine.batch_invariant import BatchInvariantRunner
@@ -45,7 +45,7 @@ from workers.engine.rescoring import Rescorer
 from workers.engine.responses_routes import ResponsesRoutes
 from workers.engine.runner import ModelRunner
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequences import Seq
+from workers.engine.sequences import RequestGroup, Seq
 from workers.engine.weight_routes import WeightRoutes
 
 log = logging.getLogger("rayless.engine")
@@ -81,14 +81,14 @@ class EngineServer:
 
     # ---- what /generate and the /v1 routes share ------------------------------------------------------
 
-    async def build(self, body: dict[str, Any]) -> tuple[list[Seq], bool, Any]:
+    async def build(self, body: JsonObject) -> tuple[list[Seq], bool, RequestGroup]:
         """Validate a /generate body whole and make its sequences (`RequestBuilder.build`)."""
         return await self.requests.build(body)
 
-    def render(self, seq: Seq, *, with_text: bool, final: bool) -> dict[str, Any]:
+    def render(self, seq: Seq, *, with_text: bool, final: bool) -> JsonObject:
         return self.generation.render(seq, with_text=with_text, final=final)
 
-    async def wait_or_disconnect(self, request: Request, group: Any) -> None:
+    async def wait_or_disconnect(self, request: Request, group: RequestGroup) -> None:
         await self.generation.wait_or_disconnect(request, group)
 
     # ---- app --------------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ reaches `max_new_tokens` finishes as `stop`, not `length`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import regex as regex_module
 
+from workers.boundary.json_input import JsonObject
 from workers.engine.sampling_params import SamplingParams
 
 REGEX_TIMEOUT_S = 0.05
@@ -30,7 +30,7 @@ REGEX_TIMEOUT_S = 0.05
 Decode = Callable[[Sequence[int]], str]
 
 
-def _text_stop(params: SamplingParams, output_ids: Sequence[int], decode: Decode) -> dict[str, Any] | None:
+def _text_stop(params: SamplingParams, output_ids: Sequence[int], decode: Decode) -> JsonObject | None:
     if params.stop:
         text = decode(output_ids)
         for stop in params.stop:
@@ -59,7 +59,7 @@ def finish_check(
     eos_ids: frozenset[int],
     max_new_tokens: int,
     decode: Decode,
-) -> dict[str, Any] | None:
+) -> JsonObject | None:
     """The finish reason after the last token of `output_ids` was accepted, or None to go on."""
     reason = _text_stop(params, output_ids, decode)
     if reason is not None:
@@ -72,7 +72,7 @@ def finish_check(
     return None
 
 
-def trim_text(text: str, reason: dict[str, Any] | None, no_stop_trim: bool) -> str:
+def trim_text(text: str, reason: JsonObject | None, no_stop_trim: bool) -> str:
     """Cut a matched stop string (or a literal regex) from `text`, as SGLang's detokenizer does."""
     matched = (reason or {}).get("matched")
     if not isinstance(matched, str):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import torch
@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from workers.boundary.json_input import JsonObject
 from workers.engine.http_input import read_json
 from workers.engine.replies import handle
 from workers.engine.runner import WeightUpdateError
@@ -83,11 +84,11 @@ class WeightRoutes:
         for group in self.groups.values():
             group.close()
 
-    async def _json(self, request: Request) -> dict[str, Any]:
+    async def _json(self, request: Request) -> JsonObject:
         return await read_json(request, self.server.args.max_request_bytes)
 
     async def update_weight_version(self, request: Request) -> Response:
-        async def action(body: dict[str, Any]) -> Response:
+        async def action(body: JsonObject) -> Response:
             new_version = body.get("new_version")
             if not isinstance(new_version, str) or not new_version:
                 raise RequestError("'new_version' must be a non-empty string")
@@ -111,7 +112,7 @@ class WeightRoutes:
             status_code=200 if success else 400,
         )
 
-    def _finish_update(self, body: dict[str, Any]) -> None:
+    def _finish_update(self, body: JsonObject) -> None:
         version = body.get("weight_version")
         if version is not None:
             self.server.scheduler.weight_version = str(version)
@@ -226,7 +227,7 @@ class WeightRoutes:
     def _session_result(success: bool, message: str) -> JSONResponse:
         return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
 
-    def _distributed_request(self, body: dict[str, Any]) -> tuple[WeightUpdateGroup, list[torch.dtype]]:
+    def _distributed_request(self, body: JsonObject) -> tuple[WeightUpdateGroup, list[torch.dtype]]:
         """The group and dtypes of a valid `/update_weights_from_distributed` body; RequestError otherwise."""
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         group_name = str(body.get("group_name") or "weight_update_group")

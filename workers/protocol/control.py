@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from anyio.abc import ByteStream
     from anyio.streams.buffered import BufferedByteReceiveStream
 
+    from replay.sample import Sample
+
 # 3: StepMetrics.extra (hook metrics); 4: offload / onload (colocation); 5: Hello.node_rank;
 # 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation); 7: SaveHfCommand (--save-hf);
 # 8: SaveCommand.publish and PublishCommand (a checkpoint published after its metrics row);
@@ -69,20 +71,18 @@ class WireSample(Record):
     opd_reverse_kl: list[float] | None = None
 
     @classmethod
-    def from_sample(cls, sample: Any) -> WireSample:
-        """A `replay.sample.Sample` (anything with its training fields) → plain ints and floats, validated
-        first when the sample can validate itself."""
-        validate = getattr(sample, "validate", None)
-        if validate is not None:
-            validate()
+    def from_sample(cls, sample: Sample) -> WireSample:
+        """A `replay.sample.Sample`, validated, → plain ints and floats (a hook may have left numpy or torch
+        values in its lists)."""
+        sample.validate()
         return cls(
             tokens=_ints(sample.tokens),
             response_length=int(sample.response_length),
             loss_mask=_ints(sample.loss_mask),
             rollout_log_probs=_floats(sample.rollout_log_probs),
             advantage=float(sample.advantage),
-            teacher_log_probs=_optional_floats(getattr(sample, "teacher_log_probs", None)),
-            opd_reverse_kl=_optional_floats(getattr(sample, "opd_reverse_kl", None)),
+            teacher_log_probs=_optional_floats(sample.teacher_log_probs),
+            opd_reverse_kl=_optional_floats(sample.opd_reverse_kl),
         )
 
 
