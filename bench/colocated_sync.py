@@ -99,7 +99,7 @@ async def run_bench(model_dir: Path, scratch: Path, snapshots: Path, url: str,
         group: TrainGroup = await tg.start(
             TrainGroup(nproc_per_node=1, run_dir=scratch / "run", extra_env=env, torch_threads=args.threads).run)
         info = await group.init(flat_settings({"model_path": str(model_dir), "lr": 0.0}))
-        print(f"rank on {info['device']}")
+        print(f"rank on {info.device}")
         async with EngineClient(max_connections=4, read_timeout=900.0) as client:
             for repeat in range(args.repeats):
                 results["floor"].append(await anyio.to_thread.run_sync(floor.measure, repeat))

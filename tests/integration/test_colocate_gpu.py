@@ -42,15 +42,15 @@ async def test_a_cuda_rank_offloads_to_host_memory_and_onloads_bit_identical(tmp
         await group.init(flat_settings(config))
         await group.train(0, samples)  # gradients and optimizer state exist from here on
         out = await group.offload(verify=True)
-        print("offload", {k: v for k, v in out.items() if k != "digests"})
-        freed = out["before_cuda_allocated_bytes"] - out["cuda_allocated_bytes"]
-        assert out["state_bytes"] > 4 * 80e6  # parameters, gradients and two Adam moments, float32
-        assert freed >= 0.8 * out["state_bytes"], (freed, out["state_bytes"])
-        assert out["cuda_reserved_bytes"] <= out["cuda_allocated_bytes"] + 64 * 2**20  # back to the driver
+        print("offload", out.seconds, out.figures())
+        freed = out.memory["before_cuda_allocated_bytes"] - out.memory["cuda_allocated_bytes"]
+        assert out.state_bytes > 4 * 80e6  # parameters, gradients and two Adam moments, float32
+        assert freed >= 0.8 * out.state_bytes, (freed, out.state_bytes)
+        assert out.memory["cuda_reserved_bytes"] <= out.memory["cuda_allocated_bytes"] + 64 * 2**20  # back to the driver
         back = await group.onload(verify=True)
-        print("onload", {k: v for k, v in back.items() if k != "digests"})
-        assert back["digests"] == out["digests"]
-        assert back["cuda_allocated_bytes"] >= out["state_bytes"]
+        print("onload", back.seconds, back.figures())
+        assert back.digests == out.digests and all(out.digests)
+        assert back.memory["cuda_allocated_bytes"] >= out.state_bytes
         assert torch.isfinite(torch.tensor((await group.train(1, samples))["loss"]))
 
         await group.init(flat_settings({**config, "train_memory_margin_bytes": 10**15}))  # more than any GPU has

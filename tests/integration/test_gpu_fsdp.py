@@ -42,7 +42,7 @@ async def test_fsdp2_step_on_cuda_matches_the_cpu_step(tiny_model_dir: Path, tmp
     samples = as_samples(synthetic_samples(tiny_model_dir, 8, seed=3))
     cpu_info, cpu = await one_step(tiny_model_dir, tmp_path / "cpu", samples, cuda=False, compute_dtype=None)
     gpu_info, gpu = await one_step(tiny_model_dir, tmp_path / "gpu", samples, cuda=True, compute_dtype="bfloat16")
-    assert cpu_info["device"] == "cpu" and gpu_info["device"].startswith("cuda")
+    assert cpu_info.device == "cpu" and gpu_info.device.startswith("cuda")
     # bf16 compute: ~3 significant digits
     assert gpu["loss"] == pytest.approx(cpu["loss"], rel=2e-2, abs=2e-3)
     assert gpu["entropy"] == pytest.approx(cpu["entropy"], rel=2e-2)

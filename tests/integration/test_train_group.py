@@ -103,7 +103,7 @@ async def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 async def test_training_reports_finite_metrics_per_step(first_run: FirstRun) -> None:
-    assert first_run.init_info["num_parameters"] > 0
+    assert first_run.init_info.num_parameters > 0
     for metrics in first_run.metrics:
         for key in METRICS:
             assert key in metrics and math.isfinite(metrics[key]), key

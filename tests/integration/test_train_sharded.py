@@ -118,9 +118,9 @@ async def test_lora_adapters_under_fsdp_on_cpu_train_as_one_process_does(sharded
     from transformers import AutoModelForCausalLM
 
     info = sharded_run.lora_info
-    assert 0 < info["trainable_parameters"] < info["num_parameters"]
+    assert 0 < info.trainable_parameters < info.num_parameters
     trainer = one_process(tiny_model_dir, sharded_run.lora_raw, lora=LORA, lr=1e-2)
-    one = trainer.export_weights(protocol.ExportWeightsCommand(str(tmp_path / "one"), "1"))["path"]
+    one = trainer.export_weights(protocol.ExportWeightsCommand(str(tmp_path / "one"), "1")).path
     expected = AutoModelForCausalLM.from_pretrained(str(one), dtype=torch.float32)
     got = AutoModelForCausalLM.from_pretrained(str(sharded_run.lora_exported), dtype=torch.float32).state_dict()
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).state_dict()
