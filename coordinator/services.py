@@ -222,13 +222,14 @@ async def start_processes(config: Config, processes: Processes, task_group: Task
             await p.colocation.release_at_startup()  # the ranks load the model into the memory freed
 
     async def start_ranks(group: TrainGroup) -> None:
-        from coordinator.hooks.args import rank_settings
+        from coordinator.hooks.args import tis_hook_args
+        from coordinator.train.settings import train_settings
 
         await task_group.start(group.run)
         clock.mark("ranks_ready_s")
         if p.colocation is not None:
             await p.colocation.startup_released.wait()
-        await group.init(rank_settings(config))
+        await group.init(train_settings(config, tis_hook_args=tis_hook_args(config)))
         clock.mark("ranks_initialised_s")
 
     async def load_tokenizer() -> None:

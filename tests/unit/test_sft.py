@@ -16,6 +16,7 @@ from coordinator.data.source import DataSourceError
 from coordinator.rollout.epochs import with_epoch_rollouts
 from coordinator.rollout.manager import RolloutManager
 from coordinator.rollout.sft_mask import ChatLossMask
+from coordinator.train.settings import train_settings
 from workers.train_rank.sft_loss import loss_function, sft_loss
 
 SLIME_SFT = "slime.rollout.sft_rollout.generate_rollout"
@@ -48,8 +49,8 @@ def test_slimes_sft_args_parse_into_the_sft_slice_and_start_no_engines(tiny_mode
         assert not config.needs_engines and config.num_rollout_engines == 0 and config.needs_train_ranks
         assert config.rollout.rollout_function_path == "coordinator.rollout.sft:SftRollout"
         assert SLIME_SFT in (porting_notice(config) or "")
-        assert config.rank_settings().loss.loss_type == "sft_loss"
-        assert not config.rank_settings().loss.recomputes_old_log_probs
+        assert train_settings(config).loss.loss_type == "sft_loss"
+        assert not train_settings(config).loss.recomputes_old_log_probs
     # without --debug-train-only an SFT run starts no engines either; replaying its dumps trains them again
     without = [a for a in sft_argv(tiny_model_dir, data, "--num-rollout", "2") if a != "--debug-train-only"]
     assert not parse_config(without).needs_engines
