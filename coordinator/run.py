@@ -296,7 +296,8 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
 
         rollouts = FaultInjectingSource(manager, ft.injector)
     loop = TrainingLoop(rollout=config.rollout, checkpoint=config.checkpoint, rollouts=rollouts,
-                        trainer=services.train_group, weight_sync=services.weight_sync, metrics=metrics,
+                        trainer=services.train_group.commands if services.train_group is not None else None,
+                        weight_sync=services.weight_sync, metrics=metrics,
                         num_rollout=num_rollout, resume_from=_resume_path(config), hooks=hooks, phases=phases,
                         progress=progress.run, colocation=services.colocation)
     clock.mark("loop_start_s")

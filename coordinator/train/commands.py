@@ -10,16 +10,17 @@ again only once they are back (`recovery`). Imports no torch (a resume's `load` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
 
-from coordinator.observe.startup import PhaseObserver
+from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
 from coordinator.observe.timeline import ranks_trained
 from coordinator.train.channel import ControlServer
+from coordinator.train.connection import RankInfo
 from coordinator.train.planning import (
     StepPlan,
     plan_steps,
@@ -60,19 +61,41 @@ def state_moves(per_rank: Sequence[protocol.StateMoveReply]) -> StateMoves:
 
 
 class TrainCommands:
-    """The commands of a group whose ranks are connected to `server` (`TrainGroup` sets what is declared)."""
+    """The commands of the ranks connected to `server`: what the loop, the weight sync, the colocation and an
+    eval fleet are handed as their trainer (`TrainGroup.commands`; the group owns the ranks' lifetime).
+
+    `max_restarts > 0` is train FT: a step or a state move lost to dead ranks is sent again once they are back
+    at the last checkpoint (`recovery`, at most `max_restarts` times). `observer` is told the phases of
+    "train-ranks" `init` goes through: loading, ready."""
 
     NAME = "train-ranks"
 
-    server: ControlServer
-    world_size: int
-    observer: PhaseObserver
-    recovery: RankRecovery | None
-    settings: TrainSettings | None
-    #: one dict of metrics per optimizer step of the last `train()`
-    step_metrics: list[dict[str, float]]
-    #: each rank's seconds in the last `train()` (the sum of its steps' `step_time_s`; the status server's)
-    rank_step_s: tuple[float, ...] = ()
+    def __init__(self, server: ControlServer, *, observer: PhaseObserver = NO_OBSERVER,
+                 max_restarts: int = 0) -> None:
+        self.server = server
+        self.world_size = server.world_size
+        self.observer = observer
+        self.recovery = RankRecovery(self, max_recoveries=max_restarts) if max_restarts > 0 else None
+        #: what `init` sent (train FT initialises restarted ranks with it again)
+        self.settings: TrainSettings | None = None
+        #: one dict of metrics per optimizer step of the last `train()`
+        self.step_metrics: list[dict[str, float]] = []
+        #: each rank's seconds in the last `train()` (the sum of its steps' `step_time_s`; the status server's)
+        self.rank_step_s: tuple[float, ...] = ()
+
+    @property
+    def ranks(self) -> dict[int, RankInfo]:
+        """The ranks connected now."""
+        return self.server.ranks
+
+    async def wait_for_ranks(self, *, replacing: Collection[tuple[int, int]] = ()) -> dict[int, RankInfo]:
+        """Wait until every rank is connected (see `ControlServer.wait_for_ranks`)."""
+        return await self.server.wait_for_ranks(replacing=replacing)
+
+    @property
+    def recoveries(self) -> int:
+        """Train FT recoveries made so far (0 without train FT)."""
+        return self.recovery.recoveries if self.recovery is not None else 0
 
     async def _ask(self, commands: dict[int, protocol.Command], reply: type[R]) -> dict[int, R]:
         """Each rank's reply, typed: the channel checked that each is its command's record (`Command.reply`)."""
@@ -102,7 +125,7 @@ class TrainCommands:
         (`max_restarts > 0`) a step lost to dead ranks is sent again once they are back (`recovery`).
         """
         if self.settings is None:
-            raise RuntimeError("TrainGroup.train() before init(): call init(settings) first")
+            raise RuntimeError("train() before init(): call init(settings) first")
         if self.recovery is None:
             return await self._train_once(rollout_id, samples)
         return await self.recovery.run_step(rollout_id, lambda: self._train_once(rollout_id, samples))

@@ -39,7 +39,7 @@ class LoadedCheckpoint(Protocol):
 
 
 class RestartableGroup(Protocol):
-    """What recovery needs of the group it serves (`coordinator.train.group.TrainGroup`)."""
+    """What recovery needs of the ranks it serves (`coordinator.train.commands.TrainCommands`)."""
 
     world_size: int
     settings: TrainSettings | None

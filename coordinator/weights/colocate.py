@@ -51,7 +51,7 @@ class MovedState(Protocol):
 
 
 class StateMover(Protocol):
-    """The training ranks' side (TrainGroup)."""
+    """The training ranks' side (`TrainGroup.commands`)."""
 
     async def offload(self, rollout_id: int = -1, *, verify: bool = False) -> MovedState: ...
 

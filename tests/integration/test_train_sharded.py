@@ -21,6 +21,7 @@ import torch
 from coordinator.train.errors import RankCommandError, RankFailure
 from coordinator.train.group import TrainGroup
 from coordinator.train.planning import plan_steps
+from coordinator.train.torchrun import TorchrunSpec
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 from tests.support.train_settings import flat_settings, init_command
 from workers import protocol
@@ -58,22 +59,22 @@ async def sharded_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     lora_raw = synthetic_samples(tiny_model_dir, 12, seed=22)
     with anyio.fail_after(300):
         async with anyio.create_task_group() as tg:
-            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
-            await group.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3)))
-            metrics = await group.train(0, as_samples(raw))
-            exported = await group.export_weights(tmp_path / "weights", weight_version=1)
+            group: TrainGroup = await tg.start(TrainGroup(TorchrunSpec(nproc_per_node=2), run_dir=tmp_path / "run").run)
+            await group.commands.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3)))
+            metrics = await group.commands.train(0, as_samples(raw))
+            exported = await group.commands.export_weights(tmp_path / "weights", weight_version=1)
             # the process group's timeout is the short one from here on (set after that first step)
-            lora_info = await group.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", lora=LORA,
+            lora_info = await group.commands.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", lora=LORA,
                                                                   lr=1e-2, train_pg_timeout_s=3)))
-            await group.train(0, as_samples(lora_raw))
-            lora_exported = await group.export_weights(tmp_path / "lora-weights", weight_version=1)
+            await group.commands.train(0, as_samples(lora_raw))
+            lora_exported = await group.commands.export_weights(tmp_path / "lora-weights", weight_version=1)
 
             # A stopped rank: the other's collective gives up after 3 s, not 600.
             victim = group.ranks[1].pid
             os.kill(victim, signal.SIGSTOP)
             try:
                 with anyio.fail_after(60), pytest.raises((RankCommandError, RankFailure)) as failure:
-                    await group.train(1, as_samples(lora_raw))
+                    await group.commands.train(1, as_samples(lora_raw))
             finally:
                 os.kill(victim, signal.SIGCONT)
             tg.cancel_scope.cancel()

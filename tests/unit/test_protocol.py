@@ -21,6 +21,7 @@ import torch
 
 from coordinator.train.errors import RankCommandError, RankFailure
 from coordinator.train.group import TrainGroup
+from coordinator.train.torchrun import TorchrunSpec
 from tests.support.memory import PeakMemory
 from tests.support.train_settings import init_command
 from workers import protocol
@@ -208,7 +209,7 @@ def test_sender_refuses_a_frame_over_the_limit() -> None:
 
 
 async def start_listener(tg: anyio.abc.TaskGroup, world_size: int = 1, **kwargs: object) -> TrainGroup:
-    group = TrainGroup(nproc_per_node=world_size, run_dir=kwargs.pop("run_dir"), launch=False, **kwargs)  # type: ignore[arg-type]
+    group = TrainGroup(TorchrunSpec(nproc_per_node=world_size), run_dir=kwargs.pop("run_dir"), launch=False, **kwargs)  # type: ignore[arg-type]
     tg.start_soon(group.run)
     await group.listening.wait()
     return group
@@ -290,7 +291,7 @@ async def test_frame_over_the_limit_is_refused_by_the_receiver(tmp_path) -> None
 
         thread = serve_in_thread(channel, answer_too_much)
         with anyio.fail_after(10), pytest.raises(RankFailure, match="over the control-channel limit of 4096 bytes"):
-            await group.weight_manifest()
+            await group.commands.weight_manifest()
         await anyio.to_thread.run_sync(thread.join, 10)
         tg.cancel_scope.cancel()
 
@@ -332,14 +333,14 @@ async def test_commands_reach_every_rank_and_errors_name_the_rank(tmp_path) -> N
             threads.append(serve_in_thread(channel, make_handler(rank)))
         await group.ready.wait()
         assert sorted(group.ranks) == [0, 1]
-        assert await group.weight_manifest() == [("w", "float32", [2])]
+        assert await group.commands.weight_manifest() == [("w", "float32", [2])]
         with pytest.raises(
             RankCommandError, match=r"command 'load' failed on rank\(s\) 1: CheckpointError: no such dir"
         ):
-            await group.load("/nowhere")
+            await group.commands.load("/nowhere")
         # Ranks may be out of step after a failed command: the group refuses further calls.
         with pytest.raises(RuntimeError, match="unusable after an earlier failed command"):
-            await group.weight_manifest()
+            await group.commands.weight_manifest()
         assert seen == {0: ["weight_manifest", "load"], 1: ["weight_manifest", "load"]}
         await group.shutdown()
         for thread in threads:
@@ -370,7 +371,7 @@ async def test_a_rank_that_disconnects_fails_the_pending_call_at_once(tmp_path) 
             with pytest.raises(
                 RankFailure, match=r"training rank\(s\) 1 failed: rank 1 \(pid 12345\) closed"
             ) as info:
-                await group.weight_manifest()
+                await group.commands.weight_manifest()
         assert info.value.ranks == [1]
         release.set()
         await group.shutdown()
@@ -394,7 +395,7 @@ async def test_a_reconnected_rank_makes_the_group_usable_again(tmp_path) -> None
             await group.wait_for_ranks()
         channels[1].close()  # rank 1 dies
         with anyio.fail_after(10), pytest.raises(RankFailure, match=r"rank\(s\) 1 failed"):
-            await group.weight_manifest()
+            await group.commands.weight_manifest()
         restarted = hello(group.token, rank=1, world_size=2)
         restarted.restart_count = 1
         channel = await anyio.to_thread.run_sync(protocol.RankChannel.connect, group.address, restarted)
@@ -402,7 +403,7 @@ async def test_a_reconnected_rank_makes_the_group_usable_again(tmp_path) -> None
         with anyio.fail_after(10):
             ranks = await group.wait_for_ranks()
         assert ranks[1].restart_count == 1
-        assert await group.weight_manifest() == [("w", "float32", [1])]
+        assert await group.commands.weight_manifest() == [("w", "float32", [1])]
         await group.shutdown()
         for thread in (thread0, thread1):
             await anyio.to_thread.run_sync(thread.join, 10)
@@ -423,7 +424,7 @@ async def test_a_rank_answering_with_another_commands_reply_fails_that_rank(tmp_
         with anyio.fail_after(10), pytest.raises(
             RankFailure, match=r"rank 0 .* sent an invalid message: answered a 'weight_manifest' command with a "
                                r"'load' reply"):
-            await group.weight_manifest()
+            await group.commands.weight_manifest()
         await group.shutdown()
         await anyio.to_thread.run_sync(thread.join, 10)
 
@@ -499,7 +500,7 @@ async def test_a_peer_without_the_token_cannot_stall_or_inflate_the_coordinator(
             while len(replies) < len(frames) or len(latencies) < 20:
                 started = anyio.current_time()
                 with anyio.fail_after(30):
-                    assert await group.weight_manifest() == []
+                    assert await group.commands.weight_manifest() == []
                 latencies.append(anyio.current_time() - started)
                 await anyio.sleep(0.01)
         growth = memory.growth_mib
