@@ -174,7 +174,7 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
             await group.commands.init(flat_settings(config_for(tiny_model_dir, tmp_path / "ckpt")))
             info = await group.commands.load_checkpoint(resolve_checkpoint(broken, 0))
             assert info.rollout_id == 0 and info.extra == {"data_source": {"epoch": 0, "offset": 8}}
-            assert info.path == broken / "rollout_0"
+            assert info.path == str(broken / "rollout_0")  # LoadReply: plain data on the wire
             for rollout_id in (1, 2):
                 metrics = await group.commands.train(rollout_id, as_samples(first_run.rollouts[rollout_id]))
                 for key in ("loss", "pg_loss", "grad_norm", "kl", "entropy", "lr"):
