@@ -12,10 +12,13 @@ reports every check and plans leniently itself (`coordinator.checks.dry_run`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from coordinator.config import Config
-from coordinator.plan import PlacementPlan
 from coordinator.plan.layout import NodeLayout, resolve_layout
+
+if TYPE_CHECKING:
+    from coordinator.plan import PlacementPlan
 
 
 @dataclass(frozen=True)
