@@ -34,6 +34,7 @@ from bench.colocate import model_spec
 from coordinator.engines.client import EngineClient
 from coordinator.plan.snapshots import TMPFS
 from coordinator.train.group import TrainGroup
+from coordinator.train.torchrun import TorchrunSpec
 from tests.support.engine_proc import start_engine_process
 from tests.support.train_settings import flat_settings
 from workers.tiny_model import build_tiny_model, count_parameters
@@ -80,7 +81,7 @@ class Floor:
 
 async def sync_once(group: TrainGroup, client: EngineClient, url: str, directory: Path, version: str) -> dict[str, float]:
     started = time.perf_counter()
-    path = await group.export_weights(directory, version, keep=2)
+    path = await group.commands.export_weights(directory, version, keep=2)
     exported = time.perf_counter()
     await client.engine(url).update_weights_from_disk(str(path), weight_version=version, flush_cache=True)
     loaded = time.perf_counter()
@@ -97,9 +98,9 @@ async def run_bench(model_dir: Path, scratch: Path, snapshots: Path, url: str,
     env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
     async with anyio.create_task_group() as tg:
         group: TrainGroup = await tg.start(
-            TrainGroup(nproc_per_node=1, run_dir=scratch / "run", extra_env=env, torch_threads=args.threads).run)
-        info = await group.init(flat_settings({"model_path": str(model_dir), "lr": 0.0}))
-        print(f"rank on {info['device']}")
+            TrainGroup(TorchrunSpec(nproc_per_node=1), run_dir=scratch / "run", extra_env=env, torch_threads=args.threads).run)
+        info = await group.commands.init(flat_settings({"model_path": str(model_dir), "lr": 0.0}))
+        print(f"rank on {info.device}")
         async with EngineClient(max_connections=4, read_timeout=900.0) as client:
             for repeat in range(args.repeats):
                 results["floor"].append(await anyio.to_thread.run_sync(floor.measure, repeat))

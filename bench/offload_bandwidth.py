@@ -92,13 +92,13 @@ def main() -> None:
         for _ in range(options.repeats):
             out = trainer.offload(protocol.OffloadCommand(verify=True))
             back = trainer.onload(protocol.OnloadCommand(verify=True))
-            same = same and out["digest"] == back["digest"]
-            state_bytes = int(out["state_bytes"])
-            offloads.append(out["seconds"])
-            onloads.append(back["seconds"])
+            same = same and out.digest == back.digest
+            state_bytes = out.state_bytes
+            offloads.append(out.seconds)
+            onloads.append(back.seconds)
     down_floor, up_floor = floor_gbps(state_bytes, options.device, options.repeats)
     down, up = state_bytes / statistics.median(offloads) / 1e9, state_bytes / statistics.median(onloads) / 1e9
-    print(f"rank state: {info['num_parameters'] / 1e6:.1f} M parameters, {state_bytes / 2**30:.2f} GiB "
+    print(f"rank state: {info.num_parameters / 1e6:.1f} M parameters, {state_bytes / 2**30:.2f} GiB "
           f"(parameters, gradients, AdamW) on {options.device}; medians of {options.repeats}")
     print(f"offload {statistics.median(offloads):.3f} s = {down:.2f} GB/s vs floor {down_floor:.2f} GB/s "
           f"({down / down_floor:.2f}×); onload {statistics.median(onloads):.3f} s = {up:.2f} GB/s vs floor "

@@ -203,7 +203,7 @@ def rank_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int, 
     _sync(device)
     train_s = time.perf_counter() - started
     peak = _peak_bytes(device)
-    step = protocol.TrainResult.from_wire(answer).steps[0]
+    step = answer.steps[0]
     with counting_pairs() as pairs:  # one forward of every micro-batch: the attention pairs the kernel computed
         floor_s = _forward_backward(trainer.model, batches)
     _sync(device)

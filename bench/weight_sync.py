@@ -37,6 +37,7 @@ import torch
 
 from coordinator.engines.client import EngineClient
 from coordinator.train.group import TrainGroup
+from coordinator.train.torchrun import TorchrunSpec
 from coordinator.weights.distributed import FLATTENED_BUCKET, DistributedUpdate
 from tests.support.engine_proc import start_engine_process
 from tests.support.train_settings import flat_settings
@@ -78,7 +79,7 @@ async def push_by_disk(
     group: TrainGroup, client: EngineClient, urls: list[str], directory: Path, version: str
 ) -> dict[str, float]:
     started = time.perf_counter()
-    path = await group.export_weights(directory, version, keep=2)
+    path = await group.commands.export_weights(directory, version, keep=2)
     exported = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for url in urls:
@@ -106,7 +107,7 @@ async def sample_rss(pid: int, peak: list[int], period_s: float = 0.002) -> None
 async def push_by_distributed(
     group: TrainGroup, client: EngineClient, urls: list[str], version: str, bucket_bytes: int
 ) -> dict[str, float]:
-    update = DistributedUpdate(client=client, trainer=group, host="127.0.0.1", backend="gloo",
+    update = DistributedUpdate(client=client, trainer=group.commands, host="127.0.0.1", backend="gloo",
                                bucket_bytes=bucket_bytes, load_format=FLATTENED_BUCKET, join_timeout_s=120)
     rank0 = psutil.Process(group.ranks[0].pid)
     before = rank0.memory_info().rss
@@ -137,9 +138,9 @@ async def run_bench(
     )
     async with anyio.create_task_group() as tg:
         group: TrainGroup = await tg.start(
-            TrainGroup(nproc_per_node=args.ranks, run_dir=scratch / "run", torch_threads=args.threads).run
+            TrainGroup(TorchrunSpec(nproc_per_node=args.ranks), run_dir=scratch / "run", torch_threads=args.threads).run
         )
-        await group.init(flat_settings({"model_path": str(model_dir), "lr": 0.0}))
+        await group.commands.init(flat_settings({"model_path": str(model_dir), "lr": 0.0}))
         async with EngineClient(max_connections=8, read_timeout=600.0) as client:
             for repeat in range(args.repeats):
                 results["floor"].append(await anyio.to_thread.run_sync(floor.measure, repeat))

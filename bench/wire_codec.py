@@ -3,7 +3,8 @@
 Measures, in one run, for TrainCommands of N samples (prompt + response tokens, one logprob per response
 token): frame bytes, the best of R encodes and decodes through `workers.protocol` (typed: every field's type
 checked while decoding), and the floor — msgpack-python packing / unpacking the same plain values, building no
-message and checking nothing — with the ratio ours / floor. Time grows linearly in N for both.
+message and checking nothing — with the ratio ours / floor. Time grows linearly in N for both. Then the same
+for a rank's typed reply to a TrainCommand (a `Response` holding a `TrainResult` of S steps' `StepMetrics`).
 
     .venv/bin/python -m bench.wire_codec [--samples 32 128 512] [--tokens 1024] [--repeats 5]
 
@@ -40,6 +41,12 @@ def shard(count: int, tokens: int, seed: int = 0) -> protocol.Request:
     return protocol.Request(1, protocol.TrainCommand(0, steps, [len(step) * response for step in steps]))
 
 
+def reply(steps: int) -> protocol.Response:
+    metrics = protocol.StepMetrics(0.5, 0.4, 512.0, 3.0, 90.0, 0.01, 2.5, 1024.0, 0.2, 1.1, 1e-6, 0.8,
+                                   extra={"tis/mean": 0.9})
+    return protocol.Response(1, True, protocol.TrainResult([metrics] * steps))
+
+
 def best(repeats: int, work: Callable[[], Any]) -> float:
     times = []
     for _ in range(repeats):
@@ -68,6 +75,20 @@ def main() -> None:
         decode_floor = best(args.repeats, lambda: msgpack.unpackb(body))  # noqa: B023
         print(f"{count:>8} {len(frame) / 1e6:>7.2f} {encode * 1e3:>10.1f} {encode_floor * 1e3:>8.1f} "
               f"{encode / encode_floor:>6.2f} {decode * 1e3:>10.1f} {decode_floor * 1e3:>8.1f} "
+              f"{decode / decode_floor:>6.2f}")
+    print(f"\n{'steps':>8} {'KB':>7} {'encode µs':>10} {'floor':>8} {'ratio':>6} {'decode µs':>10} {'floor':>8} {'ratio':>6}")
+    for steps in (1, 16, 256):
+        response = reply(steps)
+        frame = protocol.encode_frame(response)
+        body = frame[4:]
+        plain = msgpack.unpackb(body)
+        assert protocol.decode_body(body) == response
+        encode = best(args.repeats * 20, lambda: protocol.encode_frame(response))  # noqa: B023
+        encode_floor = best(args.repeats * 20, lambda: msgpack.packb(plain))  # noqa: B023
+        decode = best(args.repeats * 20, lambda: protocol.decode_body(body))  # noqa: B023
+        decode_floor = best(args.repeats * 20, lambda: msgpack.unpackb(body))  # noqa: B023
+        print(f"{steps:>8} {len(frame) / 1e3:>7.1f} {encode * 1e6:>10.1f} {encode_floor * 1e6:>8.1f} "
+              f"{encode / encode_floor:>6.2f} {decode * 1e6:>10.1f} {decode_floor * 1e6:>8.1f} "
               f"{decode / decode_floor:>6.2f}")
 
 

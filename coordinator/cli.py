@@ -75,28 +75,21 @@ def train_main(argv: Sequence[str]) -> int:
     Multi-node (`--actor-num-nodes N`): the same command runs on every node; the launcher's environment says
     which node this is (`coordinator.plan.layout`). Node 0 runs the coordinator; any other node runs only its
     share of the plan (`coordinator.nodes.agent`), connected back to node 0."""
-    from coordinator.checks.preflight import preflight
+    from coordinator.checks.resolve import resolve
     from coordinator.config import ConfigError, ConfigWarning, parse_config
     from coordinator.config.secrets import config_secrets, mask_text, secret_values_in_argv
-    from coordinator.plan.layout import resolve_layout
 
     secrets = secret_values_in_argv(argv)
     layout_warnings: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         try:
-            config = parse_config(argv)
-            config, layout, layout_warnings = resolve_layout(config, lenient=config.debug.dry_run)
+            # the layout, the checks, the rollout count and the plan, in that order (`checks.resolve`)
+            resolved = resolve(parse_config(argv))
+            config, layout, plan = resolved.config, resolved.layout, resolved.plan
+            layout_warnings = list(resolved.warnings)
             if layout is not None and layout.token.value is not None:
                 secrets.add(layout.token.value)
-            if not config.debug.dry_run:
-                preflight(config)
-                from coordinator.plan import plan_for_launch
-                from coordinator.rollout.epochs import with_epoch_rollouts
-
-                config = with_epoch_rollouts(config)  # --num-epoch: the rollouts counted from the data
-
-                plan = plan_for_launch(config, layout)
         except ConfigError as error:
             print(f"rayless train: error: {mask_text(str(error), secrets)}", file=sys.stderr)
             return 2
@@ -111,6 +104,7 @@ def train_main(argv: Sequence[str]) -> int:
         secrets |= config_secrets(config)
         return dry_run(config, mask=lambda text: mask_text(text, secrets), layout=layout,
                        layout_warnings=layout_warnings)
+    assert plan is not None  # `resolve` plans every config it resolves for a launch
     if layout is not None and not layout.is_coordinator:
         from coordinator.nodes.agent import run_node_sync
 

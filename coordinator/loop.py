@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
+import msgspec
 
 from coordinator.config import CheckpointConfig, RolloutConfig
 from coordinator.config.checkpoint import save_hf_path
@@ -55,6 +56,13 @@ def staleness_histogram(samples: Any, version: int) -> dict[str, float]:
             behind = max(version - int(first[0]), 0)
             counts[behind] = counts.get(behind, 0) + 1
     return {f"rollout/staleness/{behind}": float(count) for behind, count in sorted(counts.items())}
+class SavedProgress(msgspec.Struct):
+    """What the loop saves beside the ranks' state (a checkpoint's `extra`), read back typed on a resume."""
+
+    rollout_id: int = -1
+    weight_version: str = ""
+    #: the rollout source's position right after the trained batch (`RolloutSource.state_dict`)
+    rollout_state: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class RolloutSource(Protocol):
@@ -66,7 +74,7 @@ class RolloutSource(Protocol):
 
 
 class Checkpoint(Protocol):
-    """What a trainer's `load_checkpoint` returns (`workers.train_rank.checkpoint.LoadedCheckpoint`)."""
+    """What a trainer's `load_checkpoint` returns (rank 0's `workers.protocol.LoadReply`)."""
 
     @property
     def rollout_id(self) -> int: ...
@@ -243,7 +251,7 @@ class TrainingLoop:
         self._result.checkpoint = self.resume_from
         self.start_rollout = checkpoint.rollout_id + 1
         self.version = self.start_rollout
-        self._trained_state = checkpoint.extra.get("rollout_state", {})
+        self._trained_state = msgspec.convert(checkpoint.extra, SavedProgress).rollout_state
         self.rollouts.load_state_dict(self._trained_state)
         log.info("resumed from %s (the checkpoint of rollout %d): continuing at rollout %d", self.resume_from,
                  checkpoint.rollout_id, self.start_rollout)
@@ -351,8 +359,7 @@ class TrainingLoop:
         """Save the last trained rollout, `rollout_id`, with the data position right after its batch; with
         `publish=False` the checkpoint waits for `trainer.publish` (the step's metrics row first)."""
         assert self.trainer is not None and rollout_id == self._last_trained, (rollout_id, self._last_trained)
-        extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
-                 "rollout_state": self._trained_state}
+        extra = msgspec.to_builtins(SavedProgress(rollout_id, self.weight_version, self._trained_state))
         with timeline.span("save"):
             if self.checkpoint.save:
                 path = await self.trainer.save(rollout_id, extra, publish=publish)

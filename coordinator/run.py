@@ -43,7 +43,6 @@ from coordinator.observe.stacks import disable as disable_stacks
 from coordinator.observe.stacks import enable as enable_stacks
 from coordinator.observe.timeline import recording
 from coordinator.observe.watchdog import LoopWatchdog
-from coordinator.rollout.epochs import with_epoch_rollouts
 from workers.errors import RaylessError
 
 if sys.version_info < (3, 11):
@@ -124,20 +123,24 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
                        stop: StopSignals | None = None) -> dict[str, Any]:
     """Run the job; returns a summary (also written to <run_dir>/summary.json).
 
-    `plan`: the placement plan computed at start-up (`rayless train` computes it before anything launches);
-    computed here when not given. `extra_hooks(services)` returns more training-loop hooks
+    `plan`: the placement plan of the resolved `config` (`rayless train` resolves both before anything
+    launches: `coordinator.checks.resolve`); without one, `config` is resolved here (its checks aside). `extra_hooks(services)` returns more training-loop hooks
     (`after_step(rollout_id, weight_version)`); tests use it to act on the running services (kill a rank).
     `stop`: the run's stop signals (`run_until_signalled`'s), whose first one the loop handles while it saves.
     """
     from coordinator.config.secrets import mask_text
-    from coordinator.plan import describe_plan, plan_for_launch, where_text
+    from coordinator.plan import describe_plan, where_text
 
     clock = StartupClock()
     stop = stop or StopSignals()
     outcome = "failed"
-    config = with_epoch_rollouts(config)  # --num-epoch: the rollouts, counted from the data (unchanged otherwise)
+    if plan is None:  # the layout, the rollout count, the plan: as `rayless train` resolves them
+        from coordinator.checks.resolve import resolve
+
+        resolved = resolve(config, checks=False)
+        config, plan = resolved.config, resolved.plan
+        assert plan is not None
     run_dir = config.logging.resolved_run_dir
-    plan = plan or plan_for_launch(config)
     secret_values = config_secrets(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.txt").write_text(describe_plan(plan) + "\n")
@@ -273,12 +276,7 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
         await start_session_server(manager, task_group=task_group, api_key=config.sglang.sglang_api_key)
     ft = services.ft
     num_rollout = config.rollout.num_rollout
-    if num_rollout is None:  # replay without --num-rollout: every dump the template finds
-        ids = manager.replay_loader.available_rollout_ids()
-        if not ids:
-            raise RunFailed(f"--load-debug-rollout-data {config.debug.load_debug_rollout_data!r} matches no "
-                            "dump file")
-        num_rollout = max(ids) + 1
+    assert num_rollout is not None, "resolve() decides the rollout count (coordinator.rollout.epochs)"
     hooks: list[StepHook] = []
     phases: list[LoopPhase] = []
     if ft.eval_fleet is not None:
@@ -303,7 +301,8 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
 
         rollouts = FaultInjectingSource(manager, ft.injector)
     loop = TrainingLoop(rollout=config.rollout, checkpoint=config.checkpoint, rollouts=rollouts,
-                        trainer=services.train_group, weight_sync=services.weight_sync, metrics=metrics,
+                        trainer=services.train_group.commands if services.train_group is not None else None,
+                        weight_sync=services.weight_sync, metrics=metrics,
                         num_rollout=num_rollout, resume_from=_resume_path(config), hooks=hooks, phases=phases,
                         progress=progress.run, colocation=services.colocation)
     clock.mark("loop_start_s")

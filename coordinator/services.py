@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from coordinator.nodes.head import Head
     from coordinator.observe.progress import MetricsLog, ProgressDisplay
     from coordinator.plan import PlacementPlan
+    from coordinator.train.commands import TrainCommands
     from coordinator.train.group import TrainGroup
     from coordinator.weights.colocate import Colocation
     from coordinator.weights.sync import WeightSync
@@ -114,13 +115,13 @@ def build_processes(config: Config, plan: PlacementPlan, run_dir: Path, *, clien
     weight_sync = None
     if fleet is not None and train_group is not None and client is not None:
         weight_sync = build_weight_sync(config, plan, run_dir, fleet=fleet, client=client, router=router,
-                                        trainer=train_group, nodes=nodes)
+                                        trainer=train_group.commands, nodes=nodes)
     colocation = None
     if config.swaps_memory and fleet is not None and train_group is not None and client is not None:
         from coordinator.weights.colocate import Colocation
 
         colocation = Colocation(
-            fleet=fleet, client=client, trainer=train_group, weight_sync=weight_sync,
+            fleet=fleet, client=client, trainer=train_group.commands, weight_sync=weight_sync,
             offload_train=config.offloads_train, offload_rollout=config.offloads_rollout,
             recovers_engines=config.rollout_ft_enabled, on_phase=progress.run.set_phase)
     return Processes(client=client, fleet=fleet, eval_engines=eval_engines, teacher_engines=teacher_engines,
@@ -165,14 +166,14 @@ def _train_group(plan: PlacementPlan, run_dir: Path, nodes: Head | None, progres
 
     slot = plan.local.ranks
     assert slot is not None, "the plan places training ranks whenever the run trains"
-    return TrainGroup.from_spec(
+    return TrainGroup(
         slot.spec, host=slot.control_host, port=slot.control_port, port_fixed=slot.control_port_fixed,
         extra_env=dict(slot.env), run_dir=run_dir, log_name=slot.log.name, observer=progress.board,
         **(nodes.rank_kwargs() if nodes is not None else {}))
 
 
 def build_weight_sync(config: Config, plan: PlacementPlan | None, run_dir: Path, *, fleet: EngineFleet,
-                      client: EngineClient, router: RouterHandle | None, trainer: TrainGroup,
+                      client: EngineClient, router: RouterHandle | None, trainer: TrainCommands,
                       nodes: Head | None = None) -> WeightSync:
     """WeightSync for the rollout engines; it recovers dead engines only with rollout FT (the config's gate)."""
     from coordinator.weights.sync import WeightSync
@@ -222,13 +223,14 @@ async def start_processes(config: Config, processes: Processes, task_group: Task
             await p.colocation.release_at_startup()  # the ranks load the model into the memory freed
 
     async def start_ranks(group: TrainGroup) -> None:
-        from coordinator.hooks.args import rank_settings
+        from coordinator.hooks.args import tis_hook_args
+        from coordinator.train.settings import train_settings
 
         await task_group.start(group.run)
         clock.mark("ranks_ready_s")
         if p.colocation is not None:
             await p.colocation.startup_released.wait()
-        await group.init(rank_settings(config))
+        await group.commands.init(train_settings(config, tis_hook_args=tis_hook_args(config)))
         clock.mark("ranks_initialised_s")
 
     async def load_tokenizer() -> None:
@@ -284,7 +286,7 @@ def build_fault_tolerance(config: Config, processes: Processes, *, tokenizer: An
         eval_fleet = EvalFleet(
             settings=EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang,
                                               save_hf=config.checkpoint.save_hf),
-            fleet=p.eval_engines, client=p.client, tokenizer=tokenizer, exporter=p.train_group,
+            fleet=p.eval_engines, client=p.client, tokenizer=tokenizer, exporter=p.train_group.commands if p.train_group is not None else None,
             snapshot_dir=Path(config.eval.eval_hf_dir) if config.eval.eval_hf_dir else run_dir / "eval_weights",
             metrics=metrics,
             probe_before_pin=not config.health_monitor_enabled,

@@ -63,8 +63,8 @@ def _holds_weights(model_dir: Path) -> bool:
 
 def verify_checkpoint_source(path: str | Path, step: int | None = None) -> Path:
     """The checkpoint `path` resolves to (a save dir's `latest`, or `rollout_<step>`), verified whole."""
-    from workers.train_rank.checkpoint import resolve_checkpoint
     from workers.train_rank.checkpoint_files import verify_checkpoint
+    from workers.train_rank.checkpoint_layout import resolve_checkpoint  # torch-free, as checkpoint_files
 
     directory = resolve_checkpoint(path, step)
     verify_checkpoint(directory)

@@ -74,7 +74,7 @@ def check_resume_adapters(config: Config) -> None:
     load = config.load_plan()
     if not load.resume or load.path is None:
         return
-    from workers.train_rank import checkpoint
+    from workers.train_rank import checkpoint_layout as checkpoint  # torch-free: a resume imports no torch
 
     directory = checkpoint.resolve_checkpoint(load.path)
     lora = config.lora.rank_lora(str(config.rollout.hf_checkpoint)) if config.lora.enabled else None

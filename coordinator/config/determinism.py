@@ -1,5 +1,5 @@
 """The determinism slice: miles' `--deterministic-mode` and `--true-on-policy-mode`, and what they ask of the
-ranks (`rank_settings`). `--true-on-policy-mode` implies `--deterministic-mode` (miles sets SGLang's
+ranks (`settings`, and the `active` flag `coordinator.train.settings` gives the batching). `--true-on-policy-mode` implies `--deterministic-mode` (miles sets SGLang's
 deterministic inference for it). The rules reading other slices, and the engines' flags, are
 `determinism_rules`'. What each side then does: docs/deterministic.md.
 
@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import msgspec
-
 from coordinator.config.fields import ConfigError, Slice, flag
-from workers.protocol.train_settings import DeterminismSettings, TrainSettings
+from workers.protocol.train_settings import DeterminismSettings
 
 #: our engine's intra-op thread count (1 when unset); the ranks get the same count in their settings
 THREADS_ENV = "RAYLESS_ENGINE_THREADS"
@@ -51,10 +49,7 @@ class DeterminismConfig(Slice):
             raise ConfigError(f"{THREADS_ENV}={raw!r}: the thread count of deterministic mode must be an "
                               "integer") from None
 
-    def rank_settings(self, settings: TrainSettings) -> TrainSettings:
-        """The ranks' settings this mode changes: one sample per micro-batch (the engine scores one sequence at a
-        time; packing several into a row changes the attention kernel's shapes) and the pinned thread count."""
-        if not self.active:
-            return settings
-        return settings.replace(determinism=DeterminismSettings(threads=self.threads()),
-                                batching=msgspec.structs.replace(settings.batching, micro_batch_size=1))
+    def settings(self) -> DeterminismSettings:
+        """The ranks' determinism component: the pinned thread count, or off. (The mode's other rule for the
+        ranks, one sample per micro-batch, is the batching's: `coordinator.train.settings` passes `active`.)"""
+        return DeterminismSettings(threads=self.threads()) if self.active else DeterminismSettings()

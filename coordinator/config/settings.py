@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from coordinator.config.aliases import apply_hook_aliases
 from coordinator.config.checkpoint import CheckpointConfig, LoadPlan, resolve_load, resolve_ref_load
 from coordinator.config.cluster import ClusterConfig, resolve_colocation
@@ -39,7 +37,6 @@ from coordinator.config.sft import SftConfig
 from coordinator.config.sglang import SglangConfig
 from coordinator.config.training import TrainConfig
 from coordinator.config.upstream import Row
-from workers.protocol.train_settings import CheckpointSettings, MemorySettings, ModelSettings, TrainSettings
 
 
 @dataclass(frozen=True)
@@ -236,32 +233,6 @@ class Config:
         """The reference model's source for the ranks (None: --hf-checkpoint); checked on disk only with
         `--use-kl-loss`, as slime."""
         return resolve_ref_load(self.checkpoint, use_kl_loss=self.train.use_kl_loss)
-
-    def rank_settings(self) -> TrainSettings:
-        """The training ranks' settings: the train slice plus what other slices decide for them (a TIS hook's
-        `args` aside: `coordinator.hooks.args.rank_settings` gives the whole of what the ranks receive)."""
-        hf_checkpoint = str(self.rollout.hf_checkpoint)
-        model = ModelSettings(path=hf_checkpoint, reference_path=self.reference_path(),
-                              lora=self.lora.rank_lora(hf_checkpoint))
-        checkpoint = CheckpointSettings(save_dir=self.checkpoint.save,
-                                        save_retain_interval=self.checkpoint.save_retain_interval)
-        settings = self.train.rank_settings(
-            model=model, checkpoint=checkpoint, lr_decay_steps=self.total_train_steps,
-            policy_loss="gspo" if self.rollout.advantage_estimator == "gspo" else "ppo")
-        if self.sft.enabled:  # slime's --loss-type sft_loss: the NLL on the ranks
-            settings = settings.replace(loss=msgspec.structs.replace(settings.loss, loss_type=self.sft.loss_type))
-        estimator = self.rollout.advantage_estimator
-        settings = settings.replace(
-            returns=self.critic.rank_returns(estimator, normalize=self.rollout.normalize_advantages),
-            critic=self.critic.rank_critic(estimator, lr=self.train.lr, load_path=self.critic.critic_load))
-        if self.distill.use_opd:
-            settings = settings.replace(opd=self.distill.rank_opd(self.distill.teacher_path()))
-        if self.offloads_train:
-            # CPU ranks spill their state to a file here (a real disk, so the memory is freed, not moved)
-            settings = settings.replace(memory=MemorySettings(
-                offload_dir=str(self.logging.resolved_run_dir / "train-offload"),
-                train_memory_margin_bytes=self.cluster.train_memory_margin_bytes))
-        return self.determinism.rank_settings(settings)
 
     # --- validation and the resolved config ------------------------------------------------------------------
     def flat(self) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The train slice: what the training ranks are told (optimizer, schedule, loss, batching, memory, seed).
 
-Owns these flags and `rank_settings`, the one mapping from them to the settings the ranks receive
-(`workers.protocol.train_settings.TrainSettings`, whose components hold the rules that span fields, such as
---use-tis against --use-rollout-logprobs): the ranks never see the coordinator's Config. Flag names and
+Owns these flags and their projections onto the ranks' settings (`model_settings`, `optimizer_settings`,
+`loss_settings`, `batching_settings`: components of `workers.protocol.train_settings.TrainSettings`, which hold
+the rules that span fields, such as --use-tis against --use-rollout-logprobs); `coordinator.train.settings`
+assembles them, with what other slices decide passed in as arguments, never patched in afterwards. Flag names and
 meanings are slime's (Megatron's for the optimizer and schedule); docs/porting.md
 lists where a default differs. Megatron flags with an equivalent here (`--micro-batch-size`,
 `--use-dynamic-batch-size`, `--bf16`/`--fp16`, `--recompute-*`, `--optimizer-cpu-offload`) are declared here
@@ -12,6 +13,7 @@ too; the ones without one are in the `megatron` slice.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -21,13 +23,10 @@ from workers.protocol.train_settings import (
     KL_LOSS_TYPES,
     LR_DECAY_STYLES,
     BatchingSettings,
-    CheckpointSettings,
     LossSettings,
     ModelSettings,
     OptimizerSettings,
-    ParallelSettings,
     SettingsError,
-    TrainSettings,
 )
 
 
@@ -167,36 +166,36 @@ class TrainConfig(Slice):
             weight_decay=self.weight_decay, adam_beta1=self.adam_beta1, adam_beta2=self.adam_beta2,
             adam_eps=self.adam_eps, clip_grad=self.clip_grad)
 
-    def loss_settings(self, policy_loss: str = "ppo") -> LossSettings:
-        """policy_loss: "ppo" (per-token ratio) or "gspo" (sequence ratio), from `--advantage-estimator`."""
+    def loss_settings(self, policy_loss: str = "ppo", *, loss_type: str = "policy_loss",
+                      hook_args: dict[str, Any] | None = None) -> LossSettings:
+        """policy_loss: "ppo" (per-token ratio) or "gspo" (sequence ratio), from `--advantage-estimator`;
+        loss_type: the SFT slice's `--loss-type`; hook_args: the TIS hook's `args` (the hook layer builds them)."""
         return LossSettings(
-            policy_loss=policy_loss, eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high,
+            policy_loss=policy_loss, loss_type=loss_type, hook_args=hook_args, eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high,
             use_kl_loss=self.use_kl_loss, kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type,
             entropy_coef=self.entropy_coef, use_rollout_logprobs=self.use_rollout_logprobs,
             use_tis=self.use_tis, tis_clip=self.tis_clip, tis_clip_low=self.tis_clip_low,
             tis_function_path=self.custom_tis_function_path)
 
-    def batching_settings(self) -> BatchingSettings:
+    def batching_settings(self, *, one_sample_per_micro_batch: bool = False) -> BatchingSettings:
+        """one_sample_per_micro_batch: deterministic mode's rule (the engine scores one sequence at a time;
+        packing several into a row changes the attention kernel's shapes)."""
+        micro_batch_size = None if self.use_dynamic_batch_size else self.micro_batch_size
         return BatchingSettings(
             max_tokens_per_micro_batch=self.max_tokens_per_gpu, log_probs_chunk_size=self.log_probs_chunk_size,
-            micro_batch_size=None if self.use_dynamic_batch_size else self.micro_batch_size,
+            micro_batch_size=1 if one_sample_per_micro_batch else micro_batch_size,
             # None: one optimizer step per rollout (always, with miles' dynamic global batch size)
             global_batch_size=None if self.use_dynamic_global_batch_size else self.global_batch_size,
             num_steps_per_rollout=self.num_steps_per_rollout
             if self.global_batch_size is None and not self.use_dynamic_global_batch_size else None,
             dynamic_global_batch_size=self.use_dynamic_global_batch_size)
 
-    def rank_settings(self, *, model: ModelSettings, checkpoint: CheckpointSettings,
-                      lr_decay_steps: int | None = None, policy_loss: str = "ppo") -> TrainSettings:
-        """What the ranks need to know, and nothing else, by component (`model` and `checkpoint`: what other
-        slices decide about where the policy, its reference and the saves are)."""
-        model = msgspec.structs.replace(model, attn_implementation=self.attn_implementation,
-                                        compute_dtype=self.compute_dtype,
-                                        gradient_checkpointing=self.activation_checkpointing)
-        return TrainSettings(
-            model=model, seed=self.seed, optimizer=self.optimizer_settings(lr_decay_steps),
-            loss=self.loss_settings(policy_loss), batching=self.batching_settings(), checkpoint=checkpoint,
-            parallel=ParallelSettings(train_pg_timeout_s=self.train_pg_timeout_s))
+    def model_settings(self, where: ModelSettings) -> ModelSettings:
+        """`where` (the policy's, its reference's and its adapters' paths: other slices decide them) with how
+        this slice runs the model: attention kernel, mixed precision, activation checkpointing."""
+        return msgspec.structs.replace(where, attn_implementation=self.attn_implementation,
+                                       compute_dtype=self.compute_dtype,
+                                       gradient_checkpointing=self.activation_checkpointing)
 
     @property
     def train_env(self) -> tuple[tuple[str, str], ...]:

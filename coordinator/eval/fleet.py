@@ -101,7 +101,7 @@ class EvalFleet:
         fleet: the EngineFleet of group "eval"; None with `evaluator`, which has no engines of ours.
         client: the shared engine client.
         tokenizer: the policy's tokenizer (prompts are sent as token ids).
-        exporter: has `export_weights(directory, version, keep)` (the TrainGroup); None without training
+        exporter: has `export_weights(directory, version, keep)` (`TrainGroup.commands`); None without training
             (`--debug-rollout-only`): the `--hf-checkpoint` directory is pinned as version "0" then.
         snapshot_dir: where eval snapshots go (`--eval-hf-dir`, else `<run_dir>/eval_weights`).
         metrics: the run's MetricsLog (None: records only).

@@ -17,10 +17,6 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from workers.protocol.train_settings import TrainSettings
-
 if TYPE_CHECKING:
     from coordinator.config import Config
 
@@ -100,11 +96,9 @@ def hook_sampling_params(config: Config) -> dict[str, Any]:
     return params
 
 
-def rank_settings(config: Config) -> TrainSettings:
-    """What the training ranks receive: `config.rank_settings()`, and with `--custom-tis-function-path` the
-    hook's `args` as plain data (slime's namespace, which only this layer builds)."""
-    settings = config.rank_settings()
-    if config.train.custom_tis_function_path is not None:
-        settings = settings.replace(loss=msgspec.structs.replace(
-            settings.loss, hook_args=plain_args(build_hook_args(config))))
-    return settings
+def tis_hook_args(config: Config) -> dict[str, Any] | None:
+    """With `--custom-tis-function-path`, the hook's `args` as plain data for the ranks (slime's namespace,
+    which only this layer builds; `coordinator.train.settings.train_settings` takes it); None otherwise."""
+    if config.train.custom_tis_function_path is None:
+        return None
+    return plain_args(build_hook_args(config))

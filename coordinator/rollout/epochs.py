@@ -1,10 +1,11 @@
-"""slime's `--num-epoch`: the number of rollouts, counted from the data before anything starts.
+"""How many rollouts a run makes, decided once before anything starts: `--num-rollout`, or counted.
 
-Owns `with_epoch_rollouts`: a Config whose `--num-rollout` is unset but whose `--num-epoch` is given comes back
-with `num_rollout = num_epoch × (records // rollout_batch_size)` (slime's `get_num_rollout_per_epoch` times
-the epochs), so the ranks' learning-rate schedule, the loop and `config.json` all see the same count. Invariant: a
-config with `--num-rollout` (or without `--num-epoch`) is returned unchanged, without reading any data; the data
-is read once, as the data source reads it (time and memory linear in the file).
+Owns `with_rollout_count`, the one place `num_rollout` is decided: a Config whose `--num-rollout` is unset comes
+back with it set — with slime's `--num-epoch`, `num_epoch × (records // rollout_batch_size)` (slime's
+`get_num_rollout_per_epoch` times the epochs); replaying dumps (`--load-debug-rollout-data`), one past the
+highest rollout id the template finds — so the ranks' learning-rate schedule, the loop, the status and
+`config.json` all see the same count. Invariant: a config with `--num-rollout` is returned unchanged, without
+reading anything; the data is read once, as the data source reads it (time and memory linear in the file).
 """
 
 from __future__ import annotations
@@ -25,9 +26,35 @@ def count_records(config: Config) -> int:
     return len(source)
 
 
-def with_epoch_rollouts(config: Config) -> Config:
+def with_rollout_count(config: Config) -> Config:
+    """`config` with `num_rollout` decided (see the module); ConfigError (exit 2) when it cannot be."""
+    rollout = config.rollout
+    if rollout.num_rollout is not None:
+        return config
+    if config.replay_mode:
+        return dataclasses.replace(config, rollout=dataclasses.replace(rollout, num_rollout=_replayed(config)))
+    return _with_epoch_rollouts(config)
+
+
+def _replayed(config: Config) -> int:
+    """Replay without --num-rollout: every dump the template finds."""
+    from replay.format import DumpError
+    from replay.loader import ReplayLoader
+
+    template = config.debug.load_debug_rollout_data or ""
+    try:
+        ids = ReplayLoader(template).available_rollout_ids()
+    except DumpError as error:
+        raise ConfigError(f"--load-debug-rollout-data {template!r}: {error}") from None
+    if not ids:
+        raise ConfigError(f"--load-debug-rollout-data {template!r} matches no dump file (give --num-rollout, or "
+                          "the template of the dumps)")
+    return max(ids) + 1
+
+
+def _with_epoch_rollouts(config: Config) -> Config:
     epochs, rollout = config.sft.num_epoch, config.rollout
-    if epochs is None or rollout.num_rollout is not None or config.replay_mode:
+    if epochs is None:
         return config
     try:
         records = count_records(config)

@@ -190,7 +190,7 @@ def _ranks(s: StatusSources, memory: dict[int, int]) -> list[JsonObject]:
     if g is None:
         return []
     connected = g.ranks
-    steps = g.rank_step_s
+    steps = g.commands.rank_step_s
     rows = []
     for rank in range(g.world_size):
         info = connected.get(rank)

@@ -8,7 +8,6 @@ answered with an error while the others wait in a collective it never entered (`
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import anyio
 
@@ -39,8 +38,8 @@ async def gather_replies(
     *,
     error_window_s: float,
     explain: Callable[[RankFailure], Awaitable[RankFailure]],
-) -> dict[int, dict[str, Any]]:
-    """Each rank's result once every rank answered. A failure (a rank gone) raises it, explained; a rank's
+) -> dict[int, protocol.Reply]:
+    """Each rank's reply once every rank answered (the channel checked its kind). A failure (a rank gone) raises it, explained; a rank's
     error answer raises `RankCommandError` once all answered or `error_window_s` after the first error."""
     error_deadline: float | None = None
     while True:
@@ -56,7 +55,7 @@ async def gather_replies(
         ):
             if errors:
                 raise RankCommandError(kind, errors)  # type: ignore[arg-type]
-            return {rank: p.response.result for rank, p in pendings.items()}  # type: ignore[union-attr]
+            return {rank: p.response.result for rank, p in pendings.items()}  # type: ignore[union-attr,misc]
         if errors and error_deadline is None:
             # Other ranks may be stuck in a collective the failed rank never entered: wait briefly
             # for their answers (or a disconnect), then report the error rather than hang.

@@ -274,9 +274,15 @@ class ControlServer:
                 message = await protocol.receive_message(buffered, self.max_frame_bytes)
                 if not isinstance(message, protocol.Response):
                     raise protocol.ProtocolError(f"expected a response, got {message.kind!r}")
-                pending = conn.pending.pop(message.request_id, None)
-                if pending is not None:
-                    pending.resolve(response=message)
+                pending = conn.pending.get(message.request_id)
+                if pending is None:
+                    continue
+                if message.ok and not isinstance(message.result, pending.expects):
+                    # Left pending: the rank's failure below resolves it (and the call's other ranks).
+                    got = "no result" if message.result is None else f"a {message.result.kind!r} reply"
+                    raise protocol.ProtocolError(f"answered a {pending.expects.kind!r} command with {got}")
+                del conn.pending[message.request_id]
+                pending.resolve(response=message)
         except STREAM_ERRORS as exc:
             reason = f"closed the control channel ({type(exc).__name__})"
         except protocol.ProtocolError as exc:
@@ -303,12 +309,13 @@ class ControlServer:
 
     # ------------------------------------------------------------------------------------------- calls
 
-    async def call_all(self, command: protocol.Command) -> dict[int, dict[str, Any]]:
-        """The same command to every rank; each rank's result."""
+    async def call_all(self, command: protocol.Command) -> dict[int, protocol.Reply]:
+        """The same command to every rank; each rank's reply."""
         return await self.call({rank: command for rank in range(self.world_size)})
 
-    async def call(self, commands: dict[int, protocol.Command]) -> dict[int, dict[str, Any]]:
-        """Send each rank its command, wait for all replies; RankFailure / RankCommandError otherwise."""
+    async def call(self, commands: dict[int, protocol.Command]) -> dict[int, protocol.Reply]:
+        """Send each rank its command, wait for all replies, each the record its command declares (a rank
+        answering another is a failure of that rank); RankFailure / RankCommandError otherwise."""
         async with self._call_lock:
             if self._closing:
                 raise RuntimeError("the TrainGroup is shut down (its run() has ended or is ending)")
@@ -329,7 +336,7 @@ class ControlServer:
             pendings: dict[int, Pending] = {}
             for rank, (request_id, data) in frames.items():
                 conn = self._connections[rank]
-                pending = pendings[rank] = conn.pending[request_id] = Pending(rank, call)
+                pending = pendings[rank] = conn.pending[request_id] = Pending(rank, call, commands[rank].reply)
                 try:
                     async with conn.send_lock:
                         await conn.stream.send(data)

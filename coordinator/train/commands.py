@@ -1,23 +1,26 @@
 """The command API of a `TrainGroup`: each command the training ranks serve, as one method.
 
 Owns turning a call (init, train, save, load, weight export and broadcast, offload / onload) into the
-protocol's command for every rank and the ranks' answers into one result: rank 0's, or the ranks' reduced
-(`planning`, `state_moves`). Invariants: every command goes through the control server's one call lock, so
-all ranks see the same commands in the same order; with train FT, a step or a state move lost to dead ranks
-is sent again only once they are back (`recovery`).
+protocol's command for every rank and the ranks' reply records into one result: rank 0's, or the ranks'
+reduced (`planning`, `state_moves`). Invariants: every command goes through the control server's one call lock,
+so all ranks see the same commands in the same order, and each rank's reply is the record its command declares
+(`workers.protocol.replies`), read by field; with train FT, a step or a state move lost to dead ranks is sent
+again only once they are back (`recovery`). Imports no torch (a resume's `load` answers a `LoadReply`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import anyio
 
-from coordinator.observe.startup import PhaseObserver
+from coordinator.observe.startup import NO_OBSERVER, PhaseObserver
 from coordinator.observe.timeline import ranks_trained
 from coordinator.train.channel import ControlServer
+from coordinator.train.connection import RankInfo
 from coordinator.train.planning import (
     StepPlan,
     plan_steps,
@@ -29,41 +32,85 @@ from replay.sample import Sample
 from workers import protocol
 from workers.protocol.train_settings import TrainSettings
 
-if TYPE_CHECKING:
-    from workers.train_rank.checkpoint import LoadedCheckpoint
+R = TypeVar("R", bound=protocol.Reply)
 
 
-def state_moves(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One offload/onload over the ranks: the slowest rank's seconds, the state's bytes summed, every memory
-    figure (bytes) as the largest rank's, and each rank's digest when asked (`digests`)."""
-    summary: dict[str, Any] = {"seconds": max(float(r.get("seconds", 0.0)) for r in per_rank),
-                               "state_bytes": sum(int(r.get("state_bytes", 0)) for r in per_rank)}
-    for key in sorted({k for r in per_rank for k in r if k.endswith("_bytes") and k != "state_bytes"}):
-        summary[key] = max(int(r.get(key, 0)) for r in per_rank)
-    if any("digest" in r for r in per_rank):
-        summary["digests"] = [r.get("digest") for r in per_rank]
-    return summary
+@dataclass(frozen=True)
+class StateMoves:
+    """One offload/onload over the ranks: the slowest rank's `seconds`, the state's bytes summed, every memory
+    figure (bytes, by the rank's name for it) as the largest rank's, and each rank's digest when asked."""
+
+    seconds: float
+    state_bytes: int
+    memory: dict[str, int] = field(default_factory=dict)
+    digests: tuple[str | None, ...] = ()
+
+    def figures(self) -> dict[str, int]:
+        """Every bytes figure by name, `state_bytes` included (the colocation's metrics)."""
+        return {"state_bytes": self.state_bytes, **self.memory}
+
+
+def state_moves(per_rank: Sequence[protocol.StateMoveReply]) -> StateMoves:
+    """The ranks' replies to one offload/onload as one `StateMoves`."""
+    names = sorted({name for reply in per_rank for name in reply.memory})
+    return StateMoves(
+        seconds=max(reply.seconds for reply in per_rank),
+        state_bytes=sum(reply.state_bytes for reply in per_rank),
+        memory={name: max(reply.memory.get(name, 0) for reply in per_rank) for name in names},
+        digests=tuple(reply.digest for reply in per_rank) if any(r.digest is not None for r in per_rank) else (),
+    )
 
 
 class TrainCommands:
-    """The commands of a group whose ranks are connected to `server` (`TrainGroup` sets what is declared)."""
+    """The commands of the ranks connected to `server`: what the loop, the weight sync, the colocation and an
+    eval fleet are handed as their trainer (`TrainGroup.commands`; the group owns the ranks' lifetime).
+
+    `max_restarts > 0` is train FT: a step or a state move lost to dead ranks is sent again once they are back
+    at the last checkpoint (`recovery`, at most `max_restarts` times). `observer` is told the phases of
+    "train-ranks" `init` goes through: loading, ready."""
 
     NAME = "train-ranks"
 
-    server: ControlServer
-    world_size: int
-    observer: PhaseObserver
-    recovery: RankRecovery | None
-    settings: TrainSettings | None
-    #: one dict of metrics per optimizer step of the last `train()`
-    step_metrics: list[dict[str, float]]
-    #: each rank's seconds in the last `train()` (the sum of its steps' `step_time_s`; the status server's)
-    rank_step_s: tuple[float, ...] = ()
+    def __init__(self, server: ControlServer, *, observer: PhaseObserver = NO_OBSERVER,
+                 max_restarts: int = 0) -> None:
+        self.server = server
+        self.world_size = server.world_size
+        self.observer = observer
+        self.recovery = RankRecovery(self, max_recoveries=max_restarts) if max_restarts > 0 else None
+        #: what `init` sent (train FT initialises restarted ranks with it again)
+        self.settings: TrainSettings | None = None
+        #: one dict of metrics per optimizer step of the last `train()`
+        self.step_metrics: list[dict[str, float]] = []
+        #: each rank's seconds in the last `train()` (the sum of its steps' `step_time_s`; the status server's)
+        self.rank_step_s: tuple[float, ...] = ()
 
-    async def init(self, settings: TrainSettings) -> dict[str, Any]:
+    @property
+    def ranks(self) -> dict[int, RankInfo]:
+        """The ranks connected now."""
+        return self.server.ranks
+
+    async def wait_for_ranks(self, *, replacing: Collection[tuple[int, int]] = ()) -> dict[int, RankInfo]:
+        """Wait until every rank is connected (see `ControlServer.wait_for_ranks`)."""
+        return await self.server.wait_for_ranks(replacing=replacing)
+
+    @property
+    def recoveries(self) -> int:
+        """Train FT recoveries made so far (0 without train FT)."""
+        return self.recovery.recoveries if self.recovery is not None else 0
+
+    async def _ask(self, commands: dict[int, protocol.Command], reply: type[R]) -> dict[int, R]:
+        """Each rank's reply, typed: the channel checked that each is its command's record (`Command.reply`)."""
+        if any(command.reply is not reply for command in commands.values()):
+            raise TypeError(f"{reply.__name__} is not what every one of {sorted(commands)} is answered with")
+        return await self.server.call(commands)  # type: ignore[return-value]
+
+    async def _ask_all(self, command: protocol.Command, reply: type[R]) -> dict[int, R]:
+        return await self._ask(dict.fromkeys(range(self.world_size), command), reply)
+
+    async def init(self, settings: TrainSettings) -> protocol.InitReply:
         """Load the model on every rank and build the optimizer. Returns rank 0's summary."""
         self.observer.phase(self.NAME, "loading", "model and optimizer on every rank")
-        results = await self.server.call_all(protocol.InitCommand(settings))
+        results = await self._ask_all(protocol.InitCommand(settings), protocol.InitReply)
         self.settings = settings
         self.observer.phase(self.NAME, "ready")
         if self.recovery is not None:
@@ -79,7 +126,7 @@ class TrainCommands:
         (`max_restarts > 0`) a step lost to dead ranks is sent again once they are back (`recovery`).
         """
         if self.settings is None:
-            raise RuntimeError("TrainGroup.train() before init(): call init(settings) first")
+            raise RuntimeError("train() before init(): call init(settings) first")
         if self.recovery is None:
             return await self._train_once(rollout_id, samples)
         return await self.recovery.run_step(rollout_id, lambda: self._train_once(rollout_id, samples))
@@ -102,8 +149,8 @@ class TrainCommands:
             )
             for rank in range(self.world_size)
         }
-        results = await self.server.call(commands)
-        by_rank = [protocol.TrainResult.from_wire(results[rank]).steps for rank in range(self.world_size)]
+        results = await self._ask(commands, protocol.TrainResult)
+        by_rank = [results[rank].steps for rank in range(self.world_size)]
         step_times = [[step.step_time_s for step in steps] for steps in by_rank]
         self.rank_step_s = tuple(sum(times) for times in step_times)
         ranks_trained(step_times, rollout_id)
@@ -123,12 +170,12 @@ class TrainCommands:
             rollout_id=int(rollout_id), directory=self._save_dir(directory), extra=dict(extra or {}),
             publish=publish,
         )
-        return Path((await self.server.call_all(command))[0]["path"])
+        return Path((await self._ask_all(command, protocol.SaveReply))[0].path)
 
     async def publish(self, rollout_id: int, directory: str | Path | None = None) -> Path:
         """Publish the checkpoint `save(publish=False)` wrote: `latest` names it from now on."""
         command = protocol.PublishCommand(rollout_id=int(rollout_id), directory=self._save_dir(directory))
-        return Path((await self.server.call_all(command))[0]["path"])
+        return Path((await self._ask_all(command, protocol.PublishReply))[0].path)
 
     def _save_dir(self, directory: str | Path | None) -> str:
         target = directory or (self.settings.checkpoint.save_dir if self.settings is not None else None)
@@ -140,20 +187,14 @@ class TrainCommands:
 
     async def save_hf(self, directory: str | Path) -> Path:
         """Write the model as a Hugging Face directory at `directory` (`--save-hf`; rank 0 writes)."""
-        return Path((await self.server.call_all(protocol.SaveHfCommand(directory=str(directory))))[0]["path"])
+        command = protocol.SaveHfCommand(directory=str(directory))
+        return Path((await self._ask_all(command, protocol.SaveHfReply))[0].path)
 
-    async def load_checkpoint(self, path: str | Path) -> LoadedCheckpoint:
-        """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank. A broken
-        `latest` is refused (the ranks answer a CheckpointError listing the complete checkpoints)."""
-        from workers.train_rank.checkpoint import (
-            LoadedCheckpoint,  # the rank's own record (torch: imported late)
-        )
-
-        first = (await self.server.call_all(protocol.LoadCommand(str(path))))[0]
-        info = LoadedCheckpoint(
-            rollout_id=int(first["rollout_id"]), extra=dict(first["extra"]), path=Path(first["path"]),
-        )
-        return info
+    async def load_checkpoint(self, path: str | Path) -> protocol.LoadReply:
+        """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank; rank 0's
+        `LoadReply` (rollout id, the saved `extra`, the directory). A broken `latest` is refused (the ranks
+        answer a CheckpointError listing the complete checkpoints)."""
+        return (await self._ask_all(protocol.LoadCommand(str(path)), protocol.LoadReply))[0]
 
     async def load(self, path: str | Path) -> int:
         """Restore a checkpoint; returns the rollout id it was saved at (resume at that id + 1)."""
@@ -164,20 +205,19 @@ class TrainCommands:
         command = protocol.ExportWeightsCommand(
             directory=str(directory), weight_version=str(weight_version), keep=keep
         )
-        return Path((await self.server.call_all(command))[0]["path"])
+        return Path((await self._ask_all(command, protocol.ExportWeightsReply))[0].path)
 
-    async def weight_manifest(self) -> list[tuple[str, str, list[int]]]:
+    async def weight_manifest(self) -> list[protocol.TensorMeta]:
         """(name, dtype, shape) of every tensor a distributed update sends (parameter metadata, no gather)."""
-        results = await self.server.call_all(protocol.WeightManifestCommand())
-        return [(name, dtype, list(shape)) for name, dtype, shape in results[0]["manifest"]]
+        return (await self._ask_all(protocol.WeightManifestCommand(), protocol.WeightManifestReply))[0].manifest
 
     async def weight_buckets(
         self, bucket_bytes: int = protocol.BroadcastWeightsCommand.bucket_bytes
-    ) -> list[list[tuple[str, str, list[int]]]]:
+    ) -> list[list[protocol.TensorMeta]]:
         """Per bucket of at most `bucket_bytes`, (name, dtype, shape) of each tensor in send order: what
         `broadcast_weights` with the same `bucket_bytes` sends, one request's worth per bucket."""
-        results = await self.server.call_all(protocol.WeightManifestCommand(bucket_bytes=int(bucket_bytes)))
-        return [[(name, dtype, list(shape)) for name, dtype, shape in bucket] for bucket in results[0]["buckets"]]
+        command = protocol.WeightManifestCommand(bucket_bytes=int(bucket_bytes))
+        return (await self._ask_all(command, protocol.WeightManifestReply))[0].buckets
 
     async def broadcast_weights(
         self,
@@ -190,13 +230,12 @@ class TrainCommands:
         backend: str = "gloo",
         bucket_bytes: int = protocol.BroadcastWeightsCommand.bucket_bytes,
         load_format: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> protocol.BroadcastWeightsReply:
         """Rank 0 joins the weight-update group as rank 0 (within `timeout_s`) and sends `weight_buckets(
         bucket_bytes)` bucket by bucket; under FSDP every rank gathers each bucket with it.
 
-        Returns rank 0's report {"ok", "joined", "error", "buckets", "bytes", "seconds"}: a group that did not
-        form or a
-        send that failed is reported there (the training group stays usable), not raised. Meanwhile the caller
+        Returns rank 0's report (`BroadcastWeightsReply`): a group that did not form or a send that failed is
+        reported there (the training group stays usable), not raised. Meanwhile the caller
         posts `/init_weights_update_group`, then per bucket `/update_weights_from_distributed`, to the engines.
         """
         command = protocol.BroadcastWeightsCommand(
@@ -209,27 +248,27 @@ class TrainCommands:
             bucket_bytes=int(bucket_bytes),
             load_format=load_format or "",
         )
-        return (await self.server.call_all(command))[0]
+        return (await self._ask_all(command, protocol.BroadcastWeightsReply))[0]
 
-    async def offload(self, rollout_id: int = -1, *, verify: bool = False) -> dict[str, Any]:
+    async def offload(self, rollout_id: int = -1, *, verify: bool = False) -> StateMoves:
         """Every rank moves its training state off the device (colocation: `workers.train_rank.offload`).
         Returns `state_moves`' summary; with train FT, ranks lost meanwhile are recovered first (train FT's
         rules: restarted, initialised, the last checkpoint loaded) and the command is sent again."""
         return await self._move_state(protocol.OffloadCommand(verify=verify), rollout_id)
 
-    async def onload(self, rollout_id: int = -1, *, verify: bool = False) -> dict[str, Any]:
+    async def onload(self, rollout_id: int = -1, *, verify: bool = False) -> StateMoves:
         """Every rank brings its state back onto the device, bit-identical; as `offload` otherwise."""
         return await self._move_state(protocol.OnloadCommand(verify=verify), rollout_id)
 
-    async def _move_state(self, command: protocol.Command, rollout_id: int) -> dict[str, Any]:
-        async def once() -> dict[str, Any]:
-            results = await self.server.call_all(command)
-            return state_moves([results[rank] for rank in range(self.world_size)])
+    async def _move_state(self, command: protocol.Command, rollout_id: int) -> StateMoves:
+        async def once() -> StateMoves:
+            results = await self._ask_all(command, command.reply)
+            return state_moves([results[rank] for rank in range(self.world_size)])  # type: ignore[misc]
 
         if self.recovery is None:
             return await once()
         return await self.recovery.run_step(rollout_id, once)
 
     async def destroy_weight_group(self, group_name: str = "weight_update_group") -> bool:
-        results = await self.server.call({0: protocol.DestroyWeightGroupCommand(group_name)})
-        return bool(results[0]["destroyed"])
+        results = await self._ask({0: protocol.DestroyWeightGroupCommand(group_name)}, protocol.DestroyWeightGroupReply)
+        return results[0].destroyed

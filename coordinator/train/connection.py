@@ -73,8 +73,11 @@ class InFlight:
 
 @dataclass
 class Pending:
+    """One rank's reply to one request: `expects` is the record its command is answered with."""
+
     rank: int
     call: Call
+    expects: type[protocol.Reply]
     response: protocol.Response | None = None
     failure: RankFailure | None = None
 

@@ -1,7 +1,8 @@
-"""TrainGroup: the coordinator's handle on the torchrun training ranks, and their command API.
+"""TrainGroup: the coordinator's handle on the torchrun training ranks' lifetime.
 
 Owns the group's lifetime and wires its parts: the control-channel listener and server (`channel`), the
-torchrun process (`torchrun`), train FT (`recovery`) and the command API (`commands`, batch planning in
+torchrun process (`torchrun`, from the `TorchrunSpec` the group is given whole) and the command API it holds
+(`commands`: a `TrainCommands` over the same server, with train FT's `recovery`; batch planning in
 `planning`). `run()` binds the
 listener, launches torchrun with the token and address in its environment (never on its command line),
 signals `started` only once every rank said Hello, and on every exit path — shielded — asks the ranks to shut
@@ -18,7 +19,6 @@ import logging
 import secrets
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -29,10 +29,8 @@ from coordinator.train.channel import ControlServer
 from coordinator.train.commands import TrainCommands
 from coordinator.train.connection import RankInfo
 from coordinator.train.errors import ControlPortError, RankFailure
-from coordinator.train.recovery import RankRecovery
 from coordinator.train.torchrun import TorchrunProcess, TorchrunSpec
 from workers import protocol
-from workers.protocol.train_settings import TrainSettings
 
 logger = logging.getLogger(__name__)
 
@@ -49,29 +47,26 @@ def rank_environment(address: str, token: str, *, max_frame_bytes: int = protoco
     }
 
 
-class TrainGroup(TrainCommands):
-    """Launches and talks to the training ranks. Use: `group = await tg.start(TrainGroup(...).run)`.
+class TrainGroup:
+    """Launches the training ranks `spec` describes and holds their command API (`commands`). Use:
+    `group = await tg.start(TrainGroup(TorchrunSpec(nproc_per_node=2), run_dir=...).run)`, then
+    `group.commands.init(settings)`, `group.commands.train(...)`.
 
     `launch=False` launches nothing and waits for ranks started elsewhere (`environment()` says what they
-    need). `max_restarts > 0` is train FT: torchrun restarts dead ranks, and `train()` brings them back to the
-    last checkpoint before sending a step again, at most `max_restarts` times (`recoveries` counts them).
-    `port`: the control channel's port (0: any); unless `port_fixed`, another is taken, with a warning, when
-    it is in use. `observer` is told the phases of "train-ranks": starting (torchrun spawned), connected n/N
-    (as ranks say Hello), loading (`init`: model and optimizer), ready. `from_spec` builds one from the
-    placement plan's TorchrunSpec.
+    need). `spec.max_restarts > 0` is train FT: torchrun restarts dead ranks, and `commands.train()` brings them
+    back to the last checkpoint before sending a step again, at most that many times (`recoveries` counts
+    them). `port`: the control channel's port (0: any); unless `port_fixed`, another is taken, with a
+    warning, when it is in use. `observer` is told the phases of "train-ranks": starting (torchrun spawned),
+    connected n/N (as ranks say Hello), loading (`init`: model and optimizer), ready.
     """
+
+    NAME = TrainCommands.NAME
 
     def __init__(
         self,
+        spec: TorchrunSpec,
         *,
-        nproc_per_node: int,
         run_dir: str | Path,
-        nnodes: int = 1,
-        node_rank: int | None = None,
-        rdzv_backend: str | None = None,
-        rdzv_endpoint: str | None = None,
-        rdzv_conf: tuple[tuple[str, str], ...] = (),
-        max_restarts: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
         port_fixed: bool = True,
@@ -86,20 +81,10 @@ class TrainGroup(TrainCommands):
         torch_threads: int = 1,
         extra_env: dict[str, str] | None = None,
         log_name: str = "train_ranks.log",
-        python: str | None = None,
         observer: PhaseObserver = NO_OBSERVER,
     ) -> None:
-        self.spec = TorchrunSpec(
-            nproc_per_node=nproc_per_node,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            rdzv_backend=rdzv_backend,
-            rdzv_endpoint=rdzv_endpoint,
-            rdzv_conf=rdzv_conf,
-            max_restarts=max_restarts,
-            **({"python": python} if python is not None else {}),
-        )
-        self.world_size = self.spec.world_size
+        self.spec = spec
+        self.world_size = spec.world_size
         self.observer = observer
         self.port_fixed = port_fixed
         self.run_dir = Path(run_dir)
@@ -129,24 +114,14 @@ class TrainGroup(TrainCommands):
             grace_s=grace_s,
             explain=self.torchrun.explain if self.torchrun is not None else None,
             on_connected=self._connected,
-            num_nodes=nnodes,
+            num_nodes=spec.nnodes,
         )
-        self.recovery = RankRecovery(self, max_recoveries=max_restarts) if max_restarts > 0 else None
+        self.commands = TrainCommands(self.server, observer=observer, max_restarts=spec.max_restarts)
         self.address: str | None = None
-        self.settings: TrainSettings | None = None
-        #: one dict of metrics per optimizer step of the last `train()`
-        self.step_metrics: list[dict[str, float]] = []
         # Set once the listener is bound (`address` known) and once every rank has said Hello.
         self.listening = anyio.Event()
         self.ready = anyio.Event()
         self._stop = anyio.Event()
-
-    @classmethod
-    def from_spec(cls, spec: TorchrunSpec, **kwargs: Any) -> TrainGroup:
-        """A group launching exactly `spec` (the plan's torchrun command)."""
-        return cls(nproc_per_node=spec.nproc_per_node, nnodes=spec.nnodes, node_rank=spec.node_rank,
-                   rdzv_backend=spec.rdzv_backend, rdzv_endpoint=spec.rdzv_endpoint, rdzv_conf=spec.rdzv_conf,
-                   max_restarts=spec.max_restarts, python=spec.python, **kwargs)
 
     # ------------------------------------------------------------------------------------------ lifetime
 
@@ -167,7 +142,7 @@ class TrainGroup(TrainCommands):
     @property
     def recoveries(self) -> int:
         """Train FT recoveries made so far (0 without train FT)."""
-        return self.recovery.recoveries if self.recovery is not None else 0
+        return self.commands.recoveries
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[TrainGroup] = anyio.TASK_STATUS_IGNORED) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -225,7 +200,7 @@ class TrainGroup(TrainCommands):
             return listener
 
     def _connected(self, connected: int) -> None:
-        if connected == self.world_size and self.settings is not None:
+        if connected == self.world_size and self.commands.settings is not None:
             self.observer.phase(self.NAME, "ready", "every rank is back")  # after a restart (train FT)
         else:
             self.observer.phase(self.NAME, f"connected {connected}/{self.world_size}")

@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 
 from coordinator.train.connection import RankInfo
 from coordinator.train.errors import RankFailure
+from workers import protocol
 from workers.protocol.train_settings import TrainSettings
 
 # The run's narrative logger: these lines belong beside the loop's step lines.
@@ -31,12 +32,14 @@ T = TypeVar("T")
 
 
 class LoadedCheckpoint(Protocol):
+    """What the group's `load_checkpoint` answers (`workers.protocol.LoadReply`): where it loaded from."""
+
     @property
-    def path(self) -> Path: ...
+    def path(self) -> str: ...
 
 
 class RestartableGroup(Protocol):
-    """What recovery needs of the group it serves (`coordinator.train.group.TrainGroup`)."""
+    """What recovery needs of the ranks it serves (`coordinator.train.commands.TrainCommands`)."""
 
     world_size: int
     settings: TrainSettings | None
@@ -46,7 +49,7 @@ class RestartableGroup(Protocol):
 
     async def wait_for_ranks(self, *, replacing: Collection[tuple[int, int]] = ()) -> dict[int, RankInfo]: ...
 
-    async def init(self, settings: TrainSettings) -> dict[str, Any]: ...
+    async def init(self, settings: TrainSettings) -> protocol.InitReply: ...
 
     async def load_checkpoint(self, path: str | Path) -> LoadedCheckpoint: ...
 
@@ -142,8 +145,8 @@ class RankRecovery:
         if save_dir and await anyio.Path(save_dir, "latest").exists():
             # verified here first, as at start-up: a damaged or crafted checkpoint is refused naming its file
             # (a CheckpointError, exit 2) before any rank reads it
-            from workers.train_rank.checkpoint import resolve_checkpoint
             from workers.train_rank.checkpoint_files import verify_checkpoint
+            from workers.train_rank.checkpoint_layout import resolve_checkpoint
 
             directory = await anyio.to_thread.run_sync(resolve_checkpoint, save_dir)
             await anyio.to_thread.run_sync(verify_checkpoint, directory)

@@ -44,12 +44,18 @@ class ColocationError(RaylessError, RuntimeError):
     """An engine could not release or take back its memory and no recovery applies; names the engine."""
 
 
+class MovedState(Protocol):
+    """One offload/onload over the ranks (`coordinator.train.commands.StateMoves`)."""
+
+    def figures(self) -> dict[str, int]: ...
+
+
 class StateMover(Protocol):
-    """The training ranks' side (TrainGroup)."""
+    """The training ranks' side (`TrainGroup.commands`)."""
 
-    async def offload(self, rollout_id: int = -1, *, verify: bool = False) -> dict[str, Any]: ...
+    async def offload(self, rollout_id: int = -1, *, verify: bool = False) -> MovedState: ...
 
-    async def onload(self, rollout_id: int = -1, *, verify: bool = False) -> dict[str, Any]: ...
+    async def onload(self, rollout_id: int = -1, *, verify: bool = False) -> MovedState: ...
 
     @property
     def recoveries(self) -> int: ...
@@ -278,10 +284,9 @@ class Colocation:
 
     # -- ranks and phases --------------------------------------------------------------------------------
 
-    def _rank_figures(self, move: str, moved: dict[str, Any]) -> None:
-        for key, value in moved.items():
-            if key.endswith("_bytes") and isinstance(value, int | float):
-                self._figures[f"colocate/rank_{move}_{key}"] = float(value)
+    def _rank_figures(self, move: str, moved: MovedState) -> None:
+        for key, value in moved.figures().items():
+            self._figures[f"colocate/rank_{move}_{key}"] = float(value)
 
     def _enter(self, phase: str) -> None:
         self.phase = phase

@@ -31,6 +31,7 @@ from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError, EngineHTTPError, EngineTimeout
 from coordinator.engines.policy import NO_RETRY
 from coordinator.engines.spec import free_port
+from workers import protocol
 from workers.errors import RaylessError
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class BucketSender(Protocol):
 
     async def broadcast_weights(self, master_address: str, master_port: int, world_size: int, group_name: str,
                                 timeout_s: float, *, backend: str, bucket_bytes: int,
-                                load_format: str | None) -> dict[str, Any]: ...
+                                load_format: str | None) -> protocol.BroadcastWeightsReply: ...
 
     async def destroy_weight_group(self, group_name: str) -> bool: ...
 
@@ -153,19 +154,19 @@ class DistributedUpdate:
         group_name = f"rayless_weights_{version}_{secrets.token_hex(3)}"
         sides = [_Engine(handle=e, rank_offset=offset) for e, offset in zip(engines, layout.rank_offsets, strict=True)]
         where = f"{group_name!r} (world size {layout.world_size}, store {host}:{port}, {self.backend})"
-        report: dict[str, Any] = {}
+        report = protocol.BroadcastWeightsReply()  # rank 0's, once it answered: until then, nothing sent
         trainer_failure: BaseException | None = None
         engines_scope = anyio.CancelScope()
 
         async def trainer_side() -> None:
-            nonlocal trainer_failure
+            nonlocal trainer_failure, report
             try:
-                report.update(await self.trainer.broadcast_weights(
+                report = (await self.trainer.broadcast_weights(
                     host, port, layout.world_size, group_name, self.join_timeout_s, backend=self.backend,
                     bucket_bytes=self.bucket_bytes, load_format=self.load_format))
             except Exception as exc:  # RankFailure / RankCommandError: re-raised below, outside the task group
                 trainer_failure = exc
-            if trainer_failure is not None or not report.get("ok"):
+            if trainer_failure is not None or not report.ok:
                 grace = REPORT_GRACE_S  # nobody sends any more: what still waits, waits for nothing
             else:
                 grace = max(self.join_timeout_s, CLEANUP_TIMEOUT_S)  # they only have the last bucket to load
@@ -189,7 +190,7 @@ class DistributedUpdate:
         if trainer_failure is not None:
             raise trainer_failure
         failed = [side for side in sides if side.error is not None or side.buckets < len(buckets)]
-        if report.get("ok") and not failed:
+        if report.ok and not failed:
             return
         raise WeightSyncError(self._explain(version, where, report, sides, len(buckets)))
 
@@ -275,10 +276,11 @@ class DistributedUpdate:
             except Exception as exc:  # the trainer's own failure is reported by run()
                 log.warning("rank 0 could not destroy weight-update group %s: %s", group_name, exc)
 
-    def _explain(self, version: str, where: str, report: dict[str, Any], sides: list[_Engine], total: int) -> str:
+    def _explain(self, version: str, where: str, report: protocol.BroadcastWeightsReply, sides: list[_Engine],
+                 total: int) -> str:
         """One line: what failed, where, and what to look at."""
-        error = str(report.get("error") or "")
-        if not report.get("joined"):
+        error = report.error
+        if not report.joined:
             asked = [side for side in sides if side.stage == "/init_weights_update_group"]
             silent = [side for side in asked if side.error is None or side.error.startswith("no answer")]
             failed = [f"{side.label}: {side.error}" for side in asked if side not in silent]

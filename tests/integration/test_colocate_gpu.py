@@ -21,6 +21,7 @@ import torch
 from coordinator.observe.progress import read_metrics
 from coordinator.train.errors import RankCommandError
 from coordinator.train.group import TrainGroup
+from coordinator.train.torchrun import TorchrunSpec
 from tests.support.engine_proc import MID_MODEL_SPEC
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 from tests.support.train_settings import flat_settings
@@ -38,25 +39,25 @@ async def test_a_cuda_rank_offloads_to_host_memory_and_onloads_bit_identical(tmp
     config = {**TRAIN_CONFIG, "model_path": str(model), "global_batch_size": len(samples), "use_kl_loss": False,
               "kl_loss_coef": 0.0, "warmup_steps": 0, "compute_dtype": "bfloat16"}
     async with anyio.create_task_group() as tg:
-        group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=1, run_dir=tmp_path / "run").run)
-        await group.init(flat_settings(config))
-        await group.train(0, samples)  # gradients and optimizer state exist from here on
-        out = await group.offload(verify=True)
-        print("offload", {k: v for k, v in out.items() if k != "digests"})
-        freed = out["before_cuda_allocated_bytes"] - out["cuda_allocated_bytes"]
-        assert out["state_bytes"] > 4 * 80e6  # parameters, gradients and two Adam moments, float32
-        assert freed >= 0.8 * out["state_bytes"], (freed, out["state_bytes"])
-        assert out["cuda_reserved_bytes"] <= out["cuda_allocated_bytes"] + 64 * 2**20  # back to the driver
-        back = await group.onload(verify=True)
-        print("onload", {k: v for k, v in back.items() if k != "digests"})
-        assert back["digests"] == out["digests"]
-        assert back["cuda_allocated_bytes"] >= out["state_bytes"]
-        assert torch.isfinite(torch.tensor((await group.train(1, samples))["loss"]))
+        group: TrainGroup = await tg.start(TrainGroup(TorchrunSpec(nproc_per_node=1), run_dir=tmp_path / "run").run)
+        await group.commands.init(flat_settings(config))
+        await group.commands.train(0, samples)  # gradients and optimizer state exist from here on
+        out = await group.commands.offload(verify=True)
+        print("offload", out.seconds, out.figures())
+        freed = out.memory["before_cuda_allocated_bytes"] - out.memory["cuda_allocated_bytes"]
+        assert out.state_bytes > 4 * 80e6  # parameters, gradients and two Adam moments, float32
+        assert freed >= 0.8 * out.state_bytes, (freed, out.state_bytes)
+        assert out.memory["cuda_reserved_bytes"] <= out.memory["cuda_allocated_bytes"] + 64 * 2**20  # back to the driver
+        back = await group.commands.onload(verify=True)
+        print("onload", back.seconds, back.figures())
+        assert back.digests == out.digests and all(out.digests)
+        assert back.memory["cuda_allocated_bytes"] >= out.state_bytes
+        assert torch.isfinite(torch.tensor((await group.commands.train(1, samples))["loss"]))
 
-        await group.init(flat_settings({**config, "train_memory_margin_bytes": 10**15}))  # more than any GPU has
-        await group.offload()
+        await group.commands.init(flat_settings({**config, "train_memory_margin_bytes": 10**15}))  # more than any GPU has
+        await group.commands.offload()
         with pytest.raises(RankCommandError, match="--train-memory-margin-bytes"):
-            await group.onload()
+            await group.commands.onload()
         await group.shutdown()
         tg.cancel_scope.cancel()
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from coordinator.train.group import TrainGroup
+from coordinator.train.torchrun import TorchrunSpec
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 from tests.support.train_settings import flat_settings
 
@@ -30,9 +31,9 @@ async def one_step(model_dir: Path, run_dir: Path, samples: list[Any], *, cuda: 
     if compute_dtype:
         config["compute_dtype"] = compute_dtype
     async with anyio.create_task_group() as tg:
-        group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=1, run_dir=run_dir, extra_env=env).run)
-        info = await group.init(flat_settings(config))
-        metrics = await group.train(0, samples)
+        group: TrainGroup = await tg.start(TrainGroup(TorchrunSpec(nproc_per_node=1), run_dir=run_dir, extra_env=env).run)
+        info = await group.commands.init(flat_settings(config))
+        metrics = await group.commands.train(0, samples)
         await group.shutdown()
         tg.cancel_scope.cancel()
     return info, metrics
@@ -42,7 +43,7 @@ async def test_fsdp2_step_on_cuda_matches_the_cpu_step(tiny_model_dir: Path, tmp
     samples = as_samples(synthetic_samples(tiny_model_dir, 8, seed=3))
     cpu_info, cpu = await one_step(tiny_model_dir, tmp_path / "cpu", samples, cuda=False, compute_dtype=None)
     gpu_info, gpu = await one_step(tiny_model_dir, tmp_path / "gpu", samples, cuda=True, compute_dtype="bfloat16")
-    assert cpu_info["device"] == "cpu" and gpu_info["device"].startswith("cuda")
+    assert cpu_info.device == "cpu" and gpu_info.device.startswith("cuda")
     # bf16 compute: ~3 significant digits
     assert gpu["loss"] == pytest.approx(cpu["loss"], rel=2e-2, abs=2e-3)
     assert gpu["entropy"] == pytest.approx(cpu["entropy"], rel=2e-2)

@@ -24,6 +24,7 @@ import torch
 from coordinator.train.errors import RankFailure
 from coordinator.train.group import TrainGroup
 from coordinator.train.planning import balance_by_tokens, plan_steps, reduce_step_metrics
+from coordinator.train.torchrun import TorchrunSpec
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 from tests.support.train_settings import flat_settings, init_command
 from tests.support.waiting import wait_until
@@ -80,22 +81,22 @@ async def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     with anyio.fail_after(240):
         async with anyio.create_task_group() as tg:
             # grace_s: see test_a_cancelled_group_shuts_its_ranks_down_and_torchrun_exits_0
-            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=root / "run", grace_s=60).run)
+            group: TrainGroup = await tg.start(TrainGroup(TorchrunSpec(nproc_per_node=2), run_dir=root / "run", grace_s=60).run)
             record = FirstRun(
-                rollouts=rollouts, init_info=await group.init(flat_settings(config_for(tiny_model_dir, root / "ckpt")))
+                rollouts=rollouts, init_info=await group.commands.init(flat_settings(config_for(tiny_model_dir, root / "ckpt")))
             )
             record.pids = [info.pid for info in group.ranks.values()] + [group.torchrun_pid or 0]
             record.log_path = group.log_path
             for rollout_id, raw in enumerate(rollouts):
-                record.metrics.append(await group.train(rollout_id, as_samples(raw)))
-                record.step_metrics.append(group.step_metrics)
+                record.metrics.append(await group.commands.train(rollout_id, as_samples(raw)))
+                record.step_metrics.append(group.commands.step_metrics)
                 if rollout_id == 0:
                     extra = {"data_source": {"epoch": 0, "offset": 8}}
-                    await group.save(0, extra={"data_source": {"epoch": 0, "offset": 0}})
-                    record.checkpoint = await group.save(0, extra=extra)  # a re-save of the same rollout
-                    record.export_after_0 = await group.export_weights(root / "weights", weight_version=1)
-            record.export_after_2 = await group.export_weights(root / "weights", weight_version=3)
-            record.manifest = await group.weight_manifest()
+                    await group.commands.save(0, extra={"data_source": {"epoch": 0, "offset": 0}})
+                    record.checkpoint = await group.commands.save(0, extra=extra)  # a re-save of the same rollout
+                    record.export_after_0 = await group.commands.export_weights(root / "weights", weight_version=1)
+            record.export_after_2 = await group.commands.export_weights(root / "weights", weight_version=3)
+            record.manifest = await group.commands.weight_manifest()
             tg.cancel_scope.cancel()
     assert group.torchrun is not None and group.torchrun.proc is not None
     record.torchrun_returncode = group.torchrun.proc.returncode
@@ -103,7 +104,7 @@ async def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 async def test_training_reports_finite_metrics_per_step(first_run: FirstRun) -> None:
-    assert first_run.init_info["num_parameters"] > 0
+    assert first_run.init_info.num_parameters > 0
     for metrics in first_run.metrics:
         for key in METRICS:
             assert key in metrics and math.isfinite(metrics[key]), key
@@ -168,17 +169,17 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
     pids: list[int] = []
     with anyio.fail_after(240):
         async with anyio.create_task_group() as tg:
-            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
+            group: TrainGroup = await tg.start(TrainGroup(TorchrunSpec(nproc_per_node=2), run_dir=tmp_path / "run").run)
             pids = [info.pid for info in group.ranks.values()] + [group.torchrun_pid or 0]
-            await group.init(flat_settings(config_for(tiny_model_dir, tmp_path / "ckpt")))
-            info = await group.load_checkpoint(resolve_checkpoint(broken, 0))
+            await group.commands.init(flat_settings(config_for(tiny_model_dir, tmp_path / "ckpt")))
+            info = await group.commands.load_checkpoint(resolve_checkpoint(broken, 0))
             assert info.rollout_id == 0 and info.extra == {"data_source": {"epoch": 0, "offset": 8}}
-            assert info.path == broken / "rollout_0"
+            assert info.path == str(broken / "rollout_0")  # LoadReply: plain data on the wire
             for rollout_id in (1, 2):
-                metrics = await group.train(rollout_id, as_samples(first_run.rollouts[rollout_id]))
+                metrics = await group.commands.train(rollout_id, as_samples(first_run.rollouts[rollout_id]))
                 for key in ("loss", "pg_loss", "grad_norm", "kl", "entropy", "lr"):
                     assert metrics[key] == first_run.metrics[rollout_id][key], (rollout_id, key)
-            resumed = await group.export_weights(tmp_path / "weights", weight_version=3)
+            resumed = await group.commands.export_weights(tmp_path / "weights", weight_version=3)
             original = load_file(str(first_run.export_after_2 / "model.safetensors"))
             for name, tensor in load_file(str(resumed / "model.safetensors")).items():
                 assert torch.equal(tensor, original[name]), name
@@ -192,7 +193,7 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
 
             async def train_and_record() -> None:
                 try:
-                    await group.train(3, big)
+                    await group.commands.train(3, big)
                     returned.append(True)
                 except RankFailure as exc:
                     failure.append(exc)
@@ -213,7 +214,7 @@ async def test_resume_in_a_fresh_group_reproduces_losses_then_a_killed_rank_fail
             assert isinstance(failure[0], RankFailure) and 1 in failure[0].ranks
             assert "rank 1" in str(failure[0]) and str(group.log_path) in str(failure[0])
             with pytest.raises(RankFailure):
-                await group.weight_manifest()
+                await group.commands.weight_manifest()
             tg.cancel_scope.cancel()
     for pid in pids:
         assert gone(pid), f"process {pid} outlived its TrainGroup"
@@ -291,7 +292,7 @@ def test_batch_settings_that_cannot_work_are_rejected_with_the_setting_named() -
 
 
 def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
-    single = TrainGroup(nproc_per_node=2, run_dir=tmp_path).torchrun_command()
+    single = TrainGroup(TorchrunSpec(nproc_per_node=2), run_dir=tmp_path).torchrun_command()
     assert single[1:] == [
         "-m",
         "torch.distributed.run",
@@ -304,11 +305,7 @@ def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
         "workers.train_rank",
     ]
     multi = TrainGroup(
-        nproc_per_node=8,
-        nnodes=2,
-        node_rank=1,
-        rdzv_endpoint="10.0.0.1:29400",
-        max_restarts=3,
+        TorchrunSpec(nproc_per_node=8, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400", max_restarts=3),
         run_dir=tmp_path,
     )
     command = multi.torchrun_command()
@@ -317,7 +314,7 @@ def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
     assert command[command.index("--max-restarts") + 1] == "3" and multi.world_size == 16
     assert all(multi.token not in part for part in command)  # the token travels in the environment only
     with pytest.raises(ValueError, match="needs rdzv_endpoint"):
-        TrainGroup(nproc_per_node=1, nnodes=2, run_dir=tmp_path)
+        TrainGroup(TorchrunSpec(nproc_per_node=1, nnodes=2), run_dir=tmp_path)
 
 
 async def test_a_cancelled_group_shuts_its_ranks_down_and_torchrun_exits_0(first_run: FirstRun) -> None:
@@ -335,7 +332,7 @@ async def test_a_cancelled_group_shuts_its_ranks_down_and_torchrun_exits_0(first
 
 
 async def test_ranks_that_die_before_connecting_fail_start_with_the_log(tmp_path: Path) -> None:
-    group = TrainGroup(nproc_per_node=2, run_dir=tmp_path, extra_env={"RAYLESS_TORCH_THREADS": "many"})
+    group = TrainGroup(TorchrunSpec(nproc_per_node=2), run_dir=tmp_path, extra_env={"RAYLESS_TORCH_THREADS": "many"})
     with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
             with pytest.raises(

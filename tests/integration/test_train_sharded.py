@@ -21,6 +21,7 @@ import torch
 from coordinator.train.errors import RankCommandError, RankFailure
 from coordinator.train.group import TrainGroup
 from coordinator.train.planning import plan_steps
+from coordinator.train.torchrun import TorchrunSpec
 from tests.support.train_samples import TRAIN_CONFIG, as_samples, synthetic_samples
 from tests.support.train_settings import flat_settings, init_command
 from workers import protocol
@@ -66,25 +67,25 @@ async def sharded_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     lora_raw = synthetic_samples(tiny_model_dir, 12, seed=22)
     with anyio.fail_after(300):
         async with anyio.create_task_group() as tg:
-            group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=tmp_path / "run").run)
-            await group.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3)))
-            metrics = await group.train(0, as_samples(raw))
-            exported = await group.export_weights(tmp_path / "weights", weight_version=1)
+            group: TrainGroup = await tg.start(TrainGroup(TorchrunSpec(nproc_per_node=2), run_dir=tmp_path / "run").run)
+            await group.commands.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3)))
+            metrics = await group.commands.train(0, as_samples(raw))
+            exported = await group.commands.export_weights(tmp_path / "weights", weight_version=1)
             # the process group's timeout is the short one from here on (set after that first step)
-            lora_info = await group.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", lora=LORA,
+            lora_info = await group.commands.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", lora=LORA,
                                                                   lr=1e-2, train_pg_timeout_s=3)))
-            await group.train(0, as_samples(lora_raw))
-            lora_exported = await group.export_weights(tmp_path / "lora-weights", weight_version=1)
-            await group.init(ppo_settings(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3))
-            ppo_metrics = await group.train(0, as_samples(raw))
-            ppo_exported = await group.export_weights(tmp_path / "ppo-weights", weight_version=1)
+            await group.commands.train(0, as_samples(lora_raw))
+            lora_exported = await group.commands.export_weights(tmp_path / "lora-weights", weight_version=1)
+            await group.commands.init(ppo_settings(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3))
+            ppo_metrics = await group.commands.train(0, as_samples(raw))
+            ppo_exported = await group.commands.export_weights(tmp_path / "ppo-weights", weight_version=1)
 
             # A stopped rank: the other's collective gives up after 3 s, not 600.
             victim = group.ranks[1].pid
             os.kill(victim, signal.SIGSTOP)
             try:
                 with anyio.fail_after(60), pytest.raises((RankCommandError, RankFailure)) as failure:
-                    await group.train(1, as_samples(lora_raw))
+                    await group.commands.train(1, as_samples(lora_raw))
             finally:
                 os.kill(victim, signal.SIGCONT)
             tg.cancel_scope.cancel()
@@ -151,9 +152,9 @@ async def test_lora_adapters_under_fsdp_on_cpu_train_as_one_process_does(sharded
     from transformers import AutoModelForCausalLM
 
     info = sharded_run.lora_info
-    assert 0 < info["trainable_parameters"] < info["num_parameters"]
+    assert 0 < info.trainable_parameters < info.num_parameters
     trainer = one_process(tiny_model_dir, sharded_run.lora_raw, lora=LORA, lr=1e-2)
-    one = trainer.export_weights(protocol.ExportWeightsCommand(str(tmp_path / "one"), "1"))["path"]
+    one = trainer.export_weights(protocol.ExportWeightsCommand(str(tmp_path / "one"), "1")).path
     expected = AutoModelForCausalLM.from_pretrained(str(one), dtype=torch.float32)
     got = AutoModelForCausalLM.from_pretrained(str(sharded_run.lora_exported), dtype=torch.float32).state_dict()
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).state_dict()

@@ -25,6 +25,7 @@ import pytest
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.train.group import TrainGroup
+from coordinator.train.torchrun import TorchrunSpec
 from coordinator.weights.distributed import WeightSyncError
 from coordinator.weights.sync import WeightSync
 from tests.support.engine_proc import start_engine_process
@@ -73,7 +74,7 @@ async def never_joining(record: FailedUpdates, client: EngineClient, group: Trai
     async with anyio.create_task_group() as tg:
         fleet = EngineFleet(client=client, external_urls=urls, run_dir=run_dir)
         await tg.start(fleet.run)
-        sync = WeightSync(mode="distributed", fleet=fleet, client=client, trainer=group,
+        sync = WeightSync(mode="distributed", fleet=fleet, client=client, trainer=group.commands,
                           snapshot_dir=run_dir / "snapshots", join_timeout_s=JOIN_TIMEOUT_S)
         engines = fleet.alive()
         await sync.update("1")  # the group forms; the external engines' tp sizes are known from here
@@ -97,7 +98,7 @@ async def refusing_to_load(record: FailedUpdates, client: EngineClient, group: T
     async with anyio.create_task_group() as tg:
         fleet = EngineFleet(client=client, external_urls=urls, run_dir=run_dir)
         await tg.start(fleet.run)
-        sync = WeightSync(mode="distributed", fleet=fleet, client=client, trainer=group,
+        sync = WeightSync(mode="distributed", fleet=fleet, client=client, trainer=group.commands,
                           snapshot_dir=run_dir / "snapshots", bucket_bytes=24 * 1024, join_timeout_s=60)
         record.refused_load = await attempt(sync.distributed.run(fleet.alive(), "4"))
         record.versions_after_refusal = await versions(client, urls)
@@ -116,8 +117,8 @@ async def failed_updates(tiny_model_dir: Path, tmp_path_factory: pytest.TempPath
         record.urls = {"first": first.url, "second": second.url, "wrong": wrong.url}
         with anyio.fail_after(240):
             async with EngineClient(max_connections=8) as client, anyio.create_task_group() as tg:
-                group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=1, run_dir=root / "run").run)
-                await group.init(flat_settings({**TRAIN_CONFIG, "model_path": str(tiny_model_dir)}))
+                group: TrainGroup = await tg.start(TrainGroup(TorchrunSpec(nproc_per_node=1), run_dir=root / "run").run)
+                await group.commands.init(flat_settings({**TRAIN_CONFIG, "model_path": str(tiny_model_dir)}))
                 await never_joining(record, client, group, second.process.pid, root / "hung")
                 await refusing_to_load(record, client, group, root / "refused")
                 await group.shutdown()

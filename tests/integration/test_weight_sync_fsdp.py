@@ -31,6 +31,7 @@ from coordinator.weights.distributed import FLATTENED_BUCKET, DistributedUpdate,
 from tests.support.engine_proc import RunningEngine, start_engine_process
 from tests.support.fsdp_sender import perturb
 from tests.support.train_samples import reference_log_probs, synthetic_samples
+from workers import protocol
 from workers.train_rank.model import load_causal_lm
 from workers.train_rank.weight_buckets import bucket_manifest
 
@@ -86,10 +87,11 @@ class TorchrunSender:
 
     async def broadcast_weights(self, master_address: str, master_port: int, world_size: int, group_name: str,
                                 timeout_s: float, *, backend: str, bucket_bytes: int,
-                                load_format: str | None) -> dict[str, Any]:
-        return await self.ask({"op": "broadcast", "master_port": master_port, "group_name": group_name,
-                               "world_size": self.world_size_override or world_size, "timeout_s": timeout_s,
-                               "bucket_bytes": bucket_bytes, "load_format": load_format})
+                                load_format: str | None) -> protocol.BroadcastWeightsReply:
+        answer = await self.ask({"op": "broadcast", "master_port": master_port, "group_name": group_name,
+                                 "world_size": self.world_size_override or world_size, "timeout_s": timeout_s,
+                                 "bucket_bytes": bucket_bytes, "load_format": load_format})
+        return protocol.BroadcastWeightsReply.from_wire(answer)
 
     async def destroy_weight_group(self, group_name: str) -> bool:
         return bool((await self.ask({"op": "destroy", "group_name": group_name}))["destroyed"])

@@ -24,6 +24,7 @@ import pytest
 from coordinator.engines.client import EngineClient
 from coordinator.engines.fleet import EngineFleet
 from coordinator.train.group import TrainGroup
+from coordinator.train.torchrun import TorchrunSpec
 from coordinator.weights.distributed import FLATTENED_BUCKET
 from coordinator.weights.sync import WeightSync
 from tests.support.engine_proc import RunningEngine, start_engine_process
@@ -81,18 +82,18 @@ async def by_bucket_and_per_tensor(record: Updates, client: EngineClient, group:
     async with anyio.create_task_group() as tg:
         fleet = EngineFleet(client=client, external_urls=[receiver.url], run_dir=run_dir)
         await tg.start(fleet.run)
-        sync = WeightSync(mode="broadcast", fleet=fleet, client=client, trainer=group,
+        sync = WeightSync(mode="broadcast", fleet=fleet, client=client, trainer=group.commands,
                           snapshot_dir=run_dir / "snapshots", bucket_bytes=BUCKET_BYTES, join_timeout_s=60)
-        record.buckets = await group.weight_buckets(BUCKET_BYTES)
-        record.tensors = len(await group.weight_manifest())
+        record.buckets = await group.commands.weight_buckets(BUCKET_BYTES)
+        record.tensors = len(await group.commands.weight_manifest())
         for rollout_id, load_format in enumerate([FLATTENED_BUCKET, None]):
-            await group.train(rollout_id, as_samples(samples))  # the weights move away from the receiver's
+            await group.commands.train(rollout_id, as_samples(samples))  # the weights move away from the receiver's
             stale = await receiver_logprobs(receiver.url, samples)
             sync.distributed.load_format = load_format
             await sync.update(str(rollout_id + 1))
             fresh = await receiver_logprobs(receiver.url, samples)
             # Training recomputes the logprobs of the receiver's weights (they are the trainer's now).
-            metrics = await group.train(10 + rollout_id, with_rollout_logprobs(samples, fresh))
+            metrics = await group.commands.train(10 + rollout_id, with_rollout_logprobs(samples, fresh))
             requests = (await stats(receiver.url))["updates"][-len(record.buckets):]
             record.bucketed.append(BucketedUpdate(load_format, stale, fresh, metrics, requests))
         record.receiver_inits = (await stats(receiver.url))["inits"]
@@ -105,13 +106,13 @@ async def into_tensor_parallel_engines(record: Updates, client: EngineClient, gr
     async with anyio.create_task_group() as tg:
         fleet = EngineFleet(client=client, external_urls=[tp2.url, ours.url], run_dir=run_dir)
         await tg.start(fleet.run)
-        sync = WeightSync(mode="distributed", fleet=fleet, client=client, trainer=group,
+        sync = WeightSync(mode="distributed", fleet=fleet, client=client, trainer=group.commands,
                           snapshot_dir=run_dir / "snapshots", bucket_bytes=BUCKET_BYTES, join_timeout_s=60)
-        await group.train(20, as_samples(samples))
+        await group.commands.train(20, as_samples(samples))
         await sync.update("tp-1")  # also checks that both engines report version "tp-1"
         record.tp2_init = (await stats(tp2.url))["inits"][-1]
         fresh = await receiver_logprobs(tp2.url, samples)
-        record.tp2_metrics = await group.train(21, with_rollout_logprobs(samples, fresh))
+        record.tp2_metrics = await group.commands.train(21, with_rollout_logprobs(samples, fresh))
         async with httpx.AsyncClient(base_url=ours.url, timeout=60) as http:
             record.ours_version = (await http.get("/get_weight_version")).json()
         tg.cancel_scope.cancel()
@@ -130,8 +131,8 @@ async def updates(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             start_engine_process(model, log_path=root / "engine.log") as ours:
         with anyio.fail_after(240):
             async with EngineClient(max_connections=8) as client, anyio.create_task_group() as tg:
-                group: TrainGroup = await tg.start(TrainGroup(nproc_per_node=2, run_dir=root / "run").run)
-                await group.init(flat_settings({**TRAIN, "model_path": str(model)}))
+                group: TrainGroup = await tg.start(TrainGroup(TorchrunSpec(nproc_per_node=2), run_dir=root / "run").run)
+                await group.commands.init(flat_settings({**TRAIN, "model_path": str(model)}))
                 await by_bucket_and_per_tensor(record, client, group, model, receiver, root / "bucketed")
                 await into_tensor_parallel_engines(record, client, group, model, tp2, ours, root / "tp")
                 await group.shutdown()

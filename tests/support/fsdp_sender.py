@@ -69,7 +69,7 @@ def main() -> None:
                     world_size=command["world_size"], group_name=command["group_name"], backend="gloo",
                     timeout_s=command["timeout_s"], bucket_bytes=command["bucket_bytes"],
                     load_format=command["load_format"],
-                )
+                ).to_wire()
                 dist.barrier()
             if rank == 0:
                 print(json.dumps(answer), flush=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -193,6 +195,38 @@ def test_each_damaged_file_is_refused_naming_it(save_dir: Path, drill: str) -> N
         files.verify_checkpoint(ckpt.resolve_checkpoint(directory))
     assert expected in str(refused.value)
     assert str(directory) in str(refused.value)
+
+
+RESUME_PROBE = """
+import json, sys
+import coordinator.run, coordinator.loop, coordinator.train.group, coordinator.train.recovery  # the resume path
+from coordinator.checks.trainable import check_resume_adapters
+from coordinator.config import parse_config
+from coordinator.loop import SavedProgress
+from workers import protocol
+from workers.train_rank.checkpoint_layout import resolve_checkpoint
+import msgspec
+
+config = parse_config(sys.argv[1:])
+check_resume_adapters(config)  # --load resolved, its adapters' record read (extra.json)
+directory = resolve_checkpoint(config.load_plan().path)
+sent = protocol.Response(1, True, protocol.LoadReply(3, {"rollout_state": {"next": 4}}, str(directory)))
+reply = protocol.decode_body(protocol.encode_frame(sent)[4:]).result  # as the control server reads rank 0's
+print(json.dumps({"path": reply.path, "rollout_id": reply.rollout_id,
+                  "state": msgspec.convert(reply.extra, SavedProgress).rollout_state,
+                  "torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))[:5]}))
+"""
+
+
+def test_the_resuming_coordinator_imports_no_torch(save_dir: Path, tiny_model_dir: Path) -> None:
+    """The coordinator's resume path — its modules, `--load` resolved, the adapters' record read, rank 0's
+    `LoadReply` decoded and the loop's saved progress read from it — in a fresh interpreter: no torch."""
+    flags = ["--hf-checkpoint", str(tiny_model_dir), *BASE, "--load", str(save_dir)]
+    result = subprocess.run([sys.executable, "-c", RESUME_PROBE, *flags], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen == {"path": str(save_dir / "rollout_3"), "rollout_id": 3, "state": {"next": 4}, "torch": []}
 
 
 def test_a_load_of_a_damaged_checkpoint_is_refused_at_start_up(save_dir: Path, tiny_model_dir: Path) -> None:

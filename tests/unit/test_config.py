@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import RULES, Config, ConfigError, ConfigWarning, config_from_mapping, parse_config
+from coordinator.train.settings import train_settings
 
 BASE = ["--hf-checkpoint", "/model", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--num-rollout", "3", "--prompt-data", "builtin:first_digit"]
@@ -311,7 +312,7 @@ def test_each_named_rule_fires_on_its_contradiction(rule: str) -> None:
 @pytest.mark.parametrize("correction", ["--use-rollout-logprobs", "--use-tis"])
 def test_async_ppo_runs_with_either_of_miles_corrections(correction: str) -> None:
     config = cfg("--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--async-rollout", correction)
-    assert config.rank_settings().critic is not None
+    assert train_settings(config).critic is not None
 
 
 def test_async_without_a_critic_needs_no_correction_as_miles() -> None:
@@ -325,22 +326,22 @@ def test_ppo_refuses_reward_level_kl_with_miles_reason() -> None:
 
 
 def test_critic_flags_reach_the_ranks_with_upstream_defaults() -> None:
-    settings = cfg("--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--lr", "3e-6").rank_settings()
+    settings = train_settings(cfg("--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--lr", "3e-6"))
     assert settings.critic is not None and settings.returns is not None
     assert (settings.critic.lr, settings.critic.value_clip, settings.critic.critic_only_steps) == (3e-6, 0.2, 0)
     assert (settings.returns.estimator, settings.returns.gamma, settings.returns.lambd) == ("ppo", 1.0, 1.0)
-    settings = cfg("--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--critic-lr", "1e-5",
+    settings = train_settings(cfg("--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--critic-lr", "1e-5",
                    "--gamma", "0.9", "--lambd", "0.95", "--value-clip", "0.5", "--num-critic-only-steps", "2",
-                   "--normalize-advantages").rank_settings()
+                   "--normalize-advantages"))
     assert settings.critic is not None and settings.returns is not None
     assert (settings.critic.lr, settings.critic.value_clip, settings.critic.critic_only_steps) == (1e-5, 0.5, 2)
     assert (settings.returns.gamma, settings.returns.lambd, settings.returns.normalize) == (0.9, 0.95, True)
     # REINFORCE++: per-token returns on the ranks only when discounted; no critic either way
     for gamma, on_ranks in (("1.0", False), ("0.9", True)):
-        settings = cfg("--rollout-num-engines", "1", "--advantage-estimator", "reinforce_plus_plus",
-                       "--normalize-advantages", "--gamma", gamma).rank_settings()
+        settings = train_settings(cfg("--rollout-num-engines", "1", "--advantage-estimator", "reinforce_plus_plus",
+                       "--normalize-advantages", "--gamma", gamma))
         assert settings.critic is None and (settings.returns is not None) is on_ranks
-    assert cfg("--rollout-num-engines", "1").rank_settings().returns is None
+    assert train_settings(cfg("--rollout-num-engines", "1")).returns is None
 
 
 def test_eval_allow_partial_fleet_reaches_the_eval_settings() -> None:

@@ -11,6 +11,7 @@ import pytest
 from coordinator.config import ConfigError, parse_config
 from coordinator.config.determinism_rules import check_engine_backends
 from coordinator.plan import GpuInventory, build_plan
+from coordinator.train.settings import train_settings
 
 BASE = ["--hf-checkpoint", "/m", "--rollout-batch-size", "8", "--num-rollout", "2", "--prompt-data",
         "builtin:first_digit", "--run-dir", "/runs/x"]
@@ -26,10 +27,10 @@ def plan(*flags: str, gpus: int = 0, sglang: bool = False):
 
 def test_the_flags_parse_and_true_on_policy_implies_deterministic_settings() -> None:
     off = config("--rollout-num-engines", "1")
-    assert not off.determinism.active and off.rank_settings().determinism.threads is None
+    assert not off.determinism.active and train_settings(off).determinism.threads is None
     on = config("--rollout-num-engines", "1", "--true-on-policy-mode")
     assert on.determinism.true_on_policy_mode and on.determinism.active
-    settings = on.rank_settings()
+    settings = train_settings(on)
     assert settings.determinism.threads == 1 and settings.batching.micro_batch_size == 1
 
 

@@ -24,6 +24,7 @@ from coordinator.rollout.teacher import (
     score_payload,
     settle_teacher_log_probs,
 )
+from coordinator.train.settings import train_settings
 from replay.format import write_dump
 from replay.reader import read_dump
 from replay.sample import Sample, SampleError, SampleStatus
@@ -48,8 +49,8 @@ def test_upstream_defaults_and_the_ranks_setting(tmp_path: Path) -> None:
     teacher = model_dir(tmp_path)
     config = parse_config([*BASE, "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", str(teacher)])
     assert config.distill.opd_kl_coef == 1.0 and config.distill.opd_teacher_key == "opd_teacher"
-    assert config.rank_settings().opd == OpdSettings(type="megatron", kl_coef=1.0, teacher_path=str(teacher))
-    assert parse_config(BASE).rank_settings().opd is None
+    assert train_settings(config).opd == OpdSettings(type="megatron", kl_coef=1.0, teacher_path=str(teacher))
+    assert train_settings(parse_config(BASE)).opd is None
     assert '"opd_teacher_key": "opd_teacher"' in config.to_json()  # a metadata key, not a secret
 
 

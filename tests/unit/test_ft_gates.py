@@ -24,6 +24,7 @@ from coordinator.observe.progress import ProgressDisplay
 from coordinator.plan import plan_for_launch
 from coordinator.services import Processes, build_fault_tolerance, build_processes, build_weight_sync
 from coordinator.train.group import TrainGroup
+from coordinator.train.torchrun import TorchrunSpec
 from tests.support.fake_engine import FakeEngine
 
 CHOICES = {
@@ -55,10 +56,10 @@ def processes_for(config: Config, client: EngineClient, tmp_path: Path, rollout_
     if config.eval_fleet_enabled:
         eval_engines = EngineFleet(client=client, group="eval", run_dir=tmp_path, probe_timeout=1,
                                    external_urls=eval_urls or ["127.0.0.1:3", "127.0.0.1:4"], attach_timeout=0.5)
-    trainer = exporter or TrainGroup(nproc_per_node=1, run_dir=tmp_path)
+    group = exporter or TrainGroup(TorchrunSpec(nproc_per_node=1), run_dir=tmp_path)
     weight_sync = build_weight_sync(config, None, tmp_path, fleet=fleet, client=client, router=None,
-                                    trainer=trainer)
-    return Processes(client=client, fleet=fleet, eval_engines=eval_engines, train_group=trainer,
+                                    trainer=group.commands)
+    return Processes(client=client, fleet=fleet, eval_engines=eval_engines, train_group=group,
                      weight_sync=weight_sync)
 
 
@@ -101,10 +102,16 @@ async def test_no_monitor_no_injection_without_engines_even_with_rollout_ft(mode
 
 
 class SnapshotExporter:
-    """Stand-in for the TrainGroup's `export_weights`: the fake engines accept any snapshot directory."""
+    """Stand-in for the TrainGroup and its commands' `export_weights`: the fake engines accept any snapshot
+    directory."""
 
     def __init__(self) -> None:
         self.exports = 0
+
+    @property
+    def commands(self) -> SnapshotExporter:
+        """What the services hand on from a TrainGroup (`TrainGroup.commands`): here, the stand-in itself."""
+        return self
 
     async def export_weights(self, directory: Path, weight_version: str, keep: int = 2) -> Path:
         self.exports += 1

@@ -334,13 +334,14 @@ def test_multi_turn_metrics_are_slimes() -> None:
 
 
 def test_a_tis_hook_and_its_args_travel_to_the_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from coordinator.hooks.args import rank_settings
+    from coordinator.hooks.args import tis_hook_args
+    from coordinator.train.settings import train_settings
 
     path = tmp_path / "mis.yaml"
     path.write_text("use_tis: true\ntis_level: token\n")
     config = parse_config(["--hf-checkpoint", str(tiny_model_dir), *BASE, "--custom-config-path", str(path),
                            "--custom-tis-function-path", "tests.support.tis_hooks:vanilla", "--sglang-api-key", "k"])
-    settings = rank_settings(config).loss
+    settings = train_settings(config, tis_hook_args=tis_hook_args(config)).loss
     assert settings.use_tis and settings.tis_function_path == "tests.support.tis_hooks:vanilla"
     assert settings.hook_args is not None and settings.hook_args["tis_level"] == "token"
     assert settings.hook_args["tis_clip"] == 2.0 and settings.hook_args["sglang_api_key"] is None

@@ -17,6 +17,7 @@ from coordinator.checks.dry_run import dry_run
 from coordinator.checks.trainable import check_trainable
 from coordinator.config import parse_config
 from coordinator.config.fields import ConfigError, ConfigWarning
+from coordinator.train.settings import train_settings
 from tests.support.train_settings import flat_view
 from workers.protocol.train_settings import LoraSettings
 from workers.train_rank import checkpoint as ckpt
@@ -167,12 +168,12 @@ def job(model_dir: Path, *flags: str) -> list[str]:
 def test_miles_flags_resolve_to_the_ranks_adapters(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = parse_config(job(tiny_model_dir, "--lora-rank", "8", "--lora-alpha", "32", "--lora-dropout", "0.05",
                               "--target-modules", "linear_qkv,linear_fc2", "--exclude-modules", "k_proj"))
-    assert flat_view(config.rank_settings())["lora"] == {
+    assert flat_view(train_settings(config))["lora"] == {
         "rank": 8, "alpha": 32.0, "dropout": 0.05, "target_modules": ["q_proj", "v_proj", "down_proj"],
         "exclude_modules": [], "adapter_path": None}
-    assert flat_view(parse_config(job(tiny_model_dir)).rank_settings())["lora"] is None
+    assert flat_view(train_settings(parse_config(job(tiny_model_dir))))["lora"] is None
     all_linear = parse_config(job(tiny_model_dir, "--lora-rank", "4", "--target-modules", "all-linear"))
-    assert flat_view(all_linear.rank_settings())["lora"]["target_modules"] == ALL
+    assert flat_view(train_settings(all_linear))["lora"]["target_modules"] == ALL
     # an MLA config adds its projections to all-linear, as miles
     mla = tmp_path / "mla"
     mla.mkdir()
@@ -182,10 +183,10 @@ def test_miles_flags_resolve_to_the_ranks_adapters(tiny_model_dir: Path, tmp_pat
     # --lora-adapter-path alone takes the adapter's rank, alpha and targets
     lora.write_adapter(adapted(tiny_model_dir), spec(), tmp_path / "adapter", base_model_path="x", write=True)
     from_file = parse_config(job(tiny_model_dir, "--lora-adapter-path", str(tmp_path / "adapter")))
-    assert flat_view(from_file.rank_settings())["lora"]["rank"] == 4 and flat_view(from_file.rank_settings())["lora"]["alpha"] == 8.0
+    assert flat_view(train_settings(from_file))["lora"]["rank"] == 4 and flat_view(train_settings(from_file))["lora"]["alpha"] == 8.0
     with pytest.raises(ConfigError, match="--lora-rank 8 differs from the rank 4"):
-        flat_view(parse_config(job(tiny_model_dir, "--lora-rank", "8", "--target-modules", "q_proj",
-                         "--lora-adapter-path", str(tmp_path / "adapter"))).rank_settings())
+        flat_view(train_settings(parse_config(job(tiny_model_dir, "--lora-rank", "8", "--target-modules", "q_proj",
+                         "--lora-adapter-path", str(tmp_path / "adapter")))))
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -50,8 +50,9 @@ def control_messages() -> list[protocol.ControlMessage]:
         protocol.Request(2, protocol.TrainCommand(3, [[sample, sample], []], [2, 0])),
         protocol.Request(3, protocol.SaveCommand(3, "/ckpt", {"epoch": 1})),
         protocol.Request(4, protocol.BroadcastWeightsCommand("127.0.0.1", 29500, 3)),
-        protocol.Response(5, True, {"tensor": torch.arange(6, dtype=torch.float32).reshape(2, 3)}),
-        protocol.Response(6, True, protocol.TrainResult([metrics]).to_wire()),
+        protocol.Request(5, protocol.SaveCommand(4, "/ckpt", {"tensor": torch.arange(6, dtype=torch.float32).reshape(2, 3)})),
+        protocol.Response(6, True, protocol.TrainResult([metrics])),
+        protocol.Response(7, True, protocol.LoadReply(rollout_id=3, extra={"epoch": 1}, path="/ckpt/rollout_3")),
     ]
 
 

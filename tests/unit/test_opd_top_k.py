@@ -20,6 +20,7 @@ from coordinator.rollout.teacher_topk import (
     reverse_kl,
     unique_ids,
 )
+from coordinator.train.settings import train_settings
 from replay.format import write_dump
 from replay.reader import read_dump
 from replay.sample import Sample, SampleError, SampleStatus
@@ -116,7 +117,7 @@ def test_top_k_settings_reach_the_rollout_and_the_ranks() -> None:
     config = parse_config([*BASE, *TOP_K, "--opd-top-k-strategy", "union", "--opd-reward-weight-mode", "teacher_p"])
     assert config.distill.top_k == TopK(3, "union", "teacher_p")
     assert config.distill.student_top_logprobs_num == 3  # the student's top-k are asked during the rollout
-    assert config.rank_settings().opd == OpdSettings(type="sglang", kl_coef=1.0, top_k=3)
+    assert train_settings(config).opd == OpdSettings(type="sglang", kl_coef=1.0, top_k=3)
     only_teacher = parse_config([*BASE, *TOP_K, "--opd-top-k-strategy", "only-teacher",
                                  "--custom-generate-function-path", "my.gen:generate"])
     assert only_teacher.distill.student_top_logprobs_num == 0  # a hook's generate may serve it

@@ -16,6 +16,7 @@ from coordinator.config import ConfigError, parse_config
 from coordinator.config.aliases import HOOK_ALIASES
 from coordinator.config.porting import architecture_disagreements, porting_notice
 from coordinator.config.sft import SFT_ROLLOUT_FUNCTION
+from coordinator.train.settings import train_settings
 from tests.support.train_samples import synthetic_samples
 from tests.support.train_settings import flat_view, init_command
 from workers import protocol
@@ -47,7 +48,7 @@ def trainer_for(settings: dict) -> Trainer:
 def test_adam_flags_reach_the_optimizer(tiny_model_dir: Path) -> None:
     config = parse_config(argv(tiny_model_dir, "--optimizer", "adam", "--adam-beta1", "0.8", "--adam-beta2", "0.98",
                                "--adam-eps", "1e-6", "--weight-decay", "0.1", "--lr", "2e-5"))
-    trainer = trainer_for(flat_view(config.rank_settings()))
+    trainer = trainer_for(flat_view(train_settings(config)))
     assert trainer.optimizer is not None
     group = trainer.optimizer.param_groups[0]
     assert group["betas"] == (0.8, 0.98) and group["eps"] == 1e-6 and group["weight_decay"] == 0.1
@@ -58,7 +59,7 @@ def test_lr_decay_spans_the_runs_steps_and_gives_slimes_values(tiny_model_dir: P
     # 3 rollouts × 2 steps (4 samples, global batch 2) = 6 optimizer steps; cosine from 1e-3 to 1e-4.
     config = parse_config(argv(tiny_model_dir, "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
                                "--global-batch-size", "2", "--lr-warmup-iters", "1"))
-    settings = flat_view(config.rank_settings())
+    settings = flat_view(train_settings(config))
     assert settings["lr_decay_steps"] == 6 and settings["lr_decay_style"] == "cosine"
     trainer = trainer_for(settings)
     samples = synthetic_samples(tiny_model_dir, 2, seed=1)
@@ -76,35 +77,35 @@ def test_lr_decay_spans_the_runs_steps_and_gives_slimes_values(tiny_model_dir: P
 
     assert seen == pytest.approx([megatron(step) for step in range(6)], rel=1e-9)
     # --lr-decay-iters overrides the span.
-    assert flat_view(parse_config(argv(tiny_model_dir, "--lr-decay-iters", "100")).rank_settings())["lr_decay_steps"] == 100
+    assert flat_view(train_settings(parse_config(argv(tiny_model_dir, "--lr-decay-iters", "100"))))["lr_decay_steps"] == 100
 
 
 def test_num_steps_per_rollout_sets_the_global_batch(tiny_model_dir: Path) -> None:
     config = parse_config(argv(tiny_model_dir, "--num-steps-per-rollout", "2"))
     assert config.effective_global_batch_size == 2 and config.train_steps_per_rollout == 2
-    assert flat_view(config.rank_settings())["num_steps_per_rollout"] == 2
+    assert flat_view(train_settings(config))["num_steps_per_rollout"] == 2
     with pytest.raises(ConfigError, match="--num-steps-per-rollout 3 does not divide"):
         parse_config(argv(tiny_model_dir, "--num-steps-per-rollout", "3"))
 
 
 def test_kl_flags_are_slimes(tiny_model_dir: Path) -> None:
-    settings = flat_view(parse_config(argv(tiny_model_dir, "--use-kl-loss", "--kl-loss-coef", "0.001",
-                                 "--kl-loss-type", "low_var_kl")).rank_settings())
+    settings = flat_view(train_settings(parse_config(argv(tiny_model_dir, "--use-kl-loss", "--kl-loss-coef", "0.001",
+                                 "--kl-loss-type", "low_var_kl"))))
     assert (settings["use_kl_loss"], settings["kl_loss_coef"], settings["kl_loss_type"]) == (True, 0.001,
                                                                                             "low_var_kl")
     with pytest.raises(ConfigError, match="only one of them"):
         parse_config(argv(tiny_model_dir, "--kl-coef", "0.1", "--kl-loss-coef", "0.1"))
     # --kl-coef shapes rewards in slime; under grpo it has no effect there, and the notice says so here.
     config = parse_config(argv(tiny_model_dir, "--kl-coef", "0.1"))
-    assert "kl_coef" not in flat_view(config.rank_settings())
+    assert "kl_coef" not in flat_view(train_settings(config))
     assert "--kl-coef 0.1 has no effect on grpo advantages" in (porting_notice(config) or "")
     # ppo trains a critic; reward-level KL with it is refused with miles' reason
-    assert parse_config(argv(tiny_model_dir, "--advantage-estimator", "ppo")).rank_settings().critic is not None
+    assert train_settings(parse_config(argv(tiny_model_dir, "--advantage-estimator", "ppo"))).critic is not None
     with pytest.raises(ConfigError, match="would not include the KL penalty"):
         parse_config(argv(tiny_model_dir, "--advantage-estimator", "ppo", "--kl-coef", "0.1"))
     with pytest.raises(ConfigError, match="needs --normalize-advantages"):
         parse_config(argv(tiny_model_dir, "--advantage-estimator", "reinforce_plus_plus"))
-    assert flat_view(parse_config(argv(tiny_model_dir, "--advantage-estimator", "gspo")).rank_settings())["policy_loss"] == "gspo"
+    assert flat_view(train_settings(parse_config(argv(tiny_model_dir, "--advantage-estimator", "gspo"))))["policy_loss"] == "gspo"
 
 
 # --- --load, --ref-load, --save-retain-interval ----------------------------------------------------------------
@@ -147,7 +148,7 @@ def test_reference_model_from_our_checkpoint(tiny_model_dir: Path, tmp_path: Pat
     trained.train(protocol.TrainCommand(0, [samples], [sum(len(s.loss_mask) for s in samples)]))
     trained.save(protocol.SaveCommand(rollout_id=0, directory=str(tmp_path / "ckpt"), extra={}))
     config = parse_config(argv(tiny_model_dir, "--use-kl-loss", "--ref-load", str(tmp_path / "ckpt")))
-    settings = flat_view(config.rank_settings())
+    settings = flat_view(train_settings(config))
     assert settings["reference_path"] == str(tmp_path / "ckpt")
     reference = trainer_for(settings).reference
     base = trainer_for({"model_path": str(tiny_model_dir), "use_kl_loss": True}).reference
@@ -184,7 +185,7 @@ def test_save_retain_interval_prunes_as_megatron(tmp_path: Path) -> None:
 def test_activation_checkpointing_gives_the_same_gradients(tiny_model_dir: Path) -> None:
     config = parse_config(argv(tiny_model_dir, "--recompute-granularity", "full", "--recompute-method",
                                "uniform", "--recompute-num-layers", "1"))
-    settings = flat_view(config.rank_settings())
+    settings = flat_view(train_settings(config))
     assert settings["gradient_checkpointing"] is True
     samples = synthetic_samples(tiny_model_dir, 2, seed=5)
     tokens = sum(len(s.loss_mask) for s in samples)
@@ -206,7 +207,7 @@ def test_megatron_flags_are_parsed_with_their_values(tiny_model_dir: Path) -> No
     assert (megatron.num_layers, megatron.swiglu, megatron.moe_aux_loss_coeff) == (36, True, (0.0,))
     assert megatron.moe_layer_freq == "[0]*1+[1]*46" and megatron.spec == ("slime_plugins.models.glm4",
                                                                            "get_glm_spec")
-    settings = flat_view(config.rank_settings())
+    settings = flat_view(train_settings(config))
     assert settings["compute_dtype"] == "bfloat16" and settings["micro_batch_size"] == 2
     with pytest.raises(ConfigError, match="--attention-backend: 'fast' is not a valid choice"):
         parse_config(argv(tiny_model_dir, "--attention-backend", "fast"))
@@ -216,8 +217,8 @@ def test_megatron_flags_are_parsed_with_their_values(tiny_model_dir: Path) -> No
     with pytest.raises(ConfigError, match=r"unrecognised arguments|values without a flag"):
         parse_config(argv(tiny_model_dir, "--swiglu", "yes"))
     # --use-dynamic-batch-size makes --micro-batch-size moot, as in slime.
-    assert flat_view(parse_config(argv(tiny_model_dir, "--micro-batch-size", "2", "--use-dynamic-batch-size")
-                        ).rank_settings())["micro_batch_size"] is None
+    assert flat_view(train_settings(parse_config(argv(tiny_model_dir, "--micro-batch-size", "2", "--use-dynamic-batch-size")
+                        )))["micro_batch_size"] is None
 
 
 def test_disagreements_with_config_json_are_named(tiny_model_dir: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from coordinator.engines.spec import claim_port, port_is_free
 from coordinator.train.group import TrainGroup
+from coordinator.train.torchrun import TorchrunSpec
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def test_a_taken_planned_port_is_replaced_with_a_warning(taken: int, caplog: pyt
 
 async def test_the_control_channel_moves_off_a_taken_planned_port_unless_it_was_fixed(
         taken: int, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    planned = TrainGroup(nproc_per_node=1, run_dir=tmp_path, port=taken, port_fixed=False, launch=False)
+    planned = TrainGroup(TorchrunSpec(nproc_per_node=1), run_dir=tmp_path, port=taken, port_fixed=False, launch=False)
     with caplog.at_level(logging.WARNING), anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(planned.run)  # launches nothing: it listens and waits for a rank
@@ -44,6 +45,6 @@ async def test_the_control_channel_moves_off_a_taken_planned_port_unless_it_was_
             assert planned.address is not None and int(planned.address.rsplit(":", 1)[1]) != taken
             tg.cancel_scope.cancel()
     assert f"control channel: planned port {taken} on 127.0.0.1 is in use" in caplog.text
-    fixed = TrainGroup(nproc_per_node=1, run_dir=tmp_path, port=taken, port_fixed=True, launch=False)
+    fixed = TrainGroup(TorchrunSpec(nproc_per_node=1), run_dir=tmp_path, port=taken, port_fixed=True, launch=False)
     with pytest.raises(OSError), anyio.fail_after(30):
         await fixed.run()

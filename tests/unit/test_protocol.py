@@ -21,6 +21,7 @@ import torch
 
 from coordinator.train.errors import RankCommandError, RankFailure
 from coordinator.train.group import TrainGroup
+from coordinator.train.torchrun import TorchrunSpec
 from tests.support.memory import PeakMemory
 from tests.support.train_settings import init_command
 from workers import protocol
@@ -84,12 +85,53 @@ def test_every_message_kind_round_trips() -> None:
         protocol.Request(15, protocol.ShutdownCommand()),
         protocol.Request(16, protocol.OffloadCommand(verify=True)),
         protocol.Request(17, protocol.OnloadCommand()),
-        protocol.Response(15, True, {"metrics": {"loss": 0.25}}),
-        protocol.Response(16, True, protocol.TrainResult([step_metrics(0.25)]).to_wire()),
-        protocol.Response(16, False, {}, "ValueError: bad", "Traceback ..."),
+        protocol.Response(16, False, None, "ValueError: bad", "Traceback ..."),
+        *(protocol.Response(20 + index, True, reply) for index, reply in enumerate(every_reply())),
     ]
     for message in messages:
         assert roundtrip(message) == message
+
+
+def every_reply() -> list[protocol.Reply]:
+    """One reply of each kind, its fields set (the defaults too where the other ranks answer them)."""
+    return [
+        protocol.InitReply(num_parameters=10, trainable_parameters=4, device="cpu"),
+        protocol.TrainResult([step_metrics(0.25)]),
+        protocol.SaveReply("/ckpt/tmp-3"),
+        protocol.PublishReply("/ckpt/rollout_3"),
+        protocol.PublishReply(),
+        protocol.SaveHfReply("/hf"),
+        protocol.LoadReply(rollout_id=3, extra={"rollout_state": {"next": 4}}, path="/ckpt/rollout_3"),
+        protocol.ExportWeightsReply("/w/weights-5", [("w", "float32", [2, 3])]),
+        protocol.WeightManifestReply([[("a", "bfloat16", [4])], [("b", "float32", [])]]),
+        protocol.BroadcastWeightsReply(ok=True, joined=True, buckets=2, bytes=24, seconds=0.5),
+        protocol.BroadcastWeightsReply(),
+        protocol.DestroyWeightGroupReply(destroyed=True),
+        protocol.OffloadReply(seconds=0.1, state_bytes=48, memory={"rss_bytes": 1 << 20}, digest="ab"),
+        protocol.OnloadReply(seconds=0.2, state_bytes=48),
+        protocol.ShutdownReply(),
+    ]
+
+
+def test_every_command_declares_one_reply_of_its_own_kind() -> None:
+    """One record per command: the reply's kind is the command's, and a Response holds only replies."""
+    commands = {kind: cls for kind, cls in protocol.CONTROL.kinds().items() if issubclass(cls, protocol.Command)}
+    assert {kind: cls.reply.kind for kind, cls in commands.items()} == {kind: kind for kind in commands}
+    assert sorted(protocol.REPLY_KINDS) == sorted(commands)
+    assert sorted({reply.kind for reply in every_reply()}) == sorted(commands)
+    with pytest.raises(protocol.ProtocolError, match=r"unknown message kind 'welcome' at `\$.result`"):
+        protocol.decode_message({"kind": "response", "request_id": 1, "ok": True, "result": {"kind": "welcome"}})
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `object \| null`, got `str` - at `\$.result`"):
+        protocol.decode_message({"kind": "response", "request_id": 1, "ok": True, "result": "path"})
+    load = {"kind": "load", "rollout_id": 3, "extra": {}, "path": "/p"}
+    with pytest.raises(protocol.ProtocolError, match=r"unknown field `step` - at `\$.result`"):
+        protocol.decode_message({"kind": "response", "request_id": 1, "ok": True, "result": {**load, "step": 1}})
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `int`, got `str` - at `\$.result.rollout_id`"):
+        protocol.decode_message({"kind": "response", "request_id": 1, "ok": True,
+                                 "result": {**load, "rollout_id": "3"}})
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `str`, got `int` - at `\$.result.buckets\[0\]\[0\]\[1\]`"):
+        protocol.decode_message({"kind": "response", "request_id": 1, "ok": True,
+                                 "result": {"kind": "weight_manifest", "buckets": [[["w", 4, [1]]]]}})
 
 
 def test_tensors_round_trip_exactly() -> None:
@@ -101,10 +143,11 @@ def test_tensors_round_trip_exactly() -> None:
         "scalar": torch.tensor(2.5, dtype=torch.float64),
         "strided": torch.randn(4, 4).t(),
     }
-    back = roundtrip(protocol.Response(1, True, {"tensors": tensors}))
-    assert isinstance(back, protocol.Response)
+    # a free-form map (a save's `extra`) may carry tensors: the extension type, never a pickle
+    back = roundtrip(protocol.Request(1, protocol.SaveCommand(1, "/ckpt", {"tensors": tensors})))
+    assert isinstance(back, protocol.Request) and isinstance(back.command, protocol.SaveCommand)
     for name, tensor in tensors.items():
-        got = back.result["tensors"][name]
+        got = back.command.extra["tensors"][name]
         assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
         assert torch.equal(got, tensor), name
 
@@ -134,7 +177,7 @@ def test_records_decode_typed_and_refuse_unknown_or_missing_fields() -> None:
     assert isinstance(request, protocol.Request) and isinstance(request.command, protocol.TrainCommand)
     assert request.command.steps[0][0] == protocol.WireSample([4, 5], 1, [1], [-1.0], advantage=0.0)
     body = protocol.unpack(protocol.pack(protocol.TrainResult([step_metrics(0.5)]).to_wire()))
-    assert protocol.TrainResult.from_wire(body).steps == [step_metrics(0.5)]
+    assert body["kind"] == "train" and protocol.TrainResult.from_wire(body).steps == [step_metrics(0.5)]
 
     sample = {"tokens": [1, 2], "response_length": 1, "loss_mask": [1], "rollout_log_probs": [0.0]}
     train = {"kind": "train", "rollout_id": 0, "step_loss_tokens": [1]}
@@ -166,7 +209,7 @@ def test_sender_refuses_a_frame_over_the_limit() -> None:
 
 
 async def start_listener(tg: anyio.abc.TaskGroup, world_size: int = 1, **kwargs: object) -> TrainGroup:
-    group = TrainGroup(nproc_per_node=world_size, run_dir=kwargs.pop("run_dir"), launch=False, **kwargs)  # type: ignore[arg-type]
+    group = TrainGroup(TorchrunSpec(nproc_per_node=world_size), run_dir=kwargs.pop("run_dir"), launch=False, **kwargs)  # type: ignore[arg-type]
     tg.start_soon(group.run)
     await group.listening.wait()
     return group
@@ -183,7 +226,7 @@ def serve_in_thread(
                 request = channel.receive()
                 assert isinstance(request, protocol.Request)
                 if isinstance(request.command, protocol.ShutdownCommand):
-                    channel.send(protocol.Response(request.request_id, True))
+                    channel.send(protocol.Response(request.request_id, True, protocol.ShutdownReply()))
                     return
                 response = handler(request)
                 if response is None:
@@ -248,7 +291,7 @@ async def test_frame_over_the_limit_is_refused_by_the_receiver(tmp_path) -> None
 
         thread = serve_in_thread(channel, answer_too_much)
         with anyio.fail_after(10), pytest.raises(RankFailure, match="over the control-channel limit of 4096 bytes"):
-            await group.weight_manifest()
+            await group.commands.weight_manifest()
         await anyio.to_thread.run_sync(thread.join, 10)
         tg.cancel_scope.cancel()
 
@@ -273,11 +316,12 @@ async def test_commands_reach_every_rank_and_errors_name_the_rank(tmp_path) -> N
                     return protocol.Response(
                         request.request_id, False, error="CheckpointError: no such dir", traceback="tb"
                     )
-                return protocol.Response(
-                    request.request_id,
-                    True,
-                    {"rollout_id": 4, "extra": {}, "path": "/p", "manifest": [["w", "float32", [2]]]},
+                reply: protocol.Reply = (
+                    protocol.LoadReply(rollout_id=4, extra={}, path="/p")
+                    if isinstance(request.command, protocol.LoadCommand)
+                    else protocol.WeightManifestReply([[("w", "float32", [2])]])
                 )
+                return protocol.Response(request.request_id, True, reply)
 
             return handle
 
@@ -289,14 +333,14 @@ async def test_commands_reach_every_rank_and_errors_name_the_rank(tmp_path) -> N
             threads.append(serve_in_thread(channel, make_handler(rank)))
         await group.ready.wait()
         assert sorted(group.ranks) == [0, 1]
-        assert await group.weight_manifest() == [("w", "float32", [2])]
+        assert await group.commands.weight_manifest() == [("w", "float32", [2])]
         with pytest.raises(
             RankCommandError, match=r"command 'load' failed on rank\(s\) 1: CheckpointError: no such dir"
         ):
-            await group.load("/nowhere")
+            await group.commands.load("/nowhere")
         # Ranks may be out of step after a failed command: the group refuses further calls.
         with pytest.raises(RuntimeError, match="unusable after an earlier failed command"):
-            await group.weight_manifest()
+            await group.commands.weight_manifest()
         assert seen == {0: ["weight_manifest", "load"], 1: ["weight_manifest", "load"]}
         await group.shutdown()
         for thread in threads:
@@ -311,7 +355,7 @@ async def test_a_rank_that_disconnects_fails_the_pending_call_at_once(tmp_path) 
 
         def answer_slowly(request: protocol.Request) -> protocol.Response:
             release.wait(30)
-            return protocol.Response(request.request_id, True, {"manifest": []})
+            return protocol.Response(request.request_id, True, protocol.WeightManifestReply([]))
 
         def disconnect(request: protocol.Request) -> None:
             return None  # closes the socket, like a rank that died
@@ -327,7 +371,7 @@ async def test_a_rank_that_disconnects_fails_the_pending_call_at_once(tmp_path) 
             with pytest.raises(
                 RankFailure, match=r"training rank\(s\) 1 failed: rank 1 \(pid 12345\) closed"
             ) as info:
-                await group.weight_manifest()
+                await group.commands.weight_manifest()
         assert info.value.ranks == [1]
         release.set()
         await group.shutdown()
@@ -337,7 +381,7 @@ async def test_a_rank_that_disconnects_fails_the_pending_call_at_once(tmp_path) 
 
 async def test_a_reconnected_rank_makes_the_group_usable_again(tmp_path) -> None:
     def answer(request: protocol.Request) -> protocol.Response:
-        return protocol.Response(request.request_id, True, {"manifest": [["w", "float32", [1]]]})
+        return protocol.Response(request.request_id, True, protocol.WeightManifestReply([[("w", "float32", [1])]]))
 
     async with anyio.create_task_group() as tg:
         group = await start_listener(tg, world_size=2, run_dir=tmp_path)
@@ -351,7 +395,7 @@ async def test_a_reconnected_rank_makes_the_group_usable_again(tmp_path) -> None
             await group.wait_for_ranks()
         channels[1].close()  # rank 1 dies
         with anyio.fail_after(10), pytest.raises(RankFailure, match=r"rank\(s\) 1 failed"):
-            await group.weight_manifest()
+            await group.commands.weight_manifest()
         restarted = hello(group.token, rank=1, world_size=2)
         restarted.restart_count = 1
         channel = await anyio.to_thread.run_sync(protocol.RankChannel.connect, group.address, restarted)
@@ -359,10 +403,30 @@ async def test_a_reconnected_rank_makes_the_group_usable_again(tmp_path) -> None
         with anyio.fail_after(10):
             ranks = await group.wait_for_ranks()
         assert ranks[1].restart_count == 1
-        assert await group.weight_manifest() == [("w", "float32", [1])]
+        assert await group.commands.weight_manifest() == [("w", "float32", [1])]
         await group.shutdown()
         for thread in (thread0, thread1):
             await anyio.to_thread.run_sync(thread.join, 10)
+
+
+async def test_a_rank_answering_with_another_commands_reply_fails_that_rank(tmp_path) -> None:
+    """The coordinator reads a reply only as the record its command declares: another kind is the rank's
+    protocol error (the call fails naming the rank), never a value read by key."""
+
+    def answer_wrongly(request: protocol.Request) -> protocol.Response:
+        return protocol.Response(request.request_id, True, protocol.LoadReply(rollout_id=1, extra={}, path="/p"))
+
+    async with anyio.create_task_group() as tg:
+        group = await start_listener(tg, run_dir=tmp_path)
+        channel = await anyio.to_thread.run_sync(protocol.RankChannel.connect, group.address, hello(group.token))
+        thread = serve_in_thread(channel, answer_wrongly)
+        await group.ready.wait()
+        with anyio.fail_after(10), pytest.raises(
+            RankFailure, match=r"rank 0 .* sent an invalid message: answered a 'weight_manifest' command with a "
+                               r"'load' reply"):
+            await group.commands.weight_manifest()
+        await group.shutdown()
+        await anyio.to_thread.run_sync(thread.join, 10)
 
 
 # ------------------------------------------------------------------------------ before authentication
@@ -411,7 +475,8 @@ async def test_a_peer_without_the_token_cannot_stall_or_inflate_the_coordinator(
     async with anyio.create_task_group() as tg:
         group = await start_listener(tg, run_dir=tmp_path)
         channel = await anyio.to_thread.run_sync(protocol.RankChannel.connect, group.address, hello(group.token))
-        thread = serve_in_thread(channel, lambda r: protocol.Response(r.request_id, True, {"manifest": []}))
+        thread = serve_in_thread(channel, lambda r: protocol.Response(r.request_id, True,
+                                                                     protocol.WeightManifestReply([])))
         await group.ready.wait()
         host, port = protocol.split_address(group.address or "")
         peers: list[str] = []
@@ -435,7 +500,7 @@ async def test_a_peer_without_the_token_cannot_stall_or_inflate_the_coordinator(
             while len(replies) < len(frames) or len(latencies) < 20:
                 started = anyio.current_time()
                 with anyio.fail_after(30):
-                    assert await group.weight_manifest() == []
+                    assert await group.commands.weight_manifest() == []
                 latencies.append(anyio.current_time() - started)
                 await anyio.sleep(0.01)
         growth = memory.growth_mib

@@ -3,6 +3,7 @@ each given one that differs named (coordinator/config/replayed.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -109,3 +110,18 @@ def test_the_recorded_flags_are_plain_data_a_dump_header_keeps(tmp_path: Path) -
     assert {"lr", "clip_grad", "eps_clip", "seed", "optimizer", "micro_batch_size", "max_tokens_per_gpu",
             "use_kl_loss", "advantage_estimator", "lora_rank", "hf_checkpoint"} <= set(RECORDED)
     assert not {"train_env_vars", "actor_num_gpus_per_node", "save", "load_debug_rollout_data"} & set(RECORDED)
+
+
+def test_a_replay_without_num_rollout_counts_one_past_the_highest_dump_before_anything_starts(tmp_path: Path) -> None:
+    """The rollout count is decided once (`with_rollout_count`), so config.json, the plan and the loop agree."""
+    from coordinator.rollout.epochs import with_rollout_count
+
+    template = dump_of(parse_config(GENERATING), tmp_path, rollout_ids=(3, 7))
+    given = parse_config(["--load-debug-rollout-data", template, "--num-rollout", "2"])
+    assert with_rollout_count(given) is given  # --num-rollout given: nothing is read
+    counted = with_rollout_count(parse_config(["--load-debug-rollout-data", template]))
+    assert counted.rollout.num_rollout == 8
+    (tmp_path / "3.rld").unlink()
+    (tmp_path / "7.rld").unlink()
+    with pytest.raises(ConfigError, match=r"--load-debug-rollout-data .* matches no dump file"):
+        with_rollout_count(dataclasses.replace(counted, rollout=dataclasses.replace(counted.rollout, num_rollout=None)))

@@ -13,9 +13,10 @@ import torch
 from coordinator.config import ConfigError, ConfigWarning, parse_config
 from coordinator.config.porting import porting_notice
 from coordinator.data.source import DataSourceError
-from coordinator.rollout.epochs import with_epoch_rollouts
+from coordinator.rollout.epochs import with_rollout_count
 from coordinator.rollout.manager import RolloutManager
 from coordinator.rollout.sft_mask import ChatLossMask
+from coordinator.train.settings import train_settings
 from workers.train_rank.sft_loss import loss_function, sft_loss
 
 SLIME_SFT = "slime.rollout.sft_rollout.generate_rollout"
@@ -48,8 +49,8 @@ def test_slimes_sft_args_parse_into_the_sft_slice_and_start_no_engines(tiny_mode
         assert not config.needs_engines and config.num_rollout_engines == 0 and config.needs_train_ranks
         assert config.rollout.rollout_function_path == "coordinator.rollout.sft:SftRollout"
         assert SLIME_SFT in (porting_notice(config) or "")
-        assert config.rank_settings().loss.loss_type == "sft_loss"
-        assert not config.rank_settings().loss.recomputes_old_log_probs
+        assert train_settings(config).loss.loss_type == "sft_loss"
+        assert not train_settings(config).loss.recomputes_old_log_probs
     # without --debug-train-only an SFT run starts no engines either; replaying its dumps trains them again
     without = [a for a in sft_argv(tiny_model_dir, data, "--num-rollout", "2") if a != "--debug-train-only"]
     assert not parse_config(without).needs_engines
@@ -67,15 +68,15 @@ def test_slimes_sft_args_parse_into_the_sft_slice_and_start_no_engines(tiny_mode
 
 def test_num_epoch_sets_the_rollouts_from_the_data_as_slime(tiny_model_dir: Path, tmp_path: Path) -> None:
     data = write_chats(tmp_path / "chats.jsonl", 10)
-    config = with_epoch_rollouts(parse_config(sft_argv(tiny_model_dir, data, "--num-epoch", "3")))
+    config = with_rollout_count(parse_config(sft_argv(tiny_model_dir, data, "--num-epoch", "3")))
     assert config.rollout.num_rollout == 3 * (10 // 4)  # slime's code: epochs × rollouts per epoch
     assert config.total_train_steps == 6  # the learning-rate schedule's span follows
     with pytest.warns(ConfigWarning, match="--num-epoch 3 is ignored: --num-rollout 5 is given"):
         given = parse_config(sft_argv(tiny_model_dir, data, "--num-epoch", "3", "--num-rollout", "5"))
-    assert with_epoch_rollouts(given).rollout.num_rollout == 5
+    assert with_rollout_count(given).rollout.num_rollout == 5
     small = write_chats(tmp_path / "small.jsonl", 3)
     with pytest.raises(ConfigError, match="holds 3 records, fewer than one --rollout-batch-size 4"):
-        with_epoch_rollouts(parse_config(sft_argv(tiny_model_dir, small, "--num-epoch", "3")))
+        with_rollout_count(parse_config(sft_argv(tiny_model_dir, small, "--num-epoch", "3")))
     with pytest.raises(ConfigError, match="--disable-rollout-global-dataset"):
         parse_config(sft_argv(tiny_model_dir, data, "--num-epoch", "3", "--disable-rollout-global-dataset"))
 

@@ -30,7 +30,8 @@ def trainer(model_dir: Path, offload_dir: Path) -> Trainer:
 
 def step(rank: Trainer, samples: list[protocol.WireSample]) -> protocol.StepMetrics:
     answer = handle(rank, protocol.TrainCommand(0, [samples], [sum(len(s.loss_mask) for s in samples)]))
-    return protocol.TrainResult.from_wire(answer).steps[0]
+    assert isinstance(answer, protocol.TrainResult)
+    return answer.steps[0]
 
 
 def state_of(rank: Trainer) -> dict[str, torch.Tensor]:
@@ -48,10 +49,11 @@ def test_a_step_after_an_offload_round_trip_is_bit_identical_to_one_without(tiny
     assert any(name.startswith("optimizer/") for name in before) and any(".grad/" in n for n in before)
     assert any(name.startswith("reference/") for name in before)  # the KL's reference model moves too
     out = handle(swapped, protocol.OffloadCommand(verify=True))
-    assert swapped.state.offloaded and out["state_bytes"] == sum(t.numel() * t.element_size() for t in before.values())
+    assert swapped.state.offloaded and out.state_bytes == sum(t.numel() * t.element_size() for t in before.values())
     assert all(p.numel() == 0 for p in swapped.model.parameters()) and list((tmp_path / "b").iterdir())
     back = handle(swapped, protocol.OnloadCommand(verify=True))
-    assert back["digest"] == out["digest"] and not list((tmp_path / "b").iterdir())
+    assert isinstance(out, protocol.OffloadReply) and isinstance(back, protocol.OnloadReply)
+    assert back.digest == out.digest and out.digest is not None and not list((tmp_path / "b").iterdir())
     after = state_of(swapped)
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     # the next step of both is the same to the bit: optimizer state, gradients and parameters all came back
@@ -87,7 +89,8 @@ def test_a_command_needing_the_state_while_offloaded_brings_it_back_for_the_comm
     assert rank.state.offloaded  # and offloaded again after the export
     from safetensors.torch import load_file
 
-    exported = load_file(str(Path(out["path"]) / "model.safetensors"))
+    assert isinstance(out, protocol.ExportWeightsReply) and out.manifest
+    exported = load_file(str(Path(out.path) / "model.safetensors"))
     for name, tensor in exported.items():
         key = f"model/{name}"
         if key in before:

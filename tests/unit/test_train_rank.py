@@ -386,8 +386,7 @@ def train_steps(model_dir: Path, samples: list[protocol.WireSample], steps: int,
     trainer.init(init_command({"model_path": str(model_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 32,
                                        "seed": 3, **settings}))
     loss_tokens = sum(sum(s.loss_mask) for s in samples)  # the coordinator's count: the mask's sum
-    return [protocol.TrainResult.from_wire(trainer.train(protocol.TrainCommand(0, [samples], [loss_tokens]))).steps[0]
-            for _ in range(steps)]
+    return [trainer.train(protocol.TrainCommand(0, [samples], [loss_tokens])).steps[0] for _ in range(steps)]
 
 
 def test_tool_tokens_count_nowhere_in_the_loss_and_not_in_the_logprob_comparison(tiny_model_dir: Path) -> None:

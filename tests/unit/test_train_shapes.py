@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from coordinator.train.planning import balance_by_tokens
+from coordinator.train.settings import train_settings
 from tests.support.memory import PeakMemory
 from tests.support.train_samples import synthetic_samples
 from tests.support.train_settings import init_command
@@ -206,11 +207,11 @@ def test_the_flags_reach_the_rank_settings(tiny_model_dir: Path) -> None:
 
     base = ["--hf-checkpoint", str(tiny_model_dir), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--num-rollout", "1", "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1"]
-    default = parse_config(base).rank_settings()
+    default = train_settings(parse_config(base))
     assert (default.batching.log_probs_chunk_size, default.parallel.train_pg_timeout_s,
             default.model.attn_implementation) == (None, 300.0, None)
     config = parse_config([*base, "--log-probs-chunk-size", "-1", "--train-pg-timeout-s", "30",
                            "--attn-implementation", "eager"])
-    settings = config.rank_settings()
+    settings = train_settings(config)
     assert (settings.batching.log_probs_chunk_size, settings.parallel.train_pg_timeout_s,
             settings.model.attn_implementation) == (-1, 30.0, "eager")

@@ -1,25 +1,42 @@
 """The control channel's messages: what the coordinator (`coordinator.train`) and a rank (`workers.train_rank`)
 say to each other, declared once for both sides.
 
-Owns `PROTOCOL_VERSION`, the records both sides read field by field (`WireSample`, `StepMetrics`,
-`TrainResult`), the handshake (Hello → Welcome / ErrorMessage), the commands, `Request` / `Response`, and
-`CONTROL`, their family in the one message layer (`workers.protocol.messages`). The contract in prose:
-docs/architecture.md#contracts.
+Owns `PROTOCOL_VERSION`, the sample record a rank trains on (`WireSample`), the handshake (Hello → Welcome /
+ErrorMessage), the commands (each naming its reply record, declared in `workers.protocol.replies`), `Request` /
+`Response`, and `CONTROL`, their family in the one message layer (`workers.protocol.messages`). The contract
+in prose: docs/architecture.md#contracts.
 
-Invariant: changing what a message carries changes `PROTOCOL_VERSION` (both ends are one checkout; the
-handshake compares it). Adding a field is adding a line to its declaration; a field without a default is
+Invariant: changing what a message or a reply carries changes `PROTOCOL_VERSION` (both ends are one checkout;
+the handshake compares it). Adding a field is adding a line to its declaration; a field without a default is
 required on the wire.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
 
 from workers.protocol import codec
 from workers.protocol.frames import framed
 from workers.protocol.messages import Family, Int31, Message, Record, Token, union_of
+from workers.protocol.replies import (
+    AnyReply,
+    BroadcastWeightsReply,
+    DestroyWeightGroupReply,
+    ExportWeightsReply,
+    InitReply,
+    LoadReply,
+    OffloadReply,
+    OnloadReply,
+    PublishReply,
+    Reply,
+    SaveHfReply,
+    SaveReply,
+    ShutdownReply,
+    TrainResult,
+    WeightManifestReply,
+)
 from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
@@ -34,8 +51,9 @@ if TYPE_CHECKING:
 # 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation); 7: SaveHfCommand (--save-hf);
 # 8: SaveCommand.publish and PublishCommand (a checkpoint published after its metrics row);
 # 9: BatchingSettings.dynamic_global_batch_size; 10: WireSample.opd_reverse_kl and OpdSettings.top_k (top-k OPD);
-# 11: TrainSettings.returns and .critic (PPO's value model)
-PROTOCOL_VERSION = 11
+# 11: TrainSettings.returns and .critic (PPO's value model); 12: Response.result one typed reply per command
+# (`replies`)
+PROTOCOL_VERSION = 12
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -115,40 +133,6 @@ def _optional_floats(values: Any) -> list[float] | None:
     return None if values is None else _floats(values)
 
 
-class StepMetrics(Record):
-    """One rank's raw numbers for one optimizer step (`TrainResult.steps`).
-
-    The first eight are sums over this rank's tokens (the losses already divided by the step's loss tokens
-    over all ranks), so the ranks' values add up; `logprob_abs_diff_max` is this rank's maximum; `grad_norm`
-    and `lr` are the same on every rank (gradients are all-reduced before clipping); `step_time_s` is this
-    rank's wall time. `coordinator.train.planning.reduce_step_metrics` combines them into a step's metrics.
-    """
-
-    loss: float
-    pg_loss: float
-    loss_tokens: float
-    clipped_tokens: float
-    entropy_sum: float
-    kl_sum: float
-    logprob_abs_diff_sum: float
-    num_tokens: float
-    logprob_abs_diff_max: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    # With --use-tis: the sum of the TIS weights over loss tokens, and the tokens whose weight was clamped.
-    tis_sum: float = 0.0
-    tis_clipped_tokens: float = 0.0
-    # Sums over loss tokens of the metrics a `--custom-tis-function-path` hook returned, by its names.
-    extra: dict[str, float] = msgspec.field(default_factory=dict)
-
-
-class TrainResult(Record):
-    """A rank's answer to `TrainCommand`: one `StepMetrics` per optimizer step, in order."""
-
-    steps: list[StepMetrics]
-
-
 # The handshake.
 
 
@@ -176,12 +160,15 @@ class ErrorMessage(ControlMessage, tag="error"):
 
 
 class Command(ControlMessage):
-    """The base of the commands (abstract: no `tag`)."""
+    """The base of the commands (abstract: no `tag`). `reply`: the record every rank answers it with."""
+
+    reply: ClassVar[type[Reply]]
 
 
 class InitCommand(Command, tag="init"):
     """The trainer's settings, by component, in the same types on both ends."""
 
+    reply: ClassVar[type[Reply]] = InitReply
     settings: TrainSettings
 
 
@@ -192,6 +179,7 @@ class TrainCommand(Command, tag="train"):
     divides by the same count and the token mean spans the whole global batch. Answered by a `TrainResult`.
     """
 
+    reply: ClassVar[type[Reply]] = TrainResult
     rollout_id: int
     steps: list[list[WireSample]]
     step_loss_tokens: list[int]
@@ -201,6 +189,7 @@ class SaveCommand(Command, tag="save"):
     """Write a complete checkpoint; `publish`: make it the one `latest` names at once. Without, it waits in
     `tmp-<id>` for a `PublishCommand`: the coordinator publishes once its metrics row is written."""
 
+    reply: ClassVar[type[Reply]] = SaveReply
     rollout_id: int
     directory: str
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -210,15 +199,18 @@ class SaveCommand(Command, tag="save"):
 class PublishCommand(Command, tag="publish"):
     """Rank 0 publishes the complete `tmp-<id>` a `SaveCommand(publish=False)` wrote (the others answer)."""
 
+    reply: ClassVar[type[Reply]] = PublishReply
     rollout_id: int
     directory: str
 
 
 class LoadCommand(Command, tag="load"):
+    reply: ClassVar[type[Reply]] = LoadReply
     path: str
 
 
 class ExportWeightsCommand(Command, tag="export_weights"):
+    reply: ClassVar[type[Reply]] = ExportWeightsReply
     directory: str
     weight_version: str
     keep: int = 2
@@ -228,6 +220,7 @@ class SaveHfCommand(Command, tag="save_hf"):
     """Write the model as a Hugging Face directory at `directory` (`--save-hf`), replacing one there; answered
     with its `path`. LoRA: the merged weights, and the adapter in the PEFT format in `adapter/`."""
 
+    reply: ClassVar[type[Reply]] = SaveHfReply
     directory: str
 
 
@@ -235,6 +228,7 @@ class WeightManifestCommand(Command, tag="weight_manifest"):
     """Answered with `buckets`: per bucket of at most `bucket_bytes`, the [name, dtype, shape] of each tensor
     in send order (parameter metadata only, no gather)."""
 
+    reply: ClassVar[type[Reply]] = WeightManifestReply
     bucket_bytes: int = 512 * 1024**2
 
 
@@ -242,6 +236,7 @@ class BroadcastWeightsCommand(Command, tag="broadcast_weights"):
     """Rank 0 joins the weight-update group (within `timeout_s`) and sends the manifest's buckets, one
     broadcast per bucket when `load_format` is "flattened_bucket", one per tensor otherwise."""
 
+    reply: ClassVar[type[Reply]] = BroadcastWeightsReply
     master_address: str
     master_port: int
     world_size: int
@@ -253,6 +248,7 @@ class BroadcastWeightsCommand(Command, tag="broadcast_weights"):
 
 
 class DestroyWeightGroupCommand(Command, tag="destroy_weight_group"):
+    reply: ClassVar[type[Reply]] = DestroyWeightGroupReply
     group_name: str = "weight_update_group"
 
 
@@ -260,17 +256,19 @@ class OffloadCommand(Command, tag="offload"):
     """Move the rank's training state (parameters, gradients, optimizer state, reference model) off the device
     until `onload` (colocation). `verify`: answer a digest of the state's bytes too (tests, benches)."""
 
+    reply: ClassVar[type[Reply]] = OffloadReply
     verify: bool = False
 
 
 class OnloadCommand(Command, tag="onload"):
     """Bring the state `offload` moved back, bit-identical; answered with the same figures as `offload`."""
 
+    reply: ClassVar[type[Reply]] = OnloadReply
     verify: bool = False
 
 
 class ShutdownCommand(Command, tag="shutdown"):
-    pass
+    reply: ClassVar[type[Reply]] = ShutdownReply
 
 
 #: any kind of command (built from the declarations above: a new Command subclass with a tag is one)
@@ -283,11 +281,12 @@ class Request(ControlMessage, tag="request"):
 
 
 class Response(ControlMessage, tag="response"):
-    """The answer to one Request. `result` holds the command's results (metrics are dicts of floats)."""
+    """The answer to one Request: `ok` with the command's reply record in `result` (its `kind` the command's),
+    or not `ok` with the rank's `error` and `traceback` and no result."""
 
     request_id: int
     ok: bool
-    result: dict[str, Any] = msgspec.field(default_factory=dict)
+    result: AnyReply | None = None
     error: str = ""
     traceback: str = ""
 

@@ -1,6 +1,6 @@
 """The one message layer: typed messages on length-prefixed msgpack frames, for every contract of ours.
 
-Owns `Record` and `Message` (msgspec structs: strict types, exactly their fields), `Family` (one contract: its
+Owns `Record`, `TaggedRecord` and `Message` (msgspec structs: strict types, exactly their fields), `Family` (one contract: its
 kinds, version, limits and hello; strict decoding of its frames, bounded decoding of its hello) and `FAMILIES`,
 the registry of every family. The control channel (`workers.protocol.control`) and the node registry
 (`coordinator.nodes.wire`) are families of it; why msgspec: docs/architecture.md#decisions.
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from anyio.streams.buffered import BufferedByteReceiveStream
 
 R = TypeVar("R", bound="Record")
+T = TypeVar("T", bound="TaggedRecord")
 
 #: the integers a hello carries (versions, ranks, counts, pids): 0 .. 2**31 - 1
 Int31 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
@@ -71,14 +72,20 @@ class Record(msgspec.Struct, forbid_unknown_fields=True):
             raise ProtocolError(f"a {cls.__name__}: {exc}"[:300]) from None
 
 
-class Message(Record, tag_field="kind"):
-    """A message of one family. A subclass declared with `tag="snake_name"` is a kind (that name travels in the
-    frame's `kind` field); one declared without (a family's base, `Command`) is abstract, never on the wire."""
+class TaggedRecord(Record, tag_field="kind"):
+    """A record of a tagged union: a subclass declared with `tag="snake_name"` is a kind (that name travels in
+    its `kind` field); one declared without is abstract, never on the wire. A value inside a message that is
+    one of several records (a rank's reply, `workers.protocol.replies`) is one of these."""
 
     kind: ClassVar[str] = _KindOf()  # type: ignore[assignment]
 
 
-def _concrete(cls: type[Message]) -> bool:
+class Message(TaggedRecord):
+    """A message of one family. A subclass declared with `tag="snake_name"` is a kind (that name travels in the
+    frame's `kind` field); one declared without (a family's base, `Command`) is abstract, never on the wire."""
+
+
+def _concrete(cls: type[TaggedRecord]) -> bool:
     tag = cls.__struct_config__.tag
     if tag == cls.__name__:  # msgspec's default tag: no `tag=` was given
         return False
@@ -87,9 +94,9 @@ def _concrete(cls: type[Message]) -> bool:
     return True
 
 
-def kinds(base: type[Message]) -> dict[str, type[Message]]:
+def kinds(base: type[T]) -> dict[str, type[T]]:
     """Every concrete kind under `base`, by name; TypeError for a kind declared twice."""
-    found: dict[str, type[Message]] = {}
+    found: dict[str, type[T]] = {}
     pending = [base]
     while pending:
         cls = pending.pop()
@@ -99,7 +106,7 @@ def kinds(base: type[Message]) -> dict[str, type[Message]]:
     return dict(sorted(found.items()))
 
 
-def union_of(base: type[Message]) -> Any:
+def union_of(base: type[TaggedRecord]) -> Any:
     """The type 'any kind under `base`', for a field that holds one (a request's command)."""
     return Union[tuple(kinds(base).values())]  # noqa: UP007 - a tuple of types needs Union[...]
 

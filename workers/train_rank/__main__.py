@@ -63,7 +63,7 @@ def serve(channel: protocol.RankChannel, trainer: object) -> None:
         if not isinstance(message, protocol.Request):
             raise protocol.ProtocolError(f"expected a request from the coordinator, got {message.kind!r}")
         if isinstance(message.command, protocol.ShutdownCommand):
-            channel.send(protocol.Response(request_id=message.request_id, ok=True))
+            channel.send(protocol.Response(request_id=message.request_id, ok=True, result=protocol.ShutdownReply()))
             return
         try:
             result = handle(trainer, message.command)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ Invariants:
   copy of `tmp-<id>` is renamed to `rollout_<id>`; `latest` → `rollout_<id>`; `tmp-<id>` and `old-<id>` go.
   Every rename and every write of `latest` is atomic, so a crash between any two steps leaves `latest` on a
   complete checkpoint of the newest saved rollout, and the next save first finishes that publish (`_settle`).
-- `resolve_checkpoint` follows `latest`, or picks `rollout_<step>` when given a step (`--ckpt-step`); when
+- `resolve_checkpoint` (`checkpoint_layout`, torch-free: the coordinator resolves `--load` with it) follows `latest`, or picks `rollout_<step>` when given a step (`--ckpt-step`); when
   `latest` is missing, unreadable or names no complete checkpoint it refuses (`CheckpointError`) and lists
   the complete checkpoints with the flag that picks one: a run asked to continue from one point never
   silently continues from another.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,16 +47,30 @@ from workers.boundary.manifest import fsync_directory
 from workers.train_rank import checkpoint_files
 from workers.train_rank.checkpoint_files import (
     CheckpointError,
-    Extra,
     RngState,
     read_json,
     write_json_durably,
 )
-
-LATEST = "latest"
-#: rank 0's last files of a save, and DCP's own index: all present = complete
-COMPLETE_MARKERS = ("extra.json", ".metadata", checkpoint_files.MANIFEST)
-_CHECKPOINT_NAME = re.compile(r"(rollout_|tmp-)(\d+)")
+from workers.train_rank.checkpoint_layout import (  # re-exported: the rank's and the tests' names for them
+    CHECKPOINT_NAME,
+    LATEST,
+    check_adapters,
+    is_complete,
+    latest_name,
+    resolve_checkpoint,
+)
+from workers.train_rank.checkpoint_layout import (
+    COMPLETE_MARKERS as COMPLETE_MARKERS,
+)
+from workers.train_rank.checkpoint_layout import (
+    checkpoint_adapters as checkpoint_adapters,
+)
+from workers.train_rank.checkpoint_layout import (
+    complete_checkpoints as complete_checkpoints,
+)
+from workers.train_rank.checkpoint_layout import (
+    is_checkpoint as is_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +165,7 @@ def publish_checkpoint(save_dir: str | Path, rollout_id: int, *, retain_interval
     tmp = save_dir / f"tmp-{rollout_id}"
     if not is_complete(tmp):
         raise CheckpointError(f"{tmp}: not a complete checkpoint to publish (its save did not finish)")
-    previous = _latest_name(save_dir)
+    previous = latest_name(save_dir)
     for index, step in enumerate(publish_steps(save_dir, rollout_id)):
         if index == 1:
             drill_pause("publish", rollout_id)  # between the first two steps of publishing
@@ -288,15 +301,15 @@ def _link_or_copy(source: str, destination: str) -> None:
 
 def _settle(save_dir: Path) -> None:
     """Rank 0, before a save: finish a publish a crash interrupted, then drop the publish's leftovers."""
-    named = _latest_name(save_dir)
-    match = _CHECKPOINT_NAME.fullmatch(named or "")
+    named = latest_name(save_dir)
+    match = CHECKPOINT_NAME.fullmatch(named or "")
     if named is not None and match is not None and match.group(1) == "tmp-" and is_complete(save_dir / named):
         rollout_id = int(match.group(2))
         log.warning("finishing the interrupted save of rollout %d (%s names %s)", rollout_id, LATEST, named)
         for step in publish_steps(save_dir, rollout_id):
             step()
     leftovers = [*save_dir.glob("old-*"), *save_dir.glob("staging-*")]
-    named = _latest_name(save_dir)
+    named = latest_name(save_dir)
     if named is not None and is_complete(save_dir / named):
         # saves a crash abandoned (or the coordinator never published); kept while `latest` is broken, for a
         # person to look at
@@ -306,31 +319,6 @@ def _settle(save_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- loading
-
-
-def is_complete(directory: Path) -> bool:
-    return directory.is_dir() and all((directory / marker).is_file() for marker in COMPLETE_MARKERS)
-
-
-def _latest_name(save_dir: Path) -> str | None:
-    """The directory name `latest` holds; None when it is missing, unreadable or not a plain name."""
-    try:
-        name = read_json(save_dir / LATEST, str)
-    except CheckpointError:
-        return None
-    if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
-        return None
-    return name
-
-
-def complete_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
-    """(rollout id, directory) of every complete `rollout_<id>` in `save_dir`, oldest first."""
-    found = []
-    for child in save_dir.iterdir() if save_dir.is_dir() else ():
-        match = _CHECKPOINT_NAME.fullmatch(child.name)
-        if match is not None and match.group(1) == "rollout_" and is_complete(child):
-            found.append((int(match.group(2)), child))
-    return sorted(found)
 
 
 def _prune(directory: Path, retain_interval: int) -> None:
@@ -344,15 +332,6 @@ def _prune(directory: Path, retain_interval: int) -> None:
         return
     if rollout_id % retain_interval:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def is_checkpoint(path: str | Path) -> bool:
-    """Whether `path` is a rayless checkpoint: a `rollout_<id>` directory or a save dir with `latest`."""
-    try:
-        resolve_checkpoint(path)
-    except CheckpointError:
-        return False
-    return True
 
 
 def load_model_weights(path: str | Path, model: Any) -> Path:
@@ -387,12 +366,6 @@ def _dcp_load(state: dict[str, Any], directory: Path) -> None:
     dcp.load(state, storage_reader=checkpoint_files.safe_reader(directory), planner=checkpoint_files.safe_planner())
 
 
-def checkpoint_adapters(path: str | Path) -> dict[str, Any] | None:
-    """The LoRA adapters' record of a checkpoint (None: it holds the full model)."""
-    lora = read_json(resolve_checkpoint(path) / "extra.json", Extra).lora
-    return dict(lora) if lora is not None else None
-
-
 def _options(model: Any) -> StateDictOptions:
     """Frozen parameters (a LoRA run's base weights) are not saved: they are the Hugging Face files'. So a
     checkpoint holds what trains (the adapters) and its optimizer state; loading leaves the frozen ones as
@@ -405,67 +378,6 @@ def _without_frozen(model: Any, state: dict[str, Any]) -> dict[str, Any]:
     """`state` less every frozen parameter, aliases included (DCP's option misses a tied lm_head.weight)."""
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {name: value for name, value in state.items() if name not in frozen} if frozen else state
-
-
-def check_adapters(directory: Path, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
-    """A checkpoint loads only into a run training the same thing: the full model, or the same adapters."""
-    if saved == current:
-        return
-    if current is None:
-        raise CheckpointError(
-            f"{directory} holds LoRA adapters ({_describe(saved)}) and no full-model weights; this run trains "
-            "the full model: resume it with the same --lora-rank / --lora-alpha / --target-modules")
-    if saved is None:
-        raise CheckpointError(
-            f"{directory} holds a full-model checkpoint; this run trains LoRA adapters ({_describe(current)}): "
-            "drop --lora-rank to resume it, or start LoRA from a Hugging Face directory (--hf-checkpoint)")
-    raise CheckpointError(f"{directory} holds LoRA adapters {_describe(saved)}; this run trains "
-                          f"{_describe(current)}: give the checkpoint's --lora-* / --target-modules to resume it")
-
-
-def _describe(record: dict[str, Any] | None) -> str:
-    record = record or {}
-    return (f"rank {record.get('rank')}, alpha {record.get('alpha')}, target modules "
-            f"{','.join(record.get('target_modules') or [])}"
-            + (f", excluding {','.join(record['exclude_modules'])}" if record.get("exclude_modules") else ""))
-
-
-def resolve_checkpoint(path: str | Path, step: int | None = None) -> Path:
-    """A save dir (follows `latest`, or takes `rollout_<step>`) or a `rollout_<id>` dir → the complete
-    checkpoint directory; `CheckpointError` saying what is wrong and which complete ones there are otherwise."""
-    path = Path(path)
-    if step is not None and not (path / "extra.json").is_file():
-        chosen = path / f"rollout_{step}"
-        if not is_complete(chosen):
-            raise CheckpointError(f"{chosen}: no complete checkpoint of rollout {step}{_choices(path)}")
-        return chosen
-    if (path / "extra.json").is_file():
-        if not is_complete(path):
-            missing = [m for m in COMPLETE_MARKERS if not (path / m).is_file()]
-            raise CheckpointError(f"{path}: incomplete checkpoint (no {', '.join(missing)}: its save did not "
-                                  "finish)")
-        return path
-    pointer = path / LATEST
-    named = _latest_name(path)
-    if named is not None and is_complete(path / named):
-        return path / named
-    if not pointer.exists() and not complete_checkpoints(path):
-        raise CheckpointError(f"{path} is neither a checkpoint directory nor a save dir with a '{LATEST}' file")
-    if not pointer.exists():
-        why = f"{pointer} is missing"
-    elif named is None:
-        why = f"{pointer} is damaged (not a JSON string naming a directory of {path})"
-    else:
-        why = f"{pointer} names {named}, which is not a complete checkpoint"
-    raise CheckpointError(f"{why}; refusing to guess which checkpoint to continue from{_choices(path)}")
-
-
-def _choices(save_dir: Path) -> str:
-    complete = complete_checkpoints(save_dir)
-    if not complete:
-        return f"; {save_dir} holds no complete checkpoint"
-    steps = ", ".join(str(step) for step, _ in complete)
-    return f"; complete checkpoints: rollout {steps}: pick one with --ckpt-step N (e.g. --ckpt-step {complete[-1][0]})"
 
 
 def load_checkpoint(

@@ -1,7 +1,8 @@
-"""Command routing on the rank: each control-channel command to the trainer's method, the reply as wire data.
+"""Command routing on the rank: each control-channel command to the trainer's method, its reply record back.
 
-Owns `handle`. Invariant: a command that reads or writes the training state runs with that state on the
-device (onloaded first when it was offloaded, offloaded again after), and every reply leaves as plain data.
+Owns `handle`. Invariants: a command that reads or writes the training state runs with that state on the
+device (onloaded first when it was offloaded, offloaded again after); every reply is the record the command
+declares (`Command.reply`), so the coordinator reads fields of the one type it expects.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ _NEEDS_STATE = (protocol.TrainCommand, protocol.SaveCommand, protocol.SaveHfComm
                 protocol.ExportWeightsCommand, protocol.WeightManifestCommand, protocol.BroadcastWeightsCommand)
 
 
-def handle(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:
+def handle(trainer: Trainer, command: protocol.Command) -> protocol.Reply:
     state = trainer.state
     if state is not None and state.offloaded and isinstance(command, _NEEDS_STATE):
         state.onload()  # e.g. a checkpoint save, or an export for an engine's recovery, between steps
@@ -28,7 +29,7 @@ def handle(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:
     return _dispatch(trainer, command)
 
 
-def _handlers(trainer: Trainer) -> dict[type[protocol.Command], Callable[[Any], Any]]:
+def _handlers(trainer: Trainer) -> dict[type[protocol.Command], Callable[[Any], protocol.Reply]]:
     return {
         protocol.InitCommand: trainer.init,
         protocol.TrainCommand: trainer.train,
@@ -45,9 +46,11 @@ def _handlers(trainer: Trainer) -> dict[type[protocol.Command], Callable[[Any], 
     }
 
 
-def _dispatch(trainer: Trainer, command: protocol.Command) -> dict[str, Any]:
+def _dispatch(trainer: Trainer, command: protocol.Command) -> protocol.Reply:
     handler = _handlers(trainer).get(type(command))
     if handler is None:
         raise protocol.ProtocolError(f"the rank has no handler for command {command.kind!r}")
-    result = handler(command)
-    return result.to_wire() if isinstance(result, protocol.Record) else result
+    reply = handler(command)
+    if not isinstance(reply, command.reply):  # our bug: caught here, named, rather than a decode error there
+        raise TypeError(f"the {command.kind!r} handler answered {type(reply).__name__}, not {command.reply.__name__}")
+    return reply

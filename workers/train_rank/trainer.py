@@ -74,7 +74,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ commands
 
-    def init(self, command: protocol.InitCommand) -> dict[str, Any]:
+    def init(self, command: protocol.InitCommand) -> protocol.InitReply:
         settings = command.settings
         torch.manual_seed(settings.seed)
         determinism.apply(settings)
@@ -112,7 +112,7 @@ class Trainer:
                                   critic_optimizer=self.critic.optimizer if self.critic is not None else None)
         self.settings = settings
         trainable, total = lora.trainable_counts(model)
-        return {"num_parameters": total, "trainable_parameters": trainable, "device": str(self.device)}
+        return protocol.InitReply(num_parameters=total, trainable_parameters=trainable, device=str(self.device))
 
     def _load(self, settings: TrainSettings, path: str, dtype: torch.dtype, *, trainable: bool,
               adapters: LoraSettings | None = None) -> Any:
@@ -337,7 +337,7 @@ class Trainer:
         return self.distiller.advantages(advantages=batch.advantages, student_log_probs=student,
                                          teacher_log_probs=teacher, loss_mask=batch.loss_mask)
 
-    def save(self, command: protocol.SaveCommand) -> dict[str, Any]:
+    def save(self, command: protocol.SaveCommand) -> protocol.SaveReply:
         _, model, optimizer = self._require()
         path = checkpoint.save_checkpoint(
             command.directory,
@@ -353,7 +353,7 @@ class Trainer:
             publish=command.publish,
             critic=self._critic_state(),
         )
-        return {"path": str(path)}
+        return protocol.SaveReply(path=str(path))
 
     def _critic_state(self) -> checkpoint.CriticState | None:
         critic = self.critic
@@ -363,13 +363,13 @@ class Trainer:
     def _retain_interval(self) -> int | None:
         return self.settings.checkpoint.save_retain_interval if self.settings is not None else None
 
-    def publish(self, command: protocol.PublishCommand) -> dict[str, Any]:
+    def publish(self, command: protocol.PublishCommand) -> protocol.PublishReply:
         """Rank 0: the complete `tmp-<id>` becomes the checkpoint `latest` names (file operations only)."""
         if self.rank != 0:
-            return {}
+            return protocol.PublishReply()
         path = checkpoint.publish_checkpoint(command.directory, command.rollout_id,
                                              retain_interval=self._retain_interval)
-        return {"path": str(path)}
+        return protocol.PublishReply(path=str(path))
 
     def _base_model_record(self) -> dict[str, Any]:
         """What a checkpoint records of the model it trains, so `rayless export` needs no flag to rebuild it."""
@@ -377,14 +377,14 @@ class Trainer:
         model = self.settings.model
         return {"hf_checkpoint": os.path.abspath(model.path), "dtype": model.dtype}
 
-    def save_hf(self, command: protocol.SaveHfCommand) -> dict[str, Any]:
+    def save_hf(self, command: protocol.SaveHfCommand) -> protocol.SaveHfReply:
         """`--save-hf`: the weights an engine would load now (merged, with LoRA), as a Hugging Face directory
         (`weight_export.write_hf_directory`), a LoRA run's adapter in `adapter/` beside them. Collective."""
         settings, model, _ = self._require()
         state = weight_export.full_state_dict(model, sharded=self.parallel.sharded)
         adapter = lora.adapter_state(model) if self.lora is not None else None
         if self.rank != 0:
-            return {}
+            return protocol.SaveHfReply()
         spec = self.lora
 
         def write_adapter(directory: Path) -> None:
@@ -394,7 +394,7 @@ class Trainer:
 
         path = weight_export.write_hf_directory(state, source_dir=settings.model.path, directory=command.directory,
                                                 write_extra=write_adapter)
-        return {"path": str(path)}
+        return protocol.SaveHfReply(path=str(path))
 
     def _write_adapter(self, directory: Any) -> None:
         """A LoRA checkpoint's adapters also in the PEFT format, in `<checkpoint>/adapter/`."""
@@ -402,19 +402,19 @@ class Trainer:
         lora.write_adapter(self.model, self.lora, directory / lora.ADAPTER_DIR, base_model_path=self.settings.model.path,
                            write=self.rank == 0)
 
-    def load(self, command: protocol.LoadCommand) -> dict[str, Any]:
+    def load(self, command: protocol.LoadCommand) -> protocol.LoadReply:
         _, model, optimizer = self._require()
         loaded = checkpoint.load_checkpoint(
             command.path, model=model, optimizer=optimizer, scheduler=self.scheduler,
             adapters=self.lora.record() if self.lora is not None else None, critic=self._critic_state(),
         )
-        return {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "path": str(loaded.path)}
+        return protocol.LoadReply(rollout_id=loaded.rollout_id, extra=loaded.extra, path=str(loaded.path))
 
-    def export_weights(self, command: protocol.ExportWeightsCommand) -> dict[str, Any]:
+    def export_weights(self, command: protocol.ExportWeightsCommand) -> protocol.ExportWeightsReply:
         settings, model, _ = self._require()
         state = weight_export.full_state_dict(model, sharded=self.parallel.sharded)
         if self.rank != 0:
-            return {}
+            return protocol.ExportWeightsReply()
         path = weight_export.write_snapshot(
             state,
             source_dir=settings.model.path,
@@ -422,14 +422,14 @@ class Trainer:
             weight_version=command.weight_version,
             keep=command.keep,
         )
-        return {"path": str(path), "manifest": weight_export.manifest(state)}
+        return protocol.ExportWeightsReply(path=str(path), manifest=_metas(weight_export.manifest(state)))
 
-    def weight_manifest(self, command: protocol.WeightManifestCommand) -> dict[str, Any]:
+    def weight_manifest(self, command: protocol.WeightManifestCommand) -> protocol.WeightManifestReply:
         _, model, _ = self._require()
         buckets = weight_buckets.bucket_manifest(model, command.bucket_bytes)
-        return {"buckets": buckets, "manifest": [entry for bucket in buckets for entry in bucket]}
+        return protocol.WeightManifestReply(buckets=[_metas(bucket) for bucket in buckets])
 
-    def broadcast_weights(self, command: protocol.BroadcastWeightsCommand) -> dict[str, Any]:
+    def broadcast_weights(self, command: protocol.BroadcastWeightsCommand) -> protocol.BroadcastWeightsReply:
         _, model, _ = self._require()
         return weight_buckets.broadcast_weights(
             model,
@@ -448,18 +448,18 @@ class Trainer:
             load_format=command.load_format or None,
         )
 
-    def destroy_weight_group(self, command: protocol.DestroyWeightGroupCommand) -> dict[str, Any]:
-        return {"destroyed": self.sender.destroy(command.group_name) if self.rank == 0 else False}
+    def destroy_weight_group(self, command: protocol.DestroyWeightGroupCommand) -> protocol.DestroyWeightGroupReply:
+        return protocol.DestroyWeightGroupReply(self.sender.destroy(command.group_name) if self.rank == 0 else False)
 
-    def offload(self, command: protocol.OffloadCommand) -> dict[str, Any]:
+    def offload(self, command: protocol.OffloadCommand) -> protocol.StateMoveReply:
         self._require()
         assert self.state is not None
-        return self.state.offload(verify=command.verify)
+        return protocol.OffloadReply.of(self.state.offload(verify=command.verify))
 
-    def onload(self, command: protocol.OnloadCommand) -> dict[str, Any]:
+    def onload(self, command: protocol.OnloadCommand) -> protocol.StateMoveReply:
         self._require()
         assert self.state is not None
-        return self.state.onload(verify=command.verify)
+        return protocol.OnloadReply.of(self.state.onload(verify=command.verify))
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -467,3 +467,8 @@ class Trainer:
         if self.settings is None or self.model is None or self.optimizer is None:
             raise NotInitialised("the trainer got a command before 'init'; call TrainGroup.init first")
         return self.settings, self.model, self.optimizer
+
+
+def _metas(entries: list[list[Any]]) -> list[protocol.TensorMeta]:
+    """[name, dtype, shape] lists as the reply's (name, dtype, shape) tuples."""
+    return [(str(name), str(dtype), [int(d) for d in shape]) for name, dtype, shape in entries]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workers import protocol
 from workers.shared_torch.weight_group import (
     FLATTENED_BUCKET,
     WeightGroupError,
@@ -154,14 +155,14 @@ def broadcast_weights(
     timeout_s: float,
     bucket_bytes: int,
     load_format: str | None,
-) -> dict[str, Any]:
+) -> protocol.BroadcastWeightsReply:
     """Every rank calls this when `collective` (FSDP: the gathers are collective), else rank 0 alone.
 
-    Rank 0 answers {"ok", "joined", "error", "buckets", "bytes", "seconds"}; a failed join or send is reported there,
-    not raised, so the training group stays usable. Other ranks answer {}.
+    Rank 0 answers its report (`BroadcastWeightsReply`); a failed join or send is reported there, not raised,
+    so the training group stays usable. Other ranks answer the record's defaults.
     """
     if rank != 0 and not collective:
-        return {}
+        return protocol.BroadcastWeightsReply()
     started = time.perf_counter()
     error, group = "", None
     if rank == 0:
@@ -204,6 +205,6 @@ def broadcast_weights(
         error = error or _finish(pending, device)
         del in_flight, buffers
     if rank != 0:
-        return {}
-    return {"ok": not error, "joined": group is not None, "error": error, "buckets": sent_buckets,
-            "bytes": sent_bytes, "seconds": time.perf_counter() - started}
+        return protocol.BroadcastWeightsReply()
+    return protocol.BroadcastWeightsReply(ok=not error, joined=group is not None, error=error, buckets=sent_buckets,
+                                          bytes=sent_bytes, seconds=time.perf_counter() - started)
