@@ -45,6 +45,7 @@ import anyio
 
 from coordinator.sessions.tito import ALLOWED_APPEND_ROLES, Matcher, SessionRequestError, TitoTokenizer
 from replay.sample import FINISH_STATUS, SampleStatus
+from workers.boundary.json_input import JsonObject, JsonValue
 
 #: slime's default: a drifted answer this long forks instead of being realigned or merged away
 FORK_THRESHOLD_TOKENS = 1024
@@ -78,7 +79,7 @@ class Turn:
     weight_version: str | None
     node: Node = field(repr=False)
     #: the call's request (without `messages` and `input_ids`) and the engine's response
-    record: dict[str, Any] = field(default_factory=dict)
+    record: JsonObject = field(default_factory=dict)
     prompt_len: int = 0
 
     def __post_init__(self) -> None:
@@ -109,7 +110,7 @@ class Turn:
 class Node:
     """A message of the tree (None at the root); `turn` is set on an assistant answer this session generated."""
 
-    message: dict[str, Any] | None = None
+    message: JsonObject | None = None
     parent: Node | None = field(default=None, repr=False)
     children: list[Node] = field(default_factory=list, repr=False)
     turn: Turn | None = None
@@ -143,7 +144,7 @@ class Mount:
     demote: Node | None = None
 
 
-def _message_bytes(message: dict[str, Any]) -> int:
+def _message_bytes(message: JsonObject) -> int:
     return len(json.dumps(message, separators=(",", ":"), default=str))
 
 
@@ -165,14 +166,14 @@ class Session:
     message_bytes: int = 0
     #: the last recorded answer's leaf, the messages of its path and its ids: most requests extend it, and
     #: comparing against it at C speed keeps a long session's turns from costing turns x messages in Python
-    _tail: tuple[Node, list[dict[str, Any]], list[int]] | None = field(default=None, repr=False)
+    _tail: tuple[Node, list[JsonObject], list[int]] | None = field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
         """The last recorded turn's ids (prompt and output)."""
         return self.turns[-1].ids() if self.turns else []
 
-    def _walk(self, messages: list[dict[str, Any]], matches: Matcher) -> tuple[Node, int]:
+    def _walk(self, messages: list[JsonObject], matches: Matcher) -> tuple[Node, int]:
         node, depth = self.root, 0
         if self._tail is not None:
             leaf, path_messages, _ = self._tail
@@ -190,7 +191,7 @@ class Session:
             node, depth = child, depth + 1
         return node, depth
 
-    def _rewritten_leaf(self, node: Node, messages: list[dict[str, Any]], depth: int) -> Node | None:
+    def _rewritten_leaf(self, node: Node, messages: list[JsonObject], depth: int) -> Node | None:
         """The one short generated leaf a rewritten assistant message at `depth` replaces (slime's merge)."""
         if self.fork_threshold <= 0 or depth >= len(messages) or messages[depth].get("role") != "assistant":
             return None
@@ -202,7 +203,7 @@ class Session:
             return None
         return leaf
 
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None, tito: TitoTokenizer,
+    def prompt_ids(self, messages: list[JsonObject], tools: list[JsonValue] | None, tito: TitoTokenizer,
                    matches: Matcher) -> tuple[list[int], Mount]:
         """The prompt ids of a request with these messages, and where its turn will be recorded."""
         if not messages:
@@ -227,9 +228,9 @@ class Session:
                     Mount(node, depth, anchor.turn)
         return tito.first_prompt(messages, tools), Mount(node, depth, None, demote)
 
-    def record(self, *, kept: Mount, prompt_ids: list[int], messages: list[dict[str, Any]], reply: dict[str, Any],
+    def record(self, *, kept: Mount, prompt_ids: list[int], messages: list[JsonObject], reply: JsonObject,
                output_ids: list[int], logprobs: list[float], finish: str | None, weight_version: str | None,
-               record: dict[str, Any]) -> Turn:
+               record: JsonObject) -> Turn:
         """Record a turn where `kept` (from `prompt_ids`) says: its request's messages and the engine's reply."""
         mount = kept
         start = mount.parent.end if mount.parent is not None else 0
@@ -275,7 +276,7 @@ class Session:
         self.message_bytes += new_bytes
         return turn
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> list[JsonObject]:
         """The records of the turns in the order they were made, each request with its `messages` and `input_ids`
         again (rebuilt from the tree)."""
         records = []

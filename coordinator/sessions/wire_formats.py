@@ -22,8 +22,8 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine.anthropic_protocol import MessagesSpec, messages_request
 from workers.engine.anthropic_replies import message, message_events
 from workers.engine.finished_turns import Turn
@@ -45,7 +45,7 @@ class FormatCall:
     """A Messages or Responses request as the session runs it: the chat body, the tools whose calls the reply
     parses, and how the finished turn is answered."""
 
-    chat_body: dict[str, Any]
+    chat_body: JsonObject
     tool_names: set[str]
     stream: bool
     meta_info: bool
@@ -61,7 +61,7 @@ def _finished(turn: Turn) -> AsyncIterator[str | Turn]:
     return items()
 
 
-def messages_call(body: Any, model: str) -> FormatCall:
+def messages_call(body: JsonValue, model: str) -> FormatCall:
     try:
         spec: MessagesSpec = messages_request(body, model)
     except RequestError as error:
@@ -77,7 +77,7 @@ def messages_call(body: Any, model: str) -> FormatCall:
         events=lambda turn: message_events(spec, f"msg_{turn.id}", turn.prompt_tokens, _finished(turn)))
 
 
-def responses_call(body: Any, model: str) -> FormatCall:
+def responses_call(body: JsonValue, model: str) -> FormatCall:
     try:
         spec: ResponsesSpec = responses_request(body, model)
     except RequestError as error:
@@ -91,7 +91,7 @@ def responses_call(body: Any, model: str) -> FormatCall:
         events=lambda turn: response_events(spec, f"resp_{turn.id}", created, f"msg_{turn.id}", _finished(turn)))
 
 
-def finished_turn(response: dict[str, Any], tool_names: set[str], *, meta_info: bool) -> Turn:
+def finished_turn(response: JsonObject, tool_names: set[str], *, meta_info: bool) -> Turn:
     """The engine's chat reply (already checked by the session) as a finished turn of the structured formats."""
     choice = response["choices"][0]
     content = choice["message"].get("content") or ""
@@ -103,9 +103,9 @@ def finished_turn(response: dict[str, Any], tool_names: set[str], *, meta_info: 
                 output_tokens=int(usage.get("completion_tokens", 0)), meta_info=meta if meta_info else None)
 
 
-def stored_reply(turn: Turn) -> dict[str, Any]:
+def stored_reply(turn: Turn) -> JsonObject:
     """The assistant message a structured turn is stored as: the OpenAI form its client's next request maps to."""
-    reply: dict[str, Any] = {"role": "assistant", "content": turn.text}
+    reply: JsonObject = {"role": "assistant", "content": turn.text}
     if turn.calls:
         reply["tool_calls"] = [{"id": f"call_{index}", "type": "function",
                                 "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}

@@ -7,24 +7,22 @@ sample per leaf (docs/openai.md#branching-agents-sub-agents-and-compaction).
 
 from __future__ import annotations
 
-from typing import Any
-
 from openai import AsyncOpenAI
 
 
-async def _say(client: AsyncOpenAI, messages: list[dict[str, Any]], request_kwargs: dict[str, Any]) -> str:
+async def _say(client: AsyncOpenAI, messages: list[dict[str, object]], request_kwargs: dict[str, object]) -> str:
     reply = await client.chat.completions.create(model="policy", messages=messages, extra_body=request_kwargs)
     text = reply.choices[0].message.content or ""
     messages.append({"role": "assistant", "content": text})
     return text
 
 
-def _client(base_url: str, kwargs: dict[str, Any]) -> AsyncOpenAI:
+def _client(base_url: str, kwargs: dict[str, object]) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.get("api_key", "EMPTY"), max_retries=0)
 
 
-async def with_sub_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwargs: dict[str, Any],
-                         metadata: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+async def with_sub_agent(*, base_url: str, prompt: list[dict[str, object]], request_kwargs: dict[str, object],
+                         metadata: dict[str, object], **kwargs: object) -> dict[str, object]:
     """Main turn, the sub-agent's turn, then the main conversation again with the sub-agent's answer as a tool
     result: two leaves (main: two turns; sub-agent: one)."""
     async with _client(base_url, kwargs) as client:
@@ -38,8 +36,8 @@ async def with_sub_agent(*, base_url: str, prompt: list[dict[str, Any]], request
     return {"agents": 2}
 
 
-async def compacting(*, base_url: str, prompt: list[dict[str, Any]], request_kwargs: dict[str, Any],
-                     metadata: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+async def compacting(*, base_url: str, prompt: list[dict[str, object]], request_kwargs: dict[str, object],
+                     metadata: dict[str, object], **kwargs: object) -> dict[str, object]:
     """Two turns, then the history compacted into a summary and two more turns: two leaves of two turns each."""
     async with _client(base_url, kwargs) as client:
         system = {"role": "system", "content": "You work step by step."}

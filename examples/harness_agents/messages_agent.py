@@ -12,7 +12,7 @@ sum. The session server records exactly the tokens the model wrote; the tool's r
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Protocol
 
 from anthropic import AsyncAnthropic, DefaultAsyncHttpxClient
 
@@ -22,10 +22,10 @@ CALL = "="
 _SAMPLING = ("temperature", "top_p", "top_k", "seed")
 
 
-_HTTP: dict[int, Any] = {}
+_HTTP: dict[int, DefaultAsyncHttpxClient] = {}
 
 
-def _http_client() -> Any:
+def _http_client() -> DefaultAsyncHttpxClient:
     """One connection pool for every episode on this event loop: a client per episode costs an SSL context and a
     connection each, and hundreds of episodes start at once (examples/openai_agent does the same)."""
     loop = id(asyncio.get_running_loop())
@@ -40,7 +40,7 @@ def calculator(expression: str) -> str:
     return str(int(left) + int(right))
 
 
-async def _turn(client: AsyncAnthropic, messages: list[dict[str, Any]], request_kwargs: dict[str, Any]) -> str:
+async def _turn(client: AsyncAnthropic, messages: list[dict[str, object]], request_kwargs: dict[str, object]) -> str:
     """One model turn; returns the stop it ended on (a digit or '='), or '' when it ran out of tokens."""
     extra = {key: request_kwargs[key] for key in _SAMPLING if key in request_kwargs}
     reply = await client.messages.create(model="policy", max_tokens=int(request_kwargs.get("max_tokens", 3)),
@@ -50,10 +50,10 @@ async def _turn(client: AsyncAnthropic, messages: list[dict[str, Any]], request_
     return reply.stop_sequence or "" if reply.stop_reason == "stop_sequence" else ""
 
 
-async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwargs: dict[str, Any],
-                    metadata: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+async def run_agent(*, base_url: str, prompt: list[dict[str, object]], request_kwargs: dict[str, object],
+                    metadata: dict[str, object], **kwargs: object) -> dict[str, object]:
     """miles' agent contract: keyword arguments, the returned dict merged into the sample's metadata."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt[-1]["content"]}]
+    messages: list[dict[str, object]] = [{"role": "user", "content": prompt[-1]["content"]}]
     expression = prompt[-1]["content"]
     client = AsyncAnthropic(base_url=base_url, auth_token=kwargs.get("api_key", "EMPTY"), max_retries=0,
                             timeout=600, http_client=_http_client())
@@ -67,6 +67,10 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwar
     return {"reward": float(answer == calculator(expression)), "tool_calls": int(called), "answer": answer}
 
 
-async def reward(args: Any, sample: Any, **kwargs: Any) -> float:
+class _Scored(Protocol):
+    metadata: dict[str, object]
+
+
+async def reward(args: object, sample: _Scored, **kwargs: object) -> float:
     """The reward the agent left in the sample's metadata (`--custom-rm-path`)."""
     return float(sample.metadata.get("reward", 0.0))

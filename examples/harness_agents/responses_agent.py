@@ -13,7 +13,7 @@ item, and the model answers in a second turn. Reward 1.0 when the answer is the 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Protocol
 
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
@@ -23,10 +23,10 @@ CALL = "="
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty")
 
 
-_HTTP: dict[int, Any] = {}
+_HTTP: dict[int, DefaultAsyncHttpxClient] = {}
 
 
-def _http_client() -> Any:
+def _http_client() -> DefaultAsyncHttpxClient:
     """One connection pool for every episode on this event loop: a client per episode costs an SSL context and a
     connection each, and hundreds of episodes start at once (examples/openai_agent does the same)."""
     loop = id(asyncio.get_running_loop())
@@ -41,7 +41,7 @@ def calculator(expression: str) -> str:
     return str(int(left) + int(right))
 
 
-async def _turn(client: AsyncOpenAI, items: list[dict[str, Any]], request_kwargs: dict[str, Any]) -> str:
+async def _turn(client: AsyncOpenAI, items: list[dict[str, object]], request_kwargs: dict[str, object]) -> str:
     """One model turn; returns the stop it ended on (a digit or '='), or '' when it ran out of tokens."""
     extra = {key: request_kwargs[key] for key in _SAMPLING if key in request_kwargs}
     reply = await client.responses.create(
@@ -53,10 +53,10 @@ async def _turn(client: AsyncOpenAI, items: list[dict[str, Any]], request_kwargs
     return matched if isinstance(matched, str) else ""
 
 
-async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwargs: dict[str, Any],
-                    metadata: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+async def run_agent(*, base_url: str, prompt: list[dict[str, object]], request_kwargs: dict[str, object],
+                    metadata: dict[str, object], **kwargs: object) -> dict[str, object]:
     """miles' agent contract: keyword arguments, the returned dict merged into the sample's metadata."""
-    items: list[dict[str, Any]] = [{"role": "user", "content": prompt[-1]["content"]}]
+    items: list[dict[str, object]] = [{"role": "user", "content": prompt[-1]["content"]}]
     expression = prompt[-1]["content"]
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.get("api_key", "EMPTY"), max_retries=0,
                          timeout=600, http_client=_http_client())
@@ -69,6 +69,10 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwar
     return {"reward": float(answer == calculator(expression)), "tool_calls": int(called), "answer": answer}
 
 
-async def reward(args: Any, sample: Any, **kwargs: Any) -> float:
+class _Scored(Protocol):
+    metadata: dict[str, object]
+
+
+async def reward(args: object, sample: _Scored, **kwargs: object) -> float:
     """The reward the agent left in the sample's metadata (`--custom-rm-path`)."""
     return float(sample.metadata.get("reward", 0.0))

@@ -222,7 +222,7 @@ def test_colocation_offloads_the_critic_with_the_policy_and_brings_it_back_bit_i
     out = trainer.offload(protocol.OffloadCommand(verify=True))
     assert all(p.numel() == 0 for p in trainer.critic.model.parameters())  # its storage is gone too
     back = trainer.onload(protocol.OnloadCommand(verify=True))
-    assert back["digest"] == out["digest"]
+    assert back.digest == out.digest
     for name, tensor in trainer.critic.model.state_dict().items():
         assert torch.equal(tensor, critic_before[name]), name
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
+from workers.boundary.json_input import JsonObject
 from workers.engine.anthropic_protocol import MessagesSpec
 from workers.engine.finished_turns import Turn
 
@@ -42,7 +42,7 @@ def usage(turn: Turn) -> dict[str, int]:
     }
 
 
-def tool_blocks(turn: Turn) -> list[dict[str, Any]]:
+def tool_blocks(turn: Turn) -> list[JsonObject]:
     return [
         {
             "type": "tool_use",
@@ -54,13 +54,13 @@ def tool_blocks(turn: Turn) -> list[dict[str, Any]]:
     ]
 
 
-def message(turn: Turn, spec: MessagesSpec) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
+def message(turn: Turn, spec: MessagesSpec) -> JsonObject:
+    content: list[JsonObject] = []
     if turn.text or not turn.calls:
         content.append({"type": "text", "text": turn.text})
     content += tool_blocks(turn)
     reason, sequence = stop_reason(turn, spec)
-    body: dict[str, Any] = {
+    body: JsonObject = {
         "id": f"msg_{turn.id}",
         "type": "message",
         "role": "assistant",
@@ -75,7 +75,7 @@ def message(turn: Turn, spec: MessagesSpec) -> dict[str, Any]:
     return body
 
 
-def event(name: str, data: dict[str, Any]) -> str:
+def event(name: str, data: JsonObject) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
 
 

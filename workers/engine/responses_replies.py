@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
+from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine.finished_turns import Turn
 from workers.engine.responses_protocol import ResponsesSpec
 
 
-def usage(turn: Turn) -> dict[str, Any]:
+def usage(turn: Turn) -> JsonObject:
     return {
         "input_tokens": turn.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -33,7 +33,7 @@ def usage(turn: Turn) -> dict[str, Any]:
     }
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str) -> JsonObject:
     content = (
         [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
         if status != "in_progress"
@@ -42,7 +42,7 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def call_items(turn: Turn) -> list[dict[str, Any]]:
+def call_items(turn: Turn) -> list[JsonObject]:
     return [
         {
             "type": "function_call",
@@ -57,15 +57,15 @@ def call_items(turn: Turn) -> list[dict[str, Any]]:
 
 
 def response_object(
-    spec: ResponsesSpec, response_id: str, created: int, turn: Turn | None, output: list[dict[str, Any]]
-) -> dict[str, Any]:
+    spec: ResponsesSpec, response_id: str, created: int, turn: Turn | None, output: list[JsonObject]
+) -> JsonObject:
     """The `Response`; `turn` None: still in progress."""
     status, incomplete = "in_progress", None
     if turn is not None:
         status = "completed"
         if turn.finish == "length" and not turn.calls:
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
-    body: dict[str, Any] = {
+    body: JsonObject = {
         "id": response_id,
         "object": "response",
         "created_at": created,
@@ -90,7 +90,7 @@ def response_object(
     return body
 
 
-def output(turn: Turn) -> list[dict[str, Any]]:
+def output(turn: Turn) -> list[JsonObject]:
     items = []
     if turn.text or not turn.calls:
         items.append(message_item(f"msg_{turn.id}", turn.text, "completed"))
@@ -102,7 +102,7 @@ async def response_events(spec: ResponsesSpec, response_id: str, created: int, i
     """The SSE events of one response: `items` are its text deltas, then the finished turn."""
     number = 0
 
-    def event(kind: str, **data: Any) -> str:
+    def event(kind: str, **data: JsonValue) -> str:
         nonlocal number
         number += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': number - 1, **data})}\n\n"
@@ -118,7 +118,7 @@ async def response_events(spec: ResponsesSpec, response_id: str, created: int, i
     yield event("response.created", response=response_object(spec, response_id, created, None, []))
     yield event("response.in_progress", response=response_object(spec, response_id, created, None, []))
     text, opened = "", False
-    done_items: list[dict[str, Any]] = []
+    done_items: list[JsonObject] = []
     async for item in items:
         if isinstance(item, str):
             if not opened:
