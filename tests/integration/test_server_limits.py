@@ -5,13 +5,15 @@ Each failure the drills found, per server: a 200 KB body of nested JSON is a 400
 the hook endpoint, where the drills found it) a 60 MiB body of `[[],[],...]` is a 400 while /health answers; 2,000 idle connections held and /health
 still answers (the oldest idle ones are closed to make room); a 20 KB request head is a 431; a socket that
 sends nothing, a head that never ends and a body that never ends are closed after their deadlines, while a kept
-connection reused after more than the first request's deadline is answered; past the connection cap with every
-connection busy, a new one is answered 503 at once. (Latencies: bench/server_limits.py.)
+connection reused after more than the first request's deadline is answered, and so is a client on the server's
+own loop when that loop was held up past a deadline; past the connection cap with every connection busy, a new one
+is answered 503 at once. (Latencies: bench/server_limits.py.)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import socket
 import time
@@ -214,3 +216,24 @@ async def test_a_kept_connection_idle_past_the_first_request_deadline_serves_the
 
     first, second = await anyio.to_thread.run_sync(two_requests)
     assert first.startswith(b"HTTP/1.1 200 ") and second.startswith(b"HTTP/1.1 200 "), (first[:100], second[:100])
+
+
+async def test_a_client_on_the_servers_loop_held_up_past_the_idle_deadline_is_answered(served: Served) -> None:
+    """An agent on the coordinator's own loop opens a connection, then the loop is held up past the idle deadline
+    (1 s here) before the agent's turn to write comes: the request is answered, not closed as idle and reset. The
+    deadline fired late because the loop was held up, not because the peer went quiet (the drill that found it:
+    the Messages example's agents reset 64 times in a row on a machine loaded 16 deep)."""
+    assert served.server.service is not None and served.server.service.guard is not None
+    guard = served.server.service.guard
+    loop = asyncio.get_running_loop()
+    async with await anyio.connect_tcp(HOST, served.port) as stream:
+        await wait_until(lambda: len(guard.live), until=lambda n: n == 1, what="the connection admitted", timeout=30)
+        woken = asyncio.Event()
+        # One iteration of the loop held up (what a blocking hook or a starved process does), this task woken
+        # after it: its write comes in the same iteration as the overdue deadline, its read only in the next.
+        loop.call_soon(time.sleep, QUICK.idle_s * 2.5)
+        loop.call_soon(woken.set)
+        await woken.wait()
+        await stream.send(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = await stream.receive()
+    assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]

@@ -12,7 +12,10 @@ Invariants: at most `max_connections` connections live; a new one past the cap c
 (no request in progress), or is answered 503 and closed at once when every one is busy — never queued, so a
 probe gets through while thousands idle; a request head over `max_head_bytes` is a 431; a connection closes
 when its first request's first byte does not come within `idle_s` (the next request's within `keep_alive_s`), its
-head within `head_s` of that byte, or its body within `body_s` plus one second per `min_body_rate` bytes declared.
+head within `head_s` of that byte, or its body within `body_s` plus one second per `min_body_rate` bytes declared —
+measured while the event loop runs: a deadline that fires more than `LATE_S` late (the loop was held up) is judged
+again `GRACE_S` later, so a held-up loop never closes a connection whose bytes it has not read, or whose client on
+the same loop has not had its turn to write.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _HEAD_END = re.compile(rb"\r?\n\r?\n")  # h11 ends a head at a blank line, with or without the CR
+#: a deadline that fires this late fired after the event loop was held up, not after the peer went quiet
+LATE_S = 0.5
+#: how long such a deadline waits again, once the loop runs, before it closes the connection
+GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -155,16 +162,22 @@ class GuardedH11Protocol(H11Protocol):
 
     def _arm(self, seconds: float, what: str) -> None:
         self._disarm()
-        self._timer = self.loop.call_later(seconds, self._expire, what)
+        self._timer = self.loop.call_later(seconds, self._expire, what, self.loop.time() + seconds)
 
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _expire(self, what: str) -> None:
+    def _expire(self, what: str, due: float) -> None:
         self._timer = None
         if self.transport.is_closing():
+            return
+        if self.loop.time() - due > LATE_S:
+            # The loop itself was held up (a blocking hook, a starved process): the peer's bytes may have come and
+            # not been read yet — or, when the peer is a client on this same loop (an agent calling the session
+            # server), not been written yet. Judge again once the loop has run on.
+            self._timer = self.loop.call_later(GRACE_S, self._expire, what, self.loop.time() + GRACE_S)
             return
         self.guard.timed_out += 1
         if what == "head":
