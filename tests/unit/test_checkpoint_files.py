@@ -220,7 +220,7 @@ def test_a_truncated_model_is_refused_before_launch(model_copy: Path) -> None:
 
 
 def test_a_model_lacking_a_parameter_is_refused_not_filled_with_fresh_weights(model_copy: Path) -> None:
-    """At start-up where the meta model is built anyway (here the dry run), and on the ranks as they load."""
+    """At start-up of a plain run (no LoRA, no dry run), and on the ranks as they load."""
     from safetensors.torch import load_file, save_file
 
     from workers.train_rank.model import MissingWeights, load_causal_lm
@@ -230,11 +230,107 @@ def test_a_model_lacking_a_parameter_is_refused_not_filled_with_fresh_weights(mo
     dropped = next(name for name in tensors if "layers.0" in name)
     del tensors[dropped]
     save_file(tensors, str(path), metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=f"lack 1 of the model's parameters, e.g. {dropped}"):
-        preflight(parse_config(["--hf-checkpoint", str(model_copy), *BASE, "--dry-run"]))
+    with pytest.raises(ConfigError, match=f"^--hf-checkpoint: {path}: lacks 1 of the 25 tensors the model's "
+                                          f"config.json needs: {dropped} \\(loading would fill them"):
+        preflight(parse_config(["--hf-checkpoint", str(model_copy), *BASE]))
     with pytest.raises(MissingWeights, match=f"{model_copy}: its weights lack 1 of the model's parameters, e.g. "
                                              f"{dropped}"):
         load_causal_lm(str(model_copy), dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def untied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("untied"), TinyModelSpec(untied_head=True))
+
+
+def _rename(tensors: dict[str, torch.Tensor], old: str, new: str) -> None:
+    tensors[new] = tensors.pop(old)
+
+
+#: the model's weights edited → None (loads: transformers reports nothing missing) or what the refusal says.
+#: The tiny model ties lm_head to the embeddings and stores the embeddings alone.
+ARCHITECTURE_DRILLS: dict[str, tuple[bool, Any, str | None]] = {
+    "tied head stored under its own name alone": (
+        False, lambda t: _rename(t, "model.embed_tokens.weight", "lm_head.weight"), None),
+    "stored without the base model's prefix": (
+        False, lambda t: [_rename(t, k, k.removeprefix("model.")) for k in list(t) if k.startswith("model.")], None),
+    "bfloat16 weights": (False, lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].bfloat16()),
+                         None),
+    "tied, neither embeddings nor head": (
+        False, lambda t: t.pop("model.embed_tokens.weight"),
+        "lacks 2 of the 25 tensors the model's config.json needs: model.embed_tokens.weight, lm_head.weight"),
+    "untied head missing": (True, lambda t: t.pop("lm_head.weight"),
+                            "lacks 1 of the 25 tensors the model's config.json needs: lm_head.weight ("),
+    "a whole layer missing": (
+        False, lambda t: [t.pop(k) for k in list(t) if ".layers.1." in k],
+        "lacks 11 of the 25 tensors the model's config.json needs: model.layers.1.self_attn.q_proj.weight, "
+        "model.layers.1.self_attn.k_proj.weight, model.layers.1.self_attn.v_proj.weight, "
+        "model.layers.1.self_attn.o_proj.weight, model.layers.1.self_attn.q_norm.weight, ... (loading"),
+    "a tensor of the wrong shape": (
+        False, lambda t: t.__setitem__("model.norm.weight", torch.ones(65)),
+        "tensor model.norm.weight is [65], the model's config.json needs [64]"),
+    "an integer tensor for a weight": (
+        False, lambda t: t.__setitem__("model.norm.weight", torch.ones(64, dtype=torch.int32)),
+        "tensor model.norm.weight is I32, the model holds floating-point weights there"),
+}
+
+
+@pytest.mark.parametrize("drill", list(ARCHITECTURE_DRILLS))
+def test_the_weights_are_held_to_the_architecture_of_config_json(drill: str, tiny_model_dir: Path,
+                                                                  untied_model: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """What transformers would fill with fresh weights (or refuse as it loads) is refused from the headers and
+    the meta model; a tied head is never reported missing while its pair is stored."""
+    from safetensors.torch import load_file, save_file
+
+    from coordinator.checks.disk import verify_model_dir
+
+    monkeypatch.setenv("RAYLESS_CACHE_DIR", str(tmp_path / "cache"))
+    untied, edit, refusal = ARCHITECTURE_DRILLS[drill]
+    model = tmp_path / "model"
+    shutil.copytree(untied_model if untied else tiny_model_dir, model)
+    tensors = load_file(str(model / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    if refusal is None:
+        assert "every parameter of the architecture stored, shapes as config.json says" in verify_model_dir(model)
+        from workers.train_rank.model import load_causal_lm  # and the ranks' loader agrees: nothing missing
+
+        load_causal_lm(str(model), dtype=torch.float32, device=torch.device("cpu"))
+    else:
+        with pytest.raises(files.CheckpointError) as refused:
+            verify_model_dir(model)
+        assert str(refused.value).startswith(f"{model / 'model.safetensors'}: ")
+        assert refusal in str(refused.value)
+
+
+def test_a_pass_is_remembered_and_changed_weights_are_checked_again(model_copy: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second start from the same weights builds nothing (a start then imports no torch); weights that
+    changed since are checked anew, so the memory never hides a missing parameter."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from coordinator.checks.disk import verify_model_dir
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RAYLESS_CACHE_DIR", str(cache))
+    assert verify_model_dir(model_copy).endswith("shapes as config.json says")
+    assert len(list((cache / "architecture-ok").iterdir())) == 1
+    probe = ("import sys; from coordinator.checks.preflight import preflight; from coordinator.config import "
+             f"parse_config; notes = preflight(parse_config({['--hf-checkpoint', str(model_copy), *BASE]!r})); "
+             "print([n for n in notes if 'passed before' in n], 'torch' in sys.modules)")
+    said = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert said.stdout.strip().endswith("] False") and "passed before with these weights" in said.stdout, said
+    tensors = load_file(str(model_copy / "model.safetensors"))
+    tensors.pop("model.norm.weight")
+    save_file(tensors, str(model_copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(files.CheckpointError, match=r"lacks 1 of the 25 tensors .*: model\.norm\.weight"):
+        verify_model_dir(model_copy)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped length", "wrong shape"])
