@@ -4,7 +4,6 @@ child process, neither the launcher nor torch imported)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -233,29 +232,11 @@ def test_contradictory_sft_runs_exit_2_naming_the_flags_before_launching(tiny_mo
     ], base)
 
 
-SEVERAL = textwrap.dedent(
-    """
-    import contextlib, io, json, sys, psutil
-    from coordinator.cli import main
-    for argv in json.loads(sys.argv[1]):
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            status = main(["train", *argv])
-        print(json.dumps({
-            "status": status, "error": err.getvalue().strip().splitlines()[-1:],
-            "children": len(psutil.Process().children(recursive=True)),
-            "launcher_imported": "coordinator.run" in sys.modules,
-            "torch_imported": "torch" in sys.modules,
-        }))
-    """
-)
-
-
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # the checkpoint written here
 def test_no_run_with_a_damaged_model_or_adapter_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Issue 39's drill through the CLI: a model cut to 4 KiB, a model lacking a parameter, a truncated
     `--lora-adapter-path` and a `--load` checkpoint whose adapter was cut: each exits 2 with one line naming the
-    file, before anything is launched (one interpreter runs the four, to spare three imports)."""
+    file, before anything is launched."""
     import shutil
 
     import torch
@@ -299,13 +280,10 @@ def test_no_run_with_a_damaged_model_or_adapter_starts(tiny_model_dir: Path, tmp
         (flags(lacking.parent), f"--hf-checkpoint: {lacking}: lacks 1 of the 25 tensors the model's config.json "
                                 "needs: model.layers.1.mlp.down_proj.weight"),
     ]
-    env = {**os.environ, "RAYLESS_CACHE_DIR": str(tmp_path / "cache")}
-    result = subprocess.run([sys.executable, "-c", SEVERAL, json.dumps([argv for argv, _ in cases])],
-                            capture_output=True, text=True, timeout=120, check=False, env=env)
-    outcomes = [json.loads(line) for line in result.stdout.strip().splitlines()]
-    assert len(outcomes) == len(cases), result.stderr
+    outcomes = run_cli_batch([argv for argv, _ in cases])
     for (_, said), outcome in zip(cases, outcomes, strict=True):
-        assert outcome["status"] == 2 and outcome["error"][0].startswith(f"rayless train: error: {said}"), outcome
+        assert outcome["status"] == 2 and outcome["stderr"].startswith(f"rayless train: error: {said}"), outcome
+        assert outcome["stderr"].count("\n") == 1, outcome  # one line
         assert outcome["children"] == 0 and not outcome["launcher_imported"], outcome
     assert not outcomes[0]["torch_imported"]  # a cut model is refused from its header alone
 
