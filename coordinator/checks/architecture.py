@@ -80,16 +80,22 @@ def _remember(key: str | None) -> None:
         pass
 
 
-def build_meta_model(model_dir: Path) -> Any | None:
-    """The model `config.json` describes, on the meta device; None when transformers cannot build it here."""
+def meta_model(model_dir: Path) -> Any:
+    """The model `config.json` describes, on the meta device (no memory, no weights read); raises what
+    transformers raises for a config it cannot build."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    model_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # architecture notes of transformers; the ranks log them
+        return AutoModelForCausalLM.from_config(model_config)
+
+
+def build_meta_model(model_dir: Path) -> Any | None:
+    """`meta_model`, or None when transformers cannot build it here."""
     try:
-        model_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # architecture notes of transformers; the ranks log them
-            return AutoModelForCausalLM.from_config(model_config)
+        return meta_model(model_dir)
     except Exception:  # transformers raises many types for a config it cannot build
         return None
 
