@@ -564,3 +564,30 @@ def test_a_plain_model_directory_may_hold_symlinks_and_a_flipped_weight_byte_is_
     (directory / "model.safetensors").unlink()
     (directory / "model.safetensors").write_bytes(bytes(data))
     assert "headers and sizes" in verify_model_dir(directory)
+
+
+def test_an_export_fetched_into_the_hub_cache_verifies_through_its_blob_links(library: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """A `--save-hf` directory uploaded and downloaded again sits in the Hugging Face cache: its files are
+    symlinks from `snapshots/<revision>/` to `../../blobs/`; its manifest still verifies, and a link out of that
+    repository is still refused."""
+    from coordinator.checks.disk import verify_model_dir
+
+    repo = tmp_path / "models--me--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in sorted(library["exported"].rglob("*")):
+        if path.is_file():
+            name = path.relative_to(library["exported"])
+            blob = repo / "blobs" / str(name).replace("/", "-")
+            shutil.copy(path, blob)
+            (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+            (snapshot / name).symlink_to(os.path.relpath(blob, (snapshot / name).parent))
+    assert "manifest.json's sizes and digests" in verify_model_dir(snapshot)
+    elsewhere = tmp_path / "elsewhere.json"  # the same bytes, outside the repository
+    shutil.copy(snapshot / "config.json", elsewhere)
+    (snapshot / "config.json").unlink()
+    (snapshot / "config.json").symlink_to(elsewhere)
+    with pytest.raises(files.CheckpointError, match=f"{snapshot / 'config.json'}: points outside {repo}"):
+        verify_model_dir(snapshot)
