@@ -6,15 +6,17 @@ key renamings and converters (`conversion_mapping`: old checkpoint names, an MoE
 they load), the base-model prefix either way, and tied weights (a tied `lm_head.weight` is covered by its source,
 or the reverse). A parameter none of whose names is stored is missing (transformers would fill it with fresh
 weights); a stored tensor whose shape differs from the model's, or an integer tensor where the model holds
-floats, is refused. `check_checkpoint_shapes(model_dir, meta)` holds a full-model DCP checkpoint's tensors to the
-same shapes and floating-point kinds (`--load`).
+floats, is refused. `check_checkpoint_shapes(model_dir, meta, checkpoint)` holds a full-model DCP checkpoint's
+tensors to the same shapes and floating-point kinds (`--load`); `check_adapter_shapes` a PEFT adapter's LoRA
+weights to the model's linear layers at its rank.
 
 Cost: building the meta model imports torch and transformers' modeling code — measured ~1.7 s here on top of
 the ~2.8 s torch + tokenizer import every `rayless train` pays anyway when it loads the tokenizer (the checks
-are lazily imported: importing `coordinator` still imports no torch). A model that passed is remembered under
-`$RAYLESS_CACHE_DIR/architecture-ok/` (default `~/.cache/rayless`, or `$XDG_CACHE_HOME/rayless`), keyed by the xxh3-128 of its config.json, the
-stored names, dtypes and shapes, and the torch and transformers versions, so a start from weights already
-checked imports nothing here; only passes are remembered, so a refused directory is built and refused anew.
+are lazily imported: importing `coordinator` still imports no torch). A pass is remembered under
+`$RAYLESS_CACHE_DIR/architecture-ok/` (default `~/.cache/rayless`, or `$XDG_CACHE_HOME/rayless`), keyed by the
+xxh3-128 of its config.json, the checked tensors' names, dtypes and shapes, and the torch and transformers
+versions, so a start from weights already checked imports nothing here; only passes are remembered, so a
+refused directory is built and refused anew.
 
 Invariant: a failure is a `CheckpointError` naming the file and what is wrong (the first missing names and how
 many); a config transformers cannot build here is not refused (the ranks say what fails), and said so in the
