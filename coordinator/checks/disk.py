@@ -1,13 +1,13 @@
 """What the run will read from disk, verified before any rank or engine starts: checkpoints, models, adapters.
 
 Owns `check_disk(config)`, run by preflight after the paths and `--load` were resolved: the `--load` checkpoint
-(its manifest's sizes and digests, DCP's metadata against its shards, the JSON files typed and bounded; a
-damaged `latest` refused with the complete checkpoints and `--ckpt-step`), a `--ref-load` / teacher that is a
-rayless checkpoint the same way, `--hf-checkpoint` and a Hugging Face `--ref-load` (every safetensors file
-against its header; and, where the start-up builds the model on the meta device anyway — LoRA, `--dry-run` —
-every parameter the architecture needs stored: missing keys are an error, not fresh weights; otherwise the
-ranks and engines refuse missing keys as they load, which spares a plain start importing transformers here),
-and `--lora-adapter-path` (its file against its header, its keys against the target modules).
+(its manifest's sizes and digests, DCP's metadata against its shards, the JSON files typed and bounded, a full
+model's tensor shapes against the `--hf-checkpoint` architecture; a damaged `latest` refused with the complete
+checkpoints and `--ckpt-step`), a `--ref-load` / teacher that is a rayless checkpoint the same way,
+`--hf-checkpoint` and a Hugging Face `--ref-load` / teacher (its `manifest.json` when it has one — a `--save-hf`
+or `rayless export` directory; every safetensors file against its header; every parameter the architecture needs
+stored with its shape, `coordinator.checks.architecture`: missing keys are an error, not fresh weights), and
+`--lora-adapter-path` (its file against its header, its keys against the target modules).
 `verify_reload(save_dir)` is the same check of the checkpoint a train-FT recovery is about to load.
 
 Invariant: every failure is one `ConfigError` line naming the flag, the file and what is wrong (exit 2, nothing
@@ -17,8 +17,8 @@ digest it.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
+from typing import Any
 
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
@@ -35,7 +35,9 @@ def check_disk(config: Config) -> list[str]:
             load = config.load_plan()
             if load.resume and load.path is not None:
                 flag = "--load"
-                notes.append(f"--load: {verify_checkpoint_source(load.path)} verified (sizes, digests, metadata)")
+                directory = verify_checkpoint_source(load.path)
+                notes.append(f"--load: {directory} verified (sizes, digests, metadata)")
+                notes += _checkpoint_fits_model(directory, Path(str(config.rollout.hf_checkpoint)))
             for flag, source in (("--ref-load", config.reference_path()),
                                  ("--opd-teacher-load", config.distill.teacher_path())):
                 if source is not None:
@@ -45,8 +47,7 @@ def check_disk(config: Config) -> list[str]:
         reads_weights = (config.needs_train_ranks or config.num_launched_rollout_engines > 0
                          or bool(config.eval.eval_num_engines))
         if reads_weights or _holds_weights(model_dir):
-            architecture = config.lora.enabled or config.debug.dry_run  # the meta model is built anyway
-            notes.append(f"--hf-checkpoint: {verify_model_dir(model_dir, architecture=architecture)}")
+            notes.append(f"--hf-checkpoint: {verify_model_dir(model_dir, architecture=reads_weights)}")
         adapter = config.lora.lora_adapter_path
         if adapter is not None:
             flag = "--lora-adapter-path"
@@ -71,6 +72,18 @@ def verify_checkpoint_source(path: str | Path, step: int | None = None) -> Path:
     return directory
 
 
+def _checkpoint_fits_model(directory: Path, model_dir: Path) -> list[str]:
+    """A full-model checkpoint's tensors have the shapes of the model the ranks build (LoRA checkpoints hold
+    adapters, which `check_trainable` holds to the targets)."""
+    from workers.train_rank.checkpoint_files import Extra, read_json, read_metadata
+
+    if read_json(directory / "extra.json", Extra).lora is not None or not (model_dir / "config.json").is_file():
+        return []
+    from coordinator.checks.architecture import check_checkpoint_shapes
+
+    return [f"--load: {check_checkpoint_shapes(model_dir, read_metadata(directory), directory)}"]
+
+
 def verify_reload(save_dir: str | Path) -> Path:
     """Train FT: the checkpoint the restarted ranks are about to load, verified as at start-up (blocking:
     call it in a worker thread)."""
@@ -83,55 +96,49 @@ def _verify_model_or_checkpoint(path: Path) -> str:
     return f"{verify_checkpoint_source(path)}"
 
 
-def verify_model_dir(model_dir: Path, *, architecture: bool = False) -> str:
-    """Every safetensors file of a Hugging Face directory against its header; with `architecture`, every
-    parameter of the model its config.json describes stored (builds it on the meta device: imports
-    transformers)."""
-    from workers.train_rank.checkpoint_weights import missing_parameters, model_tensors
+def verify_model_dir(model_dir: Path, *, architecture: bool = True) -> str:
+    """A Hugging Face directory: its manifest when it has one (`--save-hf`, `rayless export`, a weight snapshot:
+    every file's size and digest), every safetensors file against its header, and with `architecture` every
+    parameter of the model its config.json describes stored with its shape (`coordinator.checks.architecture`)."""
+    from workers.boundary.manifest import MANIFEST, check_manifest, hub_cache_root
+    from workers.train_rank.checkpoint_files import read_json
+    from workers.train_rank.checkpoint_weights import model_tensors
 
-    tensors = model_tensors(model_dir)
-    expected = _architecture(model_dir) if architecture else None
-    if expected is not None:
-        names, prefix, optional = expected
-        missing = missing_parameters(names, set(tensors), prefix=prefix, optional=optional)
-        if missing:
-            from workers.train_rank.checkpoint_files import CheckpointError
+    read_json(model_dir / "config.json", dict[str, Any])  # bounded and typed: garbage is named, not a traceback
+    notes = []
+    if (model_dir / MANIFEST).is_file():
+        check_manifest(model_dir, links_within=hub_cache_root(model_dir))
+        notes.append(f"{MANIFEST}'s sizes and digests")
+    files: dict[str, Path] = {}
+    tensors = model_tensors(model_dir, files)
+    notes.append("headers and sizes")
+    if architecture:
+        from coordinator.checks.architecture import check_coverage
 
-            raise CheckpointError(f"{model_dir}: its safetensors files lack {len(missing)} of the model's "
-                                  f"parameters, e.g. {', '.join(missing[:3])} (loading would fill them with fresh "
-                                  "weights)")
-    return f"{model_dir}: {len(tensors)} tensors, headers and sizes verified"
-
-
-def _architecture(model_dir: Path) -> tuple[list[str], str, list[str]] | None:
-    """(parameter names, base-model prefix, optional-name patterns) of the model `config.json` describes,
-    built on the meta device (no memory, no weights); None when transformers cannot build it here (the ranks
-    then say what fails)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        model_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_config(model_config)
-    except Exception:  # transformers raises many types for a config it cannot build
-        return None
-    names = [name for name, _ in model.named_parameters()]  # tied weights once, as they are stored
-    optional = [str(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
-    return names, str(getattr(model, "base_model_prefix", "") or ""), optional
+        notes.append(check_coverage(model_dir, tensors, files))
+    return f"{model_dir}: {len(tensors)} tensors; verified: {'; '.join(notes)}"
 
 
 def verify_adapter(config: Config, adapter_dir: Path) -> str:
-    """`adapter_model.safetensors` against its header; its keys are LoRA weights of the target modules."""
+    """`adapter_model.safetensors` against its header (and the directory's manifest when rayless wrote it); its
+    keys are LoRA weights of the target modules, their shapes those of the model's layers at the rank."""
+    from workers.boundary.manifest import MANIFEST, check_manifest
     from workers.train_rank.checkpoint_weights import check_adapter_keys, check_safetensors
 
     path = adapter_dir / "adapter_model.safetensors"
+    if (adapter_dir / MANIFEST).is_file():
+        check_manifest(adapter_dir)
     if not path.is_file():
         from workers.train_rank.checkpoint_files import CheckpointError
 
         raise CheckpointError(f"{path}: missing")
     tensors = check_safetensors(path)
-    lora = config.lora.rank_lora(str(config.rollout.hf_checkpoint))
+    model_dir = Path(str(config.rollout.hf_checkpoint))
+    lora = config.lora.rank_lora(str(model_dir))
     check_adapter_keys(path, tensors, list(lora.target_modules) if lora is not None else [])
-    return f"{path}: {len(tensors)} adapter tensors verified"
+    shapes = ""
+    if lora is not None and (model_dir / "config.json").is_file():
+        from coordinator.checks.architecture import check_adapter_shapes
+
+        shapes = f"; {check_adapter_shapes(model_dir, tensors, path, lora.rank)}"
+    return f"{path}: {len(tensors)} adapter tensors verified{shapes}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import warnings
 from pathlib import Path
 
 import msgspec
@@ -36,14 +35,10 @@ def check_trainable(config: Config, *, always: bool = False) -> list[str]:
         stored = stored_parameters(model_dir)  # the headers alone: no model import for the report
         if stored is not None:
             return [f"trainable parameters: {stored:,} (the full model)"]
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from coordinator.checks.architecture import meta_model
 
     try:
-        model_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # architecture notes of transformers; the ranks log them
-            model = AutoModelForCausalLM.from_config(model_config)
+        model = meta_model(model_dir)
     except Exception as error:  # transformers raises many types for a config it cannot build
         why = f"{type(error).__name__}: {error}"
         if not config.lora.enabled:  # a count for the report only: the ranks say what fails, if anything

@@ -11,7 +11,6 @@ to; a `--save-hf` template formats with `rollout_id` alone; every failure is a C
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,16 +131,26 @@ def is_run_dir(path: Path) -> bool:
     return run_config(path) is not None or any((path / name).is_file() for name in RUN_FILES)
 
 
+def _small_json(file: Path) -> Any:
+    """A checkpoint's `extra.json` or `latest`, decoded within small bounds; None when it cannot be read or
+    decoded (a garbage or 100k-deep file is "no checkpoint" here; `check_disk` says what is wrong with it)."""
+    from workers.boundary.json_input import JsonLimits, decode_json
+
+    try:
+        with file.open("rb") as handle:
+            raw = handle.read(_MAX_RUN_CONFIG_BYTES + 1)
+        return decode_json(raw, str(file), JsonLimits(max_bytes=_MAX_RUN_CONFIG_BYTES, max_depth=32))
+    except (OSError, ValueError):  # BoundaryError is a ValueError
+        return None
+
+
 def checkpoint_rollout(path: Path) -> int | None:
     """The rollout id of the checkpoint `path` holds (a `rollout_<id>` directory, or a save directory: the one
     `latest` names, else its newest complete one), or None when it holds none. Read from the files alone."""
     def complete_id(directory: Path) -> int | None:
         if not (directory / ".metadata").is_file():
             return None
-        try:
-            meta = json.loads((directory / "extra.json").read_text())
-        except (OSError, ValueError):
-            return None
+        meta = _small_json(directory / "extra.json")
         value = meta.get("rollout_id") if isinstance(meta, dict) else None
         return value if type(value) is int else None
 
@@ -150,10 +159,7 @@ def checkpoint_rollout(path: Path) -> int | None:
     own = complete_id(path)
     if own is not None:
         return own
-    try:
-        named = json.loads((path / "latest").read_text())
-    except (OSError, ValueError):
-        named = None
+    named = _small_json(path / "latest")
     if isinstance(named, str) and "/" not in named and named not in ("", ".", ".."):
         found = complete_id(path / named)
         if found is not None:

@@ -230,3 +230,60 @@ def test_contradictory_sft_runs_exit_2_naming_the_flags_before_launching(tiny_mo
         ([*sft, "--prompt-data", str(chats), "--input-key", "messages"],
          [f"--prompt-data: {chats}:2: input key 'messages'", "content of type int", "and 1 further bad line"]),
     ], base)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # the checkpoint written here
+def test_no_run_with_a_damaged_model_or_adapter_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 39's drill through the CLI: a model cut to 4 KiB, a model lacking a parameter, a truncated
+    `--lora-adapter-path` and a `--load` checkpoint whose adapter was cut: each exits 2 with one line naming the
+    file, before anything is launched."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.unit.test_checkpoint import save
+    from workers.protocol.train_settings import LoraSettings
+    from workers.train_rank import checkpoint_files, lora
+
+    def model_copy(name: str) -> Path:
+        return Path(shutil.copytree(tiny_model_dir, tmp_path / name))
+
+    cut = model_copy("cut") / "model.safetensors"
+    with cut.open("r+b") as handle:
+        handle.truncate(4096)
+    lacking = model_copy("lacking") / "model.safetensors"
+    tensors = load_file(str(lacking))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(lacking), metadata={"format": "pt"})
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj"
+    spec = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj",))
+    adapter = {f"{q_proj}.lora_A.weight": torch.ones(4, 64), f"{q_proj}.lora_B.weight": torch.ones(64, 4)}
+    adapter_dir = tmp_path / "adapter"
+    lora.write_adapter_files(adapter, spec, adapter_dir, base_model_path=str(tiny_model_dir))
+    (adapter_dir / lora.ADAPTER_WEIGHTS).write_bytes((adapter_dir / lora.ADAPTER_WEIGHTS).read_bytes()[:-64])
+    checkpoint = save(tmp_path / "save", 3, 1.0)
+    lora.write_adapter_files(adapter, spec, checkpoint / lora.ADAPTER_DIR, base_model_path=str(tiny_model_dir))
+    checkpoint_files.write_manifest(checkpoint)
+    saved_adapter = checkpoint / lora.ADAPTER_DIR / lora.ADAPTER_WEIGHTS
+    saved_adapter.write_bytes(saved_adapter.read_bytes()[:100])
+
+    def flags(model: Path, *more: str) -> list[str]:
+        return [*[a if a != "/model" else str(model) for a in BASE], "--rollout-num-engines", "1", *more]
+
+    cases = [
+        (flags(cut.parent), f"--hf-checkpoint: {cut}: 4096 bytes, the header describes"),
+        (flags(tiny_model_dir, "--lora-adapter-path", str(adapter_dir)),
+         f"--lora-adapter-path: {adapter_dir / lora.ADAPTER_WEIGHTS}:"),
+        (flags(tiny_model_dir, "--load", str(tmp_path / "save")),
+         f"--load: {saved_adapter}: 100 bytes, the manifest says"),
+        (flags(lacking.parent), f"--hf-checkpoint: {lacking}: lacks 1 of the 25 tensors the model's config.json "
+                                "needs: model.layers.1.mlp.down_proj.weight"),
+    ]
+    outcomes = run_cli_batch([argv for argv, _ in cases])
+    for (_, said), outcome in zip(cases, outcomes, strict=True):
+        assert outcome["status"] == 2 and outcome["stderr"].startswith(f"rayless train: error: {said}"), outcome
+        assert outcome["stderr"].count("\n") == 1, outcome  # one line
+        assert outcome["children"] == 0 and not outcome["launcher_imported"], outcome
+    assert not outcomes[0]["torch_imported"]  # a cut model is refused from its header alone
+

@@ -105,15 +105,18 @@ def test_training_logprobs_match_the_engines_by_disk_sync(generated_run: Path) -
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # rayless export's dcp.load
 def test_save_hf_is_the_trained_and_the_served_model_and_export_gives_the_same(generated_run: Path,
                                                                                tmp_path: Path) -> None:
-    """--save-hf at each save (rollouts 5 and 11): a directory transformers loads and generates from, holding
-    the trainer's weights of that step (its checkpoint, by `rayless export`) and what the engines served at that
-    version (their disk snapshot weights-12, kept as one of the newest two)."""
+    """--save-hf at each save (rollouts 5 and 11): a directory transformers loads and generates from (its
+    manifest listing every file with a digest that holds), holding the trainer's weights of that step (its
+    checkpoint, by `rayless export`) and what the engines served at that version (their disk snapshot
+    weights-12, kept as one of the newest two)."""
     from coordinator.cli import main as rayless
     from tests.support.hf_dirs import file_weights, loads_and_generates, max_difference
+    from workers.boundary.manifest import check_manifest
 
     assert sorted(path.name for path in (generated_run / "hf").iterdir()) == ["11", "5"]
     for rollout_id in (5, 11):
         saved = generated_run / "hf" / str(rollout_id)
+        assert "model.safetensors" in check_manifest(saved)  # the rank's manifest: every file, digests that hold
         assert rayless(["export", str(generated_run / "ckpt" / f"rollout_{rollout_id}"),
                         str(tmp_path / str(rollout_id))]) == 0
         weights = file_weights(saved)

@@ -254,7 +254,7 @@ def test_a_truncated_model_is_refused_before_launch(model_copy: Path) -> None:
 
 
 def test_a_model_lacking_a_parameter_is_refused_not_filled_with_fresh_weights(model_copy: Path) -> None:
-    """At start-up where the meta model is built anyway (here the dry run), and on the ranks as they load."""
+    """At start-up of a plain run (no LoRA, no dry run), and on the ranks as they load."""
     from safetensors.torch import load_file, save_file
 
     from workers.train_rank.model import MissingWeights, load_causal_lm
@@ -264,11 +264,107 @@ def test_a_model_lacking_a_parameter_is_refused_not_filled_with_fresh_weights(mo
     dropped = next(name for name in tensors if "layers.0" in name)
     del tensors[dropped]
     save_file(tensors, str(path), metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=f"lack 1 of the model's parameters, e.g. {dropped}"):
-        preflight(parse_config(["--hf-checkpoint", str(model_copy), *BASE, "--dry-run"]))
+    with pytest.raises(ConfigError, match=f"^--hf-checkpoint: {path}: lacks 1 of the 25 tensors the model's "
+                                          f"config.json needs: {dropped} \\(loading would fill them"):
+        preflight(parse_config(["--hf-checkpoint", str(model_copy), *BASE]))
     with pytest.raises(MissingWeights, match=f"{model_copy}: its weights lack 1 of the model's parameters, e.g. "
                                              f"{dropped}"):
         load_causal_lm(str(model_copy), dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def untied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("untied"), TinyModelSpec(untied_head=True))
+
+
+def _rename(tensors: dict[str, torch.Tensor], old: str, new: str) -> None:
+    tensors[new] = tensors.pop(old)
+
+
+#: the model's weights edited → None (loads: transformers reports nothing missing) or what the refusal says.
+#: The tiny model ties lm_head to the embeddings and stores the embeddings alone.
+ARCHITECTURE_DRILLS: dict[str, tuple[bool, Any, str | None]] = {
+    "tied head stored under its own name alone": (
+        False, lambda t: _rename(t, "model.embed_tokens.weight", "lm_head.weight"), None),
+    "stored without the base model's prefix": (
+        False, lambda t: [_rename(t, k, k.removeprefix("model.")) for k in list(t) if k.startswith("model.")], None),
+    "bfloat16 weights": (False, lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].bfloat16()),
+                         None),
+    "tied, neither embeddings nor head": (
+        False, lambda t: t.pop("model.embed_tokens.weight"),
+        "lacks 2 of the 25 tensors the model's config.json needs: model.embed_tokens.weight, lm_head.weight"),
+    "untied head missing": (True, lambda t: t.pop("lm_head.weight"),
+                            "lacks 1 of the 25 tensors the model's config.json needs: lm_head.weight ("),
+    "a whole layer missing": (
+        False, lambda t: [t.pop(k) for k in list(t) if ".layers.1." in k],
+        "lacks 11 of the 25 tensors the model's config.json needs: model.layers.1.self_attn.q_proj.weight, "
+        "model.layers.1.self_attn.k_proj.weight, model.layers.1.self_attn.v_proj.weight, "
+        "model.layers.1.self_attn.o_proj.weight, model.layers.1.self_attn.q_norm.weight, ... (loading"),
+    "a tensor of the wrong shape": (
+        False, lambda t: t.__setitem__("model.norm.weight", torch.ones(65)),
+        "tensor model.norm.weight is [65], the model's config.json needs [64]"),
+    "an integer tensor for a weight": (
+        False, lambda t: t.__setitem__("model.norm.weight", torch.ones(64, dtype=torch.int32)),
+        "tensor model.norm.weight is I32, the model holds floating-point weights there"),
+}
+
+
+@pytest.mark.parametrize("drill", list(ARCHITECTURE_DRILLS))
+def test_the_weights_are_held_to_the_architecture_of_config_json(drill: str, tiny_model_dir: Path,
+                                                                  untied_model: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """What transformers would fill with fresh weights (or refuse as it loads) is refused from the headers and
+    the meta model; a tied head is never reported missing while its pair is stored."""
+    from safetensors.torch import load_file, save_file
+
+    from coordinator.checks.disk import verify_model_dir
+
+    monkeypatch.setenv("RAYLESS_CACHE_DIR", str(tmp_path / "cache"))
+    untied, edit, refusal = ARCHITECTURE_DRILLS[drill]
+    model = tmp_path / "model"
+    shutil.copytree(untied_model if untied else tiny_model_dir, model)
+    tensors = load_file(str(model / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    if refusal is None:
+        assert "every parameter of the architecture stored, shapes as config.json says" in verify_model_dir(model)
+        from workers.train_rank.model import load_causal_lm  # and the ranks' loader agrees: nothing missing
+
+        load_causal_lm(str(model), dtype=torch.float32, device=torch.device("cpu"))
+    else:
+        with pytest.raises(files.CheckpointError) as refused:
+            verify_model_dir(model)
+        assert str(refused.value).startswith(f"{model / 'model.safetensors'}: ")
+        assert refusal in str(refused.value)
+
+
+def test_a_pass_is_remembered_and_changed_weights_are_checked_again(model_copy: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second start from the same weights builds nothing (a start then imports no torch); weights that
+    changed since are checked anew, so the memory never hides a missing parameter."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from coordinator.checks.disk import verify_model_dir
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RAYLESS_CACHE_DIR", str(cache))
+    assert verify_model_dir(model_copy).endswith("shapes as config.json says")
+    assert len(list((cache / "architecture-ok").iterdir())) == 1
+    probe = ("import sys; from coordinator.checks.preflight import preflight; from coordinator.config import "
+             f"parse_config; notes = preflight(parse_config({['--hf-checkpoint', str(model_copy), *BASE]!r})); "
+             "print([n for n in notes if 'passed before' in n], 'torch' in sys.modules)")
+    said = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert said.stdout.strip().endswith("] False") and "passed before with these weights" in said.stdout, said
+    tensors = load_file(str(model_copy / "model.safetensors"))
+    tensors.pop("model.norm.weight")
+    save_file(tensors, str(model_copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(files.CheckpointError, match=r"lacks 1 of the 25 tensors .*: model\.norm\.weight"):
+        verify_model_dir(model_copy)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped length", "wrong shape"])
@@ -339,3 +435,193 @@ def test_a_sharded_model_is_checked_file_by_file_against_its_index(tmp_path: Pat
     index.write_text("[" * 10_000)
     with pytest.raises(files.CheckpointError, match="not a safetensors index"):
         weights.model_tensors(tmp_path)
+
+
+# --- the drill matrix: every kind of file rayless reads, every kind of damage ---------------------------------
+
+SPEC_Q = {"rank": 4, "alpha": 8.0, "target_modules": ("q_proj",)}
+Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.fixture(scope="module")
+def library(saved: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One directory of each kind, written by rayless's own writers (never modified: tests copy them): a LoRA
+    checkpoint (the real save plus its PEFT `adapter/`), an engine weight snapshot, a `--save-hf` / `rayless
+    export` directory with its adapter, a plain Hugging Face model (no manifest) and a `--lora-adapter-path`."""
+    from safetensors.torch import load_file
+
+    from workers.protocol.train_settings import LoraSettings
+    from workers.train_rank import lora, weight_export
+
+    root = tmp_path_factory.mktemp("library")
+    state = load_file(str(tiny_model_dir / "model.safetensors"))
+    spec = LoraSettings(**SPEC_Q)  # type: ignore[arg-type]
+    adapter = {f"{Q_PROJ}.lora_A.weight": torch.full((4, 64), 0.01), f"{Q_PROJ}.lora_B.weight": torch.zeros(64, 4)}
+
+    def write_adapter(directory: Path) -> None:
+        lora.write_adapter_files(adapter, spec, directory, base_model_path=str(tiny_model_dir))
+
+    shutil.copytree(saved / "rollout_3", root / "checkpoint")
+    write_adapter(root / "checkpoint" / "adapter")
+    files.write_manifest(root / "checkpoint")
+    snapshot = weight_export.write_snapshot(state, source_dir=tiny_model_dir, directory=root / "snapshots",
+                                            weight_version="1", keep=1)
+    weight_export.write_hf_directory(state, source_dir=tiny_model_dir, directory=root / "exported",
+                                     write_extra=lambda d: write_adapter(d / "adapter"))
+    shutil.copytree(tiny_model_dir, root / "plain")
+    write_adapter(root / "adapter")
+    return {"checkpoint": root / "checkpoint", "snapshot": snapshot, "exported": root / "exported",
+            "plain": root / "plain", "adapter": root / "adapter"}
+
+
+def _edit_tensors(path: Path, edit: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _wrong_shape(path: Path) -> None:
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        name = next(n for n in tensors if n.endswith(("norm.weight", "lora_A.weight")))
+        tensors[name] = torch.ones(tensors[name].shape[0] + 1, *tensors[name].shape[1:])
+
+    _edit_tensors(path, edit)
+
+
+def _wrong_dtype(path: Path) -> None:
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        name = next(n for n in tensors if n.endswith(("norm.weight", "lora_A.weight")))
+        tensors[name] = tensors[name].to(torch.int32)
+
+    _edit_tensors(path, edit)
+
+
+#: damage → (what it does to the file, what the refusal says: any of these)
+DAMAGES: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "truncated": (_truncate, ("truncated", "bytes, the manifest says", "too short", "header in a")),
+    "flipped byte": (_flip, ("does not match the manifest's digest",)),
+    "missing": (lambda p: p.unlink(), ("missing", "no model.safetensors")),
+    "symlink out": (_symlink_out, ("points outside",)),
+    "garbage JSON": (lambda p: p.write_text('{"r": '), ("not valid JSON",)),
+    "deep JSON": (lambda p: p.write_text("[" * 100_000), ("nested deeper",)),
+    "wrong shape": (_wrong_shape, ("needs [", "adapter of that layer is [")),
+    "wrong dtype": (_wrong_dtype, ("is I32", "holds floating-point")),
+}
+#: (kind, file, damage, manifest rewritten to match: the file's own check must catch it). Where a kind has a
+#: manifest, damage the manifest does not know of is caught there (size, digest, presence, symlink); with the
+#: manifest rewritten (a hand-edited directory) the content check catches what it can.
+MATRIX = [
+    *[("checkpoint", name, damage, False) for name in ("__0_0.distcp", ".metadata", "extra.json", "scheduler.json",
+                                                       "rng_rank0.json", "adapter/adapter_model.safetensors")
+      for damage in ("truncated", "flipped byte", "missing", "symlink out")],
+    *[("checkpoint", name, damage, True) for name in ("extra.json", "scheduler.json", "rng_rank0.json")
+      for damage in ("garbage JSON", "deep JSON", "missing", "symlink out")],
+    ("checkpoint", "__0_0.distcp", "truncated", True),
+    ("checkpoint", "manifest.json", "garbage JSON", False),
+    ("checkpoint", "manifest.json", "deep JSON", False),
+    *[("snapshot", name, damage, False) for name in ("model.safetensors", "config.json")
+      for damage in ("truncated", "flipped byte", "missing", "symlink out")],
+    ("snapshot", "manifest.json", "garbage JSON", False),
+    ("snapshot", "manifest.json", "deep JSON", False),
+    *[("exported", name, damage, False) for name in ("model.safetensors", "config.json",
+                                                     "adapter/adapter_model.safetensors")
+      for damage in ("truncated", "flipped byte", "missing", "symlink out")],
+    *[("exported", "model.safetensors", damage, True) for damage in ("truncated", "wrong shape", "wrong dtype")],
+    *[("exported", "config.json", damage, True) for damage in ("garbage JSON", "deep JSON")],
+    ("exported", "manifest.json", "garbage JSON", False),
+    ("exported", "manifest.json", "deep JSON", False),
+    *[("plain", "model.safetensors", damage, False) for damage in ("truncated", "missing", "wrong shape",
+                                                                    "wrong dtype")],
+    *[("plain", "config.json", damage, False) for damage in ("garbage JSON", "deep JSON", "missing")],
+    *[("adapter", "adapter_model.safetensors", damage, False) for damage in ("truncated", "flipped byte",
+                                                                             "missing", "symlink out")],
+    *[("adapter", "adapter_model.safetensors", damage, True) for damage in ("truncated", "wrong shape",
+                                                                            "wrong dtype")],
+    *[("adapter", "adapter_config.json", damage, True) for damage in ("garbage JSON", "deep JSON")],
+]
+
+
+def _check(kind: str, directory: Path, model: Path) -> Any:
+    """What reads a directory of this kind before it is used: the coordinator's preflight checks, and for a
+    snapshot the engine's own check before it loads one."""
+    from coordinator.checks.disk import verify_adapter, verify_model_dir
+    from workers.engine.runner import ModelRunner
+
+    if kind == "checkpoint":
+        return files.verify_checkpoint(directory)
+    if kind == "snapshot":
+        return ModelRunner._check_manifest(directory)
+    if kind == "adapter":
+        return verify_adapter(parse_config(["--hf-checkpoint", str(model), *BASE, "--lora-adapter-path",
+                                            str(directory)]), directory)
+    return verify_model_dir(directory)
+
+
+@pytest.mark.parametrize(("kind", "name", "damage", "remanifest"), MATRIX,
+                         ids=[f"{k}:{n}:{d}{':remanifested' if r else ''}" for k, n, d, r in MATRIX])
+def test_every_kind_of_file_damaged_every_way_is_refused_naming_it(library: dict[str, Path], tiny_model_dir: Path,
+                                                                   tmp_path: Path, kind: str, name: str,
+                                                                   damage: str, remanifest: bool) -> None:
+    from workers.engine.runner import WeightUpdateError
+
+    directory = tmp_path / kind
+    shutil.copytree(library[kind], directory, symlinks=True)
+    _check(kind, directory, tiny_model_dir)  # whole, it passes
+    target = directory / name
+    harm, said = DAMAGES[damage]
+    harm(target)
+    if remanifest:
+        files.write_manifest(directory)
+    with pytest.raises((files.CheckpointError, ConfigError, WeightUpdateError)) as refused:
+        _check(kind, directory, tiny_model_dir)
+    message = str(refused.value)
+    assert str(target) in message or (f"{directory}: " in message and name in message), message
+    assert any(words in message for words in said), message
+    assert "\n" not in message
+
+
+def test_a_plain_model_directory_may_hold_symlinks_and_a_flipped_weight_byte_is_what_no_header_shows(
+        library: dict[str, Path], tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The two limits of a directory without a manifest (a Hugging Face download): its files may be symlinks
+    anywhere (the Hub cache links snapshots to ../../blobs), and a byte flipped inside a tensor passes every
+    header check (only a digest sees it: rayless's own directories carry one)."""
+    from coordinator.checks.disk import verify_model_dir
+
+    directory = tmp_path / "plain"
+    shutil.copytree(library["plain"], directory)
+    _symlink_out(directory / "model.safetensors")
+    assert "headers and sizes" in verify_model_dir(directory)
+    data = bytearray((directory / "model.safetensors").read_bytes())
+    data[-100] ^= 0x01
+    (directory / "model.safetensors").unlink()
+    (directory / "model.safetensors").write_bytes(bytes(data))
+    assert "headers and sizes" in verify_model_dir(directory)
+
+
+def test_an_export_fetched_into_the_hub_cache_verifies_through_its_blob_links(library: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """A `--save-hf` directory uploaded and downloaded again sits in the Hugging Face cache: its files are
+    symlinks from `snapshots/<revision>/` to `../../blobs/`; its manifest still verifies, and a link out of that
+    repository is still refused."""
+    from coordinator.checks.disk import verify_model_dir
+
+    repo = tmp_path / "models--me--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in sorted(library["exported"].rglob("*")):
+        if path.is_file():
+            name = path.relative_to(library["exported"])
+            blob = repo / "blobs" / str(name).replace("/", "-")
+            shutil.copy(path, blob)
+            (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+            (snapshot / name).symlink_to(os.path.relpath(blob, (snapshot / name).parent))
+    assert "manifest.json's sizes and digests" in verify_model_dir(snapshot)
+    elsewhere = tmp_path / "elsewhere.json"  # the same bytes, outside the repository
+    shutil.copy(snapshot / "config.json", elsewhere)
+    (snapshot / "config.json").unlink()
+    (snapshot / "config.json").symlink_to(elsewhere)
+    with pytest.raises(files.CheckpointError, match=f"{snapshot / 'config.json'}: points outside {repo}"):
+        verify_model_dir(snapshot)

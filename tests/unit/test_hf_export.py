@@ -253,3 +253,52 @@ def test_export_errors_name_the_file_and_exit_2(tiny_model_dir: Path, tmp_path: 
     err = export(full, tmp_path / "out", "--hf-checkpoint", wider)
     assert f"{full}: its weights do not fit the model of {wider}" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_exported_directory_carries_a_manifest_checked_when_it_is_loaded_again(
+        tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rayless export` (and `--save-hf`, the same writer) lists every file with its digest, the adapter's too;
+    given as `--hf-checkpoint`, a damaged byte is refused naming the file; a plain directory (no manifest)
+    still loads. A full checkpoint under `--load` is held to the shapes of the model the ranks will build."""
+    from coordinator.checks.preflight import preflight
+
+    monkeypatch.setenv("RAYLESS_CACHE_DIR", str(tmp_path / "cache"))  # no pass remembered from elsewhere
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lora.apply_lora(model, SPEC)
+    checkpoint = save_trained(model, tmp_path / "lora", tiny_model_dir, adapters=SPEC)
+    out = tmp_path / "out"
+    assert rayless(["export", str(checkpoint), str(out)]) == 0
+    listed = json.loads((out / checkpoint_files.MANIFEST).read_text())["files"]
+    assert sorted(listed) == sorted(str(p.relative_to(out)) for p in out.rglob("*")
+                                    if p.is_file() and p.name != checkpoint_files.MANIFEST)
+    assert {"model.safetensors", "adapter/adapter_model.safetensors", "config.json"} <= set(listed)
+    checkpoint_files.check_manifest(out / lora.ADAPTER_DIR)  # the adapter dir is a --lora-adapter-path of its own
+    notes = preflight(parse_config(job(out)))
+    assert any(note.startswith(f"--hf-checkpoint: {out}: 24 tensors; verified: manifest.json's sizes and digests; "
+                               "headers and sizes; every parameter") for note in notes), notes
+    plain = preflight(parse_config(job(tiny_model_dir)))
+    assert not any("manifest" in note for note in plain if note.startswith("--hf-checkpoint:")), plain
+
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0x01  # a tensor's byte: the header still fits, only the digest sees it
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=f"^--hf-checkpoint: {weights}: its content does not match the manifest"):
+        preflight(parse_config(job(out)))
+    assert train_exit(job(out), capsys) == (2, f"rayless train: error: --hf-checkpoint: {weights}: its content does "
+                                               "not match the manifest's digest (damaged after the save)")
+
+    full = save_trained(perturbed(tiny_model_dir, 3), tmp_path / "full", tiny_model_dir)
+    notes = preflight(parse_config(job(tiny_model_dir, "--load", str(full))))
+    assert "--load: 25 tensors' shapes match the model" in notes, notes
+    from workers.tiny_model import TinyModelSpec, build_tiny_model
+
+    wider = build_tiny_model(tmp_path / "wider", TinyModelSpec(hidden_size=32, intermediate_size=64))
+    with pytest.raises(ConfigError, match=rf"^--load: {full}/\.metadata: tensor model\.embed_tokens\.weight is "
+                                          rf"\[89, 64\], the model of {wider}/config\.json needs \[89, 32\]"):
+        preflight(parse_config(job(wider, "--load", str(full))))
+
+
+def train_exit(flags: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    code = rayless(["train", *flags])
+    return code, capsys.readouterr().err.strip().splitlines()[-1]

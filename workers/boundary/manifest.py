@@ -92,8 +92,9 @@ class _Manifest(msgspec.Struct):
     files: dict[str, FileEntry]
 
 
-def check_manifest(directory: Path, *, digests: bool = True) -> dict[str, FileEntry]:
-    """Every file the manifest lists is present (a regular file inside `directory`) with its size and, when
+def check_manifest(directory: Path, *, digests: bool = True, links_within: Path | None = None) -> dict[str, FileEntry]:
+    """Every file the manifest lists is present (a regular file inside `directory`, or inside `links_within`
+    when given: a Hugging Face cache snapshot's files are symlinks to its `blobs/`) with its size and, when
     `digests`, its digest. Returns the listing."""
     path = directory / MANIFEST
     if not path.is_file():
@@ -106,7 +107,7 @@ def check_manifest(directory: Path, *, digests: bool = True) -> dict[str, FileEn
     for name, entry in manifest.files.items():
         if any(part in ("", ".", "..") for part in name.split("/")) or name.startswith("/"):
             raise CheckpointError(f"{path}: lists {name!r}, which is not a path inside the checkpoint")
-        size = regular_file_size(directory, name, f"listed in {path}")
+        size = regular_file_size(directory, name, f"listed in {path}", within=links_within)
         if size != entry.size:
             raise CheckpointError(f"{directory / name}: {size} bytes, the manifest says {entry.size} (truncated "
                                   "or rewritten)")
@@ -116,15 +117,25 @@ def check_manifest(directory: Path, *, digests: bool = True) -> dict[str, FileEn
     return manifest.files
 
 
-def regular_file_size(directory: Path, name: str, where: str) -> int:
+def hub_cache_root(directory: Path) -> Path | None:
+    """The repository folder of a Hugging Face cache snapshot (`<repo>/snapshots/<revision>`, whose files are
+    symlinks to `<repo>/blobs/`): where a model directory's listed files may point. None for any other."""
+    resolved = directory.resolve()
+    if resolved.parent.name == "snapshots" and (resolved.parent.parent / "blobs").is_dir():
+        return resolved.parent.parent
+    return None
+
+
+def regular_file_size(directory: Path, name: str, where: str, *, within: Path | None = None) -> int:
+    """The size of `directory / name`, a regular file that resolves inside `within` (default: `directory`)."""
     path = directory / name
     try:
-        inside = path.resolve(strict=True).is_relative_to(directory.resolve())
+        inside = path.resolve(strict=True).is_relative_to((within or directory).resolve())
         info = path.stat()
     except (OSError, RuntimeError):
         raise CheckpointError(f"{path}: missing ({where})") from None
     if not inside:
-        raise CheckpointError(f"{path}: points outside {directory} (a symlink), refused")
+        raise CheckpointError(f"{path}: points outside {within or directory} (a symlink), refused")
     if not path.is_file():
         raise CheckpointError(f"{path}: not a regular file ({where})")
     return info.st_size

@@ -402,12 +402,12 @@ class ModelRunner:
         """A snapshot rayless wrote carries `manifest.json`: every file it lists must have its size and digest
         (a damaged or half-copied snapshot is refused before a byte of it loads). Others (SGLang's callers'
         directories) have none and load as they are."""
-        from workers.boundary.manifest import MANIFEST, CheckpointError, check_manifest
+        from workers.boundary.manifest import MANIFEST, CheckpointError, check_manifest, hub_cache_root
 
         if not (path.is_dir() and (path / MANIFEST).is_file()):
             return
         try:
-            check_manifest(path)
+            check_manifest(path, links_within=hub_cache_root(path))  # a --save-hf export fetched from the Hub
         except CheckpointError as error:
             raise WeightUpdateError(f"refusing the snapshot: {error}") from None
 

@@ -257,9 +257,9 @@ def verify_checkpoint(directory: str | Path, *, digests: bool = True) -> Extra:
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a checkpoint directory")
     listed = check_manifest(directory, digests=digests)
-    for required in (METADATA, "extra.json", "scheduler.json"):
+    for required in (METADATA, "extra.json", "scheduler.json", "rng_rank0.json"):  # every save writes these
         if required not in listed:
-            raise CheckpointError(f"{directory / MANIFEST}: does not list {required}")
+            raise CheckpointError(f"{directory / required}: missing ({directory / MANIFEST} does not list it)")
     meta = read_metadata(directory)
     check_shards(directory, meta)
     unlisted = sorted({info.relative_path for info in meta.storage_data.values()} - set(listed))
@@ -277,6 +277,8 @@ def _read_bounded(path: Path, limit: int) -> bytes:
     try:
         with path.open("rb") as handle:
             raw = handle.read(limit + 1)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
     except OSError as error:
         raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
     if len(raw) > limit:

@@ -83,9 +83,9 @@ def check_safetensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return tensors
 
 
-def model_tensors(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+def model_tensors(model_dir: Path, files_of: dict[str, Path] | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every tensor the model directory stores (the index's files, or `model.safetensors`), each file checked;
-    a tensor the index maps to a file that lacks it is an error."""
+    a tensor the index maps to a file that lacks it is an error. `files_of`, when given, gets each tensor's file."""
     index = model_dir / INDEX
     if index.is_file():
         try:
@@ -115,24 +115,13 @@ def model_tensors(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
                 if where == name and tensor not in stored:
                     raise CheckpointError(f"{path}: lacks {tensor}, which {index.name} maps to it")
         tensors.update(stored)
+        if files_of is not None:
+            files_of.update(dict.fromkeys(stored, path))
     return tensors
 
 
-def missing_parameters(expected: list[str], stored: set[str], *, prefix: str = "",
-                       optional: list[str] | None = None) -> list[str]:
-    """The names of `expected` that `stored` lacks (a checkpoint may omit the model's `prefix.`; names
-    matching an `optional` pattern may be absent, as transformers' `_keys_to_ignore_on_load_missing`)."""
-    patterns = [re.compile(p) for p in optional or []]
-    missing = []
-    for name in expected:
-        bare = name.removeprefix(f"{prefix}.") if prefix else name
-        if name in stored or bare in stored or any(p.search(name) for p in patterns):
-            continue
-        missing.append(name)
-    return missing
-
-
-_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_[AB](?:\.[A-Za-z0-9_]+)?\.weight$")
+#: a PEFT adapter key: the adapted module is group 1
+PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_[AB](?:\.[A-Za-z0-9_]+)?\.weight$")
 
 
 def check_adapter_keys(path: Path, tensors: dict[str, Any], target_modules: list[str]) -> None:
@@ -140,7 +129,7 @@ def check_adapter_keys(path: Path, tensors: dict[str, Any], target_modules: list
     every adapted module has both."""
     seen: dict[str, set[str]] = {}
     for key in tensors:
-        match = _PEFT_KEY.match(key)
+        match = PEFT_KEY.match(key)
         if match is None:
             raise CheckpointError(f"{path}: {key!r} is not a LoRA A/B weight")
         module = match.group(1)

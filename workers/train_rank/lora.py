@@ -224,7 +224,8 @@ def adapter_state(model: Any) -> dict[str, torch.Tensor]:
 
 def write_adapter_files(state: dict[str, torch.Tensor], spec: LoraSettings, directory: Path, *,
                         base_model_path: str) -> None:
-    """`adapter_model.safetensors` and `adapter_config.json` of `adapter_state`'s tensors in `directory`."""
+    """`adapter_model.safetensors` and `adapter_config.json` of `adapter_state`'s tensors in `directory`, then
+    its `manifest.json` (sizes and digests)."""
     from workers.train_rank.tensor_files import write_safetensors
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -233,3 +234,6 @@ def write_adapter_files(state: dict[str, torch.Tensor], spec: LoraSettings, dire
               "target_modules": sorted(spec.target_modules), "exclude_modules": sorted(spec.exclude_modules) or None,
               "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_path}
     (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    from workers.boundary.manifest import write_manifest
+
+    write_manifest(directory)  # last: what `--lora-adapter-path` checks before this adapter is loaded again

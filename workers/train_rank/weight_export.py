@@ -6,6 +6,10 @@ the config and tokenizer files of the model the run started from: `transformers`
 Engine snapshots are one `model.safetensors`; `--save-hf` and `rayless export` shard past `MAX_SHARD_BYTES`
 (`model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`, Hugging Face's names).
 
+Every directory written here carries `manifest.json` (every file's size and xxh3-128 digest), written last: an
+engine checks a snapshot's before it loads it, and `rayless train` a `--save-hf` / export directory's when it is
+given as `--hf-checkpoint` or `--ref-load`.
+
 Invariants: a directory written here appears only complete (written under a tmp name, then renamed); old
 snapshots are pruned to the newest `keep`; `--save-hf` replaces only an empty or Hugging Face model directory;
 only rank 0 writes, but every rank calls `full_state_dict` because gathering FSDP shards is collective.
@@ -104,10 +108,13 @@ def write_snapshot(
 
 
 def copy_model_files(source_dir: str | Path, directory: Path) -> None:
-    """The source model's config, generation config and tokenizer files (every file but weights and their
-    index): what makes a directory of weights loadable on its own."""
+    """The source model's config, generation config and tokenizer files (every file but weights, their index
+    and the source's own manifest, which lists other weights): what makes a directory of weights loadable on
+    its own."""
+    from workers.boundary.manifest import MANIFEST
+
     for item in Path(source_dir).iterdir():
-        if item.is_file() and not item.name.endswith(WEIGHT_FILE_PATTERNS):
+        if item.is_file() and not item.name.endswith(WEIGHT_FILE_PATTERNS) and item.name != MANIFEST:
             shutil.copy2(item, directory / item.name)
 
 
@@ -170,6 +177,9 @@ def write_hf_directory(
         copy_model_files(source_dir, tmp)
         if write_extra is not None:
             write_extra(tmp)
+        from workers.train_rank.checkpoint_files import write_manifest
+
+        write_manifest(tmp)  # last: every file's size and digest, checked when the directory is loaded again
         if final.exists():
             os.rename(final, old)
         os.rename(tmp, final)
