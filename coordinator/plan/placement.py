@@ -45,6 +45,21 @@ from workers.boundary.exposure import beyond_loopback, exposure_problem
 ENGINE_HOST = "127.0.0.1"
 
 
+def _check_delta_engines(config: Config, backends: Sequence[str]) -> None:
+    """`--update-weight-mode delta` needs engines that apply a delta: rayless' own (slime patches SGLang with a
+    `/pull_weights` route for it; the SGLang rayless launches or attaches to has none)."""
+    if config.sglang.update_weight_mode != "delta":
+        return
+    if config.cluster.colocate:
+        raise ConfigError("--update-weight-mode=delta is not supported with --colocate (slime's rule: colocated "
+                          "weights move without a copy, so the delta bookkeeping is pure overhead)")
+    if "sglang" in backends or config.cluster.rollout_external_engine_addrs:
+        raise ConfigError("--update-weight-mode delta: only rayless' engines apply a delta (slime patches SGLang "
+                          "with /pull_weights for it); SGLang engines"
+                          + (" attached by --rollout-external-engine-addrs" if "sglang" not in backends else "")
+                          + " take full updates: drop the flag, or use --engine-backend rayless")
+
+
 def build_plan(config: Config, gpus: GpuInventory, *, has_sglang: bool | None = None, lenient: bool = False,
                python: str = sys.executable, layout: NodeLayout | None = None,
                layout_warnings: Sequence[str] = ()) -> PlacementPlan:
@@ -59,6 +74,7 @@ def build_plan(config: Config, gpus: GpuInventory, *, has_sglang: bool | None = 
     rollout, eval_, warnings = choose_engines(config, has_sglang=has_sglang, lenient=lenient)
     determinism.check_engine_backends(config, [choice.backend for choice in (rollout, eval_) if choice],
                                       sglang_version=determinism.installed_sglang_version() if has_sglang else None)
+    _check_delta_engines(config, [rollout.backend] if rollout else [])
     warnings = [*layout_warnings, *warnings]
     policy = "colocate" if config.colocated else "separate"
     gpus = gpus.at_most(config.cluster.num_gpus_per_node)

@@ -165,6 +165,17 @@ class TrainCommands:
         )
         return Path((await self.server.call_all(command))[0]["path"])
 
+    async def export_weight_delta(self, directory: str | Path, weight_version: str, *, base_version: str,
+                                  encoding: str, keep: int = 2) -> dict[str, Any]:
+        """`--update-weight-mode delta`: rank 0 writes `<directory>/delta-<version>` (the tensors changed since
+        its copy of `base_version`'s weights) or, holding no such copy, a full `weights-<version>`; answered with
+        `path`, `delta` (which of the two) and `changed` (the names written)."""
+        command = protocol.ExportWeightsCommand(
+            directory=str(directory), weight_version=str(weight_version), keep=keep,
+            delta_encoding=encoding, delta_base_version=str(base_version),
+        )
+        return dict((await self.server.call_all(command))[0])
+
     async def weight_manifest(self) -> list[tuple[str, str, list[int]]]:
         """(name, dtype, shape) of every tensor a distributed update sends (parameter metadata, no gather)."""
         results = await self.server.call_all(protocol.WeightManifestCommand())

@@ -41,8 +41,18 @@ TRANSFER_MODES = {"disk": "disk", "distributed": "distributed", "broadcast": "di
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size
 
 
+#: the engine's load_format for a delta directory: `workers.shared_torch.weight_delta.LOAD_FORMAT` (not imported:
+#: it imports torch, which the coordinator does not load for this)
+DELTA_LOAD_FORMAT = "rayless_delta"
+#: slime's --update-weight-mode: full (every tensor each sync) or delta (only the tensors whose bytes changed)
+UPDATE_MODES = ("full", "delta")
+
+
 class TrainWeights(BucketSender, Protocol):
     async def export_weights(self, directory: Path, weight_version: str, keep: int = 2) -> Path: ...
+
+    async def export_weight_delta(self, directory: Path, weight_version: str, *, base_version: str,
+                                  encoding: str, keep: int = 2) -> dict[str, Any]: ...
 
 
 class WeightSync:
@@ -66,7 +76,14 @@ class WeightSync:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         load_format: str | None = FLATTENED_BUCKET,
         join_timeout_s: float = 120.0,
+        update_mode: str = "full",
+        delta_encoding: str = "xor",
     ) -> None:
+        if update_mode not in UPDATE_MODES:
+            raise ValueError(f"--update-weight-mode {update_mode!r}: choose {', '.join(UPDATE_MODES)}")
+        if update_mode == "delta" and TRANSFER_MODES.get(mode) != "disk":
+            raise ValueError("--update-weight-mode delta moves the weights by disk: drop "
+                             f"--update-weight-transfer-mode {mode}")
         if mode not in TRANSFER_MODES:
             raise ValueError(f"--update-weight-transfer-mode {mode!r}: choose {', '.join(TRANSFER_MODES)}")
         if bucket_bytes <= 0:
@@ -87,6 +104,10 @@ class WeightSync:
             client=client, trainer=trainer, host=host, backend=backend, bucket_bytes=bucket_bytes,
             load_format=load_format, join_timeout_s=join_timeout_s,
         )
+        self.update_mode = update_mode
+        self.delta_encoding = delta_encoding
+        #: the version every engine holds after the last delta-mode update: the next delta's base (None: full)
+        self._delta_base: str | None = None
         self.current_version: str | None = None
         self._snapshot: tuple[Path, str] | None = None  # the last export and the version it holds
         self._prepared: tuple[Path, str] | None = None  # exported ahead by prepare(), not yet pushed
@@ -124,6 +145,7 @@ class WeightSync:
         if self.recover_engines:
             await self._recover_dead_engines()
         engines = list(self.fleet.alive())
+        metrics: dict[str, float] = {}
         if not engines:
             raise WeightSyncError("no rollout engine is alive to take the new weights")
         self.updating = anyio.Event()
@@ -131,7 +153,9 @@ class WeightSync:
             await self._for_each(engines, lambda e: self.client.engine(e.url).pause_generation(self.pause_mode),
                                  what="pause generation")
             try:
-                if self.mode == "disk":
+                if self.update_mode == "delta":
+                    metrics = await self._by_delta(engines, version)
+                elif self.mode == "disk":
                     await self._by_disk(engines, version)
                 else:
                     await self._by_distributed(engines, version)
@@ -144,7 +168,29 @@ class WeightSync:
             self.updating.set()
         self.current_version = version
         seconds = time.monotonic() - started
-        return {"sync/time_s": seconds, "sync/engines": float(len(engines))}
+        return {"sync/time_s": seconds, "sync/engines": float(len(engines)), **metrics}
+
+    async def _by_delta(self, engines: list[Any], version: str) -> dict[str, float]:
+        """slime's delta update: rank 0 writes only the tensors changed since the version every engine holds
+        (`_delta_base`), each engine applies them to its weights and checks their checksums; the first update,
+        or any after one that failed or an engine that rejoined, is a full snapshot. The base moves only once
+        every engine took the update."""
+        base, self._delta_base = self._delta_base, None
+        async with self._export_lock:
+            written = await self.trainer.export_weight_delta(
+                self.snapshot_dir, version, base_version=base or "", encoding=self.delta_encoding,
+                keep=self.keep_snapshots)
+            if not written["delta"]:
+                self._snapshot = (Path(written["path"]), version)
+        load_format = DELTA_LOAD_FORMAT if written["delta"] else None
+        await self._for_each(
+            engines,
+            lambda e: self.client.engine(e.url).update_weights_from_disk(
+                str(written["path"]), load_format=load_format, weight_version=version, flush_cache=True),
+            what="update_weights_from_disk (delta)" if written["delta"] else "update_weights_from_disk",
+        )
+        self._delta_base = version
+        return {"sync/delta": float(written["delta"]), "sync/changed_tensors": float(len(written["changed"]))}
 
     async def _by_disk(self, engines: list[Any], version: str) -> None:
         async with self._export_lock:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # 6: WireSample.teacher_log_probs and TrainSettings.opd (on-policy distillation); 7: SaveHfCommand (--save-hf);
 # 8: SaveCommand.publish and PublishCommand (a checkpoint published after its metrics row);
 # 9: BatchingSettings.dynamic_global_batch_size
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -214,9 +214,15 @@ class LoadCommand(Command, tag="load"):
 
 
 class ExportWeightsCommand(Command, tag="export_weights"):
+    """A full snapshot, or with `delta_encoding` (`--update-weight-mode delta`) the changed tensors against rank
+    0's copy of `delta_base_version`'s weights (a full snapshot when it holds no copy of that version). Either
+    way rank 0 then keeps a CPU copy of these weights as the next delta's base."""
+
     directory: str
     weight_version: str
     keep: int = 2
+    delta_encoding: str = ""
+    delta_base_version: str = ""
 
 
 class SaveHfCommand(Command, tag="save_hf"):
