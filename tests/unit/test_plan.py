@@ -238,3 +238,31 @@ def test_multi_node_plan_needs_this_nodes_rank_node_0s_address_and_a_token(monke
     assert node.node_rank == 1 and node.ranks.spec.node_rank == 1 and node.rollout_engines == ()
     assert "--node-rank 1" in " ".join(node.ranks.command())
     assert p.remote_engines == (("rollout-0", "rollout", 0),)  # one engine: node 0's
+
+
+# -- slime's delta weight updates ------------------------------------------------------------------------------
+def test_delta_weight_updates_run_on_our_engines_and_stop_at_start_up_elsewhere() -> None:
+    delta = ("--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-delta-encoding",
+             "overwrite", "--update-weight-local-checkpoint-dir", "/nvme/ckpt")
+    p = plan(*delta, "--rollout-num-engines", "1", gpus=0)
+    assert p.local.rollout_engines[0].choice.backend == "rayless"
+    config = parse_config([*BASE, *delta, "--rollout-num-engines", "1"])
+    assert (config.sglang.update_weight_mode, config.sglang.update_weight_delta_encoding) == ("delta", "overwrite")
+    with pytest.raises(ConfigError, match="only rayless' engines apply a delta .*--engine-backend rayless"):
+        plan(*delta, "--rollout-num-gpus", "1", gpus=1)  # SGLang, which has no /pull_weights
+    with pytest.raises(ConfigError, match="attached by --rollout-external-engine-addrs"):
+        plan(*delta, "--rollout-external-engine-addrs", "127.0.0.1:30000", gpus=0)
+    with pytest.raises(ConfigError, match="not supported with --colocate"):
+        plan(*delta, "--colocate", "--actor-num-gpus-per-node", "1", gpus=1)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--update-weight-mode", "delta", "--update-weight-transfer-mode", "distributed"),
+     "--update-weight-mode=delta requires --update-weight-transport=disk"),
+    (("--update-weight-transport", "nccl"), "is rayless' --update-weight-transfer-mode distributed"),
+    (("--update-weight-transport", "disk", "--update-weight-transfer-mode", "broadcast"), "choose one carrier"),
+    (("--update-weight-delta-checksum", "blake3"), "xxh3-128 only \\(blake3 is not a dependency"),
+])
+def test_slimes_weight_update_flags_that_rayless_cannot_honour_are_refused_by_name(flags, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config([*BASE, *flags])
