@@ -185,7 +185,8 @@ def build_weight_sync(config: Config, plan: PlacementPlan | None, run_dir: Path,
         snapshot_dir=snapshot_dir, keep_snapshots=config.checkpoint.keep_weight_snapshots,
         recover_engines=config.rollout_ft_enabled, router=router, bucket_bytes=sglang.update_weight_buffer_size,
         join_timeout_s=sglang.update_weight_join_timeout, backend=weight_backend(plan),
-        pause_mode=sglang.pause_generation_mode, update_mode=sglang.update_weight_mode,
+        pause_mode=sglang.pause_generation_mode, update_mode=plan.weight_sync.update_mode if plan is not None and plan.weight_sync is not None
+        else sglang.update_weight_mode,
         delta_encoding=sglang.update_weight_delta_encoding,
         host=nodes.weight_host if nodes is not None else "127.0.0.1",
     )

@@ -241,17 +241,21 @@ def test_multi_node_plan_needs_this_nodes_rank_node_0s_address_and_a_token(monke
 
 
 # -- slime's delta weight updates ------------------------------------------------------------------------------
-def test_delta_weight_updates_run_on_our_engines_and_stop_at_start_up_elsewhere() -> None:
+def test_delta_weight_updates_run_on_our_engines_and_full_updates_elsewhere() -> None:
     delta = ("--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-delta-encoding",
              "overwrite", "--update-weight-local-checkpoint-dir", "/nvme/ckpt")
     p = plan(*delta, "--rollout-num-engines", "1", gpus=0)
     assert p.local.rollout_engines[0].choice.backend == "rayless"
+    assert p.weight_sync.update_mode == "delta" and "changed since the engines' version" in p.weight_sync.detail
     config = parse_config([*BASE, *delta, "--rollout-num-engines", "1"])
     assert (config.sglang.update_weight_mode, config.sglang.update_weight_delta_encoding) == ("delta", "overwrite")
-    with pytest.raises(ConfigError, match="only rayless' engines apply a delta .*--engine-backend rayless"):
-        plan(*delta, "--rollout-num-gpus", "1", gpus=1)  # SGLang, which has no /pull_weights
-    with pytest.raises(ConfigError, match="attached by --rollout-external-engine-addrs"):
-        plan(*delta, "--rollout-external-engine-addrs", "127.0.0.1:30000", gpus=0)
+    on_sglang = plan(*delta, "--rollout-num-gpus", "1", gpus=2)  # SGLang has no /pull_weights
+    assert on_sglang.weight_sync.update_mode == "full"
+    assert any("the SGLang engines take full weight updates" in w for w in on_sglang.warnings), on_sglang.warnings
+    attached = plan(*delta, "--rollout-external-engine-addrs", "127.0.0.1:30000", gpus=0)
+    assert attached.weight_sync.update_mode == "full"
+    assert any("--rollout-external-engine-addrs take full" in w for w in attached.warnings)
+    assert plan("--rollout-num-engines", "1", gpus=0).weight_sync.update_mode == "full"  # slime's default
     with pytest.raises(ConfigError, match="not supported with --colocate"):
         plan(*delta, "--colocate", "--actor-num-gpus-per-node", "1", gpus=1)
 
