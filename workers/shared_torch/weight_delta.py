@@ -3,7 +3,7 @@ against its CPU copy of the previous sync's weights, and applied by an engine to
 
 A delta directory (`delta-<version>/`) holds `delta.safetensors` (per changed tensor, its bytes encoded as
 slime's `--update-weight-delta-encoding` says: `xor` stores `new ^ old` byte for byte, `overwrite` stores the
-changed byte positions and their new bytes), `delta.json` (encoding, checksum kind, the base version the delta
+changed byte positions, int32 where they fit, and their new bytes), `delta.json` (encoding, checksum kind, the base version the delta
 applies to, and per changed tensor its dtype, shape and the xxh3-128 of its new bytes) and the directory's
 `manifest.json` (every file's size and digest, as weight snapshots have). Byte-level and dtype-blind, as slime's.
 
@@ -70,7 +70,8 @@ def encode(new: torch.Tensor, old: torch.Tensor, encoding: str) -> dict[str, tor
     if encoding == "xor":
         return {"": torch.bitwise_xor(raw_new, raw_old)}
     positions = torch.nonzero(raw_new != raw_old).reshape(-1)
-    return {_POSITIONS: positions.to(torch.int64), _VALUES: raw_new[positions].clone()}
+    index_dtype = torch.int32 if raw_new.numel() < 2**31 else torch.int64  # half the bytes where they suffice
+    return {_POSITIONS: positions.to(index_dtype), _VALUES: raw_new[positions].clone()}
 
 
 def write_delta(
@@ -190,11 +191,11 @@ def apply_delta(path: str | Path, current: Mapping[str, torch.Tensor], *, curren
                     if name + _POSITIONS not in stored or name + _VALUES not in stored:
                         raise DeltaError(f"refusing the delta: {DELTA_FILE} lacks {name}'s positions or values")
                     positions, values = handle.get_tensor(name + _POSITIONS), handle.get_tensor(name + _VALUES)
-                    if positions.dtype != torch.int64 or values.dtype != torch.uint8 \
+                    if positions.dtype not in (torch.int32, torch.int64) or values.dtype != torch.uint8 \
                             or positions.numel() != values.numel() \
                             or (positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < raw.numel()):
                         raise DeltaError(f"refusing the delta: {name}'s positions or values are malformed")
-                    raw[positions] = values
+                    raw[positions.to(torch.int64)] = values
                 if digest(raw) != entry.get("digest"):
                     raise DeltaError(f"refusing the delta: {name}'s checksum ({CHECKSUM}) does not match after "
                                      "applying it: a damaged delta or another base")
