@@ -1,7 +1,7 @@
 """Pushing trained weights to the rollout engines, and owning which weights are current.
 
 Owns one weight update end to end — pause generation, move the weights (`disk`: a safetensors snapshot every
-engine loads; `distributed`: buckets over a weight-update group, see `distributed_sync`), check every engine
+engine loads, or with `--update-weight-mode delta` the changed tensors, which our engines apply; `distributed`: buckets over a weight-update group, see `distributed_sync`), check every engine
 reports the new version, continue generation, on every exit path — and the current weights (version and
 snapshot: the only place rollout snapshots are exported) with the rollout group's `EngineRecovery`. Design:
 docs/weight-sync.md.
@@ -12,7 +12,8 @@ Invariants:
 - `current_weights()` never pairs a snapshot with another version's name;
 - `admit()` returns only at a moment when the engine reports the current version and no update runs;
 - dead rollout engines are recovered before an update only when rollout FT is on (`recover_engines`);
-- a snapshot exported ahead (`prepare`, colocation) is what `update()` of that version loads.
+- a snapshot exported ahead (`prepare`, colocation) is what `update()` of that version loads;
+- a delta is taken against a version every engine reported (`_delta_base`), else the update is a full one.
 """
 
 from __future__ import annotations
@@ -160,6 +161,8 @@ class WeightSync:
                 else:
                     await self._by_distributed(engines, version)
                 await self._verify(engines, version)
+                if self.update_mode == "delta":
+                    self._delta_base = version  # every engine holds it: the next delta's base
             finally:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                     await self._for_each(engines, lambda e: self.client.engine(e.url).continue_generation(),
@@ -173,8 +176,9 @@ class WeightSync:
     async def _by_delta(self, engines: list[Any], version: str) -> dict[str, float]:
         """slime's delta update: rank 0 writes only the tensors changed since the version every engine holds
         (`_delta_base`), each engine applies them to its weights and checks their checksums; the first update,
-        or any after one that failed or an engine that rejoined, is a full snapshot. The base moves only once
-        every engine took the update."""
+        and any after one that failed, is a full snapshot. The base moves (in `update`) only once every engine
+        reports the update's version; an engine recovery brought back was admitted at the current version, so
+        the delta applies to it too."""
         base, self._delta_base = self._delta_base, None
         async with self._export_lock:
             written = await self.trainer.export_weight_delta(
@@ -189,7 +193,6 @@ class WeightSync:
                 str(written["path"]), load_format=load_format, weight_version=version, flush_cache=True),
             what="update_weights_from_disk (delta)" if written["delta"] else "update_weights_from_disk",
         )
-        self._delta_base = version
         return {"sync/delta": float(written["delta"]), "sync/changed_tensors": float(len(written["changed"]))}
 
     async def _by_disk(self, engines: list[Any], version: str) -> None:
