@@ -187,6 +187,9 @@ def build_weight_sync(config: Config, plan: PlacementPlan | None, run_dir: Path,
         recover_engines=config.rollout_ft_enabled, router=router, bucket_bytes=sglang.update_weight_buffer_size,
         join_timeout_s=sglang.update_weight_join_timeout, ack_timeout_s=sglang.update_weight_ack_timeout,
         backend=weight_backend(plan), pause_mode=sglang.pause_generation_mode,
+        update_mode=plan.weight_sync.update_mode if plan is not None and plan.weight_sync is not None
+        else sglang.update_weight_mode,
+        delta_encoding=sglang.update_weight_delta_encoding,
         host=nodes.weight_host if nodes is not None else "127.0.0.1",
     )
 

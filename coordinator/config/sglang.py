@@ -54,6 +54,19 @@ class SglangConfig(Slice):
                                             "snapshot (/update_weights_from_disk: an update, a resume, a recovered "
                                             "engine) before it is named; with rollout FT it is marked dead and "
                                             "recovered, otherwise the update fails", above=0)
+    update_weight_mode: str = flag(
+        "full", help="slime: full (every tensor each sync) or delta (rank 0 writes only the tensors whose bytes "
+        "changed since the engines' version, against a CPU copy of it; our engines apply and checksum them; disk "
+        "transfer only, not with SGLang engines)", choices=("full", "delta"))
+    update_weight_transport: str | None = flag(
+        None, help="slime's carrier of a weight sync: disk is --update-weight-transfer-mode disk (the default), "
+        "nccl is --update-weight-transfer-mode distributed", choices=("nccl", "disk"))
+    update_weight_delta_encoding: str = flag(
+        "xor", help="slime: a delta's bytes as new ^ old (xor) or changed positions and their bytes (overwrite)",
+        choices=("xor", "overwrite"))
+    update_weight_delta_checksum: str = flag(
+        "xxh3-128", help="slime: the per-tensor checksum of a delta; rayless computes xxh3-128 only",
+        choices=("xxh3-128", "blake3", "adler32"))
     pause_generation_mode: str = flag(
         "in_place", help="how in-flight requests wait out a weight update (miles' flag; SGLang's /pause_generation "
         "mode): in_place keeps them and their KV cache, retract re-queues them and recomputes the cache, abort "
@@ -63,9 +76,27 @@ class SglangConfig(Slice):
     sglang_passthrough: tuple[str, ...] = field(default=())
 
     def check(self) -> None:
+        self._check_weight_update()
         if self.sglang_router_ip is not None and self.sglang_router_port is None:
             raise ConfigError("--sglang-router-ip names a running router: give its --sglang-router-port too "
                               "(--sglang-router-port alone launches the router on that port, as miles does)")
+
+    def _check_weight_update(self) -> None:
+        """slime's --update-weight-* flags against rayless' transfer modes (slime's own checks where they agree)."""
+        distributed = self.update_weight_transfer_mode != "disk"
+        if self.update_weight_transport == "nccl" and not distributed:
+            raise ConfigError("--update-weight-transport nccl is rayless' --update-weight-transfer-mode distributed "
+                              "(disk is its default): pass that too, or --update-weight-transport disk")
+        if self.update_weight_transport == "disk" and distributed:
+            raise ConfigError(f"--update-weight-transport disk with --update-weight-transfer-mode "
+                              f"{self.update_weight_transfer_mode}: choose one carrier")
+        if self.update_weight_mode == "delta" and distributed:
+            raise ConfigError("--update-weight-mode=delta requires --update-weight-transport=disk (slime's rule): "
+                              f"drop --update-weight-transfer-mode {self.update_weight_transfer_mode}")
+        if self.update_weight_delta_checksum != "xxh3-128":
+            raise ConfigError(f"--update-weight-delta-checksum {self.update_weight_delta_checksum}: rayless checks "
+                              "deltas with xxh3-128 only (blake3 is not a dependency of rayless; adler32's 32 bits "
+                              "are weaker than the default): drop the flag")
 
     @property
     def launches_router(self) -> bool:

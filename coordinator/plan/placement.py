@@ -46,6 +46,24 @@ from workers.boundary.exposure import beyond_loopback, exposure_problem
 ENGINE_HOST = "127.0.0.1"
 
 
+def _delta_engines(config: Config, backends: Sequence[str], warnings: list[str]) -> bool:
+    """Whether `--update-weight-mode delta` runs as asked: only rayless' engines apply a delta (slime patches
+    SGLang with a `/pull_weights` route for it; the SGLang rayless launches or attaches to has none), so SGLang
+    engines take full updates, which leave them the same weights, with a warning."""
+    if config.sglang.update_weight_mode != "delta":
+        return True
+    if config.cluster.colocate:
+        raise ConfigError("--update-weight-mode=delta is not supported with --colocate (slime's rule: colocated "
+                          "weights move without a copy, so the delta bookkeeping is pure overhead)")
+    if "sglang" in backends or config.cluster.rollout_external_engine_addrs:
+        which = "SGLang engines" if "sglang" in backends else "engines attached by --rollout-external-engine-addrs"
+        warnings.append(f"--update-weight-mode delta: the {which} take full weight updates (only rayless' engines "
+                        "apply a delta; slime patches SGLang with /pull_weights for it); --engine-backend rayless "
+                        "for deltas")
+        return False
+    return True
+
+
 def build_plan(config: Config, gpus: GpuInventory, *, has_sglang: bool | None = None, lenient: bool = False,
                python: str = sys.executable, layout: NodeLayout | None = None,
                layout_warnings: Sequence[str] = ()) -> PlacementPlan:
@@ -61,6 +79,9 @@ def build_plan(config: Config, gpus: GpuInventory, *, has_sglang: bool | None = 
     determinism.check_engine_backends(config, [choice.backend for choice in (rollout, eval_) if choice],
                                       sglang_version=determinism.installed_sglang_version() if has_sglang else None)
     warnings = [*layout_warnings, *warnings]
+    weight_sync = _weight_sync(config)
+    if not _delta_engines(config, [rollout.backend] if rollout else [], warnings) and weight_sync is not None:
+        weight_sync = dataclasses.replace(weight_sync, update_mode="full")
     policy = "colocate" if config.colocated else "separate"
     gpus = gpus.at_most(config.cluster.num_gpus_per_node)
     node = plan_node(config, config.cluster.actor_node_rank, gpus, rollout, eval_, policy=policy,
@@ -70,7 +91,7 @@ def build_plan(config: Config, gpus: GpuInventory, *, has_sglang: bool | None = 
                     train_memory_margin_bytes=config.cluster.train_memory_margin_bytes) \
         if config.swaps_memory else None
     return PlacementPlan(policy=policy, nodes=(node,), node_rank=node.node_rank, rollout_choice=rollout,
-                         eval_choice=eval_, external_engines=_external(config), weight_sync=_weight_sync(config),
+                         eval_choice=eval_, external_engines=_external(config), weight_sync=weight_sync,
                          warnings=tuple(warnings), lenient=lenient, swap=swap, layout=layout,
                          remote_engines=remote_engines(config, node.node_rank, rollout, eval_),
                          shares=node_shares(config, rollout, eval_))
@@ -246,7 +267,11 @@ def _weight_sync(config: Config) -> WeightSyncPlan | None:
                                keep=config.checkpoint.keep_weight_snapshots,
                                colocated=config.colocated and mode == "disk",
                                nodes=config.cluster.actor_num_nodes)
-    if mode == "disk":
+    if mode == "disk" and sglang.update_weight_mode == "delta":
+        detail = (f"rank 0 writes the tensors changed since the engines' version under {snapshots.directory} "
+                  f"({snapshots.why}; the first update a full snapshot); every engine applies them "
+                  "(/update_weights_from_disk, load_format rayless_delta)")
+    elif mode == "disk":
         detail = (f"rank 0 writes a safetensors snapshot under {snapshots.directory} ({snapshots.why}); "
                   "every engine loads it (/update_weights_from_disk)")
         if config.colocated:
@@ -257,7 +282,7 @@ def _weight_sync(config: Config) -> WeightSyncPlan | None:
                   "(/init_weights_update_group, /update_weights_from_distributed); a fresh group on a free "
                   "port per update")
     return WeightSyncPlan(mode=mode, bucket_bytes=sglang.update_weight_buffer_size, detail=detail,
-                          snapshots=snapshots)
+                          snapshots=snapshots, update_mode=sglang.update_weight_mode)
 
 
 def _check_colocated_transfer(config: Config, node: NodePlan, *, lenient: bool, warnings: list[str]) -> None:

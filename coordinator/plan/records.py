@@ -126,6 +126,8 @@ class WeightSyncPlan:
     detail: str
     #: where disk snapshots go (`coordinator.plan.snapshots`): a tmpfs directory in colocation, else the run dir
     snapshots: SnapshotPlace
+    #: --update-weight-mode: "delta" only where every rollout engine is ours (others take full updates)
+    update_mode: str = "full"
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,17 @@ class TrainCommands:
         )
         return Path((await self._ask_all(command, protocol.ExportWeightsReply))[0].path)
 
+    async def export_weight_delta(self, directory: str | Path, weight_version: str, *, base_version: str,
+                                  encoding: str, keep: int = 2) -> protocol.ExportWeightsReply:
+        """`--update-weight-mode delta`: rank 0 writes `<directory>/delta-<version>` (the tensors changed since
+        its copy of `base_version`'s weights) or, holding no such copy, a full `weights-<version>`; its reply
+        says which (`delta`), where (`path`) and the names written (`changed`)."""
+        command = protocol.ExportWeightsCommand(
+            directory=str(directory), weight_version=str(weight_version), keep=keep,
+            delta_encoding=encoding, delta_base_version=str(base_version),
+        )
+        return (await self._ask_all(command, protocol.ExportWeightsReply))[0]
+
     async def weight_manifest(self) -> list[protocol.TensorMeta]:
         """(name, dtype, shape) of every tensor a distributed update sends (parameter metadata, no gather)."""
         return (await self._ask_all(protocol.WeightManifestCommand(), protocol.WeightManifestReply))[0].manifest

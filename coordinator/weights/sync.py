@@ -1,7 +1,7 @@
 """Pushing trained weights to the rollout engines, and owning which weights are current.
 
 Owns one weight update end to end — pause generation, move the weights (`disk`: a safetensors snapshot every
-engine loads; `distributed`: buckets over a weight-update group, see `distributed_sync`), check every engine
+engine loads, or with `--update-weight-mode delta` the changed tensors, which our engines apply; `distributed`: buckets over a weight-update group, see `distributed_sync`), check every engine
 reports the new version, continue generation, on every exit path — and the current weights (version and
 snapshot: the only place rollout snapshots are exported) with the rollout group's `EngineRecovery`. Design:
 docs/weight-sync.md.
@@ -17,7 +17,8 @@ Invariants:
 - `current_weights()` never pairs a snapshot with another version's name;
 - `admit()` returns only at a moment when the engine reports the current version and no update runs;
 - dead rollout engines are recovered before an update only when rollout FT is on (`recover_engines`);
-- a snapshot exported ahead (`prepare`, colocation) is what `update()` of that version loads.
+- a snapshot exported ahead (`prepare`, colocation) is what `update()` of that version loads;
+- a delta is taken against a version every engine reported (`_delta_base`), else the update is a full one.
 """
 
 from __future__ import annotations
@@ -47,8 +48,18 @@ TRANSFER_MODES = {"disk": "disk", "distributed": "distributed", "broadcast": "di
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size
 
 
+#: the engine's load_format for a delta directory: `workers.shared_torch.weight_delta.LOAD_FORMAT` (not imported:
+#: it imports torch, which the coordinator does not load for this)
+DELTA_LOAD_FORMAT = "rayless_delta"
+#: slime's --update-weight-mode: full (every tensor each sync) or delta (only the tensors whose bytes changed)
+UPDATE_MODES = ("full", "delta")
+
+
 class TrainWeights(BucketSender, Protocol):
     async def export_weights(self, directory: Path, weight_version: str, keep: int = 2) -> Path: ...
+
+    async def export_weight_delta(self, directory: Path, weight_version: str, *, base_version: str,
+                                  encoding: str, keep: int = 2) -> dict[str, Any]: ...
 
 
 class WeightSync:
@@ -73,7 +84,14 @@ class WeightSync:
         load_format: str | None = FLATTENED_BUCKET,
         join_timeout_s: float = 120.0,
         ack_timeout_s: float = 600.0,
+        update_mode: str = "full",
+        delta_encoding: str = "xor",
     ) -> None:
+        if update_mode not in UPDATE_MODES:
+            raise ValueError(f"--update-weight-mode {update_mode!r}: choose {', '.join(UPDATE_MODES)}")
+        if update_mode == "delta" and TRANSFER_MODES.get(mode) != "disk":
+            raise ValueError("--update-weight-mode delta moves the weights by disk: drop "
+                             f"--update-weight-transfer-mode {mode}")
         if mode not in TRANSFER_MODES:
             raise ValueError(f"--update-weight-transfer-mode {mode!r}: choose {', '.join(TRANSFER_MODES)}")
         if bucket_bytes <= 0:
@@ -97,6 +115,10 @@ class WeightSync:
             client=client, trainer=trainer, host=host, backend=backend, bucket_bytes=bucket_bytes,
             load_format=load_format, join_timeout_s=join_timeout_s,
         )
+        self.update_mode = update_mode
+        self.delta_encoding = delta_encoding
+        #: the version every engine holds after the last delta-mode update: the next delta's base (None: full)
+        self._delta_base: str | None = None
         self.current_version: str | None = None
         self._snapshot: tuple[Path, str] | None = None  # the last export and the version it holds
         self._prepared: tuple[Path, str] | None = None  # exported ahead by prepare(), not yet pushed
@@ -134,6 +156,7 @@ class WeightSync:
         if self.recover_engines:
             await self._recover_dead_engines()
         engines = list(self.fleet.alive())
+        metrics: dict[str, float] = {}
         if not engines:
             raise WeightSyncError("no rollout engine is alive to take the new weights")
         self.updating = anyio.Event()
@@ -142,11 +165,15 @@ class WeightSync:
             engines = await self._for_each(engines, lambda e: self.client.engine(e.url).pause_generation(
                 self.pause_mode), what="pause generation")
             try:
-                if self.mode == "disk":
+                if self.update_mode == "delta":
+                    engines, metrics = await self._by_delta(engines, version)
+                elif self.mode == "disk":
                     engines = await self._by_disk(engines, version)
                 else:
                     await self._by_distributed(engines, version)
                 engines = await self._verify(engines, version)
+                if self.update_mode == "delta":
+                    self._delta_base = version  # every engine holds it: the next delta's base
             finally:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                     await self._for_each(paused, lambda e: self.client.engine(e.url).continue_generation(),
@@ -155,7 +182,29 @@ class WeightSync:
             self.updating.set()
         self.current_version = version
         seconds = time.monotonic() - started
-        return {"sync/time_s": seconds, "sync/engines": float(len(engines))}
+        return {"sync/time_s": seconds, "sync/engines": float(len(engines)), **metrics}
+
+    async def _by_delta(self, engines: list[Any], version: str) -> tuple[list[Any], dict[str, float]]:
+        """slime's delta update: rank 0 writes only the tensors changed since the version every engine holds
+        (`_delta_base`), each engine applies them to its weights and checks their checksums; the first update,
+        and any after one that failed, is a full snapshot. The base moves (in `update`) only once every engine
+        reports the update's version; an engine recovery brought back was admitted at the current version, so
+        the delta applies to it too. Returns the engines it succeeded on and the sync's metrics."""
+        base, self._delta_base = self._delta_base, None
+        async with self._export_lock:
+            written = await self.trainer.export_weight_delta(
+                self.snapshot_dir, version, base_version=base or "", encoding=self.delta_encoding,
+                keep=self.keep_snapshots)
+            if not written.delta:
+                self._snapshot = (Path(written.path), version)
+        load_format = DELTA_LOAD_FORMAT if written.delta else None
+        engines = await self._for_each(
+            engines,
+            lambda e: self._load(self.client.engine(e.url), written.path, version, load_format=load_format,
+                                 flush_cache=True),
+            what="update_weights_from_disk (delta)" if written.delta else "update_weights_from_disk",
+        )
+        return engines, {"sync/delta": float(written.delta), "sync/changed_tensors": float(len(written.changed))}
 
     async def _load(self, api: Any, path: str, version: str, **kw: Any) -> None:
         """One engine's load of the snapshot at `path`, acknowledged within `ack_timeout_s`."""

@@ -238,3 +238,35 @@ def test_multi_node_plan_needs_this_nodes_rank_node_0s_address_and_a_token(monke
     assert node.node_rank == 1 and node.ranks.spec.node_rank == 1 and node.rollout_engines == ()
     assert "--node-rank 1" in " ".join(node.ranks.command())
     assert p.remote_engines == (("rollout-0", "rollout", 0),)  # one engine: node 0's
+
+
+# -- slime's delta weight updates ------------------------------------------------------------------------------
+def test_delta_weight_updates_run_on_our_engines_and_full_updates_elsewhere() -> None:
+    delta = ("--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-delta-encoding",
+             "overwrite", "--update-weight-local-checkpoint-dir", "/nvme/ckpt")
+    p = plan(*delta, "--rollout-num-engines", "1", gpus=0)
+    assert p.local.rollout_engines[0].choice.backend == "rayless"
+    assert p.weight_sync.update_mode == "delta" and "changed since the engines' version" in p.weight_sync.detail
+    config = parse_config([*BASE, *delta, "--rollout-num-engines", "1"])
+    assert (config.sglang.update_weight_mode, config.sglang.update_weight_delta_encoding) == ("delta", "overwrite")
+    on_sglang = plan(*delta, "--rollout-num-gpus", "1", gpus=2)  # SGLang has no /pull_weights
+    assert on_sglang.weight_sync.update_mode == "full"
+    assert any("the SGLang engines take full weight updates" in w for w in on_sglang.warnings), on_sglang.warnings
+    attached = plan(*delta, "--rollout-external-engine-addrs", "127.0.0.1:30000", gpus=0)
+    assert attached.weight_sync.update_mode == "full"
+    assert any("--rollout-external-engine-addrs take full" in w for w in attached.warnings)
+    assert plan("--rollout-num-engines", "1", gpus=0).weight_sync.update_mode == "full"  # slime's default
+    with pytest.raises(ConfigError, match="not supported with --colocate"):
+        plan(*delta, "--colocate", "--actor-num-gpus-per-node", "1", gpus=1)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--update-weight-mode", "delta", "--update-weight-transfer-mode", "distributed"),
+     "--update-weight-mode=delta requires --update-weight-transport=disk"),
+    (("--update-weight-transport", "nccl"), "is rayless' --update-weight-transfer-mode distributed"),
+    (("--update-weight-transport", "disk", "--update-weight-transfer-mode", "broadcast"), "choose one carrier"),
+    (("--update-weight-delta-checksum", "blake3"), "xxh3-128 only \\(blake3 is not a dependency"),
+])
+def test_slimes_weight_update_flags_that_rayless_cannot_honour_are_refused_by_name(flags, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config([*BASE, *flags])

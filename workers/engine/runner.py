@@ -397,6 +397,27 @@ class ModelRunner:
             raise WeightUpdateError(f"cannot read {model_path}: {error}") from error
         return len(incoming)
 
+    def load_delta(self, model_path: str, current_version: str) -> int:
+        """Apply a delta directory (`weight_delta`) to the weights held at `current_version`: every changed
+        tensor is computed and checked against its checksum before any is copied in; returns how many changed."""
+        from workers.shared_torch.weight_delta import DeltaError, apply_delta
+
+        if self.stash.released:
+            self._validate({}, require_all=False)  # raises: the weights are released
+        state = self.model.state_dict()
+        try:
+            tensors = apply_delta(model_path, state, current_version=current_version)
+        except DeltaError as error:
+            raise WeightUpdateError(str(error)) from None
+        return self.load_tensors(tensors, require_all=False) if tensors else 0
+
+    def weights_by_name(self, name: str) -> torch.Tensor:
+        """One parameter as the model holds it (SGLang's /get_weights_by_name)."""
+        tensor = self.model.state_dict().get(name)
+        if tensor is None:
+            raise WeightUpdateError(f"unknown parameter {name!r}")
+        return tensor.detach().to("cpu")
+
     @staticmethod
     def _check_manifest(path: Path) -> None:
         """A snapshot rayless wrote carries `manifest.json`: every file it lists must have its size and digest

@@ -28,6 +28,7 @@ from workers.engine.http_input import read_json
 from workers.engine.replies import handle
 from workers.engine.runner import WeightUpdateError
 from workers.engine.sampling import RequestError
+from workers.shared_torch.weight_delta import LOAD_FORMAT as DELTA_LOAD_FORMAT
 from workers.shared_torch.weight_group import (
     WeightGroupError,
     WeightUpdateGroup,
@@ -72,6 +73,7 @@ class WeightRoutes:
         return [
             Route("/update_weight_version", self.update_weight_version, methods=post),
             Route("/update_weights_from_disk", self.update_weights_from_disk, methods=post),
+            Route("/get_weights_by_name", self.get_weights_by_name, methods=["GET", "POST"]),
             Route("/init_weights_update_group", self.init_weights_update_group, methods=post),
             Route("/update_weights_from_distributed", self.update_weights_from_distributed, methods=post),
             Route("/destroy_weights_update_group", self.destroy_weights_update_group, methods=post),
@@ -127,20 +129,44 @@ class WeightRoutes:
             return self._weights_result(False, "'model_path' must be a non-empty string")
         if body.get("abort_all_requests", False):
             self.server.scheduler.abort(abort_all=True, message="Abort by update_weights_from_disk")
+        delta = body.get("load_format") == DELTA_LOAD_FORMAT
         async with self.server.scheduler.exclusive_update():
             try:
-                count = await anyio.to_thread.run_sync(self.server.runner.load_from_disk, model_path)
+                if delta:  # a delta applies to the weights held now, named by their version
+                    load = partial(self.server.runner.load_delta, model_path, self.server.weight_version)
+                else:
+                    load = partial(self.server.runner.load_from_disk, model_path)
+                count = await anyio.to_thread.run_sync(load)
             except WeightUpdateError as exc:
                 log.warning("update_weights_from_disk(%s) rejected: %s", model_path, exc)
                 return self._weights_result(False, str(exc))
             if body.get("flush_cache", True) and not self.server.scheduler.running:
                 await anyio.to_thread.run_sync(self.server.runner.reset)
-            self.server.model_path = model_path
+            if not delta:  # the served model is still the directory loaded last, patched by the delta
+                self.server.model_path = model_path
             self._finish_update(body)
         log.info(
             "loaded %d tensors from %s (weight_version %s)", count, model_path, self.server.weight_version
         )
         return self._weights_result(True, f"Succeeded to update model weights ({count} tensors).")
+
+    async def get_weights_by_name(self, request: Request) -> Response:
+        """SGLang's `/get_weights_by_name`: `{"name", "truncate_size": 100}` → the parameter's values as nested
+        lists, its first dimension truncated to `truncate_size` (float32 values survive JSON exactly)."""
+        async def action(body: JsonObject) -> Response:
+            name, size = body.get("name"), body.get("truncate_size", 100)
+            if not isinstance(name, str) or not name:
+                raise RequestError("'name' must be a parameter name")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise RequestError("'truncate_size' must be a positive integer")
+            try:
+                tensor = self.server.runner.weights_by_name(name)
+            except WeightUpdateError as exc:
+                raise RequestError(str(exc)) from None
+            values = tensor.float().tolist()
+            return JSONResponse(values[:size] if isinstance(values, list) else values)
+
+        return await handle(request, self.server.args.max_request_bytes, action)
 
     def _model_device(self) -> torch.device:
         return next(self.server.runner.model.parameters()).device

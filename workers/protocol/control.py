@@ -52,8 +52,9 @@ if TYPE_CHECKING:
 # 8: SaveCommand.publish and PublishCommand (a checkpoint published after its metrics row);
 # 9: BatchingSettings.dynamic_global_batch_size; 10: WireSample.opd_reverse_kl and OpdSettings.top_k (top-k OPD);
 # 11: TrainSettings.returns and .critic (PPO's value model); 12: Response.result one typed reply per command
-# (`replies`)
-PROTOCOL_VERSION = 12
+# (`replies`); 13: ExportWeightsCommand.delta_encoding / .delta_base_version and ExportWeightsReply.delta / .changed
+# (slime's delta weight updates)
+PROTOCOL_VERSION = 13
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -210,10 +211,16 @@ class LoadCommand(Command, tag="load"):
 
 
 class ExportWeightsCommand(Command, tag="export_weights"):
+    """A full snapshot, or with `delta_encoding` (`--update-weight-mode delta`) the changed tensors against rank
+    0's copy of `delta_base_version`'s weights (a full snapshot when it holds no copy of that version). Either
+    way rank 0 then keeps a CPU copy of these weights as the next delta's base."""
+
     reply: ClassVar[type[Reply]] = ExportWeightsReply
     directory: str
     weight_version: str
     keep: int = 2
+    delta_encoding: str = ""
+    delta_base_version: str = ""
 
 
 class SaveHfCommand(Command, tag="save_hf"):

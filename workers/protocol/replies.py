@@ -96,10 +96,13 @@ class LoadReply(Reply, tag="load"):
 
 
 class ExportWeightsReply(Reply, tag="export_weights"):
-    """Rank 0: the snapshot directory written and its tensors (the other ranks answer the defaults)."""
+    """Rank 0: the snapshot directory written and its tensors (the other ranks answer the defaults); with
+    `--update-weight-mode delta`, whether it is a delta and the names of the tensors it holds."""
 
     path: str = ""
     manifest: list[TensorMeta] = msgspec.field(default_factory=list)
+    delta: bool = False
+    changed: list[str] = msgspec.field(default_factory=list)
 
 
 class WeightManifestReply(Reply, tag="weight_manifest"):

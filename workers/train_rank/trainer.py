@@ -70,6 +70,8 @@ class Trainer:
         self.lora: LoraSettings | None = None
         self.distiller: distill.Distiller | None = None
         self.critic: Critic | None = None
+        #: rank 0, --update-weight-mode delta: (version, CPU copy of its weights) the next delta is taken against
+        self.delta_base: tuple[str, dict[str, torch.Tensor]] | None = None
         self.steps_done = 0
 
     # ------------------------------------------------------------------------------------------ commands
@@ -415,6 +417,8 @@ class Trainer:
         state = weight_export.full_state_dict(model, sharded=self.parallel.sharded)
         if self.rank != 0:
             return protocol.ExportWeightsReply()
+        if command.delta_encoding:
+            return self._export_delta(command, state)
         path = weight_export.write_snapshot(
             state,
             source_dir=settings.model.path,
@@ -423,6 +427,30 @@ class Trainer:
             keep=command.keep,
         )
         return protocol.ExportWeightsReply(path=str(path), manifest=_metas(weight_export.manifest(state)))
+
+    def _export_delta(self, command: protocol.ExportWeightsCommand,
+                      state: dict[str, torch.Tensor]) -> protocol.ExportWeightsReply:
+        """Rank 0, `--update-weight-mode delta`: the changed tensors against its copy of the base version's
+        weights, or a full snapshot when it holds no copy of that version; then these weights are the copy."""
+        from workers.shared_torch import weight_delta
+
+        base = self.delta_base
+        if base is not None and base[0] == command.delta_base_version:
+            path, changed = weight_delta.write_delta(
+                state, base[1], directory=command.directory, weight_version=command.weight_version,
+                base_version=command.delta_base_version, encoding=command.delta_encoding,
+            )
+            weight_delta.prune_deltas(Path(command.directory), keep=command.keep, protect=path)
+            reply = protocol.ExportWeightsReply(path=str(path), delta=True, changed=list(changed))
+        else:
+            settings, _, _ = self._require()
+            path = weight_export.write_snapshot(state, source_dir=settings.model.path, directory=command.directory,
+                                                weight_version=command.weight_version, keep=command.keep)
+            reply = protocol.ExportWeightsReply(path=str(path), manifest=_metas(weight_export.manifest(state)),
+                                                changed=list(state))
+        # A copy, not the gathered tensors themselves: those may alias the live parameters (unsharded models).
+        self.delta_base = (command.weight_version, {name: t.clone() for name, t in state.items()})
+        return reply
 
     def weight_manifest(self, command: protocol.WeightManifestCommand) -> protocol.WeightManifestReply:
         _, model, _ = self._require()
