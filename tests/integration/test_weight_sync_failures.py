@@ -159,7 +159,7 @@ async def delta_updates(record: FailedUpdates, client: EngineClient, group: Trai
     async with anyio.create_task_group() as tg:
         fleet = EngineFleet(client=client, external_urls=urls, run_dir=run_dir)
         await tg.start(fleet.run)
-        sync = WeightSync(mode="disk", update_mode="delta", fleet=fleet, client=client, trainer=group,
+        sync = WeightSync(mode="disk", update_mode="delta", fleet=fleet, client=client, trainer=group.commands,
                           snapshot_dir=run_dir / "snapshots", keep_snapshots=8)
 
         async def update(version: str) -> None:
@@ -168,32 +168,32 @@ async def delta_updates(record: FailedUpdates, client: EngineClient, group: Trai
             out.written[version] = sorted(json.loads(delta.read_text())["tensors"]) if delta.exists() else []
 
         await update("d1")
-        await group.train(10, samples)  # warm-up's first step has learning rate 0: the second changes weights
-        await group.train(11, samples)
+        await group.commands.train(10, samples)  # warm-up's first step has learning rate 0: the second changes weights
+        await group.commands.train(11, samples)
         await update("d2")
         full_d1 = file_tensors(run_dir / "snapshots" / "weights-d1")
-        full_d2 = file_tensors(await group.export_weights(run_dir / "full", "d2", keep=8))
+        full_d2 = file_tensors(await group.commands.export_weights(run_dir / "full", "d2", keep=8))
         out.differing_d1_d2 = sorted(name for name in full_d2 if not torch.equal(
             full_d1[name].view(-1).view(torch.uint8), full_d2[name].view(-1).view(torch.uint8)))
         await update("d3")
-        await group.train(12, samples)
+        await group.commands.train(12, samples)
         sync.delta_encoding = "overwrite"
         await update("d4")
-        full_d4 = await group.export_weights(run_dir / "full", "d4", keep=8)
+        full_d4 = await group.commands.export_weights(run_dir / "full", "d4", keep=8)
         names = sorted(file_tensors(full_d4))
         out.full = {name: tensor.tolist() for name, tensor in file_tensors(full_d4).items()}
         out.by_delta = await served_weights(urls[0], names)
         await client.engine(urls[1]).update_weights_from_disk(str(full_d4), weight_version="d4")
         out.by_full = await served_weights(urls[1], names)
 
-        await group.train(13, samples)
-        written = await group.export_weight_delta(run_dir / "snapshots", "d5", base_version="d4", encoding="xor")
-        payload = Path(written["path"]) / "delta.safetensors"
+        await group.commands.train(13, samples)
+        written = await group.commands.export_weight_delta(run_dir / "snapshots", "d5", base_version="d4", encoding="xor")
+        payload = Path(written.path) / "delta.safetensors"
         damaged = bytearray(payload.read_bytes())
         damaged[-3] ^= 0x40
         payload.write_bytes(bytes(damaged))
         out.damaged = await attempt(client.engine(urls[0]).update_weights_from_disk(
-            written["path"], load_format="rayless_delta", weight_version="d5"))
+            written.path, load_format="rayless_delta", weight_version="d5"))
         out.after_damaged = await served_weights(urls[0], names)
         out.version_after_damaged = await client.engine(urls[0]).get_weight_version()
         tg.cancel_scope.cancel()

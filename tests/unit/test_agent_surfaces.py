@@ -57,7 +57,7 @@ def test_every_engine_route_has_a_kind_and_agents_reach_generation_only() -> Non
                        "/release_memory_occupation", "/resume_memory_occupation", "/update_weight_version",
                        "/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
                        "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
-                       "/server_info", "/get_server_info"}
+                       "/server_info", "/get_server_info", "/get_weights_by_name"}  # weights read back: control
     assert {path for path in routes if route_kind(path) == "open"} == {"/health", "/health_generate", "/metrics"}
     # a path nobody named (an SGLang route this engine lacks, a future one) is control
     for path in ("/update_weights_from_tensor", "/set_internal_state", "/v1/responses/r1/cancel", "/x"):
