@@ -18,7 +18,7 @@ import pytest
 pytest.register_assert_rewrite("tests.support")
 
 # pytester: the orphan check is itself tested in a pytest session of its own.
-pytest_plugins = ["tests.support.orphans", "pytester"]
+pytest_plugins = ["tests.support.orphans", "tests.support.schedule", "pytester"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

@@ -208,8 +208,10 @@ async def test_a_stale_engine_is_a_pin_violation_and_a_dead_fleet_is_unhealthy(t
         assert skip.value.reason == "pin_violation" and "old" in skip.value.detail
         assert stale.requests["/update_weights_from_disk"] == 2, "loaded, checked, loaded once more"
 
+        # The first attach must succeed (the FAKE serves until stop_serving): a deadline a loaded machine cannot
+        # miss, spent only if it does; once gone, the probes fail at once and the pin waits `pin_wait`.
         dead_fleet = EngineFleet(client=client, group="eval", external_urls=[gone.url], run_dir=tmp_path,
-                                 probe_timeout=0.5, attach_timeout=0.5)
+                                 probe_timeout=0.5, attach_timeout=30)
         await group.start(dead_fleet.run)
         gone.stop_serving()
         dead = EvalFleet(settings=fake_eval_settings(tmp_path), fleet=dead_fleet, client=client, tokenizer=None,
@@ -280,7 +282,7 @@ async def test_over_the_bound_skip_drops_the_new_eval_backpressure_waits_and_the
     async with EngineClient(max_connections=8) as client, anyio.create_task_group() as group:
         await group.start(gone.run)
         fleet = EngineFleet(client=client, group="eval", external_urls=[gone.url], run_dir=tmp_path,
-                            probe_timeout=0.5, attach_timeout=0.5)
+                            probe_timeout=0.5, attach_timeout=30)  # the first attach succeeds; see above
         await group.start(fleet.run)
         gone.stop_serving()
         metrics = MetricsLog(tmp_path)

@@ -21,6 +21,7 @@ from coordinator.lifecycle.processes import (
     spawn_group_leader,
     terminate_process_group_blocking,
 )
+from tests.support.processes import alive
 from tests.support.waiting import wait_until_sync
 
 #: A child with two helpers: one in its process group, one in a session of its own (as torchrun's ranks).
@@ -44,17 +45,6 @@ children = [spawn_group_leader([sys.executable, "-c", code], log=log) for code i
 print(json.dumps([child.pid for child in children]), flush=True)
 time.sleep(600)
 """
-
-
-def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    left = []
-    for process in processes:
-        try:
-            if process.status() != psutil.STATUS_ZOMBIE:
-                left.append(process)
-        except psutil.NoSuchProcess:
-            continue
-    return left
 
 
 def descendants(pid: int) -> list[psutil.Process]:

@@ -15,6 +15,7 @@ never calls the model is a failed episode too, and failures in a row spend the b
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import time
@@ -194,6 +195,7 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
         # exception, its own CancelledError, a sync agent's SystemExit — gives an aborted sample (generated again,
         # never trained without tokens); either way its session is gone afterwards.
         runtime = argparse.Namespace(sessions=routed, routes=HookRoutes())
+        episode_s: dict[str, float] = {}  # how long each episode took here: the limit below is derived from it
         for agent_path, status in (("run_agent", SampleStatus.COMPLETED), ("failing_agent", SampleStatus.ABORTED),
                                    ("cancelling_agent", SampleStatus.ABORTED),
                                    ("exiting_agent", SampleStatus.ABORTED)):
@@ -202,8 +204,10 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
             sample = Sample(prompt=ASK, metadata={"task": "sum"})
             # Every token a stop token: each turn ends by `stop` after one token, so the agent makes both turns.
             params = {"max_new_tokens": 3, "stop_token_ids": list(range(len(tokenizer))), "skip_special_tokens": False}
+            started = time.monotonic()
             out = (await generate(GenerateFnInput(state=None, sample=sample, sampling_params=params,
                                                   evaluation=False, args=args))).samples
+            episode_s[agent_path] = time.monotonic() - started
             assert out.status is status and not routed.sessions
             if status is SampleStatus.ABORTED:
                 assert out.tokens == [] and out.response_length == 0
@@ -238,7 +242,10 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
         # ended at --agent-timeout-s, one that never calls the model gives nothing to train on; each is a failed
         # episode (aborted, generated again) and counts towards --hook-max-failures-in-a-row, which a success
         # starts over; the budget spent, HookBudgetSpent stops the run naming the agent, the count, its last error.
-        bounds = HookBounds(limits={"agent": 1.0}, max_in_a_row=5)
+        # The limit: a whole episode of run_agent (two turns) as this machine ran it just now, four times over,
+        # and at least 1 s; a fixed 1 s was a deadline a loaded machine could make run_agent miss.
+        limit = float(max(1, math.ceil(4 * episode_s["run_agent"])))
+        bounds = HookBounds(limits={"agent": limit}, max_in_a_row=5)
         with hook_bounds(bounds):
             def agentic_args(name: str) -> argparse.Namespace:
                 return argparse.Namespace(custom_agent_function_path=f"tests.support.session_agent.{name}",
@@ -250,7 +257,7 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
 
             try:
                 for count, name in enumerate(("hanging_agent", "blocking_agent", "silent_agent", "failing_agent"), 1):
-                    with anyio.fail_after(30):  # far past the 1 s limit: the limit, not this, ends a hang
+                    with anyio.fail_after(limit + 30):  # far past the limit: the limit, not this, ends a hang
                         out = await episode(name)
                     assert out.status is SampleStatus.ABORTED and out.tokens == [] and not routed.sessions, name
                     assert bounds.in_a_row["agent"] == count, name
@@ -260,7 +267,7 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
                     await episode("silent_agent")
                 with pytest.raises(HookBudgetSpent, match=r"--custom-agent-function-path 'tests\.support\."
                                    r"session_agent\.hanging_agent' failed 5 times in a row .*last: .*did not "
-                                   r"return within 1 s \(--agent-timeout-s\)"):
+                                   rf"return within {limit:g} s \(--agent-timeout-s\)"):
                     await episode("hanging_agent")
                 assert not routed.sessions
             finally:

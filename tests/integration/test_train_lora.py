@@ -30,6 +30,7 @@ from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from coordinator.services import Services
+from tests.support.processes import alive
 from tests.support.waiting import wait_until_sync
 from workers.train_rank.checkpoint import ENV_DRILL_PAUSE, resolve_checkpoint
 from workers.train_rank.checkpoint_files import verify_checkpoint
@@ -227,17 +228,6 @@ async def test_a_replay_whose_rank_train_ft_restarts_retrains_the_same_adapters(
 DRILL_PHASES = (("shards", 1), ("extra", 2), ("complete", 3), ("publish", 3))
 
 
-def running(processes: list[psutil.Process]) -> list[psutil.Process]:
-    left = []
-    for process in processes:
-        try:
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                left.append(process)
-        except psutil.NoSuchProcess:
-            pass
-    return left
-
-
 def test_a_coordinator_sigkilled_at_every_phase_of_a_lora_save_resumes_with_every_row_once(
         lora_run: Path, untied_model: Path, tmp_path: Path) -> None:
     """Issue 41's drill, for real: a replay (one rank, no engine) saving every rollout; the coordinator is
@@ -266,7 +256,7 @@ def test_a_coordinator_sigkilled_at_every_phase_of_a_lora_save_resumes_with_ever
             children = psutil.Process(proc.pid).children(recursive=True)
             os.kill(proc.pid, signal.SIGKILL)  # the coordinator alone: its children end by themselves
             proc.wait(timeout=30)
-            wait_until_sync(lambda children=children: running(children), until=lambda left: not left, timeout=60,
+            wait_until_sync(lambda children=children: alive(children), until=lambda left: not left, timeout=60,
                             interval=0.1, what="the run's children ending")
         finally:
             if proc.poll() is None:

@@ -4,6 +4,7 @@
 - `fake_engine`: a FAKE in-process engine for failures a real one cannot show on demand.
 - `generate_contract`: the /generate contract checks run against an engine directly and through the router.
 - `orphans`: the pytest plugin that fails a session leaving child processes behind.
+- `processes`: which of a run's processes still run (`alive`, `wait_gone`) and the bound after a stop.
 - `replay_inputs`: dumps and a malicious pickle payload for the replay tests.
 - `rollout_fns`: rollout functions loaded through --rollout-function-path / --custom-rm-path.
 - `train_samples`: synthetic training samples and the train group's base config.
