@@ -353,7 +353,8 @@ async def _start_checkpoint_eval(config: Config, services: Services, manager: An
     fleet = EvalFleet(
         settings=EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang,
                                           save_hf=config.checkpoint.save_hf),
-        fleet=None, client=None, tokenizer=services.tokenizer, exporter=services.train_group,
+        fleet=None, client=None, tokenizer=services.tokenizer,
+        exporter=services.train_group.commands if services.train_group is not None else None,
         snapshot_dir=Path(config.eval.eval_hf_dir) if config.eval.eval_hf_dir else run_dir / "eval_weights",
         metrics=metrics, probe_before_pin=False, datasets=(), evaluator=evaluate)
     await task_group.start(fleet.run)

@@ -289,7 +289,8 @@ def build_fault_tolerance(config: Config, processes: Processes, *, tokenizer: An
         eval_fleet = EvalFleet(
             settings=EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang,
                                               save_hf=config.checkpoint.save_hf),
-            fleet=p.eval_engines, client=p.client, tokenizer=tokenizer, exporter=p.train_group.commands if p.train_group is not None else None,
+            fleet=p.eval_engines, client=p.client, tokenizer=tokenizer,
+            exporter=p.train_group.commands if p.train_group is not None else None,
             snapshot_dir=Path(config.eval.eval_hf_dir) if config.eval.eval_hf_dir else run_dir / "eval_weights",
             metrics=metrics,
             probe_before_pin=not config.health_monitor_enabled,

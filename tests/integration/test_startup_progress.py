@@ -4,18 +4,16 @@ fails to start. Real `rayless train` subprocesses on the CPU."""
 
 from __future__ import annotations
 
+import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
 
-
-def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def train(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "coordinator.cli", "train", *args, "--no-progress"],
-                          capture_output=True, text=True, timeout=timeout, check=False)
+                          capture_output=True, text=True, timeout=timeout, check=False, env=env)
 
 
 def phases(stderr: str, name: str) -> list[str]:
@@ -47,20 +45,16 @@ def test_a_cpu_run_shows_each_process_phases_in_order_and_an_eta(tiny_model_dir:
 
 def test_an_engine_that_fails_to_start_is_shown_failed_with_its_log_tail(tiny_model_dir: Path,
                                                                           tmp_path: Path) -> None:
-    broken = tmp_path / "missing-a-parameter"
-    shutil.copytree(tiny_model_dir, broken)
-    # A whole, well-formed weights file lacking one parameter: the start-up checks pass it (they read files, not
-    # the architecture), the tokenizer loads, and the engine refuses it as it loads (never fresh weights).
-    weights = load_file(str(broken / "model.safetensors"))
-    weights.pop("model.norm.weight")
-    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    result = train("--hf-checkpoint", str(broken), "--prompt-data", "builtin:first_digit", "--rm-type",
+    # An engine that starts and fails before it serves: its thread count is not a number (the start-up checks
+    # pass; a damaged model would not reach an engine any more, preflight refuses it: test_checkpoint_files).
+    result = train("--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "builtin:first_digit", "--rm-type",
                    "first_digit", "--rollout-num-engines", "1", "--debug-rollout-only", "--rollout-batch-size", "2",
-                   "--num-rollout", "1", "--run-dir", str(tmp_path / "run"))
+                   "--num-rollout", "1", "--run-dir", str(tmp_path / "run"),
+                   env={**os.environ, "RAYLESS_ENGINE_THREADS": "many"})
     assert result.returncode == 1, result.stderr[-3000:]
     err = result.stderr
     assert phases(err, "rollout-0")[0] == "starting" and phases(err, "rollout-0")[-1] == "failed", err
     assert "run failed: EngineLaunchError: engine rollout-0: exited with status" in err
     log_path = tmp_path / "run" / "logs" / "engine-rollout-0.log"
-    assert f"--- last lines of {log_path} ---" in err and "cannot load the model" in err
+    assert f"--- last lines of {log_path} ---" in err and "RAYLESS_ENGINE_THREADS='many' is not an integer" in err
     assert "Traceback" not in err

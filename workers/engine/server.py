@@ -128,7 +128,12 @@ class EngineServer:
 
 
 def _configure_threads() -> None:
-    threads = int(os.environ.get("RAYLESS_ENGINE_THREADS", "1"))
+    raw = os.environ.get("RAYLESS_ENGINE_THREADS", "1")
+    try:
+        threads = int(raw)
+    except ValueError:
+        raise SystemExit(f"rayless engine: RAYLESS_ENGINE_THREADS={raw!r} is not an integer (the engine's "
+                         "intra-op thread count)") from None
     torch.set_num_threads(max(1, threads))
 
 
