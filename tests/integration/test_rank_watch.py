@@ -99,5 +99,7 @@ async def test_a_stopped_rank_is_named_with_the_stacks(tiny_model_dir: Path, tmp
     found = re.search(r"(\d+)s waited for .* \(deadline (\d+)s: --rank-call-timeout-s, or 10x", message)
     assert found, message
     waited, deadline = (float(number) for number in found.groups())
-    assert 2 <= deadline <= waited < deadline + 10 and deadline < 60, message
+    # waited: at least the deadline; past it by the watch's poll and however slow a loaded machine is, but far from
+    # anything a library would wait for (the process group's timeout is 600 s here, torch's default 30 min)
+    assert 2 <= deadline <= waited < deadline + 120 and deadline < 60, message
     assert len(list((run_dir / "stacks").glob("dump-*.txt"))) >= 3  # 1st stop; 2nd: its warning and its deadline
