@@ -11,33 +11,13 @@ sum. The session server records exactly the tokens the model wrote; the tool's r
 
 from __future__ import annotations
 
-import asyncio
-from typing import Protocol
-
 from anthropic import AsyncAnthropic, DefaultAsyncHttpxClient
 
-DIGITS = [str(i) for i in range(10)]
-CALL = "="
+# the task's parts, shared with the chat-completions agent (its reward too: the config names it here)
+from examples.openai_agent.agent import CALL, DIGITS, calculator, pooled_client, reward
+
 #: request_kwargs (the rollout's sampling params, chat names) a Messages body carries as SGLang reads them
 _SAMPLING = ("temperature", "top_p", "top_k", "seed")
-
-
-_HTTP: dict[int, DefaultAsyncHttpxClient] = {}
-
-
-def _http_client() -> DefaultAsyncHttpxClient:
-    """One connection pool for every episode on this event loop: a client per episode costs an SSL context and a
-    connection each, and hundreds of episodes start at once (examples/openai_agent does the same)."""
-    loop = id(asyncio.get_running_loop())
-    if loop not in _HTTP:
-        _HTTP.clear()
-        _HTTP[loop] = DefaultAsyncHttpxClient()
-    return _HTTP[loop]
-
-
-def calculator(expression: str) -> str:
-    left, right = expression.split("+")
-    return str(int(left) + int(right))
 
 
 async def _turn(client: AsyncAnthropic, messages: list[dict[str, object]], request_kwargs: dict[str, object]) -> str:
@@ -56,7 +36,7 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, object]], request_k
     messages: list[dict[str, object]] = [{"role": "user", "content": prompt[-1]["content"]}]
     expression = prompt[-1]["content"]
     client = AsyncAnthropic(base_url=base_url, auth_token=kwargs.get("api_key", "EMPTY"), max_retries=0,
-                            timeout=600, http_client=_http_client())
+                            timeout=600, http_client=pooled_client(DefaultAsyncHttpxClient))
     ended = await _turn(client, messages, request_kwargs)
     called = ended == CALL
     if called:
@@ -67,10 +47,4 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, object]], request_k
     return {"reward": float(answer == calculator(expression)), "tool_calls": int(called), "answer": answer}
 
 
-class _Scored(Protocol):
-    metadata: dict[str, object]
-
-
-async def reward(args: object, sample: _Scored, **kwargs: object) -> float:
-    """The reward the agent left in the sample's metadata (`--custom-rm-path`)."""
-    return float(sample.metadata.get("reward", 0.0))
+__all__ = ["reward", "run_agent"]

@@ -12,33 +12,13 @@ item, and the model answers in a second turn. Reward 1.0 when the answer is the 
 
 from __future__ import annotations
 
-import asyncio
-from typing import Protocol
+from openai import AsyncOpenAI
 
-from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+# the task's parts, shared with the chat-completions agent (its reward too: the config names it here)
+from examples.openai_agent.agent import CALL, DIGITS, calculator, pooled_client, reward
 
-DIGITS = [str(i) for i in range(10)]
-CALL = "="
 #: request_kwargs (the rollout's sampling params, chat names) a Responses body carries as SGLang reads them
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty")
-
-
-_HTTP: dict[int, DefaultAsyncHttpxClient] = {}
-
-
-def _http_client() -> DefaultAsyncHttpxClient:
-    """One connection pool for every episode on this event loop: a client per episode costs an SSL context and a
-    connection each, and hundreds of episodes start at once (examples/openai_agent does the same)."""
-    loop = id(asyncio.get_running_loop())
-    if loop not in _HTTP:
-        _HTTP.clear()
-        _HTTP[loop] = DefaultAsyncHttpxClient()
-    return _HTTP[loop]
-
-
-def calculator(expression: str) -> str:
-    left, right = expression.split("+")
-    return str(int(left) + int(right))
 
 
 async def _turn(client: AsyncOpenAI, items: list[dict[str, object]], request_kwargs: dict[str, object]) -> str:
@@ -59,7 +39,7 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, object]], request_k
     items: list[dict[str, object]] = [{"role": "user", "content": prompt[-1]["content"]}]
     expression = prompt[-1]["content"]
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.get("api_key", "EMPTY"), max_retries=0,
-                         timeout=600, http_client=_http_client())
+                         timeout=600, http_client=pooled_client())
     ended = await _turn(client, items, request_kwargs)
     called = ended == CALL
     if called:
@@ -69,10 +49,4 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, object]], request_k
     return {"reward": float(answer == calculator(expression)), "tool_calls": int(called), "answer": answer}
 
 
-class _Scored(Protocol):
-    metadata: dict[str, object]
-
-
-async def reward(args: object, sample: _Scored, **kwargs: object) -> float:
-    """The reward the agent left in the sample's metadata (`--custom-rm-path`)."""
-    return float(sample.metadata.get("reward", 0.0))
+__all__ = ["reward", "run_agent"]

@@ -11,6 +11,7 @@ records exactly the tokens the model wrote, so the tool's message is in the samp
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
@@ -19,17 +20,19 @@ DIGITS = [str(i) for i in range(10)]
 CALL = "="
 
 
-_HTTP: dict[int, Any] = {}
+_HTTP: dict[tuple[int, object], Any] = {}
 
 
-def _http_client() -> Any:
+def pooled_client(factory: Callable[[], Any] = DefaultAsyncHttpxClient) -> Any:
     """One connection pool for every episode on this event loop: building a client per episode costs an SSL
-    context each, and hundreds of episodes start at once."""
-    loop = id(asyncio.get_running_loop())
-    if loop not in _HTTP:
-        _HTTP.clear()
-        _HTTP[loop] = DefaultAsyncHttpxClient()
-    return _HTTP[loop]
+    context each, and hundreds of episodes start at once. `factory` is the SDK's own HTTP client class (the
+    `anthropic` SDK's for examples/harness_agents/messages_agent.py)."""
+    key = (id(asyncio.get_running_loop()), factory)
+    if key not in _HTTP:
+        for stale in [k for k in _HTTP if k[0] != key[0]]:
+            del _HTTP[stale]
+        _HTTP[key] = factory()
+    return _HTTP[key]
 
 
 def calculator(expression: str) -> str:
@@ -54,7 +57,7 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwar
     messages = list(prompt)
     expression = prompt[-1]["content"]
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=kwargs.get("api_key", "EMPTY"), max_retries=0,
-                         timeout=600, http_client=_http_client())
+                         timeout=600, http_client=pooled_client())
     ended = await _turn(client, messages, request_kwargs)
     called = ended == CALL
     if called:
