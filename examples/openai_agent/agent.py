@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
@@ -21,9 +21,10 @@ CALL = "="
 
 
 _HTTP: dict[tuple[int, object], Any] = {}
+_Client = TypeVar("_Client")
 
 
-def pooled_client(factory: Callable[[], Any] = DefaultAsyncHttpxClient) -> Any:
+def pooled_client(factory: Callable[[], _Client] = DefaultAsyncHttpxClient) -> _Client:  # type: ignore[assignment]
     """One connection pool for every episode on this event loop: building a client per episode costs an SSL
     context each, and hundreds of episodes start at once. `factory` is the SDK's own HTTP client class (the
     `anthropic` SDK's for examples/harness_agents/messages_agent.py)."""
@@ -40,7 +41,7 @@ def calculator(expression: str) -> str:
     return str(int(left) + int(right))
 
 
-async def _turn(client: AsyncOpenAI, messages: list[dict[str, Any]], request_kwargs: dict[str, Any]) -> str:
+async def _turn(client: AsyncOpenAI, messages: list[dict[str, object]], request_kwargs: dict[str, object]) -> str:
     """One model turn; returns the stop it ended on (a digit or '='), or '' when it ran out of tokens."""
     extra = {key: value for key, value in request_kwargs.items() if key != "stop"}
     reply = await client.chat.completions.create(model="policy", messages=messages, stop=[*DIGITS, CALL],
@@ -51,8 +52,8 @@ async def _turn(client: AsyncOpenAI, messages: list[dict[str, Any]], request_kwa
     return last if choice.finish_reason == "stop" and last in (*DIGITS, CALL) else ""
 
 
-async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwargs: dict[str, Any],
-                    metadata: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+async def run_agent(*, base_url: str, prompt: list[dict[str, object]], request_kwargs: dict[str, object],
+                    metadata: dict[str, object], **kwargs: object) -> dict[str, object]:
     """miles' agent contract: keyword arguments, the returned dict merged into the sample's metadata."""
     messages = list(prompt)
     expression = prompt[-1]["content"]
@@ -67,6 +68,10 @@ async def run_agent(*, base_url: str, prompt: list[dict[str, Any]], request_kwar
     return {"reward": float(answer == calculator(expression)), "tool_calls": int(called), "answer": answer}
 
 
-async def reward(args: Any, sample: Any, **kwargs: Any) -> float:
+class _Scored(Protocol):
+    metadata: dict[str, object]
+
+
+async def reward(args: object, sample: _Scored, **kwargs: object) -> float:
     """The reward the agent left in the sample's metadata (`--custom-rm-path`)."""
     return float(sample.metadata.get("reward", 0.0))
