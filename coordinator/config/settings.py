@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.config.aliases import apply_hook_aliases
 from coordinator.config.checkpoint import CheckpointConfig, LoadPlan, resolve_load, resolve_ref_load
@@ -37,6 +37,9 @@ from coordinator.config.sft import SftConfig
 from coordinator.config.sglang import SglangConfig
 from coordinator.config.training import TrainConfig
 from coordinator.config.upstream import Row
+
+if TYPE_CHECKING:
+    from coordinator.config.sglang_file import Deployment
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,8 @@ class Config:
         cluster = self.cluster
         if not self.needs_engines:
             return 0
+        if (groups := self._sglang_groups()) is not None:  # --sglang-config: its groups' engines
+            return groups.engine_count("rollout")
         if cluster.rollout_num_engines is not None:
             return cluster.rollout_num_engines
         if cluster.rollout_num_gpus is not None:
@@ -182,9 +187,20 @@ class Config:
     def num_eval_engines(self) -> int:
         if not self.needs_engines:
             return 0
+        if (groups := self._sglang_groups()) is not None and groups.eval:  # --sglang-config's `eval` model
+            return groups.engine_count("eval")
         if self.eval.eval_num_engines:
             return self.eval.eval_num_engines
         return self.eval.eval_num_gpus // self.eval.eval_num_gpus_per_engine
+
+    def _sglang_groups(self) -> Deployment | None:
+        """`--sglang-config` mapped onto this run (None without it): its groups size the engine fleets, as
+        groups of their own engine size and placeholders make the flags' GPU counts no engine count."""
+        if self.sglang.sglang_config is None or self.cluster.rollout_external_engine_addrs:
+            return None
+        from coordinator.config.sglang_file import deployment
+
+        return deployment(self)
 
     @property
     def eval_fleet_enabled(self) -> bool:

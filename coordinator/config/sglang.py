@@ -28,6 +28,7 @@ class SglangConfig(Slice):
                                   "out): rayless' own dispatch does that, so no router process is launched")
     sglang_config: str | None = flag(None, help="slime's/miles' YAML of SGLang server groups: the policy's groups "
                                      "are the rollout engines, `name: eval`'s the eval fleet, each group's "
+                                     "engines of its own size, placeholder groups reserving GPUs, each group's "
                                      "overrides on its engines' command lines (docs/engine.md)", metavar="FILE")
     sglang_router_ip: str | None = flag(None, help="attach to a running sglang-router at this address (our engines "
                                         "register with it; none is launched)", parse=values.host, metavar="HOST")

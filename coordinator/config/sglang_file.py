@@ -13,19 +13,27 @@ reading through the boundary's safe YAML loader, and the mapping:
       - name: eval                       # miles' eval fleet (--eval-num-gpus): rayless' eval engine group
         server_groups: [{worker_type: regular, num_gpus: 2}]
 
-A model's server groups are consecutive blocks of its engine group (engine i belongs to the group holding
-position i); each group's `overrides` (SGLang `ServerArgs` field names) become that block's `--flag value`
-arguments on top of the inherited `--sglang-*` ones (the eval model: on top of `--eval-sglang-*`, as miles'
-"YAML > --eval-sglang-* > --sglang-*"). Sizes are checked as miles checks them: the policy's groups add up to
-`--rollout-num-gpus` and the eval model's to `--eval-num-gpus`; with CPU engines (`--rollout-num-engines`,
-`--eval-num-engines`) a group's `num_gpus` counts engines, as those flags stand in for the GPU counts.
+A model's server groups are consecutive blocks of its GPUs, in file order (slime's `gpu_offset`): a regular
+group launches `num_gpus / num_gpus_per_engine` engines of its own size (`num_gpus_per_engine`: the group's,
+else the model's, else `--rollout-num-gpus-per-engine` / the eval fleet's `--eval-num-gpus-per-engine`; SGLang's
+`--tp-size`), a `placeholder` group launches none but keeps its GPUs out of use (slime: "reserves GPU slots
+without creating engines"). The launched engines are numbered across the groups in order (engine i belongs to
+the group holding the i-th launched engine); each group's `overrides` (SGLang `ServerArgs` field names) become
+its engines' `--flag value` arguments on top of the inherited `--sglang-*` ones (the eval model: on top of
+`--eval-sglang-*`, as miles' "YAML > --eval-sglang-* > --sglang-*"). Sizes are checked as slime and miles check
+them: the policy's groups, placeholders included, add up to `--rollout-num-gpus` and the eval model's to
+`--eval-num-gpus`. With CPU engines (`--rollout-num-engines`, `--eval-num-engines`) those flags stand in for the
+GPU counts: a group's `num_gpus` counts CPU units and `num_gpus_per_engine` how many units one engine takes
+(our CPU engine has no tensor parallelism, so a larger engine is still one process), so the file launches
+exactly as many engines as on GPUs.
 
 Invariants: what rayless cannot do is refused naming the file and the key (`sglang[0].server_groups[1].
-worker_type: prefill ...`), never ignored — prefill/decode, encoder and placeholder groups, a second (frozen) model,
-a group size other than its fleet's engine size, an override of what rayless itself puts on an engine's
-command line (`tp_size`, `port`, `api_key`, SGLang's own `config` file, ...); an override never reaches a
-command line as a secret (`api_key`-like keys are refused: the keys have their flags, which keep them in a
-0600 file). Overrides reach SGLang only, as `--sglang-*` flags do.
+worker_type: prefill ...`), never ignored — prefill/decode and encoder groups, a second (frozen) model, groups
+of different sizes or placeholders on a multi-node run (rayless splits a fleet over the nodes by engine count),
+a model of placeholders only, an override of what rayless itself puts on an engine's command line (`tp_size`,
+`port`, `api_key`, SGLang's own `config` file, ...); an override never reaches a command line as a secret
+(`api_key`-like keys are refused: the keys have their flags, which keep them in a 0600 file). Overrides reach
+SGLang only, as `--sglang-*` flags do.
 """
 
 from __future__ import annotations
@@ -72,17 +80,24 @@ _KEY = re.compile(r"^[a-z][a-z0-9_]*$")
 
 @dataclass(frozen=True)
 class ServerGroup:
-    """One server group of the file, resolved: `engines` consecutive engines of `gpus_per_engine` GPUs each
-    (CPU engines: 1), launched with `overrides` on top of the inherited `--sglang-*` arguments."""
+    """One server group of the file, resolved: `engines` consecutive engines of `gpus_per_engine` GPUs (CPU
+    units) each, launched with `overrides` on top of the inherited `--sglang-*` arguments; a placeholder group
+    holds its `num_gpus` and launches nothing."""
 
     where: str  # "sglang[0].server_groups[1]", for messages
     num_gpus: int
     gpus_per_engine: int
     overrides: tuple[str, ...]
+    placeholder: bool = False
 
     @property
     def engines(self) -> int:
-        return self.num_gpus // self.gpus_per_engine
+        return 0 if self.placeholder else self.num_gpus // self.gpus_per_engine
+
+
+#: One group as read from the file: (where, num_gpus, num_gpus_per_engine or None, overrides argv,
+#: overrides' model_path or None, placeholder).
+GroupEntry = tuple[str, int, int | None, tuple[str, ...], str | None, bool]
 
 
 @dataclass(frozen=True)
@@ -92,8 +107,7 @@ class ModelEntry:
     model_path: str | None
     num_gpus_per_engine: int | None
     update_weights: bool | None
-    groups: tuple[tuple[str, int, int | None, tuple[str, ...], str | None], ...]
-    # each group: (where, num_gpus, num_gpus_per_engine or None, overrides argv, overrides' model_path or None)
+    groups: tuple[GroupEntry, ...]
 
 
 @dataclass(frozen=True)
@@ -106,15 +120,49 @@ class Deployment:
     #: the policy's `model_path` when it differs from --hf-checkpoint (served with update_weights: true)
     rollout_model_path: str | None = None
 
-    def overrides_of(self, group: str, index: int) -> tuple[str, ...]:
-        """The overrides of engine `index` (0-based over the whole group) of `group` ("rollout" or "eval")."""
-        groups = self.rollout if group == "rollout" else self.eval if group == "eval" else ()
+    def groups_of(self, group: str) -> tuple[ServerGroup, ...]:
+        return self.rollout if group == "rollout" else self.eval if group == "eval" else ()
+
+    def engine_count(self, group: str) -> int:
+        """Engines the file launches in `group` ("rollout" or "eval"); placeholders launch none."""
+        return sum(server_group.engines for server_group in self.groups_of(group))
+
+    def span(self, group: str) -> int:
+        """GPUs (CPU units) `group` holds, placeholders included."""
+        return sum(server_group.num_gpus for server_group in self.groups_of(group))
+
+    def layout(self, group: str) -> tuple[tuple[int, int], ...]:
+        """(first GPU offset within the group's GPUs, GPUs) of each launched engine of `group`, in engine order:
+        a placeholder group leaves its GPUs as a gap (slime's `engine_gpu_offsets`)."""
+        found: list[tuple[int, int]] = []
+        offset = 0
+        for server_group in self.groups_of(group):
+            found += [(offset + i * server_group.gpus_per_engine, server_group.gpus_per_engine)
+                      for i in range(server_group.engines)]
+            offset += server_group.num_gpus
+        return tuple(found)
+
+    def max_engine_size(self, group: str) -> int:
+        return max((server_group.gpus_per_engine for server_group in self.groups_of(group)
+                    if server_group.engines), default=1)
+
+    def _group_of(self, group: str, index: int) -> ServerGroup | None:
         start = 0
-        for server_group in groups:
+        for server_group in self.groups_of(group):
             if index < start + server_group.engines:
-                return server_group.overrides
+                return server_group
             start += server_group.engines
-        return ()
+        return None
+
+    def overrides_of(self, group: str, index: int) -> tuple[str, ...]:
+        """The overrides of engine `index` (0-based over the launched engines) of `group` ("rollout", "eval")."""
+        found = self._group_of(group, index)
+        return found.overrides if found is not None else ()
+
+    def size_of(self, group: str, index: int) -> int | None:
+        """GPUs (SGLang's `--tp-size`) of engine `index` of `group`; None past the file's engines."""
+        found = self._group_of(group, index)
+        return found.gpus_per_engine if found is not None else None
 
 
 def _fail(source: str, where: str, reason: str) -> ConfigError:
@@ -167,7 +215,7 @@ def _int(value: Any, source: str, where: str, *, optional: bool = False) -> int 
     return value
 
 
-def _read_group(raw: Any, source: str, where: str) -> tuple[str, int, int | None, tuple[str, ...], str | None]:
+def _read_group(raw: Any, source: str, where: str) -> GroupEntry:
     if not isinstance(raw, Mapping):
         raise _fail(source, where, "a server group is a mapping (worker_type, num_gpus, num_gpus_per_engine, "
                     "overrides)")
@@ -183,9 +231,6 @@ def _read_group(raw: Any, source: str, where: str) -> tuple[str, int, int | None
     if worker_type == "encoder":
         raise _fail(source, f"{where}.worker_type", "encoder: slime's separate multimodal encoder servers (EPD) are "
                     "not in rayless (its engines serve text prompts whole)")
-    if worker_type == "placeholder":
-        raise _fail(source, f"{where}.worker_type", "placeholder: reserved GPU slots without engines are not in "
-                    "rayless (its plan places engines on consecutive GPUs): drop the group and lower the sizes")
     num_gpus = _int(raw.get("num_gpus"), source, f"{where}.num_gpus")
     per_engine = _int(raw.get("num_gpus_per_engine"), source, f"{where}.num_gpus_per_engine", optional=True)
     overrides = raw.get("overrides")
@@ -193,7 +238,8 @@ def _read_group(raw: Any, source: str, where: str) -> tuple[str, int, int | None
     if model_path is not None and not isinstance(model_path, str):
         raise _fail(source, f"{where}.overrides.model_path", "must be a path")
     assert num_gpus is not None
-    return where, num_gpus, per_engine, override_argv(overrides, source, where), model_path
+    return where, num_gpus, per_engine, override_argv(overrides, source, where), model_path, \
+        worker_type == "placeholder"
 
 
 def _read_model(raw: Any, source: str, where: str) -> ModelEntry:
@@ -264,22 +310,32 @@ def models_of(path: str) -> tuple[ModelEntry, ...]:
     return _read_file(str(file), (status.st_mtime_ns, status.st_size))
 
 
-def _resolve(entry: ModelEntry, source: str, *, default_per_engine: int, on_cpu: bool, fleet: str,
-             size_flag: str, base: Sequence[str] = ()) -> tuple[ServerGroup, ...]:
+def _resolve(entry: ModelEntry, source: str, *, default_per_engine: int, nodes: int,
+             base: Sequence[str] = ()) -> tuple[ServerGroup, ...]:
+    """The model's groups with their sizes (slime's `ModelConfig.resolve`: the group's, else the model's, else
+    the flag's). On several nodes every engine must be alike and no GPU reserved: each node plans its share
+    of the fleet by engine count (`plan.nodes.engine_share`), which has no place for either."""
     groups = []
-    for where, num_gpus, per_engine, overrides, _ in entry.groups:
+    for where, num_gpus, per_engine, overrides, _, placeholder in entry.groups:
         size = per_engine or entry.num_gpus_per_engine or default_per_engine
-        if on_cpu and size != 1:
-            raise _fail(source, f"{where}.num_gpus_per_engine", f"{size}: CPU engines ({size_flag}) are one "
-                        "unit each; num_gpus counts engines there")
-        if size != default_per_engine:
-            raise _fail(source, f"{where}.num_gpus_per_engine", f"{size}: rayless sizes every engine of the "
-                        f"{fleet} alike ({'--eval-num-gpus-per-engine' if fleet == 'eval fleet' else '--rollout-num-gpus-per-engine'} "
-                        f"{default_per_engine}); give that flag the group's size")
-        if num_gpus % size:
+        if not placeholder and num_gpus % size:
             raise _fail(source, f"{where}.num_gpus", f"{num_gpus} is not a multiple of the group's engine size {size}")
         groups.append(ServerGroup(where=where, num_gpus=num_gpus, gpus_per_engine=size,
-                                  overrides=_layered(base, overrides)))
+                                  overrides=_layered(base, overrides), placeholder=placeholder))
+    launched = [group for group in groups if not group.placeholder]
+    if not launched:
+        raise _fail(source, f"{entry.where}.server_groups", "only placeholder groups: the model launches no "
+                    "engine (slime would serve it with none)")
+    if nodes > 1:
+        if reserved := [group for group in groups if group.placeholder]:
+            raise _fail(source, f"{reserved[0].where}.worker_type", f"placeholder on --actor-num-nodes {nodes}: "
+                        "rayless splits a fleet over the nodes by engine count, so a reserved block of GPUs has "
+                        "no node to sit on; drop the group and lower the sizes")
+        if len({group.gpus_per_engine for group in launched}) > 1:
+            odd = next(group for group in launched if group.gpus_per_engine != launched[0].gpus_per_engine)
+            raise _fail(source, f"{odd.where}.num_gpus_per_engine", f"{odd.gpus_per_engine} differs from "
+                        f"{launched[0].where}'s {launched[0].gpus_per_engine} on --actor-num-nodes {nodes}: "
+                        "rayless splits a fleet over the nodes by engine count, which needs engines of one size")
     return tuple(groups)
 
 
@@ -305,7 +361,7 @@ def _layered(base: Sequence[str], top: Sequence[str]) -> tuple[str, ...]:
 
 
 def _model_path(entry: ModelEntry, source: str) -> str | None:
-    paths = {path for *_, path in entry.groups if path is not None}
+    paths = {group[4] for group in entry.groups if group[4] is not None}
     if entry.model_path is not None:
         paths.add(entry.model_path)
     if len(paths) > 1:
@@ -313,7 +369,7 @@ def _model_path(entry: ModelEntry, source: str) -> str | None:
                     "groups of a model serve one model_path (as miles requires)")
     path = paths.pop() if paths else None
     # slime/miles: every group without an overrides.model_path gets the model's (or --hf-checkpoint)
-    if path is not None and any(p is None for *_, p in entry.groups) and entry.model_path is None:
+    if path is not None and any(group[4] is None for group in entry.groups) and entry.model_path is None:
         raise _fail(source, entry.where, "some server groups set overrides.model_path and others do not (they "
                     "would serve --hf-checkpoint): give the model's model_path instead")
     return path
@@ -353,13 +409,14 @@ def deployment(config: Config) -> Deployment | None:
                     "to serve it and update it with the trained weights")
     on_cpu = cluster.rollout_num_engines is not None
     size_flag = "--rollout-num-engines" if on_cpu else "--rollout-num-gpus"
+    nodes = cluster.actor_num_nodes
     rollout = _resolve(actor, source, default_per_engine=1 if on_cpu else cluster.rollout_num_gpus_per_engine,
-                       on_cpu=on_cpu, fleet="rollout engines", size_flag=size_flag)
+                       nodes=nodes)
     total = sum(group.num_gpus for group in rollout)
     expected = cluster.rollout_num_engines if on_cpu else cluster.rollout_num_gpus
     if total != expected:
         raise _fail(source, f"{actor.where}.server_groups", f"num_gpus add up to {total}, but {size_flag} is "
-                    f"{expected} (miles: the groups' GPUs are the rollout GPUs)")
+                    f"{expected} (slime/miles: the groups' GPUs, placeholders included, are the rollout GPUs)")
     evals: tuple[ServerGroup, ...] = ()
     eval_cfg = config.eval
     fleet_size = eval_cfg.eval_num_engines or eval_cfg.eval_num_gpus
@@ -377,8 +434,7 @@ def deployment(config: Config) -> Deployment | None:
                         "run's snapshots: a model_path of its own is not in rayless")
         cpu_eval = bool(eval_cfg.eval_num_engines)
         evals = _resolve(evaluation, source, default_per_engine=1 if cpu_eval else eval_cfg.eval_num_gpus_per_engine,
-                         on_cpu=cpu_eval, fleet="eval fleet", size_flag=eval_flag,
-                         base=eval_cfg.eval_sglang_passthrough)
+                         nodes=nodes, base=eval_cfg.eval_sglang_passthrough)
         eval_total = sum(group.num_gpus for group in evals)
         if eval_total != fleet_size:
             raise _fail(source, f"{evaluation.where}.server_groups", f"num_gpus add up to {eval_total}, but "

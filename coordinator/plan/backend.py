@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
+from coordinator.config.sglang_file import Deployment, deployment
 
 
 @dataclass(frozen=True)
@@ -49,17 +50,31 @@ def choose_engines(config: Config, *, has_sglang: bool, lenient: bool = False
     """(rollout group's choice, eval group's choice, warnings); None for a group that launches no engine."""
     warnings: list[str] = []
     rollout = eval_ = None
+    groups = deployment(config) if config.sglang.sglang_config is not None else None
     if config.num_launched_rollout_engines:
         sized_in_gpus = config.cluster.rollout_num_gpus is not None
         flag = "--rollout-num-gpus" if sized_in_gpus else "--rollout-num-engines"
         rollout = _choose(config, flag, sized_in_gpus, has_sglang=has_sglang, lenient=lenient, warnings=warnings,
-                          sizing=(config.cluster.rollout_num_gpus_per_engine, "--rollout-num-gpus-per-engine"))
+                          sizing=_sizing(groups, "rollout", config.cluster.rollout_num_gpus_per_engine,
+                                         "--rollout-num-gpus-per-engine"))
     if config.num_eval_engines:
         sized_in_gpus = config.eval.eval_num_gpus > 0
         flag = "--eval-num-gpus" if sized_in_gpus else "--eval-num-engines"
         eval_ = _choose(config, flag, sized_in_gpus, has_sglang=has_sglang, lenient=lenient, warnings=warnings,
-                        sizing=(config.eval.eval_num_gpus_per_engine, "--eval-num-gpus-per-engine"))
+                        sizing=_sizing(groups, "eval", config.eval.eval_num_gpus_per_engine,
+                                       "--eval-num-gpus-per-engine"))
     return rollout, eval_, list(dict.fromkeys(warnings))
+
+
+def _sizing(groups: Deployment | None, group: str, per_engine: int, flag: str) -> tuple[int, str]:
+    """The group's largest engine and what set it: an `--sglang-config` group's `num_gpus_per_engine`, or
+    the flag (our engine on CUDA runs one GPU per engine, so the largest decides)."""
+    if groups is None or not groups.groups_of(group):
+        return per_engine, flag
+    size = groups.max_engine_size(group)
+    if size == per_engine:
+        return per_engine, flag
+    return size, f"{groups.source}: a server group's num_gpus_per_engine"
 
 
 def _choose(config: Config, flag: str, sized_in_gpus: bool, *, has_sglang: bool, lenient: bool,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.config.settings import Config
+from coordinator.config.sglang_file import Deployment, deployment
 from coordinator.plan.backend import EngineChoice
 from coordinator.plan.gpus import GpuInventory
 
@@ -24,10 +25,19 @@ class GpuDemand:
     flags: str  # the flags that asked, as the user wrote them: "--rollout-num-gpus 4"
     units: int
     per_unit: int
+    #: `--sglang-config`: each unit's (first GPU within the demand, GPUs), and the GPUs the demand holds with
+    #: its placeholder groups' reserved ones (`span`); empty: `units` × `per_unit`, back to back
+    shape: tuple[tuple[int, int], ...] = ()
+    span: int = 0
 
     @property
     def total(self) -> int:
-        return self.units * self.per_unit
+        return self.span if self.shape else self.units * self.per_unit
+
+    @property
+    def layout(self) -> tuple[tuple[int, int], ...]:
+        """(first GPU within the demand, GPUs) of each unit."""
+        return self.shape or tuple((unit * self.per_unit, self.per_unit) for unit in range(self.units))
 
 
 #: A policy places demands: for each demand's group, the GPU positions of each of its units.
@@ -39,11 +49,9 @@ def place_separately(demands: Sequence[GpuDemand]) -> dict[str, tuple[tuple[int,
     placed: dict[str, tuple[tuple[int, ...], ...]] = {}
     position = 0
     for demand in demands:
-        units = []
-        for _ in range(demand.units):
-            units.append(tuple(range(position, position + demand.per_unit)))
-            position += demand.per_unit
-        placed[demand.group] = tuple(units)
+        placed[demand.group] = tuple(tuple(range(position + offset, position + offset + size))
+                                     for offset, size in demand.layout)
+        position += demand.total
     return placed
 
 
@@ -54,8 +62,8 @@ def place_colocated(demands: Sequence[GpuDemand]) -> dict[str, tuple[tuple[int, 
     position = 0
     for demand in demands:
         start = 0 if demand.group in ("train", "rollout") else position
-        placed[demand.group] = tuple(tuple(range(start + unit * demand.per_unit, start + (unit + 1) * demand.per_unit))
-                                     for unit in range(demand.units))
+        placed[demand.group] = tuple(tuple(range(start + offset, start + offset + size))
+                                     for offset, size in demand.layout)
         position = max(position, start + demand.total)
     return placed
 
@@ -80,13 +88,29 @@ def gpu_demands(config: Config, rollout: EngineChoice | None, eval_: EngineChoic
     share = "" if cluster.actor_num_nodes == 1 else ", this node's share"
     rollout_count = config.num_launched_rollout_engines if rollout_engines is None else rollout_engines
     eval_count = config.num_eval_engines if eval_engines is None else eval_engines
+    groups = deployment(config) if config.sglang.sglang_config is not None else None
     if rollout is not None and rollout.on_gpu and rollout_count:
-        demands.append(GpuDemand("rollout", "rollout engines",
-                                 f"--rollout-num-gpus {cluster.rollout_num_gpus}{share}", rollout_count, per_engine))
+        demands.append(_engine_demand("rollout", "rollout engines",
+                                      f"--rollout-num-gpus {cluster.rollout_num_gpus}{share}", rollout_count,
+                                      per_engine, groups, whole=rollout_count == config.num_launched_rollout_engines))
     if eval_ is not None and eval_.on_gpu and eval_count:
-        demands.append(GpuDemand("eval", "eval engines", f"--eval-num-gpus {config.eval.eval_num_gpus}{share}",
-                                 eval_count, config.eval.eval_num_gpus_per_engine))
+        demands.append(_engine_demand("eval", "eval engines", f"--eval-num-gpus {config.eval.eval_num_gpus}{share}",
+                                      eval_count, config.eval.eval_num_gpus_per_engine, groups,
+                                      whole=eval_count == config.num_eval_engines))
     return demands
+
+
+def _engine_demand(group: str, what: str, flags: str, count: int, per_engine: int, groups: Deployment | None, *,
+                   whole: bool) -> GpuDemand:
+    """An engine group's demand; with `--sglang-config` groups, each engine of its own size and the
+    placeholders' GPUs held (on one node only: several nodes get engines of one size, no placeholder)."""
+    if groups is None or not groups.groups_of(group):
+        return GpuDemand(group, what, flags, count, per_engine)
+    sizes = {size for _, size in groups.layout(group)}
+    if not whole:  # a node's share of a multi-node fleet: engines of one size (sglang_file refuses others)
+        return GpuDemand(group, what, flags, count, sizes.pop())
+    return GpuDemand(group, what, f"{groups.source}{' (its eval model)' if group == 'eval' else ''}", count,
+                     max(sizes), shape=groups.layout(group), span=groups.span(group))
 
 
 def oversubscribed_message(demands: Sequence[GpuDemand], needed: int, gpus: GpuInventory, *,
@@ -94,7 +118,12 @@ def oversubscribed_message(demands: Sequence[GpuDemand], needed: int, gpus: GpuI
     parts = {}
     for demand in demands:
         what = demand.what if demand.units != 1 else demand.what.removesuffix("s")
-        if demand.per_unit > 1:
+        if demand.shape:
+            sizes = "+".join(str(size) for _, size in demand.layout)
+            reserved = demand.total - sum(size for _, size in demand.layout)
+            part = (f"{demand.flags} ({demand.units} {what} of {sizes} GPUs"
+                    + (f", {reserved} reserved by placeholder groups" if reserved else "") + f": {demand.total})")
+        elif demand.per_unit > 1:
             per_flag = "--eval-num-gpus-per-engine" if demand.group == "eval" else "--rollout-num-gpus-per-engine"
             part = f"{demand.flags} ({demand.units} {what} × {per_flag} {demand.per_unit})"
         else:

@@ -22,7 +22,7 @@ from pathlib import Path
 from coordinator.config import determinism_rules as determinism
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
-from coordinator.config.sglang_file import deployment
+from coordinator.config.sglang_file import Deployment, deployment
 from coordinator.engines.spec import engine_launch_spec, engine_log_path, free_port, router_log_path
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
 from coordinator.plan.demands import POLICIES, GpuDemand, gpu_demands, oversubscribed_message
@@ -236,7 +236,7 @@ def _engine_slots(config: Config, group: str, indices: range, choice: EngineChoi
             backend=choice.backend, device=choice.device, gpus=positions,
             visible_devices=gpus.visible_devices(positions) if positions else None, port=free_port(ENGINE_HOST),
             release_memory=releases,
-            gpus_per_engine=config.eval.eval_num_gpus_per_engine if group == "eval" else None,
+            gpus_per_engine=_engine_size(config, groups, group, index),
             overrides=overrides,
             # released weights of our CPU engine go to a file on disk, so the memory is freed, not moved to tmpfs
             spill_dir=str(run_dir / "engine-spill" / name) if releases and choice.device == "cpu" else None)
@@ -252,6 +252,15 @@ def _engine_slots(config: Config, group: str, indices: range, choice: EngineChoi
         slots.append(EngineSlot(name=name, group=group, gpus=positions, choice=choice, spec=spec,
                                 log=engine_log_path(run_dir, name)))
     return tuple(slots)
+
+
+def _engine_size(config: Config, groups: Deployment | None, group: str, index: int) -> int | None:
+    """Engine `index`'s GPUs (SGLang's `--tp-size`): its `--sglang-config` server group's, else the fleet's
+    flag (None: `--rollout-num-gpus-per-engine`, which the spec reads)."""
+    size = groups.size_of(group, index) if groups is not None and group in ("rollout", "eval") else None
+    if size is not None:
+        return size
+    return config.eval.eval_num_gpus_per_engine if group == "eval" else None
 
 
 def _external(config: Config) -> tuple[str, ...]:

@@ -29,6 +29,23 @@ sglang:
 """
 
 
+#: slime's tests/test_qwen2.5_0.5B_sglang_config.py@624b824a8: one model, engines of two sizes and 2 GPUs
+#: reserved by a placeholder group (the script: --colocate on 8 GPUs, --rollout-num-gpus-per-engine 1)
+SLIME_MIXED = """\
+sglang:
+  - name: default
+    server_groups:
+      - worker_type: regular
+        num_gpus: 4
+        num_gpus_per_engine: 2
+      - worker_type: regular
+        num_gpus: 2
+        num_gpus_per_engine: 1
+      - worker_type: placeholder
+        num_gpus: 2
+"""
+
+
 def write(tmp_path: Path, text: str) -> str:
     path = tmp_path / "sglang.yaml"
     path.write_text(text)
@@ -110,6 +127,40 @@ def test_a_model_path_with_update_weights_is_served_and_updated(tmp_path: Path) 
     assert [value(args_of(slot), "--model-path") for slot in node.rollout_engines] == ["/m-fp8", "/m-fp8"]
 
 
+def test_slime_groups_of_two_sizes_and_a_placeholder_colocated(tmp_path: Path) -> None:
+    """slime's e2e script: 2 engines of TP 2 on GPUs 0-3, 2 of TP 1 on GPUs 4 and 5, GPUs 6-7 reserved (no
+    engine); colocated, the 8 training ranks keep all 8 GPUs."""
+    node = plan("--actor-num-gpus-per-node", "8", "--colocate", "--rollout-num-gpus-per-engine", "1",
+                "--sglang-config", write(tmp_path, SLIME_MIXED), gpus=8).local
+    engines = node.rollout_engines
+    assert [slot.name for slot in engines] == [f"rollout-{i}" for i in range(4)]
+    assert [slot.gpus for slot in engines] == [(0, 1), (2, 3), (4,), (5,)]
+    assert [value(args_of(slot), "--tp-size") for slot in engines] == ["2", "2", "1", "1"]
+    assert [value(args_of(slot), "--base-gpu-id") for slot in engines] == ["0", "2", "4", "5"]
+    assert [slot.spec.tp_size for slot in engines] == [2, 2, 1, 1]  # each joins the weight-update group so
+    assert node.ranks is not None and node.ranks.gpus == tuple(range(8))
+
+
+def test_a_placeholder_holds_its_gpus_apart_from_the_next_fleet(tmp_path: Path) -> None:
+    """Not colocated: ranks on GPUs 0-1, the file's 8 GPUs on 2-9 (8-9 reserved), the eval fleet after them;
+    a node short of GPUs is refused naming the file and the reserved GPUs."""
+    flags = ("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "8", "--sglang-config",
+             write(tmp_path, SLIME_MIXED), "--eval-num-gpus", "1", *EVAL)
+    node = plan(*flags, gpus=11).local
+    assert [slot.gpus for slot in node.rollout_engines] == [(2, 3), (4, 5), (6,), (7,)]
+    assert [slot.gpus for slot in node.eval_engines] == [(10,)]
+    with pytest.raises(ConfigError, match=r"needs 11 GPUs.*sglang.yaml \(4 rollout engines of 2\+2\+1\+1 GPUs, 2 "
+                                          r"reserved by placeholder groups: 8\)"):
+        plan(*flags, gpus=10)
+
+
+def test_our_engine_on_cuda_refuses_a_tensor_parallel_group(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"--engine-backend rayless: our engine runs on one GPU, but "
+                                          r"--sglang-config .*sglang.yaml: a server group's num_gpus_per_engine is 2"):
+        plan("--rollout-num-gpus", "8", "--sglang-config", write(tmp_path, SLIME_MIXED), "--engine-backend",
+             "rayless", "--debug-rollout-only")
+
+
 def test_cpu_engines_count_num_gpus_as_engines(tmp_path: Path) -> None:
     config = write(tmp_path, MILES_TWO_GROUPS)
     node = plan("--rollout-num-engines", "8", "--sglang-config", config, "--debug-rollout-only", gpus=0).local
@@ -117,13 +168,28 @@ def test_cpu_engines_count_num_gpus_as_engines(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"sglang\[0\].server_groups: num_gpus add up to 8, but "
                                           r"--rollout-num-engines is 2"):
         parse_config([*BASE, "--rollout-num-engines", "2", "--sglang-config", config])
+    # --rollout-num-engines stands in for the GPUs: slime's file launches its 4 engines there too, none for the
+    # placeholder
+    node = plan("--rollout-num-engines", "8", "--sglang-config", write(tmp_path, SLIME_MIXED), "--debug-rollout-only",
+                gpus=0).local
+    assert [slot.name for slot in node.rollout_engines] == [f"rollout-{i}" for i in range(4)]
+    assert all(slot.choice.device == "cpu" and slot.spec.tp_size == 1 for slot in node.rollout_engines)
 
 
 @pytest.mark.parametrize(("yaml_text", "flags", "match"), [
     ("sglang:\n  - name: a\n    server_groups: [{worker_type: prefill, num_gpus: 1}]\n", (),
      r"sglang\[0\].server_groups\[0\].worker_type: prefill: prefill/decode disaggregation is not in rayless"),
-    ("sglang:\n  - name: a\n    server_groups: [{worker_type: placeholder, num_gpus: 1}]\n", (),
-     r"server_groups\[0\].worker_type: placeholder: reserved GPU slots"),
+    ("sglang:\n  - name: a\n    server_groups: [{worker_type: placeholder, num_gpus: 2}]\n", (),
+     r"sglang\[0\].server_groups: only placeholder groups: the model launches no engine"),
+    ("sglang:\n  - name: a\n    server_groups: [{worker_type: regular, num_gpus: 1}, "
+     "{worker_type: placeholder, num_gpus: 1}]\n", ("--actor-num-nodes", "2", "--rdzv-endpoint", "10.0.0.1:29500"),
+     r"server_groups\[1\].worker_type: placeholder on --actor-num-nodes 2: rayless splits a fleet over the nodes"),
+    ("sglang:\n  - name: a\n    server_groups: [{worker_type: regular, num_gpus: 2, num_gpus_per_engine: 2}, "
+     "{worker_type: regular, num_gpus: 2}]\n", ("--actor-num-nodes", "2", "--rdzv-endpoint", "10.0.0.1:29500"),
+     r"server_groups\[1\].num_gpus_per_engine: 1 differs from sglang\[0\].server_groups\[0\]'s 2 on "
+     r"--actor-num-nodes 2"),
+    ("sglang:\n  - name: a\n    server_groups: [{worker_type: regular, num_gpus: 3, num_gpus_per_engine: 2}]\n",
+     (), r"server_groups\[0\].num_gpus: 3 is not a multiple of the group's engine size 2"),
     ("sglang:\n  - name: a\n    server_groups: [{worker_type: encoder, num_gpus: 1}]\n", (),
      r"server_groups\[0\].worker_type: encoder: slime's separate multimodal encoder"),
     ("sglang:\n  - name: a\n    server_groups: [{worker_type: regular, num_gpus: 1}]\n"
@@ -142,9 +208,6 @@ def test_cpu_engines_count_num_gpus_as_engines(tmp_path: Path) -> None:
      (), r"overrides.api_key: not overridable per group.*--sglang-api-key"),
     ("sglang:\n  - name: a\n    server_groups: [{worker_type: regular, num_gpus: 2, overrides: "
      "{ssl_keyfile_password: k}}]\n", (), r"server_groups\[0\].overrides: a key or secret-looking setting"),
-    ("sglang:\n  - name: a\n    server_groups: [{worker_type: regular, num_gpus: 2, num_gpus_per_engine: 2}]\n",
-     (), r"num_gpus_per_engine: 2: rayless sizes every engine of the rollout engines alike "
-         r"\(--rollout-num-gpus-per-engine 1\)"),
     ("sglang:\n  - name: a\n    server_groups: [{worker_type: regular, num_gpus: 3}]\n", (),
      r"num_gpus add up to 3, but --rollout-num-gpus is 2"),
     ("sglang:\n  - name: a\n    server_groups: [{worker_type: regular, num_gpus: 2, weight: 1}]\n", (),
