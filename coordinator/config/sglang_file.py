@@ -44,13 +44,30 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from coordinator.config.cluster import ClusterConfig
+from coordinator.config.evaluation import EvalConfig
 from coordinator.config.fields import ConfigError
+from coordinator.config.rollout import RolloutConfig
+from coordinator.config.sglang import SglangConfig
 from coordinator.config.yaml_files import load_config_yaml
 
-if TYPE_CHECKING:
-    from coordinator.config.settings import Config
+
+class RunConfig(Protocol):
+    """The parts of a run's `Config` the mapping reads (a Protocol, so `settings`, which sizes its engine
+    fleets from the mapping, and this module do not import each other)."""
+
+    @property
+    def cluster(self) -> ClusterConfig: ...
+    @property
+    def sglang(self) -> SglangConfig: ...
+    @property
+    def rollout(self) -> RolloutConfig: ...
+    @property
+    def eval(self) -> EvalConfig: ...
+    @property
+    def needs_engines(self) -> bool: ...
 
 FLAG = "--sglang-config"
 MAX_FILE_BYTES = 1 << 20
@@ -375,7 +392,7 @@ def _model_path(entry: ModelEntry, source: str) -> str | None:
     return path
 
 
-def deployment(config: Config) -> Deployment | None:
+def deployment(config: RunConfig) -> Deployment | None:
     """`--sglang-config` mapped onto this run's engine groups; None without the flag. Raises ConfigError naming
     the file and the key for what rayless cannot serve."""
     path = config.sglang.sglang_config
@@ -444,7 +461,7 @@ def deployment(config: Config) -> Deployment | None:
     return Deployment(source=source, rollout=rollout, eval=evals, rollout_model_path=rollout_path)
 
 
-def sglang_config_maps(config: Config) -> None:
+def sglang_config_maps(config: RunConfig) -> None:
     """Rule: `--sglang-config` maps onto this run, read and checked before anything launches. (SGLang's own
     `--config` cannot come from it: the `config` override is refused, and `--sglang-config` is this flag, not a
     passthrough, so an engine's command line names one `--config`, the 0600 file rayless writes.)"""
