@@ -17,11 +17,9 @@ from coordinator.config.fields import ConfigError, Slice, flag
 MULTI_TURN_GENERATE = "coordinator.hooks.multi_turn:generate"
 #: miles' `agentic_tool_call.generate`: an OpenAI-API agent through the session server (coordinator.sessions).
 AGENTIC_GENERATE = "coordinator.sessions.agentic:generate"
-#: `--tito-model` families rayless implements, and miles' others (refused by name).
+#: `--tito-model` families (all of miles'; the DeepSeek ones render with DeepSeek's own encoders, not a template)
 TITO_FAMILIES = ("default", "qwen3", "qwen35", "qwennext", "glm47", "nemotron3", "kimi25", "kimi26", "minimax_m25",
-                 "minimax_m27", "inkling")
-#: miles' DeepSeek families render prompts with DeepSeek's own encoders (encoding_dsv32 / dsv4), not a chat template
-MILES_ONLY_TITO = ("deepseekv32", "deepseekv4")
+                 "minimax_m27", "inkling", "deepseekv32", "deepseekv4")
 MESSAGE_MATCHERS = ("strict", "role_content_only")
 
 
@@ -121,10 +119,6 @@ class HooksConfig(Slice):
         if self.use_session_server == "v2":
             raise ConfigError("--use-session-server v2 (miles' tree-serving sessions) is not implemented in rayless; "
                               "pass it bare (or v1) for the append-only linear server")
-        if self.tito_model in MILES_ONLY_TITO:
-            raise ConfigError(f"--tito-model {self.tito_model}: miles' DeepSeek family renders prompts with "
-                              "DeepSeek's own message encoder, which rayless' session server (chat templates only) "
-                              f"lacks (implemented: {', '.join(TITO_FAMILIES)})")
         if self.tito_model not in TITO_FAMILIES:
             raise ConfigError(f"--tito-model {self.tito_model!r} is not a TITO family; use one of "
                               f"{', '.join(TITO_FAMILIES)}")

@@ -1,8 +1,8 @@
 """Token in, token out: how the session server builds each turn's prompt ids, as miles' TITO tokenizers do.
 
-Owns the `--tito-model` families rayless implements (all of miles' but the two DeepSeek ones, whose prompts come
-from DeepSeek's own encoders rather than a chat template) and the message matchers
-(`--session-message-matcher`). The first turn of a session is the chat template over its messages; each
+Owns the `--tito-model` families (all of miles': the two DeepSeek ones render with DeepSeek's own message
+encoders, `coordinator.sessions.deepseek_encoding`, where the others use the model's chat template) and the
+message matchers (`--session-message-matcher`). The first turn of a session is the chat template over its messages; each
 later turn is the session's stored ids (the previous prompt and exactly the tokens the engine generated)
 followed by the ids of only the newly appended messages, rendered as the suffix the template adds after a
 placeholder system + assistant pair (miles' `_tokenize_rendered_suffix`). So what trains is what was sampled:
@@ -13,7 +13,9 @@ messages must match the request's first messages (the matcher), else a `SessionR
 first mismatch; each family's merge fixes only its boundary token: `qwen3`/`qwen35`/`qwennext`/`nemotron3` insert the
 newline the template writes after `<|im_end|>` that the model stops before (`minimax_m25`/`_m27`: after `[e~[`),
 `glm47` drops a final `<|user|>`/`<|observation|>` (a stop token that also opens the next message), and
-`default`/`kimi25`/`kimi26`/`inkling` append as they are; a family's pinned chat-template kwargs are applied.
+`default`/`kimi25`/`kimi26`/`inkling`/`deepseekv32`/`deepseekv4` append as they are; a family's pinned
+chat-template kwargs are applied (the DeepSeek families: `drop_thinking=False`, which keeps their renders
+append-only).
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from coordinator.sessions.deepseek_encoding import (
+    ASSISTANT,
+    MODE_KWARGS,
+    USER,
+    DeepSeekEncodingError,
+    encode_v4,
+    encode_v32,
+    thinking_mode,
+    with_tools,
+)
 from workers.boundary.json_input import JsonObject, JsonValue, decode_json
 from workers.engine.openai_protocol import normalise_messages
 from workers.errors import RaylessError
@@ -264,11 +276,68 @@ class InklingTitoTokenizer(TitoTokenizer):
     family = "inkling"
 
 
+class DeepSeekV32TitoTokenizer(TitoTokenizer):
+    """DeepSeek V3.2: no chat template; prompts from DeepSeek's `encoding_dsv32` as miles vendors it, with
+    `drop_thinking=False` (every assistant keeps its thinking block, so appending a user turn rewrites nothing).
+    The model stops at `<｜end▁of▁sentence｜>`, which the encoder writes after every assistant turn: stored ids
+    and the appended suffix join as they are. The kwargs it reads: `thinking_mode` / `enable_thinking` /
+    `thinking` (thinking on unless one says otherwise), and `drop_thinking` (pinned)."""
+
+    family = "deepseekv32"
+    pinned_kwargs = {"drop_thinking": False}
+    #: kwargs the encoder takes besides the mode ones and `drop_thinking`
+    encoder_kwargs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: JsonObject | None = None) -> None:
+        super().__init__(tokenizer, chat_template_kwargs)
+        known = {*MODE_KWARGS, *self.pinned_kwargs, *self.encoder_kwargs}
+        if unknown := sorted(set(self.chat_template_kwargs) - known):
+            raise ValueError(f"--tito-model {self.family}: DeepSeek's encoder takes no chat template kwarg "
+                             f"{', '.join(unknown)} (it reads {', '.join(sorted(known))})")
+        try:
+            self.mode = thinking_mode(self.chat_template_kwargs)
+        except DeepSeekEncodingError as error:
+            raise ValueError(f"--tito-model {self.family}: {error}") from None
+        # miles records the resolved mode as `thinking` (SGLang's DeepSeek parsers read that kwarg)
+        self.chat_template_kwargs = {**self.chat_template_kwargs, "thinking": self.mode == "thinking"}
+        for token in (USER, ASSISTANT):
+            self._token_id(token)
+
+    def _encode_messages(self, messages: list[JsonObject], *, add_generation_prompt: bool) -> str:
+        return encode_v32(messages, mode=self.mode, add_generation_prompt=add_generation_prompt)
+
+    def render(self, messages: list[JsonObject], *, add_generation_prompt: bool,
+               tools: list[JsonValue] | None) -> str:
+        try:
+            messages = normalise_messages(messages)  # content parts joined, null content as "" (as SGLang)
+            return self._encode_messages(with_tools(messages, tools), add_generation_prompt=add_generation_prompt)
+        except ValueError as error:  # DeepSeekEncodingError too: the messages are wrong
+            raise SessionRequestError(f"DeepSeek's encoder cannot render these messages: {error}") from None
+
+
+class DeepSeekV4TitoTokenizer(DeepSeekV32TitoTokenizer):
+    """DeepSeek V4: SGLang's `encoding_dsv4` with `drop_thinking=False`; tool results fold into a user turn (V4
+    has no tool role), so only user and tool messages are appended mid-session (miles registers tool, user and
+    assistant; rayless appends no assistant). The diff of a placeholder pair with and without the appended
+    messages equals miles' diff of the real history: with `drop_thinking=False` a turn's render depends only on
+    itself and the role after it, and the placeholder assistant carries the stored one's tool calls (their ids
+    order the folded results). Reads `reasoning_effort` (`max`, `high`) too."""
+
+    family = "deepseekv4"
+    append_roles = frozenset({"user", "tool"})
+    encoder_kwargs = ("reasoning_effort",)
+
+    def _encode_messages(self, messages: list[JsonObject], *, add_generation_prompt: bool) -> str:
+        effort = self.chat_template_kwargs.get("reasoning_effort")
+        return encode_v4(messages, mode=self.mode, add_generation_prompt=add_generation_prompt,
+                         reasoning_effort=None if effort is None else str(effort))
+
+
 FAMILIES: dict[str, type[TitoTokenizer]] = {
     family.family: family for family in (
         TitoTokenizer, Qwen3TitoTokenizer, Qwen35TitoTokenizer, QwenNextTitoTokenizer, Nemotron3TitoTokenizer,
         Glm47TitoTokenizer, Kimi25TitoTokenizer, Kimi26TitoTokenizer, MinimaxM25TitoTokenizer,
-        MinimaxM27TitoTokenizer, InklingTitoTokenizer)
+        MinimaxM27TitoTokenizer, InklingTitoTokenizer, DeepSeekV32TitoTokenizer, DeepSeekV4TitoTokenizer)
 }
 
 

@@ -22,7 +22,8 @@ def test_miles_agent_flags_parse_as_miles_spells_them() -> None:
     assert hooks.use_session_server == "v1" and hooks.tito_model == "qwen3" and hooks.max_seq_len == 4096
     assert parse_config([*BASE, *AGENT, "--use-session-server", "v1"]).hooks.use_session_server == "v1"
     for family in ("qwen35", "qwennext", "glm47", "nemotron3", "kimi25", "kimi26", "minimax_m25", "minimax_m27",
-                   "inkling"):  # miles' families beyond qwen3 (tests/unit/test_session_tito.py: their layouts)
+                   "inkling", "deepseekv32", "deepseekv4"):  # miles' families beyond qwen3 (test_session_tito.py,
+        # test_deepseek_encoding.py: their layouts)
         assert parse_config([*BASE, *AGENT, "--use-session-server", "--tito-model", family]).hooks.tito_model == family
 
 
@@ -30,7 +31,6 @@ def test_miles_agent_flags_parse_as_miles_spells_them() -> None:
     ([*AGENT, "--use-session-server", "v2"], "v2"),
     ([*AGENT, "--use-session-server", "v3"], "--use-session-server"),
     (["--tito-model", "qwen3"], "requires --use-session-server"),
-    ([*AGENT, "--use-session-server", "--tito-model", "deepseekv4"], "DeepSeek's own message encoder"),
     ([*AGENT, "--use-session-server", "--tito-model", "gpt9"], "not a TITO family"),
     ([*AGENT, "--use-session-server", "--pause-generation-mode", "abort"], "--pause-generation-mode=abort"),
     ([*AGENT], "requires the session server"),
