@@ -40,8 +40,18 @@ class GpuDemand:
         return self.shape or tuple((unit * self.per_unit, self.per_unit) for unit in range(self.units))
 
 
-#: A policy places demands: for each demand's group, the GPU positions of each of its units.
+#: A policy places demands: for each demand's group, the GPU positions of each of its units (and under
+#: `RESERVED`, one unit of the GPUs placeholder groups hold without a process).
 Policy = Callable[[Sequence[GpuDemand]], dict[str, tuple[tuple[int, ...], ...]]]
+RESERVED = "reserved"
+
+
+def _reserve(placed: dict[str, tuple[tuple[int, ...], ...]], demand: GpuDemand, start: int) -> None:
+    """The GPUs of `demand`'s span no unit of it uses (placeholder groups), added under `RESERVED`."""
+    used = {gpu for unit in placed[demand.group] for gpu in unit}
+    free = tuple(gpu for gpu in range(start, start + demand.total) if gpu not in used)
+    if free:
+        placed[RESERVED] = (tuple(sorted({*(placed.get(RESERVED) or ((),))[0], *free})),)
 
 
 def place_separately(demands: Sequence[GpuDemand]) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -51,6 +61,7 @@ def place_separately(demands: Sequence[GpuDemand]) -> dict[str, tuple[tuple[int,
     for demand in demands:
         placed[demand.group] = tuple(tuple(range(position + offset, position + offset + size))
                                      for offset, size in demand.layout)
+        _reserve(placed, demand, position)
         position += demand.total
     return placed
 
@@ -64,6 +75,7 @@ def place_colocated(demands: Sequence[GpuDemand]) -> dict[str, tuple[tuple[int, 
         start = 0 if demand.group in ("train", "rollout") else position
         placed[demand.group] = tuple(tuple(range(start + offset, start + offset + size))
                                      for offset, size in demand.layout)
+        _reserve(placed, demand, start)
         position = max(position, start + demand.total)
     return placed
 

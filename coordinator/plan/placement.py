@@ -25,7 +25,7 @@ from coordinator.config.settings import Config
 from coordinator.config.sglang_file import Deployment, deployment
 from coordinator.engines.spec import engine_launch_spec, engine_log_path, free_port, router_log_path
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
-from coordinator.plan.demands import POLICIES, GpuDemand, gpu_demands, oversubscribed_message
+from coordinator.plan.demands import POLICIES, RESERVED, GpuDemand, gpu_demands, oversubscribed_message
 from coordinator.plan.gpus import PLAN_GPU_COUNT_ENV, GpuInventory, detect_gpus
 from coordinator.plan.layout import TORCH_RDZV_STORE_ENV, NodeLayout, resolve_layout
 from coordinator.plan.nodes import engine_share, node_shares, remote_engines
@@ -151,8 +151,9 @@ def plan_node(config: Config, node_rank: int, gpus: GpuInventory, rollout: Engin
         router = RouterSlot(host=ENGINE_HOST, port=port, prometheus_port=free_port(ENGINE_HOST),
                             policy=config.sglang.sglang_router_policy, log=router_log_path(run_dir, "rollout"),
                             python=python, extra_args=config.router_passthrough)
+    reserved = placed.get(RESERVED, ((),))[0]
     return NodePlan(node_rank=node_rank, gpus=gpus, demands=demands, ranks=ranks, rollout_engines=rollout_slots,
-                    eval_engines=eval_slots, router=router, teacher_engines=teacher_slots)
+                    eval_engines=eval_slots, router=router, teacher_engines=teacher_slots, reserved_gpus=reserved)
 
 
 def teacher_choice(config: Config, node_rank: int, engines: EngineChoice | None) -> EngineChoice | None:

@@ -103,10 +103,12 @@ class NodePlan:
     router: RouterSlot | None
     #: on-policy distillation's teacher engine, served from --opd-teacher-load (node 0; none otherwise)
     teacher_engines: tuple[EngineSlot, ...] = ()
+    #: GPUs `--sglang-config`'s placeholder groups hold with no process on them (slime: reserved slots)
+    reserved_gpus: tuple[int, ...] = ()
 
     @property
     def gpus_needed(self) -> int:
-        used = [gpu for slot in self.processes() for gpu in slot.gpus]
+        used = [gpu for slot in self.processes() for gpu in slot.gpus] + list(self.reserved_gpus)
         return max(used) + 1 if used else 0
 
     def processes(self) -> Iterator[RanksSlot | EngineSlot | RouterSlot]:

@@ -104,6 +104,8 @@ def _node_lines(node: NodePlan, *, detail: bool) -> list[str]:
     rows = [("PROCESS", "GPUS", "DEVICE", "PORTS")]
     for slot in node.processes():
         rows.append((slot.name, _gpus_column(node, slot), _device(slot), _ports(slot)))
+    if node.reserved_gpus:  # --sglang-config's placeholder groups
+        rows.append(("reserved", gpu_text(node.reserved_gpus), "-", "placeholder server groups: no engine"))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines += ["  " + "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
     if detail:

@@ -4,12 +4,14 @@ refused naming the file and the key."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from coordinator.config import ConfigError, parse_config
 from coordinator.plan import GpuInventory, build_plan
+from coordinator.plan.render import describe_plan
 
 BASE = ["--hf-checkpoint", "/m", "--rollout-batch-size", "8", "--num-rollout", "2", "--prompt-data",
         "builtin:first_digit", "--run-dir", "/runs/x"]
@@ -139,6 +141,7 @@ def test_slime_groups_of_two_sizes_and_a_placeholder_colocated(tmp_path: Path) -
     assert [value(args_of(slot), "--base-gpu-id") for slot in engines] == ["0", "2", "4", "5"]
     assert [slot.spec.tp_size for slot in engines] == [2, 2, 1, 1]  # each joins the weight-update group so
     assert node.ranks is not None and node.ranks.gpus == tuple(range(8))
+    assert node.reserved_gpus == (6, 7)
 
 
 def test_a_placeholder_holds_its_gpus_apart_from_the_next_fleet(tmp_path: Path) -> None:
@@ -152,6 +155,14 @@ def test_a_placeholder_holds_its_gpus_apart_from_the_next_fleet(tmp_path: Path) 
     with pytest.raises(ConfigError, match=r"needs 11 GPUs.*sglang.yaml \(4 rollout engines of 2\+2\+1\+1 GPUs, 2 "
                                           r"reserved by placeholder groups: 8\)"):
         plan(*flags, gpus=10)
+    # without the eval fleet the reserved GPUs 8-9 still count: a node of 9 is short, the plan prints them
+    alone = flags[:6]
+    with pytest.raises(ConfigError, match=r"needs 10 GPUs"):
+        plan(*alone, gpus=9)
+    whole = plan(*alone, gpus=10)
+    assert whole.local.reserved_gpus == (8, 9) and whole.local.gpus_needed == 10
+    assert re.search(r"\n  reserved +8,9 +- +placeholder server groups: no engine$", describe_plan(whole, detail=False),
+                     re.M)
 
 
 def test_our_engine_on_cuda_refuses_a_tensor_parallel_group(tmp_path: Path) -> None:
