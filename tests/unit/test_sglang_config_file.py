@@ -165,6 +165,19 @@ def test_a_placeholder_holds_its_gpus_apart_from_the_next_fleet(tmp_path: Path) 
                      re.M)
 
 
+def test_slime_distributed_variant_places_after_the_ranks(tmp_path: Path) -> None:
+    """slime's tests/test_qwen2.5_0.5B_sglang_config_distributed.py@624b824a8: 4 training GPUs, 4 rollout GPUs as
+    a TP-2 engine, a TP-1 engine and a reserved GPU."""
+    config = write(tmp_path, "sglang:\n  - name: default\n    server_groups:\n"
+                             "      - {worker_type: regular, num_gpus: 2, num_gpus_per_engine: 2}\n"
+                             "      - {worker_type: regular, num_gpus: 1, num_gpus_per_engine: 1}\n"
+                             "      - {worker_type: placeholder, num_gpus: 1}\n")
+    node = plan("--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "1",
+                "--sglang-config", config, gpus=8).local
+    assert [slot.gpus for slot in node.rollout_engines] == [(4, 5), (6,)]
+    assert node.reserved_gpus == (7,) and node.ranks is not None and node.ranks.gpus == (0, 1, 2, 3)
+
+
 def test_our_engine_on_cuda_refuses_a_tensor_parallel_group(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"--engine-backend rayless: our engine runs on one GPU, but "
                                           r"--sglang-config .*sglang.yaml: a server group's num_gpus_per_engine is 2"):
