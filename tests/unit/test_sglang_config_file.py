@@ -178,6 +178,18 @@ def test_slime_distributed_variant_places_after_the_ranks(tmp_path: Path) -> Non
     assert node.reserved_gpus == (7,) and node.ranks is not None and node.ranks.gpus == (0, 1, 2, 3)
 
 
+def test_the_eval_model_s_groups_have_their_own_sizes_too(tmp_path: Path) -> None:
+    config = write(tmp_path, "sglang:\n  - name: default\n    server_groups: [{worker_type: regular, num_gpus: 2}]\n"
+                             "  - name: eval\n    server_groups:\n"
+                             "      - {worker_type: regular, num_gpus: 2, num_gpus_per_engine: 2}\n"
+                             "      - {worker_type: placeholder, num_gpus: 1}\n"
+                             "      - {worker_type: regular, num_gpus: 1}\n")
+    node = plan("--rollout-num-gpus", "2", "--sglang-config", config, "--eval-num-gpus", "4", *EVAL).local
+    # ranks on GPU 0, the rollout engines on 1-2, the eval model's blocks after them
+    assert [(slot.gpus, slot.spec.tp_size) for slot in node.eval_engines] == [((3, 4), 2), ((6,), 1)]
+    assert node.reserved_gpus == (5,)
+
+
 def test_our_engine_on_cuda_refuses_a_tensor_parallel_group(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"--engine-backend rayless: our engine runs on one GPU, but "
                                           r"--sglang-config .*sglang.yaml: a server group's num_gpus_per_engine is 2"):
