@@ -2,8 +2,9 @@
 
 Owns `check_disk(config)`, run by preflight after the paths and `--load` were resolved: the `--load` checkpoint
 (its manifest's sizes and digests, DCP's metadata against its shards, the JSON files typed and bounded, a full
-model's tensor shapes against `--hf-checkpoint`'s verified safetensors headers, torch-free; a damaged `latest` refused with the complete
-checkpoints and `--ckpt-step`), a `--ref-load` / teacher that is a rayless checkpoint the same way,
+model's tensor shapes against `--hf-checkpoint`'s verified safetensors headers, torch-free; a damaged `latest`
+refused with the complete checkpoints and `--ckpt-step`), a `--ref-load` / teacher that is a rayless checkpoint
+the same way,
 `--hf-checkpoint` and a Hugging Face `--ref-load` / teacher (its `manifest.json` when it has one — a `--save-hf`
 or `rayless export` directory; every safetensors file against its header; every parameter the architecture needs
 stored with its shape, `coordinator.checks.architecture`: missing keys are an error, not fresh weights), and
