@@ -7,8 +7,9 @@ they load), the base-model prefix either way, and tied weights (a tied `lm_head.
 or the reverse). A parameter none of whose names is stored is missing (transformers would fill it with fresh
 weights); a stored tensor whose shape differs from the model's, or an integer tensor where the model holds
 floats, is refused. `check_checkpoint_shapes(model_dir, meta, checkpoint)` holds a full-model DCP checkpoint's
-tensors to the same shapes and floating-point kinds (`--load`); `check_adapter_shapes` a PEFT adapter's LoRA
-weights to the model's linear layers at its rank.
+tensors (`--load`) to the shapes and floating-point kinds of the same-named tensors of the directory's
+safetensors headers — which `check_coverage` holds to the architecture — without torch: a resume builds no
+model; `check_adapter_shapes` a PEFT adapter's LoRA weights to the model's linear layers at its rank.
 
 Cost: building the meta model imports torch and transformers' modeling code — measured ~1.7 s here on top of
 the ~2.8 s torch + tokenizer import every `rayless train` pays anyway when it loads the tokenizer (the checks
@@ -31,9 +32,12 @@ import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.boundary.manifest import CheckpointError
+
+if TYPE_CHECKING:
+    from workers.boundary.dcp_metadata import Metadata
 
 #: bumped when what a pass means changes, so older remembered passes stop counting
 _CHECK_VERSION = 1
@@ -177,35 +181,40 @@ def _glob(pattern: str) -> re.Pattern[str]:
     return re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
 
 
-def check_checkpoint_shapes(model_dir: Path, meta: Any, checkpoint: Path) -> str:
-    """A full-model DCP checkpoint's `model.` tensors have the shapes the architecture gives them (a checkpoint
-    of another model is refused before a rank loads it)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def check_checkpoint_shapes(model_dir: Path, meta: Metadata, checkpoint: Path) -> str:
+    """A full-model DCP checkpoint's `model.` tensors have the shapes and floating-point kinds of the tensors of
+    the same names `model_dir` stores (its safetensors headers, which `check_coverage` holds to the architecture
+    of its config.json): a checkpoint of another model is refused before a rank loads it. Torch-free — `meta` is
+    `dcp_metadata`'s records and no model is built, so a resuming coordinator imports no torch. A tensor stored
+    there under no such name (a tied head, an MoE's experts fused as they load) is left to the ranks' load, and
+    counted in the note."""
+    from workers.boundary.dcp_metadata import tensors
+    from workers.train_rank.checkpoint_weights import model_tensors
 
-    tensors = {key: entry for key, entry in meta.state_dict_metadata.items()
-               if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
-    key = _cache_key(model_dir, "dcp-shapes", [f"{n}:{list(e.size)}" for n, e in tensors.items()])
-    if _passed_before(key):
-        return "its tensors' shapes match the model (passed before)"
-    model = build_meta_model(model_dir)
-    if model is None:
-        return "shapes not checked (transformers does not build the model here)"
-    expected = model.state_dict()
-    checked = 0
-    for fqn, entry in tensors.items():
+    stored = model_tensors(model_dir)
+    first_parts = {name.partition(".")[0] for name in stored}
+    checked = unmatched = 0
+    for fqn, (shape, dtype) in tensors(meta).items():
+        if not fqn.startswith("model."):
+            continue  # the optimizer's state, a critic's weights
         name = fqn.removeprefix("model.")
-        if name not in expected:
+        if name not in stored and name.partition(".")[0] not in first_parts:
+            name = name.partition(".")[2]  # the base model's prefix, which the directory stores without
+        if name not in stored:
+            unmatched += 1
             continue
-        if tuple(entry.size) != tuple(expected[name].shape):
-            raise CheckpointError(f"{checkpoint / '.metadata'}: tensor {name} is {list(entry.size)}, the model of "
-                                  f"{model_dir / 'config.json'} needs {list(expected[name].shape)} (a checkpoint "
-                                  "of another model?)")
-        if expected[name].is_floating_point() and not entry.properties.dtype.is_floating_point:
-            raise CheckpointError(f"{checkpoint / '.metadata'}: tensor {name} is {entry.properties.dtype}, the "
-                                  "model holds floating-point weights there")
+        stored_dtype, stored_shape = stored[name]
+        if tuple(shape) != tuple(stored_shape):
+            raise CheckpointError(f"{checkpoint / '.metadata'}: tensor {name} is {list(shape)}, the model of "
+                                  f"{model_dir / 'config.json'} needs {list(stored_shape)} (a checkpoint of "
+                                  "another model?)")
+        if stored_dtype.startswith(("F", "BF")) and not dtype.floating:
+            raise CheckpointError(f"{checkpoint / '.metadata'}: tensor {name} is torch.{dtype.name}, the model "
+                                  "holds floating-point weights there")
         checked += 1
-    _remember(key)
-    return f"{checked} tensors' shapes match the model"
+    rest = (f" ({unmatched} not stored under that name there, e.g. a tied head: the ranks' load checks them)"
+            if unmatched else "")
+    return f"{checked} tensors' shapes match the model's weights{rest}"
 
 
 def check_adapter_shapes(model_dir: Path, tensors: Mapping[str, tuple[str, tuple[int, ...]]], path: Path,

@@ -2,8 +2,9 @@
 
 Owns `check_disk(config)`, run by preflight after the paths and `--load` were resolved: the `--load` checkpoint
 (its manifest's sizes and digests, DCP's metadata against its shards, the JSON files typed and bounded, a full
-model's tensor shapes against the `--hf-checkpoint` architecture; a damaged `latest` refused with the complete
-checkpoints and `--ckpt-step`), a `--ref-load` / teacher that is a rayless checkpoint the same way,
+model's tensor shapes against `--hf-checkpoint`'s verified safetensors headers, torch-free; a damaged `latest`
+refused with the complete checkpoints and `--ckpt-step`), a `--ref-load` / teacher that is a rayless checkpoint
+the same way,
 `--hf-checkpoint` and a Hugging Face `--ref-load` / teacher (its `manifest.json` when it has one — a `--save-hf`
 or `rayless export` directory; every safetensors file against its header; every parameter the architecture needs
 stored with its shape, `coordinator.checks.architecture`: missing keys are an error, not fresh weights), and
@@ -11,8 +12,8 @@ stored with its shape, `coordinator.checks.architecture`: missing keys are an er
 `verify_reload(save_dir)` is the same check of the checkpoint a train-FT recovery is about to load.
 
 Invariant: every failure is one `ConfigError` line naming the flag, the file and what is wrong (exit 2, nothing
-launched); nothing is unpickled (`workers.train_rank.checkpoint_files`) and no tensor data is read but to
-digest it.
+launched); nothing is unpickled but through the allow-list (`workers.boundary.dcp_metadata`, whose records a
+resume's checks read: they import no torch) and no tensor data is read but to digest it.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ def check_disk(config: Config) -> list[str]:
 
     notes: list[str] = []
     flag = "--hf-checkpoint"
+    resumed: Path | None = None
     try:
         if config.needs_train_ranks:
             load = config.load_plan()
             if load.resume and load.path is not None:
                 flag = "--load"
-                directory = verify_checkpoint_source(load.path)
-                notes.append(f"--load: {directory} verified (sizes, digests, metadata)")
-                notes += _checkpoint_fits_model(directory, Path(str(config.rollout.hf_checkpoint)))
+                resumed = verify_checkpoint_source(load.path)
+                notes.append(f"--load: {resumed} verified (sizes, digests, metadata)")
             for flag, source in (("--ref-load", config.reference_path()),
                                  ("--opd-teacher-load", config.distill.teacher_path())):
                 if source is not None:
@@ -48,6 +49,9 @@ def check_disk(config: Config) -> list[str]:
                          or bool(config.eval.eval_num_engines))
         if reads_weights or _holds_weights(model_dir):
             notes.append(f"--hf-checkpoint: {verify_model_dir(model_dir, architecture=reads_weights)}")
+        if resumed is not None:  # after the model's own check: its headers are what the checkpoint is held to
+            flag = "--load"
+            notes += _checkpoint_fits_model(resumed, model_dir)
         adapter = config.lora.lora_adapter_path
         if adapter is not None:
             flag = "--lora-adapter-path"
@@ -74,14 +78,16 @@ def verify_checkpoint_source(path: str | Path, step: int | None = None) -> Path:
 
 def _checkpoint_fits_model(directory: Path, model_dir: Path) -> list[str]:
     """A full-model checkpoint's tensors have the shapes of the model the ranks build (LoRA checkpoints hold
-    adapters, which `check_trainable` holds to the targets)."""
-    from workers.train_rank.checkpoint_files import Extra, read_json, read_metadata
+    adapters, which `check_trainable` holds to the targets). Torch-free: the metadata's records against the
+    model's safetensors headers."""
+    from workers.boundary.dcp_metadata import read_dcp_metadata
+    from workers.train_rank.checkpoint_files import Extra, read_json
 
     if read_json(directory / "extra.json", Extra).lora is not None or not (model_dir / "config.json").is_file():
         return []
     from coordinator.checks.architecture import check_checkpoint_shapes
 
-    return [f"--load: {check_checkpoint_shapes(model_dir, read_metadata(directory), directory)}"]
+    return [f"--load: {check_checkpoint_shapes(model_dir, read_dcp_metadata(directory), directory)}"]
 
 
 def verify_reload(save_dir: str | Path) -> Path:

@@ -1,7 +1,9 @@
 """The real sglang-router (PyPI wheel, installed in .venv) in front of two real CPU engines.
 
 Launches both engines and the router as child processes, generates through the router, removes and adds
-workers through whichever worker API the installed router speaks, and stops everything.
+workers through whichever worker API the installed router speaks, attaches an engine to it as a run given
+`--sglang-router-ip/-port` does (the same engines serve both checks: each start costs seconds), and stops
+everything; a run attached to a router someone else runs generates through it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ pytest.importorskip("sglang_router")
 ENGINE_ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))
 
 
-async def test_router_in_front_of_two_cpu_engines(tiny_model_dir: Path, tmp_path: Path) -> None:
+async def test_router_in_front_of_two_cpu_engines_and_an_engine_attaching_to_it(tiny_model_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """Generation through the router, workers removed and added; then `--sglang-router-ip/-port`'s attach: a
+    handle given the router's address launches nothing, registers our engine, serves through it, and leaves
+    the router at the end without stopping it (it is not the attaching handle's to stop)."""
     spec = EngineLaunchSpec(kind="rayless", model_path=str(tiny_model_dir), env=ENGINE_ENV, start_timeout=120.0)
     async with EngineClient(max_connections=16, retry=NO_RETRY) as client:
         fleet = EngineFleet(client=client, launch=spec, num_engines=2, run_dir=tmp_path)
@@ -51,6 +57,19 @@ async def test_router_in_front_of_two_cpu_engines(tiny_model_dir: Path, tmp_path
             for i in range(3):
                 assert len((await via.generate(dict(payload, rid=f"r-after-remove-{i}"))).replies) == 1
 
+            host, port = router.url.removeprefix("http://").rsplit(":", 1)
+            ours = RouterHandle(client=client, run_dir=tmp_path, address=f"{host}:{port}")
+            async with anyio.create_task_group() as attached:
+                await attached.start(ours.run, [urls[0]])
+                assert ours.proc is None and ours.url == router.url
+                assert sorted(await router.list_workers()) == sorted(urls)  # ours joined
+                out = await client.engine(ours.url).generate(
+                    {"text": "abc", "rid": "r-attached", "sampling_params": {"max_new_tokens": 2}})
+                assert isinstance(out.replies[0].text, str)
+                attached.cancel_scope.cancel()
+            assert await router.list_workers() == [urls[1]]  # ours left
+            assert router.proc is not None and router.proc.returncode is None  # still running: not ours to stop
+
             await router.add_worker(urls[0])
             assert sorted(await router.list_workers()) == sorted(urls)
             assert len((await via.generate(dict(payload, rid="r-after-add"))).replies) == 1
@@ -59,34 +78,10 @@ async def test_router_in_front_of_two_cpu_engines(tiny_model_dir: Path, tmp_path
         assert (tmp_path / "logs" / "router-rollout.log").is_file()
 
 
-async def test_attaching_to_a_running_router_registers_and_leaves(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """`--sglang-router-ip/-port`: our engines join a router someone else runs, and leave it at the end; the
-    router itself is neither launched nor stopped by us."""
-    spec = EngineLaunchSpec(kind="rayless", model_path=str(tiny_model_dir), env=ENGINE_ENV, start_timeout=120.0)
-    async with EngineClient(max_connections=16, retry=NO_RETRY) as client:
-        fleet = EngineFleet(client=client, launch=spec, num_engines=1, run_dir=tmp_path)
-        theirs = RouterHandle(client=client, run_dir=tmp_path, name="theirs")
-        async with anyio.create_task_group() as tg:
-            await tg.start(fleet.run)
-            url = fleet.engines[0].url
-            await tg.start(theirs.run, [])
-            host, port = theirs.url.removeprefix("http://").rsplit(":", 1)
-            ours = RouterHandle(client=client, run_dir=tmp_path, address=f"{host}:{port}")
-            async with anyio.create_task_group() as attached:
-                await attached.start(ours.run, [url])
-                assert ours.proc is None and ours.url == theirs.url
-                assert await theirs.list_workers() == [url]
-                out = await client.engine(ours.url).generate(
-                    {"text": "abc", "rid": "r-attached", "sampling_params": {"max_new_tokens": 2}})
-                assert isinstance(out.replies[0].text, str)
-                attached.cancel_scope.cancel()
-            assert await theirs.list_workers() == []
-            assert theirs.proc is not None and theirs.proc.returncode is None  # still running: not ours to stop
-            tg.cancel_scope.cancel()
+async def test_attaching_to_an_address_where_no_router_answers_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RouterError, match="no sglang-router answers"):
         async with EngineClient(max_connections=4, retry=NO_RETRY) as client:
-            await RouterHandle(client=client, run_dir=tmp_path, address="127.0.0.1:9",
-                               start_timeout=2.0).run()
+            await RouterHandle(client=client, run_dir=tmp_path, address="127.0.0.1:9", start_timeout=2.0).run()
 
 
 async def test_a_run_attached_to_a_running_router_generates_through_it(tiny_model_dir: Path, tmp_path: Path) -> None:

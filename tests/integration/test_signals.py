@@ -36,6 +36,7 @@ from coordinator.run import run_training
 from coordinator.status import command as status_command
 from replay.format import dump_path
 from replay.reader import read_dump
+from tests.integration.test_startup_progress import assert_a_start_shown_in_order
 from tests.support.processes import STOP_BOUND_S, alive, wait_gone
 from tests.support.waiting import wait_until_sync
 
@@ -179,6 +180,7 @@ def test_sigterm_with_save_saves_the_step_and_its_printed_command_resumes_it_exa
                              str(tmp_path / "dumps" / dumps), batch=batch)
     err = stop_and_check(proc, run_dir, stderr, signal.SIGTERM, router=False, ranks=1, step=2,
                          within=SAVED_WITHIN_S)
+    assert_a_start_shown_in_order(err, run_dir, rollouts=100000)  # what a person saw start (test_startup_progress)
     # the step in flight ended (or was abandoned), the last one trained was saved: the checkpoint holds the last row
     last = rollout_numbers(run_dir)[-1][0]
     assert [row[0] for row in rollout_numbers(run_dir)] == list(range(last + 1))

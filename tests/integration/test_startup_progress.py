@@ -1,5 +1,6 @@
 """What a person sees while a run starts, in plain lines (`--no-progress`, or no terminal): every launched
-process's phases in order, the run-level ETA beside each rollout's line, and the log tail of a process that
+process's phases in order, the run-level ETA beside each rollout's line (`assert_a_start_shown_in_order`, checked
+on the CLI run `test_signals` starts anyway, rather than on a run of its own), and the log tail of a process that
 fails to start. Real `rayless train` subprocesses on the CPU."""
 
 from __future__ import annotations
@@ -22,24 +23,19 @@ def phases(stderr: str, name: str) -> list[str]:
     return [match.group(1) for match in pattern.finditer(stderr)]
 
 
-def test_a_cpu_run_shows_each_process_phases_in_order_and_an_eta(tiny_model_dir: Path, tmp_path: Path) -> None:
-    result = train("--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "builtin:first_digit",
-                   "--rm-type", "first_digit", "--rollout-num-engines", "1", "--actor-num-gpus-per-node", "1",
-                   "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3",
-                   "--rollout-max-response-len", "4", "--run-dir", str(tmp_path / "run"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    err = result.stderr
+def assert_a_start_shown_in_order(err: str, run_dir: Path, *, rollouts: int) -> None:
+    """A CPU run's stderr (one engine, one rank): every launched process's phases in order, the plan first, then
+    each rollout's line named by its id from 0 (as metrics.jsonl and checkpoints name it), the count done and
+    the run's elapsed and ETA. Checked on a run another test starts anyway (`test_signals`' SIGTERM run)."""
     assert phases(err, "rollout-0") == ["starting", "loading", "healthy"], err
     assert phases(err, "train-ranks") == ["starting", "connected 1/1", "loading", "ready"], err
     assert "start-up: rollout-0 [CPU · port " in err and "start-up: train-ranks [CPU · 1 rank(s)]" in err
-    # The plan comes first, then the processes start, then the rollouts, each with the run's elapsed and ETA.
-    assert err.index("placement plan") < err.index("start-up: rollout-0") < err.index("rollout 0 (1 of 3)")
-    rollout_lines = [line for line in err.splitlines() if re.search(r"rollout \d \(\d of 3\) ", line)]
-    # each rollout named by its id, from 0 as metrics.jsonl and checkpoints name it, then the count done
-    assert [re.search(r"rollout (\d) \((\d) of", line).groups() for line in rollout_lines] == [  # type: ignore[union-attr]
-        ("0", "1"), ("1", "2"), ("2", "3")], err
+    assert err.index("placement plan") < err.index("start-up: rollout-0") < err.index(f"rollout 0 (1 of {rollouts})")
+    rollout_lines = [line for line in err.splitlines() if re.search(rf"rollout \d+ \(\d+ of {rollouts}\) ", line)]
+    named = [re.search(r"rollout (\d+) \((\d+) of", line).groups() for line in rollout_lines]  # type: ignore[union-attr]
+    assert named and named == [(str(i), str(i + 1)) for i in range(len(named))], err
     assert all(re.search(r"elapsed \d+:\d\d:\d\d  ETA \d+:\d\d:\d\d$", line) for line in rollout_lines), rollout_lines
-    plan_text = (tmp_path / "run" / "plan.txt").read_text()
+    plan_text = (run_dir / "plan.txt").read_text()
     assert "-m workers.engine" in plan_text and "-m torch.distributed.run" in plan_text
 
 

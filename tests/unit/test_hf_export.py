@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -289,14 +291,38 @@ def test_an_exported_directory_carries_a_manifest_checked_when_it_is_loaded_agai
                                                "not match the manifest's digest (damaged after the save)")
 
     full = save_trained(perturbed(tiny_model_dir, 3), tmp_path / "full", tiny_model_dir)
+    held = ("--load: 24 tensors' shapes match the model's weights (1 not stored under that name there, e.g. a "
+            "tied head: the ranks' load checks them)")
     notes = preflight(parse_config(job(tiny_model_dir, "--load", str(full))))
-    assert "--load: 25 tensors' shapes match the model" in notes, notes
+    assert held in notes, notes
+    # `rayless train --load` up to the launch, in a fresh interpreter: the checkpoint read and held to the model
+    # without torch (the model's own pass remembered from the preflight above, as from the run that saved it)
+    said = subprocess.run([sys.executable, "-c", RESUME_PREFLIGHT, *job(tiny_model_dir, "--load", str(full))],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert said.returncode == 0, said.stderr
+    seen = json.loads(said.stdout.strip().splitlines()[-1])
+    assert seen["torch"] == [] and held in seen["notes"], seen
+    assert f"--load: {full} verified (sizes, digests, metadata)" in seen["notes"], seen
     from workers.tiny_model import TinyModelSpec, build_tiny_model
 
     wider = build_tiny_model(tmp_path / "wider", TinyModelSpec(hidden_size=32, intermediate_size=64))
     with pytest.raises(ConfigError, match=rf"^--load: {full}/\.metadata: tensor model\.embed_tokens\.weight is "
                                           rf"\[89, 64\], the model of {wider}/config\.json needs \[89, 32\]"):
         preflight(parse_config(job(wider, "--load", str(full))))
+
+
+RESUME_PREFLIGHT = """
+import json, sys
+import coordinator.run  # what `rayless train` runs next, imported
+from coordinator.checks.resolve import resolve
+from coordinator.config import parse_config
+
+resolved = resolve(parse_config(sys.argv[1:]))  # as `rayless train` does before it launches anything
+assert resolved.plan is not None
+from coordinator.checks.preflight import preflight
+notes = preflight(resolved.config)
+print(json.dumps({"notes": notes, "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch")[:5]}))
+"""
 
 
 def train_exit(flags: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
