@@ -8,8 +8,8 @@ and logprobs) to 2 ranks. Measured, alternating in one run:
   in each rank process `RankChannel.receive` (the typed decode) then `packing.plan` / `packing.pack` of every
   step (the tensors the trainer trains on);
 - the floor: the same frames' bytes sent over the same sockets to the same processes, read into a buffer.
-Reported: medians of each, the ratio (target ≤ 3×), the coordinator's part and each rank's receive and decode
-seconds, and the coordinator's RSS growth while handing off (sampled every 2 ms) against one copy of the frames.
+Reported: medians of each, the ratio (target ≤ 3×) and the channel's alone (ours less the coordinator's part,
+as `bench.train_shapes` reports it), the coordinator's part and a rank's decode in wall and CPU seconds, and the coordinator's RSS growth while handing off (sampled every 2 ms) against one copy of the frames.
 
     python -m bench.rollout_handoff [--samples 512] [--tokens 8192] [--prompt 1024] [--repeats 5]
 
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 QWEN3_VOCAB = 151_936
-_REPORT = struct.Struct("<dd")  # a rank's (receive seconds, decode seconds)
+_REPORT = struct.Struct("<dddd")  # a rank's (receive s, decode s, receive CPU s, decode CPU s)
 
 
 def rss_bytes() -> int:
@@ -92,27 +92,28 @@ def rank_process(address: tuple[str, int], max_tokens: int) -> None:
         mode = sock.recv(1)
         if mode in (b"", b"Q"):
             return
+        started, cpu = time.perf_counter(), time.process_time()
         if mode == b"D":
-            started = time.perf_counter()
             body = channel._receive_exactly(protocol.HEADER.unpack(channel._receive_exactly(4))[0])
-            received = time.perf_counter()
+            received, receive_cpu = time.perf_counter(), time.process_time() - cpu
+            cpu = time.process_time()
             request = protocol.decode_body(body)
             del body
             command = request.command
             for samples in command.steps:
                 for group in packing.plan(samples, max_tokens=max_tokens, micro_batch_size=None):
                     packing.pack([samples[i] for i in group], 0)
-            decoded = time.perf_counter()
+            decoded, cpu = time.perf_counter(), time.process_time() - cpu
             del request, command
         else:
-            started = time.perf_counter()
             length = protocol.HEADER.unpack(channel._receive_exactly(4))[0]
             channel._receive_exactly(length)
             received = decoded = time.perf_counter()
-        sock.sendall(_REPORT.pack(received - started, decoded - received))
+            receive_cpu, cpu = time.process_time() - cpu, 0.0
+        sock.sendall(_REPORT.pack(received - started, decoded - received, receive_cpu, cpu))
 
 
-def read_reports(conns: list[socket.socket]) -> list[tuple[float, float]]:
+def read_reports(conns: list[socket.socket]) -> list[tuple[float, float, float, float]]:
     reports = []
     for conn in conns:
         data = b""
@@ -125,14 +126,15 @@ def read_reports(conns: list[socket.socket]) -> list[tuple[float, float]]:
     return reports
 
 
-def hand_off(samples: list, conns: list[socket.socket]) -> tuple[float, float, int, list[tuple[float, float]]]:
-    """Ours: (wall seconds until every rank has its tensors, coordinator seconds to the frames, frame bytes,
-    the ranks' reports)."""
+def hand_off(samples: list, conns: list[socket.socket]
+             ) -> tuple[float, float, float, float, int, list[tuple[float, float, float, float]]]:
+    """Ours: (wall seconds until every rank has its tensors, coordinator seconds to the frames, their CPU
+    seconds, the CPU seconds of sending them, frame bytes, the ranks' reports)."""
     from coordinator.train.planning import plan_steps
     from workers import protocol
     from workers.protocol.train_settings import BatchingSettings
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     wire = [protocol.WireSample.from_sample(sample) for sample in samples]
     plan = plan_steps(wire, BatchingSettings(), len(conns))
     del wire
@@ -142,23 +144,27 @@ def hand_off(samples: list, conns: list[socket.socket]) -> tuple[float, float, i
     del plan
     frames = [protocol.encode_frame(protocol.Request(rank + 1, command), 2**40)
               for rank, command in enumerate(commands)]
-    encoded = time.perf_counter()
+    encoded, cpu = time.perf_counter(), time.process_time() - cpu
     size = sum(len(frame) for frame in frames)
+    send_cpu = time.process_time()
     for conn, frame in zip(conns, frames, strict=True):  # the server sends rank after rank
         conn.sendall(b"D")
         conn.sendall(frame)
+    send_cpu = time.process_time() - send_cpu
     del frames, commands
     reports = read_reports(conns)
-    return time.perf_counter() - started, encoded - started, size, reports
+    return time.perf_counter() - started, encoded - started, cpu, send_cpu, size, reports
 
 
-def floor(frames: list[bytes], conns: list[socket.socket]) -> float:
-    started = time.perf_counter()
+def floor(frames: list[bytes], conns: list[socket.socket]) -> tuple[float, float]:
+    """(wall seconds until every rank has read its bytes, CPU seconds of the send and the slowest read)."""
+    started, cpu = time.perf_counter(), time.process_time()
     for conn, frame in zip(conns, frames, strict=True):
         conn.sendall(b"R")
         conn.sendall(frame)
-    read_reports(conns)
-    return time.perf_counter() - started
+    cpu = time.process_time() - cpu
+    reports = read_reports(conns)
+    return time.perf_counter() - started, cpu + max(report[2] for report in reports)
 
 
 def main() -> None:
@@ -188,24 +194,32 @@ def main() -> None:
     print(f"protocol {protocol.PROTOCOL_VERSION}: {len(samples)} samples, {tokens:,} tokens, "
           f"{sum(s.response_length for s in samples):,} response tokens, {args.ranks} rank processes, "
           f"load {os.getloadavg()[0]:.1f}")
-    ours, coordinator, floors, growth, rank_receive, rank_decode = [], [], [], [], [], []
+    hand_off(samples[: 2 * args.ranks], conns)  # warm-up: the ranks' first decode imports and allocates
+    ours, coordinator, coordinator_cpu, floors, growth, rank_decode, rank_cpu = [], [], [], [], [], [], []
+    ours_cpu: list[float] = []
+    floors_cpu: list[float] = []
     size = 0
     frames: list[bytes] = []
     for repeat in range(args.repeats):
         baseline = rss_bytes()
         with PeakRss() as peak:
-            wall, encode_s, size, reports = hand_off(samples, conns)
+            wall, encode_s, encode_cpu, send_cpu, size, reports = hand_off(samples, conns)
         growth.append(peak.peak - baseline)
         ours.append(wall)
         coordinator.append(encode_s)
-        rank_receive.append(max(report[0] for report in reports))
+        coordinator_cpu.append(encode_cpu)
         rank_decode.append(max(report[1] for report in reports))
+        rank_cpu.append(max(report[3] for report in reports))
+        ours_cpu.append(encode_cpu + send_cpu + max(report[2] + report[3] for report in reports))
         if not frames:  # the floor's bytes: the frames ours sent, built again outside any timing
             frames = _frames(samples, args.ranks)
-        floors.append(floor(frames, conns))
-        print(f"  round {repeat + 1}: ours {wall:.3f} s (coordinator {encode_s:.3f} s, ranks' receive "
-              f"{rank_receive[-1]:.3f} s, decode + tensors {rank_decode[-1]:.3f} s), floor {floors[-1]:.3f} s, "
-              f"RSS +{growth[-1] / 2**20:.0f} MiB")
+        floor_s, floor_cpu = floor(frames, conns)
+        floors.append(floor_s)
+        floors_cpu.append(floor_cpu)
+        print(f"  round {repeat + 1}: ours {wall:.3f} s (coordinator {encode_s:.3f} s, {encode_cpu:.3f} CPU-s; "
+              f"a rank's decode + tensors {rank_decode[-1]:.3f} s, {rank_cpu[-1]:.3f} CPU-s), floor "
+              f"{floors[-1]:.3f} s; CPU-s on the path {ours_cpu[-1]:.3f} vs {floor_cpu:.3f}; RSS "
+              f"+{growth[-1] / 2**20:.0f} MiB")
     for conn in conns:
         conn.sendall(b"Q")
         conn.close()
@@ -213,9 +227,15 @@ def main() -> None:
         process.join(30)
     listener.close()
     median = statistics.median
-    print(f"ours {median(ours):.3f} s (coordinator {median(coordinator):.3f} s, ranks' decode + tensors "
-          f"{median(rank_decode):.3f} s) vs loopback floor {median(floors):.3f} s for {size / 2**20:.1f} MiB: "
-          f"{median(ours) / median(floors):.1f}× (target ≤ 3×)")
+    channel = [wall - encode_s for wall, encode_s in zip(ours, coordinator, strict=True)]
+    print(f"ours {median(ours):.3f} s (coordinator {median(coordinator):.3f} s = {median(coordinator_cpu):.3f} "
+          f"CPU-s; a rank's decode + tensors {median(rank_decode):.3f} s = {median(rank_cpu):.3f} CPU-s) vs "
+          f"loopback floor {median(floors):.3f} s for {size / 2**20:.1f} MiB: {median(ours) / median(floors):.1f}× "
+          f"(target ≤ 3×); the channel alone (send + the ranks' decode, as bench.train_shapes reports it) "
+          f"{median(channel) / median(floors):.1f}×")
+    print(f"CPU seconds on the path (the coordinator's encode and send + the slowest rank's receive and decode, "
+          f"against the floor's send + slowest read; less bent by other load than wall time): "
+          f"{median(ours_cpu):.3f} vs {median(floors_cpu):.3f}: {median(ours_cpu) / median(floors_cpu):.1f}×")
     print(f"coordinator RSS growth while handing off: max {max(growth) / 2**20:.0f} MiB, first round "
           f"{growth[0] / 2**20:.0f} MiB; one copy of the frames is {size / 2**20:.0f} MiB")
 

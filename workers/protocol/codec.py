@@ -13,6 +13,7 @@ import sys
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 
 from workers.protocol.arrays import EXT_CODES, Kind, PackedArray, PackedArrayError
 from workers.protocol.frames import ProtocolError
@@ -35,8 +36,10 @@ def encode_hook(obj: Any) -> Any:
     if isinstance(obj, PackedArray):
         # Packed here, as the frame is written: the coordinator holds one sample's packed bytes besides the frame.
         data = obj.packed()
-        if obj.kind is Kind.TOKENS and len(data) and int(obj.numpy().min()) < 0:
-            raise ProtocolError(f"token id {int(obj.numpy().min())} is negative (ids are 0..2**31-1)")
+        if obj.kind is Kind.TOKENS and len(data):
+            lowest = int(np.frombuffer(data, dtype=obj.kind.dtype).min())
+            if lowest < 0:
+                raise ProtocolError(f"token id {lowest} is negative (ids are 0..2**31-1)")
         return msgspec.msgpack.Ext(obj.kind.ext_code, data)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):

@@ -307,7 +307,7 @@ CONTROL = Family(
 # ------------------------------------------------------------------------------------- the family's functions
 
 
-def encode_frame(message: ControlMessage, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+def encode_frame(message: ControlMessage, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytearray:
     """The message's frame; FrameTooLarge instead of a frame the peer must refuse."""
     return CONTROL.encode(message, max_frame_bytes)
 
