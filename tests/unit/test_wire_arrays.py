@@ -96,7 +96,6 @@ def body_with(**fields: object) -> bytes:
     ({"rollout_log_probs": Ext(4, b"\x00" * 12)}, "floats array of 12 bytes is not a whole number of 8-byte"),
     ({"response_length": 2}, r"loss_mask has 1 entries, response_length is 2 - at `\$.command.steps\[0\]\[0\]`"),
     ({"rollout_log_probs": Ext(4, b"")}, "rollout_log_probs has 0 entries, response_length is 1"),
-    ({"response_length": 4}, "response_length 4 outside 0..3 tokens"),
     ({"tokens": Ext(2, struct.pack("<2i", 5, -3))}, "token id -3 is negative"),
     ({"loss_mask": Ext(4, struct.pack("<d", 1.0))}, "a floats array where mask belongs"),
     ({"tokens": [4, 5, 6]}, r"Expected `PackedArray`, got `list` - at `\$.command.steps\[0\]\[0\].tokens`"),

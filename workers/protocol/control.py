@@ -95,7 +95,8 @@ class WireSample(Record):
 
     def __post_init__(self) -> None:
         # Runs when built and when decoded: lists become arrays (by reference), and every per-response-token
-        # array has one entry per response token (lengths are O(1): no value is read here).
+        # array has one entry per response token (lengths are O(1): no value is read here). That the response
+        # leaves a prompt token is the rank's check (`train_rank.batching.check_sample`), as before.
         self.tokens = PackedArray.of(Kind.TOKENS, self.tokens)
         self.loss_mask = PackedArray.of(Kind.MASK, self.loss_mask)
         self.rollout_log_probs = PackedArray.of(Kind.FLOATS, self.rollout_log_probs)
@@ -103,8 +104,6 @@ class WireSample(Record):
             self.teacher_log_probs = PackedArray.of(Kind.FLOATS, self.teacher_log_probs)
         if self.opd_reverse_kl is not None:
             self.opd_reverse_kl = PackedArray.of(Kind.FLOATS, self.opd_reverse_kl)
-        if not 0 <= self.response_length <= len(self.tokens):
-            raise PackedArrayError(f"response_length {self.response_length} outside 0..{len(self.tokens)} tokens")
         for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs", "opd_reverse_kl"):
             values = getattr(self, name)
             if values is not None and len(values) != self.response_length:
