@@ -156,3 +156,12 @@ def test_a_trained_tokens_non_finite_logprob_is_refused_on_the_rank() -> None:
                                  rollout_log_probs=[float("-inf"), -0.5])
     check_sample(masked, 0)  # a tool token's -inf is not trained on: accepted (and zeroed by `pack`)
     assert math.isinf(masked.rollout_log_probs[0])
+
+
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 65_535, 65_536])
+def test_float_lists_of_every_length_pack_bit_exactly(count: int) -> None:
+    # each msgpack array header size (fixarray, array 16, array 32), and lists msgspec writes otherwise
+    values = (-np.random.default_rng(count).random(count) * 9).tolist()
+    for listed in (values, [*values[:-1], -1] if count else [], [*values, True], [*values, np.float64(-0.25)]):
+        packed = PackedArray.of(Kind.FLOATS, listed).packed()
+        assert bytes(packed) == floats_bits([float(value) for value in listed])

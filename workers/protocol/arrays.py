@@ -7,9 +7,10 @@ a `Sample`'s list, a hook's numpy array or torch tensor — no copy until it is 
 packed bytes (the rank's: a view of the received frame — no copy until it becomes a tensor).
 
 Invariants:
-- Packing keeps today's meaning exactly: an int list is copied by `array` in C, a float list likewise (float64:
-  bit-identical to the Python floats; the trainer rounds to float32 itself, as it did from the lists); a value
-  `array` refuses (a float standing for an int, a numpy scalar) takes the per-value `int()` / `float()` path.
+- Packing keeps today's meaning exactly: an int list is copied by `array` in C, a float list through msgspec's
+  msgpack writer (float64: bit-identical to the Python floats; the trainer rounds to float32 itself, as it did
+  from the lists); a value `array` refuses (a float standing for an int) takes the per-value `int()` / `float()`
+  path.
 - A buffer is checked before any value is read: its byte count a multiple of the item size, tokens in 0..2**31-1
   (int32 bounds the top; the sign is checked vectorised), masks 0..255 (uint8 bounds them).
 - Packed bytes are little-endian whatever the host (numpy's explicit byte order on both ends).
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from enum import Enum
 from typing import TYPE_CHECKING, cast
 
+import msgspec
 import numpy as np
 
 if TYPE_CHECKING:
@@ -162,6 +164,10 @@ def as_numpy(kind: Kind, values: object) -> npt.NDArray[np.generic]:
 def _pack(kind: Kind, values: object) -> memoryview:
     name = kind.name.lower()
     if type(values) is list or type(values) is tuple:
+        if kind is Kind.FLOATS:
+            packed_floats = _floats_through_msgpack(values)
+            if packed_floats is not None:
+                return packed_floats
         if kind is Kind.MASK:
             try:  # ints 0..255 (bools too) in C, 3x faster than `array`
                 return memoryview(bytes(values))
@@ -189,6 +195,32 @@ def _pack(kind: Kind, values: object) -> memoryview:
         if values.min() < low or values.max() > high:
             raise PackedArrayError(f"{name}: values outside {low}..{high}")
     return memoryview(np.ascontiguousarray(values, dtype=kind.dtype)).cast("B")
+
+
+#: how msgpack writes a Python float: the tag 0xcb, then the IEEE double big-endian
+_MSGPACK_FLOAT = np.dtype([("tag", "u1"), ("value", ">f8")])
+_FLOAT_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _floats_through_msgpack(values: list[object] | tuple[object, ...]) -> memoryview | None:
+    """A list of Python floats as little-endian doubles, bit for bit, or None when it holds anything else.
+
+    msgspec writes such a list in C at ~4 ns a value, each float as 9 bytes (0xcb + the double big-endian), so
+    the doubles are a strided view of its output: one vectorised check of the tags, one byte-swapping copy —
+    ~2.5x faster than `array('d', values)`. An int, a bool, a numpy scalar is not 0xcb + 8 bytes (or not
+    encodable): None, and `array` takes the list."""
+    try:
+        encoded = _FLOAT_ENCODER.encode(values)
+    except (TypeError, msgspec.EncodeError):
+        return None
+    count = len(values)
+    header = 1 if count < 16 else 3 if count < 1 << 16 else 5  # fixarray, array 16, array 32
+    if len(encoded) != header + _MSGPACK_FLOAT.itemsize * count:
+        return None
+    records = np.frombuffer(encoded, dtype=_MSGPACK_FLOAT, offset=header)
+    if not (records["tag"] == 0xCB).all():
+        return None
+    return memoryview(records["value"].astype("<f8")).cast("B")
 
 
 def _per_value(kind: Kind, values: list[object] | tuple[object, ...]) -> array.array[int] | array.array[float]:
