@@ -1,8 +1,9 @@
 """One call to the ranks: every rank's frame encoded before any is sent, then every rank's reply gathered.
 
-Owns the encoding of a call's requests (off the event loop) and the gathering of its replies. Invariants:
-a frame over the limit fails the call before any rank was sent a command; a call never hangs on a rank that
-answered with an error while the others wait in a collective it never entered (`error_window_s`).
+Owns the encoding of a call's requests (off the event loop), sending each frame in slices (`send_frame`), and the
+gathering of its replies. Invariants: a frame over the limit fails the call before any rank was sent a command; a
+call never hangs on a rank that answered with an error while the others wait in a collective it never entered
+(`error_window_s`); a frame is never copied whole while it is sent.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import anyio
+import anyio.abc
 
 from coordinator.train.connection import Call, Pending
 from coordinator.train.errors import RankCommandError, RankFailure
@@ -29,6 +31,19 @@ async def encode_frames(
         }
 
     return await anyio.to_thread.run_sync(encode)
+
+
+#: a frame goes to the transport in slices of this size: asyncio's transport copies what the socket did not take
+#: at once, so a whole frame handed over would be held twice while the rank reads it
+SEND_CHUNK_BYTES = 1 << 20
+
+
+async def send_frame(stream: anyio.abc.ByteStream, frame: bytes | bytearray) -> None:
+    """Send one frame in `SEND_CHUNK_BYTES` slices (views, no copy), each waiting for the transport to drain: the
+    coordinator holds the frames and at most a slice more, never a second copy of a rollout's command."""
+    view = memoryview(frame)
+    for offset in range(0, len(view), SEND_CHUNK_BYTES):
+        await stream.send(view[offset : offset + SEND_CHUNK_BYTES])  # type: ignore[arg-type]
 
 
 async def gather_replies(

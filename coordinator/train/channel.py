@@ -33,7 +33,7 @@ import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from coordinator.train.calls import encode_frames, gather_replies
+from coordinator.train.calls import encode_frames, gather_replies, send_frame
 from coordinator.train.connection import (
     STREAM_ERRORS,
     Call,
@@ -334,12 +334,13 @@ class ControlServer:
             frames = await encode_frames(requests, self.max_frame_bytes)
             call = Call()
             pendings: dict[int, Pending] = {}
-            for rank, (request_id, data) in frames.items():
+            for rank in list(frames):
+                request_id, data = frames.pop(rank)  # each frame released once sent
                 conn = self._connections[rank]
                 pending = pendings[rank] = conn.pending[request_id] = Pending(rank, call, commands[rank].reply)
                 try:
                     async with conn.send_lock:
-                        await conn.stream.send(data)
+                        await send_frame(conn.stream, data)
                 except STREAM_ERRORS as exc:
                     conn.pending.pop(request_id, None)
                     self._fail(RankFailure([rank], f"rank {rank} could not be sent a command ({exc!r})"))

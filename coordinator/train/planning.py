@@ -61,7 +61,7 @@ def plan_steps(samples: list[WireSample], batching: BatchingSettings, world_size
         plan.append(
             StepPlan(
                 shards=[[step[index] for index in shard] for shard in shards],
-                loss_tokens=sum(sum(sample.loss_mask) for sample in step),
+                loss_tokens=sum(int(sample.loss_mask.sum()) for sample in step),
             )
         )
     return plan

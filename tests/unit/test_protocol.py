@@ -25,6 +25,7 @@ from coordinator.train.torchrun import TorchrunSpec
 from tests.support.memory import PeakMemory
 from tests.support.train_settings import init_command
 from workers import protocol
+from workers.protocol.arrays import Kind, PackedArray
 
 
 def hello(
@@ -179,7 +180,9 @@ def test_records_decode_typed_and_refuse_unknown_or_missing_fields() -> None:
     body = protocol.unpack(protocol.pack(protocol.TrainResult([step_metrics(0.5)]).to_wire()))
     assert body["kind"] == "train" and protocol.TrainResult.from_wire(body).steps == [step_metrics(0.5)]
 
-    sample = {"tokens": [1, 2], "response_length": 1, "loss_mask": [1], "rollout_log_probs": [0.0]}
+    # plain values as `unpack` gives them: a per-token array is its PackedArray (a list is not one)
+    sample = {"tokens": PackedArray.of(Kind.TOKENS, [1, 2]), "response_length": 1,
+              "loss_mask": PackedArray.of(Kind.MASK, [1]), "rollout_log_probs": PackedArray.of(Kind.FLOATS, [0.0])}
     train = {"kind": "train", "rollout_id": 0, "step_loss_tokens": [1]}
     with pytest.raises(protocol.ProtocolError, match=r"unknown field `reward` - at `\$.steps\[0\]\[0\]`"):
         protocol.decode_message({**train, "steps": [[{**sample, "reward": 1.0}]]})
@@ -187,8 +190,8 @@ def test_records_decode_typed_and_refuse_unknown_or_missing_fields() -> None:
         protocol.decode_message({**train, "steps": [[{k: v for k, v in sample.items() if k != "loss_mask"}]]})
     with pytest.raises(protocol.ProtocolError, match=r"Expected `array`, got `object` - at `\$.steps\[0\]`"):
         protocol.decode_message({**train, "steps": [sample]})
-    with pytest.raises(protocol.ProtocolError, match=r"Expected `int`, got `float` - at `\$.steps\[0\]\[0\].tokens\[1\]`"):
-        protocol.decode_message({**train, "steps": [[{**sample, "tokens": [1, 2.5]}]]})
+    with pytest.raises(protocol.ProtocolError, match=r"Expected `PackedArray`, got `list` - at `\$.steps\[0\]\[0\].tokens`"):
+        protocol.decode_message({**train, "steps": [[{**sample, "tokens": [1, 2]}]]})
     metrics = step_metrics(0.5).to_wire()
     with pytest.raises(protocol.ProtocolError, match=r"a TrainResult: Object contains unknown field `sum` - at `\$.steps\[0\]`"):
         protocol.TrainResult.from_wire({"steps": [{**metrics, "sum": {}}]})

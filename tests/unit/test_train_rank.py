@@ -64,8 +64,12 @@ def test_padded_micro_batch_logprobs_match_single_sequence_forward(tiny_model_di
 
 def test_malformed_samples_are_rejected_with_the_field_named() -> None:
     good = protocol.WireSample(tokens=[5, 6, 7], response_length=1, loss_mask=[1], rollout_log_probs=[-1.0])
+    with pytest.raises(ValueError, match="loss_mask has 2 entries, response_length is 1"):
+        replace(good, loss_mask=[1, 1])  # refused when built (and when decoded: test_wire_arrays)
+    bad = replace(good)
+    bad.loss_mask = [1, 1]  # set after building: the rank's batching still names it
     with pytest.raises(BatchError, match="sample 1: loss_mask has 2 entries, response_length is 1"):
-        plan([good, replace(good, loss_mask=[1, 1])], max_tokens=10, micro_batch_size=None)
+        plan([good, bad], max_tokens=10, micro_batch_size=None)
     with pytest.raises(BatchError, match="must leave at least one prompt token"):
         plan([replace(good, response_length=3, loss_mask=[1] * 3, rollout_log_probs=[0.0] * 3)],
              max_tokens=10, micro_batch_size=None)

@@ -1,5 +1,5 @@
-"""`WireSample.from_sample` (workers/protocol/control.py): plain lists take msgspec's C copy, everything else
-the per-value path, and both give the same plain ints and floats."""
+"""`WireSample.from_sample` (workers/protocol/control.py): plain lists are packed by `array` in C, everything else
+takes the per-value path, and both read back as the same plain ints and floats."""
 
 from __future__ import annotations
 

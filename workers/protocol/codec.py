@@ -1,4 +1,5 @@
-"""The control channel's msgpack codec: plain values, and tensors as the `TENSOR_EXT` extension, never pickle.
+"""The control channel's msgpack codec: plain values, tensors as the `TENSOR_EXT` extension, a sample's per-token
+arrays as the `workers.protocol.arrays` extensions (packed little-endian bytes), never pickle.
 
 Owns the tensor extension (`[dtype name, shape, raw bytes]`) and the hooks the control channel's family gives
 msgspec, plus `pack` / `unpack` of untyped bodies. Imports no torch: only tensors that exist are encoded, and a
@@ -12,7 +13,9 @@ import sys
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 
+from workers.protocol.arrays import EXT_CODES, Kind, PackedArray, PackedArrayError
 from workers.protocol.frames import ProtocolError
 
 TENSOR_EXT = 1
@@ -28,7 +31,16 @@ _TENSOR_PARTS = msgspec.msgpack.Encoder()
 
 
 def encode_hook(obj: Any) -> Any:
-    """What msgspec cannot encode by itself: tensors, and subclasses of plain scalars (numpy's too)."""
+    """What msgspec cannot encode by itself: per-token arrays, tensors, and subclasses of plain scalars (numpy's
+    too)."""
+    if isinstance(obj, PackedArray):
+        # Packed here, as the frame is written: the coordinator holds one sample's packed bytes besides the frame.
+        data = obj.packed()
+        if obj.kind is Kind.TOKENS and len(data):
+            lowest = int(np.frombuffer(data, dtype=obj.kind.dtype).min())
+            if lowest < 0:
+                raise ProtocolError(f"token id {lowest} is negative (ids are 0..2**31-1)")
+        return msgspec.msgpack.Ext(obj.kind.ext_code, data)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         tensor = obj.detach().to("cpu").contiguous()
@@ -46,6 +58,11 @@ def encode_hook(obj: Any) -> Any:
 
 
 def ext_hook(code: int, data: memoryview) -> Any:
+    if code in EXT_CODES:  # a view of the frame's buffer, kept: the rank's arrays are not copied out of it
+        try:
+            return PackedArray.from_ext(code, data)
+        except PackedArrayError as exc:
+            raise ProtocolError(str(exc)) from None
     if code != TENSOR_EXT:
         raise ProtocolError(f"unknown msgpack ext type {code} on the control channel")
     try:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 import msgspec
 
 from workers.protocol import codec
+from workers.protocol.arrays import Kind, PackedArray, PackedArrayError
 from workers.protocol.frames import framed
 from workers.protocol.messages import Family, Int31, Message, Record, Token, union_of
 from workers.protocol.replies import (
@@ -40,8 +41,6 @@ from workers.protocol.replies import (
 from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from anyio.abc import ByteStream
     from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -53,8 +52,9 @@ if TYPE_CHECKING:
 # 9: BatchingSettings.dynamic_global_batch_size; 10: WireSample.opd_reverse_kl and OpdSettings.top_k (top-k OPD);
 # 11: TrainSettings.returns and .critic (PPO's value model); 12: Response.result one typed reply per command
 # (`replies`); 13: ExportWeightsCommand.delta_encoding / .delta_base_version and ExportWeightsReply.delta / .changed
-# (slime's delta weight updates)
-PROTOCOL_VERSION = 13
+# (slime's delta weight updates); 14: WireSample's per-token fields as packed arrays (`arrays`: int32 / uint8 /
+# float64 buffers as msgpack extensions, not one msgpack value per token)
+PROTOCOL_VERSION = 14
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -75,63 +75,61 @@ class ControlMessage(Message):
 
 class WireSample(Record):
     """One sample as a rank trains on it: prompt + response `tokens`, the response being the last
-    `response_length` of them; `loss_mask` and `rollout_log_probs` have one entry per response token."""
+    `response_length` of them; `loss_mask` and `rollout_log_probs` have one entry per response token.
 
-    tokens: list[int]
+    The per-token fields are `PackedArray`s (`workers.protocol.arrays`: int32 tokens, uint8 mask, float64
+    logprobs on the wire, one buffer each); built from lists (or a hook's numpy arrays / tensors) they keep a
+    reference and are packed as the frame is written. They read like the lists they replace."""
+
+    tokens: PackedArray
     response_length: int
-    loss_mask: list[int]
-    rollout_log_probs: list[float]
+    loss_mask: PackedArray
+    rollout_log_probs: PackedArray
     advantage: float = 0.0
     #: on-policy distillation's teacher logprob of each response token (None: not distilled, or computed by
     #: the rank's own teacher)
-    teacher_log_probs: list[float] | None = None
+    teacher_log_probs: PackedArray | None = None
     #: miles' top-k on-policy distillation: the weighted reverse KL of each response token, computed during the
     #: rollout (None: not top-k OPD)
-    opd_reverse_kl: list[float] | None = None
+    opd_reverse_kl: PackedArray | None = None
+
+    def __post_init__(self) -> None:
+        # Runs when built and when decoded: lists become arrays (by reference), and every per-response-token
+        # array has one entry per response token (lengths are O(1): no value is read here). That the response
+        # leaves a prompt token is the rank's check (`train_rank.batching.check_sample`), as before.
+        self.tokens = PackedArray.of(Kind.TOKENS, self.tokens)
+        self.loss_mask = PackedArray.of(Kind.MASK, self.loss_mask)
+        self.rollout_log_probs = PackedArray.of(Kind.FLOATS, self.rollout_log_probs)
+        if self.teacher_log_probs is not None:
+            self.teacher_log_probs = PackedArray.of(Kind.FLOATS, self.teacher_log_probs)
+        if self.opd_reverse_kl is not None:
+            self.opd_reverse_kl = PackedArray.of(Kind.FLOATS, self.opd_reverse_kl)
+        for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs", "opd_reverse_kl"):
+            values = getattr(self, name)
+            if values is not None and len(values) != self.response_length:
+                raise PackedArrayError(f"{name} has {len(values)} entries, response_length is "
+                                       f"{self.response_length}")
 
     @classmethod
     def from_sample(cls, sample: Sample) -> WireSample:
-        """A `replay.sample.Sample`, validated, → plain ints and floats (a hook may have left numpy or torch
-        values in its lists)."""
+        """A `replay.sample.Sample`, validated, as a wire sample: its lists (or a hook's numpy / torch values in
+        them) by reference, packed into int32 / uint8 / float64 buffers when the frame is written — a copy by
+        `array` in C for plain ints and floats, the per-value `int()` / `float()` path for anything else."""
         sample.validate()
         return cls(
-            tokens=_ints(sample.tokens),
+            tokens=PackedArray.of(Kind.TOKENS, sample.tokens),
             response_length=int(sample.response_length),
-            loss_mask=_ints(sample.loss_mask),
-            rollout_log_probs=_floats(sample.rollout_log_probs),
+            loss_mask=PackedArray.of(Kind.MASK, sample.loss_mask),
+            rollout_log_probs=PackedArray.of(Kind.FLOATS, sample.rollout_log_probs),
             advantage=float(sample.advantage),
-            teacher_log_probs=_optional_floats(sample.teacher_log_probs),
-            opd_reverse_kl=_optional_floats(sample.opd_reverse_kl),
+            teacher_log_probs=_optional(sample.teacher_log_probs),
+            opd_reverse_kl=_optional(sample.opd_reverse_kl),
         )
 
 
-# A list of plain ints / floats (what the generate path and the dump reader produce) is checked and copied by
-# msgspec in C, ~9x faster than a Python loop (8k tokens: 0.24 ms against 2.1 ms); anything else — numpy or
-# torch values from a hook, bools, floats standing for ints — takes the per-value path, with its old meaning.
-_INT_LIST: Any = list[int]
-_FLOAT_LIST: Any = list[float]
-
-
-def _plain(values: Any, list_type: Any, convert: Callable[[Any], Any]) -> list[Any]:
-    if type(values) is list:
-        try:
-            return msgspec.convert(values, list_type)
-        except msgspec.ValidationError:
-            pass
-    return [convert(value) for value in (values.tolist() if hasattr(values, "tolist") else values)]
-
-
-def _ints(values: Any) -> list[int]:
-    return _plain(values, _INT_LIST, int)
-
-
-def _floats(values: Any) -> list[float]:
-    return _plain(values, _FLOAT_LIST, float)
-
-
-def _optional_floats(values: Any) -> list[float] | None:
-    """A list (or a hook's tensor, as slime's OPD post-process leaves) as plain floats; None stays None."""
-    return None if values is None else _floats(values)
+def _optional(values: object) -> PackedArray | None:
+    """A list (or a hook's tensor, as slime's OPD post-process leaves) as float64 values; None stays None."""
+    return None if values is None else PackedArray.of(Kind.FLOATS, values)
 
 
 # The handshake.
@@ -308,7 +306,7 @@ CONTROL = Family(
 # ------------------------------------------------------------------------------------- the family's functions
 
 
-def encode_frame(message: ControlMessage, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+def encode_frame(message: ControlMessage, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytearray:
     """The message's frame; FrameTooLarge instead of a frame the peer must refuse."""
     return CONTROL.encode(message, max_frame_bytes)
 

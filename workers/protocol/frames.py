@@ -2,7 +2,7 @@
 
 Owns `HEADER`, the limits shared by every contract before a peer is authenticated (`MAX_HELLO_BYTES`,
 `MAX_TOKEN_CHARS`), and `ProtocolError` with its kinds. Invariant: a frame over the limit is never written
-(`framed` raises first) and never read past its header (`check_length` raises after the 4 bytes).
+(`framed` / `check_body_length` raise first) and never read past its header (`check_length` raises after the 4 bytes).
 """
 
 from __future__ import annotations
@@ -34,9 +34,14 @@ class VersionMismatch(ProtocolError):
 
 def framed(body: bytes, limit: int, what: str, hint: str = "") -> bytes:
     """Header + body; FrameTooLarge instead of a frame the peer must refuse."""
-    if len(body) > limit:
-        raise FrameTooLarge(f"frame of {len(body)} bytes exceeds the {what} limit of {limit} bytes{hint}")
+    check_body_length(len(body), limit, what, hint)
     return HEADER.pack(len(body)) + body
+
+
+def check_body_length(length: int, limit: int, what: str, hint: str = "") -> None:
+    """FrameTooLarge for a body of `length` bytes over the sender's `limit` (before it is written)."""
+    if length > limit:
+        raise FrameTooLarge(f"frame of {length} bytes exceeds the {what} limit of {limit} bytes{hint}")
 
 
 def check_length(length: int, limit: int, what: str = "control-channel") -> None:

@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar, Union
 import msgspec
 
 from workers.protocol.frames import (
+    HEADER,
     MAX_HELLO_BYTES,
     MAX_TOKEN_CHARS,
     ProtocolError,
     VersionMismatch,
-    framed,
+    check_body_length,
     read_frame,
     read_hello_frame,
 )
@@ -168,11 +169,16 @@ class Family:
 
     # ------------------------------------------------------------------------------------- encode/decode
 
-    def encode(self, message: Message, limit: int | None = None) -> bytes:
-        """The message's frame; the family's error (FrameTooLarge on the control channel) over `limit`."""
+    def encode(self, message: Message, limit: int | None = None) -> bytearray:
+        """The message's frame; the family's error (FrameTooLarge on the control channel) over `limit`. Encoded
+        after a reserved header, in one buffer: a large frame is never copied to prepend its length."""
         try:
-            body = self._encoder.encode(message)
-            return framed(body, self.max_frame_bytes if limit is None else limit, self._adjective, self.limit_hint)
+            frame = bytearray(HEADER.size)
+            self._encoder.encode_into(message, frame, HEADER.size)
+            check_body_length(len(frame) - HEADER.size, self.max_frame_bytes if limit is None else limit,
+                              self._adjective, self.limit_hint)
+            HEADER.pack_into(frame, 0, len(frame) - HEADER.size)
+            return frame
         except ProtocolError as exc:
             raise self._as_error(exc) from None
         except Exception as exc:

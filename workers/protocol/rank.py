@@ -79,7 +79,9 @@ class RankChannel:
         check_length(length, self.max_frame_bytes)
         return decode_body(self._receive_exactly(length))
 
-    def _receive_exactly(self, count: int) -> bytes:
+    def _receive_exactly(self, count: int) -> bytearray:
+        """`count` bytes, read into one buffer that is decoded in place (a sample's packed arrays stay views of
+        it: a train command is not copied after it arrives)."""
         buffer = bytearray(count)
         view = memoryview(buffer)
         received = 0
@@ -88,7 +90,7 @@ class RankChannel:
             if chunk == 0:
                 raise ConnectionError("the coordinator closed the control channel")
             received += chunk
-        return bytes(buffer)
+        return buffer
 
     def close(self) -> None:
         self.sock.close()

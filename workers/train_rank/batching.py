@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.protocol import WireSample
+from workers.protocol.arrays import Kind, as_numpy
 
 
 class BatchError(ValueError):
@@ -85,21 +87,31 @@ class MicroBatch:
 
 
 def check_sample(sample: WireSample, index: int) -> None:
-    tokens = sample.tokens
+    """Lengths agree (the wire checked them already; a sample built in-process is checked here too) and every
+    trained token's rollout logprob is finite (vectorised: a NaN there would make the loss NaN)."""
     response_length = sample.response_length
-    if not isinstance(tokens, list) or not isinstance(response_length, int):
-        raise BatchError(f"sample {index}: needs a 'tokens' list and an int 'response_length'")
-    if response_length < 0 or response_length >= len(tokens):
+    if not isinstance(response_length, int):
+        raise BatchError(f"sample {index}: needs an int 'response_length'")
+    if response_length < 0 or response_length >= len(sample.tokens):
         raise BatchError(
             f"sample {index}: response_length {response_length} must leave at least one prompt token "
-            f"of {len(tokens)}"
+            f"of {len(sample.tokens)}"
         )
     for key, values in (("loss_mask", sample.loss_mask), ("rollout_log_probs", sample.rollout_log_probs)):
-        if not isinstance(values, list) or len(values) != response_length:
-            count = len(values) if isinstance(values, list) else "no"
+        if len(values) != response_length:
             raise BatchError(
-                f"sample {index}: {key} has {count} entries, response_length is {response_length}"
+                f"sample {index}: {key} has {len(values)} entries, response_length is {response_length}"
             )
+    if response_length:
+        trained = as_numpy(Kind.FLOATS, sample.rollout_log_probs)[as_numpy(Kind.MASK, sample.loss_mask) != 0]
+        if not np.isfinite(trained).all():
+            raise BatchError(f"sample {index}: a trained token's rollout logprob is not finite "
+                             f"({trained[~np.isfinite(trained)][0]})")
+
+
+def token_ids(sample: WireSample) -> torch.Tensor:
+    """The sample's tokens as a long tensor, from its packed int32 buffer (no per-value work)."""
+    return torch.from_numpy(as_numpy(Kind.TOKENS, sample.tokens).astype(np.int64))
 
 
 def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
@@ -116,7 +128,7 @@ def collate(samples: list[WireSample], pad_token_id: int) -> MicroBatch:
     spans: list[tuple[int, int]] = []
     for row, sample in enumerate(samples):
         count = len(sample.tokens)
-        input_ids[row, :count] = torch.tensor(sample.tokens, dtype=torch.long)
+        input_ids[row, :count] = token_ids(sample)
         attention_mask[row, :count] = 1
         start = count - sample.response_length - 1
         fill_response(sample, loss_mask[row], rollout[row], advantages[row], start)
@@ -133,10 +145,11 @@ def fill_response(sample: WireSample, loss_mask: torch.Tensor, rollout: torch.Te
     end = start + sample.response_length
     if not sample.response_length:
         return
-    loss_mask[start:end] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-    rollout[start:end] = torch.tensor(
-        [value if mask else 0.0 for value, mask in zip(sample.rollout_log_probs, sample.loss_mask, strict=True)],
-        dtype=torch.float32)
+    mask = as_numpy(Kind.MASK, sample.loss_mask)
+    loss_mask[start:end] = torch.from_numpy(mask.astype(np.float32))
+    # float64 on the wire, rounded to float32 here as the lists were; 0.0 off the loss mask
+    logprobs = np.where(mask != 0, as_numpy(Kind.FLOATS, sample.rollout_log_probs), 0.0)
+    rollout[start:end] = torch.from_numpy(logprobs.astype(np.float32))
     advantages[start:end] = float(sample.advantage)
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from workers.protocol.arrays import Kind, as_numpy
 from workers.protocol.train_settings import OpdSettings
 
 METRIC = "opd_reverse_kl"  # slime's and miles' name
@@ -52,8 +54,8 @@ def _per_token(samples: Sequence[Any], spans: Sequence[tuple[int, int]], shape: 
             count = "no" if values is None else len(values)
             raise DistillError(f"sample {index} of the micro-batch has {count} {name} for {end - start} "
                                f"response tokens: {why}")
-        if end > start:
-            flat[start:end] = torch.tensor(values, dtype=torch.float32)
+        if end > start:  # a packed array (the wire's float64, rounded as the lists were) or a list
+            flat[start:end] = torch.from_numpy(as_numpy(Kind.FLOATS, values).astype(np.float32))
     return flat.view(shape)
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from workers.protocol import WireSample
+from workers.protocol.arrays import Kind, as_numpy
 from workers.train_rank.batching import MicroBatch, check_sample, fill_response
 
 
@@ -75,7 +77,8 @@ def pack(samples: Sequence[WireSample], pad_token_id: int) -> MicroBatch:
         return MicroBatch(torch.full((1, 2), pad_token_id, dtype=torch.long), None, zeros, zeros.clone(),
                           zeros.clone(), 0, (), (), torch.arange(2).unsqueeze(0), torch.zeros((1, 1), dtype=torch.long))
     total = sum(len(sample.tokens) for sample in samples)
-    input_ids = torch.tensor([token for sample in samples for token in sample.tokens], dtype=torch.long)
+    input_ids = torch.from_numpy(np.concatenate([as_numpy(Kind.TOKENS, sample.tokens) for sample in samples])
+                                 .astype(np.int64))
     position_ids = torch.cat([torch.arange(len(sample.tokens)) for sample in samples])
     loss_mask = torch.zeros(total - 1, dtype=torch.float32)
     rollout = torch.zeros(total - 1, dtype=torch.float32)

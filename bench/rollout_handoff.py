@@ -1,0 +1,268 @@
+"""Benchmark: one rollout handed to the ranks over the control channel, against the same bytes over loopback.
+
+Issue 38's figure: 512 samples × 8,192 tokens (1,024 prompt + 7,168 response: 4.2 M tokens, 3.7 M mask entries
+and logprobs) to 2 ranks. Measured, alternating in one run:
+- ours: from the coordinator's `Sample`s to both ranks holding their micro-batches' tensors, through the real
+  control server — `WireSample.from_sample` and `plan_steps` (as `TrainCommands.train` prepares a rollout), then
+  `ControlServer.call` (every rank's frame encoded off the event loop, sent rank after rank) to 2 rank processes
+  that joined with `RankChannel.connect` (Hello, token) and, per command, `receive` it (the typed decode), run
+  `packing.plan` / `packing.pack` over every step (the tensors the trainer trains on) and answer a `TrainResult`;
+- the floor: the same frames' bytes sent over a second loopback socket to the same processes, read into a buffer.
+Reported: medians of each, the ratio (target ≤ 3×) and the channel's alone (ours less the coordinator's
+preparation and encoding, as `bench.train_shapes` reports it), a rank's decode in wall and CPU seconds, CPU seconds
+on the path against the floor's, and the coordinator's RSS growth while handing off (sampled every 2 ms)
+against one copy of the frames.
+
+    python -m bench.rollout_handoff [--samples 512] [--tokens 8192] [--prompt 1024] [--repeats 5]
+
+Runs against any checkout with the same public names (`PYTHONPATH=<checkout>`), so main's figure is measured
+with the same script. About 60–120 CPU-seconds with the defaults (building the samples is a third of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import secrets
+import socket
+import statistics
+import struct
+import threading
+import time
+from pathlib import Path
+
+QWEN3_VOCAB = 151_936
+_REPORT = struct.Struct("<dddd")  # a rank's (receive s, decode s, receive CPU s, decode CPU s)
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The highest RSS seen while the block runs, sampled by a thread."""
+
+    def __init__(self, every_s: float = 0.002) -> None:
+        self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> PeakRss:
+        self.peak = rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def build_samples(count: int, tokens: int, prompt: int, seed: int = 0) -> list:
+    """Samples as the generate path leaves them: plain int and float lists, distinct values."""
+    import numpy as np
+
+    from replay.sample import Sample, SampleStatus
+
+    rng = np.random.default_rng(seed)
+    response = tokens - prompt
+    batch = []
+    for index in range(count):
+        mask = [1] * response
+        mask[:: 97] = [0] * len(mask[:: 97])  # a few tool tokens
+        batch.append(Sample(group_index=index // 8, sample_index=index % 8, prompt="",
+                            tokens=rng.integers(0, QWEN3_VOCAB, tokens).tolist(), response_length=response,
+                            loss_mask=mask, rollout_log_probs=(-rng.random(response) * 3).tolist(), reward=1.0,
+                            status=SampleStatus.COMPLETED, advantage=float(rng.normal())))
+    return batch
+
+
+def rank_process(control: str, token: str, rank: int, floor_address: tuple[str, int], max_tokens: int) -> None:
+    """One rank: joins the control channel as the real rank does; per round one TrainCommand (received, decoded,
+    its steps packed into micro-batch tensors, answered) then one floor frame read raw from the second socket;
+    after each, (receive s, decode s, receive CPU s, decode CPU s) on the floor socket."""
+    from workers import protocol
+    from workers.train_rank import packing
+
+    hello = protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, token=token, rank=rank, world_size=2,
+                           local_rank=rank, pid=os.getpid())
+    channel = protocol.RankChannel.connect(control, hello, max_frame_bytes=2**40)
+    raw = socket.create_connection(floor_address)
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    floor_channel = protocol.RankChannel(raw, 2**40)
+    while True:
+        cpu = time.process_time()
+        try:
+            length = protocol.HEADER.unpack(channel._receive_exactly(4))[0]
+        except ConnectionError:  # the bench is over
+            return
+        received_at = time.perf_counter()  # the first bytes: the coordinator has encoded
+        body = channel._receive_exactly(length)
+        received, receive_cpu = time.perf_counter(), time.process_time() - cpu
+        cpu = time.process_time()
+        request = protocol.decode_body(body)
+        del body
+        steps = request.command.steps
+        for samples in steps:
+            for group in packing.plan(samples, max_tokens=max_tokens, micro_batch_size=None):
+                packing.pack([samples[i] for i in group], 0)
+        decoded, decode_cpu = time.perf_counter(), time.process_time() - cpu
+        metrics = protocol.StepMetrics(0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0)
+        channel.send(protocol.Response(request.request_id, True, protocol.TrainResult([metrics] * len(steps))))
+        del request, steps
+        raw.sendall(_REPORT.pack(received - received_at, decoded - received, receive_cpu, decode_cpu))
+        cpu = time.process_time()
+        length = protocol.HEADER.unpack(floor_channel._receive_exactly(4))[0]
+        floor_channel._receive_exactly(length)
+        raw.sendall(_REPORT.pack(0.0, 0.0, time.process_time() - cpu, 0.0))
+
+
+def read_reports(conns: list[socket.socket]) -> list[tuple[float, float, float, float]]:
+    reports = []
+    for conn in conns:
+        data = b""
+        while len(data) < _REPORT.size:
+            chunk = conn.recv(_REPORT.size - len(data))
+            if not chunk:
+                raise ConnectionError("a rank process closed its connection")
+            data += chunk
+        reports.append(_REPORT.unpack(data))
+    return reports
+
+
+async def hand_off(server: object, samples: list, ranks: int) -> tuple[float, float, float]:
+    """Ours: (wall seconds until every rank has its tensors and answered, the coordinator's seconds to prepare
+    the rollout, the coordinator's CPU seconds in all)."""
+    import anyio
+
+    from coordinator.train.planning import plan_steps
+    from workers import protocol
+    from workers.protocol.train_settings import BatchingSettings
+
+    def prepare() -> list:
+        wire = [protocol.WireSample.from_sample(sample) for sample in samples]
+        return plan_steps(wire, BatchingSettings(), ranks)
+
+    started, cpu = time.perf_counter(), time.process_time()
+    plan = await anyio.to_thread.run_sync(prepare)  # as TrainCommands.train does
+    prepared = time.perf_counter()
+    commands = {rank: protocol.TrainCommand(rollout_id=0, steps=[step.shards[rank] for step in plan],
+                                            step_loss_tokens=[step.loss_tokens for step in plan])
+                for rank in range(ranks)}
+    del plan
+    await server.call(commands)  # type: ignore[attr-defined]
+    return time.perf_counter() - started, prepared - started, time.process_time() - cpu
+
+
+def floor(frames: list[bytes], conns: list[socket.socket]) -> tuple[float, float]:
+    """(wall seconds until every rank has read its bytes, CPU seconds of the send and the slowest read)."""
+    started, cpu = time.perf_counter(), time.process_time()
+    for conn, frame in zip(conns, frames, strict=True):
+        conn.sendall(frame)
+    cpu = time.process_time() - cpu
+    reports = read_reports(conns)
+    return time.perf_counter() - started, cpu + max(report[2] for report in reports)
+
+
+def frames_of(samples: list, ranks: int) -> list[bytes]:
+    """Each rank's frame, as the control server encodes it (built outside any timing: the floor's bytes)."""
+    from coordinator.train.planning import plan_steps
+    from workers import protocol
+    from workers.protocol.train_settings import BatchingSettings
+
+    plan = plan_steps([protocol.WireSample.from_sample(sample) for sample in samples], BatchingSettings(), ranks)
+    return [bytes(protocol.encode_frame(protocol.Request(rank + 1, protocol.TrainCommand(
+        0, [step.shards[rank] for step in plan], [step.loss_tokens for step in plan])), 2**40))
+        for rank in range(ranks)]
+
+
+async def run(args: argparse.Namespace) -> None:
+    import anyio
+
+    from coordinator.train.channel import ControlServer
+    from workers import protocol
+
+    ranks = 2
+    token = secrets.token_hex(16)
+    server = ControlServer(world_size=ranks, token=token, max_frame_bytes=2**40)
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    floor_listener = socket.create_server(("127.0.0.1", 0))
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=rank_process, args=(f"127.0.0.1:{port}", token, rank,
+                                                             floor_listener.getsockname(), 8192))
+                 for rank in range(ranks)]
+    async with anyio.create_task_group() as group:
+        group.start_soon(server.serve, listener, group)
+        for process in processes:
+            process.start()
+        await server.wait_all_connected(120)
+        conns = []
+        for _ in processes:
+            conn, _ = await anyio.to_thread.run_sync(floor_listener.accept)
+            conns.append(conn)
+        samples = build_samples(args.samples, args.tokens, args.prompt)
+        frames = frames_of(samples, ranks)
+        print(f"protocol {protocol.PROTOCOL_VERSION}: {len(samples)} samples, "
+              f"{sum(len(s.tokens) for s in samples):,} tokens, {sum(s.response_length for s in samples):,} "
+              f"response tokens, {ranks} rank processes, load {os.getloadavg()[0]:.1f}")
+        first_growth = 0
+        figures: dict[str, list[float]] = {name: [] for name in (
+            "ours", "prepare", "coordinator_cpu", "floor", "floor_cpu", "growth", "decode", "decode_cpu", "path_cpu")}
+        for repeat in range(args.repeats + 1):  # round 0 warms up (the ranks' first decode imports)
+            baseline = rss_bytes()
+            with PeakRss() as peak:
+                wall, prepare_s, coordinator_cpu = await hand_off(server, samples, ranks)
+            reports = await anyio.to_thread.run_sync(read_reports, conns)
+            floor_s, floor_cpu = await anyio.to_thread.run_sync(floor, frames, conns)
+            if repeat == 0:  # the process's first hand-off: its heap grows here, later rounds may reuse it
+                first_growth = peak.peak - baseline
+                continue
+            row = {"ours": wall, "prepare": prepare_s, "coordinator_cpu": coordinator_cpu, "floor": floor_s,
+                   "floor_cpu": floor_cpu, "growth": peak.peak - baseline,
+                   "decode": max(report[1] for report in reports), "decode_cpu": max(r[3] for r in reports),
+                   "path_cpu": coordinator_cpu + max(report[2] + report[3] for report in reports)}
+            for name, value in row.items():
+                figures[name].append(value)
+            print(f"  round {repeat}: ours {wall:.3f} s (preparing {prepare_s:.3f} s; coordinator "
+                  f"{coordinator_cpu:.3f} CPU-s; a rank's decode + tensors {row['decode']:.3f} s, "
+                  f"{row['decode_cpu']:.3f} CPU-s), floor {floor_s:.3f} s; CPU-s on the path "
+                  f"{row['path_cpu']:.3f} vs {floor_cpu:.3f}; RSS +{row['growth'] / 2**20:.0f} MiB")
+        group.cancel_scope.cancel()
+    for conn in conns:
+        conn.close()
+    for process in processes:
+        process.kill()
+        process.join(30)
+    median = {name: statistics.median(values) for name, values in figures.items()}
+    size = sum(len(frame) for frame in frames)
+    print(f"ours {median['ours']:.3f} s vs loopback floor {median['floor']:.3f} s for {size / 2**20:.1f} MiB: "
+          f"{median['ours'] / median['floor']:.1f}× (target ≤ 3×); a rank's decode + tensors "
+          f"{median['decode']:.3f} s = {median['decode_cpu']:.3f} CPU-s")
+    print(f"CPU seconds on the path (the coordinator's + the slowest rank's receive and decode, against the "
+          f"floor's send + slowest read; less bent by other load than wall time): {median['path_cpu']:.3f} vs "
+          f"{median['floor_cpu']:.3f}: {median['path_cpu'] / median['floor_cpu']:.1f}×; the coordinator's "
+          f"{median['coordinator_cpu']:.3f} CPU-s of it")
+    print(f"coordinator RSS growth while handing off: the process's first hand-off {first_growth / 2**20:.0f} MiB, "
+          f"later rounds up to {max(figures['growth']) / 2**20:.0f} MiB; one copy of the frames is "
+          f"{size / 2**20:.0f} MiB")
+
+
+def main() -> None:
+    import anyio
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    anyio.run(run, parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
