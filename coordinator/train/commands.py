@@ -159,6 +159,30 @@ class TrainCommands:
         ]
         return reduce_rollout_metrics(self.step_metrics)
 
+    async def forward_backward(self, data: Sequence[protocol.TinkerDatum], loss_fn: str,
+                               loss_config: dict[str, float], *, forward_only: bool = False
+                               ) -> protocol.ForwardBackwardReply:
+        """The Tinker service's forward(/backward): datum i to rank i mod N; the ranks' replies put back in the
+        data's order, their losses summed (gradients stay on the ranks until `optim_step`)."""
+        shares = {rank: list(data[rank::self.world_size]) for rank in range(self.world_size)}
+        commands: dict[int, protocol.Command] = {
+            rank: protocol.ForwardBackwardCommand(data=share, loss_fn=loss_fn, loss_config=dict(loss_config),
+                                                  forward_only=forward_only)
+            for rank, share in shares.items()}
+        results = await self._ask(commands, protocol.ForwardBackwardReply)
+        merged = protocol.ForwardBackwardReply(
+            logprobs=[[] for _ in data], elementwise_loss=[[] for _ in data],
+            loss_sum=sum(reply.loss_sum for reply in results.values()))
+        for rank, reply in results.items():
+            for offset, (logprobs, losses) in enumerate(zip(reply.logprobs, reply.elementwise_loss, strict=True)):
+                merged.logprobs[rank + offset * self.world_size] = logprobs
+                merged.elementwise_loss[rank + offset * self.world_size] = losses
+        return merged
+
+    async def optim_step(self, command: protocol.OptimStepCommand) -> float:
+        """One Adam step on every rank with the client's parameters; the gradient norm before clipping."""
+        return (await self._ask_all(command, protocol.OptimStepReply))[0].grad_norm
+
     async def save(
         self, rollout_id: int, extra: dict[str, Any] | None = None, directory: str | Path | None = None,
         *, publish: bool = True,

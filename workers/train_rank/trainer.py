@@ -31,6 +31,7 @@ from workers.train_rank import (
     lora,
     packing,
     returns,
+    tinker_ops,
     weight_buckets,
     weight_export,
 )
@@ -488,6 +489,17 @@ class Trainer:
         self._require()
         assert self.state is not None
         return protocol.OnloadReply.of(self.state.onload(verify=command.verify))
+
+    def forward_backward(self, command: protocol.ForwardBackwardCommand) -> protocol.ForwardBackwardReply:
+        """The Tinker service's forward(/backward): gradients accumulate until `optim_step` (`tinker_ops`)."""
+        _, model, _ = self._require()
+        return tinker_ops.forward_backward(model, command, self.device)
+
+    def optim_step(self, command: protocol.OptimStepCommand) -> protocol.OptimStepReply:
+        settings, model, optimizer = self._require()
+        reply = tinker_ops.optim_step(model, self.parallel, optimizer, command)
+        self._after_step(settings)
+        return reply
 
     # ------------------------------------------------------------------------------------------- helpers
 
