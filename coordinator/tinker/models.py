@@ -70,8 +70,9 @@ class TrainingModel:
         return TrainSettings(model=ModelSettings(path=self.base_path, lora=self.lora),
                              optimizer=OptimizerSettings(lr=1e-4, clip_grad=0.0), seed=self.seed)
 
-    async def serve(self, created: Future) -> None:
-        """The model's life: ranks up, `created` resolved, then its queue until `stop` (or a failure)."""
+    async def serve(self, created: Future | None) -> None:
+        """The model's life: ranks up, `created` resolved (None: a create-from-checkpoint, whose load is queued
+        first), then its queue until `stop` (or a failure)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         with anyio.CancelScope() as scope:
             self._scope = scope
@@ -82,13 +83,14 @@ class TrainingModel:
                                                               torch_threads=self.torch_threads).run)
                     await self.group.commands.init(self.settings())
                     self.ready = True
-                    FutureStore.resolve(created, json.dumps({"model_id": self.model_id,
-                                                             "type": "create_model"}).encode())
+                    if created is not None:
+                        FutureStore.resolve(created, json.dumps({"model_id": self.model_id,
+                                                                 "type": "create_model"}).encode())
                     await self._work(self.group.commands)
             except Exception as error:  # the ranks failed to start or died: every waiting request is told
                 log.error("model %s stopped: %s", self.model_id, error)
                 self.stopped = f"the model's training ranks failed: {error}"
-                if not created.done.is_set():
+                if created is not None and not created.done.is_set():
                     FutureStore.fail(created, self.stopped, user=False)
         self._drain(self.stopped or "the model was unloaded")
 

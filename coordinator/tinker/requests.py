@@ -88,6 +88,8 @@ class LoadWeights(_Body):
     model_id: str | None = None
     seq_id: int | None = None
     session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
 
 
 class SessionRef(_Body):

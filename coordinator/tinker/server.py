@@ -63,8 +63,10 @@ UNSUPPORTED = {
     "billing": "billing", "auth/apikey/me": "whoami",
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_TINKER_PATH = re.compile(r"^tinker://([A-Za-z0-9._-]+)/(weights|sampler_weights)/([A-Za-z0-9._-]+)$")
+_TINKER_PATH = re.compile(r"^tinker://([A-Za-z0-9._:-]+)/(weights|sampler_weights)/([A-Za-z0-9._-]+)$")
 LORA_ALPHA = 32.0
+#: beside a model's checkpoints: its base model and adapters, what a create-from-checkpoint rebuilds
+MODEL_RECORD = "model.json"
 
 
 @dataclass(frozen=True)
@@ -289,9 +291,6 @@ class TinkerServer(AppServer):
         if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
             raise HttpReply(400, f"create_model: optimizer {body.optimizer_config.type!r} is not supported "
                             "(this service trains with Adam)")
-        if len(self.live_models()) >= self.bounds.max_models:
-            raise HttpReply(400, f"create_model: the service holds its --max-models {self.bounds.max_models} "
-                            "models; end a session (or its client) to free one")
         lora = None
         if body.lora_config is not None:
             config = body.lora_config
@@ -301,17 +300,33 @@ class TinkerServer(AppServer):
             if config.rank < 1 or not modules:
                 raise HttpReply(400, "create_model: lora_config needs rank >= 1 and a module to train")
             lora = LoraSettings(rank=config.rank, alpha=LORA_ALPHA, target_modules=modules)
-        model_id = f"model-{next(self._ids)}"
         seed = body.lora_config.seed if body.lora_config is not None and body.lora_config.seed is not None else 0
+        model = self._new_model(session, body.model_seq_id, base, lora, seed, "create_model")
+        future = self.futures.create()
+        assert self._tasks is not None
+        self._tasks.start_soon(model.serve, future)
+        return _json({"request_id": future.request_id, "model_id": model.model_id})
+
+    def _new_model(self, session: Session, model_seq_id: int, base: BaseModel, lora: LoraSettings | None,
+                   seed: int, call: str) -> TrainingModel:
+        """A model under the id the SDK derives itself (`{session}:train:{seq}`), its record on disk (what a
+        later create-from-checkpoint rebuilds it from)."""
+        model_id = f"{session.session_id}:train:{model_seq_id}"
+        if model_id in self.models:
+            raise HttpReply(400, f"{call}: model {model_id} exists (model_seq_id {model_seq_id} taken)")
+        if len(self.live_models()) >= self.bounds.max_models:
+            raise HttpReply(400, f"{call}: the service holds its --max-models {self.bounds.max_models} "
+                            "models; end a session (or its client) to free one")
         model = TrainingModel(model_id=model_id, session_id=session.session_id, base_name=base.name,
                               base_path=base.path, lora=lora, seed=seed, ranks=self.ranks, run_dir=self.run_dir,
                               futures=self.futures, torch_threads=self.torch_threads)
-        future = self.futures.create()
+        model.dir.mkdir(parents=True, exist_ok=True)
+        record = {"base_model": base.name, "seed": seed,
+                  "lora": None if lora is None else {"rank": lora.rank, "target_modules": list(lora.target_modules)}}
+        (model.dir / MODEL_RECORD).write_text(json.dumps(record))
         self.models[model_id] = model
         session.models.append(model_id)
-        assert self._tasks is not None
-        self._tasks.start_soon(model.serve, future)
-        return _json({"request_id": future.request_id, "model_id": model_id})
+        return model
 
     async def _get_info(self, request: Request) -> Response:
         body = req.convert(await self._body(request, "get_info"), req.ModelRef, "get_info")
@@ -414,25 +429,44 @@ class TinkerServer(AppServer):
 
     async def _load_weights(self, request: Request) -> Response:
         body = req.convert(await self._body(request, "load_weights"), req.LoadWeights, "load_weights")
-        if body.model_id is None:
-            raise HttpReply(400, "load_weights: creating a model from a checkpoint (create_training_client_from_state)"
-                            " is not supported; create a training client and call load_state on it")
-        model = self._model(body.model_id, "load_weights")
         match = _TINKER_PATH.match(body.path)
         if match is None or match.group(2) != "weights":
             raise HttpReply(400, f"load_weights: {body.path[:200]!r} is not a tinker://MODEL/weights/NAME path "
                             "save_weights answered")
-        directory = self.run_dir / "models" / match.group(1) / "weights" / match.group(3)
+        source = self.run_dir / "models" / match.group(1)
+        directory = source / "weights" / match.group(3)
         if not directory.is_dir():
             raise HttpReply(404, f"load_weights: no checkpoint {body.path!r} in this service's run directory")
+        if body.model_id is not None:
+            model = self._model(body.model_id, "load_weights")
+        else:  # create-from-checkpoint: a new model like the checkpoint's, loaded before anything else runs on it
+            if body.session_id is None:
+                raise HttpReply(400, "load_weights: give model_id, or session_id and model_seq_id")
+            model = self._model_like(source, body, self.sessions.get(body.session_id))
 
         async def work(commands: TrainCommands) -> tuple[bytes, str]:
-            loaded = await commands.load_checkpoint(directory)
+            loaded = await commands.load_checkpoint(directory, weights_only=not body.optimizer)
             model.steps = loaded.rollout_id
             return (json.dumps({"path": body.path, "model_id": model.model_id, "type": "load_weights"}).encode(),
                     "application/json")
 
-        return self._submit(model, body.seq_id, work)
+        answer = self._submit(model, body.seq_id if body.model_id is not None else 0, work)
+        if body.model_id is None:
+            assert self._tasks is not None
+            self._tasks.start_soon(model.serve, None)
+        return answer
+
+    def _model_like(self, source: Path, body: req.LoadWeights, session: Session) -> TrainingModel:
+        try:
+            record = json.loads((source / MODEL_RECORD).read_text())
+        except (OSError, ValueError) as error:
+            raise HttpReply(404, f"load_weights: the checkpoint's model record is unreadable ({error})") from None
+        base = self._base(body.base_model or str(record.get("base_model")), "load_weights")
+        lora_record = record.get("lora")
+        lora = None if lora_record is None else LoraSettings(
+            rank=int(lora_record["rank"]), alpha=LORA_ALPHA, target_modules=tuple(lora_record["target_modules"]))
+        return self._new_model(session, body.model_seq_id or 0, base, lora, int(record.get("seed") or 0),
+                               "load_weights")
 
     # ---------------------------------------------------------------------------------------------- sampling
     async def _create_sampling_session(self, request: Request) -> Response:

@@ -214,11 +214,12 @@ class TrainCommands:
         command = protocol.SaveHfCommand(directory=str(directory))
         return Path((await self._ask_all(command, protocol.SaveHfReply))[0].path)
 
-    async def load_checkpoint(self, path: str | Path) -> protocol.LoadReply:
+    async def load_checkpoint(self, path: str | Path, *, weights_only: bool = False) -> protocol.LoadReply:
         """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank; rank 0's
         `LoadReply` (rollout id, the saved `extra`, the directory). A broken `latest` is refused (the ranks
-        answer a CheckpointError listing the complete checkpoints)."""
-        return (await self._ask_all(protocol.LoadCommand(str(path)), protocol.LoadReply))[0]
+        answer a CheckpointError listing the complete checkpoints). `weights_only`: a fresh optimizer state."""
+        command = protocol.LoadCommand(str(path), weights_only=weights_only)
+        return (await self._ask_all(command, protocol.LoadReply))[0]
 
     async def load(self, path: str | Path) -> int:
         """Restore a checkpoint; returns the rollout id it was saved at (resume at that id + 1)."""

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 # 9: BatchingSettings.dynamic_global_batch_size; 10: WireSample.opd_reverse_kl and OpdSettings.top_k (top-k OPD);
 # 11: TrainSettings.returns and .critic (PPO's value model); 12: Response.result one typed reply per command
 # (`replies`); 13: ExportWeightsCommand.delta_encoding / .delta_base_version and ExportWeightsReply.delta / .changed
-# (slime's delta weight updates); 14: ForwardBackwardCommand and OptimStepCommand (the Tinker service)
+# (slime's delta weight updates); 14: ForwardBackwardCommand, OptimStepCommand and LoadCommand.weights_only
+# (the Tinker service)
 PROTOCOL_VERSION = 14
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
@@ -208,8 +209,12 @@ class PublishCommand(Command, tag="publish"):
 
 
 class LoadCommand(Command, tag="load"):
+    """Restore a checkpoint; `weights_only`: the optimizer starts afresh (the Tinker service's weights-only
+    load) instead of taking the checkpoint's state."""
+
     reply: ClassVar[type[Reply]] = LoadReply
     path: str
+    weights_only: bool = False
 
 
 class ExportWeightsCommand(Command, tag="export_weights"):

@@ -411,6 +411,8 @@ class Trainer:
             command.path, model=model, optimizer=optimizer, scheduler=self.scheduler,
             adapters=self.lora.record() if self.lora is not None else None, critic=self._critic_state(),
         )
+        if command.weights_only:
+            optimizer.state.clear()  # the moments start afresh, as a new optimizer's
         return protocol.LoadReply(rollout_id=loaded.rollout_id, extra=loaded.extra, path=str(loaded.path))
 
     def export_weights(self, command: protocol.ExportWeightsCommand) -> protocol.ExportWeightsReply:
