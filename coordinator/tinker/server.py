@@ -361,7 +361,8 @@ class TinkerServer(AppServer):
         async def work(commands: TrainCommands) -> tuple[bytes, str]:
             reply = await commands.forward_backward(data, parsed.loss_fn, config, forward_only=parsed.forward_only)
             outputs = {"logprobs": reply.logprobs, "elementwise_loss": reply.elementwise_loss}
-            return encode_forward_backward_output(outputs, {"loss:sum": reply.loss_sum}), PROTOBUF
+            metrics = {"loss:sum": reply.loss_sum, "rank_seconds:max": reply.seconds}
+            return encode_forward_backward_output(outputs, metrics), PROTOBUF
 
         return self._submit(model, parsed.seq_id, work)
 
@@ -379,9 +380,10 @@ class TinkerServer(AppServer):
                                             grad_clip_norm=adam.grad_clip_norm)
 
         async def work(commands: TrainCommands) -> tuple[bytes, str]:
-            grad_norm = await commands.optim_step(command)
+            reply = await commands.optim_step(command)
             model.steps += 1
-            return json.dumps({"metrics": {"grad_norm:mean": grad_norm}}).encode(), "application/json"
+            metrics = {"grad_norm:mean": reply.grad_norm, "rank_seconds:max": reply.seconds}
+            return json.dumps({"metrics": metrics}).encode(), "application/json"
 
         return self._submit(model, body.seq_id, work)
 

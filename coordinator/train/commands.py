@@ -172,16 +172,20 @@ class TrainCommands:
         results = await self._ask(commands, protocol.ForwardBackwardReply)
         merged = protocol.ForwardBackwardReply(
             logprobs=[[] for _ in data], elementwise_loss=[[] for _ in data],
-            loss_sum=sum(reply.loss_sum for reply in results.values()))
+            loss_sum=sum(reply.loss_sum for reply in results.values()),
+            seconds=max(reply.seconds for reply in results.values()))
         for rank, reply in results.items():
             for offset, (logprobs, losses) in enumerate(zip(reply.logprobs, reply.elementwise_loss, strict=True)):
                 merged.logprobs[rank + offset * self.world_size] = logprobs
                 merged.elementwise_loss[rank + offset * self.world_size] = losses
         return merged
 
-    async def optim_step(self, command: protocol.OptimStepCommand) -> float:
-        """One Adam step on every rank with the client's parameters; the gradient norm before clipping."""
-        return (await self._ask_all(command, protocol.OptimStepReply))[0].grad_norm
+    async def optim_step(self, command: protocol.OptimStepCommand) -> protocol.OptimStepReply:
+        """One Adam step on every rank with the client's parameters: the gradient norm before clipping, the
+        slowest rank's seconds."""
+        results = await self._ask_all(command, protocol.OptimStepReply)
+        return protocol.OptimStepReply(grad_norm=results[0].grad_norm,
+                                       seconds=max(reply.seconds for reply in results.values()))
 
     async def save(
         self, rollout_id: int, extra: dict[str, Any] | None = None, directory: str | Path | None = None,

@@ -12,6 +12,7 @@ they were; each datum is its own forward (no padding enters a logprob).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ def datum_loss(log_probs: torch.Tensor, datum: protocol.TinkerDatum, loss_fn: st
 
 def forward_backward(model: Any, command: protocol.ForwardBackwardCommand,
                      device: torch.device) -> protocol.ForwardBackwardReply:
+    started = time.perf_counter()
     reply = protocol.ForwardBackwardReply()
     for datum in command.data:
         if len(datum.tokens) != len(datum.target_tokens) or not datum.tokens:
@@ -76,11 +78,13 @@ def forward_backward(model: Any, command: protocol.ForwardBackwardCommand,
         reply.logprobs.append(log_probs.detach().cpu().tolist())
         reply.elementwise_loss.append(losses.detach().cpu().tolist())
         reply.loss_sum += float(loss.detach())
+    reply.seconds = time.perf_counter() - started
     return reply
 
 
 def optim_step(model: Any, parallel: Any, optimizer: torch.optim.Optimizer,
                command: protocol.OptimStepCommand) -> protocol.OptimStepReply:
+    started = time.perf_counter()
     for group in optimizer.param_groups:
         group.update(lr=command.learning_rate, betas=(command.beta1, command.beta2), eps=command.eps,
                      weight_decay=command.weight_decay)
@@ -88,4 +92,4 @@ def optim_step(model: Any, parallel: Any, optimizer: torch.optim.Optimizer,
     grad_norm = clip_gradients(model, command.grad_clip_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return protocol.OptimStepReply(grad_norm=grad_norm)
+    return protocol.OptimStepReply(grad_norm=grad_norm, seconds=time.perf_counter() - started)
