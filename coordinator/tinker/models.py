@@ -121,7 +121,8 @@ class TrainingModel:
             except RankCommandError as error:  # the ranks are fine; this command failed on them
                 FutureStore.fail(job.future, f"{error.command} failed on the ranks: "
                                  f"{error.errors[min(error.errors)].error}", user=False)
-            except RankFailure:
+            except RankFailure as error:
+                FutureStore.fail(job.future, f"model {self.model_id}: its training ranks failed: {error}", user=False)
                 raise  # the ranks are gone: the model stops (serve), failing what waits
             except (OSError, ValueError) as error:  # a file the work could not write or read
                 FutureStore.fail(job.future, f"{type(error).__name__}: {error}", user=False)

@@ -156,6 +156,15 @@ class TinkerServer(AppServer):
             self.sampling.pop(sampling_id, None)
         log.info("session %s ended (%s)", session.session_id, why)
 
+    def metrics(self) -> str:
+        """Prometheus text: what the service holds now and what it has served."""
+        figures = {"tinker_sessions_live": len(self.sessions.live), "tinker_models_live": len(self.live_models()),
+                   "tinker_samplers_started": sum(s.api is not None for s in self.samplers.values()),
+                   "tinker_futures_pending": self.futures.pending(),
+                   "tinker_optim_steps_total": sum(m.steps for m in self.models.values())}
+        return "".join(f"# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}\n{name} {value}\n"
+                       for name, value in figures.items())
+
     def live_models(self) -> list[TrainingModel]:
         return [model for model in self.models.values() if model.stopped is None]
 
@@ -170,6 +179,8 @@ class TinkerServer(AppServer):
         if path in ("/api/v1/healthz", "/health", "/healthz"):
             return _json({"status": "ok"})
         self._check_key(request)
+        if path == "/metrics":
+            return Response(self.metrics(), media_type="text/plain; version=0.0.4")
         if not path.startswith(PREFIX):
             raise HttpReply(404, f"{path}: the Tinker API is served under {PREFIX}")
         call = path[len(PREFIX):]
@@ -537,6 +548,9 @@ class TinkerServer(AppServer):
             FutureStore.fail(future, f"asample: {error}", user=True)
         except EngineError as error:
             FutureStore.fail(future, f"asample: the sampling engine failed: {error}", user=False)
+        except Exception as error:  # an engine that would not start, a file gone: this future fails, not the service
+            log.exception("asample failed")
+            FutureStore.fail(future, f"asample: {type(error).__name__}: {error}", user=False)
         else:
             FutureStore.resolve(future, data, PROTOBUF)
 

@@ -216,6 +216,8 @@ def test_hostile_and_unsupported_calls_get_answers_naming_what_is_wrong(service:
     refused = service.post("create_session", {}, key="tml-wrong")
     assert refused.status_code == 401 and "API key" in refused.json()["detail"]
     assert httpx.get(f"{service.url}/api/v1/healthz").json() == {"status": "ok"}  # the probe needs no key
+    metrics = httpx.get(f"{service.url}/metrics", headers={"X-API-Key": KEY}).text
+    assert "tinker_models_live 1\n" in metrics and "tinker_optim_steps_total" in metrics, metrics
 
     cases = [
         (service.post("retrieve_future", {"request_id": "req-999999"}), 404, "unknown request_id"),
