@@ -1,15 +1,18 @@
 """`rayless tinker-server` driven by the official `tinker` SDK: one service (a subprocess: its torchrun rank, its
 CPU engine) for the whole module, one LoRA training client shared by the loops.
 
-The SDK's own calls: a supervised loop lowers its loss; the sampler after `save_weights_for_sampler` serves the
-trained weights (its prompt logprobs equal the trainer's `forward`); `save_state` / `load_state` bring the
-weights back; an `importance_sampling` RL loop shaped like the cookbook's raises the tiny task's reward by the
-margin the GRPO tests use. Hostile and unsupported calls get 4xx answers naming what is wrong; a client that
-stops heartbeating has its model's ranks stopped; the service's stop leaves no process behind.
+The SDK's own calls: an `importance_sampling` RL loop shaped like the cookbook's raises the tiny task's reward
+by the margin the GRPO tests use; a supervised loop lowers its loss; the sampler after
+`save_weights_for_sampler` serves the trained weights (its prompt logprobs equal the trainer's `forward`);
+`save_state` / `load_state` bring the weights back. Hostile and unsupported calls get 4xx answers naming what
+is wrong. An SDK client in its own process resumes a checkpoint as the cookbook resumes
+(`create_training_client_from_state_with_optimizer`) and is killed: its model's ranks are stopped. The
+service's stop leaves no process behind.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -48,7 +51,7 @@ class Service:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
-    saved: list[str]
+    saved: list[tuple[str, list[int], list[float]]]
 
     def post(self, call: str, body: Any = None, *, content: bytes | None = None, key: str | None = KEY,
              headers: dict[str, str] | None = None) -> httpx.Response:
@@ -184,7 +187,7 @@ def test_sl_loop_lowers_the_loss_and_the_sampler_serves_the_trained_weights(trai
 
     # save_state / load_state: a step after the save is undone by the load
     saved = training.save_state("sl-state").result().path
-    service.saved.append(saved)
+    service.saved.append((saved, tokenizer.encode(texts[0]), trainer.tolist()))
     training.forward_backward(data, "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     moved = training.forward([data[0]], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
@@ -248,23 +251,44 @@ def test_hostile_and_unsupported_calls_get_answers_naming_what_is_wrong(service:
         service_client.create_lora_training_client(base_model="nope", rank=4).result()
 
 
-def test_a_client_that_disappears_leaves_nothing_running(service: Service) -> None:
-    """A session that stops heartbeating: past --session-timeout its model's ranks are stopped. Its model is
-    created from the SL test's checkpoint, as the SDK's create_training_client_from_state asks (one
-    load_weights with the session and model_seq_id)."""
+CLIENT = """
+import json, sys
+import numpy as np, tinker
+from tinker import types
+url, key, path, tokens = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+service = tinker.ServiceClient(base_url=url, api_key=key)
+training = service.create_training_client_from_state_with_optimizer(path).result()
+datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={"target_tokens": np.array(tokens[1:]), "weights": np.ones(len(tokens) - 1)})
+logprobs = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+print(json.dumps({"model_id": training.model_id, "logprobs": logprobs.tolist()}), flush=True)
+sys.stdin.read()  # until it is killed
+"""
+
+
+def test_a_client_that_disappears_leaves_nothing_running(service: Service, tmp_path: Path) -> None:
+    """An SDK client in its own process resumes the SL test's checkpoint as the cookbook's loops resume
+    (`create_training_client_from_state_with_optimizer`: the weights it gets are the saved ones), then is
+    SIGKILLed: past --session-timeout without its heartbeat, its model's ranks are stopped."""
+    path, tokens, expected = service.saved[0]
     before = {p.pid for p in service.torchruns()}
-    session = service.post("create_session", {}).json()["session_id"]
-    checkpoint = next(iter(service.saved))
-    created = service.post("load_weights", {"session_id": session, "model_seq_id": 0, "path": checkpoint,
-                                            "optimizer": False}).json()
-    answer = wait_until_sync(lambda: service.post("retrieve_future", {"request_id": created["request_id"]}).json(),
-                             until=lambda body: body.get("type") != "try_again", timeout=180,
-                             what="the model's ranks up")
-    assert answer["model_id"] == created["model_id"] == f"{session}:train:0" and answer["path"] == checkpoint
+    out = tmp_path / "client.out"
+    with out.open("wb") as sink:
+        client = subprocess.Popen([sys.executable, "-W", "ignore", "-c", CLIENT, service.url, KEY, path,
+                                   json.dumps(tokens)], stdin=subprocess.PIPE, stdout=sink,
+                                  stderr=subprocess.STDOUT)
+    try:
+        line = wait_until_sync(lambda: out.read_text(errors="replace"), until=lambda text: '"logprobs"' in text
+                               or client.poll() is not None, timeout=180, what="the resumed client's forward")
+        resumed = json.loads(next(row for row in line.splitlines() if row.startswith("{")))
+        assert np.abs(np.array(resumed["logprobs"]) - np.array(expected)).max() <= 1e-5
+    finally:
+        client.kill()
+        client.wait(timeout=30)
     ranks = [p for p in service.torchruns() if p.pid not in before]
     assert len(ranks) == 1
     assert not wait_gone(ranks, SESSION_TIMEOUT_S * 3), "the gone client's ranks still run"
-    stopped = service.post("get_info", {"model_id": created["model_id"]})
+    stopped = service.post("get_info", {"model_id": resumed["model_id"]})
     assert stopped.status_code == 400 and "no heartbeat" in stopped.json()["detail"], stopped.text
-    heartbeat = service.post("session_heartbeat", {"session_id": session})
-    assert heartbeat.status_code == 410
+    session = resumed["model_id"].split(":")[0]
+    assert service.post("session_heartbeat", {"session_id": session}).status_code == 410
