@@ -67,6 +67,8 @@ _TINKER_PATH = re.compile(r"^tinker://([A-Za-z0-9._:-]+)/(weights|sampler_weight
 LORA_ALPHA = 32.0
 #: beside a model's checkpoints: its base model and adapters, what a create-from-checkpoint rebuilds
 MODEL_RECORD = "model.json"
+#: unnamed sampler snapshots kept per model (older ones are deleted: their sampling sessions then fail)
+EPHEMERAL_KEPT = 3
 
 
 @dataclass(frozen=True)
@@ -426,8 +428,10 @@ class TinkerServer(AppServer):
         session = self.sessions.live.get(model.session_id)
 
         async def work(commands: TrainCommands) -> tuple[bytes, str]:
-            # each checkpoint in its own directory (the ranks' export keeps the newest few of one directory)
-            snapshot = await commands.export_weights(model.dir / "sampler_weights" / name, name, keep=1)
+            # a named checkpoint in its own directory, kept; the unnamed ones (save_weights_and_get_sampling_client,
+            # once per RL step) share one, of which the export keeps the newest EPHEMERAL_KEPT
+            directory = model.dir / "sampler_weights" / ("_ephemeral" if ephemeral else name)
+            snapshot = await commands.export_weights(directory, name, keep=EPHEMERAL_KEPT if ephemeral else 1)
             path = f"tinker://{model.model_id}/sampler_weights/{name}"
             self.sampler_dirs[path] = str(snapshot)
             if not ephemeral:
