@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
                    "(PATH alone: the directory's path is its name); repeatable")
     p.add_argument("--run-dir", default="tinker-run", help="checkpoints, logs and the ranks' files")
     p.add_argument("--train-ranks", type=int, default=1, help="torchrun ranks per training model")
+    p.add_argument("--data-parallel", choices=("auto", "fsdp", "replicate"), default="auto",
+                   help="the ranks' data parallelism: FSDP2 on CUDA and replicas on the CPU (auto), or forced")
     p.add_argument("--session-timeout", type=float, default=60.0,
                    help="seconds without a heartbeat after which a session's models are stopped (the SDK beats "
                    "every 10 s)")
@@ -102,7 +104,7 @@ def _serve(options: argparse.Namespace, bases: list[BaseModel], limits: Limits) 
     async def serve() -> None:
         server = TinkerServer(base_models=bases, run_dir=Path(options.run_dir), api_key=options.api_key,
                               host=options.host, port=options.port, ranks=options.train_ranks, limits=limits,
-                              session_timeout_s=options.session_timeout)
+                              session_timeout_s=options.session_timeout, data_parallel=options.data_parallel)
         async with anyio.create_task_group() as group:
             await group.start(server.run)
             print(f"tinker-server ready on {server.url}", flush=True)

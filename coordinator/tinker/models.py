@@ -27,7 +27,13 @@ from coordinator.train.commands import TrainCommands
 from coordinator.train.errors import RankCommandError, RankFailure
 from coordinator.train.group import TrainGroup
 from coordinator.train.torchrun import TorchrunSpec
-from workers.protocol.train_settings import LoraSettings, ModelSettings, OptimizerSettings, TrainSettings
+from workers.protocol.train_settings import (
+    LoraSettings,
+    ModelSettings,
+    OptimizerSettings,
+    ParallelSettings,
+    TrainSettings,
+)
 
 log = logging.getLogger("rayless.tinker")
 
@@ -46,7 +52,7 @@ class _Job:
 class TrainingModel:
     def __init__(self, *, model_id: str, session_id: str, base_name: str, base_path: str,
                  lora: LoraSettings | None, seed: int, ranks: int, run_dir: Path, futures: FutureStore,
-                 torch_threads: int = 1) -> None:
+                 torch_threads: int = 1, data_parallel: str = "auto") -> None:
         self.model_id = model_id
         self.session_id = session_id
         self.base_name = base_name
@@ -57,6 +63,7 @@ class TrainingModel:
         self.dir = run_dir / "models" / model_id
         self.futures = futures
         self.torch_threads = torch_threads
+        self.data_parallel = data_parallel
         self.ready = False
         self.stopped: str | None = None  # why, once stopped
         self.steps = 0
@@ -68,7 +75,8 @@ class TrainingModel:
 
     def settings(self) -> TrainSettings:
         return TrainSettings(model=ModelSettings(path=self.base_path, lora=self.lora),
-                             optimizer=OptimizerSettings(lr=1e-4, clip_grad=0.0), seed=self.seed)
+                             optimizer=OptimizerSettings(lr=1e-4, clip_grad=0.0),
+                             parallel=ParallelSettings(data_parallel=self.data_parallel), seed=self.seed)
 
     async def serve(self, created: Future | None) -> None:
         """The model's life: ranks up, `created` resolved (None: a create-from-checkpoint, whose load is queued

@@ -112,7 +112,8 @@ class TinkerServer(AppServer):
 
     def __init__(self, *, base_models: list[BaseModel], run_dir: Path, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, ranks: int = 1, limits: Limits | None = None,
-                 session_timeout_s: float = 60.0, poll_s: float = 10.0, torch_threads: int = 1) -> None:
+                 session_timeout_s: float = 60.0, poll_s: float = 10.0, torch_threads: int = 1,
+                 data_parallel: str = "auto") -> None:
         super().__init__(host=host, port=port, limits=ServerLimits())
         self.base_models = {model.name: model for model in base_models}
         self.run_dir = run_dir
@@ -120,6 +121,7 @@ class TinkerServer(AppServer):
         self.ranks = ranks
         self.bounds = limits or Limits()
         self.torch_threads = torch_threads
+        self.data_parallel = data_parallel
         self.futures = FutureStore(poll_s=poll_s)
         self.sessions = Sessions(timeout_s=session_timeout_s, on_end=self._session_ended)
         self.models: dict[str, TrainingModel] = {}
@@ -332,7 +334,8 @@ class TinkerServer(AppServer):
                             "models; end a session (or its client) to free one")
         model = TrainingModel(model_id=model_id, session_id=session.session_id, base_name=base.name,
                               base_path=base.path, lora=lora, seed=seed, ranks=self.ranks, run_dir=self.run_dir,
-                              futures=self.futures, torch_threads=self.torch_threads)
+                              futures=self.futures, torch_threads=self.torch_threads,
+                              data_parallel=self.data_parallel)
         model.dir.mkdir(parents=True, exist_ok=True)
         record = {"base_model": base.name, "seed": seed,
                   "lora": None if lora is None else {"rank": lora.rank, "target_modules": list(lora.target_modules)}}

@@ -61,10 +61,19 @@ def datum_loss(log_probs: torch.Tensor, datum: protocol.TinkerDatum, loss_fn: st
     return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
 
 
-def forward_backward(model: Any, command: protocol.ForwardBackwardCommand,
-                     device: torch.device) -> protocol.ForwardBackwardReply:
+def forward_backward(model: Any, command: protocol.ForwardBackwardCommand, device: torch.device,
+                     rounds: int | None = None) -> protocol.ForwardBackwardReply:
+    """`rounds` (sharded ranks: the most data any rank got) > the share: the rank runs that many forwards (and
+    backwards), the extra ones on a one-token stand-in whose loss is multiplied by 0, so every rank enters the
+    same FSDP collectives; they add nothing to the gradients or the reply."""
     started = time.perf_counter()
     reply = protocol.ForwardBackwardReply()
+    for _ in range(len(command.data), rounds or 0):
+        with torch.set_grad_enabled(not command.forward_only):
+            stand_in = protocol.TinkerDatum(tokens=[0], target_tokens=[0])
+            loss = _target_log_probs(model, stand_in, device).sum() * 0.0
+            if not command.forward_only:
+                loss.backward()
     for datum in command.data:
         if len(datum.tokens) != len(datum.target_tokens) or not datum.tokens:
             raise ValueError(f"a datum needs target_tokens of its model_input's length "

@@ -495,7 +495,8 @@ class Trainer:
     def forward_backward(self, command: protocol.ForwardBackwardCommand) -> protocol.ForwardBackwardReply:
         """The Tinker service's forward(/backward): gradients accumulate until `optim_step` (`tinker_ops`)."""
         _, model, _ = self._require()
-        return tinker_ops.forward_backward(model, command, self.device)
+        rounds = self.parallel.agree_count(len(command.data)) if self.parallel.sharded else None
+        return tinker_ops.forward_backward(model, command, self.device, rounds)
 
     def optim_step(self, command: protocol.OptimStepCommand) -> protocol.OptimStepReply:
         settings, model, optimizer = self._require()
