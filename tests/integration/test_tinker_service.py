@@ -197,6 +197,16 @@ def test_sl_loop_lowers_the_loss_and_the_sampler_serves_the_trained_weights(trai
     back = training.forward([data[0]], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     assert np.abs(back - trainer).max() <= 1e-5
 
+    # ppo through the whole stack: sampler logprobs 0.5 below the trainer's make every ratio e^0.5 > 1.3, clipped
+    # at the client's clip_high_threshold for a positive advantage (and taken whole for a negative one)
+    advantages = np.where(np.arange(len(trainer)) % 2 == 0, 1.0, -1.0).astype(np.float32)
+    ppo = types.Datum(model_input=data[0].model_input, loss_fn_inputs={
+        "target_tokens": data[0].loss_fn_inputs["target_tokens"],
+        "logprobs": (trainer - 0.5).astype(np.float32), "advantages": advantages})
+    out = training.forward([ppo], "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.3}).result()
+    expected = -np.minimum(np.exp(0.5) * advantages, 1.3 * advantages)
+    assert np.abs(out.loss_fn_outputs[0]["elementwise_loss"].to_numpy() - expected).max() <= 1e-4
+
 
 def proto_body(model_id: str, loss_fn: str, count: int) -> bytes:
     data = [types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
