@@ -1,4 +1,5 @@
-"""The `rayless` command: `train`, `engine`, `make-tiny-model`, `export`, `dump`, `reward`, `status` and `stacks`.
+"""The `rayless` command: `train`, `engine`, `make-tiny-model`, `export`, `dump`, `reward`, `status`, `stacks`
+and `tinker-server`.
 
 Owns argument dispatch and exit statuses only: 0 success, 1 a failure during the run, 2 bad flags (reported
 before any process is launched or port opened). Each subcommand's work lives in its own module and is imported
@@ -26,6 +27,7 @@ commands:
   reward            score: run a built-in reward type over a JSONL file (--compare T2: where two differ)
   status            a run's status: from its status server (--status-port) or its run directory
   stacks            the live Python stacks of a running job's coordinator (its event-loop tasks), ranks and engines
+  tinker-server     serve the Tinker training API (the official `tinker` SDK) on local ranks and engines
 """
 
 
@@ -63,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coordinator.observe.stacks import main as stacks_main
 
         return stacks_main(rest)
+    if command == "tinker-server":
+        from coordinator.tinker.cli import main as tinker_main
+
+        return tinker_main(rest)
     print(f"rayless: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

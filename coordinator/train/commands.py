@@ -159,6 +159,34 @@ class TrainCommands:
         ]
         return reduce_rollout_metrics(self.step_metrics)
 
+    async def forward_backward(self, data: Sequence[protocol.TinkerDatum], loss_fn: str,
+                               loss_config: dict[str, float], *, forward_only: bool = False
+                               ) -> protocol.ForwardBackwardReply:
+        """The Tinker service's forward(/backward): datum i to rank i mod N; the ranks' replies put back in the
+        data's order, their losses summed (gradients stay on the ranks until `optim_step`)."""
+        shares = {rank: list(data[rank::self.world_size]) for rank in range(self.world_size)}
+        commands: dict[int, protocol.Command] = {
+            rank: protocol.ForwardBackwardCommand(data=share, loss_fn=loss_fn, loss_config=dict(loss_config),
+                                                  forward_only=forward_only)
+            for rank, share in shares.items()}
+        results = await self._ask(commands, protocol.ForwardBackwardReply)
+        merged = protocol.ForwardBackwardReply(
+            logprobs=[[] for _ in data], elementwise_loss=[[] for _ in data],
+            loss_sum=sum(reply.loss_sum for reply in results.values()),
+            seconds=max(reply.seconds for reply in results.values()))
+        for rank, reply in results.items():
+            for offset, (logprobs, losses) in enumerate(zip(reply.logprobs, reply.elementwise_loss, strict=True)):
+                merged.logprobs[rank + offset * self.world_size] = logprobs
+                merged.elementwise_loss[rank + offset * self.world_size] = losses
+        return merged
+
+    async def optim_step(self, command: protocol.OptimStepCommand) -> protocol.OptimStepReply:
+        """One Adam step on every rank with the client's parameters: the gradient norm before clipping, the
+        slowest rank's seconds."""
+        results = await self._ask_all(command, protocol.OptimStepReply)
+        return protocol.OptimStepReply(grad_norm=results[0].grad_norm,
+                                       seconds=max(reply.seconds for reply in results.values()))
+
     async def save(
         self, rollout_id: int, extra: dict[str, Any] | None = None, directory: str | Path | None = None,
         *, publish: bool = True,
@@ -190,11 +218,12 @@ class TrainCommands:
         command = protocol.SaveHfCommand(directory=str(directory))
         return Path((await self._ask_all(command, protocol.SaveHfReply))[0].path)
 
-    async def load_checkpoint(self, path: str | Path) -> protocol.LoadReply:
+    async def load_checkpoint(self, path: str | Path, *, weights_only: bool = False) -> protocol.LoadReply:
         """Restore a checkpoint (a save dir → its `latest`, or a `rollout_<id>` dir) on every rank; rank 0's
         `LoadReply` (rollout id, the saved `extra`, the directory). A broken `latest` is refused (the ranks
-        answer a CheckpointError listing the complete checkpoints)."""
-        return (await self._ask_all(protocol.LoadCommand(str(path)), protocol.LoadReply))[0]
+        answer a CheckpointError listing the complete checkpoints). `weights_only`: a fresh optimizer state."""
+        command = protocol.LoadCommand(str(path), weights_only=weights_only)
+        return (await self._ask_all(command, protocol.LoadReply))[0]
 
     async def load(self, path: str | Path) -> int:
         """Restore a checkpoint; returns the rollout id it was saved at (resume at that id + 1)."""

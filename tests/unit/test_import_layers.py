@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"lifecycle"},  # process groups, stop signals, failure reports, logging set-up
     {"observe"},  # start-up board, progress, metrics log
     {"engines", "train"},  # the engine fleet, its client and health; the training ranks' group
-    {"weights"},  # the weight sync and the colocated hand-over
+    {"weights", "tinker"},  # the weight sync and the colocated hand-over; the Tinker API service
     {"hooks"},  # the hook API user code imports
     {"rollout"},  # prompts, generation, rewards, filters, advantages, the hook endpoint
     {"eval", "sessions"},  # evaluation; miles' session server for OpenAI-API agents

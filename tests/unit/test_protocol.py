@@ -86,6 +86,10 @@ def test_every_message_kind_round_trips() -> None:
         protocol.Request(15, protocol.ShutdownCommand()),
         protocol.Request(16, protocol.OffloadCommand(verify=True)),
         protocol.Request(17, protocol.OnloadCommand()),
+        protocol.Request(18, protocol.ForwardBackwardCommand(
+            [protocol.TinkerDatum([1, 2], [2, 3], logprobs=[-1.0, -2.0], advantages=[0.5, 0.5])], "ppo",
+            {"clip_low_threshold": 0.7}, forward_only=True)),
+        protocol.Request(19, protocol.OptimStepCommand(1e-3, 0.9, 0.95, 1e-12, grad_clip_norm=1.0)),
         protocol.Response(16, False, None, "ValueError: bad", "Traceback ..."),
         *(protocol.Response(20 + index, True, reply) for index, reply in enumerate(every_reply())),
     ]
@@ -111,6 +115,8 @@ def every_reply() -> list[protocol.Reply]:
         protocol.OffloadReply(seconds=0.1, state_bytes=48, memory={"rss_bytes": 1 << 20}, digest="ab"),
         protocol.OnloadReply(seconds=0.2, state_bytes=48),
         protocol.ShutdownReply(),
+        protocol.ForwardBackwardReply(logprobs=[[-0.5, -1.0]], elementwise_loss=[[0.5, 1.0]], loss_sum=1.5),
+        protocol.OptimStepReply(grad_norm=2.0),
     ]
 
 

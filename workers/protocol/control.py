@@ -26,10 +26,12 @@ from workers.protocol.replies import (
     BroadcastWeightsReply,
     DestroyWeightGroupReply,
     ExportWeightsReply,
+    ForwardBackwardReply,
     InitReply,
     LoadReply,
     OffloadReply,
     OnloadReply,
+    OptimStepReply,
     PublishReply,
     Reply,
     SaveHfReply,
@@ -53,8 +55,9 @@ if TYPE_CHECKING:
 # 11: TrainSettings.returns and .critic (PPO's value model); 12: Response.result one typed reply per command
 # (`replies`); 13: ExportWeightsCommand.delta_encoding / .delta_base_version and ExportWeightsReply.delta / .changed
 # (slime's delta weight updates); 14: WireSample's per-token fields as packed arrays (`arrays`: int32 / uint8 /
-# float64 buffers as msgpack extensions, not one msgpack value per token)
-PROTOCOL_VERSION = 14
+# float64 buffers as msgpack extensions, not one msgpack value per token); 15: ForwardBackwardCommand,
+# OptimStepCommand and LoadCommand.weights_only (the Tinker service)
+PROTOCOL_VERSION = 15
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -204,8 +207,12 @@ class PublishCommand(Command, tag="publish"):
 
 
 class LoadCommand(Command, tag="load"):
+    """Restore a checkpoint; `weights_only`: the optimizer starts afresh (the Tinker service's weights-only
+    load) instead of taking the checkpoint's state."""
+
     reply: ClassVar[type[Reply]] = LoadReply
     path: str
+    weights_only: bool = False
 
 
 class ExportWeightsCommand(Command, tag="export_weights"):
@@ -274,6 +281,43 @@ class OnloadCommand(Command, tag="onload"):
 
 class ShutdownCommand(Command, tag="shutdown"):
     reply: ClassVar[type[Reply]] = ShutdownReply
+
+
+class TinkerDatum(Record):
+    """One Tinker `Datum` as the ranks take it: position i of `tokens` predicts `target_tokens[i]`; the
+    per-position inputs its loss needs (`weights` for cross_entropy; the sampler's `logprobs` and `advantages`
+    for the policy-gradient losses), empty when the loss takes none."""
+
+    tokens: list[int]
+    target_tokens: list[int]
+    weights: list[float] = msgspec.field(default_factory=list)
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    advantages: list[float] = msgspec.field(default_factory=list)
+
+
+class ForwardBackwardCommand(Command, tag="forward_backward"):
+    """The Tinker service's `forward_backward` (or `forward` with `forward_only`) on this rank's share of the
+    data: the loss `loss_fn` (a sum over positions, as Tinker's) with `loss_config`; gradients accumulate until
+    an `OptimStepCommand`."""
+
+    reply: ClassVar[type[Reply]] = ForwardBackwardReply
+    data: list[TinkerDatum]
+    loss_fn: str
+    loss_config: dict[str, float] = msgspec.field(default_factory=dict)
+    forward_only: bool = False
+
+
+class OptimStepCommand(Command, tag="optim_step"):
+    """One Adam step on the accumulated gradients (summed over ranks) with these parameters, then the gradients
+    are cleared. `grad_clip_norm` 0: no clipping."""
+
+    reply: ClassVar[type[Reply]] = OptimStepReply
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
 
 
 #: any kind of command (built from the declarations above: a new Command subclass with a tag is one)

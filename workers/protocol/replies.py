@@ -166,6 +166,24 @@ class ShutdownReply(Reply, tag="shutdown"):
     """The rank exits after sending this."""
 
 
+class ForwardBackwardReply(Reply, tag="forward_backward"):
+    """The Tinker service's forward(/backward) on this rank's share of the data: per datum of the share, in
+    order, the target tokens' logprobs and the loss at each position; `loss_sum` the share's loss; `seconds` the
+    rank's own time for it."""
+
+    logprobs: list[list[float]] = msgspec.field(default_factory=list)
+    elementwise_loss: list[list[float]] = msgspec.field(default_factory=list)
+    loss_sum: float = 0.0
+    seconds: float = 0.0
+
+
+class OptimStepReply(Reply, tag="optim_step"):
+    """The gradient's global norm before clipping (the same on every rank); `seconds` the rank's own time."""
+
+    grad_norm: float = 0.0
+    seconds: float = 0.0
+
+
 #: any reply (built from the declarations above: a new Reply subclass with a tag is one)
 AnyReply = union_of(Reply)
 #: every reply kind, by name (each the name of the command it answers)

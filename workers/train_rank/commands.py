@@ -15,7 +15,8 @@ from workers.train_rank.trainer import Trainer
 
 #: commands that read or write the training state: run with the state on the device
 _NEEDS_STATE = (protocol.TrainCommand, protocol.SaveCommand, protocol.SaveHfCommand, protocol.LoadCommand,
-                protocol.ExportWeightsCommand, protocol.WeightManifestCommand, protocol.BroadcastWeightsCommand)
+                protocol.ExportWeightsCommand, protocol.WeightManifestCommand, protocol.BroadcastWeightsCommand,
+               protocol.ForwardBackwardCommand, protocol.OptimStepCommand)
 
 
 def handle(trainer: Trainer, command: protocol.Command) -> protocol.Reply:
@@ -43,6 +44,8 @@ def _handlers(trainer: Trainer) -> dict[type[protocol.Command], Callable[[Any], 
         protocol.DestroyWeightGroupCommand: trainer.destroy_weight_group,
         protocol.OffloadCommand: trainer.offload,
         protocol.OnloadCommand: trainer.onload,
+        protocol.ForwardBackwardCommand: trainer.forward_backward,
+        protocol.OptimStepCommand: trainer.optim_step,
     }
 
 

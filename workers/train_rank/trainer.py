@@ -31,6 +31,7 @@ from workers.train_rank import (
     lora,
     packing,
     returns,
+    tinker_ops,
     weight_buckets,
     weight_export,
 )
@@ -410,6 +411,8 @@ class Trainer:
             command.path, model=model, optimizer=optimizer, scheduler=self.scheduler,
             adapters=self.lora.record() if self.lora is not None else None, critic=self._critic_state(),
         )
+        if command.weights_only:
+            optimizer.state.clear()  # the moments start afresh, as a new optimizer's
         return protocol.LoadReply(rollout_id=loaded.rollout_id, extra=loaded.extra, path=str(loaded.path))
 
     def export_weights(self, command: protocol.ExportWeightsCommand) -> protocol.ExportWeightsReply:
@@ -488,6 +491,18 @@ class Trainer:
         self._require()
         assert self.state is not None
         return protocol.OnloadReply.of(self.state.onload(verify=command.verify))
+
+    def forward_backward(self, command: protocol.ForwardBackwardCommand) -> protocol.ForwardBackwardReply:
+        """The Tinker service's forward(/backward): gradients accumulate until `optim_step` (`tinker_ops`)."""
+        _, model, _ = self._require()
+        rounds = self.parallel.agree_count(len(command.data)) if self.parallel.sharded else None
+        return tinker_ops.forward_backward(model, command, self.device, rounds)
+
+    def optim_step(self, command: protocol.OptimStepCommand) -> protocol.OptimStepReply:
+        settings, model, optimizer = self._require()
+        reply = tinker_ops.optim_step(model, self.parallel, optimizer, command)
+        self._after_step(settings)
+        return reply
 
     # ------------------------------------------------------------------------------------------- helpers
 
