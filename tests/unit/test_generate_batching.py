@@ -49,7 +49,7 @@ def test_decode_many_gives_the_text_of_one_call_per_response(tokenizer: PreTrain
     state = state_of(tokenizer)
     assert _plain_fast_decode(tokenizer)  # the batch path is the one under test
     special = [tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens]
-    texts = PLAIN + ["3333", " the end."]
+    texts = [*PLAIN, "3333", " the end."]
     responses = [state.encode(text) for text in texts] + [[], special, [*special, *state.encode("7")]]
     assert state.decode_many(responses) == [state.decode(ids) for ids in responses]
 
