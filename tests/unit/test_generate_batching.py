@@ -1,10 +1,12 @@
-"""Prompts tokenised and responses decoded a batch at a time (issue 38): the same ids and texts as one call per
-prompt / response, with the tiny model's real fast tokenizer, plain and chat-template prompts both; and the
-rollout's new groups, built from one batch call, hold the ids one call per prompt gives.
+"""The generate path's batching and collector settings (issue 38): prompts tokenised and responses decoded a batch
+at a time give the same ids and texts as one call per prompt / response (the tiny model's real fast tokenizer,
+plain and chat-template prompts both); the rollout's new groups, built from one batch call, hold the ids one call
+per prompt gives; `tune_collector` freezes the live heap once and raises the first threshold.
 """
 
 from __future__ import annotations
 
+import gc
 import tempfile
 from pathlib import Path
 
@@ -81,3 +83,25 @@ def test_new_groups_hold_the_ids_of_one_call_per_prompt(tiny_model_dir: Path,
         assert group.prompt_ids == rollout.state.encode(group.record.prompt)
         assert [sample.tokens for sample in group.samples] == [group.prompt_ids] * 3
         assert all(sample.tokens is not group.prompt_ids for sample in group.samples)  # each its own list
+
+
+def test_tune_collector_freezes_the_heap_once_and_raises_the_first_threshold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a run does once its rollout pieces are built; undone here so the rest of the session is as before."""
+    from coordinator.rollout import manager
+
+    before = gc.get_threshold()
+    monkeypatch.setattr(manager, "_TUNED", False)
+    try:
+        live = len(gc.get_objects())
+        frozen = manager.tune_collector()
+        assert frozen >= live // 2  # the live heap went to the permanent generation
+        assert len(gc.get_objects()) < live - frozen // 2  # and out of the collector's passes
+        assert gc.get_threshold() == (manager.GEN0_THRESHOLD, *before[1:])
+        fresh = [[] for _ in range(10)]  # objects made afterwards are tracked (and collected) as before
+        assert all(gc.is_tracked(item) for item in fresh) and any(obj is fresh[0] for obj in gc.get_objects())
+        count = gc.get_freeze_count()
+        assert manager.tune_collector() == count  # a second call freezes nothing more
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
