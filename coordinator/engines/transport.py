@@ -52,7 +52,8 @@ class EngineAnswer:
 
     def __init__(self, status_code: int, headers: Mapping[str, str], content: bytes, url: str) -> None:
         self.status_code = status_code
-        #: case-insensitive (aiohttp's `CIMultiDictProxy`), the headers as received
+        #: case-insensitive (aiohttp's `CIMultiDictProxy`), the headers as received: a compressed answer's
+        #: content-length and content-encoding describe the wire's bytes, not `content` (decoded)
         self.headers = headers
         self.content = content
         self.url = url
