@@ -6,6 +6,10 @@ child process, then sends the same number of POSTs at concurrency 64 and 512 wit
   * httpx.AsyncClient with its default transport (httpcore),
   * httpx.AsyncClient over httpx_aiohttp.AiohttpTransport,
   * bare aiohttp.ClientSession,
+  * the engine client's own request (`EngineClient.request`: aiohttp's session with the retry loop, deadlines,
+    stall clock and capped read),
+  * a pooled raw HTTP/1.1 client (asyncio streams, keep-alive sockets, Content-Length bodies only: the
+    socket's floor, not a client anyone should ship),
 
 and prints requests/s and each figure as a ratio of the floor (httpx default) measured in the same run.
 The server runs in its own process so the client's event loop is the only thing measured in this one.
@@ -16,6 +20,7 @@ Run: .venv/bin/python -m bench.client_transport [--requests 4000] [--concurrency
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import socket
 import subprocess
@@ -139,6 +144,47 @@ async def bench_aiohttp(url: str, n: int, conc: int) -> float:
         return await drive(n, conc, one)
 
 
+async def bench_engine_client(url: str, n: int, conc: int) -> float:
+    from coordinator.engines.client import EngineClient
+
+    base, path = url.rsplit("/", 1)
+    async with EngineClient(max_connections=conc) as client:
+
+        async def one() -> None:
+            json.loads((await client.request(base, "POST", "/" + path, json_body=PAYLOAD)).content)
+
+        await drive(min(conc, n), conc, one)
+        return await drive(n, conc, one)
+
+
+async def bench_raw(url: str, n: int, conc: int) -> float:
+    """The floor: one keep-alive socket per worker, a request written whole, the answer read by its
+    Content-Length."""
+    host, port_path = url.removeprefix("http://").split(":", 1)
+    port, path = port_path.split("/", 1)
+    body = json.dumps(PAYLOAD).encode()
+    head = (f"POST /{path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    pool: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def one() -> None:
+        reader, writer = pool.pop() if pool else await asyncio.open_connection(host, int(port))
+        writer.write(head + body)
+        status = await reader.readuntil(b"\r\n\r\n")
+        if not status.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(status[:64])
+        length = next(int(line.split(b":", 1)[1]) for line in status.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        json.loads(await reader.readexactly(length))
+        pool.append((reader, writer))
+
+    await drive(min(conc, n), conc, one)
+    rate = await drive(n, conc, one)
+    for _, writer in pool:
+        writer.close()
+    return rate
+
+
 async def main(n: int, concs: list[int]) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}/generate"
@@ -150,11 +196,16 @@ async def main(n: int, concs: list[int]) -> None:
             floor = await bench_httpx_default(url, n, conc)
             via = await bench_httpx_aiohttp(url, n, conc)
             bare = await bench_aiohttp(url, n, conc)
+            ours = await bench_engine_client(url, n, conc)
+            raw = await bench_raw(url, n, conc)
             print(f"concurrency {conc}, {n} POSTs:")
             print(f"  httpx default transport   {floor:8.0f} req/s   x1.00 (floor)")
             print(f"  httpx + AiohttpTransport  {via:8.0f} req/s   x{via / floor:.2f}")
             print(f"  bare aiohttp              {bare:8.0f} req/s   x{bare / floor:.2f}")
-            print(f"  httpx+aiohttp / bare aiohttp = {via / bare:.2f}")
+            print(f"  EngineClient.request      {ours:8.0f} req/s   x{ours / floor:.2f}")
+            print(f"  pooled raw HTTP/1.1       {raw:8.0f} req/s   x{raw / floor:.2f}")
+            print(f"  httpx+aiohttp / bare aiohttp = {via / bare:.2f}; EngineClient / bare aiohttp = {ours / bare:.2f}; "
+                  f"bare aiohttp / raw = {bare / raw:.2f}")
     finally:
         server.terminate()
         try:

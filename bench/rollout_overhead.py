@@ -5,13 +5,15 @@ generate path (RolloutManager → DefaultRollout → dispatcher → EngineClient
 bookkeeping and the reward) is timed against a bare `aiohttp` loop posting the same number of requests at the
 same concurrency. Prints samples/s for both (the bare loop per sample and batched as the generate path sends), the ratios
 (target ≥ 0.8) and the coordinator's CPU time per
-sample. Usage: python -m bench.rollout_overhead [--samples 4096] [--concurrency 64 512]
+sample, with the share of it the cyclic garbage collector took (start-up's heap frozen and the collector's first threshold raised first, as a run does:
+`coordinator.rollout.manager.tune_collector`). Usage: python -m bench.rollout_overhead [--samples 4096] [--concurrency 64 512]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import subprocess
@@ -65,9 +67,10 @@ def free_port() -> int:
 GROUP = 8
 
 
-async def bare_loop(url: str, samples: int, concurrency: int, *, batched: bool = False) -> float:
+async def bare_loop(url: str, samples: int, concurrency: int, *, batched: bool = False) -> tuple[float, float]:
     """The floor: bare aiohttp posts, one per sample, or (batched) one per group of GROUP samples as the
-    generate path sends them; at most `concurrency` samples in flight either way."""
+    generate path sends them; at most `concurrency` samples in flight either way. Returns samples/s and CPU
+    seconds per sample."""
     import aiohttp
 
     prompt = [8, 4, 3, 4, 6, 18]
@@ -89,20 +92,21 @@ async def bare_loop(url: str, samples: int, concurrency: int, *, batched: bool =
                                            headers={"Content-Type": "application/json"}) as response:
                 await response.read()
 
-        started = time.perf_counter()
+        cpu0, started = time.process_time(), time.perf_counter()
         async with anyio.create_task_group() as group:
             for _ in range(requests):
                 group.start_soon(one)
-        return requests * per_request / (time.perf_counter() - started)
+        done = requests * per_request
+        return done / (time.perf_counter() - started), (time.process_time() - cpu0) / done
 
 
-async def generate_path(url: str, model_dir: Path, samples: int, concurrency: int) -> tuple[float, float]:
+async def generate_path(url: str, model_dir: Path, samples: int, concurrency: int) -> tuple[float, float, float]:
     from transformers import AutoTokenizer
 
     from coordinator.config import parse_config
     from coordinator.engines.client import EngineClient
     from coordinator.engines.fleet import EngineFleet
-    from coordinator.rollout.manager import RolloutManager
+    from coordinator.rollout.manager import RolloutManager, tune_collector
 
     n = GROUP
     config = parse_config(["--hf-checkpoint", str(model_dir), "--prompt-data", "builtin:first_digit",
@@ -114,13 +118,36 @@ async def generate_path(url: str, model_dir: Path, samples: int, concurrency: in
         fleet = EngineFleet(client=client, external_urls=[url], run_dir=Path(tempfile.mkdtemp()))
         await group.start(fleet.run)
         manager = RolloutManager.build(config, tokenizer=tokenizer, client=client, pool=fleet, context_length=512)
+        tune_collector()  # as coordinator.run does once the rollout manager is built
         await manager.get_rollout(0, "0")  # warm-up: connections, tokenizer caches
-        cpu0, started = time.process_time(), time.perf_counter()
-        batch = await manager.get_rollout(1, "0")
-        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
+        with CollectorClock() as collector:
+            cpu0, started = time.process_time(), time.perf_counter()
+            batch = await manager.get_rollout(1, "0")
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
         group.cancel_scope.cancel()
     assert len(batch.samples) == samples
-    return samples / elapsed, cpu / samples
+    return samples / elapsed, cpu / samples, collector.seconds / samples
+
+
+class CollectorClock:
+    """CPU seconds the cyclic garbage collector ran while the block ran (`gc.callbacks`)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def _tick(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.process_time()
+        else:
+            self.seconds += time.process_time() - self._start
+
+    def __enter__(self) -> CollectorClock:
+        gc.callbacks.append(self._tick)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._tick)
 
 
 def main() -> None:
@@ -146,13 +173,16 @@ def main() -> None:
         print("samples/s; 'per sample' posts one request per sample, 'batched' one per group of "
               f"{GROUP} as the generate path does; ratios are generate path / bare loop")
         print(f"{'concurrency':>11} {'bare per sample':>16} {'bare batched':>13} {'generate path':>14} "
-              f"{'÷ per sample':>13} {'÷ batched':>10} {'CPU µs/sample':>14}")
+              f"{'÷ per sample':>13} {'÷ batched':>10} {'CPU µs/sample':>14} {'of it in gc':>12} "
+              f"{'bare batched CPU µs/sample':>27}")
         for concurrency in options.concurrency:
-            bare = anyio.run(bare_loop, url, options.samples, concurrency)
-            bare_batched = anyio.run(functools.partial(bare_loop, url, options.samples, concurrency, batched=True))
-            path, cpu = anyio.run(generate_path, url, model_dir, options.samples, concurrency)
+            bare, _ = anyio.run(bare_loop, url, options.samples, concurrency)
+            bare_batched, bare_cpu = anyio.run(functools.partial(bare_loop, url, options.samples, concurrency,
+                                                                 batched=True))
+            path, cpu, collector = anyio.run(generate_path, url, model_dir, options.samples, concurrency)
             print(f"{concurrency:>11} {bare:>16,.0f} {bare_batched:>13,.0f} {path:>14,.0f} {path / bare:>13.2f} "
-                  f"{path / bare_batched:>10.2f} {cpu * 1e6:>14,.0f}")
+                  f"{path / bare_batched:>10.2f} {cpu * 1e6:>14,.0f} {collector * 1e6:>12,.0f} "
+                  f"{bare_cpu * 1e6:>27,.1f}")
     finally:
         responder.terminate()
         responder.wait(10)

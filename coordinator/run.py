@@ -259,7 +259,7 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
                  extra_hooks: Callable[[Services], list[StepHook]] | None, stop: StopSignals) -> dict[str, Any]:
     from coordinator.loop import TrainingLoop
     from coordinator.rollout.hook_services import start_hook_services
-    from coordinator.rollout.manager import RolloutManager
+    from coordinator.rollout.manager import RolloutManager, tune_collector
 
     router_url = services.router.url if services.router is not None else None
     teachers = services.teacher_engines  # --opd-teacher-load of --opd-type sglang: the teacher rayless serves
@@ -270,6 +270,7 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
     )
     await start_hook_services(manager, task_group=task_group, seed=config.rollout.rollout_seed,
                               router_url=router_url, api_key=config.sglang.sglang_api_key)
+    tune_collector()  # start-up's heap out of the collector's passes, fewer of them (issue 38)
     if config.hooks.use_session_server is not None and config.needs_engines:
         from coordinator.sessions.service import start_session_server  # miles' session server for agents
 

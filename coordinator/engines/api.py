@@ -19,6 +19,7 @@ from coordinator.engines.policy import COLLECTIVE, RetryPolicy
 from coordinator.engines.replies import GenerateAnswer
 from coordinator.engines.reply_decode import read_generate_answer_async
 from coordinator.engines.stream import stream_generate
+from coordinator.engines.transport import EngineAnswer
 from workers.boundary.json_input import JsonObject, JsonValue
 
 
@@ -32,7 +33,7 @@ class Requester(Protocol):
     @property
     def http(self) -> httpx.AsyncClient: ...
 
-    async def request(self, base_url: str, method: str, path: str, **kw: object) -> httpx.Response: ...
+    async def request(self, base_url: str, method: str, path: str, **kw: object) -> EngineAnswer: ...
 
     async def request_json(self, base_url: str, method: str, path: str, **kw: object) -> JsonValue: ...
 

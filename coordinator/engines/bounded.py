@@ -10,14 +10,22 @@ decoder. Invariant: a reader never holds more than its cap plus one network chun
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from coordinator.engines.errors import EngineReplyError
 from workers.boundary.errors import BoundaryError
 from workers.boundary.json_input import JsonLimits, JsonValue, decode_json_async
 
-if TYPE_CHECKING:
-    import httpx
+
+class BodyStream(Protocol):
+    """An answer whose body is still to be read: an `httpx.Response` opened with `stream`, or the engine
+    client's view of an aiohttp response (`client._AiohttpBody`)."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]: ...
+
 
 #: the cap of any reply but /generate's (model and server info, control answers, a reward service's answer)
 DEFAULT_REPLY_BYTES = 16 << 20
@@ -97,33 +105,35 @@ def limits_for(max_bytes: int) -> JsonLimits:
     return JsonLimits(max_bytes=max_bytes, max_depth=REPLY_DEPTH, max_items=max(max_bytes // 2, 1024))
 
 
-def _declared_length(resp: httpx.Response) -> int | None:
+def _declared_length(resp: BodyStream) -> int | None:
     value = resp.headers.get("content-length")
     return int(value) if value is not None and value.isdigit() else None
 
 
-def _chunks(resp: httpx.Response, watch: Watch | None, between: Callable[[], bool]) -> AsyncIterator[bytes]:
+def _chunks(resp: BodyStream, watch: Watch | None, between: Callable[[], bool]) -> AsyncIterator[bytes]:
     return resp.aiter_bytes() if watch is None else watch(resp.aiter_bytes(), between)
 
 
-async def read_capped(resp: httpx.Response, cap: int, url: str,
+async def read_capped(resp: BodyStream, cap: int, url: str,
                       on_chunk: Callable[[int], None] | None = None) -> bytes:
     """The whole body of `resp`, refused as soon as it passes `cap` bytes (or declares more); each chunk's size
     told to `on_chunk` (the stall rules' clock, `stall.ReplyClock`) when given."""
     declared = _declared_length(resp)
     if declared is not None and declared > cap and "content-encoding" not in resp.headers:
         raise EngineReplyError(url, f"reply of {declared} bytes is over the limit of {cap} for this request")
-    body = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in resp.aiter_bytes():
         if on_chunk is not None:
             on_chunk(len(chunk))
-        body += chunk
-        if len(body) > cap:
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > cap:
             raise EngineReplyError(url, f"reply passed the limit of {cap} bytes for this request; not read further")
-    return bytes(body)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # a reply in one chunk is not copied
 
 
-async def read_prefix(resp: httpx.Response, limit: int = ERROR_BYTES,
+async def read_prefix(resp: BodyStream, limit: int = ERROR_BYTES,
                       on_chunk: Callable[[int], None] | None = None) -> bytes:
     """At most `limit` bytes of `resp`'s body (an error answer: its beginning is its message)."""
     body = bytearray()
@@ -136,7 +146,7 @@ async def read_prefix(resp: httpx.Response, limit: int = ERROR_BYTES,
     return bytes(body[:limit])
 
 
-async def iter_lines_capped(resp: httpx.Response, cap: int, url: str,
+async def iter_lines_capped(resp: BodyStream, cap: int, url: str,
                             watch: Watch | None = None) -> AsyncIterator[bytes]:
     """The lines of a streamed body (SSE), each refused as soon as it passes `cap` bytes; the chunks go through
     `watch`, told when the reader stands between two lines."""

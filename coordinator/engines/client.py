@@ -1,12 +1,15 @@
 """The engine client: one HTTP connection pool for every engine the coordinator talks to.
 
-Owns: the `httpx.AsyncClient` (over `httpx_aiohttp.AiohttpTransport`) through which every request to an
-SGLang-compatible engine goes, and the request loop that applies the retry policy (`policy`) and maps
-failures to typed errors (`errors`). One engine's endpoints are methods of `EngineAPI` (`api`).
+Owns: the `aiohttp.ClientSession` (and its pool) through which every request to an SGLang-compatible engine
+goes — a whole-answer request (`request`: `/generate`, control, info) on the session itself, a streamed
+`/generate` and the stall watch's `/health` probe through an `httpx.AsyncClient` over
+`httpx_aiohttp.AiohttpTransport` on the same session — and the request loop that applies the retry policy
+(`policy`) and maps failures to typed errors (`errors`). One engine's endpoints are methods of `EngineAPI`
+(`api`).
 
 Invariants:
-  * One pool per `EngineClient`, sized to the configured concurrency, shared by all engines: the rollout
-    path with 512 requests in flight over N engines holds at most `max_connections` sockets.
+  * One pool per `EngineClient`, sized to the configured concurrency, shared by all engines and both APIs:
+    the rollout path with 512 requests in flight over N engines holds at most `max_connections` sockets.
   * Every call has a deadline (connect timeout + per-request read timeout), and no reply may stop moving for
     longer than `stall_timeout` (`stall`: a body that drips, an engine that accepts and answers nothing) —
     that ends as `EngineStalled`, not retried on the same engine.
@@ -19,8 +22,10 @@ Invariants:
 
 Transport choice (bench/client_transport.py, 4000 POSTs to a trivial local uvicorn server, 2 cores):
 httpx default transport ~280 req/s at concurrency 64 and ~160 at 512; httpx over AiohttpTransport ~2,050-2,700
-and ~2,260 (x7-x14); bare aiohttp ~6,900 and ~5,300. We keep the httpx API over the aiohttp transport: an
-order of magnitude above the default and far above what engines serve (generate calls take seconds).
+and ~2,260 (x7-x14); bare aiohttp ~6,900 and ~5,300. httpx's own layers (request and URL models, cookies,
+auth and redirect wrappers, the response model) cost more than the socket work on the rollout path
+(bench/rollout_overhead.py, issue 38), so whole-answer requests go on the aiohttp session directly and
+return an `EngineAnswer`; httpx stays where a stream is read line by line (its share there is small).
 
 Usage::
 
@@ -32,9 +37,10 @@ Usage::
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
+import aiohttp
 import anyio
 import anyio.abc
 import httpx
@@ -48,6 +54,8 @@ from coordinator.engines.policy import RetryPolicy
 from coordinator.engines.stall import PROBE_S, HeadWatch, Liveness, ReplyClock, progressing
 from coordinator.engines.transport import (
     TRANSPORT_ERRORS,
+    EngineAnswer,
+    aiohttp_timeout,
     error_from_response,
     map_transport_error,
     request_timeout,
@@ -74,7 +82,10 @@ class EngineClient(anyio.AsyncContextManagerMixin):
             (`--engine-token-timeout-s`; `stall.HeadWatch`).
         probe_timeout: seconds the `/health` probe of an engine whose answer is late may take (`stall.PROBE_S`).
         retry: default retry policy.
-        transport: "aiohttp" (default, measured fastest with the httpx API) or "httpx" (httpcore).
+        transport: what the httpx client (streamed generates, the stall probe) runs on: "aiohttp" (default,
+            the session's pool) or "httpx" (httpcore, a pool of its own). Whole answers always go on the session.
+        trace_configs: aiohttp's request hooks (`aiohttp.TraceConfig`), told of every request sent on the
+            session (a test counts attempts with them).
     """
 
     def __init__(
@@ -91,6 +102,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         probe_timeout: float = PROBE_S,
         retry: RetryPolicy = RetryPolicy(),
         transport: str = "aiohttp",
+        trace_configs: Sequence[aiohttp.TraceConfig] = (),
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
@@ -118,7 +130,9 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         self.transport = transport
         #: the model's vocabulary (`set_vocab_size`, once the tokenizer is loaded): ids a reply may hold
         self.vocab_size: int | None = None
+        self.trace_configs = list(trace_configs)
         self._http: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[EngineClient]:
@@ -127,17 +141,24 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         )
         timeout = request_timeout(self.connect_timeout, self.read_timeout)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # keepalive: httpx's default expiry (5 s), as the transport had it before the session was shared
+        connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=5.0)
+        session = aiohttp.ClientSession(connector=connector, headers=headers, trust_env=False,
+                                        trace_configs=self.trace_configs or None)
         transport: httpx.AsyncBaseTransport | None = None
         if self.transport == "aiohttp":
-            transport = AiohttpTransport(limits=limits, trust_env=False)
-        async with httpx.AsyncClient(
-            transport=transport, limits=limits, timeout=timeout, headers=headers, trust_env=False
-        ) as http:
-            self._http = http
-            try:
-                yield self
-            finally:
-                self._http = None
+            transport = AiohttpTransport(limits=limits, trust_env=False, client=session)
+        try:
+            async with httpx.AsyncClient(
+                transport=transport, limits=limits, timeout=timeout, headers=headers, trust_env=False
+            ) as http:
+                self._http, self._session = http, session
+                try:
+                    yield self
+                finally:
+                    self._http = self._session = None
+        finally:
+            await session.close()  # idempotent: the transport closes it too when it is the httpx one's
 
     def set_vocab_size(self, size: int | None) -> None:
         """Bound the token ids every `/generate` reply may hold to `[0, size)` from now on."""
@@ -186,6 +207,12 @@ class EngineClient(anyio.AsyncContextManagerMixin):
             raise RuntimeError("EngineClient is not open: use `async with EngineClient(...) as client`")
         return self._http
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("EngineClient is not open: use `async with EngineClient(...) as client`")
+        return self._session
+
     async def request(
         self,
         base_url: str,
@@ -199,7 +226,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         headers: Mapping[str, str] | None = None,
         max_bytes: int = DEFAULT_REPLY_BYTES,
         answer_by: tuple[float, str] | None = None,
-    ) -> httpx.Response:
+    ) -> EngineAnswer:
         """Send one request with retries; return the 2xx response or raise an `EngineError`. `headers` are
         added to this request only (the client's own, e.g. the API key, are sent as well). The body is read
         as it streams in and refused (`EngineReplyError`, not retried) past `max_bytes`. `answer_by`: the generation bound
@@ -207,7 +234,7 @@ class EngineClient(anyio.AsyncContextManagerMixin):
         url = base_url.rstrip("/") + path
         policy = retry or self.retry
         read = timeout if timeout is not None else self.read_timeout
-        req_timeout = request_timeout(self.connect_timeout, read)
+        req_timeout = aiohttp_timeout(self.connect_timeout, read)
         content = None if json_body is None else msgspec.json.encode(json_body)  # ~3x json.dumps, same JSON
         headers = {**({"Content-Type": "application/json"} if content is not None else {}), **(headers or {})}
         if self.admin_api_key and is_admin(path):  # a control route: the admin key, never the agents' one
@@ -234,21 +261,20 @@ class EngineClient(anyio.AsyncContextManagerMixin):
             await anyio.sleep(wait)
 
     async def _send_capped(self, base_url: str, what: str, url: str, content: bytes | None,
-                           params: Mapping[str, str] | None, headers: Mapping[str, str], timeout: httpx.Timeout,
-                           max_bytes: int, read: float | None,
-                           answer_by: tuple[float, str] | None = None) -> httpx.Response:
-        """One exchange, its body read under the cap and the stall rules; the answer rebuilt around the bytes
-        read."""
+                           params: Mapping[str, str] | None, headers: Mapping[str, str],
+                           timeout: aiohttp.ClientTimeout, max_bytes: int, read: float | None,
+                           answer_by: tuple[float, str] | None = None) -> EngineAnswer:
+        """One exchange on the session, its body read under the cap and the stall rules."""
         started = time.monotonic()
         with ReplyClock(stall=self.stall_timeout, url=url, base_url=base_url.rstrip("/"), what=what, started=started,
                         watch=self.head_watch, limit=read, answer_by=answer_by) as clock:
-            async with self.http.stream(what.split(" ", 1)[0], url, content=content, params=params, headers=headers,
-                                        timeout=timeout) as resp:
+            async with self.session.request(what.split(" ", 1)[0], url, data=content, params=params, headers=headers,
+                                            timeout=timeout, allow_redirects=False) as resp:
                 clock.headed()
-                body = await (read_capped(resp, max_bytes, url, clock.advance) if resp.status_code < 400
-                              else read_prefix(resp, on_chunk=clock.advance))
-        kept = [(key, value) for key, value in resp.headers.multi_items() if key.lower() not in _DECODED_HEADERS]
-        return httpx.Response(resp.status_code, headers=kept, content=body, request=resp.request)
+                stream = _AiohttpBody(resp)
+                body = await (read_capped(stream, max_bytes, url, clock.advance) if resp.status < 400
+                              else read_prefix(stream, on_chunk=clock.advance))
+        return EngineAnswer(resp.status, resp.headers, body, str(resp.url))
 
     async def watch_stalls(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The head-liveness rule for this client's requests (`stall.HeadWatch`), until cancelled; the run
@@ -270,5 +296,17 @@ class EngineClient(anyio.AsyncContextManagerMixin):
 #: SGLang's max_new_tokens when a request names none (sampling_params.py)
 DEFAULT_MAX_NEW_TOKENS = 128
 
-#: headers that described the bytes on the wire, not the decoded body a rebuilt answer holds
-_DECODED_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+
+
+class _AiohttpBody:
+    """An aiohttp response as the capped readers take it (`bounded.BodyStream`): its headers and its (decoded)
+    body's chunks as they arrive."""
+
+    __slots__ = ("_resp", "headers")
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self.headers = resp.headers
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]:
+        return self._resp.content.iter_any()

@@ -218,16 +218,20 @@ class DefaultRollout:
             return []
         groups = []
         n = self.settings.n_samples_per_prompt
-        for offset, record in enumerate(self.data_source.take(count)):
-            if self.custom_generate is not None:
-                prompt_ids: list[int] = []  # the function tokenizes the prompt (any value) itself, as slime's
-            elif not isinstance(record.prompt, str):
-                raise TypeError(
-                    "prompt records hold chat messages but --apply-chat-template is not set; set it, or give "
-                    "plain-text prompts"
-                )
-            else:
-                prompt_ids = self.state.encode(record.prompt)
+        records = list(self.data_source.take(count))
+        if self.custom_generate is not None:  # the function tokenizes the prompt (any value) itself, as slime's
+            encoded: list[list[int]] = [[] for _ in records]
+        else:
+            prompts: list[str] = []
+            for record in records:
+                if not isinstance(record.prompt, str):
+                    raise TypeError(
+                        "prompt records hold chat messages but --apply-chat-template is not set; set it, or give "
+                        "plain-text prompts"
+                    )
+                prompts.append(record.prompt)
+            encoded = self.state.encode_many(prompts)  # one tokenizer call for every new group
+        for offset, (record, prompt_ids) in enumerate(zip(records, encoded, strict=True)):
             samples = [new_sample(record, prompt_ids, first_index + offset, k, n_samples=n) for k in range(n)]
             groups.append(PartialGroup(record, prompt_ids, samples))
         return groups

@@ -1,7 +1,7 @@
 """The engine client against a real CPU engine (workers.engine) on 127.0.0.1, launched by our launcher.
 
 Checks every typed method, that a 4xx raises at once with the server's message (one request on the wire,
-counted with httpx's own request hook), that 401 without the key is typed, and that a SIGKILLed engine turns
+counted with aiohttp's own request hook, `TraceConfig`), that 401 without the key is typed, and that a SIGKILLed engine turns
 in-flight and later requests into EngineUnreachable without hanging.
 """
 
@@ -14,8 +14,8 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
 import pytest
 
 from coordinator.engines.client import EngineClient
@@ -27,6 +27,18 @@ from tests.support.waiting import wait_until
 
 API_KEY = "test-key-123"
 ENGINE_ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"))
+
+
+def counted_requests() -> tuple[list[str], aiohttp.TraceConfig]:
+    """The path of every request the client puts on the wire (retries included), and the hook that lists them."""
+    sent: list[str] = []
+
+    async def count(session: object, context: object, params: aiohttp.TraceRequestStartParams) -> None:
+        sent.append(params.url.path)
+
+    hook = aiohttp.TraceConfig()
+    hook.on_request_start.append(count)
+    return sent, hook
 
 
 async def held(engine: Any) -> int:
@@ -142,15 +154,10 @@ async def test_update_weights_from_disk(
 
 
 async def test_4xx_raises_at_once_with_server_message(keyed_engine: str) -> None:
-    sent: list[str] = []
-
-    async def count(request: httpx.Request) -> None:
-        sent.append(request.url.path)
-
+    sent, hook = counted_requests()
     # A generous retry policy: a 4xx must still be sent exactly once.
     policy = RetryPolicy(attempts=5, backoff=0.01, budget=30.0)
-    async with EngineClient(max_connections=4, api_key=API_KEY, retry=policy) as c:
-        c.http.event_hooks["request"].append(count)
+    async with EngineClient(max_connections=4, api_key=API_KEY, retry=policy, trace_configs=[hook]) as c:
         with pytest.raises(EngineHTTPError) as err:
             await c.engine(keyed_engine).generate({"text": "", "sampling_params": {"max_new_tokens": 2}})
     assert err.value.status == 400
@@ -161,14 +168,9 @@ async def test_4xx_raises_at_once_with_server_message(keyed_engine: str) -> None
 
 async def test_5xx_is_retried_within_policy(keyed_engine: str) -> None:
     """An unknown sampling key: real SGLang answers a plain-text 500 (the CPU engine too, or a 400)."""
-    sent: list[str] = []
-
-    async def count(request: httpx.Request) -> None:
-        sent.append(request.url.path)
-
+    sent, hook = counted_requests()
     policy = RetryPolicy(attempts=3, backoff=0.01, budget=30.0)
-    async with EngineClient(max_connections=4, api_key=API_KEY, retry=policy) as c:
-        c.http.event_hooks["request"].append(count)
+    async with EngineClient(max_connections=4, api_key=API_KEY, retry=policy, trace_configs=[hook]) as c:
         with pytest.raises(EngineHTTPError) as err:
             await c.engine(keyed_engine).generate({"text": "ab", "sampling_params": {"no_such_key": 1}})
     assert err.value.server_message

@@ -1,0 +1,107 @@
+"""The generate path's batching and collector settings (issue 38): prompts tokenised and responses decoded a batch
+at a time give the same ids and texts as one call per prompt / response (the tiny model's real fast tokenizer,
+plain and chat-template prompts both); the rollout's new groups, built from one batch call, hold the ids one call
+per prompt gives; `tune_collector` freezes the live heap once and raises the first threshold.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from coordinator.config import parse_config
+from coordinator.engines.client import EngineClient
+from coordinator.engines.fleet import EngineFleet
+from coordinator.rollout.generate import DefaultRollout
+from coordinator.rollout.manager import RolloutManager
+from coordinator.rollout.requests import GenerateState, _plain_fast_decode
+
+PLAIN = ["3 1 4=", "", "  leading and trailing  ", "naïve café — 数字 🙂", "a\nb\tc", "x" * 300,
+         "What is 12 + 30? Answer: ", "<|im_start|>user\nhi<|im_end|>"]
+CHATS = [[{"role": "user", "content": "What is 2 + 2?"}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime — 数字."}],
+         [{"role": "user", "content": "first"}, {"role": "assistant", "content": "ok"},
+          {"role": "user", "content": "second\nline"}]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def state_of(tokenizer: PreTrainedTokenizerBase) -> GenerateState:
+    return GenerateState(tokenizer=tokenizer, sampling_params={}, max_response_len=8, context_length=512,
+                         concurrency=4, seed=1)
+
+
+def test_encode_many_gives_the_ids_of_one_call_per_prompt(tokenizer: PreTrainedTokenizerBase) -> None:
+    state = state_of(tokenizer)
+    chats = [str(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)) for chat in CHATS]
+    prompts = PLAIN + chats
+    assert state.encode_many(prompts) == [state.encode(prompt) for prompt in prompts]
+    assert all(state.encode(chat) for chat in chats)  # the templates rendered into tokens, not nothing
+    assert state.encode_many([]) == []
+
+
+def test_decode_many_gives_the_text_of_one_call_per_response(tokenizer: PreTrainedTokenizerBase) -> None:
+    state = state_of(tokenizer)
+    assert _plain_fast_decode(tokenizer)  # the batch path is the one under test
+    special = [tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens]
+    texts = [*PLAIN, "3333", " the end."]
+    responses = [state.encode(text) for text in texts] + [[], special, [*special, *state.encode("7")]]
+    assert state.decode_many(responses) == [state.decode(ids) for ids in responses]
+
+
+def test_decode_many_falls_back_to_one_call_where_the_tokenizer_cleans_up_spaces(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, clean_up_tokenization_spaces=True)
+    assert not _plain_fast_decode(tokenizer)
+    state = state_of(tokenizer)
+    responses = [state.encode(text) for text in ["a , b .", "it 's", ""]]
+    assert state.decode_many(responses) == [state.decode(ids) for ids in responses]
+
+
+def test_new_groups_hold_the_ids_of_one_call_per_prompt(tiny_model_dir: Path,
+                                                        tokenizer: PreTrainedTokenizerBase) -> None:
+    """The rollout's groups, their prompts tokenised in one batch call, each with n samples of those ids."""
+    url = "http://127.0.0.1:9"  # built, never contacted: building the groups sends nothing
+    config = parse_config(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "builtin:first_digit",
+                           "--rollout-external-engine-addrs", url, "--rollout-batch-size", "6",
+                           "--n-samples-per-prompt", "3", "--num-rollout", "1", "--no-progress"])
+    fleet = EngineFleet(client=EngineClient(), external_urls=[url], run_dir=Path(tempfile.mkdtemp()))
+    manager = RolloutManager.build(config, tokenizer=tokenizer, client=EngineClient(), pool=fleet,
+                                   context_length=512)
+    assert manager.context is not None
+    rollout = DefaultRollout(manager.context)
+    groups = rollout._new_groups(6, 10)
+    assert [group.samples[0].group_index for group in groups] == list(range(10, 16))
+    for group in groups:
+        assert isinstance(group.record.prompt, str)
+        assert group.prompt_ids == rollout.state.encode(group.record.prompt)
+        assert [sample.tokens for sample in group.samples] == [group.prompt_ids] * 3
+        assert all(sample.tokens is not group.prompt_ids for sample in group.samples)  # each its own list
+
+
+def test_tune_collector_freezes_the_heap_once_and_raises_the_first_threshold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a run does once its rollout pieces are built; undone here so the rest of the session is as before."""
+    from coordinator.rollout import manager
+
+    before = gc.get_threshold()
+    monkeypatch.setattr(manager, "_TUNED", False)
+    try:
+        live = len(gc.get_objects())
+        frozen = manager.tune_collector()
+        assert frozen >= live // 2  # the live heap went to the permanent generation
+        assert len(gc.get_objects()) < live - frozen // 2  # and out of the collector's passes
+        assert gc.get_threshold() == (manager.GEN0_THRESHOLD, *before[1:])
+        fresh = [[] for _ in range(10)]  # objects made afterwards are tracked (and collected) as before
+        assert all(gc.is_tracked(item) for item in fresh) and any(obj is fresh[0] for obj in gc.get_objects())
+        count = gc.get_freeze_count()
+        assert manager.tune_collector() == count  # a second call freezes nothing more
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
