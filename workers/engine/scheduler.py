@@ -315,6 +315,7 @@ class Scheduler:
                     token_ids=seq.token_ids_logprob if want_input else (),
                     top_logprobs_num=seq.top_logprobs_num if want_input else 0,
                     position_token_ids=seq.position_token_ids if want_input else None,
+                    vision=seq.vision,
                 )
             )
             seq.state = SeqState.RUNNING

@@ -1,0 +1,148 @@
+"""Vision-language parts without processes: the tiny VLM, the image boundary, the processing rule, and the
+engine runner's logprobs against the trainer's scoring of the same sequence with its images."""
+
+from __future__ import annotations
+
+import base64
+import io
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.hostile_images import png, solid_png
+from workers.boundary.errors import BoundaryError
+from workers.boundary.images import ImageLimits, decode_image, encode_data_url
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
+
+
+def test_the_tiny_vlm_loads_offline_and_its_text_ids_are_the_text_models(tiny_vlm_dir: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    from workers.tiny_model import vocabulary
+    from workers.vlm_processor import VlmProcessor
+
+    processor = VlmProcessor(tiny_vlm_dir)
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_dir))
+    assert model.config.model_type == "qwen2_5_vl"
+    assert processor.tokenizer.encode("3 7=") == [vocabulary()[c] for c in "3 7="]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?<|im_end|>\n" \
+                   "<|im_start|>assistant\n"
+    vision = processor.pixel_inputs([decode_image(solid_png(56, 84, (255, 0, 0)), "test")])
+    assert vision.image_grid_thw.tolist() == [[1, 6, 4]]
+    ids = processor.expand_ids(processor.tokenizer.encode(text), vision.image_grid_thw)
+    assert ids.count(processor.image_token_id) == 6  # 6 x 4 patches, merged 2 x 2
+    with pytest.raises(ValueError, match=r"1 image placeholder.*for 2 image"):
+        processor.expand_ids(processor.tokenizer.encode(text), torch.tensor([[1, 2, 2], [1, 2, 2]]))
+
+
+def test_make_tiny_model_vlm_refuses_the_text_models_shape_flags(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from coordinator.cli import make_tiny_model_main
+
+    with pytest.raises(SystemExit) as stop:
+        make_tiny_model_main([str(tmp_path / "m"), "--vlm", "--words", "<search>"])
+    assert stop.value.code == 2
+    assert "--words is for the text model only" in capsys.readouterr().err
+
+
+def test_image_references_decode_from_paths_file_urls_data_urls_and_bytes(tmp_path: Path) -> None:
+    data = solid_png(30, 20, (0, 255, 0))
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(data)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    for reference in ("img/a.png", f"file://{tmp_path}/img/a.png", url, data, {"bytes": data, "path": None}):
+        image = decode_image(reference, "d.jsonl:3", base_dir=tmp_path)
+        assert (image.size, image.mode, image.getpixel((0, 0))) == ((30, 20), "RGB", (0, 255, 0))
+    assert decode_image(encode_data_url(image), "x").getpixel((5, 5)) == (0, 255, 0)
+    with pytest.raises(BoundaryError, match=r"^d.jsonl:3: image '.*missing.png' cannot be read"):
+        decode_image("missing.png", "d.jsonl:3", base_dir=tmp_path)
+    with pytest.raises(BoundaryError, match="nothing is fetched from the network"):
+        decode_image("https://example.com/a.png", "d.jsonl:4")
+
+
+def test_hostile_images_are_refused_naming_where_with_memory_bounded() -> None:
+    from PIL import Image
+
+    noise = Image.frombytes("RGB", (64, 64), bytes(range(256)) * 48)
+    buffer = io.BytesIO()
+    noise.save(buffer, format="PNG")
+    noisy_png = buffer.getvalue()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cases = {
+        "truncated": (noisy_png[: len(noisy_png) // 2], "cannot be decoded"),
+        "20k x 20k": (png(20_000, 20_000, rows=1), "20000x20000 pixels|400000000 pixels"),
+        # 8 GB of pixels behind a few kilobytes of zlib: refused from its header
+        "bomb": (png(50_000, 50_000, rows=200), "decompression bomb is refused"),
+        "16-bit grey": (png(8, 8, rows=8, bit_depth=16, color_type=0), "does not convert to RGB"),
+        "not an image": (b"GIF89a" + bytes(40), "cannot be decoded"),
+        "too many bytes": (bytes(2048), "the limit is 1,024"),
+    }
+    for name, (data, reason) in cases.items():
+        limits = ImageLimits(max_bytes=1024) if name == "too many bytes" else ImageLimits()
+        with pytest.raises(BoundaryError, match=reason) as refused:
+            decode_image(data, f"prompts.jsonl:{len(name)}", limits=limits)
+        assert refused.value.source == f"prompts.jsonl:{len(name)}", name
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 64 * 1024  # decoding the 20k x 20k image alone would take 1.2 GB
+
+
+def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_dir: Path) -> None:
+    """A VLM row and a text row decoded in one batch: each sampled token's logprob equals the trainer's scoring
+    (`token_scores` on prompt + output, with the images and Qwen2-VL's positions) of the same sequence."""
+    from workers.engine.runner import ModelRunner, PrefillItem
+    from workers.engine.sampling import RowSampling
+    from workers.shared_torch.token_scores import token_scores
+    from workers.vlm_processor import rope_positions
+
+    runner = ModelRunner(str(tiny_vlm_dir))
+    processor = runner.vision_processor
+    assert processor is not None
+    tokenizer = processor.tokenizer
+
+    def prompt(images: int, text: str) -> list[int]:
+        content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                              tokenize=False, add_generation_prompt=True))
+
+    vision = processor.pixel_inputs([decode_image(solid_png(56, 84, (255, 0, 0)), "a"),
+                                     decode_image(solid_png(100, 60, (0, 0, 255)), "b")])
+    with_images = processor.expand_ids(prompt(2, "colours?"), vision.image_grid_thw)
+    text_only = prompt(0, "hello there, what")
+
+    def sampling(seed: int) -> RowSampling:
+        return RowSampling(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
+                           generator=torch.Generator().manual_seed(seed))
+
+    out = runner.step(drop=[], prefills=[PrefillItem("text", text_only, sampling(1)),
+                                         PrefillItem("vlm", with_images, sampling(2), vision=vision)], decode=None)
+    assert runner._rope_delta["vlm"] < 0  # the images' positions are fewer than their tokens
+    tokens = {row: [o.sample.token] for row, o in out.items() if o.sample}
+    logprobs = {row: [o.sample.logprob] for row, o in out.items() if o.sample}
+    rows = {"vlm": sampling(3), "text": sampling(4)}
+    for _ in range(6):
+        for row, o in runner.step(drop=[], prefills=[], decode=rows).items():
+            assert o.sample is not None
+            tokens[row].append(o.sample.token)
+            logprobs[row].append(o.sample.logprob)
+    for row, ids, images in (("vlm", with_images, vision), ("text", text_only, None)):
+        sequence = torch.tensor([ids + tokens[row]])
+        if images is None:
+            positions, extra = torch.arange(sequence.shape[1]).unsqueeze(0), None
+        else:
+            positions, _ = rope_positions(runner.model, sequence, images.image_grid_thw, processor.image_token_id)
+            extra = {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}
+        with torch.no_grad():
+            scored, _ = token_scores(runner.model, input_ids=sequence, position_ids=positions, with_entropy=False,
+                                     vision=extra)
+        expected = scored[0, len(ids) - 1:].tolist()
+        assert max(abs(a - b) for a, b in zip(expected, logprobs[row], strict=True)) < 1e-5, row
