@@ -115,13 +115,14 @@ def rope_positions(model: torch.nn.Module, input_ids: torch.Tensor, image_grid_t
                    image_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen2-VL's multimodal rotary positions for one row `input_ids` [1, L]: ([3, 1, L], the row's delta: a
     later token at index i has position i + delta on all three axes), from the model's own `get_rope_index`."""
-    inner = getattr(model, "model", model)
-    kinds = (input_ids == image_token_id).to(torch_int())
-    positions, deltas = inner.get_rope_index(input_ids, mm_token_type_ids=kinds, image_grid_thw=image_grid_thw)
-    return positions, deltas
-
-
-def torch_int() -> torch.dtype:
     import torch
 
-    return torch.int32
+    # the module that holds it, under whatever wraps the model (FSDP2 keeps the class, PEFT nests it)
+    owner = next((module for module in model.modules() if hasattr(module, "get_rope_index")), None)
+    if owner is None:
+        raise VlmInputError(f"{type(model).__name__} has no get_rope_index: not a Qwen2-VL-family model")
+    kinds = (input_ids == image_token_id).to(torch.int32)
+    with torch.no_grad():
+        positions, deltas = owner.get_rope_index(input_ids, mm_token_type_ids=kinds,
+                                                 image_grid_thw=image_grid_thw.to(input_ids.device))
+    return positions, deltas

@@ -96,13 +96,11 @@ def test_hostile_images_are_refused_naming_where_with_memory_bounded() -> None:
     assert grown_kib < 64 * 1024  # decoding the 20k x 20k image alone would take 1.2 GB
 
 
-def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_dir: Path) -> None:
-    """A VLM row and a text row decoded in one batch: each sampled token's logprob equals the trainer's scoring
-    (`token_scores` on prompt + output, with the images and Qwen2-VL's positions) of the same sequence."""
+def engine_rollout(tiny_vlm_dir: Path) -> tuple[object, dict[str, tuple[list[int], list[int], list[float]]], object]:
+    """A VLM row (two images) and a text row prefilled and decoded together in the engine's runner:
+    (runner, {row: (prompt ids, output ids, output logprobs)}, the VLM row's images)."""
     from workers.engine.runner import ModelRunner, PrefillItem
     from workers.engine.sampling import RowSampling
-    from workers.shared_torch.token_scores import token_scores
-    from workers.vlm_processor import rope_positions
 
     runner = ModelRunner(str(tiny_vlm_dir))
     processor = runner.vision_processor
@@ -116,15 +114,16 @@ def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_di
 
     vision = processor.pixel_inputs([decode_image(solid_png(56, 84, (255, 0, 0)), "a"),
                                      decode_image(solid_png(100, 60, (0, 0, 255)), "b")])
-    with_images = processor.expand_ids(prompt(2, "colours?"), vision.image_grid_thw)
-    text_only = prompt(0, "hello there, what")
+    prompts = {"vlm": processor.expand_ids(prompt(2, "colours?"), vision.image_grid_thw),
+               "text": prompt(0, "hello there, what")}
 
     def sampling(seed: int) -> RowSampling:
         return RowSampling(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
                            generator=torch.Generator().manual_seed(seed))
 
-    out = runner.step(drop=[], prefills=[PrefillItem("text", text_only, sampling(1)),
-                                         PrefillItem("vlm", with_images, sampling(2), vision=vision)], decode=None)
+    out = runner.step(drop=[], prefills=[PrefillItem("text", prompts["text"], sampling(1)),
+                                         PrefillItem("vlm", prompts["vlm"], sampling(2), vision=vision)],
+                      decode=None)
     assert runner._rope_delta["vlm"] < 0  # the images' positions are fewer than their tokens
     tokens = {row: [o.sample.token] for row, o in out.items() if o.sample}
     logprobs = {row: [o.sample.logprob] for row, o in out.items() if o.sample}
@@ -134,15 +133,65 @@ def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_di
             assert o.sample is not None
             tokens[row].append(o.sample.token)
             logprobs[row].append(o.sample.logprob)
-    for row, ids, images in (("vlm", with_images, vision), ("text", text_only, None)):
-        sequence = torch.tensor([ids + tokens[row]])
-        if images is None:
+    return runner, {row: (prompts[row], tokens[row], logprobs[row]) for row in prompts}, vision
+
+
+def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_dir: Path) -> None:
+    """A VLM row and a text row decoded in one batch: each sampled token's logprob equals the trainer's scoring
+    (`token_scores` on prompt + output, with the images and Qwen2-VL's positions) of the same sequence."""
+    from workers.shared_torch.token_scores import token_scores
+    from workers.vlm_processor import rope_positions
+
+    runner, rows, vision = engine_rollout(tiny_vlm_dir)
+    image_token_id = runner.vision_processor.image_token_id
+    for row, (ids, tokens, logprobs) in rows.items():
+        sequence = torch.tensor([ids + tokens])
+        if row == "text":
             positions, extra = torch.arange(sequence.shape[1]).unsqueeze(0), None
         else:
-            positions, _ = rope_positions(runner.model, sequence, images.image_grid_thw, processor.image_token_id)
-            extra = {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}
+            positions, _ = rope_positions(runner.model, sequence, vision.image_grid_thw, image_token_id)
+            extra = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw}
         with torch.no_grad():
             scored, _ = token_scores(runner.model, input_ids=sequence, position_ids=positions, with_entropy=False,
                                      vision=extra)
         expected = scored[0, len(ids) - 1:].tolist()
-        assert max(abs(a - b) for a, b in zip(expected, logprobs[row], strict=True)) < 1e-5, row
+        assert max(abs(a - b) for a, b in zip(expected, logprobs, strict=True)) < 1e-5, row
+
+
+def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_logprobs(
+        tiny_vlm_dir: Path) -> None:
+    """The samples as the rank receives them (images on the wire): packed in one row with multimodal positions,
+    the rank's logprobs equal the engine's; a train step runs and moves the weights; images malformed on the
+    wire are refused naming the sample."""
+    from msgspec.structs import replace
+
+    from tests.support.train_settings import init_command
+    from workers import protocol
+    from workers.protocol.control import wire_images
+    from workers.train_rank.batching import BatchError
+    from workers.train_rank.trainer import Trainer
+
+    _, rows, vision = engine_rollout(tiny_vlm_dir)
+    images = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw}
+    samples = [protocol.WireSample(tokens=ids + out, response_length=len(out), loss_mask=[1] * len(out),
+                                   rollout_log_probs=logprobs, advantage=1.0 if row == "vlm" else -1.0,
+                                   images=wire_images(images) if row == "vlm" else None)
+               for row, (ids, out, logprobs) in rows.items()]
+    samples = [protocol.WireSample.from_wire(sample.to_wire()) for sample in samples]  # through the wire form
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 1e-2, "max_tokens_per_micro_batch": 4096,
+                               "seed": 3, "use_rollout_logprobs": True}))
+    batches = trainer._micro_batches(samples)
+    assert len(batches) == 1 and batches[0].position_ids.shape[0] == 4  # packed, multimodal positions
+    batch = batches[0]
+    computed = trainer._log_probs(batch).view(-1)
+    for (start, end), sample in zip(batch.spans, samples, strict=True):
+        difference = (computed[start:end] - torch.tensor(sample.rollout_log_probs)).abs().max()
+        assert float(difference) < 1e-5
+    visual_before = next(trainer.model.model.visual.parameters()).detach().clone()
+    step = trainer.train(protocol.TrainCommand(0, [samples], [sum(len(s.loss_mask) for s in samples)])).steps[0]
+    assert step.logprob_abs_diff_max < 1e-5 and step.grad_norm > 0
+    assert not torch.equal(visual_before, next(trainer.model.model.visual.parameters()))  # the tower trains
+    broken = replace(samples[0], images=replace(samples[0].images, image_grid_thw=[[1, 2, 2]]))
+    with pytest.raises(BatchError, match="sample 0: images: .* does not add up"):
+        trainer._micro_batches([broken, samples[1]])

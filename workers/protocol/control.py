@@ -40,7 +40,7 @@ from workers.protocol.replies import (
 from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     from anyio.abc import ByteStream
     from anyio.streams.buffered import BufferedByteReceiveStream
@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 # 9: BatchingSettings.dynamic_global_batch_size; 10: WireSample.opd_reverse_kl and OpdSettings.top_k (top-k OPD);
 # 11: TrainSettings.returns and .critic (PPO's value model); 12: Response.result one typed reply per command
 # (`replies`); 13: ExportWeightsCommand.delta_encoding / .delta_base_version and ExportWeightsReply.delta / .changed
-# (slime's delta weight updates)
-PROTOCOL_VERSION = 13
+# (slime's delta weight updates); 14: WireSample.images (a vision-language sample's processed images)
+PROTOCOL_VERSION = 14
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -73,6 +73,29 @@ class ControlMessage(Message):
 # Records: what both sides read field by field.
 
 
+class WireImages(Record):
+    """A vision-language sample's images as its vision tower takes them (the processor's outputs): `pixel_values`
+    float32 little-endian bytes of shape `pixel_shape` [patches, patch features], and each image's (t, h, w)
+    patch grid, whose products sum to the patches. Bounded by the frame; `problem` checks the rest."""
+
+    pixel_values: bytes
+    pixel_shape: list[int]
+    image_grid_thw: list[list[int]]
+
+    def problem(self) -> str | None:
+        """Why these images are malformed, or None."""
+        if len(self.pixel_shape) != 2 or min(self.pixel_shape, default=0) < 1:
+            return f"pixel_shape {self.pixel_shape} must be [patches, features], both positive"
+        patches, features = self.pixel_shape
+        if len(self.pixel_values) != 4 * patches * features:
+            return f"pixel_values holds {len(self.pixel_values)} bytes for float32 {self.pixel_shape}"
+        if not self.image_grid_thw or any(len(grid) != 3 or min(grid) < 1 for grid in self.image_grid_thw):
+            return f"image_grid_thw {self.image_grid_thw} must hold one positive (t, h, w) per image"
+        if sum(t * h * w for t, h, w in self.image_grid_thw) != patches:
+            return f"image_grid_thw {self.image_grid_thw} does not add up to the {patches} patches"
+        return None
+
+
 class WireSample(Record):
     """One sample as a rank trains on it: prompt + response `tokens`, the response being the last
     `response_length` of them; `loss_mask` and `rollout_log_probs` have one entry per response token."""
@@ -88,6 +111,8 @@ class WireSample(Record):
     #: miles' top-k on-policy distillation: the weighted reverse KL of each response token, computed during the
     #: rollout (None: not top-k OPD)
     opd_reverse_kl: list[float] | None = None
+    #: a vision-language sample's images (tokens hold their expanded placeholders); None: text only
+    images: WireImages | None = None
 
     @classmethod
     def from_sample(cls, sample: Sample) -> WireSample:
@@ -102,7 +127,27 @@ class WireSample(Record):
             advantage=float(sample.advantage),
             teacher_log_probs=_optional_floats(sample.teacher_log_probs),
             opd_reverse_kl=_optional_floats(sample.opd_reverse_kl),
+            images=wire_images(sample.multimodal_train_inputs),
         )
+
+
+def wire_images(inputs: Mapping[str, object] | None) -> WireImages | None:
+    """slime's `multimodal_train_inputs` (`pixel_values`, `image_grid_thw`: tensors or arrays) as WireImages."""
+    if not inputs:
+        return None
+    pixels, grid = inputs.get("pixel_values"), inputs.get("image_grid_thw")
+    to_numpy = getattr(pixels, "numpy", None)
+    array = to_numpy() if callable(to_numpy) else pixels
+    import numpy
+
+    values = numpy.ascontiguousarray(numpy.asarray(array, dtype="<f4"))
+    rows = grid.tolist() if hasattr(grid, "tolist") else grid
+    images = WireImages(pixel_values=values.tobytes(), pixel_shape=[int(n) for n in values.shape],
+                        image_grid_thw=[[int(v) for v in row] for row in rows])  # type: ignore[union-attr]
+    problem = images.problem()
+    if problem is not None:
+        raise ValueError(f"multimodal_train_inputs: {problem}")
+    return images
 
 
 # A list of plain ints / floats (what the generate path and the dump reader produce) is checked and copied by
