@@ -193,5 +193,5 @@ def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_
     assert step.logprob_abs_diff_max < 1e-5 and step.grad_norm > 0
     assert not torch.equal(visual_before, next(trainer.model.model.visual.parameters()))  # the tower trains
     broken = replace(samples[0], images=replace(samples[0].images, image_grid_thw=[[1, 2, 2]]))
-    with pytest.raises(BatchError, match="sample 0: images: .* does not add up"):
+    with pytest.raises(BatchError, match=r"sample 0: images: .* does not add up"):
         trainer._micro_batches([broken, samples[1]])
