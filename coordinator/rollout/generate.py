@@ -228,7 +228,16 @@ class DefaultRollout:
                 )
             else:
                 prompt_ids = self.state.encode(record.prompt)
+            train_inputs = None
+            if record.images:  # slime's processor step: placeholders expanded, the trainer's pixel inputs made
+                if self.state.vision is None:
+                    raise TypeError("prompt records hold images but the run has no vision-language processor")
+                pixels = self.state.vision.pixel_inputs(record.images)
+                prompt_ids = self.state.vision.expand_ids(prompt_ids, pixels.image_grid_thw)
+                train_inputs = {"pixel_values": pixels.pixel_values, "image_grid_thw": pixels.image_grid_thw}
             samples = [new_sample(record, prompt_ids, first_index + offset, k, n_samples=n) for k in range(n)]
+            for sample in samples:
+                sample.multimodal_train_inputs = train_inputs
             groups.append(PartialGroup(record, prompt_ids, samples))
         return groups
 

@@ -133,6 +133,12 @@ class ModelRunner:
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or path))
         self.vision_processor = VlmProcessor(path) if self.vlm_type else None
+        # A VLM's vision tokens are never sampled (as the min_new_tokens ban: after the logprob is taken, so
+        # logprobs stay the model's): a response's image token would have no image for the trainer to scatter.
+        self.vision_token_ids: tuple[int, ...] = tuple(sorted({
+            int(value) for name in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                    "vision_end_token_id")
+            if isinstance(value := getattr(self.model.config, name, None), int)})) if self.vlm_type else ()
         self.config = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_ids = self._eos_ids()

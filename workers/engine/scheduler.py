@@ -269,6 +269,7 @@ class Scheduler:
         banned: tuple[int, ...] = ()
         if not params.ignore_eos and len(seq.output_ids) < params.min_new_tokens:
             banned = tuple(self.runner.eos_ids | params.stop_token_ids)
+        banned += self.runner.vision_token_ids  # never sampled: a response image token has no image to score
         return RowSampling(
             temperature=params.temperature,
             top_p=params.top_p,
