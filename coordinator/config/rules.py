@@ -19,8 +19,8 @@ from coordinator.config.eval_rules import EVAL_FLEET_RULES
 from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 from coordinator.config.sft_rules import SFT_RULES
-from coordinator.config.vlm_rules import VLM_RULES
 from coordinator.config.sglang_file import sglang_config_maps
+from coordinator.config.vlm_rules import VLM_RULES
 from workers.boundary.exposure import exposure_problem
 
 if TYPE_CHECKING:
