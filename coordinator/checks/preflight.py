@@ -234,7 +234,7 @@ def check_data(config: Config) -> list[str]:
     return [_check_file(*source, max_line_bytes=rollout.data_max_line_bytes,
                         raw_prompts=custom and (source[0] == "--prompt-data" or not config.eval_fleet_enabled),
                         template_forms=forms,
-                        multimodal_keys=rollout.multimodal_key_map if source[0] == "--prompt-data" else None)
+                        multimodal_keys=rollout.multimodal_key_map)
             for source in sources]
 
 

@@ -32,7 +32,7 @@ from coordinator.rewards.pass_rate import pass_rates
 from coordinator.rollout.dispatch import Dispatcher, EnginePool
 from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate
-from coordinator.rollout.requests import GenerateState, generate_group, new_sample
+from coordinator.rollout.requests import GenerateState, generate_group, new_sample, with_images
 from coordinator.rollout.reward_post import reward_category_metrics
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch, Sample, SampleStatus
@@ -228,13 +228,7 @@ class DefaultRollout:
                 )
             else:
                 prompt_ids = self.state.encode(record.prompt)
-            train_inputs = None
-            if record.images:  # slime's processor step: placeholders expanded, the trainer's pixel inputs made
-                if self.state.vision is None:
-                    raise TypeError("prompt records hold images but the run has no vision-language processor")
-                pixels = self.state.vision.pixel_inputs(record.images)
-                prompt_ids = self.state.vision.expand_ids(prompt_ids, pixels.image_grid_thw)
-                train_inputs = {"pixel_values": pixels.pixel_values, "image_grid_thw": pixels.image_grid_thw}
+            prompt_ids, train_inputs = with_images(self.state, record, prompt_ids)
             samples = [new_sample(record, prompt_ids, first_index + offset, k, n_samples=n) for k in range(n)]
             for sample in samples:
                 sample.multimodal_train_inputs = train_inputs

@@ -172,6 +172,19 @@ def request_params(state: GenerateState, sample: Sample, rollout_id: int) -> Jso
     return {**state.sampling_params, "max_new_tokens": budget, "sampling_seed": seed}
 
 
+def with_images(state: GenerateState, record: PromptRecord, prompt_ids: list[int]
+                ) -> tuple[list[int], dict[str, object] | None]:
+    """slime's processor step for a record with images: its prompt ids with each image placeholder expanded,
+    and the trainer's inputs (`multimodal_train_inputs`); a text record's ids unchanged and None."""
+    if not record.images:
+        return prompt_ids, None
+    if state.vision is None:
+        raise TypeError("prompt records hold images but the run has no vision-language processor")
+    pixels = state.vision.pixel_inputs(record.images)
+    ids = state.vision.expand_ids(prompt_ids, pixels.image_grid_thw)
+    return ids, {"pixel_values": pixels.pixel_values, "image_grid_thw": pixels.image_grid_thw}
+
+
 def image_data(sample: Sample) -> list[JsonValue]:
     """A sample's images as SGLang's `image_data` takes them: PNG data URLs (slime's
     encode_image_for_rollout_engine); the ids sent hold their expanded placeholders, as slime's VLM rollout."""
