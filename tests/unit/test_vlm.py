@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import resource
 from pathlib import Path
 
@@ -195,3 +196,147 @@ def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_
     broken = replace(samples[0], images=replace(samples[0].images, image_grid_thw=[[1, 2, 2]]))
     with pytest.raises(BatchError, match=r"sample 0: images: .* does not add up"):
         trainer._micro_batches([broken, samples[1]])
+
+
+def test_multimodal_keys_turn_rows_into_chats_with_image_parts_as_slime(tmp_path: Path) -> None:
+    from coordinator.data.source import read_prompt_file
+
+    (tmp_path / "figs").mkdir()
+    (tmp_path / "figs" / "a.png").write_bytes(solid_png(28, 28, (255, 0, 0)))
+    blue = "data:image/png;base64," + base64.b64encode(solid_png(30, 30, (0, 0, 255))).decode()
+    rows = [{"problem": "<image>Which is red? <image>", "images": ["figs/a.png", blue], "answer": "1"},
+            {"problem": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<image>Hue?"}],
+             "images": "figs/a.png", "answer": "red"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    first, second = read_prompt_file(path, input_key="problem", label_key="answer",
+                                     multimodal_keys={"image": "images"})
+    assert first.prompt == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which is red? "},
+                                                         {"type": "image"}]}]
+    assert [image.getpixel((0, 0)) for image in first.images] == [(255, 0, 0), (0, 0, 255)]
+    assert second.prompt[0] == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+    assert second.prompt[1]["content"][0] == {"type": "image"} and len(second.images) == 1
+
+
+@pytest.mark.parametrize(("row", "reason"), [
+    ({"problem": "<image><image>x", "images": ["a.png"]}, r"d.jsonl:2: the prompt has 2 <image> placeholder\(s\) "
+                                                          r"for 1 image\(s\) in 'images'"),
+    ({"problem": "no placeholder", "images": ["a.png"]}, r"d.jsonl:2: the prompt has 0 <image>"),
+    ({"problem": "<image>x"}, r"d.jsonl:2: key 'images' \(--multimodal-keys image\) is missing"),
+    ({"problem": "<image>x", "images": ["cut.png"]}, r"d.jsonl:2: images\[0\]: the image cannot be decoded"),
+    ({"problem": "<image>x", "images": ["gone.png"]}, r"d.jsonl:2: images\[0\]: image '.*gone.png' cannot be read"),
+])
+def test_a_bad_image_row_is_named_by_file_and_line_at_start_up(tmp_path: Path, row: dict[str, object],
+                                                               reason: str) -> None:
+    """The start-up check (`check_data_file`) and the reader give the same reason for the same line."""
+    from coordinator.data.check import RecordKeys, check_data_file
+    from coordinator.data.source import DataSourceError, read_prompt_file
+
+    (tmp_path / "a.png").write_bytes(solid_png(28, 28, (0, 255, 0)))
+    (tmp_path / "cut.png").write_bytes(solid_png(64, 64, (0, 255, 0))[:60])
+    path = tmp_path / "d.jsonl"
+    good = {"problem": "<image>fine", "images": ["a.png"]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    keys = {"image": "images"}
+    with pytest.raises(DataSourceError, match=reason):
+        check_data_file(path, RecordKeys(input_key="problem", multimodal_keys=keys))
+    with pytest.raises(DataSourceError, match=reason):
+        read_prompt_file(path, input_key="problem", multimodal_keys=keys)
+
+
+def test_parquet_image_bytes_render_through_the_vlms_template(tmp_path: Path, tiny_vlm_dir: Path) -> None:
+    """geo3k's shape: Parquet rows holding `{"bytes", "path"}` image cells; the chat renders with the model's
+    template, one `<|image_pad|>` per image for the processor to expand."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from coordinator.data.source import PromptDataSource
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"problem": f"<image>Angle {i}?", "answer": str(i),
+                                          "images": [{"bytes": solid_png(28, 28, (i, 0, 0)), "path": None}]}
+                                         for i in range(3)]), path)
+    source = PromptDataSource(path, input_key="problem", label_key="answer", shuffle=False, seed=0,
+                              multimodal_keys={"image": "images"},
+                              tokenizer=AutoTokenizer.from_pretrained(str(tiny_vlm_dir)))
+    record = source.take(1)[0]
+    assert record.prompt == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Angle 0?<|im_end|>\n"
+                             "<|im_start|>assistant\n")
+    assert record.label == "0" and record.images[0].getpixel((1, 1)) == (0, 0, 0)
+
+
+def test_the_colour_task_draws_labelled_images_reproducibly() -> None:
+    from coordinator.data.image_tasks import COLOURS, make_colour_prompts
+
+    records = make_colour_prompts(30, seed=4)
+    assert [r.label for r in records] == [r.label for r in make_colour_prompts(30, seed=4)]
+    assert {r.label for r in records} == set(COLOURS)
+    for record in records:
+        pixels = set(record.images[0].get_flattened_data()) - {(0, 0, 0)}
+        channel = "rgb".index(record.label)
+        assert pixels and all(max(p) == p[channel] for p in pixels)  # the shape is of its label's colour
+
+
+def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path, tiny_vlm_dir: Path,
+                                                                 tiny_model_dir: Path) -> None:
+    from coordinator.config import ConfigError, parse_config
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "<image>x", "images": []}) + "\n")
+    base = ["--run-dir", str(tmp_path / "run"), "--rollout-num-engines", "1", "--num-rollout", "1",
+            "--rollout-batch-size", "1"]
+    keys = ["--prompt-data", str(data), "--multimodal-keys", '{"image": "images"}']
+    cases = [
+        (["--hf-checkpoint", str(tiny_model_dir), *keys], "prompts with images need a vision-language "
+                                                          "--hf-checkpoint"),
+        (["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "builtin:colour"], "--prompt-data builtin:colour"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", "builtin:colour", "--multimodal-keys",
+          '{"image": "images"}'], "draws its images itself"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", str(data), "--multimodal-keys",
+          '{"video": "clips"}'], "'video': only images are served"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--save-debug-rollout-data", str(tmp_path / "{rollout_id}")],
+         "dumps do not hold images yet"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--lora-rank", "4", "--target-modules", "q_proj"],
+         "LoRA on a VLM"),
+    ]
+    for argv, reason in cases:
+        with pytest.raises(ConfigError) as refused:
+            parse_config([*base, *argv])
+        assert reason in str(refused.value), argv
+    parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys])  # a VLM with images: accepted
+
+
+@pytest.mark.anyio
+async def test_engine_image_data_is_checked_and_expanded_before_anything_runs(tiny_vlm_dir: Path) -> None:
+    """SGLang's `image_data` on /generate: with `input_ids` the ids must hold the expanded placeholders; with
+    `text` the template's one placeholder per image is expanded; a bad image or count is a 400 naming it."""
+    from types import SimpleNamespace
+
+    from workers.engine.generate_request import RequestBuilder
+    from workers.engine.runner import ModelRunner
+    from workers.engine.sampling import RequestError
+
+    runner = ModelRunner(str(tiny_vlm_dir))
+    processor = runner.vision_processor
+    assert processor is not None
+    builder = RequestBuilder(SimpleNamespace(runner=runner, context_length=1024))  # type: ignore[arg-type]
+    red = encode_data_url(decode_image(solid_png(56, 56, (255, 0, 0)), "x"))
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?<|im_end|>\n<|im_start|>assistant\n"
+    single = processor.tokenizer.encode(text)
+    prompts = [list(single)]
+    (vision,) = await builder._images({"image_data": red}, prompts, from_text=True)
+    assert vision is not None and vision.image_grid_thw.tolist() == [[1, 4, 4]]
+    assert prompts[0].count(processor.image_token_id) == 4 and len(prompts[0]) == len(single) + 3
+    expanded = prompts[0]
+    assert (await builder._images({"image_data": [red]}, [list(expanded)], from_text=False))[0] is not None
+    with pytest.raises(RequestError, match=r"the input ids hold 1 image token\(s\); the 1 image\(s\) take 4"):
+        await builder._images({"image_data": [red]}, [list(single)], from_text=False)
+    with pytest.raises(RequestError, match=r"image_data\[0\]\[0\]: the image is over the limit"):
+        bomb = "data:image/png;base64," + base64.b64encode(png(50_000, 50_000, rows=1)).decode()
+        await builder._images({"image_data": [bomb]}, [list(expanded)], from_text=False)
+    with pytest.raises(RequestError, match=r"one image or list of images per prompt \(2\)"):
+        await builder._images({"image_data": [[red]]}, [list(expanded), list(expanded)], from_text=False)
+    runner.vision_processor = None
+    with pytest.raises(RequestError, match="not a vision-language model"):
+        await builder._images({"image_data": [red]}, [list(expanded)], from_text=False)
