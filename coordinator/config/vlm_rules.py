@@ -48,8 +48,6 @@ def images_reach_only_what_carries_them(config: Config) -> None:
     if not has_images(config):
         return
     refused = []
-    refused += ["--save-debug-rollout-data / --load-debug-rollout-data (dumps do not hold images yet)"] \
-        if config.debug.save_debug_rollout_data or config.debug.load_debug_rollout_data else []
     refused += ["--loss-type sft_loss (VLM SFT is not built yet)"] if config.sft.enabled else []
     refused += ["--custom-generate-function-path (hooks get no images yet)"] \
         if config.hooks.custom_generate_function_path else []

@@ -4,7 +4,8 @@ one CPU engine serving `image_data`, one gloo rank training the packed rows with
 It shows what the text task's run shows (tests/integration/test_train_e2e.py), by the same margins: the reward
 rises (the last three rollouts' mean at least twice the first three's) and, after every weight sync, the
 trainer's logprobs of each sampled token equal the engine's (which they could not if either side dropped the
-images or their multimodal positions). Kept short: CI has 2 cores.
+images or their multimodal positions); its dumps, holding the processed images, replay with no engine and no
+data to the same losses. Kept short: CI has 2 cores.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def vlm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = parse_config(["--hf-checkpoint", str(model), "--run-dir", str(run_dir), "--prompt-data",
                            "builtin:colour", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
                            "--rollout-max-response-len", "4", "--rollout-shuffle", "--lr", "1e-2", "--clip-grad",
-                           "1.0", "--rollout-num-engines", "1", "--num-rollout", str(ROLLOUTS), "--no-progress"])
+                           "1.0", "--rollout-num-engines", "1", "--num-rollout", str(ROLLOUTS), "--no-progress",
+                           "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld")])
     summary = anyio.run(run_training, config)
     assert summary["rollouts"] == ROLLOUTS and summary["train_steps"] == ROLLOUTS
     return run_dir
@@ -46,3 +48,25 @@ def test_the_colour_task_learns_and_the_trainer_matches_the_engine_with_images(v
     assert worst <= 1e-4, worst  # rollouts 1.. ran on weights the rank synced to the engine by disk
     engine_log = (vlm_run / "logs" / "engine-rollout-0.log").read_text()
     assert "Traceback" not in engine_log
+
+
+def test_a_replay_of_the_vlm_dumps_repeats_its_losses_without_engines(vlm_run: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The dumps hold each sample's processed images (`multimodal_train_inputs`): a replay trains on them as the
+    run did, from the same weights, to the same losses; `dump show` counts a sample's images."""
+    from coordinator.cli import main as rayless
+    from replay.reader import read_dump
+
+    first = read_dump(vlm_run / "dumps" / "0.rld")
+    images = first.samples[0].multimodal_train_inputs
+    assert images is not None and images["image_grid_thw"] == [[1, 4, 4]]
+    config = parse_config(["--run-dir", str(tmp_path / "replay"), "--load-debug-rollout-data",
+                           str(vlm_run / "dumps" / "{rollout_id}.rld"), "--num-rollout", "2", "--no-progress"])
+    summary = anyio.run(run_training, config)
+    assert summary["train_steps"] == 2
+    replayed = [row["train/loss"] for row in read_metrics(tmp_path / "replay" / "metrics.jsonl")]
+    generated = [row["train/loss"] for row in read_metrics(vlm_run / "metrics.jsonl")][:2]
+    assert replayed == pytest.approx(generated, abs=1e-6), (replayed, generated)
+    capsys.readouterr()
+    assert rayless(["dump", "show", str(vlm_run / "dumps" / "0.rld"), "--first", "1"]) == 0
+    assert "images: 1 (patch grids t×h×w: 1×4×4)" in capsys.readouterr().out

@@ -141,6 +141,9 @@ def wire_images(inputs: Mapping[str, object] | None) -> WireImages | None:
     import numpy
 
     values = numpy.ascontiguousarray(numpy.asarray(array, dtype="<f4"))
+    shape = inputs.get("pixel_shape")  # a dump's: flat float64 values and their [patches, features]
+    if isinstance(shape, list):
+        values = values.reshape([int(n) for n in shape])
     rows = grid.tolist() if hasattr(grid, "tolist") else grid
     images = WireImages(pixel_values=values.tobytes(), pixel_shape=[int(n) for n in values.shape],
                         image_grid_thw=[[int(v) for v in row] for row in rows])  # type: ignore[union-attr]
