@@ -98,6 +98,17 @@ class VlmProcessor:
                 out.append(int(token))
         return out
 
+    def expand_with_mask(self, ids: Sequence[int], mask: Sequence[int], image_grid_thw: torch.Tensor
+                         ) -> tuple[list[int], list[int]]:
+        """`expand_ids`, and a per-token mask beside the ids expanded with them (an image token's copies take its
+        entry: an SFT chat's loss mask)."""
+        expanded = self.expand_ids(ids, image_grid_thw)
+        grids = iter(image_grid_thw.tolist())
+        out: list[int] = []
+        for token, value in zip(ids, mask, strict=True):
+            out.extend([int(value)] * (self.image_tokens(next(grids)) if token == self.image_token_id else 1))
+        return expanded, out
+
     def check_expanded(self, ids: Sequence[int], image_grid_thw: torch.Tensor) -> None:
         """Raise unless `ids` hold exactly the image tokens the images' grids take (an engine's request)."""
         want = sum(self.image_tokens(row) for row in image_grid_thw.tolist())

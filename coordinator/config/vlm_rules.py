@@ -48,7 +48,6 @@ def images_reach_only_what_carries_them(config: Config) -> None:
     if not has_images(config):
         return
     refused = []
-    refused += ["--loss-type sft_loss (VLM SFT is not built yet)"] if config.sft.enabled else []
     refused += ["--custom-generate-function-path (hooks get no images yet)"] \
         if config.hooks.custom_generate_function_path else []
     refused += ["--use-session-server (the session server takes text only)"] if config.hooks.use_session_server \

@@ -197,6 +197,7 @@ class PromptDataSource:
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         tool_key: str | None = None,
         multimodal_keys: dict[str, str] | None = None,
+        render_images: bool = True,
     ) -> None:
         records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
                                    raw_prompts=raw_prompts, max_line_bytes=max_line_bytes, tool_key=tool_key,
@@ -209,6 +210,7 @@ class PromptDataSource:
             seed=seed,
             source=str(path),
             tools=tool_key is not None,
+            render_images=render_images,
         )
 
     @classmethod
@@ -258,8 +260,11 @@ class PromptDataSource:
         seed: int,
         source: str,
         tools: bool = False,
+        render_images: bool = True,
     ) -> None:
-        """`tools`: `--tool-key` is given, so a record's `metadata["tools"]` go to the chat template."""
+        """`tools`: `--tool-key` is given, so a record's `metadata["tools"]` go to the chat template.
+        `render_images`: a record with images is rendered with the template whatever `apply_chat_template` says
+        (slime's multimodal prompts are conversations); False keeps its chat (the SFT rollout renders it)."""
         if apply_chat_template and tokenizer is None:
             raise DataSourceError(
                 "--apply-chat-template needs a tokenizer (from --hf-checkpoint); none was given"
@@ -271,6 +276,7 @@ class PromptDataSource:
         self._records = records
         self._apply_chat_template = apply_chat_template
         self._tools = tools
+        self._render_images = render_images
         self._tokenizer = tokenizer
         self._shuffle = shuffle
         self._seed = int(seed)
@@ -301,7 +307,8 @@ class PromptDataSource:
 
     def _render(self, record: PromptRecord) -> PromptRecord:
         prompt = record.prompt
-        if self._apply_chat_template or record.images:  # slime: multimodal prompts are always conversations
+        if self._apply_chat_template or (record.images and self._render_images):  # slime: multimodal prompts
+            # are always conversations
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             assert self._tokenizer is not None  # checked in _setup
             # slime passes the row's tools (--tool-key) to the template: tools=None when the row has none

@@ -430,6 +430,7 @@ def build_data_source(rollout: RolloutConfig, tokenizer: PreTrainedTokenizerBase
         metadata_key=rollout.metadata_key,
         tool_key=rollout.tool_key,
         multimodal_keys=rollout.multimodal_key_map,
+        render_images=chat_template,
         apply_chat_template=rollout.apply_chat_template and chat_template,
         tokenizer=tokenizer,
         shuffle=rollout.rollout_shuffle,

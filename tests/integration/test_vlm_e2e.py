@@ -5,7 +5,8 @@ It shows what the text task's run shows (tests/integration/test_train_e2e.py), b
 rises (the last three rollouts' mean at least twice the first three's) and, after every weight sync, the
 trainer's logprobs of each sampled token equal the engine's (which they could not if either side dropped the
 images or their multimodal positions); its dumps, holding the processed images, replay with no engine and no
-data to the same losses. Kept short: CI has 2 cores.
+data to the same losses. A VLM SFT run in slime's recipe shape (`--loss-type sft_loss`, chats whose user turn
+holds `<image>`, `--multimodal-keys`) lowers its loss. Kept short: CI has 2 cores.
 """
 
 from __future__ import annotations
@@ -70,3 +71,34 @@ def test_a_replay_of_the_vlm_dumps_repeats_its_losses_without_engines(vlm_run: P
     capsys.readouterr()
     assert rayless(["dump", "show", str(vlm_run / "dumps" / "0.rld"), "--first", "1"]) == 0
     assert "images: 1 (patch grids t×h×w: 1×4×4)" in capsys.readouterr().out
+
+
+def test_vlm_sft_on_chats_with_images_lowers_its_loss(tmp_path: Path) -> None:
+    """slime's VLM SFT shape: a JSONL of chats (`messages`) whose user turn is `<image>colour?`, the images in
+    an `images` column as paths beside the file, the assistant's answer the colour's name; no engine."""
+    import json
+
+    from tests.support.hostile_images import solid_png
+    from workers.tiny_vlm import build_tiny_vlm
+
+    model = build_tiny_vlm(tmp_path / "vlm")
+    colours = {"red": (230, 20, 20), "green": (20, 210, 20), "blue": (30, 40, 230)}
+    lines = []
+    for index, (name, rgb) in enumerate(list(colours.items()) * 2):
+        (tmp_path / f"{index}.png").write_bytes(solid_png(56, 56, rgb))
+        lines.append(json.dumps({"messages": [{"role": "user", "content": "<image>colour?"},
+                                              {"role": "assistant", "content": name}],
+                                 "images": [f"{index}.png"]}))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    run_dir = tmp_path / "run"
+    config = parse_config(["--hf-checkpoint", str(model), "--run-dir", str(run_dir), "--no-progress",
+                           "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
+                           "--prompt-data", str(data), "--input-key", "messages", "--multimodal-keys",
+                           '{"image": "images"}', "--rollout-shuffle", "--num-epoch", "12", "--rollout-batch-size",
+                           "6", "--global-batch-size", "6", "--loss-type", "sft_loss", "--calculate-per-token-loss",
+                           "--disable-compute-advantages-and-returns", "--debug-train-only", "--lr", "1e-2"])
+    summary = anyio.run(run_training, config)
+    assert summary["train_steps"] == 12
+    losses = [row["train/loss"] for row in read_metrics(run_dir / "metrics.jsonl")]
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3, losses

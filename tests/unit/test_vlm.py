@@ -295,7 +295,7 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
           '{"image": "images"}'], "draws its images itself"),
         (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", str(data), "--multimodal-keys",
           '{"video": "clips"}'], "'video': only images are served"),
-        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--loss-type", "sft_loss"], "VLM SFT is not built yet"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--use-session-server", "v1"], "session server"),
         (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--lora-rank", "4", "--target-modules", "q_proj"],
          "LoRA on a VLM"),
     ]
