@@ -272,7 +272,8 @@ def _check_file(flag: str, path: str, input_key: str, label_key: str | None, met
         raise ConfigError(f"{flag}: {error}") from None
     named = [f"input key {input_key!r}"] + [f"label key {label_key!r}"] * bool(label_key)
     named += [f"metadata key {metadata_key!r}"] * bool(metadata_key)
-    named += [f"images of {multimodal_keys['image']!r}, decoded within bounds"] * bool(multimodal_keys)
+    if multimodal_keys:
+        named.append(f"images of {multimodal_keys['image']!r}, decoded within bounds")
     return f"{flag} {path}: all {count} record(s) hold {', '.join(named)}"
 
 
