@@ -97,13 +97,16 @@ def test_hostile_images_are_refused_naming_where_with_memory_bounded() -> None:
     assert grown_kib < 64 * 1024  # decoding the 20k x 20k image alone would take 1.2 GB
 
 
-def engine_rollout(tiny_vlm_dir: Path) -> tuple[object, dict[str, tuple[list[int], list[int], list[float]]], object]:
-    """A VLM row (two images) and a text row prefilled and decoded together in the engine's runner:
-    (runner, {row: (prompt ids, output ids, output logprobs)}, the VLM row's images)."""
+def engine_rollout(tiny_vlm_dir: Path, batch_invariant: bool = False
+                   ) -> tuple[object, dict[str, tuple[list[int], list[int], list[float]]], object]:
+    """A VLM row (two images) and a text row prefilled and decoded together in the engine's runner (or the
+    batch-invariant one, each row decoded alone): (runner, {row: (prompt ids, output ids, output logprobs)},
+    the VLM row's images)."""
+    from workers.engine.batch_invariant import BatchInvariantRunner
     from workers.engine.runner import ModelRunner, PrefillItem
     from workers.engine.sampling import RowSampling
 
-    runner = ModelRunner(str(tiny_vlm_dir))
+    runner = (BatchInvariantRunner if batch_invariant else ModelRunner)(str(tiny_vlm_dir))
     processor = runner.vision_processor
     assert processor is not None
     tokenizer = processor.tokenizer
@@ -137,13 +140,15 @@ def engine_rollout(tiny_vlm_dir: Path) -> tuple[object, dict[str, tuple[list[int
     return runner, {row: (prompts[row], tokens[row], logprobs[row]) for row in prompts}, vision
 
 
-def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_dir: Path) -> None:
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "batch-invariant"])
+def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_dir: Path,
+                                                                     batch_invariant: bool) -> None:
     """A VLM row and a text row decoded in one batch: each sampled token's logprob equals the trainer's scoring
     (`token_scores` on prompt + output, with the images and Qwen2-VL's positions) of the same sequence."""
     from workers.shared_torch.token_scores import token_scores
     from workers.vlm_processor import rope_positions
 
-    runner, rows, vision = engine_rollout(tiny_vlm_dir)
+    runner, rows, vision = engine_rollout(tiny_vlm_dir, batch_invariant)
     image_token_id = runner.vision_processor.image_token_id
     for row, (ids, tokens, logprobs) in rows.items():
         sequence = torch.tensor([ids + tokens])
