@@ -52,8 +52,6 @@ def images_reach_only_what_carries_them(config: Config) -> None:
         if config.hooks.custom_generate_function_path else []
     refused += ["--use-session-server (the session server takes text only)"] if config.hooks.use_session_server \
         else []
-    refused += ["--lora-rank / --lora-adapter-path (LoRA on a VLM is not tested yet)"] if config.lora.enabled \
-        else []
     if refused:
         raise ConfigError("a run whose prompts hold images cannot use: " + "; ".join(refused))
 

@@ -301,8 +301,8 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
         (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", str(data), "--multimodal-keys",
           '{"video": "clips"}'], "'video': only images are served"),
         (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--use-session-server", "v1"], "session server"),
-        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--lora-rank", "4", "--target-modules", "q_proj"],
-         "LoRA on a VLM"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--custom-generate-function-path", "m:f"],
+         "hooks get no images yet"),
     ]
     for argv, reason in cases:
         with pytest.raises(ConfigError) as refused:
@@ -344,3 +344,49 @@ async def test_engine_image_data_is_checked_and_expanded_before_anything_runs(ti
     runner.vision_processor = None
     with pytest.raises(RequestError, match="not a vision-language model"):
         await builder._images({"image_data": [red]}, [list(expanded)], from_text=False)
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("q_proj", "v_proj", "qkv")],
+                         ids=["language-model", "and-vision-tower"])
+def test_lora_adapts_the_language_model_or_both_and_the_engine_serves_the_merge(tiny_vlm_dir: Path,
+                                                                                targets: tuple[str, ...]) -> None:
+    """`--target-modules` of the language model's projections adapt it alone; the vision tower's `qkv` adds its
+    blocks. After a step, the engine loading the merged weights scores the VLM sample as the trainer does."""
+    from tests.support.train_settings import init_command
+    from workers import protocol
+    from workers.protocol.control import wire_images
+    from workers.train_rank import lora
+    from workers.train_rank.trainer import Trainer
+
+    runner, rows, vision = engine_rollout(tiny_vlm_dir)
+    images = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw}
+    samples = [protocol.WireSample(tokens=ids + out, response_length=len(out), loss_mask=[1] * len(out),
+                                   rollout_log_probs=logprobs, advantage=1.0 if row == "vlm" else -1.0,
+                                   images=wire_images(images) if row == "vlm" else None)
+               for row, (ids, out, logprobs) in rows.items()]
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 5e-2, "max_tokens_per_micro_batch": 4096,
+                               "seed": 3, "use_rollout_logprobs": True,
+                               "lora": {"rank": 4, "alpha": 8, "target_modules": list(targets)}}))
+    adapted = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    assert adapted and all("lora_" in name for name in adapted)
+    assert any("visual" in name for name in adapted) == ("qkv" in targets)
+    step = trainer.train(protocol.TrainCommand(0, [samples], [sum(len(s.loss_mask) for s in samples)])).steps[0]
+    assert step.logprob_abs_diff_max < 1e-5 and step.grad_norm > 0
+    merged = {name: entry.full_tensor() if isinstance(entry, lora.MergedWeight) else entry
+              for name, entry in lora.engine_tensors(trainer.model)}
+    runner.load_tensors(merged, require_all=False)
+    batch = trainer._micro_batches(samples)[0]
+    trained = trainer._log_probs(batch).view(-1)
+    (start, end) = batch.spans[0]
+    from workers.shared_torch.token_scores import token_scores
+    from workers.vlm_processor import rope_positions
+
+    sequence = torch.tensor([samples[0].tokens])
+    positions, _ = rope_positions(runner.model, sequence, vision.image_grid_thw, runner.vision_processor.image_token_id)
+    with torch.no_grad():
+        served, _ = token_scores(runner.model, input_ids=sequence, position_ids=positions, with_entropy=False,
+                                 vision=images)
+    response = served[0, len(samples[0].tokens) - samples[0].response_length - 1:]
+    assert float((response - trained[start:end]).abs().max()) < 1e-5
+    assert float((response - torch.tensor(samples[0].rollout_log_probs)).abs().max()) > 1e-4  # the step moved it
