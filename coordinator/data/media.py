@@ -11,18 +11,21 @@ taking the column's images in order.
 Invariants: a row's image count equals its placeholders (slime asserts "not enough" and silently drops extra
 images; both are refused here, naming `file:line`); every image is decoded through `workers.boundary.images`
 (paths relative to the data file, `file://`, data URLs, bytes or a Parquet `{"bytes", "path"}` cell) within its
-size and pixel bounds; only the `image` type is served (video and audio are refused at start-up).
+size and pixel bounds; only the `image` type is served (video and audio are refused at start-up). A record
+keeps its images encoded (`ImageRef`: the bytes, or the file's path), checked by a full decode when read and
+decoded again when taken, so a data set's memory is its encoded size, not its pixels.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workers.boundary.errors import BoundaryError
-from workers.boundary.images import decode_image
+from workers.boundary.images import decode_image, image_bytes
 from workers.boundary.json_input import JsonValue
 from workers.errors import RaylessError
 
@@ -39,6 +42,27 @@ class MediaError(RaylessError, ValueError):
     """A row's media that cannot be used: a missing column, a count that does not fit, an image refused."""
 
 
+@dataclass(frozen=True)
+class ImageRef:
+    """One image of a data row, kept encoded: its bytes (Parquet bytes, a data URL's) or its resolved file."""
+
+    where: str
+    data: bytes | None = None
+    path: Path | None = None
+
+    def load(self) -> Image:
+        """The decoded RGB image, under the boundary's bounds (a file changed since start-up is checked again)."""
+        try:
+            return decode_image(self.data if self.data is not None else str(self.path), self.where)
+        except BoundaryError as error:
+            raise MediaError(str(error)) from None
+
+
+def load_images(images: tuple[object, ...]) -> tuple[Image, ...]:
+    """A record's images decoded: ImageRefs loaded, images drawn in memory (the built-in task's) as they are."""
+    return tuple(image.load() if isinstance(image, ImageRef) else image for image in images)  # type: ignore[misc]
+
+
 def media_types_problem(keys: Mapping[str, str]) -> str | None:
     """Why a `--multimodal-keys` mapping cannot be served, or None."""
     for media, column in keys.items():
@@ -53,8 +77,9 @@ def media_types_problem(keys: Mapping[str, str]) -> str | None:
 
 def multimodal_prompt(prompt: str | list[dict[str, JsonValue]], row: Mapping[str, JsonValue], where: str,
                       keys: Mapping[str, str], base_dir: Path | None
-                      ) -> tuple[list[dict[str, JsonValue]], tuple[Image, ...]]:
-    """The row's prompt as chat messages with image parts, and its images decoded, in prompt order."""
+                      ) -> tuple[list[dict[str, JsonValue]], tuple[ImageRef, ...]]:
+    """The row's prompt as chat messages with image parts, and its images (each decoded once to check it, then
+    kept encoded), in prompt order."""
     column = keys["image"]
     if column not in row:
         raise MediaError(f"{where}: key {column!r} (--multimodal-keys image) is missing; the record has "
@@ -82,8 +107,22 @@ def multimodal_prompt(prompt: str | list[dict[str, JsonValue]], row: Mapping[str
                          f"{len(references)} image(s) in {column!r}")
     images = []
     for position, reference in enumerate(references):
+        name = f"{where}: {column}[{position}]"
         try:
-            images.append(decode_image(reference, f"{where}: {column}[{position}]", base_dir=base_dir))
+            decode_image(reference, name, base_dir=base_dir)  # the whole check, pixels discarded
+            images.append(_keep(reference, name, base_dir))
         except BoundaryError as error:
             raise MediaError(str(error)) from None
     return messages, tuple(images)
+
+
+def _keep(reference: object, where: str, base_dir: Path | None) -> ImageRef:
+    """What a checked reference is kept as: a local file by its path, anything else by its encoded bytes."""
+    if isinstance(reference, dict):
+        reference = next(reference[key] for key in ("bytes", "path", "image") if reference.get(key) is not None)
+    if isinstance(reference, str) and not reference.startswith("data:"):
+        path = Path(reference.removeprefix("file://"))
+        return ImageRef(where, path=path if path.is_absolute() or base_dir is None else base_dir / path)
+    from workers.boundary.images import DEFAULT_IMAGE_LIMITS
+
+    return ImageRef(where, data=image_bytes(reference, where, base_dir, DEFAULT_IMAGE_LIMITS))

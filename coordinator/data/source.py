@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from coordinator.data.chats import UNKNOWN, TemplateForms, chat_problem
 from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES, iter_rows, line_limits
-from coordinator.data.media import MediaError, multimodal_prompt
+from coordinator.data.media import MediaError, load_images, multimodal_prompt
 from replay.sample import SampleError
 from replay.sample import label_value as sample_label_value
 from workers.boundary.errors import BoundaryError
@@ -52,7 +52,8 @@ class PromptRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
     # Position in the data (row / non-blank line order); stable across epochs and resumes.
     index: int = -1
-    #: slime's --multimodal-keys: the prompt's images, decoded, in prompt order (`coordinator.data.media`)
+    #: slime's --multimodal-keys: the prompt's images in prompt order; as read, kept encoded
+    #: (`coordinator.data.media.ImageRef`); as taken (`PromptDataSource.take`), decoded PIL images
     images: tuple[Any, ...] = ()
 
 
@@ -327,9 +328,13 @@ class PromptDataSource:
                     f"{self._source}: apply_chat_template returned {type(prompt).__name__}, expected text"
                 )
         # Copies: callers may mutate metadata of one rollout without changing later epochs.
+        try:
+            images = load_images(record.images)
+        except MediaError as error:
+            raise DataSourceError(str(error)) from None
         return PromptRecord(
             prompt=prompt, label=record.label, metadata=dict(record.metadata), index=record.index,
-            images=record.images,
+            images=images,
         )
 
     def take(self, n_groups: int) -> list[PromptRecord]:

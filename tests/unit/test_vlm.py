@@ -218,7 +218,9 @@ def test_multimodal_keys_turn_rows_into_chats_with_image_parts_as_slime(tmp_path
                                      multimodal_keys={"image": "images"})
     assert first.prompt == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which is red? "},
                                                          {"type": "image"}]}]
-    assert [image.getpixel((0, 0)) for image in first.images] == [(255, 0, 0), (0, 0, 255)]
+    # kept encoded (the file by its path, the data URL by its bytes), decoded when taken
+    assert first.images[0].path == tmp_path / "figs" / "a.png" and first.images[1].data.startswith(b"\x89PNG")
+    assert [image.load().getpixel((0, 0)) for image in first.images] == [(255, 0, 0), (0, 0, 255)]
     assert second.prompt[0] == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
     assert second.prompt[1]["content"][0] == {"type": "image"} and len(second.images) == 1
 
