@@ -139,7 +139,12 @@ def make_tiny_model_main(argv: Sequence[str]) -> int:
     parser.add_argument("--untied-head", action="store_true",
                         help="an output head of its own (tie_word_embeddings false), starting as a copy of the "
                         "embeddings, so LoRA can adapt it (--target-modules ...,lm_head)")
+    parser.add_argument("--vlm", action="store_true",
+                        help="a tiny Qwen2.5-VL-family vision-language model and its image processor (docs/vlm.md); "
+                        "takes --seed only")
     options = parser.parse_args(list(argv))
+    if options.vlm:
+        return _make_tiny_vlm(options, parser)
 
     from workers.tiny_model import build_tiny_model, count_parameters
 
@@ -149,6 +154,18 @@ def make_tiny_model_main(argv: Sequence[str]) -> int:
                          untied_head=options.untied_head)
     directory = build_tiny_model(options.directory, spec)
     print(f"wrote {directory} ({count_parameters(directory):,} parameters)")
+    return 0
+
+
+def _make_tiny_vlm(options: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from workers.tiny_model import count_parameters
+    from workers.tiny_vlm import TinyVlmSpec, build_tiny_vlm
+
+    shaped = [flag for flag, given in (("--words", options.words), ("--untied-head", options.untied_head)) if given]
+    if shaped:
+        parser.error(f"--vlm builds a fixed tiny shape; {', '.join(shaped)} is for the text model only")
+    directory = build_tiny_vlm(options.directory, TinyVlmSpec(seed=options.seed))
+    print(f"wrote {directory} ({count_parameters(directory):,} parameters, vision-language)")
     return 0
 
 

@@ -68,8 +68,11 @@ assert _EXT_TUPLE == bounds.EXT_TUPLE and {c: s for c, (s, _) in bounds.PACKED_A
 _BIG_ENDIAN = sys.byteorder == "big"
 
 SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Sample))
-#: Fields a record holds only when set (on-policy distillation's teacher logprobs).
-OPTIONAL_SAMPLE_FIELDS: frozenset[str] = frozenset({"teacher_log_probs", "opd_reverse_kl"})
+#: Fields a record holds only when set (on-policy distillation's teacher logprobs; a VLM sample's processed
+#: images, `multimodal_train_inputs`). `multimodal_inputs` (the raw images) is never written: a replay trains on
+#: the processed tensors, so it needs neither the images nor the data files.
+OPTIONAL_SAMPLE_FIELDS: frozenset[str] = frozenset({"teacher_log_probs", "opd_reverse_kl", "multimodal_inputs",
+                                                   "multimodal_train_inputs"})
 #: The fields a format-1 record holds (every field but slime's `index`).
 SAMPLE_FIELDS_V1: tuple[str, ...] = tuple(name for name in SAMPLE_FIELDS
                                           if name != "index" and name not in OPTIONAL_SAMPLE_FIELDS)
@@ -222,7 +225,24 @@ def encode_sample(sample: Sample) -> bytes:
         record["teacher_log_probs"] = pack_floats(sample.teacher_log_probs)
     if sample.opd_reverse_kl is not None:  # top-k OPD's term: a replay trains on it as the run did
         record["opd_reverse_kl"] = pack_floats(sample.opd_reverse_kl)
+    if sample.multimodal_train_inputs:  # a VLM sample: its images as the trainer takes them
+        record["multimodal_train_inputs"] = pack_images(sample.multimodal_train_inputs)
     return packb(record)
+
+
+def pack_images(inputs: dict[str, object]) -> dict[str, object]:
+    """`multimodal_train_inputs` (`pixel_values` [patches, features], `image_grid_thw` [images, 3]: tensors or
+    arrays; or a dump's own form) as packed arrays: pixel values as float64 (float32 round-trips exactly), the
+    grid's ints."""
+    import numpy
+
+    pixels = numpy.asarray(getattr(inputs["pixel_values"], "numpy", lambda: inputs["pixel_values"])())
+    shape = inputs.get("pixel_shape")
+    if isinstance(shape, list):  # a replayed sample's flat values
+        pixels = pixels.reshape([int(n) for n in shape])
+    grid = numpy.asarray(getattr(inputs["image_grid_thw"], "numpy", lambda: inputs["image_grid_thw"])())
+    return {"pixel_values": pack_floats(pixels.astype("float64").reshape(-1).tolist()),
+            "pixel_shape": [int(n) for n in pixels.shape], "image_grid_thw": pack_ints(grid.reshape(-1).tolist())}
 
 
 def _is_int(value: object) -> bool:

@@ -219,6 +219,10 @@ def _decode_sample(payload: bytes, version: int) -> Sample:
     reverse_kl = record.get("opd_reverse_kl")
     if reverse_kl is not None and (type(reverse_kl) is not array or reverse_kl.typecode != "d"):
         problems.append(f"opd_reverse_kl must be a packed float64 array, got {type(reverse_kl).__name__}")
+    images = record.get("multimodal_train_inputs")
+    train_inputs = None
+    if images is not None:
+        train_inputs = _images(images, problems)
     if problems:
         raise SchemaError("; ".join(problems))
     sample = Sample(
@@ -239,12 +243,34 @@ def _decode_sample(payload: bytes, version: int) -> Sample:
         index=index,
         teacher_log_probs=None if teacher is None else teacher.tolist(),
         opd_reverse_kl=None if reverse_kl is None else reverse_kl.tolist(),
+        multimodal_train_inputs=train_inputs,
     )
     try:
         sample.validate()
     except SampleError as exc:
         raise SchemaError(f"wrong lengths: {exc}") from None
     return sample
+
+
+def _images(value: object, problems: list[str]) -> dict[str, object] | None:
+    """A record's `multimodal_train_inputs` back as the trainer takes them (`workers.protocol.wire_images`):
+    float64 pixel values with their [patches, features] shape, and the grid as [t, h, w] rows."""
+    if type(value) is not dict or set(value) != {"pixel_values", "pixel_shape", "image_grid_thw"}:
+        problems.append("multimodal_train_inputs must be a map of pixel_values, pixel_shape and image_grid_thw")
+        return None
+    pixels, shape, grid = value["pixel_values"], value["pixel_shape"], value["image_grid_thw"]
+    if type(pixels) is not array or pixels.typecode != "d":
+        problems.append("multimodal_train_inputs.pixel_values must be a packed float64 array")
+    elif type(shape) is not list or len(shape) != 2 or any(type(n) is not int or n < 1 for n in shape) \
+            or shape[0] * shape[1] != len(pixels):
+        problems.append(f"multimodal_train_inputs.pixel_shape {shape!r:.40} does not fit its {len(pixels)} values")
+    elif type(grid) is not array or grid.typecode not in "biq" or not grid or len(grid) % 3:
+        problems.append("multimodal_train_inputs.image_grid_thw must be packed (t, h, w) integer triples")
+    else:
+        rows = grid.tolist()
+        return {"pixel_values": pixels, "pixel_shape": shape,
+                "image_grid_thw": [rows[i:i + 3] for i in range(0, len(rows), 3)]}
+    return None
 
 
 def _iter_records(reader: _Reader, header: DumpHeader) -> Iterator[Sample]:

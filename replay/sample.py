@@ -95,6 +95,10 @@ class Sample:
     teacher_log_probs: list[float] | None = None
     #: miles': top-k on-policy distillation's weighted reverse KL of each response token (None: not top-k OPD).
     opd_reverse_kl: list[float] | None = None
+    #: slime's: the raw media of a vision-language prompt, `{"images": [PIL images]}` (None: text only)
+    multimodal_inputs: dict[str, Any] | None = None
+    #: slime's: the processor's outputs the trainer takes, `{"pixel_values", "image_grid_thw"}` (tensors)
+    multimodal_train_inputs: dict[str, Any] | None = None
 
     #: slime's name for the enum: `Sample.Status.COMPLETED`.
     Status: ClassVar[type[SampleStatus]] = SampleStatus

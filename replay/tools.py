@@ -187,6 +187,10 @@ def _show(console: Console, path: Path, tokenizer_dir: Path | None, first: int) 
                       f"weight_versions: {sample.weight_versions}  label: {sample.label!r}")  # fmt: skip
         console.print(f"prompt ({sample.prompt_length} tokens): {_clip(sample.prompt)}")
         console.print(f"response ({sample.response_length} tokens): {_clip(sample.response)}")
+        if sample.multimodal_train_inputs:
+            grid = sample.multimodal_train_inputs["image_grid_thw"]
+            console.print(f"images: {len(grid)} (patch grids t×h×w: "
+                          + ", ".join("×".join(str(v) for v in row) for row in grid) + ")")
         if sample.is_multi_turn:
             spans = sum(1 for i, m in enumerate(sample.loss_mask) if m == 0 and (i == 0 or sample.loss_mask[i - 1]))
             console.print(f"multi-turn: {sample.effective_response_length} of {sample.response_length} response "

@@ -57,22 +57,26 @@ class TinyModelSpec:
     untied_head: bool = False
 
 
-def vocabulary(words: tuple[str, ...] = ()) -> dict[str, int]:
-    tokens = list(dict.fromkeys(SPECIAL_TOKENS + list(CHARACTERS) + list(words)))
+def vocabulary(words: tuple[str, ...] = (), specials: tuple[str, ...] = ()) -> dict[str, int]:
+    """The character vocabulary; `specials` (the tiny VLM's vision tokens) come last, so the text model's ids
+    are unchanged by them."""
+    tokens = list(dict.fromkeys(SPECIAL_TOKENS + list(CHARACTERS) + list(words) + list(specials)))
     return {token: index for index, token in enumerate(tokens)}
 
 
 def build_tokenizer_files(directory: Path, words: tuple[str, ...] = (),
-                          max_length: int = TinyModelSpec.max_position_embeddings) -> None:
+                          max_length: int = TinyModelSpec.max_position_embeddings, *,
+                          specials: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE) -> None:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = vocabulary(words)
+    vocab = vocabulary(words, specials)
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # One token per character: split every character off, keep it, and join them back when decoding.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                for token in SPECIAL_TOKENS + list(specials)])
     if words:  # matched whole before the per-character split
         backend.add_tokens([AddedToken(word, special=False, normalized=False) for word in words])
     tokenizer = PreTrainedTokenizerFast(
@@ -84,7 +88,7 @@ def build_tokenizer_files(directory: Path, words: tuple[str, ...] = (),
         model_max_length=max_length,
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(directory))
 
 

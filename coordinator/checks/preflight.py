@@ -233,7 +233,8 @@ def check_data(config: Config) -> list[str]:
     forms = functools.cache(lambda: _template_forms(rollout.hf_checkpoint)) if templated else None
     return [_check_file(*source, max_line_bytes=rollout.data_max_line_bytes,
                         raw_prompts=custom and (source[0] == "--prompt-data" or not config.eval_fleet_enabled),
-                        template_forms=forms)
+                        template_forms=forms,
+                        multimodal_keys=rollout.multimodal_key_map)
             for source in sources]
 
 
@@ -255,13 +256,15 @@ def _template_forms(checkpoint: str | None) -> TemplateForms:
 
 def _check_file(flag: str, path: str, input_key: str, label_key: str | None, metadata_key: str | None, *,
                 max_line_bytes: int, raw_prompts: bool = False,
-                template_forms: Callable[[], TemplateForms] | None = None) -> str:
+                template_forms: Callable[[], TemplateForms] | None = None,
+                multimodal_keys: dict[str, str] | None = None) -> str:
     from coordinator.data.check import RecordKeys, check_data_file
     from coordinator.data.source import DataSourceError
 
     if path.startswith("builtin:"):
         return f"{flag} {path}: a built-in task"
-    keys = RecordKeys(input_key=input_key, label_key=label_key, metadata_key=metadata_key, raw_prompts=raw_prompts)
+    keys = RecordKeys(input_key=input_key, label_key=label_key, metadata_key=metadata_key, raw_prompts=raw_prompts,
+                      multimodal_keys=multimodal_keys)
     try:
         count = check_data_file(path, keys, max_line_bytes=max_line_bytes,
                                 template_forms=None if raw_prompts else template_forms)
@@ -269,6 +272,8 @@ def _check_file(flag: str, path: str, input_key: str, label_key: str | None, met
         raise ConfigError(f"{flag}: {error}") from None
     named = [f"input key {input_key!r}"] + [f"label key {label_key!r}"] * bool(label_key)
     named += [f"metadata key {metadata_key!r}"] * bool(metadata_key)
+    if multimodal_keys:
+        named.append(f"images of {multimodal_keys['image']!r}, decoded within bounds")
     return f"{flag} {path}: all {count} record(s) hold {', '.join(named)}"
 
 

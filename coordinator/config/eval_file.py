@@ -71,7 +71,8 @@ class EvalDatasetSpec:
 #: slime `EvalDatasetConfig` fields rayless does not implement: refused with this reason, not as unknown.
 UNSUPPORTED_KEYS = {
     "tool_key": "tool schemas in prompts are not supported",
-    "multimodal_keys": "multimodal prompts are not supported",
+    "multimodal_keys": "a per-dataset multimodal_keys is not read yet (the run's --multimodal-keys applies to every "
+                       "eval dataset, slime's default)",
     "apply_chat_template_kwargs": "chat-template keyword arguments are not supported",
     "skip_special_tokens": "responses are always decoded without special tokens",
     "no_stop_trim": "the response text is decoded from the token ids",

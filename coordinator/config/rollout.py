@@ -33,6 +33,19 @@ UNSUPPORTED_ESTIMATORS = {
 }
 
 
+def _multimodal_keys(text: str) -> str:
+    """slime's `--multimodal-keys`: a JSON object of media type → column, for the media rayless serves."""
+    import json
+
+    from coordinator.data.media import media_types_problem
+
+    values.json_object(text)
+    problem = media_types_problem(json.loads(text))
+    if problem is not None:
+        raise ValueError(problem)
+    return text
+
+
 def _estimators() -> tuple[str, ...]:
     return ESTIMATORS + tuple(UNSUPPORTED_ESTIMATORS)
 
@@ -51,6 +64,11 @@ class RolloutConfig(Slice):
     metadata_key: str | None = flag(None, help="metadata field in --prompt-data", secret=False)
     tool_key: str | None = flag(None, help="tools field in --prompt-data, handed to the chat template as "
                                 "tools= (slime's flag; a list, or JSON text of one)", secret=False)
+    multimodal_keys: str | None = flag(
+        None, help="slime's JSON map of a media type to its --prompt-data column, e.g. '{\"image\": \"images\"}': "
+        "each <image> in a prompt takes the row's next image (a path relative to the file, file://, a data URL "
+        "or Parquet bytes); needs a vision-language --hf-checkpoint (docs/vlm.md)",
+        parse=_multimodal_keys, metavar="JSON", secret=False)
     data_max_line_bytes: int = flag(
         DEFAULT_MAX_LINE_BYTES, help="largest line (or Parquet row) of --prompt-data and eval data files; a "
         "longer one is refused at start-up", minimum=1)
@@ -160,4 +178,11 @@ class RolloutConfig(Slice):
         import json
 
         return json.loads(self.apply_chat_template_kwargs) if self.apply_chat_template_kwargs else {}
+
+    @property
+    def multimodal_key_map(self) -> dict[str, str] | None:
+        """`--multimodal-keys` as its map (None: text prompts)."""
+        import json
+
+        return json.loads(self.multimodal_keys) if self.multimodal_keys else None
 

@@ -20,6 +20,7 @@ from coordinator.config.fields import ConfigError, ConfigWarning
 from coordinator.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 from coordinator.config.sft_rules import SFT_RULES
 from coordinator.config.sglang_file import sglang_config_maps
+from coordinator.config.vlm_rules import VLM_RULES
 from workers.boundary.exposure import exposure_problem
 
 if TYPE_CHECKING:
@@ -312,6 +313,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     *EVAL_FLEET_RULES,
     ft_components_need_fault_tolerance,
     fault_injection_needs_monitored_engines,
+    *VLM_RULES,
     *SFT_RULES,  # before the engine rules: an SFT run's refusal says why engines cannot mean anything in it
     generation_needs_engines,
     router_needs_engines,

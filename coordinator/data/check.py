@@ -27,6 +27,8 @@ class RecordKeys:
     label_key: str | None = None
     metadata_key: str | None = None
     raw_prompts: bool = False  # a custom generate function reads prompts of any JSON value
+    #: slime's --multimodal-keys: each row's images are decoded (one at a time, bounded) and counted too
+    multimodal_keys: dict[str, str] | None = None
 
 
 def check_data_file(path: str | Path, keys: RecordKeys, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
@@ -50,7 +52,7 @@ def check_data_file(path: str | Path, keys: RecordKeys, *, max_line_bytes: int =
     try:
         for where, row in iter_rows(path, max_line_bytes):
             reason = str(row) if isinstance(row, BoundaryError) else _record_problem(where, row, keys, records,
-                                                                                     forms(row))
+                                                                                     forms(row), path.parent)
             if reason is None:
                 records += 1
                 continue
@@ -74,11 +76,11 @@ def _holds_optional_forms(row: object, input_key: str) -> bool:
 
 
 def _record_problem(where: str, row: dict[str, object], keys: RecordKeys, index: int,
-                    forms: TemplateForms) -> str | None:
+                    forms: TemplateForms, base_dir: Path) -> str | None:
     try:
         build_record(where, row, input_key=keys.input_key, label_key=keys.label_key,
                      metadata_key=keys.metadata_key, index=index, raw_prompts=keys.raw_prompts,
-                     forms=forms)
+                     forms=forms, multimodal_keys=keys.multimodal_keys, base_dir=base_dir)
     except DataSourceError as error:
         return str(error)
     return None

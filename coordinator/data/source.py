@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from coordinator.data.chats import UNKNOWN, TemplateForms, chat_problem
 from coordinator.data.lines import DEFAULT_MAX_LINE_BYTES, iter_rows, line_limits
+from coordinator.data.media import MediaError, load_images, multimodal_prompt
 from replay.sample import SampleError
 from replay.sample import label_value as sample_label_value
 from workers.boundary.errors import BoundaryError
@@ -51,6 +52,9 @@ class PromptRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
     # Position in the data (row / non-blank line order); stable across epochs and resumes.
     index: int = -1
+    #: slime's --multimodal-keys: the prompt's images in prompt order; as read, kept encoded
+    #: (`coordinator.data.media.ImageRef`); as taken (`PromptDataSource.take`), decoded PIL images
+    images: tuple[Any, ...] = ()
 
 
 def label_value(value: JsonValue, *, where: str, key: str) -> JsonValue:
@@ -100,6 +104,7 @@ def read_prompt_file(
     raw_prompts: bool = False,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     tool_key: str | None = None,
+    multimodal_keys: dict[str, str] | None = None,
 ) -> list[PromptRecord]:
     """Read the records of a `.parquet` file or a JSONL file (any other suffix), checking the keys: every
     record, or the first `limit`. `raw_prompts`: a prompt may be any JSON value (a custom generate function
@@ -117,7 +122,8 @@ def read_prompt_file(
                 raise DataSourceError(str(row))
             records.append(build_record(where, row, input_key=input_key, label_key=label_key,
                                         metadata_key=metadata_key, index=len(records), raw_prompts=raw_prompts,
-                                        tool_key=tool_key))
+                                        tool_key=tool_key, multimodal_keys=multimodal_keys,
+                                        base_dir=path.parent))
     except BoundaryError as error:
         raise DataSourceError(str(error)) from None
     if not records:
@@ -127,7 +133,8 @@ def read_prompt_file(
 
 def build_record(where: str, row: JsonObject, *, input_key: str, label_key: str | None,
                  metadata_key: str | None, index: int, raw_prompts: bool = False,
-                 forms: TemplateForms = UNKNOWN, tool_key: str | None = None) -> PromptRecord:
+                 forms: TemplateForms = UNKNOWN, tool_key: str | None = None,
+                 multimodal_keys: dict[str, str] | None = None, base_dir: Path | None = None) -> PromptRecord:
     """One row as a record: the keys the run reads present, each value of a kind it can use (a chat's roles
     and contents as `coordinator.data.chats` has them; `forms`: what the run's chat template takes, when
     known). slime's `--tool-key`: a row's tools (a list, or JSON text of one; optional per row) go to
@@ -143,11 +150,19 @@ def build_record(where: str, row: JsonObject, *, input_key: str, label_key: str 
     metadata = _check_metadata(row[metadata_key], where=where, key=metadata_key) if metadata_key is not None else {}
     if tool_key is not None and row.get(tool_key) is not None:
         metadata = {**metadata, "tools": _check_tools(row[tool_key], where=where, key=tool_key)}
+    prompt = value if raw else _check_prompt(value, where=where, key=input_key, forms=forms, loose=raw_prompts)
+    images: tuple[Any, ...] = ()
+    if multimodal_keys and not raw:  # slime's: the row's media, and its prompt as a chat with image parts
+        try:
+            prompt, images = multimodal_prompt(prompt, row, where, multimodal_keys, base_dir)
+        except MediaError as error:
+            raise DataSourceError(str(error)) from None
     return PromptRecord(
-        prompt=value if raw else _check_prompt(value, where=where, key=input_key, forms=forms, loose=raw_prompts),
+        prompt=prompt,
         label=label_value(row[label_key], where=where, key=label_key) if label_key is not None else None,
         metadata=metadata,
         index=index,
+        images=images,
     )
 
 
@@ -182,9 +197,12 @@ class PromptDataSource:
         raw_prompts: bool = False,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         tool_key: str | None = None,
+        multimodal_keys: dict[str, str] | None = None,
+        render_images: bool = True,
     ) -> None:
         records = read_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
-                                   raw_prompts=raw_prompts, max_line_bytes=max_line_bytes, tool_key=tool_key)
+                                   raw_prompts=raw_prompts, max_line_bytes=max_line_bytes, tool_key=tool_key,
+                                   multimodal_keys=multimodal_keys)
         self._setup(
             records,
             apply_chat_template=apply_chat_template,
@@ -193,6 +211,7 @@ class PromptDataSource:
             seed=seed,
             source=str(path),
             tools=tool_key is not None,
+            render_images=render_images,
         )
 
     @classmethod
@@ -216,6 +235,7 @@ class PromptDataSource:
                     label=record.label,
                     metadata=dict(record.metadata),
                     index=position,
+                    images=record.images,
                 )
             )
         if not checked:
@@ -241,8 +261,11 @@ class PromptDataSource:
         seed: int,
         source: str,
         tools: bool = False,
+        render_images: bool = True,
     ) -> None:
-        """`tools`: `--tool-key` is given, so a record's `metadata["tools"]` go to the chat template."""
+        """`tools`: `--tool-key` is given, so a record's `metadata["tools"]` go to the chat template.
+        `render_images`: a record with images is rendered with the template whatever `apply_chat_template` says
+        (slime's multimodal prompts are conversations); False keeps its chat (the SFT rollout renders it)."""
         if apply_chat_template and tokenizer is None:
             raise DataSourceError(
                 "--apply-chat-template needs a tokenizer (from --hf-checkpoint); none was given"
@@ -254,6 +277,7 @@ class PromptDataSource:
         self._records = records
         self._apply_chat_template = apply_chat_template
         self._tools = tools
+        self._render_images = render_images
         self._tokenizer = tokenizer
         self._shuffle = shuffle
         self._seed = int(seed)
@@ -284,7 +308,8 @@ class PromptDataSource:
 
     def _render(self, record: PromptRecord) -> PromptRecord:
         prompt = record.prompt
-        if self._apply_chat_template:
+        if self._apply_chat_template or (record.images and self._render_images):  # slime: multimodal prompts
+            # are always conversations
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             assert self._tokenizer is not None  # checked in _setup
             # slime passes the row's tools (--tool-key) to the template: tools=None when the row has none
@@ -303,8 +328,13 @@ class PromptDataSource:
                     f"{self._source}: apply_chat_template returned {type(prompt).__name__}, expected text"
                 )
         # Copies: callers may mutate metadata of one rollout without changing later epochs.
+        try:
+            images = load_images(record.images)
+        except MediaError as error:
+            raise DataSourceError(str(error)) from None
         return PromptRecord(
-            prompt=prompt, label=record.label, metadata=dict(record.metadata), index=record.index
+            prompt=prompt, label=record.label, metadata=dict(record.metadata), index=record.index,
+            images=images,
         )
 
     def take(self, n_groups: int) -> list[PromptRecord]:

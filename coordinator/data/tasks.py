@@ -11,6 +11,7 @@ tokenizer every character is one token, so a prompt is 6 tokens. Tasks (see docs
 | `first_digit` | `3`            | `first_digit`: fraction of the first 4 response chars equal to the label |
 | `copy`        | `371`          | `char_match`: fraction of label positions matched by the response       |
 | `reverse`     | `173`          | `char_match`                                                            |
+| `colour`      | `r`            | `first_digit`; an image task for a VLM (`coordinator.data.image_tasks`) |
 
 `--prompt-data builtin:NAME` selects a task without a file (`open_prompt_source`); `write_task_jsonl`
 writes one as a file to show the data format.
@@ -38,12 +39,15 @@ class Task:
     label_of: Callable[[str], str]
     # generated tokens the task is measured with (the default job's --rollout-max-response-len)
     response_length: int
+    # the prompts hold images (a vision-language model's task)
+    images: bool = False
 
 
 TASKS: dict[str, Task] = {
     "first_digit": Task("first_digit", "first_digit", lambda digits: digits[0], 4),
     "copy": Task("copy", "char_match", lambda digits: digits, 4),
     "reverse": Task("reverse", "char_match", lambda digits: digits[::-1], 4),
+    "colour": Task("colour", "first_digit", lambda digits: "", 4, images=True),
 }
 
 
@@ -58,6 +62,10 @@ def make_task_prompts(task: str, n: int, seed: int) -> list[PromptRecord]:
     spec = get_task(task)
     if n < 1:
         raise ValueError(f"a task needs at least one prompt, got n={n}")
+    if spec.images:
+        from coordinator.data.image_tasks import make_colour_prompts
+
+        return make_colour_prompts(n, seed)
     rng = random.Random(seed)
     records = []
     for index in range(n):
@@ -115,6 +123,12 @@ def builtin_task_name(prompt_data: str | None) -> str | None:
     return get_task(prompt_data.removeprefix(BUILTIN_PREFIX)).name
 
 
+def is_image_task(prompt_data: str | None) -> bool:
+    """Whether `--prompt-data` is a built-in task whose prompts hold images."""
+    task = builtin_task_name(prompt_data)
+    return task is not None and TASKS[task].images
+
+
 def open_prompt_source(
     prompt_data: str,
     *,
@@ -134,8 +148,10 @@ def open_prompt_source(
     if task is None:
         return PromptDataSource(prompt_data, apply_chat_template=apply_chat_template, tokenizer=tokenizer,
                                 shuffle=shuffle, seed=seed, **file_options)
+    from coordinator.data.image_tasks import COLOUR_TASK_SIZE
+
     return PromptDataSource.from_records(
-        make_task_prompts(task, BUILTIN_TASK_SIZE, seed),
+        make_task_prompts(task, COLOUR_TASK_SIZE if TASKS[task].images else BUILTIN_TASK_SIZE, seed),
         apply_chat_template=apply_chat_template,
         tokenizer=tokenizer,
         shuffle=shuffle,

@@ -29,7 +29,7 @@ import anyio
 from coordinator.eval.settings import EVAL_SEED, EvalDataset
 from coordinator.rewards.pass_rate import pass_rates
 from coordinator.rollout.dispatch import Dispatcher
-from coordinator.rollout.requests import GenerateState, RequestSlots, generate_group, new_sample
+from coordinator.rollout.requests import GenerateState, RequestSlots, generate_group, new_sample, with_images
 from replay.sample import Sample, SampleStatus
 
 if TYPE_CHECKING:
@@ -43,9 +43,14 @@ def generate_state(dataset: EvalDataset, *, tokenizer: object, context_length: i
     """The GenerateState of one dataset: its sampling params and response budget; `request_slots` shares
     the bound on requests in flight with the rollout (eval on the rollout engines)."""
     settings = dataset.settings
+    vision = None
+    if settings.multimodal_keys and settings.processor_path is not None:
+        from workers.vlm_processor import VlmProcessor
+
+        vision = VlmProcessor(settings.processor_path)
     return GenerateState(tokenizer=tokenizer, sampling_params=dict(settings.sampling_params),
                          max_response_len=settings.max_response_len, context_length=context_length,
-                         concurrency=concurrency, seed=EVAL_SEED, request_slots=request_slots)
+                         concurrency=concurrency, seed=EVAL_SEED, request_slots=request_slots, vision=vision)
 
 
 def _restart(sample: Sample) -> None:
@@ -78,7 +83,11 @@ async def generate_and_score(dataset: EvalDataset, state: GenerateState, dispatc
     n = dataset.settings.n_samples
     for index, record in enumerate(dataset.records):
         prompt_ids = [] if custom is not None else state.encode(str(record.prompt))
-        groups.append([new_sample(record, prompt_ids, index, k, n_samples=n) for k in range(n)])
+        prompt_ids, train_inputs = with_images(state, record, prompt_ids)
+        samples = [new_sample(record, prompt_ids, index, k, n_samples=n) for k in range(n)]
+        for sample in samples:
+            sample.multimodal_train_inputs = train_inputs
+        groups.append(samples)
 
     async def run_group(samples: list[Sample]) -> None:
         for attempt in range(MAX_ABORT_RESTARTS + 1):

@@ -58,6 +58,10 @@ class EvalDatasetSettings:
     apply_chat_template: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)  # merged into every record's metadata
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES  # --data-max-line-bytes
+    #: slime's eval default: the run's --multimodal-keys (images of the eval data decoded and sent too)
+    multimodal_keys: dict[str, str] | None = None
+    #: the model whose processor expands the images' placeholders (--hf-checkpoint), with multimodal keys
+    processor_path: str | None = None
 
     @property
     def reward_key(self) -> str | None:
@@ -122,6 +126,8 @@ class EvalDatasetSettings:
             apply_chat_template=_first(spec.apply_chat_template, rollout.apply_chat_template),
             metadata=metadata,
             max_line_bytes=rollout.data_max_line_bytes,
+            multimodal_keys=rollout.multimodal_key_map,
+            processor_path=rollout.hf_checkpoint,
         )
 
 
@@ -188,7 +194,8 @@ def _records(dataset: EvalDatasetSettings, *, seed: int, tokenizer: Any, raw_pro
         source = PromptDataSource(dataset.path, input_key=dataset.input_key, label_key=dataset.label_key,
                                   metadata_key=dataset.metadata_key, apply_chat_template=dataset.apply_chat_template,
                                   tokenizer=tokenizer, shuffle=False, seed=seed, raw_prompts=raw_prompts,
-                                  max_line_bytes=dataset.max_line_bytes, tool_key=dataset.tool_key)
+                                  max_line_bytes=dataset.max_line_bytes, tool_key=dataset.tool_key,
+                                  multimodal_keys=dataset.multimodal_keys)
     records = source.take(len(source))
     for record in records:
         if not isinstance(record.prompt, str) and not raw_prompts:

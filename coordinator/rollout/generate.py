@@ -32,7 +32,7 @@ from coordinator.rewards.pass_rate import pass_rates
 from coordinator.rollout.dispatch import Dispatcher, EnginePool
 from coordinator.rollout.filters import DynamicFilter
 from coordinator.rollout.hook_generate import CustomGenerate
-from coordinator.rollout.requests import GenerateState, generate_group, new_sample
+from coordinator.rollout.requests import GenerateState, generate_group, new_sample, with_images
 from coordinator.rollout.reward_post import reward_category_metrics
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch, Sample, SampleStatus
@@ -232,7 +232,10 @@ class DefaultRollout:
                 prompts.append(record.prompt)
             encoded = self.state.encode_many(prompts)  # one tokenizer call for every new group
         for offset, (record, prompt_ids) in enumerate(zip(records, encoded, strict=True)):
+            prompt_ids, train_inputs = with_images(self.state, record, prompt_ids)
             samples = [new_sample(record, prompt_ids, first_index + offset, k, n_samples=n) for k in range(n)]
+            for sample in samples:
+                sample.multimodal_train_inputs = train_inputs
             groups.append(PartialGroup(record, prompt_ids, samples))
         return groups
 

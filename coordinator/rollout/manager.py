@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
     from coordinator.engines.client import EngineClient
     from replay.loader import ReplayLoader
+    from workers.vlm_processor import VlmProcessor
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ class RolloutManager:
             concurrency=config.generate_concurrency,
             seed=rollout.rollout_seed,
             top_logprobs_num=config.distill.student_top_logprobs_num,
+            vision=vision_processor(rollout),
         )
         self.counts["generate_states"] += 1
         dispatcher = Dispatcher(client=client, pool=pool, router_url=router_url,
@@ -430,6 +432,17 @@ def tune_collector() -> int:
 #: allocations (net, of objects the collector tracks) between two young-generation passes; CPython's is 700
 GEN0_THRESHOLD = 10_000
 _TUNED = False
+def vision_processor(rollout: RolloutConfig) -> VlmProcessor | None:
+    """The policy's processor when the prompts hold images (`--multimodal-keys`): the rollout expands each
+    prompt's image placeholders and makes the trainer's pixel inputs with it, as slime's processor does."""
+    from coordinator.data.tasks import is_image_task
+    from workers.vlm_processor import VlmProcessor
+
+    if rollout.hf_checkpoint is None or (rollout.multimodal_key_map is None
+                                         and not is_image_task(rollout.prompt_data)):
+        return None
+
+    return VlmProcessor(rollout.hf_checkpoint)
 
 
 def build_data_source(rollout: RolloutConfig, tokenizer: PreTrainedTokenizerBase, *, raw_prompts: bool = False,
@@ -444,6 +457,8 @@ def build_data_source(rollout: RolloutConfig, tokenizer: PreTrainedTokenizerBase
         label_key=rollout.label_key,
         metadata_key=rollout.metadata_key,
         tool_key=rollout.tool_key,
+        multimodal_keys=rollout.multimodal_key_map,
+        render_images=chat_template,
         apply_chat_template=rollout.apply_chat_template and chat_template,
         tokenizer=tokenizer,
         shuffle=rollout.rollout_shuffle,

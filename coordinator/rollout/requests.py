@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -31,7 +31,11 @@ from coordinator.data.source import PromptRecord
 from coordinator.engines.replies import FinishReason, GenerateReply
 from coordinator.rollout.dispatch import Dispatcher, EngineHandleLike
 from replay.sample import FINISH_STATUS, Sample, SampleStatus
+from workers.boundary.images import encode_data_url
 from workers.boundary.json_input import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    from workers.vlm_processor import VlmProcessor
 
 _SEED_MODULUS = 2**31 - 1
 
@@ -83,6 +87,8 @@ class GenerateState:
     #: SGLang's `top_logprobs_num` asked with every request (miles' top-k OPD keeps the student's top-k of each
     #: response token in `metadata["opd_student_top_logprobs"]`); 0: not asked
     top_logprobs_num: int = 0
+    #: the policy's processor when prompts hold images (`--multimodal-keys`); None: text prompts
+    vision: VlmProcessor | None = None
 
     def __post_init__(self) -> None:
         if self.request_slots is None:
@@ -180,6 +186,7 @@ def new_sample(record: PromptRecord, prompt_ids: list[int], group: int, index: i
         label=record.label,
         metadata={**record.metadata, "prompt_index": record.index},
         index=None if n_samples is None else group * n_samples + index,
+        multimodal_inputs={"images": list(record.images)} if record.images else None,
     )
 
 
@@ -197,6 +204,26 @@ def request_params(state: GenerateState, sample: Sample, rollout_id: int) -> Jso
         return None
     seed = sampling_seed(state.seed, rollout_id, sample)
     return {**state.sampling_params, "max_new_tokens": budget, "sampling_seed": seed}
+
+
+def with_images(state: GenerateState, record: PromptRecord, prompt_ids: list[int]
+                ) -> tuple[list[int], dict[str, object] | None]:
+    """slime's processor step for a record with images: its prompt ids with each image placeholder expanded,
+    and the trainer's inputs (`multimodal_train_inputs`); a text record's ids unchanged and None."""
+    if not record.images:
+        return prompt_ids, None
+    if state.vision is None:
+        raise TypeError("prompt records hold images but the run has no vision-language processor")
+    pixels = state.vision.pixel_inputs(record.images)
+    ids = state.vision.expand_ids(prompt_ids, pixels.image_grid_thw)
+    return ids, {"pixel_values": pixels.pixel_values, "image_grid_thw": pixels.image_grid_thw}
+
+
+def image_data(sample: Sample) -> list[JsonValue]:
+    """A sample's images as SGLang's `image_data` takes them: PNG data URLs (slime's
+    encode_image_for_rollout_engine); the ids sent hold their expanded placeholders, as slime's VLM rollout."""
+    images = (sample.multimodal_inputs or {}).get("images") or []
+    return [encode_data_url(image) for image in images]
 
 
 def finish_status(finish: FinishReason | None) -> SampleStatus:
@@ -284,6 +311,8 @@ async def generate_group(
     async def one(sample: Sample, params: dict[str, JsonValue], engine: EngineHandleLike | None) -> None:
         payload: dict[str, JsonValue] = {"input_ids": sample.tokens, "sampling_params": params,
                                          "return_logprob": logprobs, "rid": uuid.uuid4().hex, **top}
+        if sample.multimodal_inputs:
+            payload["image_data"] = image_data(sample)
         answer, url = await dispatcher.generate(payload, engine=engine)
         (reply,) = answer.replies  # the dispatcher holds an answer to one prompt to one reply
         received([(sample, reply)], url)
@@ -299,6 +328,8 @@ async def generate_group(
                     "return_logprob": logprobs,
                     **top,
                 }
+                if any(sample.multimodal_inputs for sample, _ in ready):
+                    payload["image_data"] = [image_data(sample) for sample, _ in ready]
                 answer, url = await dispatcher.generate(payload, engine=engine)
                 received([(sample, reply) for (sample, _), reply in zip(ready, answer.replies, strict=True)], url)
             else:

@@ -23,6 +23,7 @@ from replay.sample import RolloutBatch, Sample, SampleStatus
 
 if TYPE_CHECKING:
     from coordinator.rollout.context import RolloutContext
+    from workers.vlm_processor import VlmProcessor
 
 
 class SftRollout:
@@ -30,6 +31,7 @@ class SftRollout:
         self.context = context
         self.config = context.config
         self._mask: ChatLossMask | None = None
+        self._vision: VlmProcessor | None = None  # loaded with the first chat holding images
 
     def _load_mask(self) -> ChatLossMask:
         tokenizer = self.context.tokenizer
@@ -63,6 +65,17 @@ class SftRollout:
                 token_ids, loss_mask = self._mask(record.prompt, tools=tools)
             except LossMaskError as error:
                 raise LossMaskError(f"{where}: {error}") from None
+            train_inputs = None
+            if record.images:  # slime's VLM SFT: the images' placeholders expanded, their tokens untrained
+                if self._vision is None:
+                    from workers.vlm_processor import VlmProcessor
+
+                    self._vision = VlmProcessor(str(self.config.rollout.hf_checkpoint))
+                pixels = self._vision.pixel_inputs(record.images)
+                token_ids, loss_mask = self._vision.expand_with_mask(token_ids, loss_mask, pixels.image_grid_thw)
+                loss_mask = [0 if token == self._vision.image_token_id else value
+                             for token, value in zip(token_ids, loss_mask, strict=True)]
+                train_inputs = {"pixel_values": pixels.pixel_values, "image_grid_thw": pixels.image_grid_thw}
             length = response_length(loss_mask)
             if length == 0:
                 raise DataSourceError(f"{where}: the chat has no assistant tokens to train on (no assistant "
@@ -71,6 +84,6 @@ class SftRollout:
                 group_index=index, sample_index=0, index=index, prompt=record.prompt, tokens=token_ids,
                 response_length=length, loss_mask=loss_mask[-length:], rollout_log_probs=[0.0] * length,
                 reward=0.0, status=SampleStatus.COMPLETED, label=record.label,
-                metadata={**record.metadata, "prompt_index": record.index}))
+                metadata={**record.metadata, "prompt_index": record.index}, multimodal_train_inputs=train_inputs))
         return samples
 

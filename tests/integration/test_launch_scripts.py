@@ -48,6 +48,14 @@ def script_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("script-model"), TinyModelSpec(max_position_embeddings=65536))
 
 
+@pytest.fixture(scope="module")
+def script_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny VLM, as long a context: the model of the scripts with `--multimodal-keys` (geo3k's)."""
+    from workers.tiny_vlm import TinyVlmSpec, build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("script-vlm"), TinyVlmSpec(max_position_embeddings=65536))
+
+
 def _check_validated(code: int, stdout: str, stderr: str, argv: list[str]) -> None:
     assert code == 0, f"exit {code}\n{stderr}"
     assert WANDB_SENTINEL not in stdout + stderr
@@ -82,8 +90,9 @@ def test_the_scripts_cite_their_source_and_are_many() -> None:
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[script.name for script in SCRIPTS])
 def test_launch_script_validates_or_names_what_is_pending(script: LaunchScript, script_model: Path,
-                                                          tmp_path: Path, warm_cli: WarmCli) -> None:
-    argv, hooks = materialize(script, tmp_path, script_model)
+                                                          script_vlm: Path, tmp_path: Path,
+                                                          warm_cli: WarmCli) -> None:
+    argv, hooks = materialize(script, tmp_path, script_model, script_vlm)
     found = blockers(argv)
     assert not [flag for flag, why in found.items() if why.startswith("UNEXPECTED")], found
     code, stdout, stderr = _run(script, argv, tmp_path, hooks, warm_cli)

@@ -152,14 +152,28 @@ def write_hook_stub(root: Path, module: str, attribute: str) -> None:
     path.write_text(text)
 
 
-def write_prompts(path: Path, *, input_key: str, label_key: str | None, rows: int = 4) -> Path:
+def write_prompts(path: Path, *, input_key: str, label_key: str | None, rows: int = 4,
+                  image_key: str | None = None) -> Path:
     """A few prompts with the script's keys: chat messages (or a task index for an `index` key) and a label.
 
-    tau-bench's `index` prompts are ints, read by its custom generate function (slime keeps the raw value)."""
+    tau-bench's `index` prompts are ints, read by its custom generate function (slime keeps the raw value).
+    `image_key` (a script's `--multimodal-keys` column): geo3k's shape, a text prompt holding `<image>` and one
+    image per row, as PNG bytes in Parquet (`{"bytes", "path"}`, as geo3k ships them) or a path relative to a
+    JSONL file."""
+    from tests.support.hostile_images import solid_png
+
     records = []
     for index in range(rows):
         record: dict[str, Any] = {input_key: index if input_key == "index" else
                                   [{"role": "user", "content": f"What is {index} + {index}?"}]}
+        if image_key is not None:
+            record[input_key] = f"<image>What is {index} + {index} in this figure?"
+            picture = solid_png(56, 56, (40 * index, 0, 0))
+            if path.suffix == ".parquet":
+                record[image_key] = [{"bytes": picture, "path": None}]
+            else:
+                (path.parent / f"{path.stem}-{index}.png").write_bytes(picture)
+                record[image_key] = [f"{path.stem}-{index}.png"]
         if label_key is not None:
             record[label_key] = str(2 * index)
         records.append(record)
@@ -167,7 +181,7 @@ def write_prompts(path: Path, *, input_key: str, label_key: str | None, rows: in
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist([{k: json.dumps(v) if isinstance(v, list) else v
+        pq.write_table(pa.Table.from_pylist([{k: json.dumps(v) if isinstance(v, list) and k != image_key else v
                                               for k, v in record.items()} for record in records]), path)
     else:
         path.write_text("".join(json.dumps(record) + "\n" for record in records))
@@ -197,13 +211,19 @@ def write_eval_config(workdir: Path, hooks: Path, yaml_text: str, *, input_key: 
     return path
 
 
-def materialize(script: LaunchScript, workdir: Path, model_dir: Path) -> tuple[list[str], Path]:
+def materialize(script: LaunchScript, workdir: Path, model_dir: Path,
+                vlm_dir: Path | None = None) -> tuple[list[str], Path]:
     """The script's argv with every placeholder replaced by a local stand-in; returns it and the directory of
-    stub modules to put on PYTHONPATH."""
+    stub modules to put on PYTHONPATH. A script with `--multimodal-keys` gets `vlm_dir` (a tiny VLM) as its
+    model and prompts holding images."""
     hooks = workdir / "hooks"
     hooks.mkdir(parents=True, exist_ok=True)
     input_key = script.value("--input-key") or "input"
     label_key = script.value("--label-key")
+    keys = script.value("--multimodal-keys")
+    image_key = json.loads(keys).get("image") if keys else None
+    if image_key is not None and vlm_dir is not None:
+        model_dir = vlm_dir
     replacements: dict[str, str] = {}
     for token, info in script.placeholders.items():
         original = str(info.get("original", ""))
@@ -218,7 +238,8 @@ def materialize(script: LaunchScript, workdir: Path, model_dir: Path) -> tuple[l
         elif token == "PROMPT_DATA" or token.startswith("EVAL_DATA:"):
             suffix = ".parquet" if original.endswith(".parquet") else ".jsonl"
             name = "train" if token == "PROMPT_DATA" else token.split(":", 1)[1]
-            value = str(write_prompts(workdir / f"{name}{suffix}", input_key=input_key, label_key=label_key))
+            value = str(write_prompts(workdir / f"{name}{suffix}", input_key=input_key, label_key=label_key,
+                                      image_key=image_key))
         elif token == "EVAL_CONFIG":
             value = str(write_eval_config(workdir, hooks, info.get("yaml_text") or "{}\n",
                                           input_key=script.value("--eval-input-key") or input_key,

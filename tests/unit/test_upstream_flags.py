@@ -84,11 +84,11 @@ def test_an_ignored_flag_is_in_the_grouped_notice_with_why() -> None:
 
 def test_refusals_name_the_feature_and_why_grouped() -> None:
     with pytest.raises(ConfigError) as caught:
-        parse_config([*BASE, "--teacher-port", "1", "--multimodal-keys", '{"image": "images"}',
+        parse_config([*BASE, "--teacher-port", "1", "--buffer-filter-path", "m:f",
                       "--enable-mtp-training", "--update-weight-delta-keep-files"])
     message = str(caught.value)
     assert "--teacher-port (slime): slime's earlier teacher-distillation server" in message
-    assert "multimodal inputs" in message and "MTP training" in message and "delta" in message
+    assert "rollout buffer filter" in message and "MTP training" in message and "delta" in message
     assert "unknown" not in message
 
 

@@ -26,7 +26,8 @@ class BatchInvariantRunner(ModelRunner):
             own = [(keys[index : index + 1, :, pad:], values[index : index + 1, :, pad:]) for keys, values in self._kv]
             cache = self._new_cache(own)
             tokens = self._tensor([[self._last_token[row]]])
-            positions = self._tensor([[length - pad]])  # the row's own token count
+            # the row's own token count (plus a VLM row's multimodal rope delta)
+            positions = self._tensor([[length - pad + self._rope_delta.get(row, 0)]])
             rows_logits.append(self._forward(tokens, positions, None, cache)[:, -1, :])
             for layer, (keys, values) in enumerate(self._cache_tensors(cache)):
                 grown[layer][0].append(F.pad(keys, (0, 0, pad, 0)))

@@ -8,6 +8,12 @@ range. An unknown sampling key is a 400 naming the key (SGLang answers a plain-t
 Invariants: every rejected input is a `RequestError` (a 4xx, never a 500 from a TypeError or a RecursionError),
 raised before anything reaches the scheduler, so one client's request cannot break another's; text is
 tokenized off the event loop.
+
+SGLang's `image_data` (a vision-language model only): one image or a list per prompt, each a base64 data URL,
+a `file://` URL or a path on the engine's host, decoded under `workers.boundary.images`' bounds off the event
+loop. With `input_ids` the ids must already hold each image's expanded `<|image_pad|>` run (as slime's
+multi-turn VLM rollout sends them, from the processor); with `text` the template's single placeholder per image
+is expanded here, so the ids the sequence keeps are the expanded ones either way.
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
+from workers.boundary.errors import BoundaryError
+from workers.boundary.images import decode_image
 from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine.sampling import RequestError, parse_sampling_params
 from workers.engine.sampling_params import INT64_MAX, show
 from workers.engine.sequences import RequestGroup, Seq
+from workers.vlm_processor import PixelInputs, VlmInputError
 
 if TYPE_CHECKING:
     from workers.engine.args import EngineArgs
@@ -180,6 +189,48 @@ class RequestBuilder:
             out.append(tuple(tuple(row) for row in positions))  # type: ignore[arg-type,union-attr]
         return out
 
+    async def _images(self, body: JsonObject, prompts: list[list[int]], *, from_text: bool
+                      ) -> list[PixelInputs | None]:
+        """`image_data` decoded and processed per prompt (None: a prompt without images); text prompts' image
+        placeholders are expanded in `prompts` in place."""
+        value = body.get("image_data")
+        if value is None or value == []:
+            return [None] * len(prompts)
+        processor = self.server.runner.vision_processor
+        if processor is None:
+            raise RequestError("'image_data': this engine's model is not a vision-language model")
+        per_prompt = value if len(prompts) > 1 or (isinstance(value, list) and value
+                                                   and isinstance(value[0], list)) else [value]
+        if not isinstance(per_prompt, list) or len(per_prompt) != len(prompts):
+            raise RequestError(f"'image_data' must hold one image or list of images per prompt ({len(prompts)})")
+
+        def process() -> list[PixelInputs | None]:
+            out: list[PixelInputs | None] = []
+            for index, (ids, images) in enumerate(zip(prompts, per_prompt, strict=True)):
+                images = images if isinstance(images, list) else [images]
+                if not images:
+                    out.append(None)
+                    continue
+                decoded = [decode_image(image, f"image_data[{index}][{position}]")
+                           for position, image in enumerate(images)]
+                vision = processor.pixel_inputs(decoded)
+                if from_text:
+                    ids[:] = processor.expand_ids(ids, vision.image_grid_thw)
+                else:
+                    processor.check_expanded(ids, vision.image_grid_thw)
+                out.append(vision)
+            return out
+
+        try:
+            visions = await anyio.to_thread.run_sync(process)
+        except (BoundaryError, VlmInputError) as error:
+            raise RequestError(f"'image_data': {error}") from None
+        for ids in prompts:
+            if len(ids) >= self.server.context_length:
+                raise RequestError(f"The input ({len(ids)} tokens with its images) is longer than the model's "
+                                   f"context length ({self.server.context_length} tokens).")
+        return visions
+
     async def build(self, body: JsonObject) -> tuple[list[Seq], bool, RequestGroup]:
         """Validate the whole request and make its sequences; nothing reaches the scheduler before this
         returns, so a bad request is refused whole and never joins (or breaks) the running batch."""
@@ -189,6 +240,7 @@ class RequestBuilder:
         self._flag(body, "return_text_in_logprobs")
         prompts, batched = await self._prompts(body)
         count = len(prompts)
+        visions = await self._images(body, prompts, from_text=body.get("text") is not None)
         params_list = [
             parse_sampling_params(p, vocab_size=self.server.runner.vocab_size, max_n=self.server.args.max_n)
             for p in self._per_item(body.get("sampling_params"), count, "sampling_params")
@@ -242,6 +294,7 @@ class RequestBuilder:
                         top_logprobs_num=top_num,
                         token_ids_logprob=token_ids[index],
                         position_token_ids=position_ids[index],
+                        vision=visions[index],
                         max_new_tokens=max_new,
                         weight_version=self.server.weight_version,
                     )

@@ -11,6 +11,12 @@ position ids (a row's position is its own token count), so a sequence decoded in
 as alone, within float rounding. A new sequence is prefilled on its own (no padding) and then merged in; rows
 of finished sequences are removed and all-padding columns trimmed.
 
+A vision-language model (Qwen2-VL / Qwen2.5-VL, `workers.vlm_processor`) is served the same way: a sequence with
+images is prefilled on its own with its `pixel_values` and Qwen2-VL's multimodal rotary positions (from the
+model's `get_rope_index`), and keeps its rope delta, so its decode steps in the batch take position
+`length + delta` on all three rotary axes, as the model's own generate does. Its images are encoded once per
+prefill (a retracted sequence re-encodes them).
+
 Invariants: weights change only through `load_tensors` / `load_from_disk`, which validate every name, shape
 and dtype before they copy anything (and, for a snapshot with a `manifest.json`, every file's size and
 digest), so a rejected update leaves the old weights intact. While the weights
@@ -32,6 +38,7 @@ import torch.nn.functional as F
 
 from workers.engine.memory import WeightStash, return_freed_memory
 from workers.engine.sampling import RowResult, RowSampling, sample_rows
+from workers.vlm_processor import PixelInputs, VlmProcessor, rope_positions, vlm_model_type
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -73,6 +80,7 @@ class PrefillItem:
     top_logprobs_num: int = 0  # each input position's top-k too (also for a prefill-only request, as SGLang)
     # miles' patched SGLang's token_ids_logprob_positions: the ids each input position (from 0) reports
     position_token_ids: tuple[tuple[int, ...], ...] | None = None
+    vision: PixelInputs | None = None  # a VLM sequence's images (tokens hold their expanded placeholders)
 
 
 @dataclass
@@ -96,7 +104,7 @@ class ModelRunner:
         weight_spill_dir: str | None = None,
         attn_implementation: str | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -114,8 +122,9 @@ class ModelRunner:
         # attn_implementation: the trainer's, under --rl-on-policy-target (None: transformers' default, sdpa)
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
         self._check_manifest(path)  # an engine started on a snapshot of ours (a pinned eval fleet)
-        model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, output_loading_info=True,
-                                                           **extra)
+        self.vlm_type = vlm_model_type(path)
+        model_class = AutoModelForImageTextToText if self.vlm_type else AutoModelForCausalLM
+        model, info = model_class.from_pretrained(str(path), dtype=torch_dtype, output_loading_info=True, **extra)
         missing = sorted(info.get("missing_keys") or [])
         if missing:  # transformers would serve them as fresh random weights
             raise FileNotFoundError(f"--model-path {model_path}: its weights lack {len(missing)} of the model's "
@@ -123,6 +132,13 @@ class ModelRunner:
         self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path or path))
+        self.vision_processor = VlmProcessor(path) if self.vlm_type else None
+        # A VLM's vision tokens are never sampled (as the min_new_tokens ban: after the logprob is taken, so
+        # logprobs stay the model's): a response's image token would have no image for the trainer to scatter.
+        self.vision_token_ids: tuple[int, ...] = tuple(sorted({
+            int(value) for name in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                    "vision_end_token_id")
+            if isinstance(value := getattr(self.model.config, name, None), int)})) if self.vlm_type else ()
         self.config = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_ids = self._eos_ids()
@@ -133,6 +149,7 @@ class ModelRunner:
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pad = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last_token: dict[str, int] = {}
+        self._rope_delta: dict[str, int] = {}  # a VLM row's multimodal rope delta (absent: 0)
         self.stash = WeightStash(self.model, self.device, weight_spill_dir)
 
     def _tensor(self, data: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
@@ -160,11 +177,15 @@ class ModelRunner:
         return DynamicCache(config=self.config)
 
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache,
+        vision: PixelInputs | None = None,
     ):
         if self.stash.released:
             raise WeightsReleasedError("the weights are released; call /resume_memory_occupation first")
-        kwargs = {self._cache_kwarg: cache}
+        kwargs: dict[str, object] = {self._cache_kwarg: cache}
+        if vision is not None:
+            kwargs.update(pixel_values=vision.pixel_values.to(self.device, self.model.dtype),
+                          image_grid_thw=vision.image_grid_thw.to(self.device))
         return self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True, **kwargs
         ).logits
@@ -198,7 +219,8 @@ class ModelRunner:
     def _decode(self) -> torch.Tensor:
         length = self._kv[0][0].shape[2]
         tokens = self._tensor([[self._last_token[row]] for row in self.rows])
-        positions = (length - self._pad).unsqueeze(1)
+        deltas = self._tensor([self._rope_delta.get(row, 0) for row in self.rows])
+        positions = (length - self._pad + deltas).unsqueeze(1)
         columns = torch.arange(length + 1, device=self.device).unsqueeze(0)
         mask = (columns >= self._pad.unsqueeze(1)).long()
         cache = self._new_cache(self._kv)
@@ -209,8 +231,12 @@ class ModelRunner:
     def _prefill(self, item: PrefillItem) -> StepOutput:
         tokens = self._tensor([item.tokens])
         positions = torch.arange(len(item.tokens), device=self.device).unsqueeze(0)
+        if item.vision is not None and self.vision_processor is not None:
+            positions, deltas = rope_positions(self.model, tokens, item.vision.image_grid_thw.to(self.device),
+                                               self.vision_processor.image_token_id)
+            self._rope_delta[item.seq_id] = int(deltas.reshape(-1)[0])
         cache = self._new_cache()
-        logits = self._forward(tokens, positions, None, cache)[0].float()
+        logits = self._forward(tokens, positions, None, cache, item.vision)[0].float()
         output = StepOutput(sample=None)
         if item.input_logprob_start is not None:
             start = max(0, min(item.input_logprob_start, len(item.tokens) - 1))
@@ -247,6 +273,8 @@ class ModelRunner:
         if item.sampling is not None:
             output.sample = sample_rows(logits[-1:], [item.sampling])[0]
             self._merge(item.seq_id, self._cache_tensors(cache), output.sample.token)
+        else:
+            self._rope_delta.pop(item.seq_id, None)
         return output
 
     # ---- the batch cache ------------------------------------------------------------------------------
@@ -278,6 +306,7 @@ class ModelRunner:
         for row in self.rows:
             if row in drop:
                 self._last_token.pop(row, None)
+                self._rope_delta.pop(row, None)
         if not keep:
             self.reset()
             return
@@ -290,7 +319,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every cached row (flush, retract, release)."""
-        self.rows, self._kv, self._last_token = [], [], {}
+        self.rows, self._kv, self._last_token, self._rope_delta = [], [], {}, {}
         self._pad = torch.zeros(0, dtype=torch.long, device=self.device)
 
     def release_kv_cache(self, *, return_memory: bool = True) -> None:

@@ -269,6 +269,7 @@ class Scheduler:
         banned: tuple[int, ...] = ()
         if not params.ignore_eos and len(seq.output_ids) < params.min_new_tokens:
             banned = tuple(self.runner.eos_ids | params.stop_token_ids)
+        banned += self.runner.vision_token_ids  # never sampled: a response image token has no image to score
         return RowSampling(
             temperature=params.temperature,
             top_p=params.top_p,
@@ -315,6 +316,7 @@ class Scheduler:
                     token_ids=seq.token_ids_logprob if want_input else (),
                     top_logprobs_num=seq.top_logprobs_num if want_input else 0,
                     position_token_ids=seq.position_token_ids if want_input else None,
+                    vision=seq.vision,
                 )
             )
             seq.state = SeqState.RUNNING

@@ -17,6 +17,7 @@ import anyio
 import torch
 
 from workers.engine.sampling import SamplingParams
+from workers.vlm_processor import PixelInputs
 
 
 class MemoryReleasedError(Exception):
@@ -52,6 +53,7 @@ class Seq:
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = ()  # SGLang's: ids whose logprob each position reports
     position_token_ids: tuple[tuple[int, ...], ...] | None = None  # miles' per-position ids (input only)
+    vision: PixelInputs | None = None  # a VLM prompt's images (prompt_ids hold their expanded placeholders)
     bypass_pause: bool = False
     key: str = field(default_factory=lambda: uuid.uuid4().hex)  # unique row key inside the runner
     state: SeqState = SeqState.WAITING

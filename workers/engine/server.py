@@ -59,7 +59,7 @@ class EngineServer:
         self.runner = runner
         self.model_path = args.model_path
         self.context_length = args.context_length or int(
-            getattr(runner.config, "max_position_embeddings", 0) or 4096
+            getattr(runner.config.get_text_config(), "max_position_embeddings", 0) or 4096
         )
         self.scheduler = Scheduler(
             runner,
@@ -67,6 +67,9 @@ class EngineServer:
             weight_version=args.weight_version,
             seed=args.random_seed,
         )
+        if args.rl_on_policy_target is not None and runner.vision_processor is not None:
+            # the rescorer scores text-only forwards; a sequence's images would be missing from them
+            raise ValueError("--rl-on-policy-target is not supported for a vision-language model yet")
         if args.rl_on_policy_target is not None:
             self.scheduler.rescorer = Rescorer(runner, chunk_size=args.log_probs_chunk_size).rescore
         self.serving = False

@@ -43,6 +43,8 @@ from workers.protocol.replies import (
 from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from anyio.abc import ByteStream
     from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -56,8 +58,9 @@ if TYPE_CHECKING:
 # (`replies`); 13: ExportWeightsCommand.delta_encoding / .delta_base_version and ExportWeightsReply.delta / .changed
 # (slime's delta weight updates); 14: WireSample's per-token fields as packed arrays (`arrays`: int32 / uint8 /
 # float64 buffers as msgpack extensions, not one msgpack value per token); 15: ForwardBackwardCommand,
-# OptimStepCommand and LoadCommand.weights_only (the Tinker service)
-PROTOCOL_VERSION = 15
+# OptimStepCommand and LoadCommand.weights_only (the Tinker service); 16: WireSample.images (a vision-language
+# sample's processed images)
+PROTOCOL_VERSION = 16
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -74,6 +77,29 @@ class ControlMessage(Message):
 
 
 # Records: what both sides read field by field.
+
+
+class WireImages(Record):
+    """A vision-language sample's images as its vision tower takes them (the processor's outputs): `pixel_values`
+    float32 little-endian bytes of shape `pixel_shape` [patches, patch features], and each image's (t, h, w)
+    patch grid, whose products sum to the patches. Bounded by the frame; `problem` checks the rest."""
+
+    pixel_values: bytes
+    pixel_shape: list[int]
+    image_grid_thw: list[list[int]]
+
+    def problem(self) -> str | None:
+        """Why these images are malformed, or None."""
+        if len(self.pixel_shape) != 2 or min(self.pixel_shape, default=0) < 1:
+            return f"pixel_shape {self.pixel_shape} must be [patches, features], both positive"
+        patches, features = self.pixel_shape
+        if len(self.pixel_values) != 4 * patches * features:
+            return f"pixel_values holds {len(self.pixel_values)} bytes for float32 {self.pixel_shape}"
+        if not self.image_grid_thw or any(len(grid) != 3 or min(grid) < 1 for grid in self.image_grid_thw):
+            return f"image_grid_thw {self.image_grid_thw} must hold one positive (t, h, w) per image"
+        if sum(t * h * w for t, h, w in self.image_grid_thw) != patches:
+            return f"image_grid_thw {self.image_grid_thw} does not add up to the {patches} patches"
+        return None
 
 
 class WireSample(Record):
@@ -95,6 +121,8 @@ class WireSample(Record):
     #: miles' top-k on-policy distillation: the weighted reverse KL of each response token, computed during the
     #: rollout (None: not top-k OPD)
     opd_reverse_kl: PackedArray | None = None
+    #: a vision-language sample's images (tokens hold their expanded placeholders); None: text only
+    images: WireImages | None = None
 
     def __post_init__(self) -> None:
         # Runs when built and when decoded: lists become arrays (by reference), and every per-response-token
@@ -127,12 +155,35 @@ class WireSample(Record):
             advantage=float(sample.advantage),
             teacher_log_probs=_optional(sample.teacher_log_probs),
             opd_reverse_kl=_optional(sample.opd_reverse_kl),
+            images=wire_images(sample.multimodal_train_inputs),
         )
 
 
 def _optional(values: object) -> PackedArray | None:
     """A list (or a hook's tensor, as slime's OPD post-process leaves) as float64 values; None stays None."""
     return None if values is None else PackedArray.of(Kind.FLOATS, values)
+
+
+def wire_images(inputs: Mapping[str, object] | None) -> WireImages | None:
+    """slime's `multimodal_train_inputs` (`pixel_values`, `image_grid_thw`: tensors or arrays) as WireImages."""
+    if not inputs:
+        return None
+    pixels, grid = inputs.get("pixel_values"), inputs.get("image_grid_thw")
+    to_numpy = getattr(pixels, "numpy", None)
+    array = to_numpy() if callable(to_numpy) else pixels
+    import numpy
+
+    values = numpy.ascontiguousarray(numpy.asarray(array, dtype="<f4"))
+    shape = inputs.get("pixel_shape")  # a dump's: flat float64 values and their [patches, features]
+    if isinstance(shape, list):
+        values = values.reshape([int(n) for n in shape])
+    rows = grid.tolist() if hasattr(grid, "tolist") else grid
+    images = WireImages(pixel_values=values.tobytes(), pixel_shape=[int(n) for n in values.shape],
+                        image_grid_thw=[[int(v) for v in row] for row in rows])  # type: ignore[union-attr]
+    problem = images.problem()
+    if problem is not None:
+        raise ValueError(f"multimodal_train_inputs: {problem}")
+    return images
 
 
 # The handshake.

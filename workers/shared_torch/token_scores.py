@@ -15,7 +15,7 @@ otherwise it is a detached metric computed in the same pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -171,14 +171,18 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def token_scores(model: Any, *, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, chunk_size: int | None = None, with_entropy: bool = True,
-                 entropy_grad: bool = False, scored: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 entropy_grad: bool = False, scored: torch.Tensor | None = None,
+                 vision: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, L] inputs → ([B, L-1] logprob of each next token, [B, L-1] entropy or None), float32; position t
     scores token t + 1, as `token_log_probs`. `scored` [B, L-1] bool: the positions wanted (the
-    responses; a prompt's logprobs are never used), the others 0 and never computed."""
+    responses; a prompt's logprobs are never used), the others 0 and never computed. `vision`: a
+    vision-language model's image inputs (`pixel_values`, `image_grid_thw`), passed to its forward as they are
+    (`position_ids` then the model's multimodal [3, B, L] ones)."""
     head = output_head(model)
+    extra = dict(vision or {})
     if head is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       **extra).logits
         log_probs = token_log_probs(logits, input_ids)
         if not with_entropy:
             return log_probs, None
@@ -192,7 +196,7 @@ def token_scores(model: Any, *, input_ids: torch.Tensor, attention_mask: torch.T
     results: list[tuple[torch.Tensor, torch.Tensor]] = []
     chunk = chunk_tokens(chunk_size, head.weight.shape[0])
     with _head_scoring(head, targets, wanted, chunk, (2 if entropy_grad else 1) if with_entropy else 0, results):
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra)
     if len(results) != 1:
         raise RuntimeError(f"{type(model).__name__}'s forward called its output head {len(results)} times, not once")
     log_probs, entropy = results[0]

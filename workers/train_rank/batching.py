@@ -52,6 +52,9 @@ class MicroBatch:
     #: [B, L-1]: PPO's values before the rollout's first update and its GAE returns (`train_rank.critic`), or None.
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    #: a vision-language batch's `pixel_values` / `image_grid_thw` (`train_rank.vision`; position_ids then
+    #: [4, 1, L]), or None
+    vision: dict[str, torch.Tensor] | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -83,6 +86,7 @@ class MicroBatch:
             opd_reverse_kl=move(self.opd_reverse_kl),
             old_values=move(self.old_values),
             returns=move(self.returns),
+            vision=None if self.vision is None else {key: value.to(device) for key, value in self.vision.items()},
         )
 
 

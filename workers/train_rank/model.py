@@ -37,12 +37,16 @@ def load_causal_lm(
     attn_implementation: str | None = None,
     trainable: bool = True,
 ) -> Any:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from workers.vlm_processor import vlm_model_type
 
     # None: per-sample attention over packed rows (`packed_attention`), not sdpa's row × row mask
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": packed_attention.resolve(attn_implementation)}
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+        # a vision-language model (docs/vlm.md): its vision tower is loaded and trained with the language model
+        model_class = AutoModelForImageTextToText if vlm_model_type(path) else AutoModelForCausalLM
+        model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
     except OSError as exc:
         raise FileNotFoundError(f"cannot load a causal LM from {path!r}: {exc}") from exc
     refuse_missing(path, info)

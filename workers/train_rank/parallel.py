@@ -60,10 +60,12 @@ def shard_model(model: Any, *, device: torch.device, compute_dtype: torch.dtype 
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    inner = getattr(model, "model", None)
+    # a vision-language model (Qwen2-VL): its language model's layers, and its vision tower's blocks too
+    layers = getattr(getattr(inner, "language_model", inner), "layers", None)
     if layers is None:
         raise TypeError(f"{type(model).__name__} has no .model.layers to shard per decoder layer")
-    for layer in layers:
+    for layer in [*layers, *getattr(getattr(inner, "visual", None), "blocks", [])]:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():

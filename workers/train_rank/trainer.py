@@ -32,6 +32,7 @@ from workers.train_rank import (
     packing,
     returns,
     tinker_ops,
+    vision,
     weight_buckets,
     weight_export,
 )
@@ -65,6 +66,7 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.pad_token_id = 0
+        self.image_tokens: tuple[int, int] | None = None  # a VLM's (image token id, spatial merge size)
         self.sender = weight_buckets.WeightSender()
         self.tis_hook: TisHook | None = None
         self.state: StateOffload | None = None
@@ -102,8 +104,11 @@ class Trainer:
             eps=settings.optimizer.adam_eps,
         )
         self.scheduler = build_scheduler(self.optimizer, lr_schedule(settings.optimizer))
-        pad = getattr(model.config, "pad_token_id", None)
+        pad = getattr(model.config.get_text_config(), "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
+        vision_config = getattr(model.config, "vision_config", None)  # a vision-language model (docs/vlm.md)
+        self.image_tokens = None if vision_config is None else (int(model.config.image_token_id),
+                                                                int(vision_config.spatial_merge_size))
         if settings.loss.tis_function_path is not None and settings.loss.use_tis:
             self.tis_hook = TisHook.load(settings.loss.tis_function_path, settings.loss.hook_args)
         if self.state is not None:
@@ -258,6 +263,10 @@ class Trainer:
         batches = []
         for group in groups:
             batch = packing.pack([samples[i] for i in group], self.pad_token_id)
+            if self.image_tokens is not None:
+                vision.attach_vision(batch, [samples[i] for i in group], self.model, *self.image_tokens)
+            elif any(samples[i].images is not None for i in group):
+                raise ValueError("a sample carries images but the model is not a vision-language model")
             if self.distiller is not None and self.distiller.spec.top_k > 0:  # top-k: the samples carry the term
                 batch.opd_reverse_kl = distill.reverse_kl_tensor([samples[i] for i in group], batch.spans,
                                                                  batch.loss_mask.shape)
@@ -272,7 +281,8 @@ class Trainer:
         settings, _, _ = self._require()
         return token_scores(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                             position_ids=batch.position_ids, chunk_size=settings.batching.log_probs_chunk_size,
-                            with_entropy=with_entropy, entropy_grad=entropy_grad, scored=batch.response_positions())
+                            with_entropy=with_entropy, entropy_grad=entropy_grad, scored=batch.response_positions(),
+                            vision=batch.vision)
 
     @torch.no_grad()
     def _log_probs(self, batch: MicroBatch, model: Any = None) -> torch.Tensor:

@@ -1,0 +1,59 @@
+"""The cross-slice rules of a vision-language run (`--multimodal-keys`, a `builtin:` image task), appended to
+`rules.RULES`.
+
+Owns `VLM_RULES`. Invariant: a run with images has a vision-language `--hf-checkpoint` rayless serves
+(`workers.vlm_processor.VLM_MODEL_TYPES`), and every part that does not carry images yet is refused at start-up
+by its flag, naming why (docs/vlm.md), never run text-only in silence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coordinator.config.fields import ConfigError
+
+if TYPE_CHECKING:
+    from coordinator.config.settings import Config
+
+
+def has_images(config: Config) -> bool:
+    from coordinator.data.tasks import is_image_task
+
+    return config.rollout.multimodal_keys is not None or is_image_task(config.rollout.prompt_data)
+
+
+def images_need_a_vlm(config: Config) -> None:
+    """Images go to a Qwen2-VL-family model; a builtin text task has no image column to map."""
+    from coordinator.data.tasks import builtin_task_name, is_image_task
+    from workers.vlm_processor import VLM_MODEL_TYPES, vlm_model_type
+
+    rollout = config.rollout
+    if rollout.multimodal_keys is not None and builtin_task_name(rollout.prompt_data) is not None:
+        what = "draws its images itself" if is_image_task(rollout.prompt_data) else "is text only"
+        raise ConfigError(f"--multimodal-keys maps --prompt-data's columns; --prompt-data {rollout.prompt_data} "
+                          f"{what}: drop --multimodal-keys")
+    if not has_images(config) or rollout.hf_checkpoint is None or not Path(rollout.hf_checkpoint).is_dir():
+        return
+    if vlm_model_type(rollout.hf_checkpoint) is None:
+        source = "--multimodal-keys" if rollout.multimodal_keys else f"--prompt-data {rollout.prompt_data}"
+        raise ConfigError(f"{source}: prompts with images need a vision-language --hf-checkpoint (model_type "
+                          f"{' or '.join(sorted(VLM_MODEL_TYPES))}); {rollout.hf_checkpoint} is not one "
+                          "(`rayless make-tiny-model --vlm DIR` builds a tiny one)")
+
+
+def images_reach_only_what_carries_them(config: Config) -> None:
+    """The parts that do not carry images yet (docs/vlm.md#what-is-refused), refused by their flags."""
+    if not has_images(config):
+        return
+    refused = []
+    refused += ["--custom-generate-function-path (hooks get no images yet)"] \
+        if config.hooks.custom_generate_function_path else []
+    refused += ["--use-session-server (the session server takes text only)"] if config.hooks.use_session_server \
+        else []
+    if refused:
+        raise ConfigError("a run whose prompts hold images cannot use: " + "; ".join(refused))
+
+
+VLM_RULES: tuple[Callable[[Config], None], ...] = (images_need_a_vlm, images_reach_only_what_carries_them)

@@ -1,0 +1,394 @@
+"""Vision-language parts without processes: the tiny VLM, the image boundary, the processing rule, and the
+engine runner's logprobs against the trainer's scoring of the same sequence with its images."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.hostile_images import png, solid_png
+from workers.boundary.errors import BoundaryError
+from workers.boundary.images import ImageLimits, decode_image, encode_data_url
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
+
+
+def test_the_tiny_vlm_loads_offline_and_its_text_ids_are_the_text_models(tiny_vlm_dir: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    from workers.tiny_model import vocabulary
+    from workers.vlm_processor import VlmProcessor
+
+    processor = VlmProcessor(tiny_vlm_dir)
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_dir))
+    assert model.config.model_type == "qwen2_5_vl"
+    assert processor.tokenizer.encode("3 7=") == [vocabulary()[c] for c in "3 7="]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?<|im_end|>\n" \
+                   "<|im_start|>assistant\n"
+    vision = processor.pixel_inputs([decode_image(solid_png(56, 84, (255, 0, 0)), "test")])
+    assert vision.image_grid_thw.tolist() == [[1, 6, 4]]
+    ids = processor.expand_ids(processor.tokenizer.encode(text), vision.image_grid_thw)
+    assert ids.count(processor.image_token_id) == 6  # 6 x 4 patches, merged 2 x 2
+    with pytest.raises(ValueError, match=r"1 image placeholder.*for 2 image"):
+        processor.expand_ids(processor.tokenizer.encode(text), torch.tensor([[1, 2, 2], [1, 2, 2]]))
+
+
+def test_make_tiny_model_vlm_refuses_the_text_models_shape_flags(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from coordinator.cli import make_tiny_model_main
+
+    with pytest.raises(SystemExit) as stop:
+        make_tiny_model_main([str(tmp_path / "m"), "--vlm", "--words", "<search>"])
+    assert stop.value.code == 2
+    assert "--words is for the text model only" in capsys.readouterr().err
+
+
+def test_image_references_decode_from_paths_file_urls_data_urls_and_bytes(tmp_path: Path) -> None:
+    data = solid_png(30, 20, (0, 255, 0))
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(data)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    for reference in ("img/a.png", f"file://{tmp_path}/img/a.png", url, data, {"bytes": data, "path": None}):
+        image = decode_image(reference, "d.jsonl:3", base_dir=tmp_path)
+        assert (image.size, image.mode, image.getpixel((0, 0))) == ((30, 20), "RGB", (0, 255, 0))
+    assert decode_image(encode_data_url(image), "x").getpixel((5, 5)) == (0, 255, 0)
+    with pytest.raises(BoundaryError, match=r"^d.jsonl:3: image '.*missing.png' cannot be read"):
+        decode_image("missing.png", "d.jsonl:3", base_dir=tmp_path)
+    with pytest.raises(BoundaryError, match="nothing is fetched from the network"):
+        decode_image("https://example.com/a.png", "d.jsonl:4")
+
+
+def test_hostile_images_are_refused_naming_where_with_memory_bounded() -> None:
+    from PIL import Image
+
+    noise = Image.frombytes("RGB", (64, 64), bytes(range(256)) * 48)
+    buffer = io.BytesIO()
+    noise.save(buffer, format="PNG")
+    noisy_png = buffer.getvalue()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cases = {
+        "truncated": (noisy_png[: len(noisy_png) // 2], "cannot be decoded"),
+        "20k x 20k": (png(20_000, 20_000, rows=1), "20000x20000 pixels|400000000 pixels"),
+        # 8 GB of pixels behind a few kilobytes of zlib: refused from its header
+        "bomb": (png(50_000, 50_000, rows=200), "decompression bomb is refused"),
+        "16-bit grey": (png(8, 8, rows=8, bit_depth=16, color_type=0), "does not convert to RGB"),
+        "not an image": (b"GIF89a" + bytes(40), "cannot be decoded"),
+        "too many bytes": (bytes(2048), "the limit is 1,024"),
+    }
+    for name, (data, reason) in cases.items():
+        limits = ImageLimits(max_bytes=1024) if name == "too many bytes" else ImageLimits()
+        with pytest.raises(BoundaryError, match=reason) as refused:
+            decode_image(data, f"prompts.jsonl:{len(name)}", limits=limits)
+        assert refused.value.source == f"prompts.jsonl:{len(name)}", name
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 64 * 1024  # decoding the 20k x 20k image alone would take 1.2 GB
+
+
+def engine_rollout(tiny_vlm_dir: Path, batch_invariant: bool = False
+                   ) -> tuple[object, dict[str, tuple[list[int], list[int], list[float]]], object]:
+    """A VLM row (two images) and a text row prefilled and decoded together in the engine's runner (or the
+    batch-invariant one, each row decoded alone): (runner, {row: (prompt ids, output ids, output logprobs)},
+    the VLM row's images)."""
+    from workers.engine.batch_invariant import BatchInvariantRunner
+    from workers.engine.runner import ModelRunner, PrefillItem
+    from workers.engine.sampling import RowSampling
+
+    runner = (BatchInvariantRunner if batch_invariant else ModelRunner)(str(tiny_vlm_dir))
+    processor = runner.vision_processor
+    assert processor is not None
+    tokenizer = processor.tokenizer
+
+    def prompt(images: int, text: str) -> list[int]:
+        content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                              tokenize=False, add_generation_prompt=True))
+
+    vision = processor.pixel_inputs([decode_image(solid_png(56, 84, (255, 0, 0)), "a"),
+                                     decode_image(solid_png(100, 60, (0, 0, 255)), "b")])
+    prompts = {"vlm": processor.expand_ids(prompt(2, "colours?"), vision.image_grid_thw),
+               "text": prompt(0, "hello there, what")}
+
+    def sampling(seed: int) -> RowSampling:
+        return RowSampling(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
+                           generator=torch.Generator().manual_seed(seed))
+
+    out = runner.step(drop=[], prefills=[PrefillItem("text", prompts["text"], sampling(1)),
+                                         PrefillItem("vlm", prompts["vlm"], sampling(2), vision=vision)],
+                      decode=None)
+    assert runner._rope_delta["vlm"] < 0  # the images' positions are fewer than their tokens
+    tokens = {row: [o.sample.token] for row, o in out.items() if o.sample}
+    logprobs = {row: [o.sample.logprob] for row, o in out.items() if o.sample}
+    rows = {"vlm": sampling(3), "text": sampling(4)}
+    for _ in range(6):
+        for row, o in runner.step(drop=[], prefills=[], decode=rows).items():
+            assert o.sample is not None
+            tokens[row].append(o.sample.token)
+            logprobs[row].append(o.sample.logprob)
+    return runner, {row: (prompts[row], tokens[row], logprobs[row]) for row in prompts}, vision
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "batch-invariant"])
+def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_dir: Path,
+                                                                     batch_invariant: bool) -> None:
+    """A VLM row and a text row decoded in one batch: each sampled token's logprob equals the trainer's scoring
+    (`token_scores` on prompt + output, with the images and Qwen2-VL's positions) of the same sequence."""
+    from workers.shared_torch.token_scores import token_scores
+    from workers.vlm_processor import rope_positions
+
+    runner, rows, vision = engine_rollout(tiny_vlm_dir, batch_invariant)
+    image_token_id = runner.vision_processor.image_token_id
+    for row, (ids, tokens, logprobs) in rows.items():
+        sequence = torch.tensor([ids + tokens])
+        if row == "text":
+            positions, extra = torch.arange(sequence.shape[1]).unsqueeze(0), None
+        else:
+            positions, _ = rope_positions(runner.model, sequence, vision.image_grid_thw, image_token_id)
+            extra = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw}
+        with torch.no_grad():
+            scored, _ = token_scores(runner.model, input_ids=sequence, position_ids=positions, with_entropy=False,
+                                     vision=extra)
+        expected = scored[0, len(ids) - 1:].tolist()
+        assert max(abs(a - b) for a, b in zip(expected, logprobs, strict=True)) < 1e-5, row
+
+
+def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_logprobs(
+        tiny_vlm_dir: Path) -> None:
+    """The samples as the rank receives them (images on the wire): packed in one row with multimodal positions,
+    the rank's logprobs equal the engine's; a train step runs and moves the weights; images malformed on the
+    wire are refused naming the sample."""
+    from msgspec.structs import replace
+
+    from tests.support.train_settings import init_command
+    from workers import protocol
+    from workers.protocol.control import wire_images
+    from workers.train_rank.batching import BatchError
+    from workers.train_rank.trainer import Trainer
+
+    _, rows, vision = engine_rollout(tiny_vlm_dir)
+    images = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw}
+    samples = [protocol.WireSample(tokens=ids + out, response_length=len(out), loss_mask=[1] * len(out),
+                                   rollout_log_probs=logprobs, advantage=1.0 if row == "vlm" else -1.0,
+                                   images=wire_images(images) if row == "vlm" else None)
+               for row, (ids, out, logprobs) in rows.items()]
+    samples = [protocol.WireSample.from_wire(sample.to_wire()) for sample in samples]  # through the wire form
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 1e-2, "max_tokens_per_micro_batch": 4096,
+                               "seed": 3, "use_rollout_logprobs": True}))
+    batches = trainer._micro_batches(samples)
+    assert len(batches) == 1 and batches[0].position_ids.shape[0] == 4  # packed, multimodal positions
+    batch = batches[0]
+    computed = trainer._log_probs(batch).view(-1)
+    for (start, end), sample in zip(batch.spans, samples, strict=True):
+        difference = (computed[start:end] - torch.tensor(sample.rollout_log_probs)).abs().max()
+        assert float(difference) < 1e-5
+    visual_before = next(trainer.model.model.visual.parameters()).detach().clone()
+    step = trainer.train(protocol.TrainCommand(0, [samples], [sum(len(s.loss_mask) for s in samples)])).steps[0]
+    assert step.logprob_abs_diff_max < 1e-5 and step.grad_norm > 0
+    assert not torch.equal(visual_before, next(trainer.model.model.visual.parameters()))  # the tower trains
+    broken = replace(samples[0], images=replace(samples[0].images, image_grid_thw=[[1, 2, 2]]))
+    with pytest.raises(BatchError, match=r"sample 0: images: .* does not add up"):
+        trainer._micro_batches([broken, samples[1]])
+
+
+def test_multimodal_keys_turn_rows_into_chats_with_image_parts_as_slime(tmp_path: Path) -> None:
+    from coordinator.data.source import read_prompt_file
+
+    (tmp_path / "figs").mkdir()
+    (tmp_path / "figs" / "a.png").write_bytes(solid_png(28, 28, (255, 0, 0)))
+    blue = "data:image/png;base64," + base64.b64encode(solid_png(30, 30, (0, 0, 255))).decode()
+    rows = [{"problem": "<image>Which is red? <image>", "images": ["figs/a.png", blue], "answer": "1"},
+            {"problem": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<image>Hue?"}],
+             "images": "figs/a.png", "answer": "red"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    first, second = read_prompt_file(path, input_key="problem", label_key="answer",
+                                     multimodal_keys={"image": "images"})
+    assert first.prompt == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which is red? "},
+                                                         {"type": "image"}]}]
+    # kept encoded (the file by its path, the data URL by its bytes), decoded when taken
+    assert first.images[0].path == tmp_path / "figs" / "a.png" and first.images[1].data.startswith(b"\x89PNG")
+    assert [image.load().getpixel((0, 0)) for image in first.images] == [(255, 0, 0), (0, 0, 255)]
+    assert second.prompt[0] == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+    assert second.prompt[1]["content"][0] == {"type": "image"} and len(second.images) == 1
+
+
+@pytest.mark.parametrize(("row", "reason"), [
+    ({"problem": "<image><image>x", "images": ["a.png"]}, r"d.jsonl:2: the prompt has 2 <image> placeholder\(s\) "
+                                                          r"for 1 image\(s\) in 'images'"),
+    ({"problem": "no placeholder", "images": ["a.png"]}, r"d.jsonl:2: the prompt has 0 <image>"),
+    ({"problem": "<image>x"}, r"d.jsonl:2: key 'images' \(--multimodal-keys image\) is missing"),
+    ({"problem": "<image>x", "images": ["cut.png"]}, r"d.jsonl:2: images\[0\]: the image cannot be decoded"),
+    ({"problem": "<image>x", "images": ["gone.png"]}, r"d.jsonl:2: images\[0\]: image '.*gone.png' cannot be read"),
+])
+def test_a_bad_image_row_is_named_by_file_and_line_at_start_up(tmp_path: Path, row: dict[str, object],
+                                                               reason: str) -> None:
+    """The start-up check (`check_data_file`) and the reader give the same reason for the same line."""
+    from coordinator.data.check import RecordKeys, check_data_file
+    from coordinator.data.source import DataSourceError, read_prompt_file
+
+    (tmp_path / "a.png").write_bytes(solid_png(28, 28, (0, 255, 0)))
+    (tmp_path / "cut.png").write_bytes(solid_png(64, 64, (0, 255, 0))[:60])
+    path = tmp_path / "d.jsonl"
+    good = {"problem": "<image>fine", "images": ["a.png"]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    keys = {"image": "images"}
+    with pytest.raises(DataSourceError, match=reason):
+        check_data_file(path, RecordKeys(input_key="problem", multimodal_keys=keys))
+    with pytest.raises(DataSourceError, match=reason):
+        read_prompt_file(path, input_key="problem", multimodal_keys=keys)
+
+
+def test_parquet_image_bytes_render_through_the_vlms_template(tmp_path: Path, tiny_vlm_dir: Path) -> None:
+    """geo3k's shape: Parquet rows holding `{"bytes", "path"}` image cells; the chat renders with the model's
+    template, one `<|image_pad|>` per image for the processor to expand."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from coordinator.data.source import PromptDataSource
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"problem": f"<image>Angle {i}?", "answer": str(i),
+                                          "images": [{"bytes": solid_png(28, 28, (i, 0, 0)), "path": None}]}
+                                         for i in range(3)]), path)
+    source = PromptDataSource(path, input_key="problem", label_key="answer", shuffle=False, seed=0,
+                              multimodal_keys={"image": "images"},
+                              tokenizer=AutoTokenizer.from_pretrained(str(tiny_vlm_dir)))
+    record = source.take(1)[0]
+    assert record.prompt == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Angle 0?<|im_end|>\n"
+                             "<|im_start|>assistant\n")
+    assert record.label == "0" and record.images[0].getpixel((1, 1)) == (0, 0, 0)
+
+
+def test_the_colour_task_draws_labelled_images_reproducibly() -> None:
+    from coordinator.data.image_tasks import COLOURS, make_colour_prompts
+
+    records = make_colour_prompts(30, seed=4)
+    assert [r.label for r in records] == [r.label for r in make_colour_prompts(30, seed=4)]
+    assert {r.label for r in records} == set(COLOURS)
+    for record in records:
+        pixels = set(record.images[0].get_flattened_data()) - {(0, 0, 0)}
+        channel = "rgb".index(record.label)
+        assert pixels and all(max(p) == p[channel] for p in pixels)  # the shape is of its label's colour
+
+
+def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path, tiny_vlm_dir: Path,
+                                                                 tiny_model_dir: Path) -> None:
+    from coordinator.config import ConfigError, parse_config
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "<image>x", "images": []}) + "\n")
+    base = ["--run-dir", str(tmp_path / "run"), "--rollout-num-engines", "1", "--num-rollout", "1",
+            "--rollout-batch-size", "1"]
+    keys = ["--prompt-data", str(data), "--multimodal-keys", '{"image": "images"}']
+    cases = [
+        (["--hf-checkpoint", str(tiny_model_dir), *keys], "prompts with images need a vision-language "
+                                                          "--hf-checkpoint"),
+        (["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "builtin:colour"], "--prompt-data builtin:colour"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", "builtin:colour", "--multimodal-keys",
+          '{"image": "images"}'], "draws its images itself"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", str(data), "--multimodal-keys",
+          '{"video": "clips"}'], "'video': only images are served"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--use-session-server", "v1"], "session server"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--custom-generate-function-path", "m:f"],
+         "hooks get no images yet"),
+    ]
+    for argv, reason in cases:
+        with pytest.raises(ConfigError) as refused:
+            parse_config([*base, *argv])
+        assert reason in str(refused.value), argv
+    parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys])  # a VLM with images: accepted
+
+
+@pytest.mark.anyio
+async def test_engine_image_data_is_checked_and_expanded_before_anything_runs(tiny_vlm_dir: Path) -> None:
+    """SGLang's `image_data` on /generate: with `input_ids` the ids must hold the expanded placeholders; with
+    `text` the template's one placeholder per image is expanded; a bad image or count is a 400 naming it."""
+    from types import SimpleNamespace
+
+    from workers.engine.generate_request import RequestBuilder
+    from workers.engine.runner import ModelRunner
+    from workers.engine.sampling import RequestError
+
+    runner = ModelRunner(str(tiny_vlm_dir))
+    processor = runner.vision_processor
+    assert processor is not None
+    builder = RequestBuilder(SimpleNamespace(runner=runner, context_length=1024))  # type: ignore[arg-type]
+    red = encode_data_url(decode_image(solid_png(56, 56, (255, 0, 0)), "x"))
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?<|im_end|>\n<|im_start|>assistant\n"
+    single = processor.tokenizer.encode(text)
+    prompts = [list(single)]
+    (vision,) = await builder._images({"image_data": red}, prompts, from_text=True)
+    assert vision is not None and vision.image_grid_thw.tolist() == [[1, 4, 4]]
+    assert prompts[0].count(processor.image_token_id) == 4 and len(prompts[0]) == len(single) + 3
+    expanded = prompts[0]
+    assert (await builder._images({"image_data": [red]}, [list(expanded)], from_text=False))[0] is not None
+    with pytest.raises(RequestError, match=r"the input ids hold 1 image token\(s\); the 1 image\(s\) take 4"):
+        await builder._images({"image_data": [red]}, [list(single)], from_text=False)
+    with pytest.raises(RequestError, match=r"image_data\[0\]\[0\]: the image is over the limit"):
+        bomb = "data:image/png;base64," + base64.b64encode(png(50_000, 50_000, rows=1)).decode()
+        await builder._images({"image_data": [bomb]}, [list(expanded)], from_text=False)
+    with pytest.raises(RequestError, match=r"one image or list of images per prompt \(2\)"):
+        await builder._images({"image_data": [[red]]}, [list(expanded), list(expanded)], from_text=False)
+    runner.vision_processor = None
+    with pytest.raises(RequestError, match="not a vision-language model"):
+        await builder._images({"image_data": [red]}, [list(expanded)], from_text=False)
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("q_proj", "v_proj", "qkv")],
+                         ids=["language-model", "and-vision-tower"])
+def test_lora_adapts_the_language_model_or_both_and_the_engine_serves_the_merge(tiny_vlm_dir: Path,
+                                                                                targets: tuple[str, ...]) -> None:
+    """`--target-modules` of the language model's projections adapt it alone; the vision tower's `qkv` adds its
+    blocks. After a step, the engine loading the merged weights scores the VLM sample as the trainer does."""
+    from tests.support.train_settings import init_command
+    from workers import protocol
+    from workers.protocol.control import wire_images
+    from workers.train_rank import lora
+    from workers.train_rank.trainer import Trainer
+
+    runner, rows, vision = engine_rollout(tiny_vlm_dir)
+    images = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw}
+    samples = [protocol.WireSample(tokens=ids + out, response_length=len(out), loss_mask=[1] * len(out),
+                                   rollout_log_probs=logprobs, advantage=1.0 if row == "vlm" else -1.0,
+                                   images=wire_images(images) if row == "vlm" else None)
+               for row, (ids, out, logprobs) in rows.items()]
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 5e-2, "max_tokens_per_micro_batch": 4096,
+                               "seed": 3, "use_rollout_logprobs": True,
+                               "lora": {"rank": 4, "alpha": 8, "target_modules": list(targets)}}))
+    adapted = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    assert adapted and all("lora_" in name for name in adapted)
+    assert any("visual" in name for name in adapted) == ("qkv" in targets)
+    step = trainer.train(protocol.TrainCommand(0, [samples], [sum(len(s.loss_mask) for s in samples)])).steps[0]
+    assert step.logprob_abs_diff_max < 1e-5 and step.grad_norm > 0
+    merged = {name: entry.full_tensor() if isinstance(entry, lora.MergedWeight) else entry
+              for name, entry in lora.engine_tensors(trainer.model)}
+    runner.load_tensors(merged, require_all=False)
+    batch = trainer._micro_batches(samples)[0]
+    trained = trainer._log_probs(batch).view(-1)
+    (start, end) = batch.spans[0]
+    from workers.shared_torch.token_scores import token_scores
+    from workers.vlm_processor import rope_positions
+
+    sequence = torch.tensor([samples[0].tokens])
+    positions, _ = rope_positions(runner.model, sequence, vision.image_grid_thw, runner.vision_processor.image_token_id)
+    with torch.no_grad():
+        served, _ = token_scores(runner.model, input_ids=sequence, position_ids=positions, with_entropy=False,
+                                 vision=images)
+    response = served[0, len(samples[0].tokens) - samples[0].response_length - 1:]
+    assert float((response - trained[start:end]).abs().max()) < 1e-5
+    assert float((response - torch.tensor(samples[0].rollout_log_probs)).abs().max()) > 1e-4  # the step moved it
