@@ -39,8 +39,10 @@ LAYER_OF = {package: index for index, layer in enumerate(LAYERS) for package in 
 WORKER_LAYERS: list[set[str]] = [
     {"errors", "host_memory", "lifeline", "stack_dumps"},  # leaves: no import of ours
     {"boundary"},  # every byte from a peer or a file decoded through it
-    {"protocol", "hook_loading", "tiny_model"},  # the control channel's messages; hook paths; the tiny model
-    {"shared_torch"},  # torch code both the engine and the ranks run
+    # the control channel's messages; hook paths; the tiny model; the vision-language processor (one rule for
+    # image placeholders, shared by the coordinator, the engine and the ranks)
+    {"protocol", "hook_loading", "tiny_model", "vlm_processor"},
+    {"shared_torch", "tiny_vlm"},  # torch code both the engine and the ranks run; the tiny VLM (on tiny_model)
     {"engine", "train_rank"},  # the two kinds of worker process
 ]
 WORKER_LAYER_OF = {part: index for index, layer in enumerate(WORKER_LAYERS) for part in layer}

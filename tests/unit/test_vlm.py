@@ -183,7 +183,10 @@ def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_
                                    rollout_log_probs=logprobs, advantage=1.0 if row == "vlm" else -1.0,
                                    images=wire_images(images) if row == "vlm" else None)
                for row, (ids, out, logprobs) in rows.items()]
-    samples = [protocol.WireSample.from_wire(sample.to_wire()) for sample in samples]  # through the wire form
+    frame = protocol.encode_frame(protocol.Request(1, protocol.TrainCommand(0, [samples], [1])))
+    decoded = protocol.decode_body(bytearray(frame[4:]))  # through the wire, as a rank receives them
+    assert isinstance(decoded, protocol.Request) and isinstance(decoded.command, protocol.TrainCommand)
+    samples = decoded.command.steps[0]
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
     trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 1e-2, "max_tokens_per_micro_batch": 4096,
                                "seed": 3, "use_rollout_logprobs": True}))
