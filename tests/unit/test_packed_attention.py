@@ -54,6 +54,7 @@ def test_segments_follow_position_id_restarts() -> None:
 ROWS = {
     "edges": [(1, 3), (9, 14), (3, 1), (20, 25), (2, 2)],
     "many-equal": [(3, 5)] * 6 + [(2, 9)] + [(5, 3)] * 3 + [(1, 1)] * 4,
+    "all-equal": [(3, 5), (6, 2), (1, 7), (4, 4)] * 3,
     "mixed": [(2, 4), (6, 10), (2, 4), (1, 30), (7, 9), (4, 2), (10, 6), (3, 3), (12, 20)],
 }
 
@@ -120,15 +121,16 @@ def _attend(path: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def test_grouped_equals_per_sample_bit_for_bit_over_several_rows() -> None:
-    """Two rows, equal lengths within and across them, apart and side by side: the grouped path's output and
-    gradients are the per-sample path's exactly, and each sample's is its own causal attention's."""
-    rows = [[4, 4, 4, 1, 7, 4], [7, 2, 2, 2, 4, 3, 4]]
+    """Three rows, equal lengths within and across them, apart and side by side, one row of one length: the
+    grouped path's output and gradients are the per-sample path's exactly, and each sample's is its own causal
+    attention's."""
+    rows = [[4, 4, 4, 1, 7, 4], [7, 2, 2, 2, 4, 3, 4], [6, 6, 6, 6]]
     length = sum(rows[0])
-    assert sum(rows[1]) == length
+    assert sum(rows[1]) == sum(rows[2]) == length
     position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
     generator = torch.Generator().manual_seed(3)
-    inputs = [torch.randn(2, length, heads, 8, generator=generator).transpose(1, 2) for heads in (4, 2, 2)]
-    weights = torch.randn(2, length, 4, 8, generator=generator)
+    inputs = [torch.randn(3, length, heads, 8, generator=generator).transpose(1, 2) for heads in (4, 2, 2)]
+    weights = torch.randn(3, length, 4, 8, generator=generator)
     results = {}
     for path in (GROUPED, PER_SAMPLE):
         query, key, value = (tensor.detach().clone().requires_grad_() for tensor in inputs)

@@ -264,12 +264,13 @@ def _runs(spans: list[list[tuple[int, int]]]) -> list[tuple[int, int, int, int]]
 def _run_views(tensor: torch.Tensor, runs: list[tuple[int, int, int, int]]) -> list[torch.Tensor]:
     """[B, H, L, D] → each run's [count, H, length, D], views made with `split` (rows, then runs): backward then
     joins the runs' gradients in one concatenation per row, not one row-sized zero tensor per run as slicing
-    would."""
-    rows = tensor.split(1)
+    would; a row that is one run (all its samples of one length) is reshaped, not split (no concatenation)."""
+    rows = [tensor] if tensor.shape[0] == 1 else tensor.split(1)
     views = []
     for row, row_tensor in enumerate(rows):
         row_runs = [run for run in runs if run[0] == row]
-        pieces = row_tensor.squeeze(0).split([count * length for _, _, count, length in row_runs], dim=1)
+        sizes = [count * length for _, _, count, length in row_runs]
+        pieces = [row_tensor.squeeze(0)] if len(sizes) == 1 else row_tensor.squeeze(0).split(sizes, dim=1)
         views.extend(piece.unflatten(1, (count, length)).transpose(0, 1)
                      for piece, (_, _, count, length) in zip(pieces, row_runs, strict=True))
     return views
