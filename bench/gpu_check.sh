@@ -10,7 +10,9 @@
 #   train-shapes a Qwen3-0.6B-shaped model (random weights, Qwen3's 151,936 vocabulary) in bf16 on 64 prompts × 8
 #                long-tailed samples packed 16,384 tokens per micro-batch: tokens/s and MFU (prime-rl's published
 #                figure for Qwen3-0.6B at 16k on one H100: 11.9k tokens/s, 11.1 % MFU), peak vs its chunked floor,
-#                real/computed tokens, tokens/s vs forward+backward alone (bench/train_shapes.py)
+#                real/computed tokens, tokens/s vs forward+backward alone (bench/train_shapes.py); then packed
+#                attention's paths side by side on 8 of those micro-batches (forward + backward: per-sample sdpa,
+#                sdpa grouped by length, PyTorch's varlen_attn): tokens/s, kernel calls and MFU of each
 #   offload      a ~100 M-parameter rank's state offloaded and onloaded through pinned host memory, non-blocking,
 #                against the host↔device bandwidth measured in the same run (goal ≥ 0.5×) (bench/offload_bandwidth.py)
 # `bench/gpu_check.sh --cpu` runs the same steps at tiny sizes on the CPU (CI runs it, so the script cannot rot).
@@ -91,8 +93,9 @@ if [[ "$MODE" == gpu ]]; then
     step colocate "${COLOCATE_LIMIT:-120}" "$PY" -m bench.colocate --device cuda --rollouts 4 \
         --hidden 1024 --layers 8 --intermediate 3072 --save-runs "$OUT_DIR/colocate-runs" --timeout 110
     step weight-sync "${WEIGHT_SYNC_LIMIT:-120}" "$PY" -m bench.colocated_sync --device cuda --repeats 3
-    step train-shapes "${TRAIN_SHAPES_LIMIT:-240}" "$PY" -m bench.train_shapes --device cuda --bf16 --hidden 1024 \
-        --layers 28 --intermediate 3072 --heads 16 --kv-heads 8 --head-dim 128 --max-tokens-per-gpu 16384
+    step train-shapes "${TRAIN_SHAPES_LIMIT:-300}" "$PY" -m bench.train_shapes --device cuda --bf16 --hidden 1024 \
+        --layers 28 --intermediate 3072 --heads 16 --kv-heads 8 --head-dim 128 --max-tokens-per-gpu 16384 \
+        --attention-paths per_sample,grouped,varlen --attention-batches 8
     step offload "${OFFLOAD_LIMIT:-90}" "$PY" -m bench.offload_bandwidth --device cuda --repeats 3
 else
     # (limits: a loaded 2-core CI machine runs these many times slower than an idle one; tripled, see above)
@@ -105,7 +108,9 @@ else
     step weight-sync 120 "$PY" -m bench.colocated_sync --device cpu --hidden 64 --layers 2 --intermediate 128 \
         --repeats 2 --target inf
     # 4 prompts × 8 short samples on the real vocabulary: the bench's every figure, none gated at this size
-    step train-shapes 150 "$PY" -m bench.train_shapes --quick --prompts 4 --report-only
+    # (varlen is refused here: no CPU kernel; the line says so)
+    step train-shapes 150 "$PY" -m bench.train_shapes --quick --prompts 4 --report-only \
+        --attention-paths per_sample,grouped,varlen --attention-batches 4
     step offload 90 "$PY" -m bench.offload_bandwidth --device cpu --hidden 64 --layers 2 --intermediate 128 \
         --vocab 1024 --repeats 2
 fi

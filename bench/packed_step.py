@@ -12,7 +12,7 @@ Rounds alternate rank, floor, rank, floor, ... after one warm-up of each; the fi
 medians, in wall seconds and in this process's CPU seconds (all its threads: on a machine other jobs load, the
 work done rather than the share of the cores it got). Target ≤ 1.2× (wall).
 
-    python -m bench.packed_step [--rounds 3] [--attn sdpa]   # CPU, ~2-5 minutes on 2 loaded cores
+    python -m bench.packed_step [--rounds 3] [--attn sdpa] [--path per_sample]   # CPU, ~2-5 minutes on 2 cores
 
 Exit 0 when the target holds (or with --report-only).
 """
@@ -20,6 +20,7 @@ Exit 0 when the target holds (or with --report-only).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -87,11 +88,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--attn", default=None, help="the rank's attn_implementation (default: the trainer's)")
+    parser.add_argument("--path", default=None, choices=["auto", "varlen", "grouped", "per_sample"],
+                        help="packed_sdpa's path for a packed row (RAYLESS_PACKED_ATTENTION; default auto: grouped "
+                             "on CPU)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--report-only", action="store_true")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
+    if options.path:
+        os.environ["RAYLESS_PACKED_ATTENTION"] = options.path
     from workers.train_rank.trainer import Trainer
 
     samples = _samples(options.samples, options.length, options.prompt)
@@ -115,6 +121,8 @@ def main() -> None:
         return time.perf_counter() - wall, time.process_time() - cpu
 
     attn = trainer.model.config._attn_implementation
+    if attn == "packed_sdpa":
+        attn += f" ({os.environ.get('RAYLESS_PACKED_ATTENTION', 'auto')} path)"
     print(f"{options.samples} samples × {options.length} tokens, hidden {options.hidden}, {options.layers} layers, "
           f"vocabulary {VOCAB:,}, {options.threads} threads; rank: {attn}, rows of ≤ {options.max_tokens_per_gpu} "
           f"tokens; floor: [{per_batch}, {options.length}] batches, sdpa causal", flush=True)

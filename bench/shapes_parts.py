@@ -8,6 +8,7 @@ but plain numbers and dicts). Memory is the process's peak RSS (VmHWM) on CPU, `
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Iterator
@@ -100,10 +101,12 @@ def _settings(model_dir: str, shape: Shape, dtype: str, attn: str | None) -> dic
 def counting_pairs(*, compute: bool = True) -> Iterator[list[int]]:
     """[pairs, calls] the attention kernel is asked for, per head, while inside: every sdpa call counted (a
     causal call without a mask q(q+1)/2, a masked one q × k: the kernel computes every pair it is given, a mask
-    only zeroes some). `compute=False`: the call returns zeros instead of attending (counting a big shape fast)."""
+    only zeroes some), and every varlen call (`packed_sdpa`'s CUDA path: each sequence's causal pairs).
+    `compute=False`: the call returns zeros instead of attending (counting a big shape fast)."""
     import torch
+    from torch.nn.attention import varlen
 
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa, varlen_attn = torch.nn.functional.scaled_dot_product_attention, varlen.varlen_attn
     totals = [0, 0]
 
     def counting(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
@@ -115,11 +118,24 @@ def counting_pairs(*, compute: bool = True) -> Iterator[list[int]]:
             return query.new_zeros((*query.shape[:-1], value.shape[-1]))
         return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
 
+    def counting_varlen(query: Any, key: Any, value: Any, cu_seq_q: Any, cu_seq_k: Any, max_q: int, max_k: int,
+                        **kwargs: Any) -> Any:
+        bounds = cu_seq_q.tolist()
+        causal = tuple(kwargs.get("window_size", (-1, -1))) == (-1, 0)
+        sizes = [end - start for start, end in itertools.pairwise(bounds)]
+        totals[0] += sum(n * (n + 1) // 2 if causal else n * n for n in sizes)
+        totals[1] += 1
+        if not compute:
+            return query.new_zeros((*query.shape[:-1], value.shape[-1]))
+        return varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
+
     torch.nn.functional.scaled_dot_product_attention = counting
+    varlen.varlen_attn = counting_varlen
     try:
         yield totals
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
+        varlen.varlen_attn = varlen_attn
 
 
 def needed_pairs(batches: list[Any], layers: int) -> int:
@@ -162,6 +178,46 @@ def _forward_backward(model: Any, batches: list[Any]) -> float:
         log_probs.sum().backward()
         model.zero_grad(set_to_none=True)
     return time.perf_counter() - started
+
+
+def attention_paths_process(model_dir: str, shape_fields: dict[str, Any], vocab_size: int, device_name: str,
+                            dtype: str, paths: list[str], micro_batches: int, threads: int) -> dict[str, Any]:
+    """Forward (chunked logprobs) + backward of the first `micro_batches` packed micro-batches under each of
+    `packed_sdpa`'s paths (`RAYLESS_PACKED_ATTENTION`), one model, same process: seconds, kernel calls per
+    forward, and the attention pairs computed; a path this machine cannot run is reported with its reason."""
+    import os
+
+    import torch
+
+    from workers.train_rank import packing
+    from workers.train_rank.model import load_causal_lm
+
+    torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    shape = Shape(**shape_fields)
+    wire = _wire(shape, vocab_size)
+    model = load_causal_lm(model_dir, dtype=getattr(torch, dtype), device=device)
+    groups = packing.plan(wire, max_tokens=shape.max_tokens_per_gpu, micro_batch_size=None)[:micro_batches]
+    batches = [packing.pack([wire[i] for i in group], 0).to(device) for group in groups]
+    totals = [n for batch in batches for n in batch.total_lengths]
+    result: dict[str, Any] = {"tokens": sum(totals), "micro_batches": len(batches), "paths": {},
+                              "sequence": sum(n * n for n in totals) / sum(totals),
+                              "parameters": sum(p.numel() for p in model.parameters()),
+                              "needed_pairs": needed_pairs(batches, model.config.num_hidden_layers)}
+    for path in paths:
+        os.environ["RAYLESS_PACKED_ATTENTION"] = path
+        try:
+            _forward_backward(model, batches[:1])  # warm-up (and the path's refusal, where it cannot run)
+        except RuntimeError as exc:
+            result["paths"][path] = {"refused": str(exc)}
+            continue
+        _sync(device)
+        with counting_pairs() as pairs:
+            seconds = _forward_backward(model, batches)
+            _sync(device)
+        result["paths"][path] = {"seconds": seconds, "calls": pairs[1] // len(batches), "pairs": pairs[0]}
+    os.environ.pop("RAYLESS_PACKED_ATTENTION", None)
+    return result
 
 
 def critic_rank_process(*args: Any) -> dict[str, Any]:

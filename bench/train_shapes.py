@@ -13,6 +13,9 @@ Figures, each against a floor measured in the same run:
   attention counted but not computed, fast at the full shape.
 - tokens/s of the train command against forward + backward alone on the same packed real tokens, same process
   and state. Target ≥ 0.8×. On CUDA also MFU (6 × parameters + attention FLOPs per token, against --peak-tflops).
+- `--attention-paths per_sample,grouped,varlen`: forward + backward of the first `--attention-batches`
+  micro-batches under each of `packed_sdpa`'s paths side by side (tokens/s, kernel calls per micro-batch, MFU on
+  CUDA against prime-rl's published Qwen3-0.6B figure at 16k on one H100: 11.9k tokens/s, 11.1 % MFU). A report.
 - the control channel: seconds and bytes to encode the batch's per-rank train commands and ship them over a
   loopback socket to `RankChannel` readers that decode them, against the same bytes raw over a loopback socket;
   and the coordinator's RSS growth while it holds the batch (samples → wire samples → frames).
@@ -45,6 +48,7 @@ from typing import Any
 from bench.shapes_parts import (
     QWEN3_VOCAB,
     Shape,
+    attention_paths_process,
     build_model,
     critic_rank_process,
     floor_process,
@@ -187,6 +191,9 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-gpu", type=int, default=None)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak (H100/H200 bf16 dense)")
     parser.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    parser.add_argument("--attention-paths", default="", help="comma-separated packed_sdpa paths (per_sample, "
+                        "grouped, varlen, auto) to compare on forward + backward; none by default")
+    parser.add_argument("--attention-batches", type=int, default=8, help="micro-batches each path runs")
     parser.add_argument("--critic", action="store_true", help="also the train command with PPO's critic: its "
                         "memory and time against the policy-only command's")
     options = parser.parse_args()
@@ -213,6 +220,9 @@ def main() -> None:
         rank = run_child(rank_process, *args)
         if options.critic:
             print_critic(rank, run_child(critic_rank_process, *args))
+        if options.attention_paths:
+            print_paths(options, run_child(attention_paths_process, *args[:5], options.attention_paths.split(","),
+                                           options.attention_batches, options.threads))
     wire = channel(shape, QWEN3_VOCAB, world_size=2)
     report(options, shape, rank, floor, wire, ratio_before, batches_before)
 
@@ -250,12 +260,8 @@ def report(options: argparse.Namespace, shape: Shape, rank: dict[str, Any], floo
     print(f"throughput: {rate:,.0f} tokens/s for the train command vs {floor_rate:,.0f} tokens/s forward + backward "
           f"alone: {rate / floor_rate:.2f}× (target ≥ 0.8×)")
     if options.device.startswith("cuda"):
-        # PaLM's count: 6 × parameters, plus attention 12 × layers × (heads × head_dim) × the sequence (each
-        # sample's own: attention stays within it), averaged over the batch's tokens
         totals = [prompt + response for prompt, response in lengths(shape)]
-        sequence = sum(t * t for t in totals) / sum(totals)
-        width = options.heads * (options.head_dim or options.hidden // options.heads)
-        flops_per_token = 6 * rank["parameters"] + 12 * options.layers * width * sequence
+        flops_per_token = flops_per_token_of(options, rank["parameters"], sum(t * t for t in totals) / sum(totals))
         print(f"MFU: {rate * flops_per_token / (options.peak_tflops * 1e12):.1%} of {options.peak_tflops:.0f} "
               f"TFLOP/s ({flops_per_token / 1e9:.2f} GFLOP per token)")
     pairs_ratio = rank["pairs"] / rank["needed_pairs"] if rank["attention_calls"] else None
@@ -267,6 +273,33 @@ def report(options: argparse.Namespace, shape: Shape, rank: dict[str, Any], floo
           and (pairs_ratio is None or pairs_ratio <= 1.05))
     print(("PASS" if ok else "FAIL") + (" (report only)" if options.report_only else ""))
     sys.exit(0 if ok or options.report_only else 1)
+
+
+def flops_per_token_of(options: argparse.Namespace, parameters: int, sequence: float) -> float:
+    """PaLM's count: 6 × parameters, plus attention 12 × layers × (heads × head_dim) × the sequence (each
+    sample's own: attention stays within it; Σ L² / Σ L over the tokens counted)."""
+    width = options.heads * (options.head_dim or options.hidden // options.heads)
+    return 6 * parameters + 12 * options.layers * width * sequence
+
+
+def print_paths(options: argparse.Namespace, result: dict[str, Any]) -> None:
+    """packed_sdpa's paths side by side on the same micro-batches (forward + backward)."""
+    cuda = options.device.startswith("cuda")
+    flops = flops_per_token_of(options, result["parameters"], result["sequence"])
+    print(f"packed attention paths: forward + backward of {result['micro_batches']} micro-batches "
+          f"({result['tokens']:,} tokens)" + ("; prime-rl's published Qwen3-0.6B at 16k on one H100: 11.9k tokens/s, "
+                                             "11.1 % MFU (a whole train step)" if cuda else ""))
+    first = None
+    for path, figures in result["paths"].items():
+        if "refused" in figures:
+            print(f"  {path}: not run here ({figures['refused']})")
+            continue
+        rate = result["tokens"] / figures["seconds"]
+        first = first or rate
+        print(f"  {path}: {figures['seconds']:.2f} s, {rate:,.0f} tokens/s ({rate / first:.2f}× the first), "
+              f"{figures['calls']} kernel calls per micro-batch, pairs ÷ needed "
+              f"{figures['pairs'] / result['needed_pairs']:.3f}"
+              + (f", MFU {rate * flops / (options.peak_tflops * 1e12):.1%}" if cuda else ""))
 
 
 def print_critic(rank: dict[str, Any], critic: dict[str, Any]) -> None:

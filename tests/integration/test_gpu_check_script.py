@@ -33,4 +33,7 @@ def test_the_gpu_check_passes_in_its_cpu_mode(tmp_path: Path) -> None:
     assert "colocated sync: export + engine load" in (tmp_path / "weight-sync.log").read_text()
     shapes = (tmp_path / "train-shapes.log").read_text()
     assert "response lengths:" in shapes and "control channel:" in shapes and "tokens/s for the train" in shapes
+    # packed attention's paths side by side: both sdpa paths run, varlen (CUDA-only) says why it did not
+    assert "packed attention paths:" in shapes and "varlen: not run here (" in shapes
+    assert all(f"  {path}: " in shapes and "kernel calls per micro-batch" in shapes for path in ("per_sample", "grouped"))
     assert "bit-identical after every onload: True" in (tmp_path / "offload.log").read_text()
