@@ -232,7 +232,8 @@ class DefaultRollout:
                 prompts.append(record.prompt)
             encoded = self.state.encode_many(prompts)  # one tokenizer call for every new group
         for offset, (record, prompt_ids) in enumerate(zip(records, encoded, strict=True)):
-            prompt_ids, train_inputs = with_images(self.state, record, prompt_ids)
+            prompt_ids, train_inputs = with_images(self.state, record, prompt_ids,
+                                                   hook=self.custom_generate is not None)
             samples = [new_sample(record, prompt_ids, first_index + offset, k, n_samples=n) for k in range(n)]
             for sample in samples:
                 sample.multimodal_train_inputs = train_inputs
