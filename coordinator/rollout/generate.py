@@ -259,6 +259,10 @@ class DefaultRollout:
                 sample.response_length = 0
                 sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [], [], []
                 sample.response = ""
+                if self.custom_generate is not None and group.record.images:
+                    # a later turn's images went with the response: the function starts again from the prompt's
+                    sample.multimodal_inputs = {"images": list(group.record.images)}
+                    sample.multimodal_train_inputs = None
         return group
 
     async def _generate_group(self, group: PartialGroup, rollout_id: int) -> list[Sample]:
