@@ -79,6 +79,31 @@ class VlmProcessor:
         return PixelInputs(pixel_values=out["pixel_values"].to(torch.float32),
                            image_grid_thw=out["image_grid_thw"].to(torch.int64))
 
+    def __call__(self, text: str | Sequence[str] | None = None, images: Sequence[Image] | None = None,
+                 videos: object = None, return_tensors: str | None = None, **_: object) -> dict[str, object]:
+        """A transformers processor's call, as slime's hooks make it (`processor(text=..., images=...)`, one
+        text): the ids with each `<|image_pad|>` expanded for its image, `attention_mask`, and the images'
+        `pixel_values` / `image_grid_thw` as tensors; ids as lists unless `return_tensors="pt"`."""
+        import torch
+
+        if videos:
+            raise VlmInputError("videos: rayless serves images only")
+        texts = [text] if isinstance(text, str) else list(text or [""])
+        if len(texts) != 1:
+            raise VlmInputError(f"the processor takes one text per call here; got {len(texts)}")
+        ids = list(self.tokenizer(texts[0], add_special_tokens=False)["input_ids"])
+        out: dict[str, object] = {}
+        if images:
+            pixels = self.pixel_inputs(images)
+            ids = self.expand_ids(ids, pixels.image_grid_thw)
+            out = {"pixel_values": pixels.pixel_values, "image_grid_thw": pixels.image_grid_thw}
+        else:
+            self.expand_ids(ids, torch.zeros((0, 3), dtype=torch.int64))  # placeholders without images: refused
+        rows, mask = [ids], [[1] * len(ids)]
+        if return_tensors == "pt":
+            return {"input_ids": torch.tensor(rows), "attention_mask": torch.tensor(mask), **out}
+        return {"input_ids": rows, "attention_mask": mask, **out}
+
     def image_tokens(self, grid_thw: Sequence[int]) -> int:
         t, h, w = (int(v) for v in grid_thw)
         return t * h * w // (self.merge_size ** 2)

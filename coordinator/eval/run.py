@@ -83,7 +83,7 @@ async def generate_and_score(dataset: EvalDataset, state: GenerateState, dispatc
     n = dataset.settings.n_samples
     for index, record in enumerate(dataset.records):
         prompt_ids = [] if custom is not None else state.encode(str(record.prompt))
-        prompt_ids, train_inputs = with_images(state, record, prompt_ids)
+        prompt_ids, train_inputs = with_images(state, record, prompt_ids, hook=custom is not None)
         samples = [new_sample(record, prompt_ids, index, k, n_samples=n) for k in range(n)]
         for sample in samples:
             sample.multimodal_train_inputs = train_inputs

@@ -160,9 +160,11 @@ class HookRuntime(anyio.AsyncContextManagerMixin):
 
     # --- pieces -------------------------------------------------------------------------------------------
     def attach_generate_state(self, *, tokenizer: Any, sampling_params: dict[str, Any],
-                              slots: Slots) -> None:
+                              slots: Slots, processor: object = None) -> None:
         self._state = SlimeGenerateState._build(args=self.args, tokenizer=tokenizer,
                                                 sampling_params=sampling_params, slots=slots)
+        # slime's GenerateState.processor: the model's (a VLM's `VlmProcessor`), None for a text model
+        self._state.processor = processor
 
     @property
     def generate_state(self) -> SlimeGenerateState:

@@ -232,7 +232,8 @@ class DefaultRollout:
                 prompts.append(record.prompt)
             encoded = self.state.encode_many(prompts)  # one tokenizer call for every new group
         for offset, (record, prompt_ids) in enumerate(zip(records, encoded, strict=True)):
-            prompt_ids, train_inputs = with_images(self.state, record, prompt_ids)
+            prompt_ids, train_inputs = with_images(self.state, record, prompt_ids,
+                                                   hook=self.custom_generate is not None)
             samples = [new_sample(record, prompt_ids, first_index + offset, k, n_samples=n) for k in range(n)]
             for sample in samples:
                 sample.multimodal_train_inputs = train_inputs
@@ -258,6 +259,10 @@ class DefaultRollout:
                 sample.response_length = 0
                 sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [], [], []
                 sample.response = ""
+                if self.custom_generate is not None and group.record.images:
+                    # a later turn's images went with the response: the function starts again from the prompt's
+                    sample.multimodal_inputs = {"images": list(group.record.images)}
+                    sample.multimodal_train_inputs = None
         return group
 
     async def _generate_group(self, group: PartialGroup, rollout_id: int) -> list[Sample]:

@@ -19,6 +19,12 @@ Invariants: a hook's sample keeps its group (`group_index`) and gets `index` / `
 a reward the hook set is kept (the reward model skips it), any other reward is cleared before the call; the
 hook's tokens, response length, loss mask and rollout logprobs agree (else an error naming the hook); the
 number of requests in flight for the group never exceeds the slots the group holds.
+
+Images (slime's `geo3k_vlm_multi_turn` shape): the function gets the sample's `multimodal_inputs` (the prompt's
+decoded images) and `GenerateState(args).processor` (the model's, `workers.vlm_processor.VlmProcessor`), sends
+`image_data` itself, and may append a later turn's images; what comes back has `multimodal_train_inputs`
+covering every image token of its sequence (made from `multimodal_inputs` when it left them unset), else a
+HookError naming it.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from coordinator.hooks.calls import HookEscaped, call_hook, log_escape
 from coordinator.hooks.forms import HookForm, Reading, read_generate
 from coordinator.hooks.runtime import GenerateFnInput, GroupRoute, HookError, HookRuntime, Route, hook_call
 from coordinator.rollout.dispatch import Dispatcher
-from coordinator.rollout.requests import GenerateProgress, GenerateState
+from coordinator.rollout.requests import GenerateProgress, GenerateState, settle_hook_images
 from replay.sample import Sample, SampleError, SampleStatus, settle_hook_fields
 from workers.boundary.json_input import JsonObject
 from workers.hook_loading import load_object
@@ -74,7 +80,7 @@ class CustomGenerate:
                 async with anyio.create_task_group() as task_group:
                     for sample in pending:
                         task_group.start_soon(self._one, sample, route, sampling_params, evaluation, results,
-                                              progress)
+                                              progress, state)
             finally:
                 if progress is not None:
                     progress.in_flight -= len(pending)
@@ -86,7 +92,8 @@ class CustomGenerate:
         return group
 
     async def _one(self, sample: Sample, route: GroupRoute, sampling_params: JsonObject, evaluation: bool,
-                   results: dict[int, list[Sample]], progress: GenerateProgress | None) -> None:
+                   results: dict[int, list[Sample]], progress: GenerateProgress | None,
+                   state: GenerateState) -> None:
         sample.reward = None  # the hook may set one (then the reward model leaves it)
         before = sample.response_length
         params = copy.deepcopy(sampling_params)
@@ -96,7 +103,7 @@ class CustomGenerate:
             except HookEscaped as escaped:
                 self._escaped(escaped, sample)
                 return
-        produced = self._settle(returned, sample)
+        produced = self._settle(returned, sample, state)
         results[id(sample)] = produced
         if progress is not None:
             progress.generated_tokens += max(sum(s.response_length for s in produced) - before, 0)
@@ -124,7 +131,7 @@ class CustomGenerate:
             return await call_hook(self.fn, args, sample, params, what=what, kind="generate", evaluation=evaluation)
         return await call_hook(self.fn, args, sample, params, what=what, kind="generate")
 
-    def _settle(self, returned: object, original: Sample) -> list[Sample]:
+    def _settle(self, returned: object, original: Sample, state: GenerateState) -> list[Sample]:
         where = f"{FLAG} {self.path!r} (sample {original.group_index}/{original.sample_index})"
         produced = returned if isinstance(returned, list) else [returned]
         if not produced or not all(isinstance(sample, Sample) for sample in produced):
@@ -135,6 +142,7 @@ class CustomGenerate:
             sample.group_index = original.group_index
             try:
                 settle_hook_fields(sample, where=where)
-            except SampleError as error:
+                settle_hook_images(state, sample, where=where)
+            except (SampleError, ValueError) as error:
                 raise HookError(str(error)) from None
         return produced

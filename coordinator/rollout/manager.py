@@ -224,7 +224,7 @@ class RolloutManager:
         self.counts["dispatchers"] += 1
         assert generate_state.request_slots is not None
         runtime.attach_generate_state(tokenizer=tokenizer, sampling_params=hook_sampling_params(config),
-                                      slots=generate_state.request_slots)
+                                      slots=generate_state.request_slots, processor=generate_state.vision)
         return generate_state, dispatcher
 
     def _build_context(

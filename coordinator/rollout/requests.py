@@ -206,17 +206,54 @@ def request_params(state: GenerateState, sample: Sample, rollout_id: int) -> Jso
     return {**state.sampling_params, "max_new_tokens": budget, "sampling_seed": seed}
 
 
-def with_images(state: GenerateState, record: PromptRecord, prompt_ids: list[int]
+def with_images(state: GenerateState, record: PromptRecord, prompt_ids: list[int], *, hook: bool = False
                 ) -> tuple[list[int], dict[str, object] | None]:
     """slime's processor step for a record with images: its prompt ids with each image placeholder expanded,
-    and the trainer's inputs (`multimodal_train_inputs`); a text record's ids unchanged and None."""
-    if not record.images:
+    and the trainer's inputs (`multimodal_train_inputs`); a text record's ids unchanged and None.
+
+    `hook`: a custom generate function tokenizes the prompt and processes the images itself (slime's
+    contract: it gets the sample's `multimodal_inputs` and sets `multimodal_train_inputs`), so nothing is
+    done here; `settle_hook_images` checks what it returns."""
+    if not record.images or hook:
         return prompt_ids, None
     if state.vision is None:
         raise TypeError("prompt records hold images but the run has no vision-language processor")
     pixels = state.vision.pixel_inputs(record.images)
     ids = state.vision.expand_ids(prompt_ids, pixels.image_grid_thw)
     return ids, {"pixel_values": pixels.pixel_values, "image_grid_thw": pixels.image_grid_thw}
+
+
+def settle_hook_images(state: GenerateState, sample: Sample, *, where: str) -> None:
+    """A custom generate function's sample with images made whole for the trainer: its `multimodal_inputs`
+    images (the prompt's and any a later turn appended) processed into `multimodal_train_inputs` when the hook
+    left them unset, then checked to cover every image token of its sequence (else ValueError naming `where`:
+    the trainer would score those tokens without their images)."""
+    images = (sample.multimodal_inputs or {}).get("images") or []
+    if not images and not sample.multimodal_train_inputs:
+        return
+    if state.vision is None:
+        raise ValueError(f"{where}: the sample holds images but --hf-checkpoint is not a vision-language model")
+    if not sample.multimodal_train_inputs:
+        pixels = state.vision.pixel_inputs(images)
+        sample.multimodal_train_inputs = {"pixel_values": pixels.pixel_values,
+                                          "image_grid_thw": pixels.image_grid_thw}
+    inputs = sample.multimodal_train_inputs
+    grid = inputs.get("image_grid_thw")
+    if grid is None or inputs.get("pixel_values") is None:
+        raise ValueError(f"{where}: multimodal_train_inputs holds {sorted(inputs)}; the trainer needs pixel_values "
+                         "and image_grid_thw")
+    import torch
+
+    grid = torch.as_tensor(grid, dtype=torch.int64).reshape(-1, 3)
+    if images and len(grid) != len(images):
+        raise ValueError(f"{where}: multimodal_train_inputs has {len(grid)} image grid(s) for the "
+                         f"{len(images)} image(s) of multimodal_inputs")
+    try:
+        state.vision.check_expanded(sample.tokens, grid)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    # slime's merge keeps tensors only (Qwen3-VL's list-valued fields dropped, as miles' geo3k rollout does)
+    sample.multimodal_train_inputs = {"pixel_values": inputs["pixel_values"], "image_grid_thw": grid}
 
 
 def image_data(sample: Sample) -> list[JsonValue]:

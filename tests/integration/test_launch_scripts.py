@@ -1,4 +1,4 @@
-"""38 real slime/miles launch scripts (tests/data/launch_scripts, each citing repo:path@commit), their paths
+"""46 real slime/miles launch scripts (tests/data/launch_scripts, each citing repo:path@commit), their paths
 replaced by local stand-ins and nothing else, validated by `rayless train` up to the launch.
 
 For each script: what this tree refuses (`blockers`: flags not added yet, reward types, what rayless does
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.launch_scripts import (
+    REFUSED_COMBINATIONS,
     UNSUPPORTED,
     WANDB_SENTINEL,
     LaunchScript,
@@ -79,10 +80,10 @@ def _run(script: LaunchScript, argv: list[str], workdir: Path, hooks: Path, warm
 
 
 def test_the_scripts_cite_their_source_and_are_many() -> None:
-    assert len(SCRIPTS) >= 38
+    assert len(SCRIPTS) >= 46
     for script in SCRIPTS:
         assert script.source.startswith(("THUDM/slime:", "radixark/miles:")) and "@" in script.source
-    # 30 of the 38 have nothing refused, so the test below runs each of them to exit 0 (issue 13 asks for 12);
+    # 30 of the 46 have nothing refused, so the test below runs each of them to exit 0 (issue 13 asks for 12);
     # a flag that stops being known would drop a script out of this count.
     runnable = [s.name for s in SCRIPTS if not blockers(s.argv)]
     assert len(runnable) >= 30, runnable
@@ -97,6 +98,10 @@ def test_launch_script_validates_or_names_what_is_pending(script: LaunchScript, 
     assert not [flag for flag, why in found.items() if why.startswith("UNEXPECTED")], found
     code, stdout, stderr = _run(script, argv, tmp_path, hooks, warm_cli)
     assert WANDB_SENTINEL not in stdout + stderr
+    if script.name in REFUSED_COMBINATIONS:
+        assert code == 2 and REFUSED_COMBINATIONS[script.name] in stderr, f"exit {code}\n{stderr}"
+        assert "unknown" not in stderr.lower(), stderr
+        return
     if not found:
         _check_validated(code, stdout, stderr, argv)
         return

@@ -5,7 +5,8 @@ It shows what the text task's run shows (tests/integration/test_train_e2e.py), b
 rises (the last three rollouts' mean at least twice the first three's) and, after every weight sync, the
 trainer's logprobs of each sampled token equal the engine's (which they could not if either side dropped the
 images or their multimodal positions); its dumps, holding the processed images, replay with no engine and no
-data to the same losses. A VLM SFT run in slime's recipe shape (`--loss-type sft_loss`, chats whose user turn
+data to the same losses. slime's `geo3k_vlm_multi_turn` shape (a custom generate function whose environment
+returns an image in a later turn) trains with both turns' images. A VLM SFT run in slime's recipe shape (`--loss-type sft_loss`, chats whose user turn
 holds `<image>`, `--multimodal-keys`) lowers its loss. Kept short: CI has 2 cores.
 """
 
@@ -24,10 +25,15 @@ ROLLOUTS = 8
 
 
 @pytest.fixture(scope="module")
-def vlm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def vlm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from workers.tiny_vlm import build_tiny_vlm
 
-    model = build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
+
+
+@pytest.fixture(scope="module")
+def vlm_run(vlm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = vlm_model
     run_dir = tmp_path_factory.mktemp("vlm-run")
     config = parse_config(["--hf-checkpoint", str(model), "--run-dir", str(run_dir), "--prompt-data",
                            "builtin:colour", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
@@ -102,3 +108,43 @@ def test_vlm_sft_on_chats_with_images_lowers_its_loss(tmp_path: Path) -> None:
     assert summary["train_steps"] == 12
     losses = [row["train/loss"] for row in read_metrics(run_dir / "metrics.jsonl")]
     assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3, losses
+
+
+def test_a_custom_generate_function_adds_an_image_in_a_later_turn(vlm_model: Path, tmp_path: Path) -> None:
+    """slime's `geo3k_vlm_multi_turn` shape (tests/support/vlm_multi_turn.py): the hook sends the prompt's image,
+    then an observation turn with a second image, through the coordinator's endpoint to the engine. The trainer
+    scores the whole sequence with both images: its logprobs equal the engine's (which they could not if either
+    side missed the later image), the observation's tokens untrained; the dump holds both images' grids."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from replay.reader import read_dump
+    from tests.support.vlm_multi_turn import OBSERVATION
+
+    image_token = json.loads((vlm_model / "config.json").read_text())["image_token_id"]
+    tokenizer = AutoTokenizer.from_pretrained(str(vlm_model))
+
+    run_dir = tmp_path / "run"
+    config = parse_config(["--hf-checkpoint", str(vlm_model), "--run-dir", str(run_dir), "--prompt-data",
+                           "builtin:colour", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                           "--rollout-max-response-len", "3", "--rollout-num-engines", "1", "--num-rollout", "1",
+                           "--no-progress", "--custom-generate-function-path",
+                           "tests.support.vlm_multi_turn.generate",
+                           "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld")])
+    summary = anyio.run(run_training, config)
+    assert summary["train_steps"] == 1
+    (row,) = read_metrics(run_dir / "metrics.jsonl")
+    assert row["train/train_rollout_logprob_abs_diff_max"] <= 1e-4
+    samples = read_dump(run_dir / "dumps" / "0.rld").samples
+    assert len(samples) == 4
+    for sample in samples:
+        assert sample.multimodal_train_inputs is not None
+        assert sample.multimodal_train_inputs["image_grid_thw"] == [[1, 4, 4], [1, 4, 4]]
+        response = sample.tokens[-sample.response_length:]
+        assert len(response) == len(sample.loss_mask)
+        # the observation's image tokens (4: a 1×4×4 grid, merged 2×2) and its text sit in the response, untrained
+        observed = [mask for token, mask in zip(response, sample.loss_mask, strict=True) if token == image_token]
+        assert observed == [0, 0, 0, 0], (response, sample.loss_mask)
+        assert OBSERVATION in tokenizer.decode(response)
+        assert sum(sample.loss_mask) >= 2  # both of the model's turns are trained

@@ -1,6 +1,6 @@
 """Real slime/miles launch scripts as test data, made runnable here by replacing only their paths.
 
-`tests/data/launch_scripts/*.json` hold the argv 38 slime and miles launch scripts hand to `train.py` (each
+`tests/data/launch_scripts/*.json` hold the argv 46 slime and miles launch scripts hand to `train.py` (each
 with `source`: repo:path@commit), with placeholders where the scripts name paths on their machines.
 `materialize` replaces each placeholder with a local stand-in — the tiny model, small JSONL/Parquet files with
 the script's keys, fresh checkpoint directories, stub hook modules with slime's signatures, a sentinel W&B
@@ -36,6 +36,12 @@ PENDING_RM_TYPES = "not yet: a reward type rayless does not have"
 #: Flags and values rayless refuses by design.
 UNSUPPORTED = {
     "--enable-mtp-training": "multi-token-prediction layers are not trained",
+}
+#: Scripts whose flags are all known but whose combination a start-up rule refuses (exit 2), each with the words
+#: the refusal must say: a feature not built for that combination, named.
+REFUSED_COMBINATIONS = {
+    # true-on-policy (SGLang's rescoring, the trainer's batch-invariant forward) with images: docs/vlm.md
+    "miles__true_on_policy_vlm": "--true-on-policy-mode / --sglang-rl-on-policy-target",
 }
 
 
@@ -168,6 +174,9 @@ def write_prompts(path: Path, *, input_key: str, label_key: str | None, rows: in
                                   [{"role": "user", "content": f"What is {index} + {index}?"}]}
         if image_key is not None:
             record[input_key] = f"<image>What is {index} + {index} in this figure?"
+            if input_key == "messages":  # an SFT chat (miles' geo3k train_formatted): the answer is its last turn
+                record[input_key] = [{"role": "user", "content": record[input_key]},
+                                     {"role": "assistant", "content": str(2 * index)}]
             picture = solid_png(56, 56, (40 * index, 0, 0))
             if path.suffix == ".parquet":
                 record[image_key] = [{"bytes": picture, "path": None}]

@@ -306,14 +306,50 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
         (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", str(data), "--multimodal-keys",
           '{"video": "clips"}'], "'video': only images are served"),
         (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--use-session-server", "v1"], "session server"),
-        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--custom-generate-function-path", "m:f"],
-         "hooks get no images yet"),
+        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--deterministic-mode", "--true-on-policy-mode"],
+         "--true-on-policy-mode / --sglang-rl-on-policy-target"),
     ]
     for argv, reason in cases:
         with pytest.raises(ConfigError) as refused:
             parse_config([*base, *argv])
         assert reason in str(refused.value), argv
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys])  # a VLM with images: accepted
+    # a custom generate function carries images (slime's geo3k_vlm_multi_turn shape): accepted
+    parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--custom-generate-function-path", "m.f"])
+
+
+def test_a_hooks_sample_with_images_is_made_whole_or_refused_naming_the_hook(tiny_vlm_dir: Path) -> None:
+    """`GenerateState(args).processor(text=, images=)` expands the placeholders as the coordinator does; a hook's
+    sample gets `multimodal_train_inputs` for all its `multimodal_inputs` images (the prompt's and a later
+    turn's) when it left them unset, and one whose image tokens do not match its images is refused."""
+    from PIL import Image
+
+    from coordinator.rollout.requests import GenerateState, settle_hook_images
+    from replay.sample import Sample
+    from workers.vlm_processor import VlmInputError, VlmProcessor
+
+    vision = VlmProcessor(tiny_vlm_dir)
+    text = "<|vision_start|><|image_pad|><|vision_end|>x"
+    red, green = Image.new("RGB", (56, 56), (200, 0, 0)), Image.new("RGB", (28, 84), (0, 200, 0))
+    out = vision(text=text, images=[red])
+    ids = out["input_ids"][0]
+    assert ids.count(vision.image_token_id) == 4 and out["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert vision(text=text, images=[red], return_tensors="pt")["input_ids"].shape == (1, len(ids))
+    with pytest.raises(VlmInputError, match="1 image placeholder"):
+        vision(text=text)
+    second = vision(text=text, images=[green])["input_ids"][0]
+    state = GenerateState(tokenizer=vision.tokenizer, sampling_params={}, max_response_len=8, context_length=512,
+                          concurrency=1, seed=0, vision=vision)
+    sample = Sample(tokens=[*ids, *second], response_length=len(second), loss_mask=[0] * len(second),
+                    rollout_log_probs=[0.0] * len(second), multimodal_inputs={"images": [red, green]})
+    settle_hook_images(state, sample, where="hook")
+    grids = sample.multimodal_train_inputs["image_grid_thw"].tolist()
+    assert grids == [[1, 4, 4], [1, 8, 4]]  # the processor resizes within its pixel bounds
+    assert sample.multimodal_train_inputs["pixel_values"].shape[0] == 16 + 32
+    sample.multimodal_inputs["images"].append(red)  # an image the sequence has no tokens for
+    sample.multimodal_train_inputs = None
+    with pytest.raises(ValueError, match="hook: the input ids hold 12 image token"):
+        settle_hook_images(state, sample, where="hook")
 
 
 @pytest.mark.anyio
