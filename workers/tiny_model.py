@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,12 +120,8 @@ def build_tiny_model(directory: str | Path, spec: TinyModelSpec | None = None) -
         torch_dtype="float32",
         use_cache=True,
     )
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(spec.seed)
+    with seeded(spec.seed):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    finally:
-        torch.random.set_rng_state(generator_state)
     if spec.untied_head:  # untied after the seeded build, so every other weight is the tied model's
         model.config.tie_word_embeddings = False
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
@@ -149,3 +147,17 @@ def _product(shape: list[int]) -> int:
     for size in shape:
         result *= size
     return result
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Torch's global generator seeded for a model's random weights, then given back as it was: building a
+    tiny model leaves the caller's random stream untouched."""
+    import torch
+
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        yield
+    finally:
+        torch.random.set_rng_state(state)

@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from workers.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tokenizer_files, vocabulary
+from workers.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tokenizer_files, seeded, vocabulary
 
 VISION_START = "<|vision_start|>"
 IMAGE_PAD = "<|image_pad|>"
@@ -99,12 +99,8 @@ def build_tiny_vlm(directory: str | Path, spec: TinyVlmSpec | None = None) -> Pa
         vision_start_token_id=vocab[VISION_START], vision_end_token_id=vocab[VISION_END],
         tie_word_embeddings=True,
     )
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(spec.seed)
+    with seeded(spec.seed):
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32)
-    finally:
-        torch.random.set_rng_state(generator_state)
     model.save_pretrained(str(directory), safe_serialization=True)
     GenerationConfig(eos_token_id=vocab[EOS_TOKEN], pad_token_id=vocab[PAD_TOKEN]).save_pretrained(str(directory))
     build_tokenizer_files(directory, (), spec.max_position_embeddings, specials=VISION_TOKENS,
