@@ -27,13 +27,14 @@ import anyio
 import anyio.abc
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError
 from coordinator.tinker import requests as req
+from coordinator.tinker import status
 from coordinator.tinker.futures import PROTOBUF, Future, FutureStore, UserError
 from coordinator.tinker.models import TrainingModel, Work
 from coordinator.tinker.sampling import Sampler
@@ -165,6 +166,7 @@ class TinkerServer(AppServer):
         figures = {"tinker_sessions_live": len(self.sessions.live), "tinker_models_live": len(self.live_models()),
                    "tinker_samplers_started": sum(s.api is not None for s in self.samplers.values()),
                    "tinker_futures_pending": self.futures.pending(),
+                   "tinker_requests_queued": sum(m.queued() for m in self.live_models()),
                    "tinker_optim_steps_total": sum(m.steps for m in self.models.values())}
         return "".join(f"# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}\n{name} {value}\n"
                        for name, value in figures.items())
@@ -182,9 +184,14 @@ class TinkerServer(AppServer):
         path = request.url.path
         if path in ("/api/v1/healthz", "/health", "/healthz"):
             return _json({"status": "ok"})
+        if path == "/" and request.method == "GET":  # static, no data: it asks /status with the key it is given
+            return HTMLResponse(status.PAGE)
         self._check_key(request)
         if path == "/metrics":
             return Response(self.metrics(), media_type="text/plain; version=0.0.4")
+        if path == "/status":
+            return _json(status.document(base_models=self.base_models, sessions=self.sessions, models=self.models,
+                                         samplers=self.samplers, futures=self.futures))
         if not path.startswith(PREFIX):
             raise HttpReply(404, f"{path}: the Tinker API is served under {PREFIX}")
         call = path[len(PREFIX):]
@@ -376,6 +383,7 @@ class TinkerServer(AppServer):
 
         async def work(commands: TrainCommands) -> tuple[bytes, str]:
             reply = await commands.forward_backward(data, parsed.loss_fn, config, forward_only=parsed.forward_only)
+            model.rank_seconds["forward" if parsed.forward_only else "forward_backward"] = reply.seconds
             outputs = {"logprobs": reply.logprobs, "elementwise_loss": reply.elementwise_loss}
             metrics = {"loss:sum": reply.loss_sum, "rank_seconds:max": reply.seconds}
             return encode_forward_backward_output(outputs, metrics), PROTOBUF
@@ -398,6 +406,7 @@ class TinkerServer(AppServer):
         async def work(commands: TrainCommands) -> tuple[bytes, str]:
             reply = await commands.optim_step(command)
             model.steps += 1
+            model.rank_seconds["optim_step"] = reply.seconds
             metrics = {"grad_norm:mean": reply.grad_norm, "rank_seconds:max": reply.seconds}
             return json.dumps({"metrics": metrics}).encode(), "application/json"
 

@@ -231,6 +231,16 @@ def test_hostile_and_unsupported_calls_get_answers_naming_what_is_wrong(service:
     assert httpx.get(f"{service.url}/api/v1/healthz").json() == {"status": "ok"}  # the probe needs no key
     metrics = httpx.get(f"{service.url}/metrics", headers={"X-API-Key": KEY}).text
     assert "tinker_models_live 1\n" in metrics and "tinker_optim_steps_total" in metrics, metrics
+    # the status document: the loops' model with its steps and its ranks' own times, its session, the sampler
+    assert httpx.get(f"{service.url}/status", headers={"X-API-Key": "tml-wrong"}).status_code == 401
+    status = httpx.get(f"{service.url}/status", headers={"X-API-Key": KEY}).json()
+    shown = next(m for m in status["models"] if m["model_id"] == model_id)
+    assert shown["state"] == "ready" and shown["queued"] == 0 and shown["optim_steps"] >= 9, shown
+    assert shown["rank_seconds"]["forward_backward"] > 0 and shown["rank_seconds"]["optim_step"] > 0, shown
+    assert shown["session_id"] in [s["session_id"] for s in status["sessions"]], status
+    assert status["samplers"][0]["started"] and status["samplers"][0]["in_flight"] == 0, status
+    page = httpx.get(f"{service.url}/")  # the page is static (no data, no key): it asks /status with #key=
+    assert page.status_code == 200 and 'fetch("status"' in page.text and model_id not in page.text
 
     cases = [
         (service.post("retrieve_future", {"request_id": "req-999999"}), 404, "unknown request_id"),
