@@ -23,20 +23,20 @@ from workers.boundary.json_input import JsonObject
 def document(*, base_models: Iterable[str], sessions: Sessions, models: Mapping[str, TrainingModel],
              samplers: Mapping[str, Sampler], futures: FutureStore) -> JsonObject:
     now = time.monotonic()
-    sessions: list[JsonObject] = [
+    session_rows: list[JsonObject] = [
         {"session_id": s.session_id, "seconds_since_heard": round(now - s.seen, 1), "models": list(s.models),
          "sampling_sessions": len(s.samplers)} for s in sessions.live.values()]
-    models: list[JsonObject] = [
+    model_rows: list[JsonObject] = [
         {"model_id": m.model_id, "session_id": m.session_id, "base_model": m.base_name,
          "lora_rank": m.lora.rank if m.lora is not None else None, "ranks": m.ranks,
          "state": "stopped" if m.stopped is not None else ("ready" if m.ready else "starting"),
          "stopped_because": m.stopped, "queued": m.queued(), "optim_steps": m.steps,
          "rank_seconds": dict(m.rank_seconds)} for m in models.values()]
-    samplers: list[JsonObject] = [
+    sampler_rows: list[JsonObject] = [
         {"base_model": name, "started": s.api is not None, "in_flight": s.in_flight, "weights": s.current}
         for name, s in samplers.items()]
     return {"service": "rayless tinker-server", "base_models": sorted(base_models),
-            "sessions": sessions, "models": models, "samplers": samplers,
+            "sessions": session_rows, "models": model_rows, "samplers": sampler_rows,
             "futures_pending": futures.pending(), "sessions_ended": len(sessions.ended)}
 
 
