@@ -7,7 +7,8 @@ by the margin the GRPO tests use; a supervised loop lowers its loss; the sampler
 `save_state` / `load_state` bring the weights back. Hostile and unsupported calls get 4xx answers naming what
 is wrong. An SDK client in its own process resumes a checkpoint as the cookbook resumes
 (`create_training_client_from_state_with_optimizer`) and is killed: its model's ranks are stopped. The
-service's stop leaves no process behind.
+service's stop leaves no process behind. The cookbook's own `sl_loop` and `rl_loop` run on the same service
+(when tinker-cookbook is installed). `/status` shows the loops' model, session and sampler.
 """
 
 from __future__ import annotations
