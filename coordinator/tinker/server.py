@@ -114,7 +114,8 @@ class TinkerServer(AppServer):
     def __init__(self, *, base_models: list[BaseModel], run_dir: Path, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, ranks: int = 1, limits: Limits | None = None,
                  session_timeout_s: float = 60.0, poll_s: float = 10.0, torch_threads: int = 1,
-                 data_parallel: str = "auto") -> None:
+                 data_parallel: str = "auto", sampler_urls: dict[str, str] | None = None,
+                 sampler_api_key: str | None = None) -> None:
         super().__init__(host=host, port=port, limits=ServerLimits())
         self.base_models = {model.name: model for model in base_models}
         self.run_dir = run_dir
@@ -127,6 +128,9 @@ class TinkerServer(AppServer):
         self.sessions = Sessions(timeout_s=session_timeout_s, on_end=self._session_ended)
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        #: base model name → a running engine it samples on (--sampler-url), instead of one launched here
+        self.sampler_urls = dict(sampler_urls or {})
+        self.sampler_api_key = sampler_api_key
         #: sampling session id → (base model name, the weights' local path or None for the base model)
         self.sampling: dict[str, tuple[str, str | None]] = {}
         #: tinker:// sampler paths → their snapshot directory
@@ -138,7 +142,7 @@ class TinkerServer(AppServer):
     # ---------------------------------------------------------------------------------------------- lifetime
     async def run(self, *, task_status: anyio.abc.TaskStatus[TinkerServer] = anyio.TASK_STATUS_IGNORED) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        async with EngineClient(max_connections=64) as client:
+        async with EngineClient(max_connections=64, api_key=self.sampler_api_key) as client:
             self._client = client
             try:
                 async with anyio.create_task_group() as tasks:
@@ -548,7 +552,8 @@ class TinkerServer(AppServer):
         if sampler is None:
             assert self._client is not None
             sampler = self.samplers[base_name] = Sampler(name=base_name, path=base.path, run_dir=self.run_dir,
-                                                         client=self._client)
+                                                         client=self._client,
+                                                         attached_url=self.sampler_urls.get(base_name))
         future = self.futures.create()
         assert self._tasks is not None
         self._tasks.start_soon(self._sample, sampler, future, weights, prompt, body, params)
