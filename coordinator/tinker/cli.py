@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", action="append", default=[], metavar="NAME=PATH", required=True,
                    help="a base model clients may train and sample: its name and local Hugging Face directory "
                    "(PATH alone: the directory's path is its name); repeatable")
+    p.add_argument("--sampler-url", action="append", default=[], metavar="NAME=URL",
+                   help="sample base model NAME on the SGLang-compatible engine running at URL (SGLang's "
+                   "launch_server or the in-repo engine, started on that base model) instead of launching one; "
+                   "it must read this service's --run-dir (sampler checkpoints load from disk); repeatable")
+    p.add_argument("--sampler-api-key", default=None,
+                   help="the attached engines' --api-key (sent as Authorization: Bearer)")
     p.add_argument("--run-dir", default="tinker-run", help="checkpoints, logs and the ranks' files")
     p.add_argument("--train-ranks", type=int, default=1, help="torchrun ranks per training model")
     p.add_argument("--data-parallel", choices=("auto", "fsdp", "replicate"), default="auto",
@@ -68,6 +75,20 @@ def main(argv: Sequence[str]) -> int:
             bases.append(BaseModel.read(name or path, path))
         except ValueError as error:
             problems.append(str(error))
+    names = {(spec.rpartition("=")[0] or spec) if "=" in spec else spec for spec in options.base_model}
+    attached: dict[str, str] = {}
+    for spec in options.sampler_url:
+        name, _, url = spec.partition("=")
+        if name not in names:
+            problems.append(f"--sampler-url {spec[:200]!r}: NAME must be one of the --base-model names "
+                            f"({', '.join(sorted(names)) or 'none given'})")
+        elif not re.fullmatch(r"https?://[^\s/]+(:[0-9]+)?/?", url):
+            problems.append(f"--sampler-url {spec[:200]!r}: URL must be http(s)://HOST:PORT")
+        else:
+            attached[name] = url.rstrip("/")
+    options.attached = attached
+    if options.sampler_api_key is not None and (bad := key_problem(options.sampler_api_key)) is not None:
+        problems.append(f"--sampler-api-key {bad}")
     if options.api_key is not None:
         bad = key_problem(options.api_key)
         if bad is None and not options.api_key.startswith("tml-"):
@@ -101,10 +122,13 @@ def _serve(options: argparse.Namespace, bases: list[BaseModel], limits: Limits) 
     from coordinator.lifecycle.signals import StopSignals, run_until_signalled
     from coordinator.tinker.server import TinkerServer
 
+    run_dir = Path(options.run_dir).resolve()  # engines attached by --sampler-url read its files by this path
+
     async def serve() -> None:
-        server = TinkerServer(base_models=bases, run_dir=Path(options.run_dir), api_key=options.api_key,
+        server = TinkerServer(base_models=bases, run_dir=run_dir, api_key=options.api_key,
                               host=options.host, port=options.port, ranks=options.train_ranks, limits=limits,
-                              session_timeout_s=options.session_timeout, data_parallel=options.data_parallel)
+                              session_timeout_s=options.session_timeout, data_parallel=options.data_parallel,
+                              sampler_urls=options.attached, sampler_api_key=options.sampler_api_key)
         async with anyio.create_task_group() as group:
             await group.start(server.run)
             print(f"tinker-server ready on {server.url}", flush=True)

@@ -67,6 +67,8 @@ class TrainingModel:
         self.ready = False
         self.stopped: str | None = None  # why, once stopped
         self.steps = 0
+        #: the slowest rank's own seconds for the last command of each kind (the status page's rank times)
+        self.rank_seconds: dict[str, float] = {}
         self.group: TrainGroup | None = None
         self._queue: list[_Job] = []
         self._order = itertools.count()
@@ -106,6 +108,10 @@ class TrainingModel:
         self.stopped = self.stopped or why
         if self._scope is not None:
             self._scope.cancel()
+
+    def queued(self) -> int:
+        """Requests waiting for their turn (the one running is not counted)."""
+        return len(self._queue)
 
     def submit(self, seq_id: int | None, work: Work) -> Future:
         if self.stopped is not None:

@@ -1,7 +1,8 @@
 """Sampling for the Tinker service: one engine per base model, switched to the weights a request names.
 
 Owns `Sampler`. Its engine (the in-repo engine on the CPU, or SGLang, as the placement would start it) is
-launched on the first sampling request for its base model and loads a sampler checkpoint from disk
+launched on the first sampling request for its base model — or, given `--sampler-url`, a running engine
+(SGLang's own) is used and never stopped here — and loads a sampler checkpoint from disk
 (`/update_weights_from_disk`, the snapshot `save_weights_for_sampler` wrote: merged weights for LoRA) before
 generating with it. Invariants: requests for the weights loaded now run concurrently; a switch of weights
 waits until none is in flight and no request runs across a switch, so every sample's logprobs are those of the
@@ -29,7 +30,7 @@ from workers.boundary.json_input import JsonObject, JsonValue
 
 class Sampler:
     def __init__(self, *, name: str, path: str, run_dir: Path, client: EngineClient, engine_kind: str = "rayless",
-                 engine_args: tuple[str, ...] = ()) -> None:
+                 engine_args: tuple[str, ...] = (), attached_url: str | None = None) -> None:
         self.name = name
         self.path = path
         self.run_dir = run_dir
@@ -38,13 +39,19 @@ class Sampler:
                                      extra_args=engine_args, env=(("RAYLESS_ENGINE_THREADS", "1"),))
         self.engine: EngineProcess | None = None
         self.api: EngineAPI | None = None
-        self.current: str = path  # the weights the engine holds: its base model's at launch
+        #: a running engine (--sampler-url) used instead of launching one; never stopped here
+        self.attached_url = attached_url
+        # the weights the engine holds: its base model's at launch; an attached engine's are not known until
+        # the first request loads the ones it names
+        self.current: str | None = path if attached_url is None else None
         self.in_flight = 0
         self._switch = anyio.Condition()
         self._start = anyio.Lock()
 
     async def _started(self) -> EngineAPI:
         async with self._start:
+            if self.api is None and self.attached_url is not None:
+                self.api = EngineAPI(self.client, self.attached_url)
             if self.api is None:
                 self.engine = await launch_engine(self.spec, name=f"sampler-{self.name}", run_dir=self.run_dir,
                                                   client=self.client)

@@ -27,13 +27,14 @@ import anyio
 import anyio.abc
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from coordinator.engines.client import EngineClient
 from coordinator.engines.errors import EngineError
 from coordinator.tinker import requests as req
+from coordinator.tinker import status
 from coordinator.tinker.futures import PROTOBUF, Future, FutureStore, UserError
 from coordinator.tinker.models import TrainingModel, Work
 from coordinator.tinker.sampling import Sampler
@@ -113,7 +114,8 @@ class TinkerServer(AppServer):
     def __init__(self, *, base_models: list[BaseModel], run_dir: Path, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, ranks: int = 1, limits: Limits | None = None,
                  session_timeout_s: float = 60.0, poll_s: float = 10.0, torch_threads: int = 1,
-                 data_parallel: str = "auto") -> None:
+                 data_parallel: str = "auto", sampler_urls: dict[str, str] | None = None,
+                 sampler_api_key: str | None = None) -> None:
         super().__init__(host=host, port=port, limits=ServerLimits())
         self.base_models = {model.name: model for model in base_models}
         self.run_dir = run_dir
@@ -126,6 +128,9 @@ class TinkerServer(AppServer):
         self.sessions = Sessions(timeout_s=session_timeout_s, on_end=self._session_ended)
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        #: base model name → a running engine it samples on (--sampler-url), instead of one launched here
+        self.sampler_urls = dict(sampler_urls or {})
+        self.sampler_api_key = sampler_api_key
         #: sampling session id → (base model name, the weights' local path or None for the base model)
         self.sampling: dict[str, tuple[str, str | None]] = {}
         #: tinker:// sampler paths → their snapshot directory
@@ -137,7 +142,7 @@ class TinkerServer(AppServer):
     # ---------------------------------------------------------------------------------------------- lifetime
     async def run(self, *, task_status: anyio.abc.TaskStatus[TinkerServer] = anyio.TASK_STATUS_IGNORED) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        async with EngineClient(max_connections=64) as client:
+        async with EngineClient(max_connections=64, api_key=self.sampler_api_key) as client:
             self._client = client
             try:
                 async with anyio.create_task_group() as tasks:
@@ -165,6 +170,7 @@ class TinkerServer(AppServer):
         figures = {"tinker_sessions_live": len(self.sessions.live), "tinker_models_live": len(self.live_models()),
                    "tinker_samplers_started": sum(s.api is not None for s in self.samplers.values()),
                    "tinker_futures_pending": self.futures.pending(),
+                   "tinker_requests_queued": sum(m.queued() for m in self.live_models()),
                    "tinker_optim_steps_total": sum(m.steps for m in self.models.values())}
         return "".join(f"# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}\n{name} {value}\n"
                        for name, value in figures.items())
@@ -182,9 +188,14 @@ class TinkerServer(AppServer):
         path = request.url.path
         if path in ("/api/v1/healthz", "/health", "/healthz"):
             return _json({"status": "ok"})
+        if path == "/" and request.method == "GET":  # static, no data: it asks /status with the key it is given
+            return HTMLResponse(status.PAGE)
         self._check_key(request)
         if path == "/metrics":
             return Response(self.metrics(), media_type="text/plain; version=0.0.4")
+        if path == "/status":
+            return _json(status.document(base_models=self.base_models, sessions=self.sessions, models=self.models,
+                                         samplers=self.samplers, futures=self.futures))
         if not path.startswith(PREFIX):
             raise HttpReply(404, f"{path}: the Tinker API is served under {PREFIX}")
         call = path[len(PREFIX):]
@@ -376,6 +387,7 @@ class TinkerServer(AppServer):
 
         async def work(commands: TrainCommands) -> tuple[bytes, str]:
             reply = await commands.forward_backward(data, parsed.loss_fn, config, forward_only=parsed.forward_only)
+            model.rank_seconds["forward" if parsed.forward_only else "forward_backward"] = reply.seconds
             outputs = {"logprobs": reply.logprobs, "elementwise_loss": reply.elementwise_loss}
             metrics = {"loss:sum": reply.loss_sum, "rank_seconds:max": reply.seconds}
             return encode_forward_backward_output(outputs, metrics), PROTOBUF
@@ -398,6 +410,7 @@ class TinkerServer(AppServer):
         async def work(commands: TrainCommands) -> tuple[bytes, str]:
             reply = await commands.optim_step(command)
             model.steps += 1
+            model.rank_seconds["optim_step"] = reply.seconds
             metrics = {"grad_norm:mean": reply.grad_norm, "rank_seconds:max": reply.seconds}
             return json.dumps({"metrics": metrics}).encode(), "application/json"
 
@@ -539,7 +552,8 @@ class TinkerServer(AppServer):
         if sampler is None:
             assert self._client is not None
             sampler = self.samplers[base_name] = Sampler(name=base_name, path=base.path, run_dir=self.run_dir,
-                                                         client=self._client)
+                                                         client=self._client,
+                                                         attached_url=self.sampler_urls.get(base_name))
         future = self.futures.create()
         assert self._tasks is not None
         self._tasks.start_soon(self._sample, sampler, future, weights, prompt, body, params)

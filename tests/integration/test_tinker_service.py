@@ -7,7 +7,8 @@ by the margin the GRPO tests use; a supervised loop lowers its loss; the sampler
 `save_state` / `load_state` bring the weights back. Hostile and unsupported calls get 4xx answers naming what
 is wrong. An SDK client in its own process resumes a checkpoint as the cookbook resumes
 (`create_training_client_from_state_with_optimizer`) and is killed: its model's ranks are stopped. The
-service's stop leaves no process behind.
+service's stop leaves no process behind. The cookbook's own `sl_loop` and `rl_loop` run on the same service
+(when tinker-cookbook is installed). `/status` shows the loops' model, session and sampler.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 KEY = "tml-rayless-test"
 MAX_DATUMS = 64
 SESSION_TIMEOUT_S = 30
+COOKBOOK_MODEL = "Qwen/Qwen3-4B-Instruct-2507"
+BOXED = "\\boxed{3}"
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Service:
     proc: subprocess.Popen[bytes]
     log: Path
     saved: list[tuple[str, list[int], list[float]]]
+    cookbook_model: Path
 
     def post(self, call: str, body: Any = None, *, content: bytes | None = None, key: str | None = KEY,
              headers: dict[str, str] | None = None) -> httpx.Response:
@@ -71,15 +75,20 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
     # the output head untied, so LoRA adapts it (tests/integration/test_train_lora.py: the task needs it)
     model = build_tiny_model(tmp_path_factory.mktemp("tinker-model"), TinyModelSpec(untied_head=True))
+    # the cookbook's loops pick their renderer by a Hugging Face model name: the tiny model (ChatML tokens, as
+    # Qwen's) under a Qwen instruct name, with the answer the RL loop's grader looks for as one token
+    cookbook_model = build_tiny_model(tmp_path_factory.mktemp("tinker-cookbook-model"),
+                                      TinyModelSpec(untied_head=True, words=(BOXED,)))
     root = tmp_path_factory.mktemp("tinker-service")
     port = free_port()
     log = root / "server.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator.cli", "tinker-server", "--port", str(port), "--api-key", KEY,
-             "--base-model", f"tiny={model}", "--run-dir", str(root / "run"), "--max-batch-datums", str(MAX_DATUMS),
+             "--base-model", f"tiny={model}", "--base-model", f"{COOKBOOK_MODEL}={cookbook_model}",
+             "--max-models", "4", "--run-dir", str(root / "run"), "--max-batch-datums", str(MAX_DATUMS),
              "--session-timeout", str(SESSION_TIMEOUT_S)], stdout=out, stderr=subprocess.STDOUT)
-    service = Service(f"http://127.0.0.1:{port}", proc, log, [])
+    service = Service(f"http://127.0.0.1:{port}", proc, log, [], cookbook_model)
     try:
         wait_until_sync(lambda: log.read_text(errors="replace"), until=lambda text: "ready on" in text
                         or proc.poll() is not None, timeout=120, what="the service's ready line")
@@ -236,6 +245,16 @@ def test_hostile_and_unsupported_calls_get_answers_naming_what_is_wrong(service:
     assert httpx.get(f"{service.url}/api/v1/healthz").json() == {"status": "ok"}  # the probe needs no key
     metrics = httpx.get(f"{service.url}/metrics", headers={"X-API-Key": KEY}).text
     assert "tinker_models_live 1\n" in metrics and "tinker_optim_steps_total" in metrics, metrics
+    # the status document: the loops' model with its steps and its ranks' own times, its session, the sampler
+    assert httpx.get(f"{service.url}/status", headers={"X-API-Key": "tml-wrong"}).status_code == 401
+    status = httpx.get(f"{service.url}/status", headers={"X-API-Key": KEY}).json()
+    shown = next(m for m in status["models"] if m["model_id"] == model_id)
+    assert shown["state"] == "ready" and shown["queued"] == 0 and shown["optim_steps"] >= 9, shown
+    assert shown["rank_seconds"]["forward_backward"] > 0 and shown["rank_seconds"]["optim_step"] > 0, shown
+    assert shown["session_id"] in [s["session_id"] for s in status["sessions"]], status
+    assert status["samplers"][0]["started"] and status["samplers"][0]["in_flight"] == 0, status
+    page = httpx.get(f"{service.url}/")  # the page is static (no data, no key): it asks /status with #key=
+    assert page.status_code == 200 and 'fetch("status"' in page.text and model_id not in page.text
 
     cases = [
         (service.post("retrieve_future", {"request_id": "req-999999"}), 404, "unknown request_id"),
@@ -307,3 +326,43 @@ def test_a_client_that_disappears_leaves_nothing_running(service: Service, tmp_p
     assert stopped.status_code == 400 and "no heartbeat" in stopped.json()["detail"], stopped.text
     session = resumed["model_id"].split(":")[0]
     assert service.post("session_heartbeat", {"session_id": session}).status_code == 410
+
+
+def test_the_cookbooks_own_loops_run_changed_only_in_url_model_and_data(service: Service, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """tinker-cookbook's `sl_loop.main` and `rl_loop.main`, as installed: only `base_url`, the model name and
+    the dataset (`datasets.load_dataset`, here local rows in the loops' own shapes: no_robots conversations,
+    GSM8K question/answer) differ. The SL loop's NLL falls; the RL loop (`importance_sampling`, its default
+    `stable_reinforce` is refused by name) raises the reward by the GRPO tests' margin."""
+    sl_loop = pytest.importorskip("tinker_cookbook.recipes.sl_loop", reason="tinker-cookbook is not installed "
+                                  "(pip install tinker-cookbook; not in the test extra: it is not light)")
+    rl_loop = pytest.importorskip("tinker_cookbook.recipes.rl_loop", reason="tinker-cookbook is not installed")
+    import datasets
+
+    # the loops' tokenizer lookup finds the model name as a local directory; the key from the SDK's variable
+    (tmp_path / "Qwen").mkdir()
+    (tmp_path / COOKBOOK_MODEL).symlink_to(service.cookbook_model)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    conversations = [{"messages": [{"role": "user", "content": f"add {a} and {b}"},
+                                   {"role": "assistant", "content": f"{a} + {b} = {a + b}"}]}
+                     for a, b in zip(range(10), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3] * 4, strict=False)] * 3
+    problems = [{"question": f"what is {i % 3} times 0 plus 3?", "answer": "so 3\n#### 3"} for i in range(48)]
+    local = {"HuggingFaceH4/no_robots": conversations, "openai/gsm8k": problems}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, *_a, **_k: datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(local[name])}))
+
+    sl_loop.main(sl_loop.Config(base_url=service.url, model_name=COOKBOOK_MODEL, log_path=str(tmp_path / "sl"),
+                                batch_size=5, learning_rate=1e-2, lora_rank=8, save_every=3, max_steps=6))
+    nll = [row["train_mean_nll"] for row in map(json.loads, (tmp_path / "sl/metrics.jsonl").read_text().splitlines())]
+    assert len(nll) == 6 and nll[-1] < 0.8 * nll[0], nll
+
+    rl_loop.main(rl_loop.Config(base_url=service.url, model_name=COOKBOOK_MODEL, log_path=str(tmp_path / "rl"),
+                                batch_size=8, group_size=8, max_tokens=16, learning_rate=1e-2, lora_rank=8,
+                                loss_fn="importance_sampling", save_every=0, max_steps=6))
+    rows = [json.loads(line) for line in (tmp_path / "rl/metrics.jsonl").read_text().splitlines()]
+    rewards = [row["reward/total"] for row in rows if "reward/total" in row]
+    assert len(rewards) == 6 and np.mean(rewards[-2:]) >= max(2 * np.mean(rewards[:2]), 0.25), rewards
+    # the loops never close their ServiceClients: their HTTP pools are collected here, under this module's
+    # filter (collected at the session's end instead, their ResourceWarnings would fail the run)
+    gc.collect()

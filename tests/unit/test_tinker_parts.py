@@ -127,6 +127,8 @@ def test_the_losses_are_tinkers_sums() -> None:
     (["--base-model", "x=/", "--api-key", "secret"], "does not start with tml-"),
     (["--base-model", "x=/", "--host", "0.0.0.0"], "without a key"),
     (["--base-model", "x=/", "--session-timeout", "5"], "--session-timeout must be >= 15"),
+    (["--base-model", "x=/", "--sampler-url", "y=http://127.0.0.1:30000"], "NAME must be one of the --base-model"),
+    (["--base-model", "x=/", "--sampler-url", "x=127.0.0.1:30000"], "URL must be http(s)://HOST:PORT"),
 ])
 def test_bad_flags_exit_2_before_anything_starts(flags: list[str], words: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
