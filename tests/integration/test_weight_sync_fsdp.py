@@ -129,7 +129,7 @@ async def test_fsdp2_ranks_gather_each_bucket_together_and_rank0_sends_it(
             await update.run([Engine(receiver.url)], "fsdp-1")
             formed_s = time.monotonic() - started  # a whole update on this machine now: the calibration below
             async with httpx.AsyncClient(base_url=receiver.url, timeout=60) as http:
-                got = (await http.post("/logprobs", json={"tokens": [s.tokens for s in samples],
+                got = (await http.post("/logprobs", json={"tokens": [s.tokens.tolist() for s in samples],
                                                           "response_lengths": [s.response_length for s in samples]}
                                        )).json()["logprobs"]
                 assert (await http.get("/get_weight_version")).json() == {"weight_version": "fsdp-1"}

@@ -60,7 +60,7 @@ class Updates:
 
 async def receiver_logprobs(url: str, samples: list[protocol.WireSample]) -> list[list[float]]:
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        response = await http.post("/logprobs", json={"tokens": [s.tokens for s in samples],
+        response = await http.post("/logprobs", json={"tokens": [s.tokens.tolist() for s in samples],
                                                       "response_lengths": [s.response_length for s in samples]})
         response.raise_for_status()
         return response.json()["logprobs"]

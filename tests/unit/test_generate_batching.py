@@ -93,8 +93,9 @@ def test_tune_collector_freezes_the_heap_once_and_raises_the_first_threshold(
     before = gc.get_threshold()
     monkeypatch.setattr(manager, "_TUNED", False)
     try:
+        already = gc.get_freeze_count()  # an earlier in-process run in this worker may have frozen its heap
         live = len(gc.get_objects())
-        frozen = manager.tune_collector()
+        frozen = manager.tune_collector() - already
         assert frozen >= live // 2  # the live heap went to the permanent generation
         assert len(gc.get_objects()) < live - frozen // 2  # and out of the collector's passes
         assert gc.get_threshold() == (manager.GEN0_THRESHOLD, *before[1:])
