@@ -262,14 +262,12 @@ async def start_processes(config: Config, processes: Processes, task_group: Task
 def _load_tokenizer(config: Config) -> tuple[Any, int | None, int]:
     """The tokenizer, the context length and the vocabulary engines sample from: the model's (its embedding
     may be padded past the tokenizer's) or the tokenizer's, whichever is larger."""
-    from transformers import AutoConfig, AutoTokenizer
+    from coordinator.tokenizer import load_tokenizer, read_model_fields
 
-    tokenizer = AutoTokenizer.from_pretrained(config.rollout.hf_checkpoint)
-    model_config = AutoConfig.from_pretrained(config.rollout.hf_checkpoint)
-    context = config.sglang.sglang_context_length or getattr(model_config, "max_position_embeddings", None)
-    model_vocab = getattr(model_config, "vocab_size", None) or getattr(
-        getattr(model_config, "text_config", None), "vocab_size", None)
-    return tokenizer, context, max(len(tokenizer), model_vocab if isinstance(model_vocab, int) else 0)
+    tokenizer = load_tokenizer(config.rollout.hf_checkpoint)  # torch-free where the files decide the class
+    fields = read_model_fields(config.rollout.hf_checkpoint)
+    context = config.sglang.sglang_context_length or fields.max_position_embeddings
+    return tokenizer, context, max(len(tokenizer), fields.vocab_size or 0)
 
 
 def build_fault_tolerance(config: Config, processes: Processes, *, tokenizer: Any, run_dir: Path,

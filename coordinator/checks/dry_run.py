@@ -99,9 +99,9 @@ def check_tokenizer(config: Config) -> list[str]:
     if not (Path(str(config.rollout.hf_checkpoint)) / "config.json").is_file():
         return []  # check_paths says what is wrong with the directory
     try:
-        from transformers import AutoTokenizer
+        from coordinator.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(config.rollout.hf_checkpoint, local_files_only=True)
+        tokenizer = load_tokenizer(config.rollout.hf_checkpoint, local_files_only=True)
     except Exception as error:  # transformers raises many types for a bad directory
         raise ConfigError(f"--hf-checkpoint {config.rollout.hf_checkpoint}: the tokenizer does not load: "
                           f"{type(error).__name__}: {error}") from None

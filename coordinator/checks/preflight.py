@@ -246,9 +246,9 @@ def _template_forms(checkpoint: str | None) -> TemplateForms:
     if checkpoint is None:
         return UNKNOWN
     try:
-        from transformers import AutoTokenizer
+        from coordinator.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+        tokenizer = load_tokenizer(checkpoint, local_files_only=True)
     except (OSError, ValueError):
         return UNKNOWN
     return template_forms(tokenizer)

@@ -36,9 +36,9 @@ class SftRollout:
     def _load_mask(self) -> ChatLossMask:
         tokenizer = self.context.tokenizer
         if tokenizer is None:  # an SFT run starts no engines, so the run loaded no tokenizer
-            from transformers import AutoTokenizer
+            from coordinator.tokenizer import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self.config.rollout.hf_checkpoint)
+            tokenizer = load_tokenizer(self.config.rollout.hf_checkpoint)
         return ChatLossMask(tokenizer, self.config.sft.loss_mask_type)
 
     async def __call__(self, rollout_id: int, weight_version: str) -> RolloutBatch:
