@@ -262,7 +262,7 @@ async def start_processes(config: Config, processes: Processes, task_group: Task
 def _load_tokenizer(config: Config) -> tuple[Any, int | None, int]:
     """The tokenizer, the context length and the vocabulary engines sample from: the model's (its embedding
     may be padded past the tokenizer's) or the tokenizer's, whichever is larger."""
-    from coordinator.tokenizer import load_tokenizer, read_model_fields
+    from coordinator.data.tokenizer import load_tokenizer, read_model_fields
 
     tokenizer = load_tokenizer(config.rollout.hf_checkpoint)  # torch-free where the files decide the class
     fields = read_model_fields(config.rollout.hf_checkpoint)

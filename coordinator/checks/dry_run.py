@@ -99,7 +99,7 @@ def check_tokenizer(config: Config) -> list[str]:
     if not (Path(str(config.rollout.hf_checkpoint)) / "config.json").is_file():
         return []  # check_paths says what is wrong with the directory
     try:
-        from coordinator.tokenizer import load_tokenizer
+        from coordinator.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(config.rollout.hf_checkpoint, local_files_only=True)
     except Exception as error:  # transformers raises many types for a bad directory

@@ -246,7 +246,7 @@ def _template_forms(checkpoint: str | None) -> TemplateForms:
     if checkpoint is None:
         return UNKNOWN
     try:
-        from coordinator.tokenizer import load_tokenizer
+        from coordinator.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(checkpoint, local_files_only=True)
     except (OSError, ValueError):

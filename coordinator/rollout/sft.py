@@ -36,7 +36,7 @@ class SftRollout:
     def _load_mask(self) -> ChatLossMask:
         tokenizer = self.context.tokenizer
         if tokenizer is None:  # an SFT run starts no engines, so the run loaded no tokenizer
-            from coordinator.tokenizer import load_tokenizer
+            from coordinator.data.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(self.config.rollout.hf_checkpoint)
         return ChatLossMask(tokenizer, self.config.sft.loss_mask_type)

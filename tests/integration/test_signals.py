@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -170,6 +171,17 @@ def rollout_numbers(run_dir: Path) -> list[tuple[int, str, float, float]]:
             for row in read_metrics(run_dir / "metrics.jsonl")]
 
 
+def assert_no_torch_imported(importtime_stderr: str) -> None:
+    """Issue 36: a resuming coordinator (checkpoint checks, tokenizer, engines' and ranks' start, training, the
+    save on SIGTERM) imports no torch; its `-X importtime` lines show the tokenizer was loaded in it all the same.
+    (importtime logs `import` statements, not `importlib.import_module`; torch's own modules import each other by
+    statement, so a torch import by either way shows.)"""
+    modules = re.findall(r"^import time:\s+\d+ \|\s+\d+ \| *(\S+)$", importtime_stderr, re.M)
+    assert {"coordinator.services", "coordinator.data.tokenizer", "transformers.tokenization_utils_base"} <= set(
+        modules), modules[-50:]
+    assert [name for name in modules if name.split(".")[0] == "torch"] == []
+
+
 def test_sigterm_with_save_saves_the_step_and_its_printed_command_resumes_it_exactly(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     run_dir, save = tmp_path / "run", tmp_path / "ckpt"
@@ -193,13 +205,18 @@ def test_sigterm_with_save_saves_the_step_and_its_printed_command_resumes_it_exa
     found = re.search(r"to resume from the checkpoint of rollout (\d+) \((.+)\), run from (.+):\n  (.+)\n", err)
     assert found is not None, err[-3000:]
     assert (int(found[1]), found[2]) == (last, str(save))
-    # as printed, from where it says: the same run, continued in the same run directory
+    # as printed, from where it says: the same run, continued in the same run directory; its interpreter run with
+    # -X importtime (not passed to children), so the resumed coordinator's stderr lists every module it imported
     resumed_at = time.time()
-    resumed, resumed_err = start_command(["bash", "-c", "exec " + found[4]], tmp_path / "resumed.stderr",
+    program = shlex.join([sys.executable, "-m", "coordinator.cli"])
+    assert found[4].startswith(program + " train "), found[4]
+    timed = shlex.join([sys.executable, "-X", "importtime", "-m", "coordinator.cli"]) + found[4][len(program):]
+    resumed, resumed_err = start_command(["bash", "-c", "exec " + timed], tmp_path / "resumed.stderr",
                                          cwd=Path(found[3]))
     stop_and_check(resumed, run_dir, resumed_err, signal.SIGTERM, router=False, ranks=1, step=last + 2,
                    within=SAVED_WITHIN_S)
     assert f"continuing at rollout {last + 1}" in resumed_err.read_text()
+    assert_no_torch_imported(resumed_err.read_text())
     numbers = rollout_numbers(run_dir)
     assert [row[0] for row in numbers] == list(range(len(numbers))), "each rollout once, in order"
     # the summary (and rewards.png, drawn from the same rows) covers the whole run, not the resumed part alone

@@ -1,4 +1,4 @@
-"""`coordinator.tokenizer` picks the class AutoTokenizer picks and reads the config fields AutoConfig gives,
+"""`coordinator.data.tokenizer` picks the class AutoTokenizer picks and reads the config fields AutoConfig gives,
 torch-free; where the files cannot decide, it falls back to the Auto class (asserted per directory)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import tokenizer as choice
+from coordinator.data import tokenizer as choice
 
 TEXTS = ["hello world", "  a b\tc\n", "<|im_start|>x<|im_end|>", "ünïcode ✓"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 1+1?"},
@@ -120,7 +120,7 @@ def test_config_fields_are_autoconfigs(model_dirs: dict[str, Path], tmp_path: Pa
 
 def test_decided_loads_import_no_torch(model_dirs: dict[str, Path]) -> None:
     decided = [str(model_dirs[name]) for name, fast in CASES.items() if fast]
-    script = ("import json, sys\nfrom coordinator.tokenizer import load_tokenizer, read_model_fields\n"
+    script = ("import json, sys\nfrom coordinator.data.tokenizer import load_tokenizer, read_model_fields\n"
               f"dirs = {decided!r}\n"
               "lengths = [len(load_tokenizer(d)) for d in dirs]\n"
               "fields = [read_model_fields(d).vocab_size for d in dirs[:2]]\n"
