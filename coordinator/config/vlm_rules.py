@@ -45,16 +45,13 @@ def images_need_a_vlm(config: Config) -> None:
 
 def images_reach_only_what_carries_them(config: Config) -> None:
     """The parts that do not carry images yet (docs/vlm.md#what-is-refused), refused by their flags. A custom
-    generate function carries them (`coordinator.rollout.hook_generate`)."""
+    generate function carries them (`coordinator.rollout.hook_generate`); so does true-on-policy (the engine's
+    rescorer scores a sequence with its images, `workers.engine.rescoring`)."""
     if not has_images(config):
         return
     refused = []
     refused += ["--use-session-server (the session server takes text only)"] if config.hooks.use_session_server \
         else []
-    on_policy = config.determinism.true_on_policy_mode or any(
-        token.startswith("--rl-on-policy-target") for token in config.sglang.sglang_passthrough)
-    refused += ["--true-on-policy-mode / --sglang-rl-on-policy-target (the engine's rescoring forward and the "
-                "trainer's batch-invariant one take no images yet)"] if on_policy else []
     if refused:
         raise ConfigError("a run whose prompts hold images cannot use: " + "; ".join(refused))
 

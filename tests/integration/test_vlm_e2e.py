@@ -6,7 +6,8 @@ rises (the last three rollouts' mean at least twice the first three's) and, afte
 trainer's logprobs of each sampled token equal the engine's (which they could not if either side dropped the
 images or their multimodal positions); its dumps, holding the processed images, replay with no engine and no
 data to the same losses. slime's `geo3k_vlm_multi_turn` shape (a custom generate function whose environment
-returns an image in a later turn) trains with both turns' images. A VLM SFT run in slime's recipe shape (`--loss-type sft_loss`, chats whose user turn
+returns an image in a later turn) trains with both turns' images. With `--true-on-policy-mode` the engine's
+rescored logprobs are the trainer's exactly, images included. A VLM SFT run in slime's recipe shape (`--loss-type sft_loss`, chats whose user turn
 holds `<image>`, `--multimodal-keys`) lowers its loss. Kept short: CI has 2 cores.
 """
 
@@ -148,3 +149,19 @@ def test_a_custom_generate_function_adds_an_image_in_a_later_turn(vlm_model: Pat
         assert observed == [0, 0, 0, 0], (response, sample.loss_mask)
         assert OBSERVATION in tokenizer.decode(response)
         assert sum(sample.loss_mask) >= 2  # both of the model's turns are trained
+
+
+def test_true_on_policy_with_images_gives_the_trainers_logprobs_bit_for_bit(vlm_model: Path, tmp_path: Path) -> None:
+    """miles' true_on_policy_vlm shape on the tiny VLM: the engine decodes batch-invariantly and rescores each
+    finished sequence with its images as the rank scores that one sample (docs/deterministic.md): the recorded
+    train/rollout logprob difference is exactly 0.0, before and after a weight sync."""
+    run_dir = tmp_path / "run"
+    config = parse_config(["--hf-checkpoint", str(vlm_model), "--run-dir", str(run_dir), "--prompt-data",
+                           "builtin:colour", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                           "--rollout-max-response-len", "3", "--rollout-num-engines", "1", "--num-rollout", "2",
+                           "--lr", "1e-2", "--no-progress", "--true-on-policy-mode"])
+    summary = anyio.run(run_training, config)
+    assert summary["train_steps"] == 2
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["train/train_rollout_logprob_abs_diff_max"] for row in rows] == [0.0, 0.0]
+    assert [row["weight_version"] for row in rows] == ["1", "2"]  # the second rollout ran on synced weights

@@ -206,6 +206,42 @@ def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_
         trainer._micro_batches([broken, samples[1]])
 
 
+def test_true_on_policy_rescoring_with_images_is_the_trainers_logprobs_exactly(tiny_vlm_dir: Path) -> None:
+    """`--rl-on-policy-target` on a VLM: the engine's rescorer scores a finished sequence with its images as a
+    rank scores that one sample (micro-batch size 1, train mode, autograd on, images through the wire): equal
+    floats, not close ones."""
+    from tests.support.train_settings import init_command
+    from workers import protocol
+    from workers.engine.rescoring import Rescorer
+    from workers.protocol.control import wire_images
+    from workers.train_rank.trainer import Trainer
+
+    runner, rows, vision = engine_rollout(tiny_vlm_dir, batch_invariant=True)
+    ids, output, decoded = rows["vlm"]
+    rescored = Rescorer(runner).rescore([(ids, output, vision), (rows["text"][0], rows["text"][1], None)])
+    assert max(abs(a - b) for a, b in zip(rescored[0], decoded, strict=True)) < 1e-5  # the same sequence
+    images = wire_images({"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw})
+    samples = [protocol.WireSample(tokens=ids + output, response_length=len(output), loss_mask=[1] * len(output),
+                                   rollout_log_probs=rescored[0], advantage=1.0, images=images),
+               protocol.WireSample(tokens=rows["text"][0] + rows["text"][1], response_length=len(rows["text"][1]),
+                                   loss_mask=[1] * len(rows["text"][1]), rollout_log_probs=rescored[1],
+                                   advantage=1.0)]
+    frame = protocol.encode_frame(protocol.Request(1, protocol.TrainCommand(0, [samples], [1])))
+    decoded_frame = protocol.decode_body(bytearray(frame[4:]))
+    assert isinstance(decoded_frame, protocol.Request) and isinstance(decoded_frame.command, protocol.TrainCommand)
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 1e-2, "max_tokens_per_micro_batch": 4096,
+                               "seed": 3, "micro_batch_size": 1, "use_rollout_logprobs": True}))
+    trainer.model.train()
+    batches = trainer._micro_batches(decoded_frame.command.steps[0])
+    assert len(batches) == 2 and batches[0].position_ids.shape[0] == 4
+    for batch, sample in zip(batches, samples, strict=True):
+        log_probs, _ = trainer._scores(batch, trainer.model, with_entropy=True)
+        assert log_probs.requires_grad
+        start, end = batch.spans[0]
+        assert log_probs.view(-1)[start:end].tolist() == sample.rollout_log_probs  # bit for bit
+
+
 def test_multimodal_keys_turn_rows_into_chats_with_image_parts_as_slime(tmp_path: Path) -> None:
     from coordinator.data.source import read_prompt_file
 
@@ -306,8 +342,6 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
         (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", str(data), "--multimodal-keys",
           '{"video": "clips"}'], "'video': only images are served"),
         (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--use-session-server", "v1"], "session server"),
-        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--deterministic-mode", "--true-on-policy-mode"],
-         "--true-on-policy-mode / --sglang-rl-on-policy-target"),
     ]
     for argv, reason in cases:
         with pytest.raises(ConfigError) as refused:
@@ -316,6 +350,8 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys])  # a VLM with images: accepted
     # a custom generate function carries images (slime's geo3k_vlm_multi_turn shape): accepted
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--custom-generate-function-path", "m.f"])
+    # true-on-policy: the engine's rescorer takes the images (test_true_on_policy_rescoring_...): accepted
+    parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--deterministic-mode", "--true-on-policy-mode"])
 
 
 def test_a_hooks_sample_with_images_is_made_whole_or_refused_naming_the_hook(tiny_vlm_dir: Path) -> None:
