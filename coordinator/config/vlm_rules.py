@@ -43,17 +43,6 @@ def images_need_a_vlm(config: Config) -> None:
                           "(`rayless make-tiny-model --vlm DIR` builds a tiny one)")
 
 
-def images_reach_only_what_carries_them(config: Config) -> None:
-    """The parts that do not carry images yet (docs/vlm.md#what-is-refused), refused by their flags. A custom
-    generate function carries them (`coordinator.rollout.hook_generate`); so does true-on-policy (the engine's
-    rescorer scores a sequence with its images, `workers.engine.rescoring`)."""
-    if not has_images(config):
-        return
-    refused = []
-    refused += ["--use-session-server (the session server takes text only)"] if config.hooks.use_session_server \
-        else []
-    if refused:
-        raise ConfigError("a run whose prompts hold images cannot use: " + "; ".join(refused))
-
-
-VLM_RULES: tuple[Callable[[Config], None], ...] = (images_need_a_vlm, images_reach_only_what_carries_them)
+# Custom generate functions (`coordinator.rollout.hook_generate`), the session server
+# (`coordinator.sessions.images`) and true-on-policy (`workers.engine.rescoring`) carry images: no rule refuses them.
+VLM_RULES: tuple[Callable[[Config], None], ...] = (images_need_a_vlm,)

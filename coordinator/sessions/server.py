@@ -28,8 +28,9 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -41,6 +42,7 @@ from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReply
 from coordinator.engines.replies import check_chat_reply
 from coordinator.rollout.dispatch import Dispatcher, EngineHandleLike, NoEngineAvailable
 from coordinator.rollout.hook_endpoint import ENGINE_HEADER, guarded
+from coordinator.sessions.images import decode_urls, expand_image_runs, image_urls
 from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
 from coordinator.sessions.trajectory import Session, SessionBounds, SessionFull, assemble_all
 from coordinator.sessions.wire_formats import (
@@ -61,6 +63,9 @@ from workers.boundary.http_guard import ServerLimits
 from workers.boundary.http_server import AppServer
 from workers.boundary.json_input import JsonLimits, JsonObject, JsonValue, decode_json_async
 from workers.engine.finished_turns import Turn as FinishedTurn
+
+if TYPE_CHECKING:
+    from workers.vlm_processor import PixelInputs, VlmProcessor
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +109,11 @@ class SessionServer(AppServer):
     def __init__(self, *, dispatcher: Dispatcher, tito: TitoTokenizer, matcher: Matcher, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, max_sessions: int = 65536,
                  max_body_bytes: int = 64 * 1024 * 1024, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 limits: ServerLimits | None = None, session_bounds: SessionBounds | None = None) -> None:
+                 limits: ServerLimits | None = None, session_bounds: SessionBounds | None = None,
+                 vision: VlmProcessor | None = None) -> None:
         super().__init__(host=host, port=port, limits=limits or ServerLimits())
+        self.vision = vision  # a vision-language policy: its processor (docs/vlm.md, `coordinator.sessions.images`)
+        tito.image_parts = vision is not None
         self.max_message_bytes = max_message_bytes
         self.dispatcher = dispatcher
         self.api_key = api_key
@@ -288,6 +296,7 @@ class SessionServer(AppServer):
         if request.get("n", 1) not in (1, None):
             raise HttpReply(400, "a session records one trajectory: n must be 1")
         tools = request.get("tools")
+        urls, pixels = await self._images(messages)
         # What token-in-token-out needs, forced (as miles): the session's ids, logprobs, and the meta info.
         request.update(logprobs=True, return_meta_info=True, no_stop_trim=False)
         async with session.lock:
@@ -297,9 +306,13 @@ class SessionServer(AppServer):
                 raise HttpReply(413, f"the session holds its limit of {session.bounds.max_turns} turns")
             try:
                 request["input_ids"], mount = session.prompt_ids(messages, tools, self.tito, self.matcher)
+                if pixels is not None and self.vision is not None:
+                    request["input_ids"] = expand_image_runs(request["input_ids"], pixels, self.vision)
+                    request["image_data"] = urls  # SGLang's field: the prompt's images, in order
             except SessionRequestError as error:
                 raise HttpReply(400, str(error)) from None
             response, url = await self._engine_call(session, "POST", CHAT_PATH, request)
+            request.pop("image_data", None)  # kept once, in the messages of the session's tree
             try:  # the turn's ids and logprobs are trained on: refused if out of the vocabulary or not finite
                 check_chat_reply(response, url, self.dispatcher.client.vocab_size)
             except EngineReplyError as error:
@@ -317,6 +330,22 @@ class SessionServer(AppServer):
             except SessionFull as error:
                 raise HttpReply(413, str(error)) from None
         return response, url
+
+    async def _images(self, messages: list[JsonObject]) -> tuple[list[str], PixelInputs | None]:
+        """A VLM session's request: its image parts' data URLs and their pixel inputs (decoded off the loop,
+        under the boundary's bounds; 400 naming a bad one); ([], None) without images or on a text policy (whose
+        template rendering refuses image parts)."""
+        if self.vision is None:
+            return [], None
+        vision = self.vision
+        try:
+            urls = image_urls(messages)
+            if not urls:
+                return [], None
+            pixels = await anyio.to_thread.run_sync(lambda: vision.pixel_inputs(decode_urls(urls)))
+        except SessionRequestError as error:
+            raise HttpReply(400, str(error)) from None
+        return urls, pixels
 
     @staticmethod
     def _turn(response: JsonObject) -> JsonObject:

@@ -111,6 +111,8 @@ class TitoTokenizer:
     pinned_kwargs: ClassVar[dict[str, Any]] = {}
     #: roles that may be appended after an assistant turn (a family whose template drops some narrows it)
     append_roles: ClassVar[frozenset[str]] = ALLOWED_APPEND_ROLES
+    #: a vision-language policy: image_url parts rendered as the template's images (`coordinator.sessions.images`)
+    image_parts: bool = False
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: JsonObject | None = None) -> None:
         self.tokenizer = tokenizer
@@ -133,8 +135,12 @@ class TitoTokenizer:
     def render(self, messages: list[JsonObject], *, add_generation_prompt: bool,
                tools: list[JsonValue] | None) -> str:
         try:
-            # As the engine renders chat (SGLang's 'string' content format): text parts joined, None as "".
-            messages = normalise_messages(messages)
+            if self.image_parts:  # a VLM: the template writes each image's placeholder
+                from coordinator.sessions.images import template_messages
+
+                messages = template_messages(messages)
+            else:  # As the engine renders chat (SGLang's 'string' content format): text parts joined, None as "".
+                messages = normalise_messages(messages)
         except ValueError as error:
             raise SessionRequestError(str(error)) from None
         try:

@@ -341,7 +341,6 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
           '{"image": "images"}'], "draws its images itself"),
         (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", str(data), "--multimodal-keys",
           '{"video": "clips"}'], "'video': only images are served"),
-        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--use-session-server", "v1"], "session server"),
     ]
     for argv, reason in cases:
         with pytest.raises(ConfigError) as refused:
@@ -350,6 +349,7 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys])  # a VLM with images: accepted
     # a custom generate function carries images (slime's geo3k_vlm_multi_turn shape): accepted
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--custom-generate-function-path", "m.f"])
+    parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--use-session-server"])  # images carried
     # true-on-policy: the engine's rescorer takes the images (test_true_on_policy_rescoring_...): accepted
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--deterministic-mode", "--true-on-policy-mode"])
 
