@@ -467,3 +467,48 @@ def test_lora_adapts_the_language_model_or_both_and_the_engine_serves_the_merge(
     response = served[0, len(samples[0].tokens) - samples[0].response_length - 1:]
     assert float((response - trained[start:end]).abs().max()) < 1e-5
     assert float((response - torch.tensor(samples[0].rollout_log_probs)).abs().max()) > 1e-4  # the step moved it
+
+
+def test_session_image_parts_render_expand_and_refuse_as_the_session_server_needs(tiny_vlm_dir: Path) -> None:
+    """`coordinator.sessions.images`: image_url parts become the template's images, a later turn's new image is
+    expanded while the stored turn's already expanded run is kept, a count that does not fit and a URL to fetch
+    are refused; an agent's chat gets the data's images as data URLs."""
+    from coordinator.sessions.images import (
+        agent_messages,
+        decode_urls,
+        expand_image_runs,
+        image_urls,
+        template_messages,
+    )
+    from coordinator.sessions.tito import SessionRequestError, TitoTokenizer
+    from workers.vlm_processor import VlmProcessor
+
+    processor = VlmProcessor(tiny_vlm_dir)
+    red, blue = decode_image(solid_png(56, 56, (255, 0, 0)), "a"), decode_image(solid_png(100, 60, (0, 0, 255)), "b")
+    chat = agent_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+                          [red])
+    assert isinstance(chat, list) and chat[0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
+    urls = image_urls(chat)
+    assert decode_urls(urls)[0].tobytes() == red.tobytes()
+    assert template_messages(chat)[0]["content"][0] == {"type": "image"}
+    tito = TitoTokenizer(processor.tokenizer)
+    tito.image_parts = True
+    first = tito.first_prompt(chat, None)
+    pixels = processor.pixel_inputs([red])
+    expanded = expand_image_runs(first, pixels, processor)
+    assert expanded == processor.expand_ids(first, pixels.image_grid_thw)  # the data path's own expansion
+    # a second turn: the stored (expanded) ids, then a user message with a new image (one placeholder)
+    later = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": encode_data_url(blue)}}]}]
+    appended = tito.appended_ids({"role": "assistant", "content": "r"}, later, None)
+    both = processor.pixel_inputs([red, blue])
+    ids = expand_image_runs(expanded + appended, both, processor)
+    processor.check_expanded(ids, both.image_grid_thw)
+    assert ids[:len(expanded)] == expanded and ids.count(processor.image_token_id) == sum(
+        processor.image_tokens(grid.tolist()) for grid in both.image_grid_thw)
+    with pytest.raises(SessionRequestError, match="1 image placeholder"):
+        expand_image_runs(first, both, processor)
+    with pytest.raises(SessionRequestError, match="base64 data URLs"):
+        image_urls([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
+    with pytest.raises(SessionRequestError, match="cannot be decoded"):
+        decode_urls(["data:image/png;base64,aGVsbG8="])
+    assert agent_messages("a text prompt", [red]) == "a text prompt"
