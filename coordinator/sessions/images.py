@@ -76,11 +76,12 @@ def decode_urls(urls: Sequence[str]) -> list[Image]:
         raise SessionRequestError(str(error)) from None
 
 
-def expand_image_runs(ids: Sequence[int], pixels: PixelInputs, processor: VlmProcessor) -> list[int]:
+def expand_image_runs(ids: Sequence[int], pixels: PixelInputs | None, processor: VlmProcessor) -> list[int]:
     """`ids` with each image's placeholder run expanded to its grid's token count: a run already that long (the
-    stored ids of earlier turns) kept, a single placeholder (the newly rendered messages) expanded."""
+    stored ids of earlier turns) kept, a single placeholder (the newly rendered messages) expanded. `pixels`
+    None: no images, so no image token may appear (one written in a message's text is refused)."""
     token = processor.image_token_id
-    wanted = [processor.image_tokens(grid.tolist()) for grid in pixels.image_grid_thw]
+    wanted = [] if pixels is None else [processor.image_tokens(grid.tolist()) for grid in pixels.image_grid_thw]
     out: list[int] = []
     index, image = 0, 0
     while index < len(ids):

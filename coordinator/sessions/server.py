@@ -42,7 +42,7 @@ from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReply
 from coordinator.engines.replies import check_chat_reply
 from coordinator.rollout.dispatch import Dispatcher, EngineHandleLike, NoEngineAvailable
 from coordinator.rollout.hook_endpoint import ENGINE_HEADER, guarded
-from coordinator.sessions.images import decode_urls, expand_image_runs, image_urls
+from coordinator.sessions.images import decode_urls, expand_image_runs, image_urls, template_messages
 from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
 from coordinator.sessions.trajectory import Session, SessionBounds, SessionFull, assemble_all
 from coordinator.sessions.wire_formats import (
@@ -113,7 +113,7 @@ class SessionServer(AppServer):
                  vision: VlmProcessor | None = None) -> None:
         super().__init__(host=host, port=port, limits=limits or ServerLimits())
         self.vision = vision  # a vision-language policy: its processor (docs/vlm.md, `coordinator.sessions.images`)
-        tito.image_parts = vision is not None
+        tito.message_parts = template_messages if vision is not None else None
         self.max_message_bytes = max_message_bytes
         self.dispatcher = dispatcher
         self.api_key = api_key
@@ -306,8 +306,9 @@ class SessionServer(AppServer):
                 raise HttpReply(413, f"the session holds its limit of {session.bounds.max_turns} turns")
             try:
                 request["input_ids"], mount = session.prompt_ids(messages, tools, self.tito, self.matcher)
-                if pixels is not None and self.vision is not None:
+                if self.vision is not None:
                     request["input_ids"] = expand_image_runs(request["input_ids"], pixels, self.vision)
+                if urls:
                     request["image_data"] = urls  # SGLang's field: the prompt's images, in order
             except SessionRequestError as error:
                 raise HttpReply(400, str(error)) from None

@@ -492,7 +492,7 @@ def test_session_image_parts_render_expand_and_refuse_as_the_session_server_need
     assert decode_urls(urls)[0].tobytes() == red.tobytes()
     assert template_messages(chat)[0]["content"][0] == {"type": "image"}
     tito = TitoTokenizer(processor.tokenizer)
-    tito.image_parts = True
+    tito.message_parts = template_messages
     first = tito.first_prompt(chat, None)
     pixels = processor.pixel_inputs([red])
     expanded = expand_image_runs(first, pixels, processor)
@@ -507,6 +507,9 @@ def test_session_image_parts_render_expand_and_refuse_as_the_session_server_need
         processor.image_tokens(grid.tolist()) for grid in both.image_grid_thw)
     with pytest.raises(SessionRequestError, match="1 image placeholder"):
         expand_image_runs(first, both, processor)
+    with pytest.raises(SessionRequestError, match="do not match its 0 image"):  # an image token without an image
+        expand_image_runs(first, None, processor)
+    assert expand_image_runs([5, 6], None, processor) == [5, 6]
     with pytest.raises(SessionRequestError, match="base64 data URLs"):
         image_urls([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
     with pytest.raises(SessionRequestError, match="cannot be decoded"):
