@@ -10,7 +10,9 @@ is one of the engine's generation or read routes (`workers.boundary.engine_route
 OpenAI, Anthropic and /generate routes, /v1/models, tokenize, model info) and refused with a 403 otherwise
 (pause, continue, abort, flush, memory, weight updates, /server_info: the coordinator's alone), and
 `GET /health`. A chat request's messages are bounded each (413 past `max_message_bytes`) and may not bring a
-chat template of their own (400) (`workers.boundary.chat_requests`). The HTTP side (bounded connections, heads
+chat template of their own (400) (`workers.boundary.chat_requests`). On a vision-language policy a chat request's
+image_url parts (data URLs only) are decoded under the boundary's bounds, rendered by the template, expanded in the
+prompt ids and sent as `image_data` (`coordinator.sessions.images`). The HTTP side (bounded connections, heads
 and bodies, deadlines, the API key of `--sglang-api-key`) is the shared layer's (`workers.boundary
 .http_server`), behind the hook endpoint's gates.
 
