@@ -43,20 +43,6 @@ def images_need_a_vlm(config: Config) -> None:
                           "(`rayless make-tiny-model --vlm DIR` builds a tiny one)")
 
 
-def images_reach_only_what_carries_them(config: Config) -> None:
-    """The parts that do not carry images yet (docs/vlm.md#what-is-refused), refused by their flags. A custom
-    generate function carries them (`coordinator.rollout.hook_generate`)."""
-    if not has_images(config):
-        return
-    refused = []
-    refused += ["--use-session-server (the session server takes text only)"] if config.hooks.use_session_server \
-        else []
-    on_policy = config.determinism.true_on_policy_mode or any(
-        token.startswith("--rl-on-policy-target") for token in config.sglang.sglang_passthrough)
-    refused += ["--true-on-policy-mode / --sglang-rl-on-policy-target (the engine's rescoring forward and the "
-                "trainer's batch-invariant one take no images yet)"] if on_policy else []
-    if refused:
-        raise ConfigError("a run whose prompts hold images cannot use: " + "; ".join(refused))
-
-
-VLM_RULES: tuple[Callable[[Config], None], ...] = (images_need_a_vlm, images_reach_only_what_carries_them)
+# Custom generate functions (`coordinator.rollout.hook_generate`), the session server
+# (`coordinator.sessions.images`) and true-on-policy (`workers.engine.rescoring`) carry images: no rule refuses them.
+VLM_RULES: tuple[Callable[[Config], None], ...] = (images_need_a_vlm,)

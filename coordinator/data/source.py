@@ -224,8 +224,9 @@ class PromptDataSource:
         shuffle: bool,
         seed: int,
         source: str = "<in-memory>",
+        render_images: bool = True,
     ) -> PromptDataSource:
-        """A source over records built in memory (the built-in tasks)."""
+        """A source over records built in memory (the built-in tasks); `render_images` as `_setup`'s."""
         checked: list[PromptRecord] = []
         for position, record in enumerate(records):
             where = f"{source}: record {position}"
@@ -248,6 +249,7 @@ class PromptDataSource:
             shuffle=shuffle,
             seed=seed,
             source=source,
+            render_images=render_images,
         )
         return source_object
 

@@ -157,4 +157,5 @@ def open_prompt_source(
         shuffle=shuffle,
         seed=seed,
         source=prompt_data,
+        render_images=bool(file_options.get("render_images", True)),
     )

@@ -239,7 +239,9 @@ class RolloutManager:
                                                   dispatcher=dispatcher)
         data_source = (build_data_source(rollout, tokenizer,
                                          raw_prompts=config.hooks.custom_generate_function_path is not None,
-                                         chat_template=not config.sft.enabled)  # SFT templates whole chats
+                                         chat_template=not config.sft.enabled,  # SFT templates whole chats
+                                         # an agent gets a chat with images as messages (coordinator.sessions)
+                                         render_images=config.hooks.custom_agent_function_path is None)
                        if rollout.prompt_data and not rollout.disable_rollout_global_dataset else None)
         if data_source is not None:
             self.counts["data_sources"] += 1
@@ -446,9 +448,10 @@ def vision_processor(rollout: RolloutConfig) -> VlmProcessor | None:
 
 
 def build_data_source(rollout: RolloutConfig, tokenizer: PreTrainedTokenizerBase, *, raw_prompts: bool = False,
-                      chat_template: bool = True) -> PromptDataSource:
+                      chat_template: bool = True, render_images: bool = True) -> PromptDataSource:
     """`raw_prompts`: prompts may be any JSON value (a custom generate function reads them); `chat_template`
-    False: chats stay messages whatever `--apply-chat-template` says (the SFT rollout templates them itself)."""
+    False: chats stay messages whatever `--apply-chat-template` says (the SFT rollout templates them itself);
+    `render_images` False: a chat with images stays messages (an agent's session renders it)."""
     from coordinator.data.tasks import open_prompt_source
 
     return open_prompt_source(
@@ -458,7 +461,7 @@ def build_data_source(rollout: RolloutConfig, tokenizer: PreTrainedTokenizerBase
         metadata_key=rollout.metadata_key,
         tool_key=rollout.tool_key,
         multimodal_keys=rollout.multimodal_key_map,
-        render_images=chat_template,
+        render_images=chat_template and render_images,
         apply_chat_template=rollout.apply_chat_template and chat_template,
         tokenizer=tokenizer,
         shuffle=rollout.rollout_shuffle,

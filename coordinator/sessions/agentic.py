@@ -29,9 +29,12 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from coordinator.hooks.calls import HookBudgetSpent, HookEscaped, call_hook, current_bounds
 from coordinator.hooks.runtime import GenerateFnInput, GenerateFnOutput, HookError, current_call
 from coordinator.lifecycle.failures import ContainedFailures
+from coordinator.sessions.images import agent_messages, decode_urls
 from coordinator.sessions.trajectory import assemble_all
 from replay.sample import Sample, SampleStatus
 from workers.boundary.json_input import JsonObject
@@ -128,7 +131,9 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
     try:
         # The engines' key (--sglang-api-key) goes to the agent only to reach this run's session server.
         key = {"api_key": server.api_key} if server.api_key else {}
-        returned = await _run_agent(agent, what, base_url=base_url, prompt=sample.prompt,
+        # a VLM sample's images reach the agent as OpenAI image_url parts of its prompt (docs/vlm.md)
+        prompt = agent_messages(sample.prompt, (sample.multimodal_inputs or {}).get("images") or [])
+        returned = await _run_agent(agent, what, base_url=base_url, prompt=prompt,
                                     request_kwargs=build_chat_request_kwargs(input.sampling_params),
                                     metadata=metadata, **key)
     except HookBudgetSpent:
@@ -165,5 +170,9 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
         out.weight_versions = one.weight_versions
         out.response = tokenizer.decode(one.tokens[len(one.tokens) - one.response_length:])
         out.metadata = {**metadata, "session_turns": one.turns, "session_leaf": one.leaf}
+        # the images the leaf's last request held: `settle_hook_images` makes the trainer's inputs from them
+        images = await anyio.to_thread.run_sync(decode_urls, one.images) if one.images else []
+        out.multimodal_inputs = {"images": images} if images else None
+        out.multimodal_train_inputs = None
         samples.append(out)
     return GenerateFnOutput(samples=samples[0] if len(samples) == 1 else samples)

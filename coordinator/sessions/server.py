@@ -10,7 +10,9 @@ is one of the engine's generation or read routes (`workers.boundary.engine_route
 OpenAI, Anthropic and /generate routes, /v1/models, tokenize, model info) and refused with a 403 otherwise
 (pause, continue, abort, flush, memory, weight updates, /server_info: the coordinator's alone), and
 `GET /health`. A chat request's messages are bounded each (413 past `max_message_bytes`) and may not bring a
-chat template of their own (400) (`workers.boundary.chat_requests`). The HTTP side (bounded connections, heads
+chat template of their own (400) (`workers.boundary.chat_requests`). On a vision-language policy a chat request's
+image_url parts (data URLs only) are decoded under the boundary's bounds, rendered by the template, expanded in the
+prompt ids and sent as `image_data` (`coordinator.sessions.images`). The HTTP side (bounded connections, heads
 and bodies, deadlines, the API key of `--sglang-api-key`) is the shared layer's (`workers.boundary
 .http_server`), behind the hook endpoint's gates.
 
@@ -28,8 +30,9 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -41,6 +44,7 @@ from coordinator.engines.errors import EngineError, EngineHTTPError, EngineReply
 from coordinator.engines.replies import check_chat_reply
 from coordinator.rollout.dispatch import Dispatcher, EngineHandleLike, NoEngineAvailable
 from coordinator.rollout.hook_endpoint import ENGINE_HEADER, guarded
+from coordinator.sessions.images import decode_urls, expand_image_runs, image_urls, template_messages
 from coordinator.sessions.tito import Matcher, SessionRequestError, TitoTokenizer
 from coordinator.sessions.trajectory import Session, SessionBounds, SessionFull, assemble_all
 from coordinator.sessions.wire_formats import (
@@ -61,6 +65,9 @@ from workers.boundary.http_guard import ServerLimits
 from workers.boundary.http_server import AppServer
 from workers.boundary.json_input import JsonLimits, JsonObject, JsonValue, decode_json_async
 from workers.engine.finished_turns import Turn as FinishedTurn
+
+if TYPE_CHECKING:
+    from workers.vlm_processor import PixelInputs, VlmProcessor
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +111,11 @@ class SessionServer(AppServer):
     def __init__(self, *, dispatcher: Dispatcher, tito: TitoTokenizer, matcher: Matcher, api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, max_sessions: int = 65536,
                  max_body_bytes: int = 64 * 1024 * 1024, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 limits: ServerLimits | None = None, session_bounds: SessionBounds | None = None) -> None:
+                 limits: ServerLimits | None = None, session_bounds: SessionBounds | None = None,
+                 vision: VlmProcessor | None = None) -> None:
         super().__init__(host=host, port=port, limits=limits or ServerLimits())
+        self.vision = vision  # a vision-language policy: its processor (docs/vlm.md, `coordinator.sessions.images`)
+        tito.message_parts = template_messages if vision is not None else None
         self.max_message_bytes = max_message_bytes
         self.dispatcher = dispatcher
         self.api_key = api_key
@@ -288,6 +298,7 @@ class SessionServer(AppServer):
         if request.get("n", 1) not in (1, None):
             raise HttpReply(400, "a session records one trajectory: n must be 1")
         tools = request.get("tools")
+        urls, pixels = await self._images(messages)
         # What token-in-token-out needs, forced (as miles): the session's ids, logprobs, and the meta info.
         request.update(logprobs=True, return_meta_info=True, no_stop_trim=False)
         async with session.lock:
@@ -297,9 +308,14 @@ class SessionServer(AppServer):
                 raise HttpReply(413, f"the session holds its limit of {session.bounds.max_turns} turns")
             try:
                 request["input_ids"], mount = session.prompt_ids(messages, tools, self.tito, self.matcher)
+                if self.vision is not None:
+                    request["input_ids"] = expand_image_runs(request["input_ids"], pixels, self.vision)
+                if urls:
+                    request["image_data"] = urls  # SGLang's field: the prompt's images, in order
             except SessionRequestError as error:
                 raise HttpReply(400, str(error)) from None
             response, url = await self._engine_call(session, "POST", CHAT_PATH, request)
+            request.pop("image_data", None)  # kept once, in the messages of the session's tree
             try:  # the turn's ids and logprobs are trained on: refused if out of the vocabulary or not finite
                 check_chat_reply(response, url, self.dispatcher.client.vocab_size)
             except EngineReplyError as error:
@@ -317,6 +333,22 @@ class SessionServer(AppServer):
             except SessionFull as error:
                 raise HttpReply(413, str(error)) from None
         return response, url
+
+    async def _images(self, messages: list[JsonObject]) -> tuple[list[str], PixelInputs | None]:
+        """A VLM session's request: its image parts' data URLs and their pixel inputs (decoded off the loop,
+        under the boundary's bounds; 400 naming a bad one); ([], None) without images or on a text policy (whose
+        template rendering refuses image parts)."""
+        if self.vision is None:
+            return [], None
+        vision = self.vision
+        try:
+            urls = image_urls(messages)
+            if not urls:
+                return [], None
+            pixels = await anyio.to_thread.run_sync(lambda: vision.pixel_inputs(decode_urls(urls)))
+        except SessionRequestError as error:
+            raise HttpReply(400, str(error)) from None
+        return urls, pixels
 
     @staticmethod
     def _turn(response: JsonObject) -> JsonObject:

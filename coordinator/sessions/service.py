@@ -14,6 +14,7 @@ import anyio.abc
 
 from coordinator.sessions.server import SessionServer
 from coordinator.sessions.tito import resolve_matcher, tito_tokenizer
+from workers.vlm_processor import VlmProcessor, vlm_model_type
 
 if TYPE_CHECKING:
     from coordinator.rollout.manager import RolloutManager
@@ -26,7 +27,9 @@ async def start_session_server(manager: RolloutManager, *, task_group: anyio.abc
     args: Any = runtime.args
     tito = tito_tokenizer(hooks.tito_model, context.tokenizer, getattr(args, "apply_chat_template_kwargs", None))
     matcher = resolve_matcher(hooks.session_message_matcher)
-    server = SessionServer(dispatcher=context.dispatcher, tito=tito, matcher=matcher,
+    checkpoint = manager.config.rollout.hf_checkpoint
+    vision = VlmProcessor(checkpoint) if checkpoint and vlm_model_type(checkpoint) else None
+    server = SessionServer(dispatcher=context.dispatcher, tito=tito, matcher=matcher, vision=vision,
                            api_key=api_key, host=hooks.session_server_ip,
                            port=hooks.session_server_port[0] if hooks.session_server_port else 0)
     await task_group.start(server.run)

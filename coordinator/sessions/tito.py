@@ -111,6 +111,9 @@ class TitoTokenizer:
     pinned_kwargs: ClassVar[dict[str, Any]] = {}
     #: roles that may be appended after an assistant turn (a family whose template drops some narrows it)
     append_roles: ClassVar[frozenset[str]] = ALLOWED_APPEND_ROLES
+    #: a vision-language policy: how its messages' image_url parts reach the template (the session server sets
+    #: `coordinator.sessions.images.template_messages`); None: text parts joined, other parts refused
+    message_parts: Callable[[list[JsonObject]], list[JsonObject]] | None = None
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: JsonObject | None = None) -> None:
         self.tokenizer = tokenizer
@@ -133,8 +136,10 @@ class TitoTokenizer:
     def render(self, messages: list[JsonObject], *, add_generation_prompt: bool,
                tools: list[JsonValue] | None) -> str:
         try:
-            # As the engine renders chat (SGLang's 'string' content format): text parts joined, None as "".
-            messages = normalise_messages(messages)
+            if self.message_parts is not None:  # a VLM: the template writes each image's placeholder
+                messages = self.message_parts(messages)
+            else:  # As the engine renders chat (SGLang's 'string' content format): text parts joined, None as "".
+                messages = normalise_messages(messages)
         except ValueError as error:
             raise SessionRequestError(str(error)) from None
         try:

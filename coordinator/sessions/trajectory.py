@@ -304,6 +304,8 @@ class Assembled:
     weight_versions: list[str]
     turns: int
     leaf: int = 0
+    #: the data URLs of the image parts of the last turn's request (a VLM session: the images of `tokens`)
+    images: list[str] = field(default_factory=list)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -370,7 +372,21 @@ class _Builder:
             turns = [turn for turn in turns if turn.prompt_len < max_seq_len]
         return Assembled(tokens=list(tokens), response_length=len(tokens) - self.lead, loss_mask=list(mask),
                          rollout_log_probs=list(logprobs), status=status,
-                         weight_versions=[t.weight_version or "" for t in turns], turns=len(turns), leaf=leaf)
+                         weight_versions=[t.weight_version or "" for t in turns], turns=len(turns), leaf=leaf,
+                         images=_turn_images(self.turns[-1]))
+
+
+def _turn_images(turn: Turn) -> list[str]:
+    """The image parts' URLs of the messages `turn` was asked with (the server took only data URLs)."""
+    assert turn.node.parent is not None
+    urls = []
+    for node in turn.node.parent.path():
+        content = (node.message or {}).get("content")
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                value = part.get("image_url")
+                urls.append(str(value.get("url") if isinstance(value, dict) else value))
+    return urls
 
 
 def _chain(leaf: Node) -> list[Turn]:

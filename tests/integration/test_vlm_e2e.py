@@ -6,7 +6,9 @@ rises (the last three rollouts' mean at least twice the first three's) and, afte
 trainer's logprobs of each sampled token equal the engine's (which they could not if either side dropped the
 images or their multimodal positions); its dumps, holding the processed images, replay with no engine and no
 data to the same losses. slime's `geo3k_vlm_multi_turn` shape (a custom generate function whose environment
-returns an image in a later turn) trains with both turns' images. A VLM SFT run in slime's recipe shape (`--loss-type sft_loss`, chats whose user turn
+returns an image in a later turn) trains with both turns' images. An agent on the `openai` SDK posts the image to
+the session server, whose trajectory trains with it; with `--true-on-policy-mode` the engine's rescored logprobs
+are the trainer's exactly, images included. A VLM SFT run in slime's recipe shape (`--loss-type sft_loss`, chats whose user turn
 holds `<image>`, `--multimodal-keys`) lowers its loss. Kept short: CI has 2 cores.
 """
 
@@ -148,3 +150,42 @@ def test_a_custom_generate_function_adds_an_image_in_a_later_turn(vlm_model: Pat
         assert observed == [0, 0, 0, 0], (response, sample.loss_mask)
         assert OBSERVATION in tokenizer.decode(response)
         assert sum(sample.loss_mask) >= 2  # both of the model's turns are trained
+
+
+def test_an_openai_agent_posts_an_image_to_the_session_server_and_its_trajectory_trains(
+        vlm_model: Path, tmp_path: Path) -> None:
+    """miles' agentic shape on the tiny VLM (tests/support/vlm_agent.py, the `openai` SDK): the prompt's image
+    reaches the agent as an `image_url` data URL; an http URL is refused (400); the session renders the image
+    with the VLM's template, the engine gets it as `image_data`, and the sample carries it: its grid in the
+    dump, its 4 image tokens in the prompt, the reply's tokens trained. With `--true-on-policy-mode` (miles'
+    true_on_policy_vlm shape: batch-invariant decoding, each sequence rescored with its images as a rank scores
+    it), the trainer's logprobs are the engine's exactly (one engine call per sample), before and after a sync."""
+    import json
+
+    from replay.reader import read_dump
+
+    image_token = json.loads((vlm_model / "config.json").read_text())["image_token_id"]
+    run_dir = tmp_path / "run"
+    config = parse_config(["--hf-checkpoint", str(vlm_model), "--run-dir", str(run_dir), "--prompt-data",
+                           "builtin:colour", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                           "--rollout-max-response-len", "3", "--rollout-num-engines", "1", "--num-rollout", "2",
+                           "--no-progress", "--use-session-server", "--true-on-policy-mode",
+                           "--custom-generate-function-path", "miles.rollout.generate_hub.agentic_tool_call.generate",
+                           "--custom-agent-function-path", "tests.support.vlm_agent.run_agent",
+                           "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld")])
+    summary = anyio.run(run_training, config)
+    assert summary["train_steps"] == 2
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["train/train_rollout_logprob_abs_diff_max"] for row in rows] == [0.0, 0.0]
+    assert [row["weight_version"] for row in rows] == ["1", "2"]  # the second rollout ran on synced weights
+    samples = read_dump(run_dir / "dumps" / "0.rld").samples
+    assert len(samples) == 4
+    for sample in samples:
+        seen = sample.metadata
+        assert seen["urls"] == 1 and "data URLs" in seen["http_refused"] and "400" in seen["http_refused"], seen
+        assert sample.multimodal_train_inputs is not None
+        assert sample.multimodal_train_inputs["image_grid_thw"] == [[1, 4, 4]]
+        prompt = sample.tokens[:len(sample.tokens) - sample.response_length]
+        response = sample.tokens[len(prompt):]
+        assert prompt.count(image_token) == 4 and image_token not in response
+        assert response == seen["reply_ids"] and sample.loss_mask == [1] * len(response) and response

@@ -39,10 +39,7 @@ UNSUPPORTED = {
 }
 #: Scripts whose flags are all known but whose combination a start-up rule refuses (exit 2), each with the words
 #: the refusal must say: a feature not built for that combination, named.
-REFUSED_COMBINATIONS = {
-    # true-on-policy (SGLang's rescoring, the trainer's batch-invariant forward) with images: docs/vlm.md
-    "miles__true_on_policy_vlm": "--true-on-policy-mode / --sglang-rl-on-policy-target",
-}
+REFUSED_COMBINATIONS: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

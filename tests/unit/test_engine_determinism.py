@@ -48,7 +48,7 @@ def test_a_sequence_decodes_to_the_same_bits_alone_or_in_any_batch(tiny_model_di
 def test_rescored_logprobs_are_the_trainers_exactly(tiny_model_dir: Path) -> None:
     runner = BatchInvariantRunner(str(tiny_model_dir))
     output = [token for token, _ in generate(runner, {"a": PROMPT}, 7)["a"]]
-    engine = Rescorer(runner).rescore([(PROMPT, output)])[0]
+    engine = Rescorer(runner).rescore([(PROMPT, output, None)])[0]
     # the trainer's side: its loader, train mode, autograd on, the same function on the same positions
     model = load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device=torch.device("cpu"), trainable=True)
     model.train()

@@ -206,6 +206,42 @@ def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_
         trainer._micro_batches([broken, samples[1]])
 
 
+def test_true_on_policy_rescoring_with_images_is_the_trainers_logprobs_exactly(tiny_vlm_dir: Path) -> None:
+    """`--rl-on-policy-target` on a VLM: the engine's rescorer scores a finished sequence with its images as a
+    rank scores that one sample (micro-batch size 1, train mode, autograd on, images through the wire): equal
+    floats, not close ones."""
+    from tests.support.train_settings import init_command
+    from workers import protocol
+    from workers.engine.rescoring import Rescorer
+    from workers.protocol.control import wire_images
+    from workers.train_rank.trainer import Trainer
+
+    runner, rows, vision = engine_rollout(tiny_vlm_dir, batch_invariant=True)
+    ids, output, decoded = rows["vlm"]
+    rescored = Rescorer(runner).rescore([(ids, output, vision), (rows["text"][0], rows["text"][1], None)])
+    assert max(abs(a - b) for a, b in zip(rescored[0], decoded, strict=True)) < 1e-5  # the same sequence
+    images = wire_images({"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw})
+    samples = [protocol.WireSample(tokens=ids + output, response_length=len(output), loss_mask=[1] * len(output),
+                                   rollout_log_probs=rescored[0], advantage=1.0, images=images),
+               protocol.WireSample(tokens=rows["text"][0] + rows["text"][1], response_length=len(rows["text"][1]),
+                                   loss_mask=[1] * len(rows["text"][1]), rollout_log_probs=rescored[1],
+                                   advantage=1.0)]
+    frame = protocol.encode_frame(protocol.Request(1, protocol.TrainCommand(0, [samples], [1])))
+    decoded_frame = protocol.decode_body(bytearray(frame[4:]))
+    assert isinstance(decoded_frame, protocol.Request) and isinstance(decoded_frame.command, protocol.TrainCommand)
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 1e-2, "max_tokens_per_micro_batch": 4096,
+                               "seed": 3, "micro_batch_size": 1, "use_rollout_logprobs": True}))
+    trainer.model.train()
+    batches = trainer._micro_batches(decoded_frame.command.steps[0])
+    assert len(batches) == 2 and batches[0].position_ids.shape[0] == 4
+    for batch, sample in zip(batches, samples, strict=True):
+        log_probs, _ = trainer._scores(batch, trainer.model, with_entropy=True)
+        assert log_probs.requires_grad
+        start, end = batch.spans[0]
+        assert log_probs.view(-1)[start:end].tolist() == sample.rollout_log_probs  # bit for bit
+
+
 def test_multimodal_keys_turn_rows_into_chats_with_image_parts_as_slime(tmp_path: Path) -> None:
     from coordinator.data.source import read_prompt_file
 
@@ -305,9 +341,6 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
           '{"image": "images"}'], "draws its images itself"),
         (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", str(data), "--multimodal-keys",
           '{"video": "clips"}'], "'video': only images are served"),
-        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--use-session-server", "v1"], "session server"),
-        (["--hf-checkpoint", str(tiny_vlm_dir), *keys, "--deterministic-mode", "--true-on-policy-mode"],
-         "--true-on-policy-mode / --sglang-rl-on-policy-target"),
     ]
     for argv, reason in cases:
         with pytest.raises(ConfigError) as refused:
@@ -316,6 +349,9 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys])  # a VLM with images: accepted
     # a custom generate function carries images (slime's geo3k_vlm_multi_turn shape): accepted
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--custom-generate-function-path", "m.f"])
+    parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--use-session-server"])  # images carried
+    # true-on-policy: the engine's rescorer takes the images (test_true_on_policy_rescoring_...): accepted
+    parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--deterministic-mode", "--true-on-policy-mode"])
 
 
 def test_a_hooks_sample_with_images_is_made_whole_or_refused_naming_the_hook(tiny_vlm_dir: Path) -> None:
@@ -431,3 +467,51 @@ def test_lora_adapts_the_language_model_or_both_and_the_engine_serves_the_merge(
     response = served[0, len(samples[0].tokens) - samples[0].response_length - 1:]
     assert float((response - trained[start:end]).abs().max()) < 1e-5
     assert float((response - torch.tensor(samples[0].rollout_log_probs)).abs().max()) > 1e-4  # the step moved it
+
+
+def test_session_image_parts_render_expand_and_refuse_as_the_session_server_needs(tiny_vlm_dir: Path) -> None:
+    """`coordinator.sessions.images`: image_url parts become the template's images, a later turn's new image is
+    expanded while the stored turn's already expanded run is kept, a count that does not fit and a URL to fetch
+    are refused; an agent's chat gets the data's images as data URLs."""
+    from coordinator.sessions.images import (
+        agent_messages,
+        decode_urls,
+        expand_image_runs,
+        image_urls,
+        template_messages,
+    )
+    from coordinator.sessions.tito import SessionRequestError, TitoTokenizer
+    from workers.vlm_processor import VlmProcessor
+
+    processor = VlmProcessor(tiny_vlm_dir)
+    red, blue = decode_image(solid_png(56, 56, (255, 0, 0)), "a"), decode_image(solid_png(100, 60, (0, 0, 255)), "b")
+    chat = agent_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+                          [red])
+    assert isinstance(chat, list) and chat[0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
+    urls = image_urls(chat)
+    assert decode_urls(urls)[0].tobytes() == red.tobytes()
+    assert template_messages(chat)[0]["content"][0] == {"type": "image"}
+    tito = TitoTokenizer(processor.tokenizer)
+    tito.message_parts = template_messages
+    first = tito.first_prompt(chat, None)
+    pixels = processor.pixel_inputs([red])
+    expanded = expand_image_runs(first, pixels, processor)
+    assert expanded == processor.expand_ids(first, pixels.image_grid_thw)  # the data path's own expansion
+    # a second turn: the stored (expanded) ids, then a user message with a new image (one placeholder)
+    later = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": encode_data_url(blue)}}]}]
+    appended = tito.appended_ids({"role": "assistant", "content": "r"}, later, None)
+    both = processor.pixel_inputs([red, blue])
+    ids = expand_image_runs(expanded + appended, both, processor)
+    processor.check_expanded(ids, both.image_grid_thw)
+    assert ids[:len(expanded)] == expanded and ids.count(processor.image_token_id) == sum(
+        processor.image_tokens(grid.tolist()) for grid in both.image_grid_thw)
+    with pytest.raises(SessionRequestError, match="1 image placeholder"):
+        expand_image_runs(first, both, processor)
+    with pytest.raises(SessionRequestError, match="do not match its 0 image"):  # an image token without an image
+        expand_image_runs(first, None, processor)
+    assert expand_image_runs([5, 6], None, processor) == [5, 6]
+    with pytest.raises(SessionRequestError, match="base64 data URLs"):
+        image_urls([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
+    with pytest.raises(SessionRequestError, match="cannot be decoded"):
+        decode_urls(["data:image/png;base64,aGVsbG8="])
+    assert agent_messages("a text prompt", [red]) == "a text prompt"

@@ -218,6 +218,8 @@ def chat_request(body: JsonObject, default_model: str) -> GenerateBody:
         if not isinstance(input_ids, list) or (input_ids and isinstance(input_ids[0], list)):
             raise RequestError("'input_ids' must be a list of integers")
         generate["input_ids"] = input_ids
+        if body.get("image_data") is not None:  # a VLM's images for those ids (the session server sends them)
+            generate["image_data"] = body["image_data"]
         return result
     result.messages = normalise_messages(body.get("messages"))
     tools = body.get("tools")

@@ -37,6 +37,7 @@ from workers.engine.runner import ModelRunner, PrefillItem, StepOutput
 from workers.engine.sampling import RequestError, RowResult, RowSampling
 from workers.engine.sequences import MemoryReleasedError, RequestGroup, Seq, SeqState
 from workers.engine.stops import finish_check, trim_text
+from workers.vlm_processor import PixelInputs
 
 log = logging.getLogger("rayless.engine.scheduler")
 
@@ -67,7 +68,8 @@ class Scheduler:
         self.requests_total = 0
         self._throughput: deque[tuple[float, int]] = deque(maxlen=4096)
         # --rl-on-policy-target: a sequence that ends is rescored (`rescoring`) before it is finished.
-        self.rescorer: Callable[[list[tuple[list[int], list[int]]]], list[list[float]]] | None = None
+        self.rescorer: Callable[[list[tuple[list[int], list[int], PixelInputs | None]]],
+                                list[list[float]]] | None = None
         self._ending: list[tuple[Seq, dict[str, Any]]] = []
 
     # ---- bookkeeping helpers ---------------------------------------------------------------------------
@@ -376,7 +378,8 @@ class Scheduler:
     async def _rescore_ending(self) -> None:
         ending, self._ending = [(seq, reason) for seq, reason in self._ending if not seq.finished], []
         assert self.rescorer is not None
-        scores = await anyio.to_thread.run_sync(self.rescorer, [(seq.prompt_ids, seq.output_ids) for seq, _ in ending])
+        scores = await anyio.to_thread.run_sync(
+            self.rescorer, [(seq.prompt_ids, seq.output_ids, seq.vision) for seq, _ in ending])
         for (seq, reason), logprobs in zip(ending, scores, strict=True):
             seq.output_logprobs[:] = logprobs
             self._finish(seq, reason)

@@ -67,9 +67,6 @@ class EngineServer:
             weight_version=args.weight_version,
             seed=args.random_seed,
         )
-        if args.rl_on_policy_target is not None and runner.vision_processor is not None:
-            # the rescorer scores text-only forwards; a sequence's images would be missing from them
-            raise ValueError("--rl-on-policy-target is not supported for a vision-language model yet")
         if args.rl_on_policy_target is not None:
             self.scheduler.rescorer = Rescorer(runner, chunk_size=args.log_probs_chunk_size).rescore
         self.serving = False
