@@ -108,9 +108,11 @@ else
     step weight-sync 120 "$PY" -m bench.colocated_sync --device cpu --hidden 64 --layers 2 --intermediate 128 \
         --repeats 2 --target inf
     # 4 prompts × 8 short samples on the real vocabulary: the bench's every figure, none gated at this size
-    # (varlen is refused here: no CPU kernel; the line says so)
+    # (varlen is refused here: no CPU kernel; the line says so); the paths on one micro-batch (after its warm-up
+    # pass): each path's every line, and a third of the CPU the batch's two took (forward + backward over the
+    # 151,936-token vocabulary)
     step train-shapes 150 "$PY" -m bench.train_shapes --quick --prompts 4 --report-only \
-        --attention-paths per_sample,grouped,varlen --attention-batches 4
+        --attention-paths per_sample,grouped,varlen --attention-batches 1
     step offload 90 "$PY" -m bench.offload_bandwidth --device cpu --hidden 64 --layers 2 --intermediate 128 \
         --vocab 1024 --repeats 2
 fi

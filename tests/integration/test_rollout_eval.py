@@ -1,19 +1,25 @@
 """Evaluation on the rollout engines (slime's default, no eval fleet): real CPU runs that write `eval/<name>/...`
 metrics to metrics.jsonl at slime's schedule — before training, then after every `--eval-interval`-th rollout —
-with the current weights, through the rollout's dispatcher; and an `--eval-config` given as `base64:`."""
+with the current weights, through the rollout's dispatcher. On one engine the module shares, with no training run:
+the run's evaluator given an `--eval-config` as `base64:` (per-dataset settings, `--skip-eval-before-train`), and
+an evaluation whose requests are aborted under it."""
 
 from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from coordinator.config import parse_config
 from coordinator.observe.progress import read_metrics
 from coordinator.run import run_training
 from coordinator.services import Services
 from replay.sample import SampleStatus
+from tests.support.engine_proc import RunningEngine, start_engine_process
 from tests.support.waiting import wait_until
 
 
@@ -74,7 +80,31 @@ async def test_eval_on_the_rollout_engines_at_slimes_schedule(tiny_model_dir: Pa
     assert [e["eval/step"] for e in summary["rollout_engine_evals"]] == [0, 1, 3]
 
 
-async def test_eval_config_in_base64_with_per_dataset_settings(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[RunningEngine]:
+    """One real CPU engine for the tests that drive the evaluator without a training run (each leaves it as it
+    found it: no weight update; an abort ends only the requests then in flight)."""
+    with start_engine_process(tiny_model_dir) as running:
+        yield running
+
+
+async def test_eval_config_in_base64_with_per_dataset_settings(tiny_model_dir: Path, engine: RunningEngine,
+                                                               tmp_path: Path) -> None:
+    """The run's evaluator (`RolloutEngineEval`, built from the flags as the run builds it) on a real engine:
+    `--skip-eval-before-train` leaves out the evaluation before training, an `--eval-interval 1` one is due after
+    rollout 0, and each dataset of the base64 `--eval-config` is sampled with its own settings into the row.
+    (The schedule within a whole run, the evaluations after its weight syncs: the first test.)"""
+    import anyio
+    from transformers import AutoTokenizer
+
+    from coordinator.engines.client import EngineClient
+    from coordinator.engines.fleet import EngineFleet
+    from coordinator.eval.rollout_engines import RolloutEngineEval
+    from coordinator.eval.settings import EvalSettings, load_eval_datasets
+    from coordinator.observe.progress import MetricsLog
+    from coordinator.rollout.dispatch import Dispatcher
+    from coordinator.rollout.requests import GenerateState
+
     yaml_text = ("eval:\n"
                  "  defaults: {max_response_len: 2}\n"
                  "  datasets:\n"
@@ -84,11 +114,29 @@ async def test_eval_config_in_base64_with_per_dataset_settings(tiny_model_dir: P
     value = "base64:" + base64.b64encode(yaml_text.encode()).decode()
     config = parse_config(run_argv(tiny_model_dir, tmp_path / "run", "--num-rollout", "1", "--eval-interval", "1",
                                    "--eval-config", value, "--skip-eval-before-train"))
-    await run_training(config)
+    settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rollout_state = GenerateState(tokenizer=tokenizer, sampling_params={}, max_response_len=4,
+                                  context_length=1 << 20, concurrency=8, seed=0)
+    metrics = MetricsLog(tmp_path / "run")
+    async with EngineClient(max_connections=8) as client, anyio.create_task_group() as group:
+        fleet = EngineFleet(client=client, group="rollout", external_urls=[engine.url], run_dir=tmp_path)
+        await group.start(fleet.run)
+        version = await client.engine(engine.url).get_weight_version()
+        evaluator = RolloutEngineEval(settings=settings, datasets=load_eval_datasets(settings, tokenizer),
+                                      rollout_state=rollout_state, dispatcher=Dispatcher(client=client, pool=fleet),
+                                      metrics=metrics)
+        await evaluator.before_loop(0, version)
+        assert evaluator.records == [], "--skip-eval-before-train: nothing before the first rollout"
+        assert evaluator.due(0)
+        with anyio.fail_after(120):
+            await evaluator.after_step(0, version)
+        group.cancel_scope.cancel()
+    metrics.close()
     evals = [row for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval/step" in row]
-    # no eval of weights "0" before training: the one eval is after rollout 0's weight sync
-    assert [(row["step"], row["eval/weight_version"]) for row in evals] == [(0, "1")]
+    assert [(row["step"], row["eval/weight_version"]) for row in evals] == [(0, version)]
     for row in evals:
+        assert row["eval/off_version_samples"] == 0
         assert row["eval/digits/samples"] == 64 and row["eval/digits/response_len/max"] <= 2
         assert row["eval/copies/samples"] == 32 and row["eval/copies/response_len/max"] <= 1
         assert "eval/copies-pass@1" not in row, "pass@k only where n > 1"
@@ -96,7 +144,7 @@ async def test_eval_config_in_base64_with_per_dataset_settings(tiny_model_dir: P
         assert row["eval/copies"] == 0.0
 
 
-async def test_samples_aborted_under_an_evaluation_are_generated_again(tiny_model_dir: Path,
+async def test_samples_aborted_under_an_evaluation_are_generated_again(tiny_model_dir: Path, engine: RunningEngine,
                                                                        tmp_path: Path) -> None:
     """With --async-rollout a rollout that fills its batch aborts every request on the engines, the eval's
     too: a real engine aborts them mid-generation here, and the evaluation generates them again."""
@@ -108,7 +156,6 @@ async def test_samples_aborted_under_an_evaluation_are_generated_again(tiny_mode
     from coordinator.eval.run import evaluate_dataset, generate_state
     from coordinator.eval.settings import EvalSettings, load_eval_datasets
     from coordinator.rollout.dispatch import Dispatcher
-    from tests.support.engine_proc import start_engine_process
 
     config = parse_config(run_argv(tiny_model_dir, tmp_path / "run", "--num-rollout", "1", "--eval-interval", "1",
                                    "--eval-prompt-data", "digits", "builtin:first_digit",
@@ -116,32 +163,34 @@ async def test_samples_aborted_under_an_evaluation_are_generated_again(tiny_mode
     settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     (dataset,) = load_eval_datasets(settings, tokenizer)
-    with start_engine_process(tiny_model_dir) as engine:
-        async with EngineClient(max_connections=8) as client, anyio.create_task_group() as group:
-            fleet = EngineFleet(client=client, group="rollout", external_urls=[engine.url], run_dir=tmp_path)
-            await group.start(fleet.run)
-            dispatcher = Dispatcher(client=client, pool=fleet)
-            state = generate_state(dataset, tokenizer=tokenizer, context_length=1 << 20,
-                                   concurrency=64)
-            aborted_at = anyio.Event()
+    async with EngineClient(max_connections=8) as client, anyio.create_task_group() as group:
+        fleet = EngineFleet(client=client, group="rollout", external_urls=[engine.url], run_dir=tmp_path)
+        await group.start(fleet.run)
+        dispatcher = Dispatcher(client=client, pool=fleet)
+        state = generate_state(dataset, tokenizer=tokenizer, context_length=1 << 20,
+                               concurrency=64)
+        aborted_at = anyio.Event()
 
-            async def generating() -> tuple[float, float]:
-                """The engine's running requests and tokens generated so far (its /metrics)."""
-                text = await client.engine(engine.url).metrics()
-                values = {re.split(r"[{ ]", line, maxsplit=1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                          if line.startswith(("sglang:num_running_reqs", "sglang:generation_tokens_total"))}
-                return values["sglang:num_running_reqs"], values["sglang:generation_tokens_total"]
+        async def generating() -> tuple[float, float]:
+            """The engine's running requests and tokens generated so far (its /metrics)."""
+            text = await client.engine(engine.url).metrics()
+            values = {re.split(r"[{ ]", line, maxsplit=1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(("sglang:num_running_reqs", "sglang:generation_tokens_total"))}
+            return values["sglang:num_running_reqs"], values["sglang:generation_tokens_total"]
 
-            async def abort_once_generation_runs() -> None:
-                await wait_until(generating, until=lambda seen: seen[0] >= 1 and seen[1] >= 16, timeout=60,
-                                 what="the eval's requests generating on the engine (running, 16 tokens out)")
-                await client.engine(engine.url).abort_request(abort_all=True)
-                aborted_at.set()
+        _, generated_before = await generating()  # the shared engine has generated for other tests
 
-            group.start_soon(abort_once_generation_runs)
-            groups, metrics = await evaluate_dataset(dataset, state, dispatcher, eval_id=0)
-            assert aborted_at.is_set()
-            group.cancel_scope.cancel()
+        async def abort_once_generation_runs() -> None:
+            await wait_until(generating, until=lambda seen: seen[0] >= 1 and seen[1] >= generated_before + 16,
+                             timeout=60,
+                             what="the eval's requests generating on the engine (running, 16 tokens out)")
+            await client.engine(engine.url).abort_request(abort_all=True)
+            aborted_at.set()
+
+        group.start_soon(abort_once_generation_runs)
+        groups, metrics = await evaluate_dataset(dataset, state, dispatcher, eval_id=0)
+        assert aborted_at.is_set()
+        group.cancel_scope.cancel()
     samples = [sample for g in groups for sample in g]
     restarted = [sample for sample in samples if sample.metadata.get("eval_restarts")]
     assert restarted, "the abort hit requests in flight"
