@@ -8,7 +8,10 @@ and logprobs) to 2 ranks. Measured, alternating in one run:
   that joined with `RankChannel.connect` (Hello, token) and, per command, `receive` it (the typed decode), run
   `packing.plan` / `packing.pack` over every step (the tensors the trainer trains on) and answer a `TrainResult`;
 - the floor: the same frames' bytes sent over a second loopback socket to the same processes, read into a buffer.
-Reported: medians of each, the ratio (target ≤ 3×) and the channel's alone (ours less the coordinator's
+Each round hands the rollout off twice, alternating: its samples as plain lists (a custom rollout function's, or
+a replayed dump's), then packed ahead (`pack_sample_ahead`, as the default rollout leaves an accepted group's
+samples; what that packing cost, moved into the rollout, is printed once; `--lists-only` skips these rounds, and a
+checkout without `pack_sample_ahead` has none). Reported per kind: medians of each, the ratio (target ≤ 3×) and the channel's alone (ours less the coordinator's
 preparation and encoding, as `bench.train_shapes` reports it), a rank's decode in wall and CPU seconds, CPU seconds
 on the path against the floor's, and the coordinator's RSS growth while handing off (sampled every 2 ms)
 against one copy of the frames.
