@@ -1,5 +1,6 @@
 """A sample's lists packed ahead (`replay.packed_list.PackedList`, `workers.protocol.pack_sample_ahead`): the
-frames are the bytes the plain lists give, and any in-place change by a hook drops the packed bytes."""
+frames are the bytes the plain lists give, and any in-place change by a hook drops the packed bytes; a frame
+sent as parts (`encode_frame_parts`) is the same bytes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from replay.sample import Sample, SampleStatus
 from workers import protocol
 from workers.protocol.arrays import Kind, PackedArray, PackedArrayError, pack_ahead
 from workers.protocol.control import PACK_AHEAD_MIN_TOKENS
+from workers.protocol.scatter import PART_MIN_BYTES
 
 
 def sample(response: int = 600, *, prompt: int = 3, distilled: bool = False) -> Sample:
@@ -161,3 +163,29 @@ def test_a_packed_sample_validates_encodes_and_dumps_as_lists(tmp_path: object) 
     for name in ("tokens", "loss_mask", "rollout_log_probs", "teacher_log_probs"):
         assert list(getattr(loaded[0], name)) == list(getattr(loaded[1], name)) == list(getattr(plain, name))
     assert frame_of(loaded[0]) == frame_of(plain)
+
+
+@pytest.mark.parametrize("response", [0, 1, 100, 255, 256, 600, 16_383, 16_384, 70_000])
+def test_a_frames_parts_joined_are_the_frame(response: int) -> None:
+    # arrays of every msgpack extension size (fixext, ext 8 / 16 / 32), over and under PART_MIN_BYTES, some
+    # packed ahead and some plain
+    plain = sample(response=response, distilled=True)
+    ahead = packed_copy(plain)
+    wire = [protocol.WireSample.from_sample(s) for s in (plain, ahead, sample(response=3))]
+    message = protocol.Request(7, protocol.TrainCommand(0, [wire, wire[:1]], [3, 1]))
+    parts = protocol.encode_frame_parts(message)
+    assert b"".join(bytes(part) for part in parts) == bytes(protocol.encode_frame(message))
+    if response >= PART_MIN_BYTES:  # the packed-ahead sample's bytes are sent from where they lie
+        assert any(isinstance(part, memoryview) and part.obj is ahead.tokens.packed("i").obj for part in parts)
+
+
+def test_a_frame_of_parts_over_the_limit_is_refused_before_anything_is_sent() -> None:
+    message = protocol.Request(1, protocol.TrainCommand(0, [[protocol.WireSample.from_sample(sample())]], [1]))
+    size = len(protocol.encode_frame(message)) - 4
+    assert protocol.encode_frame_parts(message, size)  # exactly at the limit
+    with pytest.raises(protocol.FrameTooLarge, match=f"exceeds the control-channel limit of {size - 1} bytes"):
+        protocol.encode_frame_parts(message, size - 1)
+    bad = protocol.WireSample.from_sample(sample())
+    bad.tokens = PackedArray.of(Kind.TOKENS, [-1] * len(bad.tokens))
+    with pytest.raises(protocol.ProtocolError, match="negative"):
+        protocol.encode_frame_parts(protocol.Request(1, protocol.TrainCommand(0, [[bad]], [1])))

@@ -40,6 +40,7 @@ from workers.protocol.replies import (
     TrainResult,
     WeightManifestReply,
 )
+from workers.protocol.scatter import Part, encode_parts
 from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
@@ -424,6 +425,12 @@ CONTROL = Family(
 def encode_frame(message: ControlMessage, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytearray:
     """The message's frame; FrameTooLarge instead of a frame the peer must refuse."""
     return CONTROL.encode(message, max_frame_bytes)
+
+
+def encode_frame_parts(message: ControlMessage, max_frame_bytes: int = MAX_FRAME_BYTES) -> list[Part]:
+    """The message's frame as parts to send in order, each large per-token array left where it lies
+    (`workers.protocol.scatter`): joined, exactly `encode_frame`'s bytes."""
+    return encode_parts(CONTROL, message, max_frame_bytes, codec.encode_hook)
 
 
 def decode_body(body: bytes) -> Message:
