@@ -8,7 +8,10 @@ and logprobs) to 2 ranks. Measured, alternating in one run:
   that joined with `RankChannel.connect` (Hello, token) and, per command, `receive` it (the typed decode), run
   `packing.plan` / `packing.pack` over every step (the tensors the trainer trains on) and answer a `TrainResult`;
 - the floor: the same frames' bytes sent over a second loopback socket to the same processes, read into a buffer.
-Reported: medians of each, the ratio (target ≤ 3×) and the channel's alone (ours less the coordinator's
+Each round hands the rollout off twice, alternating: its samples as plain lists (a custom rollout function's, or
+a replayed dump's), then packed ahead (`pack_sample_ahead`, as the default rollout leaves an accepted group's
+samples; what that packing cost, moved into the rollout, is printed once; `--lists-only` skips these rounds, and a
+checkout without `pack_sample_ahead` has none). Reported per kind: medians of each, the ratio (target ≤ 3×) and the channel's alone (ours less the coordinator's
 preparation and encoding, as `bench.train_shapes` reports it), a rank's decode in wall and CPU seconds, CPU seconds
 on the path against the floor's, and the coordinator's RSS growth while handing off (sampled every 2 ms)
 against one copy of the frames.
@@ -22,6 +25,7 @@ with the same script. About 60–120 CPU-seconds with the defaults (building the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import os
 import secrets
@@ -208,49 +212,72 @@ async def run(args: argparse.Namespace) -> None:
             conns.append(conn)
         samples = build_samples(args.samples, args.tokens, args.prompt)
         frames = frames_of(samples, ranks)
+        variants = {"lists": samples}
+        pack_ahead = getattr(protocol, "pack_sample_ahead", None)
+        ahead_cpu = 0.0
+        if pack_ahead is not None and not args.lists_only:
+            # as the generate path leaves them: each accepted group's samples packed while others generate
+            ahead = [dataclasses.replace(sample) for sample in samples]
+            cpu = time.process_time()
+            for sample in ahead:
+                pack_ahead(sample)
+            ahead_cpu = time.process_time() - cpu
+            variants["packed ahead"] = ahead
+            assert frames_of(ahead, ranks) == frames, "packed ahead, the frames must be the same bytes"
         print(f"protocol {protocol.PROTOCOL_VERSION}: {len(samples)} samples, "
               f"{sum(len(s.tokens) for s in samples):,} tokens, {sum(s.response_length for s in samples):,} "
               f"response tokens, {ranks} rank processes, load {os.getloadavg()[0]:.1f}")
+        if ahead_cpu:
+            print(f"packing ahead (moved into the rollout, at each group's acceptance): {ahead_cpu:.3f} CPU-s, "
+                  f"{ahead_cpu / len(samples) * 1e3:.3f} ms a sample; the frames are bit-identical")
         first_growth = 0
-        figures: dict[str, list[float]] = {name: [] for name in (
-            "ours", "prepare", "coordinator_cpu", "floor", "floor_cpu", "growth", "decode", "decode_cpu", "path_cpu")}
+        names = ("ours", "prepare", "coordinator_cpu", "floor", "floor_cpu", "growth", "decode", "decode_cpu",
+                 "path_cpu")
+        by_variant: dict[str, dict[str, list[float]]] = {
+            variant: {name: [] for name in names} for variant in variants}
         for repeat in range(args.repeats + 1):  # round 0 warms up (the ranks' first decode imports)
-            baseline = rss_bytes()
-            with PeakRss() as peak:
-                wall, prepare_s, coordinator_cpu = await hand_off(server, samples, ranks)
-            reports = await anyio.to_thread.run_sync(read_reports, conns)
-            floor_s, floor_cpu = await anyio.to_thread.run_sync(floor, frames, conns)
-            if repeat == 0:  # the process's first hand-off: its heap grows here, later rounds may reuse it
-                first_growth = peak.peak - baseline
-                continue
-            row = {"ours": wall, "prepare": prepare_s, "coordinator_cpu": coordinator_cpu, "floor": floor_s,
-                   "floor_cpu": floor_cpu, "growth": peak.peak - baseline,
-                   "decode": max(report[1] for report in reports), "decode_cpu": max(r[3] for r in reports),
-                   "path_cpu": coordinator_cpu + max(report[2] + report[3] for report in reports)}
-            for name, value in row.items():
-                figures[name].append(value)
-            print(f"  round {repeat}: ours {wall:.3f} s (preparing {prepare_s:.3f} s; coordinator "
-                  f"{coordinator_cpu:.3f} CPU-s; a rank's decode + tensors {row['decode']:.3f} s, "
-                  f"{row['decode_cpu']:.3f} CPU-s), floor {floor_s:.3f} s; CPU-s on the path "
-                  f"{row['path_cpu']:.3f} vs {floor_cpu:.3f}; RSS +{row['growth'] / 2**20:.0f} MiB")
+            for variant, batch in variants.items():  # alternating in each round
+                figures = by_variant[variant]
+                baseline = rss_bytes()
+                with PeakRss() as peak:
+                    wall, prepare_s, coordinator_cpu = await hand_off(server, batch, ranks)
+                reports = await anyio.to_thread.run_sync(read_reports, conns)
+                floor_s, floor_cpu = await anyio.to_thread.run_sync(floor, frames, conns)
+                if repeat == 0:  # the process's first hand-off: its heap grows here, later rounds may reuse it
+                    first_growth = max(first_growth, peak.peak - baseline)
+                    continue
+                row = {"ours": wall, "prepare": prepare_s, "coordinator_cpu": coordinator_cpu, "floor": floor_s,
+                       "floor_cpu": floor_cpu, "growth": peak.peak - baseline,
+                       "decode": max(report[1] for report in reports), "decode_cpu": max(r[3] for r in reports),
+                       "path_cpu": coordinator_cpu + max(report[2] + report[3] for report in reports)}
+                for name, value in row.items():
+                    figures[name].append(value)
+                print(f"  round {repeat} ({variant}): ours {wall:.3f} s (preparing {prepare_s:.3f} s; coordinator "
+                      f"{coordinator_cpu:.3f} CPU-s; a rank's decode + tensors {row['decode']:.3f} s, "
+                      f"{row['decode_cpu']:.3f} CPU-s), floor {floor_s:.3f} s; CPU-s on the path "
+                      f"{row['path_cpu']:.3f} vs {floor_cpu:.3f}; RSS +{row['growth'] / 2**20:.0f} MiB")
         group.cancel_scope.cancel()
     for conn in conns:
         conn.close()
     for process in processes:
         process.kill()
         process.join(30)
-    median = {name: statistics.median(values) for name, values in figures.items()}
     size = sum(len(frame) for frame in frames)
-    print(f"ours {median['ours']:.3f} s vs loopback floor {median['floor']:.3f} s for {size / 2**20:.1f} MiB: "
-          f"{median['ours'] / median['floor']:.1f}× (target ≤ 3×); a rank's decode + tensors "
-          f"{median['decode']:.3f} s = {median['decode_cpu']:.3f} CPU-s")
-    print(f"CPU seconds on the path (the coordinator's + the slowest rank's receive and decode, against the "
-          f"floor's send + slowest read; less bent by other load than wall time): {median['path_cpu']:.3f} vs "
-          f"{median['floor_cpu']:.3f}: {median['path_cpu'] / median['floor_cpu']:.1f}×; the coordinator's "
-          f"{median['coordinator_cpu']:.3f} CPU-s of it")
-    print(f"coordinator RSS growth while handing off: the process's first hand-off {first_growth / 2**20:.0f} MiB, "
-          f"later rounds up to {max(figures['growth']) / 2**20:.0f} MiB; one copy of the frames is "
-          f"{size / 2**20:.0f} MiB")
+    for variant, figures in by_variant.items():
+        median = {name: statistics.median(values) for name, values in figures.items()}
+        ratios = ", ".join(f"{ours / floor_s:.1f}" for ours, floor_s in zip(figures["ours"], figures["floor"],
+                                                                             strict=True))
+        print(f"{variant}: ours {median['ours']:.3f} s vs loopback floor {median['floor']:.3f} s for "
+              f"{size / 2**20:.1f} MiB: {median['ours'] / median['floor']:.1f}× (target ≤ 3×; rounds {ratios}); "
+              f"a rank's decode + tensors {median['decode']:.3f} s = {median['decode_cpu']:.3f} CPU-s")
+        print(f"  CPU seconds on the path (the coordinator's + the slowest rank's receive and decode, against the "
+              f"floor's send + slowest read; less bent by other load than wall time): {median['path_cpu']:.3f} vs "
+              f"{median['floor_cpu']:.3f}: {median['path_cpu'] / median['floor_cpu']:.1f}×; the coordinator's "
+              f"{median['coordinator_cpu']:.3f} CPU-s of it")
+        print(f"  coordinator RSS growth while handing off: later rounds up to {max(figures['growth']) / 2**20:.0f} "
+              f"MiB; one copy of the frames is {size / 2**20:.0f} MiB")
+    print(f"the process's first hand-off grew its RSS by {first_growth / 2**20:.0f} MiB; load now "
+          f"{os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:
@@ -261,6 +288,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--lists-only", action="store_true",
+                        help="only the samples as plain lists (no rounds with them packed ahead)")
     anyio.run(run, parser.parse_args())
 
 

@@ -36,6 +36,7 @@ from coordinator.rollout.requests import GenerateState, generate_group, new_samp
 from coordinator.rollout.reward_post import reward_category_metrics
 from coordinator.rollout.rewards import RewardModel
 from replay.sample import RolloutBatch, Sample, SampleStatus
+from workers.protocol.control import pack_sample_ahead
 
 if TYPE_CHECKING:
     from coordinator.rollout.context import RolloutContext
@@ -159,6 +160,8 @@ class DefaultRollout:
                         submit([self._resume(PartialGroup(group.record, group.prompt_ids, samples))])
                     elif len(accepted) < target and await self._keep(samples, progress):
                         accepted.append(samples)
+                        for sample in samples:  # packed for the ranks now, while other groups generate
+                            pack_sample_ahead(sample)
                         progress.accepted = len(accepted)
                     if len(accepted) >= target:
                         break

@@ -17,16 +17,19 @@ from coordinator.train.connection import Call, Pending
 from coordinator.train.errors import RankCommandError, RankFailure
 from workers import protocol
 
+Frame = bytes | bytearray | list[bytes | bytearray | memoryview]
+
 
 async def encode_frames(
     requests: dict[int, protocol.Request], max_frame_bytes: int
-) -> dict[int, tuple[int, bytes]]:
+) -> dict[int, tuple[int, Frame]]:
     """Every rank's (request id, frame), before any is sent: a frame over the limit must not leave some ranks
-    with a command. A rollout's shards can be large, so the encoding runs off the event loop."""
+    with a command. A rollout's shards can be large, so the encoding runs off the event loop. A frame is its
+    parts (`encode_frame_parts`): the samples' packed arrays are sent from where they lie."""
 
-    def encode() -> dict[int, tuple[int, bytes]]:
+    def encode() -> dict[int, tuple[int, Frame]]:
         return {
-            rank: (request.request_id, protocol.encode_frame(request, max_frame_bytes))
+            rank: (request.request_id, protocol.encode_frame_parts(request, max_frame_bytes))
             for rank, request in requests.items()
         }
 
@@ -38,12 +41,30 @@ async def encode_frames(
 SEND_CHUNK_BYTES = 1 << 20
 
 
-async def send_frame(stream: anyio.abc.ByteStream, frame: bytes | bytearray) -> None:
-    """Send one frame in `SEND_CHUNK_BYTES` slices (views, no copy), each waiting for the transport to drain: the
-    coordinator holds the frames and at most a slice more, never a second copy of a rollout's command."""
-    view = memoryview(frame)
-    for offset in range(0, len(view), SEND_CHUNK_BYTES):
-        await stream.send(view[offset : offset + SEND_CHUNK_BYTES])  # type: ignore[arg-type]
+async def send_frame(stream: anyio.abc.ByteStream, frame: Frame) -> None:
+    """Send one frame in `SEND_CHUNK_BYTES` slices, each waiting for the transport to drain: the coordinator holds
+    the frames and at most a slice more, never a second copy of a rollout's command. A frame of parts is sent as
+    slices joined from them (one fresh `bytes` each, never changed once handed over: a transport may keep a
+    reference to what the socket did not take): no frame-sized buffer, few sends however many parts."""
+    if not isinstance(frame, list):
+        view = memoryview(frame)
+        for offset in range(0, len(view), SEND_CHUNK_BYTES):
+            await stream.send(view[offset : offset + SEND_CHUNK_BYTES])  # type: ignore[arg-type]
+        return
+    pieces: list[memoryview] = []
+    size = 0
+    for part in frame:
+        view = memoryview(part).cast("B")
+        offset = 0
+        while offset < len(view):
+            count = min(len(view) - offset, SEND_CHUNK_BYTES - size)
+            pieces.append(view[offset : offset + count])
+            size, offset = size + count, offset + count
+            if size == SEND_CHUNK_BYTES:
+                await stream.send(b"".join(pieces))
+                pieces, size = [], 0
+    if pieces:
+        await stream.send(b"".join(pieces))
 
 
 async def gather_replies(

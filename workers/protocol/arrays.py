@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, cast
 import msgspec
 import numpy as np
 
+from replay.packed_list import PackedList
+
 if TYPE_CHECKING:
     import numpy.typing as npt
 
@@ -122,8 +124,10 @@ class PackedArray:
 
     def sum(self) -> int | float:
         """The values' sum, vectorised (an int for tokens and masks)."""
-        if self._view is None and type(self._source) is list and self._kind is not Kind.FLOATS:
-            total = sum(self._source)  # a list of ints sums in C without packing it
+        source = self._source
+        if (self._view is None and isinstance(source, list) and self._kind is not Kind.FLOATS
+                and not (isinstance(source, PackedList) and source.packed(self._kind.typecode) is not None)):
+            total = sum(source)  # a list of ints sums in C without packing it (a packed one sums vectorised)
             if type(total) is int:
                 return total
         if self._kind is Kind.FLOATS:
@@ -161,9 +165,29 @@ def as_numpy(kind: Kind, values: object) -> npt.NDArray[np.generic]:
     return PackedArray.of(kind, values).numpy()
 
 
+def pack_ahead(kind: Kind, values: object) -> object:
+    """`values` as they will be sent, packed now: a list becomes a `PackedList` of the same values holding its
+    packed bytes (which `PackedArray.packed` then returns without reading a value); anything else (None, a hook's
+    array or tensor) is returned as it is. For a sample's lists while the rollout is still generating
+    (`control.pack_sample_ahead`), so the hand-off to the ranks does not read them value by value."""
+    if not isinstance(values, list):
+        return values
+    held = values if isinstance(values, PackedList) else PackedList(values)
+    if held.packed(kind.typecode) is None:
+        try:
+            held.keep_packed(kind.typecode, _pack(kind, held))
+        except PackedArrayError:  # left unpacked: the hand-off refuses it with the same error, as before
+            pass
+    return held
+
+
 def _pack(kind: Kind, values: object) -> memoryview:
     name = kind.name.lower()
-    if type(values) is list or type(values) is tuple:
+    if isinstance(values, PackedList):
+        cached = values.packed(kind.typecode)
+        if cached is not None:  # packed when its sample's group was accepted, unchanged since (`PackedList`)
+            return cached
+    if type(values) is list or type(values) is tuple or isinstance(values, PackedList):
         if kind is Kind.FLOATS:
             packed_floats = _floats_through_msgpack(values)
             if packed_floats is not None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 import msgspec
 
 from workers.protocol import codec
-from workers.protocol.arrays import Kind, PackedArray, PackedArrayError
+from workers.protocol.arrays import Kind, PackedArray, PackedArrayError, pack_ahead
 from workers.protocol.frames import framed
 from workers.protocol.messages import Family, Int31, Message, Record, Token, union_of
 from workers.protocol.replies import (
@@ -40,6 +40,7 @@ from workers.protocol.replies import (
     TrainResult,
     WeightManifestReply,
 )
+from workers.protocol.scatter import Part, encode_parts
 from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
@@ -157,6 +158,26 @@ class WireSample(Record):
             opd_reverse_kl=_optional(sample.opd_reverse_kl),
             images=wire_images(sample.multimodal_train_inputs),
         )
+
+
+#: the shortest sample (prompt + response tokens) `pack_sample_ahead` packs
+PACK_AHEAD_MIN_TOKENS = 512
+
+
+def pack_sample_ahead(sample: Sample) -> None:
+    """Pack `sample`'s per-token lists now, as `from_sample` will send them: each list is replaced by a
+    `PackedList` of the same values holding its int32 / uint8 / float64 bytes, so the hand-off reads no value
+    again. For a group accepted during the rollout (engine-bound time); a hook that changes a list afterwards
+    (any in-place list method, or a new list) drops those bytes and the hand-off packs that list as before.
+    A sample under `PACK_AHEAD_MIN_TOKENS` is left as it is: packing costs a few µs per array before any value
+    is read, which would add to every short sample's rollout CPU to save the hand-off next to nothing."""
+    if len(sample.tokens) < PACK_AHEAD_MIN_TOKENS:
+        return
+    sample.tokens = pack_ahead(Kind.TOKENS, sample.tokens)  # type: ignore[assignment]
+    sample.loss_mask = pack_ahead(Kind.MASK, sample.loss_mask)  # type: ignore[assignment]
+    sample.rollout_log_probs = pack_ahead(Kind.FLOATS, sample.rollout_log_probs)  # type: ignore[assignment]
+    sample.teacher_log_probs = pack_ahead(Kind.FLOATS, sample.teacher_log_probs)  # type: ignore[assignment]
+    sample.opd_reverse_kl = pack_ahead(Kind.FLOATS, sample.opd_reverse_kl)  # type: ignore[assignment]
 
 
 def _optional(values: object) -> PackedArray | None:
@@ -404,6 +425,12 @@ CONTROL = Family(
 def encode_frame(message: ControlMessage, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytearray:
     """The message's frame; FrameTooLarge instead of a frame the peer must refuse."""
     return CONTROL.encode(message, max_frame_bytes)
+
+
+def encode_frame_parts(message: ControlMessage, max_frame_bytes: int = MAX_FRAME_BYTES) -> list[Part]:
+    """The message's frame as parts to send in order, each large per-token array left where it lies
+    (`workers.protocol.scatter`): joined, exactly `encode_frame`'s bytes."""
+    return encode_parts(CONTROL, message, max_frame_bytes, codec.encode_hook)
 
 
 def decode_body(body: bytes) -> Message:
