@@ -24,22 +24,45 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
 
 
-def test_the_tiny_vlm_loads_offline_and_its_text_ids_are_the_text_models(tiny_vlm_dir: Path) -> None:
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def family_vlm_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                   tiny_vlm_dir: Path) -> Path:
+    """The tiny VLM of each family `make-tiny-model --vlm-family` builds (Qwen2.5-VL: the default's directory)."""
+    from workers.tiny_vlm import TinyVlmSpec, build_tiny_vlm
+
+    if request.param == "qwen2_5_vl":
+        return tiny_vlm_dir
+    return build_tiny_vlm(tmp_path_factory.mktemp(request.param), TinyVlmSpec(family=request.param))
+
+
+def test_the_tiny_vlm_loads_offline_and_its_text_ids_are_the_text_models(family_vlm_dir: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
     from workers.tiny_model import vocabulary
+    from workers.tiny_vlm import FAMILIES, PATCH_SIZES
     from workers.vlm_processor import VlmProcessor
 
+    family = json.loads((family_vlm_dir / "rayless_tiny_model.json").read_text())["family"]
+    assert family in FAMILIES
+    tiny_vlm_dir = family_vlm_dir
     processor = VlmProcessor(tiny_vlm_dir)
     model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_dir))
-    assert model.config.model_type == "qwen2_5_vl"
+    assert model.config.model_type == family
+    patch = PATCH_SIZES[family]
+    assert (model.config.vision_config.patch_size, processor.image_processor.patch_size) == (patch, patch)
+    if family == "qwen3_vl":  # the tower's first block feeds the first decoder layer; interleaved mrope
+        assert model.config.vision_config.deepstack_visual_indexes == [0]
+        assert model.config.text_config.rope_parameters["mrope_interleaved"] is True
+        assert list(processor.image_processor.image_mean) == [0.5, 0.5, 0.5]
     assert processor.tokenizer.encode("3 7=") == [vocabulary()[c] for c in "3 7="]
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?<|im_end|>\n" \
                    "<|im_start|>assistant\n"
     vision = processor.pixel_inputs([decode_image(solid_png(56, 84, (255, 0, 0)), "test")])
+    # 84 x 56 pixels resized to sides multiple of 2 patches (28: 84 x 56, 32: 96 x 64): 6 x 4 patches either way
     assert vision.image_grid_thw.tolist() == [[1, 6, 4]]
+    assert vision.pixel_values.shape == (24, 3 * 2 * patch * patch)
     ids = processor.expand_ids(processor.tokenizer.encode(text), vision.image_grid_thw)
     assert ids.count(processor.image_token_id) == 6  # 6 x 4 patches, merged 2 x 2
     with pytest.raises(ValueError, match=r"1 image placeholder.*for 2 image"):
@@ -141,10 +164,12 @@ def engine_rollout(tiny_vlm_dir: Path, batch_invariant: bool = False
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "batch-invariant"])
-def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_dir: Path,
+def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(family_vlm_dir: Path,
                                                                      batch_invariant: bool) -> None:
     """A VLM row and a text row decoded in one batch: each sampled token's logprob equals the trainer's scoring
-    (`token_scores` on prompt + output, with the images and Qwen2-VL's positions) of the same sequence."""
+    (`token_scores` on prompt + output, with the images and the family's positions) of the same sequence; for
+    Qwen3-VL with its deepstack features and interleaved mrope."""
+    tiny_vlm_dir = family_vlm_dir
     from workers.shared_torch.token_scores import token_scores
     from workers.vlm_processor import rope_positions
 
@@ -165,10 +190,11 @@ def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_di
 
 
 def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_logprobs(
-        tiny_vlm_dir: Path) -> None:
+        family_vlm_dir: Path) -> None:
     """The samples as the rank receives them (images on the wire): packed in one row with multimodal positions,
     the rank's logprobs equal the engine's; a train step runs and moves the weights; images malformed on the
-    wire are refused naming the sample."""
+    wire are refused naming the sample. Each family."""
+    tiny_vlm_dir = family_vlm_dir
     from msgspec.structs import replace
 
     from tests.support.train_settings import init_command
