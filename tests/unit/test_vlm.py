@@ -168,10 +168,12 @@ def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(family_vlm_
                                                                      batch_invariant: bool) -> None:
     """A VLM row and a text row decoded in one batch: each sampled token's logprob equals the trainer's scoring
     (`token_scores` on prompt + output, with the images and the family's positions) of the same sequence; for
-    Qwen3-VL with its deepstack features and interleaved mrope."""
-    tiny_vlm_dir = family_vlm_dir
+    Qwen3-VL with its deepstack features and interleaved mrope; and the model's own forward (positions made by
+    the model itself) agrees."""
     from workers.shared_torch.token_scores import token_scores
     from workers.vlm_processor import rope_positions
+
+    tiny_vlm_dir = family_vlm_dir
 
     runner, rows, vision = engine_rollout(tiny_vlm_dir, batch_invariant)
     image_token_id = runner.vision_processor.image_token_id
@@ -187,6 +189,13 @@ def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(family_vlm_
                                      vision=extra)
         expected = scored[0, len(ids) - 1:].tolist()
         assert max(abs(a - b) for a, b in zip(expected, logprobs, strict=True)) < 1e-5, row
+        if row == "vlm" and not batch_invariant:
+            # the model's own forward, which makes its positions itself from the token types: the same scores
+            with torch.no_grad():
+                logits = runner.model(input_ids=sequence, mm_token_type_ids=(sequence == image_token_id).int(),
+                                      **extra).logits[0, len(ids) - 1:-1].float()
+            own = logits.log_softmax(-1).gather(-1, torch.tensor(tokens).unsqueeze(-1)).view(-1).tolist()
+            assert max(abs(a - b) for a, b in zip(own, logprobs, strict=True)) < 1e-5
 
 
 def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_logprobs(
@@ -194,7 +203,6 @@ def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_
     """The samples as the rank receives them (images on the wire): packed in one row with multimodal positions,
     the rank's logprobs equal the engine's; a train step runs and moves the weights; images malformed on the
     wire are refused naming the sample. Each family."""
-    tiny_vlm_dir = family_vlm_dir
     from msgspec.structs import replace
 
     from tests.support.train_settings import init_command
@@ -203,6 +211,7 @@ def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_
     from workers.train_rank.batching import BatchError
     from workers.train_rank.trainer import Trainer
 
+    tiny_vlm_dir = family_vlm_dir
     _, rows, vision = engine_rollout(tiny_vlm_dir)
     images = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw}
     samples = [protocol.WireSample(tokens=ids + out, response_length=len(out), loss_mask=[1] * len(out),
