@@ -77,6 +77,15 @@ def test_make_tiny_model_vlm_refuses_the_text_models_shape_flags(tmp_path: Path,
         make_tiny_model_main([str(tmp_path / "m"), "--vlm", "--words", "<search>"])
     assert stop.value.code == 2
     assert "--words is for the text model only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # --vlm-family implies --vlm
+        make_tiny_model_main([str(tmp_path / "m"), "--vlm-family", "qwen3_vl", "--untied-head"])
+    assert stop.value.code == 2
+    assert "--untied-head is for the text model only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        make_tiny_model_main([str(tmp_path / "m"), "--vlm-family", "qwen3_5"])
+    assert stop.value.code == 2
+    assert "--vlm-family: invalid choice: 'qwen3_5'" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
 
 
 def test_image_references_decode_from_paths_file_urls_data_urls_and_bytes(tmp_path: Path) -> None:
@@ -388,16 +397,17 @@ def test_a_hooks_sample_with_images_is_made_whole_or_refused_naming_the_hook(tin
 
 
 @pytest.mark.anyio
-async def test_engine_image_data_is_checked_and_expanded_before_anything_runs(tiny_vlm_dir: Path) -> None:
+async def test_engine_image_data_is_checked_and_expanded_before_anything_runs(family_vlm_dir: Path) -> None:
     """SGLang's `image_data` on /generate: with `input_ids` the ids must hold the expanded placeholders; with
-    `text` the template's one placeholder per image is expanded; a bad image or count is a 400 naming it."""
+    `text` the template's one placeholder per image is expanded; a bad image or count is a 400 naming it. Each
+    family (a 56x56 image is 2x2 merged patches at patch 14 and at Qwen3-VL's 16, resized to 64x64)."""
     from types import SimpleNamespace
 
     from workers.engine.generate_request import RequestBuilder
     from workers.engine.runner import ModelRunner
     from workers.engine.sampling import RequestError
 
-    runner = ModelRunner(str(tiny_vlm_dir))
+    runner = ModelRunner(str(family_vlm_dir))
     processor = runner.vision_processor
     assert processor is not None
     builder = RequestBuilder(SimpleNamespace(runner=runner, context_length=1024))  # type: ignore[arg-type]
