@@ -432,12 +432,16 @@ async def test_engine_image_data_is_checked_and_expanded_before_anything_runs(fa
         await builder._images({"image_data": [red]}, [list(expanded)], from_text=False)
 
 
-@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("q_proj", "v_proj", "qkv")],
-                         ids=["language-model", "and-vision-tower"])
-def test_lora_adapts_the_language_model_or_both_and_the_engine_serves_the_merge(tiny_vlm_dir: Path,
+@pytest.mark.parametrize(("family_vlm_dir", "targets"), [
+    ("qwen2_5_vl", ("q_proj", "v_proj")), ("qwen2_5_vl", ("q_proj", "v_proj", "qkv")),
+    ("qwen3_vl", ("q_proj", "v_proj", "qkv")),
+], indirect=["family_vlm_dir"], ids=["language-model", "and-vision-tower", "and-vision-tower-qwen3-vl"])
+def test_lora_adapts_the_language_model_or_both_and_the_engine_serves_the_merge(family_vlm_dir: Path,
                                                                                 targets: tuple[str, ...]) -> None:
     """`--target-modules` of the language model's projections adapt it alone; the vision tower's `qkv` adds its
-    blocks. After a step, the engine loading the merged weights scores the VLM sample as the trainer does."""
+    blocks (Qwen2.5-VL's, and Qwen3-VL's, whose deepstack mergers stay frozen). After a step, the engine loading
+    the merged weights scores the VLM sample as the trainer does."""
+    tiny_vlm_dir = family_vlm_dir
     from tests.support.train_settings import init_command
     from workers import protocol
     from workers.protocol.control import wire_images
