@@ -123,6 +123,7 @@ def train_main(argv: Sequence[str]) -> int:
 
 def make_tiny_model_main(argv: Sequence[str]) -> int:
     from workers.tiny_model import TinyModelSpec
+    from workers.tiny_vlm import FAMILIES as VLM_FAMILIES
 
     defaults = TinyModelSpec()
     parser = argparse.ArgumentParser(prog="rayless make-tiny-model",
@@ -140,10 +141,12 @@ def make_tiny_model_main(argv: Sequence[str]) -> int:
                         help="an output head of its own (tie_word_embeddings false), starting as a copy of the "
                         "embeddings, so LoRA can adapt it (--target-modules ...,lm_head)")
     parser.add_argument("--vlm", action="store_true",
-                        help="a tiny Qwen2.5-VL-family vision-language model and its image processor (docs/vlm.md); "
-                        "takes --seed only")
+                        help="a tiny vision-language model (Qwen2.5-VL unless --vlm-family says) and its image "
+                        "processor (docs/vlm.md); takes --seed only")
+    parser.add_argument("--vlm-family", choices=VLM_FAMILIES, default=None,
+                        help="the tiny vision-language model's family (config.json's model_type); implies --vlm")
     options = parser.parse_args(list(argv))
-    if options.vlm:
+    if options.vlm or options.vlm_family:
         return _make_tiny_vlm(options, parser)
 
     from workers.tiny_model import build_tiny_model, count_parameters
@@ -164,8 +167,9 @@ def _make_tiny_vlm(options: argparse.Namespace, parser: argparse.ArgumentParser)
     shaped = [flag for flag, given in (("--words", options.words), ("--untied-head", options.untied_head)) if given]
     if shaped:
         parser.error(f"--vlm builds a fixed tiny shape; {', '.join(shaped)} is for the text model only")
-    directory = build_tiny_vlm(options.directory, TinyVlmSpec(seed=options.seed))
-    print(f"wrote {directory} ({count_parameters(directory):,} parameters, vision-language)")
+    family = options.vlm_family or TinyVlmSpec.family
+    directory = build_tiny_vlm(options.directory, TinyVlmSpec(seed=options.seed, family=family))
+    print(f"wrote {directory} ({count_parameters(directory):,} parameters, vision-language {family})")
     return 0
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 #: Model families whose processing this module reproduces (config.json's model_type).
-VLM_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+VLM_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 
 
 class VlmInputError(RaylessError, ValueError):
@@ -156,7 +156,7 @@ def rope_positions(model: torch.nn.Module, input_ids: torch.Tensor, image_grid_t
     # the module that holds it, under whatever wraps the model (FSDP2 keeps the class, PEFT nests it)
     owner = next((module for module in model.modules() if hasattr(module, "get_rope_index")), None)
     if owner is None:
-        raise VlmInputError(f"{type(model).__name__} has no get_rope_index: not a Qwen2-VL-family model")
+        raise VlmInputError(f"{type(model).__name__} has no get_rope_index: not a Qwen-VL-family model")
     kinds = (input_ids == image_token_id).to(torch.int32)
     with torch.no_grad():
         positions, deltas = owner.get_rope_index(input_ids, mm_token_type_ids=kinds,

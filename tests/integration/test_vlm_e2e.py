@@ -112,17 +112,23 @@ def test_vlm_sft_on_chats_with_images_lowers_its_loss(tmp_path: Path) -> None:
     assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3, losses
 
 
-def test_a_custom_generate_function_adds_an_image_in_a_later_turn(vlm_model: Path, tmp_path: Path) -> None:
+def test_a_custom_generate_function_adds_an_image_in_a_later_turn(tmp_path: Path) -> None:
     """slime's `geo3k_vlm_multi_turn` shape (tests/support/vlm_multi_turn.py): the hook sends the prompt's image,
     then an observation turn with a second image, through the coordinator's endpoint to the engine. The trainer
     scores the whole sequence with both images: its logprobs equal the engine's (which they could not if either
-    side missed the later image), the observation's tokens untrained; the dump holds both images' grids."""
+    side missed the later image), the observation's tokens untrained; the dump holds both images' grids. On the
+    tiny Qwen3-VL (miles' geo3k model family: patch 16, deepstack features, interleaved mrope), so its images go
+    over HTTP to the engine and through a rank here (the run above covers Qwen2.5-VL)."""
     import json
 
     from transformers import AutoTokenizer
 
     from replay.reader import read_dump
     from tests.support.vlm_multi_turn import OBSERVATION
+    from workers.tiny_vlm import TinyVlmSpec, build_tiny_vlm
+
+    vlm_model = build_tiny_vlm(tmp_path / "qwen3-vl", TinyVlmSpec(family="qwen3_vl"))
+    assert json.loads((vlm_model / "config.json").read_text())["model_type"] == "qwen3_vl"
 
     image_token = json.loads((vlm_model / "config.json").read_text())["image_token_id"]
     tokenizer = AutoTokenizer.from_pretrained(str(vlm_model))
@@ -145,7 +151,8 @@ def test_a_custom_generate_function_adds_an_image_in_a_later_turn(vlm_model: Pat
         assert sample.multimodal_train_inputs["image_grid_thw"] == [[1, 4, 4], [1, 4, 4]]
         response = sample.tokens[-sample.response_length:]
         assert len(response) == len(sample.loss_mask)
-        # the observation's image tokens (4: a 1×4×4 grid, merged 2×2) and its text sit in the response, untrained
+        # the observation's image tokens (4: a 1×4×4 grid, merged 2×2; 56x56 pixels resized to 64x64 at patch
+        # 16) and its text sit in the response, untrained
         observed = [mask for token, mask in zip(response, sample.loss_mask, strict=True) if token == image_token]
         assert observed == [0, 0, 0, 0], (response, sample.loss_mask)
         assert OBSERVATION in tokenizer.decode(response)

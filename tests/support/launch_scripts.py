@@ -41,6 +41,11 @@ UNSUPPORTED = {
 #: the refusal must say: a feature not built for that combination, named.
 REFUSED_COMBINATIONS: dict[str, str] = {}
 
+#: Scripts that validate with no notice about their flags: every one taken as it is (no Megatron flag, nothing
+#: ignored or mapped), each with why.
+QUIET_SCRIPTS = {
+    "miles__qwen3_vl_4B_fsdp": "miles' FSDP CI recipe for Qwen3-VL: FSDP flags only, each implemented",
+}
 
 @dataclass(frozen=True)
 class LaunchScript:

@@ -24,22 +24,51 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
 
 
-def test_the_tiny_vlm_loads_offline_and_its_text_ids_are_the_text_models(tiny_vlm_dir: Path) -> None:
+#: the families the engine and trainer checks run on (the suite's time is budgeted): the default and Qwen3-VL,
+#: whose tower and positions differ most; Qwen2-VL's tower is Qwen2.5-VL's without window attention (it is
+#: built and loaded below; its engine and trainer checks passed when run by hand)
+SERVED_CHECKS = ["qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def family_vlm_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                   tiny_vlm_dir: Path) -> Path:
+    """The tiny VLM of each family `make-tiny-model --vlm-family` builds (Qwen2.5-VL: the default's directory)."""
+    from workers.tiny_vlm import TinyVlmSpec, build_tiny_vlm
+
+    if request.param == "qwen2_5_vl":
+        return tiny_vlm_dir
+    return build_tiny_vlm(tmp_path_factory.mktemp(request.param), TinyVlmSpec(family=request.param))
+
+
+def test_the_tiny_vlm_loads_offline_and_its_text_ids_are_the_text_models(family_vlm_dir: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
     from workers.tiny_model import vocabulary
+    from workers.tiny_vlm import FAMILIES, PATCH_SIZES
     from workers.vlm_processor import VlmProcessor
 
+    family = json.loads((family_vlm_dir / "rayless_tiny_model.json").read_text())["family"]
+    assert family in FAMILIES
+    tiny_vlm_dir = family_vlm_dir
     processor = VlmProcessor(tiny_vlm_dir)
     model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_dir))
-    assert model.config.model_type == "qwen2_5_vl"
+    assert model.config.model_type == family
+    patch = PATCH_SIZES[family]
+    assert (model.config.vision_config.patch_size, processor.image_processor.patch_size) == (patch, patch)
+    if family == "qwen3_vl":  # the tower's first block feeds the first decoder layer; interleaved mrope
+        assert model.config.vision_config.deepstack_visual_indexes == [0]
+        assert model.config.text_config.rope_parameters["mrope_interleaved"] is True
+        assert list(processor.image_processor.image_mean) == [0.5, 0.5, 0.5]
     assert processor.tokenizer.encode("3 7=") == [vocabulary()[c] for c in "3 7="]
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?<|im_end|>\n" \
                    "<|im_start|>assistant\n"
     vision = processor.pixel_inputs([decode_image(solid_png(56, 84, (255, 0, 0)), "test")])
+    # 84 x 56 pixels resized to sides multiple of 2 patches (28: 84 x 56, 32: 96 x 64): 6 x 4 patches either way
     assert vision.image_grid_thw.tolist() == [[1, 6, 4]]
+    assert vision.pixel_values.shape == (24, 3 * 2 * patch * patch)
     ids = processor.expand_ids(processor.tokenizer.encode(text), vision.image_grid_thw)
     assert ids.count(processor.image_token_id) == 6  # 6 x 4 patches, merged 2 x 2
     with pytest.raises(ValueError, match=r"1 image placeholder.*for 2 image"):
@@ -54,6 +83,15 @@ def test_make_tiny_model_vlm_refuses_the_text_models_shape_flags(tmp_path: Path,
         make_tiny_model_main([str(tmp_path / "m"), "--vlm", "--words", "<search>"])
     assert stop.value.code == 2
     assert "--words is for the text model only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # --vlm-family implies --vlm
+        make_tiny_model_main([str(tmp_path / "m"), "--vlm-family", "qwen3_vl", "--untied-head"])
+    assert stop.value.code == 2
+    assert "--untied-head is for the text model only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        make_tiny_model_main([str(tmp_path / "m"), "--vlm-family", "qwen3_5"])
+    assert stop.value.code == 2
+    assert "--vlm-family: invalid choice: 'qwen3_5'" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
 
 
 def test_image_references_decode_from_paths_file_urls_data_urls_and_bytes(tmp_path: Path) -> None:
@@ -140,13 +178,18 @@ def engine_rollout(tiny_vlm_dir: Path, batch_invariant: bool = False
     return runner, {row: (prompts[row], tokens[row], logprobs[row]) for row in prompts}, vision
 
 
+@pytest.mark.parametrize("family_vlm_dir", SERVED_CHECKS, indirect=True)
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "batch-invariant"])
-def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_dir: Path,
+def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(family_vlm_dir: Path,
                                                                      batch_invariant: bool) -> None:
     """A VLM row and a text row decoded in one batch: each sampled token's logprob equals the trainer's scoring
-    (`token_scores` on prompt + output, with the images and Qwen2-VL's positions) of the same sequence."""
+    (`token_scores` on prompt + output, with the images and the family's positions) of the same sequence; for
+    Qwen3-VL with its deepstack features and interleaved mrope; and the model's own forward (positions made by
+    the model itself) agrees."""
     from workers.shared_torch.token_scores import token_scores
     from workers.vlm_processor import rope_positions
+
+    tiny_vlm_dir = family_vlm_dir
 
     runner, rows, vision = engine_rollout(tiny_vlm_dir, batch_invariant)
     image_token_id = runner.vision_processor.image_token_id
@@ -162,13 +205,21 @@ def test_engine_logprobs_with_images_equal_a_full_forward_with_mrope(tiny_vlm_di
                                      vision=extra)
         expected = scored[0, len(ids) - 1:].tolist()
         assert max(abs(a - b) for a, b in zip(expected, logprobs, strict=True)) < 1e-5, row
+        if row == "vlm" and not batch_invariant:
+            # the model's own forward, which makes its positions itself from the token types: the same scores
+            with torch.no_grad():
+                logits = runner.model(input_ids=sequence, mm_token_type_ids=(sequence == image_token_id).int(),
+                                      **extra).logits[0, len(ids) - 1:-1].float()
+            own = logits.log_softmax(-1).gather(-1, torch.tensor(tokens).unsqueeze(-1)).view(-1).tolist()
+            assert max(abs(a - b) for a, b in zip(own, logprobs, strict=True)) < 1e-5
 
 
+@pytest.mark.parametrize("family_vlm_dir", SERVED_CHECKS, indirect=True)
 def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_logprobs(
-        tiny_vlm_dir: Path) -> None:
+        family_vlm_dir: Path) -> None:
     """The samples as the rank receives them (images on the wire): packed in one row with multimodal positions,
     the rank's logprobs equal the engine's; a train step runs and moves the weights; images malformed on the
-    wire are refused naming the sample."""
+    wire are refused naming the sample. Each family."""
     from msgspec.structs import replace
 
     from tests.support.train_settings import init_command
@@ -177,6 +228,7 @@ def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_
     from workers.train_rank.batching import BatchError
     from workers.train_rank.trainer import Trainer
 
+    tiny_vlm_dir = family_vlm_dir
     _, rows, vision = engine_rollout(tiny_vlm_dir)
     images = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw}
     samples = [protocol.WireSample(tokens=ids + out, response_length=len(out), loss_mask=[1] * len(out),
@@ -389,16 +441,18 @@ def test_a_hooks_sample_with_images_is_made_whole_or_refused_naming_the_hook(tin
 
 
 @pytest.mark.anyio
-async def test_engine_image_data_is_checked_and_expanded_before_anything_runs(tiny_vlm_dir: Path) -> None:
+@pytest.mark.parametrize("family_vlm_dir", SERVED_CHECKS, indirect=True)
+async def test_engine_image_data_is_checked_and_expanded_before_anything_runs(family_vlm_dir: Path) -> None:
     """SGLang's `image_data` on /generate: with `input_ids` the ids must hold the expanded placeholders; with
-    `text` the template's one placeholder per image is expanded; a bad image or count is a 400 naming it."""
+    `text` the template's one placeholder per image is expanded; a bad image or count is a 400 naming it. Each
+    family (a 56x56 image is 2x2 merged patches at patch 14 and at Qwen3-VL's 16, resized to 64x64)."""
     from types import SimpleNamespace
 
     from workers.engine.generate_request import RequestBuilder
     from workers.engine.runner import ModelRunner
     from workers.engine.sampling import RequestError
 
-    runner = ModelRunner(str(tiny_vlm_dir))
+    runner = ModelRunner(str(family_vlm_dir))
     processor = runner.vision_processor
     assert processor is not None
     builder = RequestBuilder(SimpleNamespace(runner=runner, context_length=1024))  # type: ignore[arg-type]
@@ -423,12 +477,16 @@ async def test_engine_image_data_is_checked_and_expanded_before_anything_runs(ti
         await builder._images({"image_data": [red]}, [list(expanded)], from_text=False)
 
 
-@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("q_proj", "v_proj", "qkv")],
-                         ids=["language-model", "and-vision-tower"])
-def test_lora_adapts_the_language_model_or_both_and_the_engine_serves_the_merge(tiny_vlm_dir: Path,
+@pytest.mark.parametrize(("family_vlm_dir", "targets"), [
+    ("qwen2_5_vl", ("q_proj", "v_proj")), ("qwen2_5_vl", ("q_proj", "v_proj", "qkv")),
+    ("qwen3_vl", ("q_proj", "v_proj", "qkv")),
+], indirect=["family_vlm_dir"], ids=["language-model", "and-vision-tower", "and-vision-tower-qwen3-vl"])
+def test_lora_adapts_the_language_model_or_both_and_the_engine_serves_the_merge(family_vlm_dir: Path,
                                                                                 targets: tuple[str, ...]) -> None:
     """`--target-modules` of the language model's projections adapt it alone; the vision tower's `qkv` adds its
-    blocks. After a step, the engine loading the merged weights scores the VLM sample as the trainer does."""
+    blocks (Qwen2.5-VL's, and Qwen3-VL's, whose deepstack mergers stay frozen). After a step, the engine loading
+    the merged weights scores the VLM sample as the trainer does."""
+    tiny_vlm_dir = family_vlm_dir
     from tests.support.train_settings import init_command
     from workers import protocol
     from workers.protocol.control import wire_images

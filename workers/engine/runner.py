@@ -11,9 +11,9 @@ position ids (a row's position is its own token count), so a sequence decoded in
 as alone, within float rounding. A new sequence is prefilled on its own (no padding) and then merged in; rows
 of finished sequences are removed and all-padding columns trimmed.
 
-A vision-language model (Qwen2-VL / Qwen2.5-VL, `workers.vlm_processor`) is served the same way: a sequence with
-images is prefilled on its own with its `pixel_values` and Qwen2-VL's multimodal rotary positions (from the
-model's `get_rope_index`), and keeps its rope delta, so its decode steps in the batch take position
+A vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL, `workers.vlm_processor`) is served the same way: a
+sequence with images is prefilled on its own with its `pixel_values` and the model's multimodal rotary positions
+(from its `get_rope_index`), and keeps its rope delta, so its decode steps in the batch take position
 `length + delta` on all three rotary axes, as the model's own generate does. Its images are encoded once per
 prefill (a retracted sequence re-encodes them).
 
