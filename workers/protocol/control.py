@@ -13,6 +13,7 @@ required on the wire.
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
@@ -110,18 +111,21 @@ class WireImages(Record):
     def nbytes(self) -> int:
         return memoryview(self.pixel_values).nbytes
 
-    def same_as(self, other: WireImages) -> bool:
-        """The same images: the same buffer (a group's samples share their prompt's tensor), or equal shape,
-        grids and pixel bytes (compared by numpy, stopping at nothing slower than memcmp's rate)."""
-        if self.pixel_shape != other.pixel_shape or self.image_grid_thw != other.image_grid_thw:
-            return False
+    def buffer_key(self) -> tuple[object, ...]:
+        """Where the pixels lie (address, size) and their shape: equal keys are the same images now (a group's
+        samples share their prompt's tensor)."""
         import numpy
 
-        mine, theirs = (numpy.frombuffer(memoryview(v).cast("B"), dtype=numpy.uint8)
-                        for v in (self.pixel_values, other.pixel_values))
-        if mine.__array_interface__["data"][0] == theirs.__array_interface__["data"][0]:
-            return True
-        return bool(numpy.array_equal(mine, theirs))
+        address = numpy.frombuffer(memoryview(self.pixel_values).cast("B"), dtype=numpy.uint8).ctypes.data
+        return (address, self.nbytes, *self.content_shape())
+
+    def content_key(self) -> tuple[object, ...]:
+        """A 128-bit BLAKE2b digest of the pixel bytes with the shape and grids: equal keys, equal images."""
+        digest = hashlib.blake2b(memoryview(self.pixel_values).cast("B"), digest_size=16).digest()
+        return (digest, *self.content_shape())
+
+    def content_shape(self) -> tuple[object, ...]:
+        return (tuple(self.pixel_shape), tuple(map(tuple, self.image_grid_thw)))
 
 
 class WireSample(Record):
@@ -270,21 +274,21 @@ class TrainCommand(Command, tag="train"):
     images: list[WireImages] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # One entry per distinct image set: a shared buffer is found at once, equal pixels by comparison among
-        # the entries of the same shape and grids (few: a command holds its prompts' images).
-        by_shape: dict[tuple[object, ...], list[int]] = {}
-        for index, table_images in enumerate(self.images):
-            by_shape.setdefault(_shape_key(table_images), []).append(index)
+        # One entry per distinct image set: a buffer already seen is found by its address (no hashing: the
+        # samples of a group share their prompt's tensor), another by a digest of its bytes (once per buffer).
+        by_buffer: dict[tuple[object, ...], int] = {}
+        by_content = {images.content_key(): index for index, images in enumerate(self.images)}
         for samples in self.steps:
             for sample in samples:
                 if sample.images is None:  # text, or already in the table
                     continue
-                candidates = by_shape.setdefault(_shape_key(sample.images), [])
-                found = next((i for i in candidates if self.images[i].same_as(sample.images)), None)
+                where = sample.images.buffer_key()
+                found = by_buffer.get(where)
                 if found is None:
-                    found = len(self.images)
-                    self.images.append(sample.images)
-                    candidates.append(found)
+                    found = by_content.setdefault(sample.images.content_key(), len(self.images))
+                    if found == len(self.images):
+                        self.images.append(sample.images)
+                    by_buffer[where] = found
                 sample.images, sample.image_ref = None, found
 
     def image_bytes(self) -> int:
@@ -302,10 +306,6 @@ class TrainCommand(Command, tag="train"):
                     raise ValueError(f"step {step} sample {index}: image_ref {sample.image_ref} outside the "
                                      f"command's {len(self.images)} image set(s)")
                 sample.images = self.images[sample.image_ref]
-
-
-def _shape_key(images: WireImages) -> tuple[object, ...]:
-    return (tuple(images.pixel_shape), tuple(map(tuple, images.image_grid_thw)))
 
 
 class SaveCommand(Command, tag="save"):
