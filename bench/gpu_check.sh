@@ -109,7 +109,8 @@ else
         --repeats 2 --target inf
     # 4 prompts × 8 short samples on the real vocabulary: the bench's every figure, none gated at this size
     # (varlen is refused here: no CPU kernel; the line says so)
-    step train-shapes 150 "$PY" -m bench.train_shapes --quick --prompts 4 --report-only \
+    # (--no-vlm: the VLM case would add a minute on these cores; the CUDA branch runs it)
+    step train-shapes 150 "$PY" -m bench.train_shapes --quick --prompts 4 --report-only --no-vlm \
         --attention-paths per_sample,grouped,varlen --attention-batches 4
     step offload 90 "$PY" -m bench.offload_bandwidth --device cpu --hidden 64 --layers 2 --intermediate 128 \
         --vocab 1024 --repeats 2
