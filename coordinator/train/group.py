@@ -109,7 +109,7 @@ class TrainGroup:
         self.server = ControlServer(
             world_size=self.world_size,
             token=self.token,
-            max_frame_bytes=max_frame_bytes,
+            max_frame_bytes=self.max_frame_bytes,
             handshake_timeout_s=handshake_timeout_s,
             error_window_s=error_window_s,
             grace_s=grace_s,

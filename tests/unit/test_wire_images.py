@@ -4,6 +4,8 @@ sizes and what to change (issue 33)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -132,3 +134,16 @@ def test_the_coordinators_train_refuses_an_oversized_command_naming_the_rollout_
         assert protocol.ENV_MAX_FRAME in message
 
     anyio.run(main)
+
+
+def test_the_coordinator_reads_the_frame_limit_its_error_names_and_hands_it_to_its_ranks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from coordinator.train.group import TrainGroup
+    from coordinator.train.torchrun import TorchrunSpec
+
+    monkeypatch.setenv(protocol.ENV_MAX_FRAME, str(512 * 2**20))
+    group = TrainGroup(TorchrunSpec(nproc_per_node=1), run_dir=tmp_path, launch=False)
+    assert group.max_frame_bytes == 512 * 2**20 and group.server.max_frame_bytes == 512 * 2**20
+    monkeypatch.delenv(protocol.ENV_MAX_FRAME)
+    assert TrainGroup(TorchrunSpec(nproc_per_node=1), run_dir=tmp_path, launch=False).max_frame_bytes \
+        == protocol.MAX_FRAME_BYTES
