@@ -135,20 +135,21 @@ class TrainCommands:
         assert self.settings is not None  # train() checked
         batching = self.settings.batching
 
-        def prepare() -> list[StepPlan]:
-            # Converting and splitting thousands of samples would stall the event loop.
+        def prepare() -> tuple[list[StepPlan], dict[int, protocol.Command]]:
+            # Converting and splitting thousands of samples would stall the event loop, and so would digesting
+            # the images of each rank's table (seconds for a geo3k-sized rollout).
             wire = [protocol.WireSample.from_sample(sample) for sample in samples]
-            return plan_steps(wire, batching, self.world_size)
+            plan = plan_steps(wire, batching, self.world_size)
+            return plan, {
+                rank: protocol.TrainCommand(
+                    rollout_id=int(rollout_id),
+                    steps=[step.shards[rank] for step in plan],
+                    step_loss_tokens=[step.loss_tokens for step in plan],
+                )
+                for rank in range(self.world_size)
+            }
 
-        plan = await anyio.to_thread.run_sync(prepare)
-        commands: dict[int, protocol.Command] = {
-            rank: protocol.TrainCommand(
-                rollout_id=int(rollout_id),
-                steps=[step.shards[rank] for step in plan],
-                step_loss_tokens=[step.loss_tokens for step in plan],
-            )
-            for rank in range(self.world_size)
-        }
+        plan, commands = await anyio.to_thread.run_sync(prepare)
         try:
             results = await self._ask(commands, protocol.TrainResult)
         except protocol.FrameTooLarge as exc:  # refused before any rank got a frame: say what made it large
