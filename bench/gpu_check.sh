@@ -111,7 +111,8 @@ else
     # (varlen is refused here: no CPU kernel; the line says so); the paths on one micro-batch (after its warm-up
     # pass): each path's every line, and a third of the CPU the batch's two took (forward + backward over the
     # 151,936-token vocabulary)
-    step train-shapes 150 "$PY" -m bench.train_shapes --quick --prompts 4 --report-only \
+    # (--no-vlm: the VLM case would add a minute on these cores; the CUDA branch runs it)
+    step train-shapes 150 "$PY" -m bench.train_shapes --quick --prompts 4 --report-only --no-vlm \
         --attention-paths per_sample,grouped,varlen --attention-batches 1
     step offload 90 "$PY" -m bench.offload_bandwidth --device cpu --hidden 64 --layers 2 --intermediate 128 \
         --vocab 1024 --repeats 2

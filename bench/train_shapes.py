@@ -20,6 +20,10 @@ Figures, each against a floor measured in the same run:
   loopback socket to `RankChannel` readers that decode them, against the same bytes raw over a loopback socket;
   and the coordinator's RSS growth while it holds the batch (samples → wire samples → frames).
 
+- the vision-language case (`bench.shapes_vlm`, issue 33), in the same run: tokens/s and peak memory of a train
+  command on a batch with images against the same token sequences as text, the image bytes per sample on the
+  control channel, the language model's attention pairs computed ÷ needed. A report, no target; `--no-vlm` skips it.
+
 - `--critic`: the same train command with PPO's critic (`--advantage-estimator ppo`: the value model's old
   values, GAE, its clipped value-loss step beside the policy's), its peak memory and time against the
   policy-only command's: what the critic costs. A report, no target.
@@ -58,6 +62,7 @@ from bench.shapes_parts import (
     samples,
     shape_fields,
 )
+from bench.shapes_vlm import print_vlm, vlm_case
 
 
 def rss_bytes() -> int:
@@ -196,6 +201,7 @@ def main() -> None:
     parser.add_argument("--attention-batches", type=int, default=8, help="micro-batches each path runs")
     parser.add_argument("--critic", action="store_true", help="also the train command with PPO's critic: its "
                         "memory and time against the policy-only command's")
+    parser.add_argument("--no-vlm", action="store_true", help="skip the vision-language case")
     options = parser.parse_args()
     shape = (Shape(prompt_median=6, response_median=6, response_cap=48, max_tokens_per_gpu=256)
              if options.quick else Shape())
@@ -223,6 +229,8 @@ def main() -> None:
         if options.attention_paths:
             print_paths(options, run_child(attention_paths_process, *args[:5], options.attention_paths.split(","),
                                            options.attention_batches, options.threads))
+    if not options.no_vlm:
+        print_vlm(vlm_case(quick=options.quick, device=options.device, threads=options.threads))
     wire = channel(shape, QWEN3_VOCAB, world_size=2)
     report(options, shape, rank, floor, wire, ratio_before, batches_before)
 

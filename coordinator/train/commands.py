@@ -135,21 +135,25 @@ class TrainCommands:
         assert self.settings is not None  # train() checked
         batching = self.settings.batching
 
-        def prepare() -> list[StepPlan]:
-            # Converting and splitting thousands of samples would stall the event loop.
+        def prepare() -> tuple[list[StepPlan], dict[int, protocol.Command]]:
+            # Converting and splitting thousands of samples would stall the event loop, and so would digesting
+            # the images of each rank's table (seconds for a geo3k-sized rollout).
             wire = [protocol.WireSample.from_sample(sample) for sample in samples]
-            return plan_steps(wire, batching, self.world_size)
+            plan = plan_steps(wire, batching, self.world_size)
+            return plan, {
+                rank: protocol.TrainCommand(
+                    rollout_id=int(rollout_id),
+                    steps=[step.shards[rank] for step in plan],
+                    step_loss_tokens=[step.loss_tokens for step in plan],
+                )
+                for rank in range(self.world_size)
+            }
 
-        plan = await anyio.to_thread.run_sync(prepare)
-        commands: dict[int, protocol.Command] = {
-            rank: protocol.TrainCommand(
-                rollout_id=int(rollout_id),
-                steps=[step.shards[rank] for step in plan],
-                step_loss_tokens=[step.loss_tokens for step in plan],
-            )
-            for rank in range(self.world_size)
-        }
-        results = await self._ask(commands, protocol.TrainResult)
+        plan, commands = await anyio.to_thread.run_sync(prepare)
+        try:
+            results = await self._ask(commands, protocol.TrainResult)
+        except protocol.FrameTooLarge as exc:  # refused before any rank got a frame: say what made it large
+            raise protocol.FrameTooLarge(f"rollout {rollout_id}: {exc}; {command_sizes(commands)}") from exc
         by_rank = [results[rank].steps for rank in range(self.world_size)]
         step_times = [[step.step_time_s for step in steps] for steps in by_rank]
         self.rank_step_s = tuple(sum(times) for times in step_times)
@@ -312,3 +316,20 @@ class TrainCommands:
     async def destroy_weight_group(self, group_name: str = "weight_update_group") -> bool:
         results = await self._ask({0: protocol.DestroyWeightGroupCommand(group_name)}, protocol.DestroyWeightGroupReply)
         return results[0].destroyed
+
+
+def command_sizes(commands: dict[int, protocol.Command]) -> str:
+    """What each rank's train command carries (samples, tokens, distinct images and their pixel bytes), and what
+    to change when it is over the control channel's frame limit."""
+    parts = []
+    for rank, command in sorted(commands.items()):
+        assert isinstance(command, protocol.TrainCommand)
+        samples = [sample for step in command.steps for sample in step]
+        tokens = sum(len(sample.tokens) for sample in samples)
+        with_images = sum(sample.image_ref != -1 for sample in samples)
+        parts.append(f"rank {rank}: {len(samples)} samples, {tokens} tokens"
+                     + (f", {len(command.images)} distinct image set(s) for {with_images} samples = "
+                        f"{command.image_bytes() / 2**20:.1f} MiB of float32 pixel values" if command.images else ""))
+    return ("; ".join(parts) + f". Raise {protocol.ENV_MAX_FRAME} (read by the coordinator and its ranks), or send "
+            "less per rollout: fewer prompts (--rollout-batch-size), more training ranks, or smaller images (the "
+            "processor's max_pixels in --hf-checkpoint's preprocessor_config.json)")

@@ -77,7 +77,7 @@ class TrainGroup:
         handshake_timeout_s: float = 30.0,
         grace_s: float = 5.0,
         error_window_s: float = 2.0,
-        max_frame_bytes: int = protocol.MAX_FRAME_BYTES,
+        max_frame_bytes: int | None = None,
         torch_threads: int = 1,
         extra_env: dict[str, str] | None = None,
         log_name: str = "train_ranks.log",
@@ -92,7 +92,8 @@ class TrainGroup:
         self.host, self.port, self.advertise_host = host, port, advertise_host
         self.token = token or secrets.token_hex(32)
         self.start_timeout_s = start_timeout_s
-        self.max_frame_bytes = max_frame_bytes
+        # None: RAYLESS_CONTROL_MAX_FRAME_BYTES or the default, the same limit the ranks read from it
+        self.max_frame_bytes = max_frame_bytes or protocol.max_frame_bytes_from_env()
         self.torch_threads = torch_threads
         self.torchrun = (
             TorchrunProcess(
@@ -108,7 +109,7 @@ class TrainGroup:
         self.server = ControlServer(
             world_size=self.world_size,
             token=self.token,
-            max_frame_bytes=max_frame_bytes,
+            max_frame_bytes=self.max_frame_bytes,
             handshake_timeout_s=handshake_timeout_s,
             error_window_s=error_window_s,
             grace_s=grace_s,

@@ -238,6 +238,7 @@ def test_the_trainer_packs_a_vlm_sample_with_a_text_one_and_matches_the_engines_
     frame = protocol.encode_frame(protocol.Request(1, protocol.TrainCommand(0, [samples], [1])))
     decoded = protocol.decode_body(bytearray(frame[4:]))  # through the wire, as a rank receives them
     assert isinstance(decoded, protocol.Request) and isinstance(decoded.command, protocol.TrainCommand)
+    decoded.command.attach_images()  # as Trainer.train does: the image set came once, in the command's table
     samples = decoded.command.steps[0]
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
     trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 1e-2, "max_tokens_per_micro_batch": 4096,
@@ -573,3 +574,24 @@ def test_session_image_parts_render_expand_and_refuse_as_the_session_server_need
     with pytest.raises(SessionRequestError, match="cannot be decoded"):
         decode_urls(["data:image/png;base64,aGVsbG8="])
     assert agent_messages("a text prompt", [red]) == "a text prompt"
+def test_a_micro_batch_of_text_samples_on_a_vlm_attends_within_each_sample(tiny_vlm_dir: Path) -> None:
+    """A VLM run's micro-batch without images (text prompts beside image ones) packs as a text one does: each
+    sample's logprobs are those of its own forward (with plain position ids the model attended across the row:
+    0.1 off before)."""
+    from tests.support.train_settings import init_command
+    from workers import protocol
+    from workers.train_rank.trainer import Trainer
+
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 1e-5, "max_tokens_per_micro_batch": 4096}))
+    samples = [protocol.WireSample(tokens=list(range(first, first + length)), response_length=5, loss_mask=[1] * 5,
+                                   rollout_log_probs=[0.0] * 5) for first, length in ((3, 20), (30, 12))]
+    batch = trainer._micro_batches(samples)[0]
+    assert batch.position_ids is not None and batch.position_ids.shape[0] == 4 and batch.vision is None
+    packed = trainer._log_probs(batch).view(-1)
+    for (start, end), sample in zip(batch.spans, samples, strict=True):
+        with torch.no_grad():
+            ids = torch.tensor([list(sample.tokens)])
+            own = torch.log_softmax(trainer.model(input_ids=ids).logits[0, :-1].float(), -1)
+        expected = own.gather(-1, ids[0, 1:, None])[-5:, 0]
+        assert float((packed[start:end] - expected).abs().max()) < 1e-5

@@ -13,6 +13,7 @@ required on the wire.
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
@@ -60,8 +61,9 @@ if TYPE_CHECKING:
 # (slime's delta weight updates); 14: WireSample's per-token fields as packed arrays (`arrays`: int32 / uint8 /
 # float64 buffers as msgpack extensions, not one msgpack value per token); 15: ForwardBackwardCommand,
 # OptimStepCommand and LoadCommand.weights_only (the Tinker service); 16: WireSample.images (a vision-language
-# sample's processed images)
-PROTOCOL_VERSION = 16
+# sample's processed images); 17: TrainCommand.images, one copy of each distinct image per command, and
+# WireSample.image_ref (the samples of a group no longer carry their prompt's pixels each)
+PROTOCOL_VERSION = 17
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENV_TOKEN = "RAYLESS_CONTROL_TOKEN"
@@ -83,9 +85,12 @@ class ControlMessage(Message):
 class WireImages(Record):
     """A vision-language sample's images as its vision tower takes them (the processor's outputs): `pixel_values`
     float32 little-endian bytes of shape `pixel_shape` [patches, patch features], and each image's (t, h, w)
-    patch grid, whose products sum to the patches. Bounded by the frame; `problem` checks the rest."""
+    patch grid, whose products sum to the patches. Bounded by the frame; `problem` checks the rest.
 
-    pixel_values: bytes
+    `pixel_values` is a memoryview: the coordinator's is a view of the processor's tensor (no copy per sample),
+    a rank's a view into the frame it decoded (no copy either)."""
+
+    pixel_values: memoryview
     pixel_shape: list[int]
     image_grid_thw: list[list[int]]
 
@@ -94,13 +99,34 @@ class WireImages(Record):
         if len(self.pixel_shape) != 2 or min(self.pixel_shape, default=0) < 1:
             return f"pixel_shape {self.pixel_shape} must be [patches, features], both positive"
         patches, features = self.pixel_shape
-        if len(self.pixel_values) != 4 * patches * features:
-            return f"pixel_values holds {len(self.pixel_values)} bytes for float32 {self.pixel_shape}"
+        if memoryview(self.pixel_values).nbytes != 4 * patches * features:
+            return (f"pixel_values holds {memoryview(self.pixel_values).nbytes} bytes for float32 "
+                    f"{self.pixel_shape}")
         if not self.image_grid_thw or any(len(grid) != 3 or min(grid) < 1 for grid in self.image_grid_thw):
             return f"image_grid_thw {self.image_grid_thw} must hold one positive (t, h, w) per image"
         if sum(t * h * w for t, h, w in self.image_grid_thw) != patches:
             return f"image_grid_thw {self.image_grid_thw} does not add up to the {patches} patches"
         return None
+
+    @property
+    def nbytes(self) -> int:
+        return memoryview(self.pixel_values).nbytes
+
+    def buffer_key(self) -> tuple[object, ...]:
+        """Where the pixels lie (address, size) and their shape: equal keys are the same images now (a group's
+        samples share their prompt's tensor)."""
+        import numpy
+
+        address = numpy.frombuffer(memoryview(self.pixel_values).cast("B"), dtype=numpy.uint8).ctypes.data
+        return (address, self.nbytes, *self.content_shape())
+
+    def content_key(self) -> tuple[object, ...]:
+        """A 128-bit BLAKE2b digest of the pixel bytes with the shape and grids: equal keys, equal images."""
+        digest = hashlib.blake2b(memoryview(self.pixel_values).cast("B"), digest_size=16).digest()
+        return (digest, *self.content_shape())
+
+    def content_shape(self) -> tuple[object, ...]:
+        return (tuple(self.pixel_shape), tuple(map(tuple, self.image_grid_thw)))
 
 
 class WireSample(Record):
@@ -122,8 +148,11 @@ class WireSample(Record):
     #: miles' top-k on-policy distillation: the weighted reverse KL of each response token, computed during the
     #: rollout (None: not top-k OPD)
     opd_reverse_kl: PackedArray | None = None
-    #: a vision-language sample's images (tokens hold their expanded placeholders); None: text only
+    #: a vision-language sample's images (tokens hold their expanded placeholders); None: text only, or (on the
+    #: wire) carried once in its TrainCommand's `images` table at `image_ref`
     images: WireImages | None = None
+    #: the index of this sample's images in its TrainCommand's table; -1: none there
+    image_ref: int = -1
 
     def __post_init__(self) -> None:
         # Runs when built and when decoded: lists become arrays (by reference), and every per-response-token
@@ -194,12 +223,13 @@ def wire_images(inputs: Mapping[str, object] | None) -> WireImages | None:
     array = to_numpy() if callable(to_numpy) else pixels
     import numpy
 
-    values = numpy.ascontiguousarray(numpy.asarray(array, dtype="<f4"))
+    values = numpy.ascontiguousarray(numpy.asarray(array, dtype="<f4"))  # a view of a float32 tensor, no copy
     shape = inputs.get("pixel_shape")  # a dump's: flat float64 values and their [patches, features]
     if isinstance(shape, list):
         values = values.reshape([int(n) for n in shape])
     rows = grid.tolist() if hasattr(grid, "tolist") else grid
-    images = WireImages(pixel_values=values.tobytes(), pixel_shape=[int(n) for n in values.shape],
+    pixel_bytes = memoryview(values.reshape(-1)).cast("B")
+    images = WireImages(pixel_values=pixel_bytes, pixel_shape=[int(n) for n in values.shape],
                         image_grid_thw=[[int(v) for v in row] for row in rows])  # type: ignore[union-attr]
     problem = images.problem()
     if problem is not None:
@@ -251,12 +281,52 @@ class TrainCommand(Command, tag="train"):
 
     `step_loss_tokens[i]` is the number of loss-mask tokens of step i over *all* ranks, so every rank
     divides by the same count and the token mean spans the whole global batch. Answered by a `TrainResult`.
+
+    `images`: each distinct image set of the samples once (the `--n-samples-per-prompt` samples of a prompt
+    share their prompt's); a sample names its entry by `image_ref`. Built with samples carrying `images`, the
+    command moves them into the table (`__post_init__`: the sample's `images` become None, its `image_ref` the
+    entry, whatever it was); the rank gives them back with `attach_images`.
     """
 
     reply: ClassVar[type[Reply]] = TrainResult
     rollout_id: int
     steps: list[list[WireSample]]
     step_loss_tokens: list[int]
+    images: list[WireImages] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # One entry per distinct image set: a buffer already seen is found by its address (no hashing: the
+        # samples of a group share their prompt's tensor), another by a digest of its bytes (once per buffer).
+        by_buffer: dict[tuple[object, ...], int] = {}
+        by_content = {images.content_key(): index for index, images in enumerate(self.images)}
+        for samples in self.steps:
+            for sample in samples:
+                if sample.images is None:  # text, or already in the table
+                    continue
+                where = sample.images.buffer_key()
+                found = by_buffer.get(where)
+                if found is None:
+                    found = by_content.setdefault(sample.images.content_key(), len(self.images))
+                    if found == len(self.images):
+                        self.images.append(sample.images)
+                    by_buffer[where] = found
+                sample.images, sample.image_ref = None, found
+
+    def image_bytes(self) -> int:
+        """The pixel bytes the command carries (each distinct image once)."""
+        return sum(images.nbytes for images in self.images)
+
+    def attach_images(self) -> None:
+        """Give each sample its images from the table (the rank, before training); an `image_ref` outside the
+        table is refused naming the sample."""
+        for step, samples in enumerate(self.steps):
+            for index, sample in enumerate(samples):
+                if sample.image_ref == -1:
+                    continue
+                if not 0 <= sample.image_ref < len(self.images):
+                    raise ValueError(f"step {step} sample {index}: image_ref {sample.image_ref} outside the "
+                                     f"command's {len(self.images)} image set(s)")
+                sample.images = self.images[sample.image_ref]
 
 
 class SaveCommand(Command, tag="save"):

@@ -173,6 +173,7 @@ class Trainer:
             raise ValueError(
                 f"train command has {len(command.steps)} steps but {len(command.step_loss_tokens)} token counts"
             )
+        command.attach_images()  # each distinct image came once in the command's table
         batches = [self._micro_batches(samples) for samples in command.steps]
         # slime's old logprobs: the policy before this rollout's first update, so the ratio of every step of
         # the rollout is taken against the same policy. The first step runs on that policy itself, so its old

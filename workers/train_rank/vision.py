@@ -25,9 +25,9 @@ from workers.vlm_processor import rope_positions
 
 def attach_vision(batch: MicroBatch, samples: Sequence[WireSample], model: torch.nn.Module,
                   image_token_id: int, merge_size: int) -> None:
-    """Give a packed `batch` of `samples` its images and multimodal positions (nothing when none has images)."""
-    if not any(sample.images is not None for sample in samples):
-        return
+    """Give a packed `batch` of `samples` its images and multimodal positions. A row without images takes the
+    multimodal form too: given plain [1, L] position ids, the model attends across the row's samples (its
+    logprobs measured 0.1 off a sample's own forward)."""
     assert batch.position_ids is not None and batch.input_ids.shape[0] == 1, "attach_vision takes a packed row"
     rows, pixels, grids = [], [], []
     for index, sample in enumerate(samples):
@@ -54,6 +54,8 @@ def attach_vision(batch: MicroBatch, samples: Sequence[WireSample], model: torch
     device = batch.input_ids.device
     mrope = torch.cat(rows, dim=2).to(device)
     batch.position_ids = torch.cat([batch.position_ids.view(1, 1, -1), mrope], dim=0)
+    if not pixels:  # text samples only: their positions, no vision inputs
+        return
     batch.vision = {"pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.cat(grids).to(device)}
     # shifted position t scores token t + 1: no loss (nor logprob comparison) on an image token
     scores_image = (batch.input_ids[:, 1:] == image_token_id).to(batch.loss_mask.dtype)
