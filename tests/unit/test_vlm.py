@@ -282,6 +282,7 @@ def test_true_on_policy_rescoring_with_images_is_the_trainers_logprobs_exactly(t
     frame = protocol.encode_frame(protocol.Request(1, protocol.TrainCommand(0, [samples], [1])))
     decoded_frame = protocol.decode_body(bytearray(frame[4:]))
     assert isinstance(decoded_frame, protocol.Request) and isinstance(decoded_frame.command, protocol.TrainCommand)
+    decoded_frame.command.attach_images()  # as Trainer.train does: the image set came once, in the command's table
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
     trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 1e-2, "max_tokens_per_micro_batch": 4096,
                                "seed": 3, "micro_batch_size": 1, "use_rollout_logprobs": True}))
