@@ -1,7 +1,8 @@
 """The generate path's batching and collector settings (issue 38): prompts tokenised and responses decoded a batch
 at a time give the same ids and texts as one call per prompt / response (the tiny model's real fast tokenizer,
 plain and chat-template prompts both); the rollout's new groups, built from one batch call, hold the ids one call
-per prompt gives; `tune_collector` freezes the live heap once and raises the first threshold.
+per prompt gives; `tune_collector` freezes the live heap once and raises the first threshold; the request slots
+bound what is in flight, in arrival order.
 """
 
 from __future__ import annotations
