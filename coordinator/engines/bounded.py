@@ -9,6 +9,7 @@ decoder. Invariant: a reader never holds more than its cap plus one network chun
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
 
@@ -69,9 +70,13 @@ def generate_reply_limit(payload: Mapping[str, JsonValue]) -> int:
     params = payload.get("sampling_params") or {}
     params_list = params if isinstance(params, list) else [params] * prompts
     tokens = 0
-    for item in params_list:
-        item = item if isinstance(item, dict) else {}
-        tokens += max(_int(item.get("max_new_tokens"), DEFAULT_TOKENS), 1) * max(_int(item.get("n"), 1), 1)
+    for item in params_list:  # per prompt of every request: `_int` inlined (a non-negative int, else the default)
+        if type(item) is not dict:
+            tokens += DEFAULT_TOKENS
+            continue
+        new, n = item.get("max_new_tokens"), item.get("n", 1)
+        new = (new or 1) if type(new) is int and new >= 0 else DEFAULT_TOKENS
+        tokens += new * n if type(n) is int and n >= 1 else new
     replies = max(prompts, len(params_list))
     top = payload.get("top_logprobs_num")
     top_n = max((_int(v, 0) for v in top), default=0) if isinstance(top, list) else _int(top, 0)
@@ -100,6 +105,7 @@ def chat_reply_limit(body: Mapping[str, JsonValue] | None) -> int:
     return min(MAX_REPLY_BYTES, max(DEFAULT_REPLY_BYTES, 2 * generate_reply_limit(asked)))
 
 
+@functools.lru_cache(maxsize=256)  # a rollout asks the same few caps for every request; JsonLimits is frozen
 def limits_for(max_bytes: int) -> JsonLimits:
     # An honest reply holds at most ~5 values per token; a value takes at least 2 bytes ("0,").
     return JsonLimits(max_bytes=max_bytes, max_depth=REPLY_DEPTH, max_items=max(max_bytes // 2, 1024))

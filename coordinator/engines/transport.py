@@ -9,6 +9,7 @@ Invariants: every attempt has a connect and a read deadline; every exception in 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from http import HTTPStatus
@@ -135,6 +136,7 @@ def request_timeout(connect: float, read: float | None) -> httpx.Timeout:
     return httpx.Timeout(connect=connect, read=read, write=WRITE_TIMEOUT, pool=None)
 
 
+@functools.lru_cache(maxsize=64)  # once per request on the generate path; ClientTimeout is frozen, its values few
 def aiohttp_timeout(connect: float, read: float | None) -> aiohttp.ClientTimeout:
     """The same deadlines for a request sent on the aiohttp session itself (as `AiohttpTransport` maps them:
     aiohttp has no write deadline; a body the size of a request is written at once or the connection fails)."""

@@ -307,6 +307,7 @@ def rm_type_names() -> list[str]:
     return names + sorted(BOXED_PREFIX + name for name, rule in RULES.items() if rule.boxed_variant)
 
 
+@functools.lru_cache(maxsize=128)  # asked for every scored sample; RULES is fixed at import, unknown names raise
 def base_rule(rm_type: str) -> tuple[Rule, bool]:
     """(the rule, whether the response is first reduced to its last `\\boxed{}`) for a reward type name."""
     boxed = rm_type.startswith(BOXED_PREFIX) and rm_type.removeprefix(BOXED_PREFIX) in RULES

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -49,6 +50,7 @@ class RequestSlots:
         self.free = concurrency
         self._queue = anyio.Lock()  # FIFO: groups take their slots in arrival order
         self._freed = anyio.Event()
+        self._waited = False  # whether the group at the head of the queue waits on `_freed`
 
     @asynccontextmanager
     async def hold(self, count: int) -> AsyncIterator[None]:
@@ -59,14 +61,17 @@ class RequestSlots:
         count = min(count, self.concurrency)
         async with self._queue:
             while self.free < count:
+                self._waited = True
                 await self._freed.wait()
             self.free -= count
         try:
             yield
         finally:
             self.free += count
-            self._freed.set()
-            self._freed = anyio.Event()
+            if self._waited:  # a new Event only when the head of the queue waits on this one (not per group)
+                self._waited = False
+                self._freed.set()
+                self._freed = anyio.Event()
 
 
 @dataclass
@@ -138,8 +143,13 @@ def _plain_fast_decode(tokenizer: object) -> bool:
     transformers fast tokenizer whose class overrides neither `decode` nor `_decode`, with no cleanup of spaces."""
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return False
+    return _plain_decode_class(type(tokenizer))
+
+
+@functools.lru_cache(maxsize=32)  # asked once per request: the class's MRO walked once
+def _plain_decode_class(cls: type) -> bool:
     for name in ("decode", "_decode"):
-        owner = next((cls for cls in type(tokenizer).__mro__ if name in vars(cls)), None)
+        owner = next((base for base in cls.__mro__ if name in vars(base)), None)
         if owner is None or owner.__module__ not in _TRANSFORMERS_DECODERS:
             return False
     return True

@@ -149,6 +149,8 @@ class RewardModel:
         return self.rm_type
 
     def _check(self, value: object, sample: Sample, source: str | None = None) -> Reward:
+        if type(value) is float and math.isfinite(value):  # the common case, without the ABC checks below
+            return value
         if source is None:
             source = f"--custom-rm-path {self._custom_name!r}" if self._custom is not None else (
                 f"--rm-type {self.rm_type}")
@@ -213,7 +215,8 @@ class RewardModel:
                 value = apply_rule(rm_type, sample)
             except RewardError as error:
                 raise RewardError(f"{error} ({_where(sample)})") from None
-            sample.reward = self._check(value, sample, f"--rm-type {rm_type}")
+            sample.reward = value if type(value) is float and math.isfinite(value) else self._check(
+                value, sample, f"--rm-type {rm_type}")
         if remote:
             assert self._remote is not None  # _rule_of refuses remote_rm without one
             values = await self._remote.score([sample for sample, _ in remote])

@@ -69,6 +69,9 @@ def test_the_depth_read_from_bytes_is_the_depth_of_the_decoded_value(value: obje
     assert verdict(check_depth_of_bytes, raw, "peer", max_depth) == by_value
     tricky = json.dumps([{"[\"{": ["]]"]}]).encode()  # strings holding brackets, quotes and backslashes
     assert verdict(check_depth_of_bytes, tricky, "peer", 3) and not verdict(check_depth_of_bytes, tricky, "peer", 2)
+    # no escaped quote, strings holding brackets (the pass that drops empty strings must fall back to the split)
+    bracketed = json.dumps([{"a[": ["]"], "": "{{"}]).encode()
+    assert verdict(check_depth_of_bytes, bracketed, "peer", 3) and not verdict(check_depth_of_bytes, bracketed, "peer", 2)
 
 
 def test_many_small_containers_are_refused_before_any_is_built() -> None:

@@ -1,7 +1,8 @@
 """The generate path's batching and collector settings (issue 38): prompts tokenised and responses decoded a batch
 at a time give the same ids and texts as one call per prompt / response (the tiny model's real fast tokenizer,
 plain and chat-template prompts both); the rollout's new groups, built from one batch call, hold the ids one call
-per prompt gives; `tune_collector` freezes the live heap once and raises the first threshold.
+per prompt gives; `tune_collector` freezes the live heap once and raises the first threshold; the request slots
+bound what is in flight, in arrival order.
 """
 
 from __future__ import annotations
@@ -106,3 +107,61 @@ def test_tune_collector_freezes_the_heap_once_and_raises_the_first_threshold(
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_request_slots_bound_order_and_a_cancelled_waiter() -> None:
+    """`RequestSlots.hold` (its Event renewed only when the head of the queue waits): never more than the
+    concurrency held, groups served in arrival order, and a waiter cancelled while it waits leaves the bound
+    working for the groups after it."""
+    import anyio
+    import anyio.lowlevel
+
+    from coordinator.rollout.requests import RequestSlots
+
+    async def main() -> tuple[int, list[int], int]:
+        slots = RequestSlots(4)
+        held, peak, order = 0, 0, []
+        release = anyio.Event()
+
+        async def group(index: int, count: int) -> None:
+            nonlocal held, peak
+            async with slots.hold(count):
+                order.append(index)
+                held += min(count, 4)
+                peak = max(peak, held)
+                if index == 0:
+                    await release.wait()
+                await anyio.lowlevel.checkpoint()
+                held -= min(count, 4)
+
+        with anyio.fail_after(30):  # a waiter never woken (a lost release) fails here rather than hanging
+            await run(slots, group, release)
+        return peak, order, slots.free
+
+    async def run(slots: RequestSlots, group: object, release: anyio.Event) -> None:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(group, 0, 3)  # holds 3 of 4 until released
+            await anyio.wait_all_tasks_blocked()
+            doomed = anyio.CancelScope()  # waits for 3 slots at the head of the queue, then is cancelled
+            tasks.start_soon(_cancellable, slots, doomed)
+            await anyio.wait_all_tasks_blocked()
+            for index in range(1, 9):
+                tasks.start_soon(group, index, 1 + index % 5)  # 5 asks for more than the bound: clipped to 4
+                await anyio.wait_all_tasks_blocked()
+            doomed.cancel()
+            await anyio.wait_all_tasks_blocked()
+            release.set()
+
+    peak, order, free = anyio.run(main)
+    assert peak <= 4
+    assert order == list(range(9))
+    assert free == 4
+
+
+async def _cancellable(slots: object, scope: object) -> None:
+    import anyio
+
+    assert isinstance(scope, anyio.CancelScope)
+    with scope:
+        async with slots.hold(3):  # type: ignore[attr-defined]
+            raise AssertionError("the cancelled waiter must not get its slots")

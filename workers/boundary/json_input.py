@@ -82,7 +82,12 @@ def check_depth_of_bytes(raw: bytes, source: str, max_depth: int) -> None:
     if b'\\"' in raw:
         brackets = _STRING.sub(b"", raw).translate(None, _BRACKETS_ONLY)
     else:  # outside strings valid JSON holds no backslash: the even pieces are brackets only
-        brackets = b"".join(raw.translate(None, _BRACKETS_AND_QUOTES).split(b'"')[0::2])
+        kept = raw.translate(None, _BRACKETS_AND_QUOTES)
+        # Most strings keep nothing but their quotes: drop those pairs in one pass. A string that keeps a bracket
+        # or backslash leaves an odd run of quotes (its opening one), so any quote left means the split is needed.
+        brackets = kept.replace(b'""', b"")
+        if b'"' in brackets:
+            brackets = b"".join(kept.split(b'"')[0::2])
     for _ in range(max_depth):
         if not brackets:
             return
