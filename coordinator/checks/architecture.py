@@ -16,8 +16,9 @@ the ~2.8 s torch + tokenizer import every `rayless train` pays anyway when it lo
 are lazily imported: importing `coordinator` still imports no torch). A pass is remembered under
 `$RAYLESS_CACHE_DIR/architecture-ok/` (default `~/.cache/rayless`, or `$XDG_CACHE_HOME/rayless`), keyed by the
 xxh3-128 of its config.json, the checked tensors' names, dtypes and shapes, and the torch and transformers
-versions, so a start from weights already checked imports nothing here; only passes are remembered, so a
-refused directory is built and refused anew.
+versions, so a start from weights already checked imports nothing here; only passes (and a config transformers
+does not build here, keyed by config.json and the versions) are remembered, so a refused directory is built and
+refused anew.
 
 Invariant: a failure is a `CheckpointError` naming the file and what is wrong (the first missing names and how
 many); a config transformers cannot build here is not refused (the ranks say what fails), and said so in the
@@ -113,8 +114,16 @@ def check_coverage(model_dir: Path, stored: Mapping[str, tuple[str, tuple[int, .
     key = _cache_key(model_dir, "coverage", [f"{n}:{d}:{list(shape)}" for n, (d, shape) in stored.items()])
     if _passed_before(key):
         return "every parameter of the architecture stored (passed before with these weights)"
+    # whether transformers builds it depends on config.json and the versions only: an unbuildable directory
+    # (a vision-language model AutoModelForCausalLM does not take) is remembered too, so its next start skips the
+    # torch import this check would cost for nothing
+    unbuildable = _cache_key(model_dir, "coverage-unbuildable", [])
+    if _passed_before(unbuildable):
+        return "the architecture was not checked (transformers does not build it here, as an earlier start found; " \
+               "the ranks will)"
     model = build_meta_model(model_dir)
     if model is None:
+        _remember(unbuildable)
         return "the architecture was not checked (transformers does not build it here; the ranks will)"
     missing, wrong = _compare(model, stored, files)
     where = _weights_name(model_dir, files)

@@ -8,9 +8,9 @@ Invariant: `load_tokenizer(d)` returns an instance of exactly the class `AutoTok
 build, loaded by that class's own `from_pretrained` with the same files; `read_model_fields(d)` holds the same
 values `AutoConfig.from_pretrained(d)` would give. Where transformers' rules (`models/auto/tokenization_auto.py`
 of 5.25) cannot be followed from the files — remote code (`auto_map`), a model type or class name outside the
-tables below, a Hub id transformers special-cases, a Llama-declared tokenizer (transformers reads tokenizer.json
-to decide), a field the config class defaults — the Auto class is used, torch is imported, and one log line says
-so. `tests/unit/test_tokenizer_choice.py` holds the tables to the installed transformers and the choice to
+tables below, a Hub id transformers special-cases, a field the config class defaults — the Auto class is used,
+torch is imported, and one log line says so. A Llama-declared tokenizer is decided as transformers decides it: by
+whether tokenizer.json holds `"ByteLevel"`. `tests/unit/test_tokenizer_choice.py` holds the tables to the installed transformers and the choice to
 AutoTokenizer's.
 """
 
@@ -30,12 +30,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# model_type → the class TOKENIZER_MAPPING_NAMES registers for it (tokenization_auto.py); model types transformers
-# lists in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS (the registered class wins over the Hub's) in the second table.
-MODEL_TYPES: dict[str, str] = {
+# model_type → the class TOKENIZER_MAPPING_NAMES registers for it (tokenization_auto.py), None for a model type
+# whose config transformers knows but that table leaves out (llama, deepseek_v3: the declared class decides, and
+# TokenizersBackend without one); model types transformers lists in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+# (the registered class wins over the Hub's) in the second table.
+MODEL_TYPES: dict[str, str | None] = {
     "qwen2": "Qwen2Tokenizer", "qwen2_moe": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer",
-    "qwen3_moe": "Qwen2Tokenizer", "qwen2_vl": "Qwen2Tokenizer", "qwen2_5_vl": "Qwen2Tokenizer",
-    "qwen3_vl": "Qwen2Tokenizer", "qwen3_vl_moe": "Qwen2Tokenizer", "gpt2": "GPT2Tokenizer",
+    "qwen3_moe": "Qwen2Tokenizer", "qwen3_next": "Qwen2Tokenizer", "qwen2_vl": "Qwen2Tokenizer",
+    "qwen2_5_vl": "Qwen2Tokenizer", "qwen3_vl": "Qwen2Tokenizer", "qwen3_vl_moe": "Qwen2Tokenizer",
+    "gpt2": "GPT2Tokenizer", "mistral": "TokenizersBackend", "glm4": "TokenizersBackend",
+    "glm4_moe": "TokenizersBackend", "gemma": "GemmaTokenizer", "gemma2": "GemmaTokenizer",
+    "llama": None, "deepseek_v3": None,
 }
 HUB_CLASS_OVERRIDDEN: frozenset[str] = frozenset({"qwen2"})
 # class name → (module, attribute) that `tokenizer_class_from_name` resolves it to; none of them imports torch
@@ -46,6 +51,10 @@ CLASSES: dict[str, tuple[str, str]] = {
     "Qwen2TokenizerFast": ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer"),
     "GPT2Tokenizer": ("transformers.models.gpt2.tokenization_gpt2", "GPT2Tokenizer"),
     "GPT2TokenizerFast": ("transformers.models.gpt2.tokenization_gpt2", "GPT2Tokenizer"),
+    "LlamaTokenizer": ("transformers.models.llama.tokenization_llama", "LlamaTokenizer"),
+    "LlamaTokenizerFast": ("transformers.models.llama.tokenization_llama", "LlamaTokenizer"),
+    "GemmaTokenizer": ("transformers.models.gemma.tokenization_gemma", "GemmaTokenizer"),
+    "GemmaTokenizerFast": ("transformers.models.gemma.tokenization_gemma", "GemmaTokenizer"),
 }
 # MODEL_IDS_TO_TOKENIZERS_BACKEND: Hub ids whose config transformers does not trust
 SPECIAL_MODEL_IDS: tuple[str, ...] = (
@@ -105,6 +114,16 @@ def _class_named(name: str) -> type:
     return cls
 
 
+def _byte_level(model_dir: Path) -> bool:
+    """transformers' `TokenizersBackend._tokenizer_json_has_byte_level`: the text `"ByteLevel"` in tokenizer.json."""
+    try:
+        return '"ByteLevel"' in (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError) as error:
+        raise _Undecided(f"tokenizer.json unreadable ({error})") from None
+
+
 def tokenizer_class(model_dir: str | Path) -> type:
     """The class AutoTokenizer.from_pretrained(model_dir) builds, decided from the files (transformers 5.25's
     rules, in their order); `_Undecided` where they cannot decide it without transformers' Auto machinery."""
@@ -122,18 +141,30 @@ def tokenizer_class(model_dir: str | Path) -> type:
     if declared is None and config.get("tokenizer_class") is not None:
         raise _Undecided("only config.json names the tokenizer class")
     model_type = str(config["model_type"])
-    registered = MODEL_TYPES[model_type].removesuffix("Fast")
+    registered = (MODEL_TYPES[model_type] or "TokenizersBackend").removesuffix("Fast")
     if declared is None:  # AutoTokenizer's "be creative" branch: the class registered for the model type
         return _class_named(registered)
-    if declared.removesuffix("Fast") == "LlamaTokenizer":
-        raise _Undecided("a Llama-declared tokenizer (transformers reads tokenizer.json's pre-tokenizer)")
+    # a Hub "LlamaTokenizer" over a byte-level tokenizer.json (Llama 3 style): LlamaTokenizer hardcodes Metaspace,
+    # so transformers loads TokenizersBackend (none of this table's types registers MistralCommonBackend)
+    if (declared.removesuffix("Fast") == "LlamaTokenizer" and model_type not in HUB_CLASS_OVERRIDDEN
+            and _byte_level(model_dir)):
+        return _class_named("TokenizersBackend")
+    if MODEL_TYPES[model_type] is None:  # no registered class to disagree with: the declared one
+        return _declared(declared)
     if registered != declared.removesuffix("Fast"):  # the Hub's class and the model type's disagree
         if registered not in _GENERIC:
             cls = _class_named(registered if model_type in HUB_CLASS_OVERRIDDEN else declared)
             if cls.__name__ not in ("TokenizersBackend", "PythonBackend", "PreTrainedTokenizerFast"):
                 return cls
         return _class_named("TokenizersBackend")
-    return _class_named(declared.removesuffix("Fast"))
+    return _declared(declared)
+
+
+def _declared(declared: str) -> type:
+    """AutoTokenizer's tokenizer_config.json branch: the declared class without "Fast"; the slow base class
+    (`PreTrainedTokenizer`, i.e. PythonBackend) is replaced by TokenizersBackend."""
+    name = declared.removesuffix("Fast")
+    return _class_named("TokenizersBackend" if name in ("PreTrainedTokenizer", "PythonBackend") else name)
 
 
 def load_tokenizer(model_dir: str | Path, **kwargs: object) -> PreTrainedTokenizerBase:

@@ -367,6 +367,27 @@ def test_a_pass_is_remembered_and_changed_weights_are_checked_again(model_copy: 
         verify_model_dir(model_copy)
 
 
+def test_a_config_transformers_does_not_build_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A vision-language model AutoModelForCausalLM does not take: its first start says the architecture was not
+    checked, the next one builds nothing (no torch import for a check that cannot run)."""
+    from coordinator.checks import architecture
+    from coordinator.checks.disk import verify_model_dir
+    from workers.tiny_vlm import build_tiny_vlm
+
+    monkeypatch.setenv("RAYLESS_CACHE_DIR", str(tmp_path / "cache"))
+    vlm = build_tiny_vlm(tmp_path / "vlm")
+    assert verify_model_dir(vlm).endswith("the architecture was not checked (transformers does not build it here; "
+                                          "the ranks will)")
+    assert len(list((tmp_path / "cache" / "architecture-ok").iterdir())) == 1
+
+    def built(model_dir: Path) -> None:
+        raise AssertionError(f"the meta model of {model_dir} was built again")
+
+    monkeypatch.setattr(architecture, "build_meta_model", built)
+    assert "as an earlier start found" in verify_model_dir(vlm)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "flipped length", "wrong shape"])
 def test_a_damaged_safetensors_header_is_refused(tmp_path: Path, damage: str) -> None:
     from safetensors.torch import save_file

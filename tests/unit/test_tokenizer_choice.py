@@ -21,12 +21,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def _variant(base: Path, directory: Path, *, tokenizer_class: str | None = "keep",
-             model_type: str | None = None, tokenizer_config: dict[str, object] | None = None) -> Path:
-    """A copy of `base`'s tokenizer files and config.json with tokenizer_config.json / config.json edited."""
+             model_type: str | None = None, tokenizer_config: dict[str, object] | None = None,
+             byte_level: bool = False) -> Path:
+    """A copy of `base`'s tokenizer files and config.json with tokenizer_config.json / config.json edited;
+    `byte_level`: tokenizer.json's decoder made ByteLevel (a Llama 3 style file, as transformers tells them)."""
     directory.mkdir()
     for name in TOKENIZER_FILES:
         if (base / name).is_file():
             shutil.copy(base / name, directory / name)
+    if byte_level:
+        spec = json.loads((directory / "tokenizer.json").read_text())
+        assert '"ByteLevel"' not in json.dumps(spec)
+        spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        (directory / "tokenizer.json").write_text(json.dumps(spec))
     tc = json.loads((directory / "tokenizer_config.json").read_text())
     if tokenizer_class is None:
         tc.pop("tokenizer_class", None)
@@ -45,7 +52,28 @@ def _variant(base: Path, directory: Path, *, tokenizer_class: str | None = "keep
 CASES: dict[str, bool] = {
     "tiny": True, "vlm": True, "Qwen2Tokenizer": True, "Qwen2TokenizerFast": True, "PreTrainedTokenizerFast": True,
     "GPT2Tokenizer": True, "no-class": True, "qwen2-GPT2Tokenizer": True, "qwen2-no-class": True,
-    "LlamaTokenizerFast": False, "auto_map": False, "unknown-model-type": False, "unknown-class": False,
+    "LlamaTokenizerFast": True, "LlamaTokenizerFast-byte-level": True, "llama-LlamaTokenizerFast": True,
+    "llama-byte-level": True, "llama-PreTrainedTokenizerFast": True, "llama-no-class": True,
+    "deepseek_v3-byte-level": True, "mistral-byte-level": True, "glm4-PreTrainedTokenizerFast": True,
+    "glm4_moe-no-class": True, "qwen3_moe-Qwen2TokenizerFast": True, "qwen3_next-no-class": True,
+    "gemma-GemmaTokenizerFast": True, "gemma2-no-class": True,
+    "auto_map": False, "unknown-model-type": False, "unknown-class": False,
+}
+# the Hub's class as the families' checkpoints declare it: (model_type, tokenizer_class, byte-level tokenizer.json)
+FAMILIES: dict[str, tuple[str, str | None, bool]] = {
+    "LlamaTokenizerFast-byte-level": ("qwen3", "LlamaTokenizerFast", True),
+    "llama-LlamaTokenizerFast": ("llama", "LlamaTokenizerFast", False),
+    "llama-byte-level": ("llama", "LlamaTokenizerFast", True),
+    "llama-PreTrainedTokenizerFast": ("llama", "PreTrainedTokenizerFast", True),
+    "llama-no-class": ("llama", None, True),
+    "deepseek_v3-byte-level": ("deepseek_v3", "LlamaTokenizerFast", True),
+    "mistral-byte-level": ("mistral", "LlamaTokenizerFast", True),
+    "glm4-PreTrainedTokenizerFast": ("glm4", "PreTrainedTokenizerFast", False),
+    "glm4_moe-no-class": ("glm4_moe", None, False),
+    "qwen3_moe-Qwen2TokenizerFast": ("qwen3_moe", "Qwen2TokenizerFast", True),
+    "qwen3_next-no-class": ("qwen3_next", None, False),
+    "gemma-GemmaTokenizerFast": ("gemma", "GemmaTokenizerFast", False),
+    "gemma2-no-class": ("gemma2", None, False),
 }
 
 
@@ -65,7 +93,10 @@ def model_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     dirs["qwen2-no-class"] = _variant(tiny_model_dir, root / "q2n", tokenizer_class=None, model_type="qwen2")
     dirs["auto_map"] = _variant(tiny_model_dir, root / "auto_map", tokenizer_config={
         "auto_map": {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}})
-    dirs["unknown-model-type"] = _variant(tiny_model_dir, root / "mistral", model_type="mistral")
+    for name, (model_type, cls, byte_level) in FAMILIES.items():
+        dirs[name] = _variant(tiny_model_dir, root / name, tokenizer_class=cls, model_type=model_type,
+                              byte_level=byte_level)
+    dirs["unknown-model-type"] = _variant(tiny_model_dir, root / "olmo2", model_type="olmo2")
     dirs["unknown-class"] = _variant(tiny_model_dir, root / "bert", tokenizer_class="BertTokenizer")
     return dirs
 
@@ -139,7 +170,9 @@ def test_the_tables_are_the_installed_transformers_rules() -> None:
     from transformers.models.auto import tokenization_auto as auto
 
     for model_type, name in choice.MODEL_TYPES.items():
-        assert auto.TOKENIZER_MAPPING_NAMES[model_type] == name, model_type
+        assert model_type in CONFIG_MAPPING, model_type
+        assert auto.TOKENIZER_MAPPING_NAMES.get(model_type) == name, model_type
+    assert "olmo2" not in choice.MODEL_TYPES
     assert choice.HUB_CLASS_OVERRIDDEN == set(choice.MODEL_TYPES) & auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
     assert choice.SPECIAL_MODEL_IDS == tuple(auto.MODEL_IDS_TO_TOKENIZERS_BACKEND)
     for name in choice.CLASSES:
