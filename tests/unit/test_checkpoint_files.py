@@ -356,7 +356,7 @@ def test_a_pass_is_remembered_and_changed_weights_are_checked_again(model_copy: 
     assert verify_model_dir(model_copy).endswith("shapes as config.json says")
     assert len(list((cache / "architecture-ok").iterdir())) == 1
     probe = ("import sys; from coordinator.checks.preflight import preflight; from coordinator.config import "
-             f"parse_config; notes = preflight(parse_config({['--hf-checkpoint', str(model_copy), *BASE]!r})); "
+             f"parse_config; notes = preflight(parse_config({['--hf-checkpoint', str(model_copy), '--run-dir', str(tmp_path / 'run'), *BASE]!r})); "
              "print([n for n in notes if 'passed before' in n], 'torch' in sys.modules)")
     said = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
     assert said.stdout.strip().endswith("] False") and "passed before with these weights" in said.stdout, said
