@@ -137,8 +137,10 @@ class TrainCommands:
 
         def prepare() -> tuple[list[StepPlan], dict[int, protocol.Command]]:
             # Converting and splitting thousands of samples would stall the event loop, and so would digesting
-            # the images of each rank's table (seconds for a geo3k-sized rollout).
+            # the images of each rank's table (seconds for a geo3k-sized rollout). share_images before the split:
+            # each distinct buffer is digested once for all ranks' tables, not once per rank that trains on it.
             wire = [protocol.WireSample.from_sample(sample) for sample in samples]
+            protocol.share_images(wire)
             plan = plan_steps(wire, batching, self.world_size)
             return plan, {
                 rank: protocol.TrainCommand(

@@ -147,3 +147,72 @@ def test_the_coordinator_reads_the_frame_limit_its_error_names_and_hands_it_to_i
     monkeypatch.delenv(protocol.ENV_MAX_FRAME)
     assert TrainGroup(TorchrunSpec(nproc_per_node=1), run_dir=tmp_path, launch=False).max_frame_bytes \
         == protocol.MAX_FRAME_BYTES
+
+
+def test_a_rollouts_commands_digest_each_distinct_buffer_once_not_once_per_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TrainCommands.train` for 4 ranks over a stand-in for the rank connections (a fake, named so: it records
+    the commands and encodes their frames as `ControlServer.call` does first, then stops the step). The digests
+    are counted by wrapping the real BLAKE2b the image table calls."""
+    import hashlib
+    from types import SimpleNamespace
+
+    import anyio
+
+    from coordinator.train.calls import encode_frames
+    from coordinator.train.commands import TrainCommands
+    from replay.sample import Sample
+    from tests.support.train_settings import init_command
+    from workers.protocol import control
+
+    digests = 0
+
+    def counted_blake2b(data: memoryview, digest_size: int) -> object:
+        nonlocal digests
+        digests += 1
+        return hashlib.blake2b(data, digest_size=digest_size)
+
+    monkeypatch.setattr(control, "hashlib", SimpleNamespace(blake2b=counted_blake2b))
+    prompts = [inputs(seed) for seed in range(4)]
+    prompts.append({key: value.clone() for key, value in prompts[0].items()})  # equal pixels, its own buffer
+    rollout = [Sample(tokens=list(range(1, 7 + index % 5)), response_length=2, loss_mask=[1, 1],
+                      rollout_log_probs=[-1.0, -1.0], multimodal_train_inputs=images)
+               for images in prompts for index in range(8)]
+    sent: dict[int, protocol.TrainCommand] = {}
+    frames: dict[int, bytes] = {}
+
+    class Stopped(Exception):
+        pass
+
+    class RecordingServer:  # the fake: ControlServer.call's encoding step, then nothing is sent
+        world_size, ranks = 4, {}
+
+        async def call(self, commands: dict[int, protocol.Command]) -> dict[int, protocol.Reply]:
+            requests = {rank: protocol.Request(1, command) for rank, command in commands.items()}
+            for rank, (_, frame) in (await encode_frames(requests, protocol.MAX_FRAME_BYTES)).items():
+                frames[rank] = b"".join(frame) if isinstance(frame, list) else bytes(frame)
+            sent.update(commands)  # type: ignore[arg-type]
+            raise Stopped
+
+    trainer = TrainCommands(RecordingServer())  # type: ignore[arg-type]
+    trainer.settings = init_command({"model_path": "unused"}).settings
+    with pytest.raises(Stopped):
+        anyio.run(trainer.train, 3, rollout)
+
+    assert sorted(sent) == [0, 1, 2, 3]
+    per_rank = [len(command.images) for command in sent.values()]
+    assert sum(per_rank) > 5  # the prompts' samples are spread over the ranks: per-rank digests would be more
+    assert digests == 5  # one per distinct buffer in the whole rollout (4 prompts + the equal copy's own)
+    wanted = {images["pixel_values"].numpy().tobytes() for images in prompts}
+    for command in sent.values():
+        tables = [bytes(images.pixel_values) for images in command.images]
+        assert len(tables) == len(set(tables)) and set(tables) <= wanted  # one copy per distinct image
+
+    # The frames are bit-identical to those of commands whose tables digest every buffer themselves.
+    from coordinator.train.planning import plan_steps
+
+    monkeypatch.undo()
+    plan = plan_steps([protocol.WireSample.from_sample(s) for s in rollout], trainer.settings.batching, 4)
+    for rank in range(4):
+        alone = protocol.TrainCommand(3, [step.shards[rank] for step in plan], [step.loss_tokens for step in plan])
+        assert protocol.encode_frame(protocol.Request(1, alone), protocol.MAX_FRAME_BYTES) == frames[rank]

@@ -52,6 +52,7 @@ from workers.protocol.control import (
     receive_hello,
     receive_message,
     send_message,
+    share_images,
 )
 from workers.protocol.frames import (
     HEADER,
@@ -171,6 +172,7 @@ __all__ = [
     "receive_hello",
     "receive_message",
     "send_message",
+    "share_images",
     "split_address",
     "unpack",
 ]

@@ -45,7 +45,7 @@ from workers.protocol.scatter import Part, encode_parts
 from workers.protocol.train_settings import TrainSettings
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterable, Mapping
 
     from anyio.abc import ByteStream
     from anyio.streams.buffered import BufferedByteReceiveStream
@@ -82,13 +82,15 @@ class ControlMessage(Message):
 # Records: what both sides read field by field.
 
 
-class WireImages(Record):
+class WireImages(Record, dict=True):
     """A vision-language sample's images as its vision tower takes them (the processor's outputs): `pixel_values`
     float32 little-endian bytes of shape `pixel_shape` [patches, patch features], and each image's (t, h, w)
     patch grid, whose products sum to the patches. Bounded by the frame; `problem` checks the rest.
 
     `pixel_values` is a memoryview: the coordinator's is a view of the processor's tensor (no copy per sample),
-    a rank's a view into the frame it decoded (no copy either)."""
+    a rank's a view into the frame it decoded (no copy either). `dict=True` only so that `content_key` can keep
+    its digest on the object (never encoded): `share_images` makes the samples of one buffer share one object,
+    so a rollout's commands digest each distinct buffer once, not once per rank."""
 
     pixel_values: memoryview
     pixel_shape: list[int]
@@ -121,9 +123,16 @@ class WireImages(Record):
         return (address, self.nbytes, *self.content_shape())
 
     def content_key(self) -> tuple[object, ...]:
-        """A 128-bit BLAKE2b digest of the pixel bytes with the shape and grids: equal keys, equal images."""
+        """A 128-bit BLAKE2b digest of the pixel bytes with the shape and grids: equal keys, equal images. Kept
+        on the object with the buffer it digested: asked again for the same buffer, it is not hashed again."""
+        where = self.buffer_key()
+        kept = self.__dict__.get("_content_key")
+        if kept is not None and kept[0] == where:
+            return kept[1]
         digest = hashlib.blake2b(memoryview(self.pixel_values).cast("B"), digest_size=16).digest()
-        return (digest, *self.content_shape())
+        key = (digest, *self.content_shape())
+        self.__dict__["_content_key"] = (where, key)
+        return key
 
     def content_shape(self) -> tuple[object, ...]:
         return (tuple(self.pixel_shape), tuple(map(tuple, self.image_grid_thw)))
@@ -214,6 +223,17 @@ def _optional(values: object) -> PackedArray | None:
     return None if values is None else PackedArray.of(Kind.FLOATS, values)
 
 
+def share_images(samples: Iterable[WireSample]) -> None:
+    """Give the samples whose images lie in the same buffer one `WireImages` object (the first's), in one pass
+    over the whole rollout before it is split into ranks: each rank's `TrainCommand` then finds the digest
+    that object keeps, so each distinct buffer is digested once per rollout, not once per rank that trains on
+    it. The pixels are not copied or changed, only which object refers to them."""
+    first: dict[tuple[object, ...], WireImages] = {}
+    for sample in samples:
+        if sample.images is not None:
+            sample.images = first.setdefault(sample.images.buffer_key(), sample.images)
+
+
 def wire_images(inputs: Mapping[str, object] | None) -> WireImages | None:
     """slime's `multimodal_train_inputs` (`pixel_values`, `image_grid_thw`: tensors or arrays) as WireImages."""
     if not inputs:
@@ -296,7 +316,8 @@ class TrainCommand(Command, tag="train"):
 
     def __post_init__(self) -> None:
         # One entry per distinct image set: a buffer already seen is found by its address (no hashing: the
-        # samples of a group share their prompt's tensor), another by a digest of its bytes (once per buffer).
+        # samples of a group share their prompt's tensor), another by a digest of its bytes (once per buffer; kept
+        # on the WireImages object, which share_images makes one per buffer across a rollout's commands).
         by_buffer: dict[tuple[object, ...], int] = {}
         by_content = {images.content_key(): index for index, images in enumerate(self.images)}
         for samples in self.steps:
