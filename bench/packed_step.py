@@ -6,10 +6,12 @@ vocabulary, 2 threads).
   the trainer's default attention, or `--attn`);
 - the floor: the same model (its own copy, same weights) and AdamW, no packing: each micro-batch of the same
   samples as a plain [n, 1,024] batch (equal lengths, so no padding, plain causal sdpa), chunked logprobs
-  (`token_scores`, as the trainer), a policy-gradient loss over the response tokens, backward, AdamW step.
+  and the entropy metric (`token_scores`, as the trainer: slime's policy loss always computes the entropy of
+  the response tokens, detached unless `--entropy-coef`, and logs it as `entropy_loss`, so a loop without it
+  would not be doing slime's step), a policy-gradient loss over the response tokens, backward, AdamW step.
 
-Rounds alternate rank, floor, rank, floor, ... after one warm-up of each; the figure is the ratio of the
-medians, in wall seconds and in this process's CPU seconds (all its threads: on a machine other jobs load, the
+Rounds alternate in ABBA order (rank, floor; floor, rank; ...) after one warm-up of each, so a load that
+drifts during the run falls on both alike; the figure is the ratio of the medians, in wall seconds and in this process's CPU seconds (all its threads: on a machine other jobs load, the
 work done rather than the share of the cores it got). Target ≤ 1.2× (wall).
 
     python -m bench.packed_step [--rounds 3] [--attn sdpa] [--path per_sample]   # CPU, ~2-5 minutes on 2 cores
@@ -48,7 +50,8 @@ def _samples(count: int, length: int, prompt: int) -> list[protocol.WireSample]:
 
 
 class BareLoop:
-    """The floor: forward, chunked logprobs, a PPO-style loss, backward and AdamW on plain [n, L] batches."""
+    """The floor: forward, chunked logprobs and entropy metric, a PPO-style loss, backward and AdamW on plain
+    [n, L] batches."""
 
     def __init__(self, model_dir: str, samples: list[protocol.WireSample], per_batch: int) -> None:
         from workers.train_rank.model import load_causal_lm
@@ -66,13 +69,17 @@ class BareLoop:
             advantages = torch.tensor([sample.advantage for sample in group]).unsqueeze(1) * mask
             self.batches.append((input_ids, mask, advantages))
         self.tokens = sum(float(mask.sum()) for _, mask, _ in self.batches)
+        self.entropy_sum = 0.0
 
     def step(self) -> None:
         from workers.shared_torch.token_scores import token_scores
 
         self.optimizer.zero_grad(set_to_none=True)
+        self.entropy_sum = 0.0
         for input_ids, mask, advantages in self.batches:
-            log_probs, _ = token_scores(self.model, input_ids=input_ids, with_entropy=False, scored=mask.bool())
+            log_probs, entropy = token_scores(self.model, input_ids=input_ids, scored=mask.bool())
+            assert entropy is not None
+            self.entropy_sum += float((entropy * mask).sum())
             ratio = torch.exp(log_probs - log_probs.detach())
             (-(ratio * advantages).sum() / self.tokens).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -125,14 +132,18 @@ def main() -> None:
         attn += f" ({os.environ.get('RAYLESS_PACKED_ATTENTION', 'auto')} path)"
     print(f"{options.samples} samples × {options.length} tokens, hidden {options.hidden}, {options.layers} layers, "
           f"vocabulary {VOCAB:,}, {options.threads} threads; rank: {attn}, rows of ≤ {options.max_tokens_per_gpu} "
-          f"tokens; floor: [{per_batch}, {options.length}] batches, sdpa causal", flush=True)
+          f"tokens; floor: [{per_batch}, {options.length}] batches, sdpa causal, entropy metric as the rank", flush=True)
     rank_step()  # warm-up
     bare.step()
     ranks: list[tuple[float, float]] = []
     floors: list[tuple[float, float]] = []
     for round_index in range(options.rounds):
-        ranks.append(timed(rank_step))
-        floors.append(timed(bare.step))
+        if round_index % 2:
+            floors.append(timed(bare.step))
+            ranks.append(timed(rank_step))
+        else:
+            ranks.append(timed(rank_step))
+            floors.append(timed(bare.step))
         print(f"  round {round_index + 1}: rank {ranks[-1][0]:.2f} s ({ranks[-1][1]:.2f} CPU-s), bare loop "
               f"{floors[-1][0]:.2f} s ({floors[-1][1]:.2f} CPU-s): {ranks[-1][0] / floors[-1][0]:.2f}×", flush=True)
     wall = [statistics.median(times[0] for times in runs) for runs in (ranks, floors)]
