@@ -45,24 +45,6 @@ def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return log_p
 
 
-def _chunk_scores_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                              targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's target logprobs and entropies from a single `exp` over the chunk: with `z` the logits less
-    their row maximum, `e = exp(z)` and `S = Σ e`, `log p = z - log S` (in place over the logits) and
-    `H = -Σ e·log p / S` (= `-Σ p log p`, summed term by term as the naive form is, not as `log S - Σ p z`,
-    whose cancellation loses digits when H is small). log_softmax and then `exp` for p would run `exp` over
-    [chunk, V] twice, the costliest part of the metric. The products are formed in place over `e` and summed by
-    `sum` (a matrix-product dot accumulates 32k terms in order and loses ~10× the digits)."""
-    log_p = _chunk_logits(hidden, weight, bias)
-    log_p.sub_(log_p.amax(-1, keepdim=True))
-    e = log_p.exp()
-    total = e.sum(-1, keepdim=True)
-    log_p.sub_(total.log())
-    dot = e.mul_(log_p).sum(-1)
-    del e
-    return log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -dot / total.squeeze(-1)
-
-
 class ChunkedTokenScores(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) → (logprob [N], entropy [N]), float32.
 
@@ -76,12 +58,13 @@ class ChunkedTokenScores(torch.autograd.Function):
         with torch.no_grad():
             for start in range(0, hidden.shape[0], chunk):
                 end = min(start + chunk, hidden.shape[0])
-                if entropy:
-                    log_probs[start:end], entropies[start:end] = _chunk_scores_and_entropy(
-                        hidden[start:end], weight, bias, targets[start:end])
-                    continue
+                # The logprobs are log_softmax's whether or not the entropy is asked for: the engine's
+                # true-on-policy rescoring asks for none, the trainer for the metric, and the two must agree bit
+                # for bit (a one-`exp` form, z - log Σe, saved ~12% of a chunk but rounded differently).
                 log_p = _chunk_log_probs(hidden[start:end], weight, bias)
                 log_probs[start:end] = log_p.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)
+                if entropy:  # -sum p log p, in place over p (no third chunk-sized tensor)
+                    entropies[start:end] = -log_p.exp().mul_(log_p).sum(-1)
                 del log_p
         ctx.save_for_backward(hidden, weight, bias, targets, entropies)
         ctx.chunk = chunk
