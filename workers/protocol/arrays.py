@@ -14,6 +14,8 @@ Invariants:
 - A buffer is checked before any value is read: its byte count a multiple of the item size, tokens in 0..2**31-1
   (int32 bounds the top; the sign is checked vectorised), masks 0..255 (uint8 bounds them).
 - Packed bytes are little-endian whatever the host (numpy's explicit byte order on both ends).
+- Importing this module loads no numpy: each function that needs it imports it, so a process that never packs or
+  reads an array (the CLI's `--help`, a dry run, the services) does not pay its ~60 ms and 86 modules.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from enum import Enum
 from typing import TYPE_CHECKING, cast
 
 import msgspec
-import numpy as np
 
 from replay.packed_list import PackedList
 
 if TYPE_CHECKING:
+    import numpy as np
     import numpy.typing as npt
 
 
@@ -46,6 +48,8 @@ class Kind(Enum):
 
     @property
     def dtype(self) -> np.dtype[np.generic]:
+        import numpy as np
+
         return np.dtype(self.value[1])
 
     @property
@@ -117,6 +121,8 @@ class PackedArray:
 
     def numpy(self) -> npt.NDArray[np.generic]:
         """The values in the wire dtype (read-only when they are a view of the frame)."""
+        import numpy as np
+
         return np.frombuffer(self.packed(), dtype=self._kind.dtype)
 
     def tolist(self) -> list[int] | list[float]:
@@ -131,8 +137,8 @@ class PackedArray:
             if type(total) is int:
                 return total
         if self._kind is Kind.FLOATS:
-            return float(self.numpy().sum(dtype=np.float64))
-        return int(self.numpy().sum(dtype=np.int64))
+            return float(self.numpy().sum(dtype="float64"))
+        return int(self.numpy().sum(dtype="int64"))
 
     # ------------------------------------------------------------------------------------ as a sequence
 
@@ -204,6 +210,8 @@ def _pack(kind: Kind, values: object) -> memoryview:
         if not _LITTLE:
             packed.byteswap()
         return memoryview(packed).cast("B")
+    import numpy as np
+
     if hasattr(values, "detach"):  # a torch tensor from a hook
         values = values.detach().cpu().numpy()  # type: ignore[attr-defined]
     if not isinstance(values, np.ndarray):
@@ -221,8 +229,9 @@ def _pack(kind: Kind, values: object) -> memoryview:
     return memoryview(np.ascontiguousarray(values, dtype=kind.dtype)).cast("B")
 
 
-#: how msgpack writes a Python float: the tag 0xcb, then the IEEE double big-endian
-_MSGPACK_FLOAT = np.dtype([("tag", "u1"), ("value", ">f8")])
+#: how msgpack writes a Python float: the tag 0xcb, then the IEEE double big-endian (9 bytes)
+_MSGPACK_FLOAT_FIELDS = [("tag", "u1"), ("value", ">f8")]
+_MSGPACK_FLOAT_SIZE = 9
 _FLOAT_ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -239,9 +248,11 @@ def _floats_through_msgpack(values: list[object] | tuple[object, ...]) -> memory
         return None
     count = len(values)
     header = 1 if count < 16 else 3 if count < 1 << 16 else 5  # fixarray, array 16, array 32
-    if len(encoded) != header + _MSGPACK_FLOAT.itemsize * count:
+    if len(encoded) != header + _MSGPACK_FLOAT_SIZE * count:
         return None
-    records = np.frombuffer(encoded, dtype=_MSGPACK_FLOAT, offset=header)
+    import numpy as np
+
+    records = np.frombuffer(encoded, dtype=np.dtype(_MSGPACK_FLOAT_FIELDS), offset=header)
     if not (records["tag"] == 0xCB).all():
         return None
     return memoryview(records["value"].astype("<f8")).cast("B")

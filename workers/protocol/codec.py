@@ -13,7 +13,6 @@ import sys
 from typing import Annotated, Any
 
 import msgspec
-import numpy as np
 
 from workers.protocol.arrays import EXT_CODES, Kind, PackedArray, PackedArrayError
 from workers.protocol.frames import ProtocolError
@@ -37,6 +36,8 @@ def encode_hook(obj: Any) -> Any:
         # Packed here, as the frame is written: the coordinator holds one sample's packed bytes besides the frame.
         data = obj.packed()
         if obj.kind is Kind.TOKENS and len(data):
+            import numpy as np  # not at import time: `workers.protocol.arrays` says why
+
             lowest = int(np.frombuffer(data, dtype=obj.kind.dtype).min())
             if lowest < 0:
                 raise ProtocolError(f"token id {lowest} is negative (ids are 0..2**31-1)")
