@@ -19,7 +19,7 @@ from coordinator.plan.gpus import GpuInventory
 from coordinator.plan.layout import NodeLayout, join_host_port
 from coordinator.plan.snapshots import SnapshotPlace
 from coordinator.train.group import rank_environment
-from coordinator.train.torchrun import TorchrunSpec
+from coordinator.train.torchrun import TorchrunSpec, torchrun_log_dir
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class RanksSlot:
         return join_host_port(self.dial_host or self.control_host, self.control_port)
 
     def command(self) -> list[str]:
-        return self.spec.command()
+        return self.spec.command(log_dir=torchrun_log_dir(self.log))
 
     def environment(self, token: str = "***") -> dict[str, str]:
         """Everything the plan sets in the torchrun child's environment (the token masked unless given)."""

@@ -29,7 +29,7 @@ from coordinator.train.channel import ControlServer
 from coordinator.train.commands import TrainCommands
 from coordinator.train.connection import RankInfo
 from coordinator.train.errors import ControlPortError, RankFailure
-from coordinator.train.torchrun import TorchrunProcess, TorchrunSpec
+from coordinator.train.torchrun import TorchrunProcess, TorchrunSpec, torchrun_log_dir
 from workers import protocol
 
 logger = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class TrainGroup:
                                 torch_threads=self.torch_threads)
 
     def torchrun_command(self) -> list[str]:
-        return self.spec.command()
+        return self.spec.command(log_dir=torchrun_log_dir(self.log_path))
 
     async def wait_for_ranks(self, *, restarted_after: int | None = None,
                              replacing: Collection[tuple[int, int]] = ()) -> dict[int, RankInfo]:

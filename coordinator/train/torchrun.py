@@ -59,8 +59,12 @@ class TorchrunSpec:
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
-    def command(self) -> list[str]:
+    def command(self, log_dir: Path | None = None) -> list[str]:
+        """The command line; `log_dir`: torchrun's `--log-dir` (its per-attempt directories and the ranks' error
+        files), which it otherwise makes under /tmp and never removes — one `torchelastic_*` a launch."""
         command = [self.python, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc_per_node)]
+        if log_dir is not None:
+            command += ["--log-dir", str(log_dir)]
         if self.nnodes > 1 or self.rdzv_endpoint:
             command += ["--nnodes", str(self.nnodes)]
             if self.node_rank is not None:
@@ -78,6 +82,11 @@ class TorchrunSpec:
             command += ["--standalone"]
         command += ["--max-restarts", str(self.max_restarts), "-m", "workers.train_rank"]
         return command
+
+
+def torchrun_log_dir(log_path: Path) -> Path:
+    """torchrun's `--log-dir` beside its log file (the run directory's `torchrun/`)."""
+    return log_path.parent / "torchrun"
 
 
 #: The rule torchrun draws around its failure report (`ChildFailedError`), above and below.
@@ -131,7 +140,7 @@ class TorchrunProcess:
     async def start(self, control_env: dict[str, str]) -> None:
         # The child writes to this file directly; stop() closes it.
         self._log = await anyio.to_thread.run_sync(open, self.log_path, "ab")
-        command = self.spec.command()
+        command = self.spec.command(log_dir=torchrun_log_dir(self.log_path))
         self._log.write(f"$ {' '.join(command)}\n".encode())
         self._log.flush()
         self.proc = spawn_group_leader(command, log=self._log, env=self.child_environment(control_env))

@@ -76,6 +76,7 @@ def engine_url(tiny_model_dir: Path) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 os.killpg(router.pid, signal.SIGKILL)
                 router.wait(10)
+            log.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,9 @@ def assert_a_start_shown_in_order(err: str, run_dir: Path, *, rollouts: int) -> 
     assert all(re.search(r"elapsed \d+:\d\d:\d\d  ETA \d+:\d\d:\d\d$", line) for line in rollout_lines), rollout_lines
     plan_text = (run_dir / "plan.txt").read_text()
     assert "-m workers.engine" in plan_text and "-m torch.distributed.run" in plan_text
+    # torchrun's per-launch directories go in the run directory, not one `torchelastic_*` left in /tmp per launch
+    assert f"--log-dir {run_dir / 'torchrun'}" in plan_text
+    assert list((run_dir / "torchrun").glob("*/attempt_0")), sorted((run_dir / "torchrun").rglob("*"))
 
 
 def test_an_engine_that_fails_to_start_is_shown_failed_with_its_log_tail(tiny_model_dir: Path,

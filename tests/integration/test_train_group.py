@@ -298,6 +298,8 @@ def test_torchrun_command_single_and_multi_node(tmp_path: Path) -> None:
         "torch.distributed.run",
         "--nproc-per-node",
         "2",
+        "--log-dir",
+        str(tmp_path / "torchrun"),
         "--standalone",
         "--max-restarts",
         "0",

@@ -59,6 +59,7 @@ def start_engine_process(
     """Launch an engine on a free 127.0.0.1 port; yield once /health answers 200. `module`: another server
     that takes the engine's flags (e.g. `tests.support.sglang_receiver`)."""
     port = free_port()
+    own_log = log_path is None  # a log made here is removed when the engine stops: tests leave no files in /tmp
     if log_path is None:
         handle, name = tempfile.mkstemp(prefix="rayless-engine-", suffix=".log")
         os.close(handle)
@@ -80,6 +81,8 @@ def start_engine_process(
         yield engine
     finally:
         terminate_process_group_blocking(process, grace=10.0)
+        if own_log:
+            log_path.unlink(missing_ok=True)
 
 
 def _wait_healthy(engine: RunningEngine, timeout_s: float) -> None:
