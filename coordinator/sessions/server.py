@@ -73,7 +73,8 @@ log = logging.getLogger(__name__)
 
 CHAT_PATH = "v1/chat/completions"
 #: the structured formats a session serves over the same turn core as chat completions
-FORMATS: dict[str, Callable[[Any, str], FormatCall]] = {MESSAGES_PATH: messages_call, RESPONSES_PATH: responses_call}
+FORMATS: dict[str, Callable[[Any, str, bool], FormatCall]] = {MESSAGES_PATH: messages_call,
+                                                               RESPONSES_PATH: responses_call}
 
 
 def _json(body: JsonValue) -> bytes:
@@ -269,10 +270,11 @@ class SessionServer(AppServer):
         return 200, (_sse(response) if stream else _json(response)), url
 
     async def _format(self, session: Session, body: dict[str, Any],
-                      build: Callable[[Any, str], FormatCall]) -> tuple[int, bytes, str | None]:
-        """A Messages or Responses request run as the session's chat turn and answered in its own format."""
+                      build: Callable[[Any, str, bool], FormatCall]) -> tuple[int, bytes, str | None]:
+        """A Messages or Responses request run as the session's chat turn and answered in its own format (its
+        image blocks / input_image parts as image_url parts when the policy is a vision-language model)."""
         try:
-            call = build(body, str(body.get("model") or "rayless"))
+            call = build(body, str(body.get("model") or "rayless"), self.vision is not None)
         except FormatError as error:
             raise HttpReply(400, str(error)) from None
         turns: list[FinishedTurn] = []

@@ -61,9 +61,10 @@ def _finished(turn: Turn) -> AsyncIterator[str | Turn]:
     return items()
 
 
-def messages_call(body: JsonValue, model: str) -> FormatCall:
+def messages_call(body: JsonValue, model: str, images: bool = False) -> FormatCall:
+    """`images`: the policy is a vision-language model, so image blocks become image_url parts (docs/vlm.md)."""
     try:
-        spec: MessagesSpec = messages_request(body, model)
+        spec: MessagesSpec = messages_request(body, model, images=images)
     except RequestError as error:
         raise FormatError(str(error)) from None
     if spec.prefill:
@@ -77,9 +78,10 @@ def messages_call(body: JsonValue, model: str) -> FormatCall:
         events=lambda turn: message_events(spec, f"msg_{turn.id}", turn.prompt_tokens, _finished(turn)))
 
 
-def responses_call(body: JsonValue, model: str) -> FormatCall:
+def responses_call(body: JsonValue, model: str, images: bool = False) -> FormatCall:
+    """`images`: as `messages_call`, for input_image parts."""
     try:
-        spec: ResponsesSpec = responses_request(body, model)
+        spec: ResponsesSpec = responses_request(body, model, images=images)
     except RequestError as error:
         raise FormatError(str(error)) from None
     chat = dict(spec.chat_body)

@@ -144,8 +144,9 @@ def test_a_custom_generate_function_adds_an_image_in_a_later_turn(tmp_path: Path
     assert summary["train_steps"] == 1
     (row,) = read_metrics(run_dir / "metrics.jsonl")
     assert row["train/train_rollout_logprob_abs_diff_max"] <= 1e-4
-    samples = read_dump(run_dir / "dumps" / "0.rld").samples
-    assert len(samples) == 4
+    samples = [*read_dump(run_dir / "dumps" / "0.rld").samples, *read_dump(run_dir / "dumps" / "1.rld").samples]
+    assert len(samples) == 8
+    assert {sample.metadata["format"] for sample in samples} == {"chat", "messages", "responses"}
     for sample in samples:
         assert sample.multimodal_train_inputs is not None
         assert sample.multimodal_train_inputs["image_grid_thw"] == [[1, 4, 4], [1, 4, 4]]
@@ -161,8 +162,10 @@ def test_a_custom_generate_function_adds_an_image_in_a_later_turn(tmp_path: Path
 
 def test_an_openai_agent_posts_an_image_to_the_session_server_and_its_trajectory_trains(
         vlm_model: Path, tmp_path: Path) -> None:
-    """miles' agentic shape on the tiny VLM (tests/support/vlm_agent.py, the `openai` SDK): the prompt's image
-    reaches the agent as an `image_url` data URL; an http URL is refused (400); the session renders the image
+    """miles' agentic shape on the tiny VLM (tests/support/vlm_agent.py, the official SDKs): the prompt's image
+    reaches the agent as an `image_url` data URL, which agents send in turn through `openai` chat completions,
+    `anthropic` Messages (an image block) and `openai` Responses (an input_image part); an http URL is refused
+    (400) in each; the session renders the image
     with the VLM's template, the engine gets it as `image_data`, and the sample carries it: its grid in the
     dump, its 4 image tokens in the prompt, the reply's tokens trained. With `--true-on-policy-mode` (miles'
     true_on_policy_vlm shape: batch-invariant decoding, each sequence rescored with its images as a rank scores
@@ -185,8 +188,9 @@ def test_an_openai_agent_posts_an_image_to_the_session_server_and_its_trajectory
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [row["train/train_rollout_logprob_abs_diff_max"] for row in rows] == [0.0, 0.0]
     assert [row["weight_version"] for row in rows] == ["1", "2"]  # the second rollout ran on synced weights
-    samples = read_dump(run_dir / "dumps" / "0.rld").samples
-    assert len(samples) == 4
+    samples = [*read_dump(run_dir / "dumps" / "0.rld").samples, *read_dump(run_dir / "dumps" / "1.rld").samples]
+    assert len(samples) == 8
+    assert {sample.metadata["format"] for sample in samples} == {"chat", "messages", "responses"}
     for sample in samples:
         seen = sample.metadata
         assert seen["urls"] == 1 and "data URLs" in seen["http_refused"] and "400" in seen["http_refused"], seen

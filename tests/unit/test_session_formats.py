@@ -87,3 +87,39 @@ def test_a_prefill_and_bad_bodies_are_refused_naming_the_field() -> None:
         messages_call({"model": "m", "messages": [{"role": "user", "content": "a"}]}, "m")
     with pytest.raises(FormatError, match="'input'"):
         responses_call({"model": "m", "input": []}, "m")
+
+
+def test_image_blocks_and_input_image_parts_become_image_url_parts_in_order_on_a_vlm_session() -> None:
+    """docs/vlm.md: a vision-language session takes Anthropic `image` blocks and Responses `input_image` parts as
+    the OpenAI `image_url` parts its chat path reads; a text policy (and the engine's own routes) refuse them."""
+    png = "data:image/png;base64,AAAA"
+    image: anthropic.types.ImageBlockParam = {
+        "type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what colour?"}, image, {"type": "text", "text": "one word"}]}]}
+    (message,) = messages_call(body, "m", images=True).chat_body["messages"]
+    assert message == {"role": "user", "content": [
+        {"type": "text", "text": "what colour?"}, {"type": "image_url", "image_url": {"url": png}},
+        {"type": "text", "text": "one word"}]}
+    linked = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    (message,) = messages_call({**body, "messages": [{"role": "user", "content": [linked]}]}, "m",
+                               images=True).chat_body["messages"]
+    assert message["content"] == [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+    filed = {"type": "image", "source": {"type": "file", "file_id": "file_1"}}
+    with pytest.raises(FormatError, match="source of type base64"):
+        messages_call({**body, "messages": [{"role": "user", "content": [filed]}]}, "m", images=True)
+    with pytest.raises(FormatError, match="image"):
+        messages_call(body, "m")
+    assert messages_call({**body, "messages": [{"role": "user", "content": "hi"}]}, "m",
+                         images=True).chat_body["messages"] == [{"role": "user", "content": "hi"}]
+
+    parts = [{"type": "input_text", "text": "what colour?"}, {"type": "input_image", "image_url": png, "detail": "auto"}]
+    asked = {"model": "m", "input": [{"role": "user", "content": parts}]}
+    (message,) = responses_call(asked, "m", images=True).chat_body["messages"]
+    assert message == {"role": "user", "content": [
+        {"type": "text", "text": "what colour?"}, {"type": "image_url", "image_url": {"url": png}}]}
+    with pytest.raises(FormatError, match="file_id"):
+        responses_call({"model": "m", "input": [{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file_1", "detail": "auto"}]}]}, "m", images=True)
+    with pytest.raises(FormatError, match="input_image"):
+        responses_call(asked, "m")

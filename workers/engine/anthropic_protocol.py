@@ -14,9 +14,14 @@ either); `tools` → OpenAI function tools given to the chat template; `stop_seq
 `return_meta_info` (the reply's `meta_info`, with the output logprobs: token in / token out, as the chat
 route), `seed`.
 
-Invariants: every rejection is a `RequestError` naming the field (a 400 in Anthropic's error shape); images,
-documents and other non-text content are refused by name, never dropped; `tool_choice` `any` / `tool` (which
-need constrained decoding) are refused, not ignored.
+Images: with `images=True` (the session server on a vision-language policy, docs/vlm.md) a user message's
+`image` blocks become OpenAI `image_url` parts in their place among its text parts, as SGLang's adapter does:
+a `base64` source as its data URL, a `url` source as that URL (which the session refuses, naming it: it fetches
+nothing). The engine's own routes serve no images.
+
+Invariants: every rejection is a `RequestError` naming the field (a 400 in Anthropic's error shape); images
+(unless taken as above), documents and other non-text content are refused by name, never dropped; `tool_choice`
+`any` / `tool` (which need constrained decoding) are refused, not ignored.
 """
 
 from __future__ import annotations
@@ -82,8 +87,23 @@ def _tool_result_text(block: JsonObject, where: str) -> str:
     raise RequestError(f"{where}.content must be a string or a list of text blocks")
 
 
-def _message(message: JsonValue, index: int) -> list[JsonObject]:
-    """One Anthropic message as the OpenAI messages it stands for (tool results become their own messages)."""
+def _image_part(block: JsonObject, where: str) -> JsonObject:
+    """An `image` block as the OpenAI `image_url` part it stands for."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        url = f"data:{source['media_type']};base64,{source['data']}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise RequestError(f"{where}: an image block needs a source of type base64 (with string media_type and "
+                           f"data) or url, got {show(kind)}")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _message(message: JsonValue, index: int, images: bool = False) -> list[JsonObject]:
+    """One Anthropic message as the OpenAI messages it stands for (tool results become their own messages);
+    `images`: a user message's image blocks as `image_url` parts (its content then a list of parts, in order)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in _ROLES:
         raise RequestError(f"{where} must be an object with 'role' user or assistant")
@@ -93,6 +113,7 @@ def _message(message: JsonValue, index: int) -> list[JsonObject]:
     if not isinstance(content, list):
         raise RequestError(f"{where}.content must be a string or a list of content blocks")
     texts: list[str] = []
+    parts: list[JsonObject] = []  # text and image parts in order, the content when the message holds an image
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for number, block in enumerate(content):
@@ -100,6 +121,9 @@ def _message(message: JsonValue, index: int) -> list[JsonObject]:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user" and images:
+            parts.append(_image_part(block, at))
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
                 raise RequestError(f"{at}: a tool_use block needs a string 'name' and an object 'input'")
@@ -129,8 +153,9 @@ def _message(message: JsonValue, index: int) -> list[JsonObject]:
                 f"(text, tool_use in assistant turns, tool_result in user turns)"
             )
     out: list[dict[str, Any]] = list(results)
-    if texts or calls or not results:
-        item: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+    with_images = len(parts) > len(texts)
+    if texts or calls or with_images or not results:
+        item: dict[str, Any] = {"role": role, "content": parts if with_images else "\n".join(texts)}
         if calls:
             item["tool_calls"] = calls
         out.append(item)
@@ -180,8 +205,10 @@ def _tool_choice(body: JsonObject) -> str | None:
     )
 
 
-def messages_request(body: JsonValue, default_model: str, *, counting: bool = False) -> MessagesSpec:
-    """A /v1/messages body (or a count_tokens body) as the chat body that runs it."""
+def messages_request(body: JsonValue, default_model: str, *, counting: bool = False,
+                     images: bool = False) -> MessagesSpec:
+    """A /v1/messages body (or a count_tokens body) as the chat body that runs it (`images`: the module's
+    docstring)."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     raw = body.get("messages")
@@ -189,7 +216,7 @@ def messages_request(body: JsonValue, default_model: str, *, counting: bool = Fa
         raise RequestError("'messages' must be a non-empty list of message objects")
     messages = _system(body)
     for index, message in enumerate(raw):
-        messages += _message(message, index)
+        messages += _message(message, index, images)
     model = body.get("model", default_model)
     if not isinstance(model, str):
         raise RequestError("'model' must be a string")

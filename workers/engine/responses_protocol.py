@@ -17,7 +17,8 @@ and its ResponsesRequest sampling extras (`stop`, `top_k`, `min_p`, `repetition_
 Invariants: every rejection is a `RequestError` naming the field (SGLang's 400 `ErrorResponse`);
 `previous_response_id` and `conversation` are refused (the engine stores no responses: send the whole input),
 as are non-function tools, forced `tool_choice` (it needs constrained decoding), structured `text.format`, and
-non-text content — never silently dropped.
+non-text content — never silently dropped — except, with `images=True` (the session server on a vision-language
+policy, docs/vlm.md), `input_image` parts, which become OpenAI `image_url` parts in their place.
 """
 
 from __future__ import annotations
@@ -65,7 +66,26 @@ def _text(content: JsonValue, where: str) -> str:
     return "\n".join(texts)
 
 
-def _items(items: JsonValue) -> list[JsonObject]:
+def _parts(content: JsonValue, where: str) -> str | list[JsonObject]:
+    """A message's content with its `input_image` parts as OpenAI `image_url` parts, in order among its text
+    parts; without an image part, the joined text (as `_text`)."""
+    if not isinstance(content, list) or not any(
+            isinstance(part, dict) and part.get("type") == "input_image" for part in content):
+        return _text(content, where)
+    parts: list[JsonObject] = []
+    for index, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise RequestError(f"{where}[{index}]: an input_image part needs a string image_url (a data URL; "
+                                   "file_id is not supported: the rayless session server stores no files)")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text([part], f"{where}[{index}]")})
+    return parts
+
+
+def _items(items: JsonValue, images: bool = False) -> list[JsonObject]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -80,7 +100,10 @@ def _items(items: JsonValue) -> list[JsonObject]:
             role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise RequestError(f"{where}.role must be user, system, developer or assistant")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            content = item.get("content")
+            taken = (_parts(content, f"{where}.content") if images and role != "assistant"
+                     else _text(content, f"{where}.content"))
+            messages.append({"role": role, "content": taken})
         elif kind == "function_call":
             name, arguments = item.get("name"), item.get("arguments")
             if (
@@ -145,7 +168,9 @@ def _tools(body: JsonObject, spec: ResponsesSpec) -> list[JsonObject] | None:
     return converted
 
 
-def responses_request(body: JsonValue, default_model: str) -> ResponsesSpec:
+def responses_request(body: JsonValue, default_model: str, *, images: bool = False) -> ResponsesSpec:
+    """A /v1/responses body as the chat body that runs it; `images`: a non-assistant message's `input_image`
+    parts become `image_url` parts (the session server on a vision-language policy; the engine serves none)."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     for key in ("previous_response_id", "conversation"):
@@ -167,7 +192,7 @@ def responses_request(body: JsonValue, default_model: str) -> ResponsesSpec:
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError("'instructions' must be a string")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + _items(
-        body.get("input")
+        body.get("input"), images
     )
     chat: dict[str, Any] = {"model": model, "messages": messages}
     spec = ResponsesSpec(chat_body=chat, model=model, instructions=instructions)
