@@ -56,9 +56,9 @@ TEMPORAL_PATCH_SIZE = 2
 PIXEL_FACTOR = PATCH_SIZE * MERGE_SIZE  # one placeholder token per 28x28 pixels
 
 #: `--vlm-family` values (config.json's model_type); the first is `--vlm`'s default
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 #: each family's vision patch size (Qwen3-VL's checkpoints: 16; Qwen2-VL's and Qwen2.5-VL's: 14)
-PATCH_SIZES = {"qwen2_5_vl": PATCH_SIZE, "qwen2_vl": PATCH_SIZE, "qwen3_vl": 16}
+PATCH_SIZES = {"qwen2_5_vl": PATCH_SIZE, "qwen2_vl": PATCH_SIZE, "qwen3_vl": 16, "qwen3_vl_moe": 16}
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,14 @@ def build_tiny_vlm(directory: str | Path, spec: TinyVlmSpec | None = None) -> Pa
 def _config(spec: TinyVlmSpec, vocab: dict[str, int]) -> PretrainedConfig:
     """The family's config at the spec's shape: the same language model (mrope over the rotary half, split
     (temporal, height, width)) and vision tokens for all three; each family's own vision tower."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     head_dim = spec.hidden_size // spec.num_attention_heads
     half = head_dim // 2
     section = [half - 2 * (half // 3), half // 3, half // 3]
     rope: dict[str, object] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section}
-    if spec.family == "qwen3_vl":
+    qwen3 = spec.family in ("qwen3_vl", "qwen3_vl_moe")
+    if qwen3:
         rope["mrope_interleaved"] = True  # Qwen3-VL's checkpoints interleave the three axes' frequencies
     text = {
         "vocab_size": len(vocab), "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
@@ -139,15 +140,23 @@ def _config(spec: TinyVlmSpec, vocab: dict[str, int]) -> PretrainedConfig:
         return Qwen2VLConfig(text_config=text, vision_config={
             **tower, "embed_dim": spec.vision_hidden_size, "mlp_ratio": 2, "hidden_size": spec.hidden_size,
         }, **tokens, tie_word_embeddings=True)
-    if spec.family == "qwen3_vl":
-        return Qwen3VLConfig(text_config={**text, "head_dim": head_dim}, vision_config={
+    if qwen3:
+        vision = {
             **tower, "hidden_size": spec.vision_hidden_size, "intermediate_size": 2 * spec.vision_hidden_size,
             "out_hidden_size": spec.hidden_size,
             # learned position embeddings on an 8x8 grid, interpolated to each image's patches
             "num_position_embeddings": 64,
             # the first tower block's merged features are added to the first decoder layer's image tokens
             "deepstack_visual_indexes": [0],
-        }, **tokens, tie_word_embeddings=True)
+        }
+        if spec.family == "qwen3_vl":
+            return Qwen3VLConfig(text_config={**text, "head_dim": head_dim}, vision_config=vision, **tokens,
+                                 tie_word_embeddings=True)
+        # Qwen3-VL-30B-A3B's shape in small: every decoder layer a sparse MoE block, top-2 of 4 experts
+        experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": spec.intermediate_size // 2,
+                   "decoder_sparse_step": 1, "mlp_only_layers": []}
+        return Qwen3VLMoeConfig(text_config={**text, "head_dim": head_dim, **experts}, vision_config=vision,
+                                **tokens, tie_word_embeddings=True)
     return Qwen2_5_VLConfig(text_config=text, vision_config={
         **tower, "hidden_size": spec.vision_hidden_size, "intermediate_size": 2 * spec.vision_hidden_size,
         "out_hidden_size": spec.hidden_size, "window_size": 4 * PIXEL_FACTOR,
@@ -162,7 +171,7 @@ def build_processor_files(directory: Path, spec: TinyVlmSpec) -> None:
 
     low, high = spec.pixel_bounds()
     # Qwen3-VL's checkpoints normalize with mean = std = 0.5; Qwen2-VL's and Qwen2.5-VL's with CLIP's (the default)
-    normal = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if spec.family == "qwen3_vl" else {}
+    normal = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if spec.family.startswith("qwen3_vl") else {}
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": low, "longest_edge": high}, **normal,
         patch_size=PATCH_SIZES[spec.family], merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 #: Model families whose processing this module reproduces (config.json's model_type).
-VLM_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+VLM_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 
 
 class VlmInputError(RaylessError, ValueError):

@@ -25,7 +25,8 @@ def has_images(config: Config) -> bool:
 
 
 def images_need_a_vlm(config: Config) -> None:
-    """Images go to a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model; a builtin text task has no image column to map."""
+    """Images go to a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE model; a builtin text task has no image column
+    to map."""
     from coordinator.data.tasks import builtin_task_name, is_image_task
     from workers.vlm_processor import VLM_MODEL_TYPES, vlm_model_type
 

@@ -24,13 +24,14 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
 
 
-#: the families the engine and trainer checks run on (the suite's time is budgeted): the default and Qwen3-VL,
-#: whose tower and positions differ most; Qwen2-VL's tower is Qwen2.5-VL's without window attention (it is
-#: built and loaded below; its engine and trainer checks passed when run by hand)
-SERVED_CHECKS = ["qwen2_5_vl", "qwen3_vl"]
+#: the families the engine and trainer checks run on (the suite's time is budgeted): the default, Qwen3-VL,
+#: whose tower and positions differ most, and Qwen3-VL-MoE (its language model's sparse MoE blocks); Qwen2-VL's
+#: tower is Qwen2.5-VL's without window attention (it is built and loaded below; its engine and trainer checks
+#: passed when run by hand)
+SERVED_CHECKS = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"])
 def family_vlm_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                    tiny_vlm_dir: Path) -> Path:
     """The tiny VLM of each family `make-tiny-model --vlm-family` builds (Qwen2.5-VL: the default's directory)."""
@@ -56,7 +57,10 @@ def test_the_tiny_vlm_loads_offline_and_its_text_ids_are_the_text_models(family_
     assert model.config.model_type == family
     patch = PATCH_SIZES[family]
     assert (model.config.vision_config.patch_size, processor.image_processor.patch_size) == (patch, patch)
-    if family == "qwen3_vl":  # the tower's first block feeds the first decoder layer; interleaved mrope
+    if family == "qwen3_vl_moe":  # every decoder layer a sparse MoE block: top-2 of 4 experts
+        text_config = model.config.text_config
+        assert (text_config.num_experts, text_config.num_experts_per_tok, text_config.decoder_sparse_step) == (4, 2, 1)
+    if family.startswith("qwen3_vl"):  # the tower's first block feeds the first decoder layer; interleaved mrope
         assert model.config.vision_config.deepstack_visual_indexes == [0]
         assert model.config.text_config.rope_parameters["mrope_interleaved"] is True
         assert list(processor.image_processor.image_mean) == [0.5, 0.5, 0.5]
