@@ -105,6 +105,15 @@ def test_image_blocks_and_input_image_parts_become_image_url_parts_in_order_on_a
     (message,) = messages_call({**body, "messages": [{"role": "user", "content": [linked]}]}, "m",
                                images=True).chat_body["messages"]
     assert message["content"] == [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+    # a tool's screenshot: the tool_result's image becomes a part of its tool message, as SGLang's adapter does
+    shot = {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "shot:"}, {
+        "type": "image", "source": {"type": "base64", "data": "AAAA"}}]}  # no media_type: SGLang's image/png
+    (tool,) = messages_call({**body, "messages": [{"role": "user", "content": [shot]}]}, "m",
+                            images=True).chat_body["messages"]
+    assert tool == {"role": "tool", "tool_call_id": "t1", "content": [
+        {"type": "text", "text": "shot:"}, {"type": "image_url", "image_url": {"url": png}}]}
+    with pytest.raises(FormatError, match="text block"):
+        messages_call({**body, "messages": [{"role": "user", "content": [shot]}]}, "m")
     filed = {"type": "image", "source": {"type": "file", "file_id": "file_1"}}
     with pytest.raises(FormatError, match="source of type base64"):
         messages_call({**body, "messages": [{"role": "user", "content": [filed]}]}, "m", images=True)

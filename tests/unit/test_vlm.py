@@ -569,6 +569,15 @@ def test_session_image_parts_render_expand_and_refuse_as_the_session_server_need
     processor.check_expanded(ids, both.image_grid_thw)
     assert ids[:len(expanded)] == expanded and ids.count(processor.image_token_id) == sum(
         processor.image_tokens(grid.tolist()) for grid in both.image_grid_thw)
+    # a tool's screenshot (an Anthropic tool_result's image block) sits in a tool message: rendered and expanded alike
+    tool = [{"role": "tool", "tool_call_id": "t1", "content": [
+        {"type": "text", "text": "shot:"}, {"type": "image_url", "image_url": {"url": encode_data_url(blue)}}]}]
+    assert image_urls(tool) == [encode_data_url(blue)]
+    shown = expand_image_runs(expanded + tito.appended_ids({"role": "assistant", "content": "r"}, tool, None), both,
+                              processor)
+    processor.check_expanded(shown, both.image_grid_thw)
+    assert shown[:len(expanded)] == expanded and shown.count(processor.image_token_id) == ids.count(
+        processor.image_token_id)
     with pytest.raises(SessionRequestError, match="1 image placeholder"):
         expand_image_runs(first, both, processor)
     with pytest.raises(SessionRequestError, match="do not match its 0 image"):  # an image token without an image

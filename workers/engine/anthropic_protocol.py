@@ -15,9 +15,10 @@ either); `tools` → OpenAI function tools given to the chat template; `stop_seq
 route), `seed`.
 
 Images: with `images=True` (the session server on a vision-language policy, docs/vlm.md) a user message's
-`image` blocks become OpenAI `image_url` parts in their place among its text parts, as SGLang's adapter does:
-a `base64` source as its data URL, a `url` source as that URL (which the session refuses, naming it: it fetches
-nothing). The engine's own routes serve no images.
+`image` blocks, and those of a `tool_result`'s content, become OpenAI `image_url` parts in their place among the
+text parts, as SGLang's adapter does: a `base64` source as its data URL (`image/png` when no media type is given),
+a `url` source as that URL (which the session refuses, naming it: it fetches nothing). The engine's own routes
+serve no images.
 
 Invariants: every rejection is a `RequestError` naming the field (a 400 in Anthropic's error shape); images
 (unless taken as above), documents and other non-text content are refused by name, never dropped; `tool_choice`
@@ -76,28 +77,34 @@ def _system(body: JsonObject) -> list[JsonObject]:
     return [{"role": "system", "content": text}] if text else []
 
 
-def _tool_result_text(block: JsonObject, where: str) -> str:
+def _tool_result_content(block: JsonObject, where: str, images: bool) -> str | list[JsonObject]:
+    """A tool_result's content: its text, or with `images` and an image block among its blocks, its text and
+    image parts in order (a tool's screenshot, as SGLang's adapter passes it)."""
     content = block.get("content")
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
+    if not isinstance(content, list):
+        raise RequestError(f"{where}.content must be a string or a list of text blocks")
+    if not images or not any(isinstance(item, dict) and item.get("type") == "image" for item in content):
         return _text_of(content, f"{where}.content")
-    raise RequestError(f"{where}.content must be a string or a list of text blocks")
+    return [_image_part(item, f"{where}.content[{number}]") if isinstance(item, dict) and item.get("type") == "image"
+            else {"type": "text", "text": _text_of([item], f"{where}.content[{number}]")}
+            for number, item in enumerate(content)]
 
 
 def _image_part(block: JsonObject, where: str) -> JsonObject:
     """An `image` block as the OpenAI `image_url` part it stands for."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
-    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
-        url = f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "base64" and isinstance(source.get("media_type", ""), str) and isinstance(source.get("data"), str):
+        url = f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"  # SGLang's default type
     elif kind == "url" and isinstance(source.get("url"), str):
         url = source["url"]
     else:
-        raise RequestError(f"{where}: an image block needs a source of type base64 (with string media_type and "
-                           f"data) or url, got {show(kind)}")
+        raise RequestError(f"{where}: an image block needs a source of type base64 (with string data) or url, "
+                           f"got {show(kind)}")
     return {"type": "image_url", "image_url": {"url": url}}
 
 
@@ -141,7 +148,7 @@ def _message(message: JsonValue, index: int, images: bool = False) -> list[JsonO
                 {
                     "role": "tool",
                     "tool_call_id": block["tool_use_id"],
-                    "content": _tool_result_text(block, at),
+                    "content": _tool_result_content(block, at, images),
                 }
             )
         elif kind in ("thinking", "redacted_thinking"):
