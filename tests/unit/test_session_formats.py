@@ -127,6 +127,10 @@ def test_image_blocks_and_input_image_parts_become_image_url_parts_in_order_on_a
     (message,) = responses_call(asked, "m", images=True).chat_body["messages"]
     assert message == {"role": "user", "content": [
         {"type": "text", "text": "what colour?"}, {"type": "image_url", "image_url": {"url": png}}]}
+    as_object = [{"type": "input_image", "image_url": {"url": png}}]  # SGLang takes {"url": ...} too
+    (message,) = responses_call({"model": "m", "input": [{"role": "user", "content": as_object}]}, "m",
+                                images=True).chat_body["messages"]
+    assert message["content"] == [{"type": "image_url", "image_url": {"url": png}}]
     with pytest.raises(FormatError, match="file_id"):
         responses_call({"model": "m", "input": [{"role": "user", "content": [
             {"type": "input_image", "file_id": "file_1", "detail": "auto"}]}]}, "m", images=True)

@@ -31,6 +31,8 @@ from workers.engine.sampling_params import RequestError, show
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+#: the image parts SGLang's Responses route turns into chat `image_url` parts (`serving_responses.py`)
+_IMAGE_PARTS = ("input_image", "image_url")
 
 
 @dataclass
@@ -70,12 +72,13 @@ def _parts(content: JsonValue, where: str) -> str | list[JsonObject]:
     """A message's content with its `input_image` parts as OpenAI `image_url` parts, in order among its text
     parts; without an image part, the joined text (as `_text`)."""
     if not isinstance(content, list) or not any(
-            isinstance(part, dict) and part.get("type") == "input_image" for part in content):
+            isinstance(part, dict) and part.get("type") in _IMAGE_PARTS for part in content):
         return _text(content, where)
     parts: list[JsonObject] = []
     for index, part in enumerate(content):
-        if isinstance(part, dict) and part.get("type") == "input_image":
+        if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
             url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url  # a string, or {"url": ...} as SGLang takes too
             if not isinstance(url, str):
                 raise RequestError(f"{where}[{index}]: an input_image part needs a string image_url (a data URL; "
                                    "file_id is not supported: the rayless session server stores no files)")
