@@ -189,3 +189,19 @@ def test_a_frame_of_parts_over_the_limit_is_refused_before_anything_is_sent() ->
     bad.tokens = PackedArray.of(Kind.TOKENS, [-1] * len(bad.tokens))
     with pytest.raises(protocol.ProtocolError, match="negative"):
         protocol.encode_frame_parts(protocol.Request(1, protocol.TrainCommand(0, [[bad]], [1])))
+
+
+def test_negative_tokens_are_not_kept_packed_and_the_hand_off_refuses_them() -> None:
+    """The encoder skips the sign check only for tokens packed ahead, which keeps none that is negative."""
+    bad = sample()
+    bad.tokens[5] = -4
+    protocol.pack_sample_ahead(bad)
+    assert bad.tokens.packed("i") is None and bad.loss_mask.packed("B") is not None
+    with pytest.raises(protocol.ProtocolError, match="token id -4 is negative"):
+        frame_of(bad)
+    good = packed_copy(sample())
+    assert protocol.WireSample.from_sample(good).tokens.sign_checked
+    assert not protocol.WireSample.from_sample(sample()).tokens.sign_checked
+    good.tokens[0] = -1  # changed after packing: the bytes are dropped, the check runs again
+    with pytest.raises(protocol.ProtocolError, match="token id -1 is negative"):
+        frame_of(good)

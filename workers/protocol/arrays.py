@@ -40,17 +40,12 @@ class Kind(Enum):
     MASK = ("B", "u1", 3)
     FLOATS = ("d", "<f8", 4)
 
-    @property
-    def typecode(self) -> str:
-        return self.value[0]
-
-    @property
-    def dtype(self) -> np.dtype[np.generic]:
-        return np.dtype(self.value[1])
-
-    @property
-    def ext_code(self) -> int:
-        return self.value[2]
+    def __init__(self, typecode: str, dtype: str, ext_code: int) -> None:
+        # plain attributes, not properties over `value`: a rank reads them a few times per array it decodes
+        self.typecode = typecode
+        self.dtype: np.dtype[np.generic] = np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        self.ext_code = ext_code
 
 
 #: extension code → kind, for the decoder (the tensor extension is 1, `workers.protocol.codec`)
@@ -115,6 +110,13 @@ class PackedArray:
             return self._view
         return _pack(self._kind, self._source)
 
+    @property
+    def sign_checked(self) -> bool:
+        """True when the bytes `packed()` gives were packed ahead (`pack_ahead`), which keeps tokens only when
+        none is negative: the encoder need not look for a negative id again."""
+        source = self._source
+        return isinstance(source, PackedList) and source.packed(self._kind.typecode) is not None
+
     def numpy(self) -> npt.NDArray[np.generic]:
         """The values in the wire dtype (read-only when they are a view of the frame)."""
         return np.frombuffer(self.packed(), dtype=self._kind.dtype)
@@ -138,7 +140,7 @@ class PackedArray:
 
     def __len__(self) -> int:
         if self._view is not None:
-            return len(self._view) // self._kind.dtype.itemsize
+            return len(self._view) // self._kind.itemsize
         return len(self._source)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[int | float]:
@@ -175,9 +177,12 @@ def pack_ahead(kind: Kind, values: object) -> object:
     held = values if isinstance(values, PackedList) else PackedList(values)
     if held.packed(kind.typecode) is None:
         try:
-            held.keep_packed(kind.typecode, _pack(kind, held))
+            packed = _pack(kind, held)
         except PackedArrayError:  # left unpacked: the hand-off refuses it with the same error, as before
-            pass
+            return held
+        # tokens are kept packed only when none is negative (`sign_checked`); else the hand-off refuses them
+        if kind is not Kind.TOKENS or not len(packed) or int(np.frombuffer(packed, dtype=kind.dtype).min()) >= 0:
+            held.keep_packed(kind.typecode, packed)
     return held
 
 
