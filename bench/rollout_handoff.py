@@ -6,7 +6,8 @@ and logprobs) to 2 ranks. Measured, alternating in one run:
   control server — `WireSample.from_sample` and `plan_steps` (as `TrainCommands.train` prepares a rollout), then
   `ControlServer.call` (every rank's frame encoded off the event loop, sent rank after rank) to 2 rank processes
   that joined with `RankChannel.connect` (Hello, token) and, per command, `receive` it (the typed decode), run
-  `packing.plan` / `packing.pack` over every step (the tensors the trainer trains on) and answer a `TrainResult`;
+  `packing.plan` / `packing.pack_groups` over every step (the tensors the trainer trains on; `pack` group by
+  group on a checkout without it) and answer a `TrainResult`;
 - the floor: the same frames' bytes sent over a second loopback socket to the same processes, read into a buffer.
 Each round hands the rollout off twice, alternating: its samples as plain lists (a custom rollout function's, or
 a replayed dump's), then packed ahead (`pack_sample_ahead`, as the default rollout leaves an accepted group's
@@ -112,9 +113,14 @@ def rank_process(control: str, token: str, rank: int, floor_address: tuple[str, 
         request = protocol.decode_body(body)
         del body
         steps = request.command.steps
+        pack_groups = getattr(packing, "pack_groups", None)  # as the trainer builds a step's micro-batches
         for samples in steps:
-            for group in packing.plan(samples, max_tokens=max_tokens, micro_batch_size=None):
-                packing.pack([samples[i] for i in group], 0)
+            groups = packing.plan(samples, max_tokens=max_tokens, micro_batch_size=None)
+            if pack_groups is not None:
+                pack_groups(samples, groups, 0)
+            else:  # a checkout from before pack_groups
+                for group in groups:
+                    packing.pack([samples[i] for i in group], 0)
         decoded, decode_cpu = time.perf_counter(), time.process_time() - cpu
         metrics = protocol.StepMetrics(0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0)
         channel.send(protocol.Response(request.request_id, True, protocol.TrainResult([metrics] * len(steps))))

@@ -189,3 +189,29 @@ def test_a_frame_of_parts_over_the_limit_is_refused_before_anything_is_sent() ->
     bad.tokens = PackedArray.of(Kind.TOKENS, [-1] * len(bad.tokens))
     with pytest.raises(protocol.ProtocolError, match="negative"):
         protocol.encode_frame_parts(protocol.Request(1, protocol.TrainCommand(0, [[bad]], [1])))
+
+
+def test_negative_tokens_are_not_kept_packed_and_the_hand_off_refuses_them() -> None:
+    """The encoder skips the sign check only for tokens packed ahead, which keeps none that is negative."""
+    bad = sample()
+    bad.tokens[5] = -4
+    protocol.pack_sample_ahead(bad)
+    assert bad.tokens.packed("i") is None and bad.loss_mask.packed("B") is not None
+    with pytest.raises(protocol.ProtocolError, match="token id -4 is negative"):
+        frame_of(bad)
+    good = packed_copy(sample())
+    assert protocol.WireSample.from_sample(good).tokens.sign_checked
+    assert not protocol.WireSample.from_sample(sample()).tokens.sign_checked
+    good.tokens[0] = -1  # changed after packing: the bytes are dropped, the check runs again
+    with pytest.raises(protocol.ProtocolError, match="token id -1 is negative"):
+        frame_of(good)
+
+
+@pytest.mark.parametrize("mask", [[], [0], [1], [0, 1, 1, 0, 1], [1] * 700, [0, 2, 1, 255, 0], [3] * 5])
+def test_a_mask_sums_to_its_values_however_it_is_held(mask: list[int]) -> None:
+    """`plan_steps` sums each sample's loss mask: a 0/1 mask is counted, a mask with larger values summed."""
+    received = PackedArray.from_ext(Kind.MASK.ext_code, memoryview(bytes(mask)))
+    for held in (PackedArray.of(Kind.MASK, list(mask)), PackedArray.of(Kind.MASK, pack_ahead(Kind.MASK, list(mask))),
+                 received):
+        total = held.sum()
+        assert type(total) is int and total == sum(mask)

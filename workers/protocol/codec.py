@@ -35,7 +35,7 @@ def encode_hook(obj: Any) -> Any:
     if isinstance(obj, PackedArray):
         # Packed here, as the frame is written: the coordinator holds one sample's packed bytes besides the frame.
         data = obj.packed()
-        if obj.kind is Kind.TOKENS and len(data):
+        if obj.kind is Kind.TOKENS and len(data) and not obj.sign_checked:
             import numpy as np  # not at import time: `workers.protocol.arrays` says why
 
             lowest = int(np.frombuffer(data, dtype=obj.kind.dtype).min())

@@ -262,8 +262,7 @@ class Trainer:
         if count > len(groups):
             groups = packing.split_to_count(groups, [len(sample.tokens) for sample in samples], count)
         batches = []
-        for group in groups:
-            batch = packing.pack([samples[i] for i in group], self.pad_token_id)
+        for group, batch in zip(groups, packing.pack_groups(samples, groups, self.pad_token_id), strict=True):
             if self.image_tokens is not None:
                 vision.attach_vision(batch, [samples[i] for i in group], self.model, *self.image_tokens)
             elif any(samples[i].images is not None for i in group):
