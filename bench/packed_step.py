@@ -12,7 +12,10 @@ vocabulary, 2 threads).
 
 Rounds alternate in ABBA order (rank, floor; floor, rank; ...) after one warm-up of each, so a load that
 drifts during the run falls on both alike; the figure is the ratio of the medians, in wall seconds and in this process's CPU seconds (all its threads: on a machine other jobs load, the
-work done rather than the share of the cores it got). Target ≤ 1.2× (wall).
+work done rather than the share of the cores it got). Target ≤ 1.2× (wall). Also printed, not judged on: the
+median of the rounds' own wall ratios (each round's two steps are adjacent, so they share its load) and the
+1-minute load average per round, before and after; per step the system CPU seconds, page faults and involuntary
+context switches (getrusage), which say whether an outlying step did more work or got less of the cores.
 
     python -m bench.packed_step [--rounds 3] [--attn sdpa] [--path per_sample]   # CPU, ~2-5 minutes on 2 cores
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -122,10 +126,16 @@ def main() -> None:
     def rank_step() -> None:
         trainer.train(protocol.TrainCommand(0, [samples], [loss_tokens]))
 
-    def timed(step: Callable[[], None]) -> tuple[float, float]:
+    def timed(step: Callable[[], None]) -> tuple[float, float, str]:
+        """Wall and CPU seconds, and what the kernel says of the step: system CPU seconds, page faults, and the
+        times the process was switched out involuntarily (the other jobs' share of the cores)."""
+        before = resource.getrusage(resource.RUSAGE_SELF)
         wall, cpu = time.perf_counter(), time.process_time()
         step()
-        return time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        return wall, cpu, (f"sys {after.ru_stime - before.ru_stime:.1f} s, {after.ru_minflt - before.ru_minflt:,} "
+                           f"faults, {after.ru_nivcsw - before.ru_nivcsw:,} preempted")
 
     attn = trainer.model.config._attn_implementation
     if attn == "packed_sdpa":
@@ -133,10 +143,11 @@ def main() -> None:
     print(f"{options.samples} samples × {options.length} tokens, hidden {options.hidden}, {options.layers} layers, "
           f"vocabulary {VOCAB:,}, {options.threads} threads; rank: {attn}, rows of ≤ {options.max_tokens_per_gpu} "
           f"tokens; floor: [{per_batch}, {options.length}] batches, sdpa causal, entropy metric as the rank", flush=True)
+    load_before = os.getloadavg()[0]
     rank_step()  # warm-up
     bare.step()
-    ranks: list[tuple[float, float]] = []
-    floors: list[tuple[float, float]] = []
+    ranks: list[tuple[float, float, str]] = []
+    floors: list[tuple[float, float, str]] = []
     for round_index in range(options.rounds):
         if round_index % 2:
             floors.append(timed(bare.step))
@@ -144,14 +155,20 @@ def main() -> None:
         else:
             ranks.append(timed(rank_step))
             floors.append(timed(bare.step))
-        print(f"  round {round_index + 1}: rank {ranks[-1][0]:.2f} s ({ranks[-1][1]:.2f} CPU-s), bare loop "
-              f"{floors[-1][0]:.2f} s ({floors[-1][1]:.2f} CPU-s): {ranks[-1][0] / floors[-1][0]:.2f}×", flush=True)
+        print(f"  round {round_index + 1}: rank {ranks[-1][0]:.2f} s ({ranks[-1][1]:.2f} CPU-s; {ranks[-1][2]}), bare "
+              f"loop {floors[-1][0]:.2f} s ({floors[-1][1]:.2f} CPU-s; {floors[-1][2]}): "
+              f"{ranks[-1][0] / floors[-1][0]:.2f}×; load {os.getloadavg()[0]:.1f}", flush=True)
     wall = [statistics.median(times[0] for times in runs) for runs in (ranks, floors)]
     cpu = [statistics.median(times[1] for times in runs) for runs in (ranks, floors)]
+    # Beside the verdict (the ratio of the medians), the median of the rounds' own ratios: each pairs two
+    # adjacent steps, so a load that changes between rounds (a step takes 12 s quiet, 35 s loaded here) does not
+    # pair one side's quiet round with the other's loaded one. Reported, not judged on.
+    per_round = statistics.median(rank[0] / floor[0] for rank, floor in zip(ranks, floors, strict=True))
     ok = wall[0] / wall[1] <= 1.2
     print(f"step: rank median {wall[0]:.2f} s vs bare loop {wall[1]:.2f} s: {wall[0] / wall[1]:.2f}× (target ≤ 1.2×) "
           f"{'PASS' if ok else 'FAIL'}" + (" (report only)" if options.report_only else "")
-          + f"; CPU seconds {cpu[0]:.2f} vs {cpu[1]:.2f}: {cpu[0] / cpu[1]:.2f}×")
+          + f"; CPU seconds {cpu[0]:.2f} vs {cpu[1]:.2f}: {cpu[0] / cpu[1]:.2f}×; median of the rounds' wall "
+          f"ratios {per_round:.2f}×; load (1 min) {load_before:.1f} → {os.getloadavg()[0]:.1f}")
     sys.exit(0 if ok or options.report_only else 1)
 
 

@@ -17,6 +17,7 @@ from tests.support.train_samples import synthetic_samples
 from tests.support.train_settings import init_command
 from workers import protocol
 from workers.protocol.train_settings import LossSettings
+from workers.shared_torch import token_scores as token_scores_module
 from workers.shared_torch.token_scores import (
     chunk_tokens,
     scores_from_hidden,
@@ -91,6 +92,35 @@ def test_the_entropy_metric_equals_the_naive_computation(scale: float) -> None:
     # the metric sums 32k float32 terms (measured 3.3e-6 at the middling scale); the logprobs are log_softmax's
     assert float(((entropy - naive_entropy).abs() / naive_entropy.clamp(min=1.0)).max()) <= 1e-5
     assert float(((log_probs - naive_log_probs).abs() / naive_log_probs.abs().clamp(min=1.0)).max()) <= 1e-6
+
+
+@pytest.mark.parametrize("entropy", [0, 1, 2])
+def test_scratch_reuse_changes_no_bit(monkeypatch: pytest.MonkeyPatch, entropy: int) -> None:
+    """On the CPU a float32 head's chunks write into two scratch tensors reused chunk after chunk (no fresh
+    mmap per chunk): logprobs, entropies and the gradients of hidden, weight and bias are bit for bit those of
+    the same chunks each allocating its own tensors, over a ragged last chunk."""
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(45, 16, generator=generator)
+    weight = torch.randn(3_001, 16, generator=generator) * 0.5
+    bias = torch.randn(3_001, generator=generator) * 0.1
+    targets = torch.randint(0, 3_001, (45,), generator=generator)
+    upstream = torch.randn(45, generator=generator)
+
+    def run() -> list[torch.Tensor]:
+        inputs = [tensor.clone().requires_grad_() for tensor in (hidden, weight, bias)]
+        log_probs, entropies = token_scores_module.ChunkedTokenScores.apply(*inputs, targets, 16, entropy)
+        loss = (log_probs * upstream).sum() + ((entropies * upstream.flip(0)).sum() if entropy == 2 else 0.0)
+        return [log_probs.detach(), entropies.detach(), *torch.autograd.grad(loss, inputs)]
+
+    scratch_calls: list[int] = []
+    real_scratch = token_scores_module._scratch
+    monkeypatch.setattr(token_scores_module, "_scratch",
+                        lambda *args: scratch_calls.append(1) or real_scratch(*args))  # type: ignore[func-returns-value]
+    reused = run()
+    assert len(scratch_calls) == 2  # forward and backward took the scratch path
+    monkeypatch.setattr(token_scores_module, "_scratch", lambda *args: None)
+    fresh = run()
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(reused, fresh, strict=True))
 
 
 def test_chunk_size_means_what_slimes_flag_means() -> None:
