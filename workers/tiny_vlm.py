@@ -59,6 +59,8 @@ PIXEL_FACTOR = PATCH_SIZE * MERGE_SIZE  # one placeholder token per 28x28 pixels
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 #: each family's vision patch size (Qwen3-VL's checkpoints: 16; Qwen2-VL's and Qwen2.5-VL's: 14)
 PATCH_SIZES = {"qwen2_5_vl": PATCH_SIZE, "qwen2_vl": PATCH_SIZE, "qwen3_vl": 16, "qwen3_vl_moe": 16}
+#: the families with Qwen3-VL's tower, positions and normalisation (the MoE differs in its language model only)
+QWEN3_FAMILIES = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ def _config(spec: TinyVlmSpec, vocab: dict[str, int]) -> PretrainedConfig:
     half = head_dim // 2
     section = [half - 2 * (half // 3), half // 3, half // 3]
     rope: dict[str, object] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section}
-    qwen3 = spec.family in ("qwen3_vl", "qwen3_vl_moe")
+    qwen3 = spec.family in QWEN3_FAMILIES
     if qwen3:
         rope["mrope_interleaved"] = True  # Qwen3-VL's checkpoints interleave the three axes' frequencies
     text = {
@@ -171,7 +173,7 @@ def build_processor_files(directory: Path, spec: TinyVlmSpec) -> None:
 
     low, high = spec.pixel_bounds()
     # Qwen3-VL's checkpoints normalize with mean = std = 0.5; Qwen2-VL's and Qwen2.5-VL's with CLIP's (the default)
-    normal = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if spec.family.startswith("qwen3_vl") else {}
+    normal = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if spec.family in QWEN3_FAMILIES else {}
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": low, "longest_edge": high}, **normal,
         patch_size=PATCH_SIZES[spec.family], merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,

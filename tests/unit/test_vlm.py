@@ -46,7 +46,7 @@ def test_the_tiny_vlm_loads_offline_and_its_text_ids_are_the_text_models(family_
     from transformers import AutoModelForImageTextToText
 
     from workers.tiny_model import vocabulary
-    from workers.tiny_vlm import FAMILIES, PATCH_SIZES
+    from workers.tiny_vlm import FAMILIES, PATCH_SIZES, QWEN3_FAMILIES
     from workers.vlm_processor import VlmProcessor
 
     family = json.loads((family_vlm_dir / "rayless_tiny_model.json").read_text())["family"]
@@ -60,7 +60,7 @@ def test_the_tiny_vlm_loads_offline_and_its_text_ids_are_the_text_models(family_
     if family == "qwen3_vl_moe":  # every decoder layer a sparse MoE block: top-2 of 4 experts
         text_config = model.config.text_config
         assert (text_config.num_experts, text_config.num_experts_per_tok, text_config.decoder_sparse_step) == (4, 2, 1)
-    if family.startswith("qwen3_vl"):  # the tower's first block feeds the first decoder layer; interleaved mrope
+    if family in QWEN3_FAMILIES:  # the tower's first block feeds the first decoder layer; interleaved mrope
         assert model.config.vision_config.deepstack_visual_indexes == [0]
         assert model.config.text_config.rope_parameters["mrope_interleaved"] is True
         assert list(processor.image_processor.image_mean) == [0.5, 0.5, 0.5]
