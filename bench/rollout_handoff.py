@@ -9,10 +9,12 @@ and logprobs) to 2 ranks. Measured, alternating in one run:
   `packing.plan` / `packing.pack_groups` over every step (the tensors the trainer trains on; `pack` group by
   group on a checkout without it) and answer a `TrainResult`;
 - the floor: the same frames' bytes sent over a second loopback socket to the same processes, read into a buffer.
-Each round hands the rollout off twice, alternating: its samples as plain lists (a custom rollout function's, or
-a replayed dump's), then packed ahead (`pack_sample_ahead`, as the default rollout leaves an accepted group's
-samples; what that packing cost, moved into the rollout, is printed once; `--lists-only` skips these rounds, and a
-checkout without `pack_sample_ahead` has none). Reported per kind: medians of each, the ratio (target ≤ 3×) and the channel's alone (ours less the coordinator's
+Each round hands the rollout off up to three times, alternating: its samples as plain lists (a custom rollout
+function's), packed ahead (`pack_sample_ahead`, as the default rollout leaves an accepted group's samples; what
+that packing cost, moved into the rollout, is printed once), and replayed (written with the dump writer and read
+back by `replay.reader`, as a replay run's loader gives them; the read's cost, in the loader, is printed once).
+`--lists-only` skips the last two; a checkout without `pack_sample_ahead` has no packed-ahead rounds. The frames
+are checked bit-identical across the three. Reported per kind: medians of each, the ratio (target ≤ 3×) and the channel's alone (ours less the coordinator's
 preparation and encoding, as `bench.train_shapes` reports it), a rank's decode in wall and CPU seconds, CPU seconds
 on the path against the floor's, and the coordinator's RSS growth while handing off (sampled every 2 ms)
 against one copy of the frames.
@@ -179,6 +181,21 @@ def floor(frames: list[bytes], conns: list[socket.socket]) -> tuple[float, float
     return time.perf_counter() - started, cpu + max(report[2] for report in reports)
 
 
+def replay_of(samples: list) -> tuple[list, float]:
+    """`samples` as a replay run reads them: written to a dump by `replay.format.write_dump`, read back by
+    `replay.reader.read_dump` (outside any timing); with the read's CPU seconds."""
+    import tempfile
+
+    from replay.format import write_dump
+    from replay.reader import read_dump
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = write_dump(Path(directory) / "0.rld", 0, samples, config_facts={})
+        cpu = time.process_time()
+        replayed = read_dump(path).samples
+        return replayed, time.process_time() - cpu
+
+
 def frames_of(samples: list, ranks: int) -> list[bytes]:
     """Each rank's frame, as the control server encodes it (built outside any timing: the floor's bytes)."""
     from coordinator.train.planning import plan_steps
@@ -230,12 +247,20 @@ async def run(args: argparse.Namespace) -> None:
             ahead_cpu = time.process_time() - cpu
             variants["packed ahead"] = ahead
             assert frames_of(ahead, ranks) == frames, "packed ahead, the frames must be the same bytes"
+        read_cpu = 0.0
+        if not args.lists_only:
+            replayed, read_cpu = replay_of(samples)
+            variants["replayed"] = replayed
+            assert frames_of(replayed, ranks) == frames, "replayed, the frames must be the same bytes"
         print(f"protocol {protocol.PROTOCOL_VERSION}: {len(samples)} samples, "
               f"{sum(len(s.tokens) for s in samples):,} tokens, {sum(s.response_length for s in samples):,} "
               f"response tokens, {ranks} rank processes, load {os.getloadavg()[0]:.1f}")
         if ahead_cpu:
             print(f"packing ahead (moved into the rollout, at each group's acceptance): {ahead_cpu:.3f} CPU-s, "
                   f"{ahead_cpu / len(samples) * 1e3:.3f} ms a sample; the frames are bit-identical")
+        if read_cpu:
+            print(f"reading the rollout's dump back (the replay loader's work, before the hand-off): "
+                  f"{read_cpu:.3f} CPU-s, {read_cpu / len(samples) * 1e3:.3f} ms a sample")
         first_growth = 0
         names = ("ours", "prepare", "coordinator_cpu", "floor", "floor_cpu", "growth", "decode", "decode_cpu",
                  "path_cpu")

@@ -15,8 +15,15 @@ API (`heapq`'s C functions) bypasses these methods; nothing in a sample's life d
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Iterable
 from typing import SupportsIndex
+
+#: the control channel's typecodes for a sample's per-token lists: int32 token ids, uint8 loss-mask entries,
+#: float64 logprobs (`workers.protocol.arrays.Kind` is built from these, so the two cannot drift apart)
+TOKENS_TYPECODE, MASK_TYPECODE, FLOATS_TYPECODE = "i", "B", "d"
+_LITTLE = sys.byteorder == "little"
 
 
 class PackedList(list):  # type: ignore[type-arg]  # holds whatever the list it replaces held
@@ -93,3 +100,27 @@ class PackedList(list):  # type: ignore[type-arg]  # holds whatever the list it 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[type[list], tuple[list]]:  # type: ignore[type-arg,override]
         # copy, deepcopy and pickle give a plain list of the values: packed bytes never travel with a copy
         return list, (list(self),)
+
+
+def from_packed_array(values: array) -> PackedList:  # type: ignore[type-arg]
+    """A dump's packed array (`replay.format`) as a `PackedList` of its values that keeps the array's bytes
+    where they are exactly what the control channel packs: int32 ids with none negative (the channel keeps
+    tokens packed only then), int8 entries with none negative (the bytes of their uint8 packing), float64s. So a
+    replayed sample reaches the ranks as a generated one packed ahead does, without one value read again. On a
+    big-endian host, or for any other array (int64 values, a negative entry), no bytes are kept: the hand-off
+    packs the list as it packs any list."""
+    held = PackedList(values)  # from the array directly: as fast as `tolist()`, with no second list
+    if not _LITTLE or not len(values):
+        return held
+    data = memoryview(values).cast("B")
+    typecode = values.typecode
+    if typecode == FLOATS_TYPECODE:
+        held.keep_packed(FLOATS_TYPECODE, data)
+    elif typecode == TOKENS_TYPECODE:
+        import numpy  # here, not at the top: only a read of a dump's tokens needs it
+
+        if int(numpy.frombuffer(data, dtype="<i4").min()) >= 0:
+            held.keep_packed(TOKENS_TYPECODE, data)
+    elif typecode == "b" and bytes(data).isascii():  # int8 values 0..127: bytes equal to their uint8 packing
+        held.keep_packed(MASK_TYPECODE, data)
+    return held

@@ -36,6 +36,7 @@ from replay.format import (
     is_number,
     reward_ok,
 )
+from replay.packed_list import from_packed_array
 from replay.sample import Sample, SampleError, SampleStatus
 
 
@@ -165,7 +166,7 @@ _REQUIRED = {1: frozenset(SAMPLE_FIELDS_V1), 2: frozenset(SAMPLE_FIELDS) - OPTIO
 
 def _int_list(value: object, name: str) -> list[int]:
     if type(value) is array and value.typecode in "biq":
-        return value.tolist()
+        return from_packed_array(value)
     raise SchemaError(f"{name} must be a packed integer array, got {type(value).__name__}")
 
 
@@ -232,7 +233,7 @@ def _decode_sample(payload: bytes, version: int) -> Sample:
         tokens=_int_list(record["tokens"], "tokens"),
         response_length=record["response_length"],
         loss_mask=_int_list(record["loss_mask"], "loss_mask"),
-        rollout_log_probs=logprobs.tolist(),
+        rollout_log_probs=from_packed_array(logprobs),
         reward=record["reward"],
         status=status,
         weight_versions=versions,
@@ -241,8 +242,8 @@ def _decode_sample(payload: bytes, version: int) -> Sample:
         advantage=record["advantage"],
         metadata=record["metadata"],
         index=index,
-        teacher_log_probs=None if teacher is None else teacher.tolist(),
-        opd_reverse_kl=None if reverse_kl is None else reverse_kl.tolist(),
+        teacher_log_probs=None if teacher is None else from_packed_array(teacher),
+        opd_reverse_kl=None if reverse_kl is None else from_packed_array(reverse_kl),
         multimodal_train_inputs=train_inputs,
     )
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 
 import msgspec
@@ -215,3 +216,51 @@ def test_a_mask_sums_to_its_values_however_it_is_held(mask: list[int]) -> None:
                  received):
         total = held.sum()
         assert type(total) is int and total == sum(mask)
+
+
+CHANNEL_FIELDS = (("tokens", Kind.TOKENS), ("loss_mask", Kind.MASK), ("rollout_log_probs", Kind.FLOATS),
+                  ("teacher_log_probs", Kind.FLOATS))
+
+
+def test_a_replayed_sample_reaches_the_ranks_from_the_dumps_bytes(tmp_path: object) -> None:
+    """A dump's packed arrays are the channel's bytes: read back, each list keeps them, as a generated sample
+    packed ahead does, and the hand-off sends them without reading a value (the frame is the plain lists')."""
+    plain = sample(distilled=True)
+    path = write_dump(tmp_path / "0.rld", 0, [plain], config_facts={})  # type: ignore[operator]
+    replayed = read_dump(path).samples[0]
+    wire = protocol.WireSample.from_sample(replayed)
+    for name, kind in CHANNEL_FIELDS:
+        values = getattr(replayed, name)
+        assert type(values) is PackedList and values == getattr(plain, name)
+        kept = values.packed(kind.typecode)
+        assert kept is not None and bytes(kept) == bytes(PackedArray.of(kind, getattr(plain, name)).packed())
+        assert getattr(wire, name).packed() is kept  # sent from where it lies, not packed again
+    assert wire.tokens.sign_checked
+    assert frame_of(replayed) == frame_of(plain)
+    replayed.tokens[0] = 11  # a hook's change after loading: the bytes are dropped, the change is sent
+    assert replayed.tokens.packed("i") is None and frame_of(replayed) != frame_of(plain)
+
+
+@pytest.mark.parametrize(("field", "index", "value"), [
+    ("tokens", 0, 2**31),  # int64 in the dump: over the channel's int32
+    ("tokens", 5, -4),  # negative: the channel refuses it
+    ("loss_mask", 0, 200),  # int32 in the dump: no int8 packing
+    ("loss_mask", 1, -1),  # int8 in the dump, but negative: not the bytes of a uint8 packing
+])
+def test_a_dumps_array_that_is_not_the_channels_bytes_is_packed_as_a_list(
+        tmp_path: object, field: str, index: int, value: int) -> None:
+    plain = sample()
+    getattr(plain, field)[index] = value
+    path = write_dump(tmp_path / "0.rld", 0, [plain], config_facts={})  # type: ignore[operator]
+    replayed = read_dump(path).samples[0]
+    assert getattr(replayed, field) == getattr(plain, field)
+    kinds = dict(CHANNEL_FIELDS)
+    for name in ("tokens", "loss_mask", "rollout_log_probs"):
+        assert (getattr(replayed, name).packed(kinds[name].typecode) is None) is (name == field)
+    try:  # the same frame, or the same refusal, as the plain lists
+        expected: object = frame_of(plain)
+    except Exception as error:  # compared below
+        with pytest.raises(type(error), match=re.escape(str(error))):
+            frame_of(replayed)
+    else:
+        assert frame_of(replayed) == expected

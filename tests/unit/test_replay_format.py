@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from replay import format as fmt
 from replay.format import DumpError, dump_path, write_dump
+from replay.packed_list import PackedList
 from replay.reader import iter_samples, read_dump, read_header
 from replay.sample import Sample, SampleStatus
 
@@ -63,6 +64,8 @@ def typed(value: Any) -> Any:
         return {name: typed(getattr(value, name)) for name in fmt.SAMPLE_FIELDS}
     if isinstance(value, dict):
         return ("dict", sorted(((typed(k), typed(v)) for k, v in value.items()), key=repr))
+    if isinstance(value, PackedList):  # a list that keeps the dump's bytes for the control channel
+        return ("list", [typed(v) for v in value])
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, [typed(v) for v in value])
     if isinstance(value, float):

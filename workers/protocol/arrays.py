@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, cast
 
 import msgspec
 
-from replay.packed_list import PackedList
+from replay.packed_list import FLOATS_TYPECODE, MASK_TYPECODE, TOKENS_TYPECODE, PackedList
 
 if TYPE_CHECKING:
     import numpy as np
@@ -38,9 +38,9 @@ if TYPE_CHECKING:
 class Kind(Enum):
     """(array typecode, numpy dtype, extension code) of one per-token array."""
 
-    TOKENS = ("i", "<i4", 2)
-    MASK = ("B", "u1", 3)
-    FLOATS = ("d", "<f8", 4)
+    TOKENS = (TOKENS_TYPECODE, "<i4", 2)
+    MASK = (MASK_TYPECODE, "u1", 3)
+    FLOATS = (FLOATS_TYPECODE, "<f8", 4)
 
     def __init__(self, typecode: str, dtype: str, ext_code: int) -> None:
         # plain attributes, not properties over `value`: a rank reads them a few times per array it decodes
