@@ -1,5 +1,6 @@
 """A list that can carry its own packed bytes: a `Sample`'s per-token list (tokens, loss mask, logprobs) packed
-once, when its group is accepted during the rollout, so the hand-off to the ranks reads no Python value again.
+once, when its group is accepted during the rollout, or read from a dump with its bytes (`from_packed_array`), so
+the hand-off to the ranks reads no Python value again.
 
 Owns `PackedList`: a `list` in every way a hook sees (slime's custom generate / reward / filter hooks read and
 mutate `sample.tokens`, `loss_mask`, `rollout_log_probs` as lists), plus one cached packing, `(typecode, bytes)`,
@@ -109,7 +110,7 @@ def from_packed_array(values: array) -> PackedList:  # type: ignore[type-arg]
     replayed sample reaches the ranks as a generated one packed ahead does, without one value read again. On a
     big-endian host, or for any other array (int64 values, a negative entry), no bytes are kept: the hand-off
     packs the list as it packs any list."""
-    held = PackedList(values)  # from the array directly: as fast as `tolist()`, with no second list
+    held = PackedList(values)  # built from the array itself: no intermediate list
     if not _LITTLE or not len(values):
         return held
     data = memoryview(values).cast("B")
