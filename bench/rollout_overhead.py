@@ -103,11 +103,13 @@ async def bare_loop(url: str, samples: int, concurrency: int, *, batched: bool =
 async def generate_path(url: str, model_dir: Path, samples: int, concurrency: int) -> tuple[float, float, float]:
     from transformers import AutoTokenizer
 
+    from coordinator.cli import apply_process_environment
     from coordinator.config import parse_config
     from coordinator.engines.client import EngineClient
     from coordinator.engines.fleet import EngineFleet
     from coordinator.rollout.manager import RolloutManager, tune_collector
 
+    apply_process_environment()  # as `rayless` does at its start (the tokenizer's batch calls single-threaded)
     n = GROUP
     config = parse_config(["--hf-checkpoint", str(model_dir), "--prompt-data", "builtin:first_digit",
                            "--rollout-external-engine-addrs", url, "--sglang-server-concurrency", str(concurrency),

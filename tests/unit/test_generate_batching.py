@@ -165,3 +165,42 @@ async def _cancellable(slots: object, scope: object) -> None:
     with scope:
         async with slots.hold(3):  # type: ignore[attr-defined]
             raise AssertionError("the cancelled waiter must not get its slots")
+
+
+# the Rust tokenizer the generate path's batch calls end in (`decode_many`, `encode_many`), without transformers'
+# import: the threads it starts are the library's, whoever wraps it
+THREADS_AFTER_BATCH_CALLS = """
+import os, sys
+from tokenizers import Tokenizer
+if sys.argv[1] == "rayless":
+    from coordinator.cli import main
+    main(["--help"])  # what every rayless command does first
+tokenizer = Tokenizer.from_file(sys.argv[2])
+before = len(os.listdir("/proc/self/task"))
+tokenizer.decode_batch([[8, 8, 8, 8]] * 8, skip_special_tokens=True)
+tokenizer.encode_batch(["3 1 4=", "2 7 1="] * 4, add_special_tokens=False)
+print(before, len(os.listdir("/proc/self/task")), os.environ.get("TOKENIZERS_PARALLELISM"))
+"""
+
+
+@pytest.mark.parametrize(("process", "setting", "grows", "value"), [
+    ("rayless", None, False, "false"),  # the coordinator's event loop: no thread pool woken per group
+    ("rayless", "true", True, "true"),  # the user's own setting wins
+    ("plain", None, True, None),  # the check can fail: the library's default starts its pool
+])
+def test_a_rayless_process_calls_the_tokenizers_batch_api_on_one_thread(
+        tiny_model_dir: Path, process: str, setting: str | None, grows: bool, value: str | None) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {key: item for key, item in os.environ.items() if key != "TOKENIZERS_PARALLELISM"}
+    if setting is not None:
+        env["TOKENIZERS_PARALLELISM"] = setting
+    done = subprocess.run([sys.executable, "-c", THREADS_AFTER_BATCH_CALLS, process,
+                           str(tiny_model_dir / "tokenizer.json")],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    before, after, seen = done.stdout.split()[-3:]
+    assert (int(after) > int(before)) is grows, done.stdout
+    assert seen == str(value)
