@@ -330,7 +330,9 @@ async def test_flush_cache_refuses_while_running(client: httpx.AsyncClient) -> N
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 async def test_pause_holds_generation_and_continue_finishes_it(client: httpx.AsyncClient, mode: str) -> None:
-    params = greedy(60, ignore_eos=True)
+    # long enough that the stream is still running when the pause lands, however loaded the machine (60 tokens
+    # of the tiny model could finish between the first chunk and the pause on two busy cores)
+    params = greedy(400, ignore_eos=True)
     expected = await generate(client, {"text": PROMPT, "sampling_params": params})
     started, sink = anyio.Event(), []
     held: list[Any] = []
@@ -338,22 +340,26 @@ async def test_pause_holds_generation_and_continue_finishes_it(client: httpx.Asy
     async def new_request() -> None:
         held.append(await generate(client, {"text": "12", "sampling_params": greedy(3)}))
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(running_stream, client, {"text": PROMPT, "sampling_params": params}, started, sink)
-        await started.wait()
-        paused = await client.post("/pause_generation", json={"mode": mode})
-        assert paused.status_code == 200
-        tg.start_soon(new_request)
-        await wait_until(lambda: held_requests(client), until=lambda n: n == 2, timeout=30,
-                         what="the new request held by the paused engine beside the paused one")
-        before = await generated_total(client)
-        assert (await client.get("/health_generate")).status_code == 200  # probes still answer
-        # The probe ran one scheduler step and generated its one token; the held requests advanced none.
-        assert await generated_total(client) == before + 1  # nothing advances while paused
-        assert held == []
-        assert (await client.post("/continue_generation", json={})).status_code == 200
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(running_stream, client, {"text": PROMPT, "sampling_params": params}, started, sink)
+            await started.wait()
+            paused = await client.post("/pause_generation", json={"mode": mode})
+            assert paused.status_code == 200
+            assert "finish_reason" not in sink[-1]["meta_info"] or sink[-1]["meta_info"]["finish_reason"] is None
+            tg.start_soon(new_request)
+            await wait_until(lambda: held_requests(client), until=lambda n: n == 2, timeout=30,
+                             what="the new request held by the paused engine beside the paused one")
+            before = await generated_total(client)
+            assert (await client.get("/health_generate")).status_code == 200  # probes still answer
+            # The probe ran one scheduler step and generated its one token; the held requests advanced none.
+            assert await generated_total(client) == before + 1  # nothing advances while paused
+            assert held == []
+            assert (await client.post("/continue_generation", json={})).status_code == 200
+    finally:  # a failure above must not leave the module's engine paused for the tests after it
+        await client.post("/continue_generation", json={})
     final = sink[-1]
-    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
     # Paused in place or retracted and re-prefilled, the greedy continuation is the same.
     assert final["output_ids"] == expected["output_ids"]
     assert held[0]["meta_info"]["finish_reason"]["type"] == "length"
