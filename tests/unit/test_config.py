@@ -348,6 +348,13 @@ def test_miles_router_policies_are_taken_and_said_or_refused_where_the_launched_
         cfg("--rollout-num-engines", "1", "--use-sglang-router", "--sglang-router-policy", "consistent_hashing")
 
 
+def test_miles_triton_attention_bridge_is_refused_by_name_not_as_an_invalid_choice() -> None:
+    # miles' examples/infra_features/true_on_policy/run_simple_amd_triton.py gives it
+    with pytest.raises(ConfigError, match=re.escape("--attn-implementation triton is miles' SGLang Triton "
+                                                    "attention bridge")):
+        cfg("--rollout-num-engines", "1", "--attn-implementation", "triton")
+
+
 def test_miles_disk_delta_transfer_is_refused_by_name_not_as_an_invalid_choice() -> None:
     with pytest.raises(ConfigError, match=re.escape("--update-weight-transfer-mode disk-delta (miles'")) as info:
         cfg("--rollout-num-engines", "1", "--update-weight-transfer-mode", "disk-delta")
