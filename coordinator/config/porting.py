@@ -145,6 +145,9 @@ def _mapped(config: Config) -> list[str]:
         mapped.append(describe(config) or "")
     if train.optimizer_cpu_offload:
         mapped.append("--optimizer-cpu-offload: not implemented yet, the optimizer state stays on the device")
+    if config.sglang.update_weight_transfer_mode == "p2p":
+        mapped.append("--update-weight-transfer-mode p2p → distributed (miles' RDMA from each rank; here rank 0 "
+                      "broadcasts the same weights to the engines' process group)")
     if train.balance_data:
         mapped.append("--balance-data: always on (tokens balanced across ranks)")
     if config.debug.dump_details is not None:
@@ -183,6 +186,10 @@ def _rl_facts(config: Config) -> list[str]:
     estimator = config.rollout.advantage_estimator
     if config.train.kl_coef and estimator in ("grpo", "gspo"):
         facts.append(f"--kl-coef {config.train.kl_coef:g} has no effect on {estimator} advantages (as slime)")
+    if "sglang_router_policy" in config.given and not config.sglang.launches_router \
+            and config.sglang.sglang_router_ip is None:
+        facts.append(f"--sglang-router-policy {config.sglang.sglang_router_policy}: no sglang-router is launched, "
+                     "so no policy applies (rayless dispatches each request to the engine with the fewest in flight)")
     if config.checkpoint.ref_load is not None and not config.train.use_kl_loss:
         facts.append("--ref-load is not used without --use-kl-loss")
     return facts

@@ -147,7 +147,9 @@ def global_batch_splits_over_ranks(config: Config) -> None:
     if config.effective_global_batch_size % config.num_train_ranks:
         raise ConfigError(
             f"--global-batch-size {config.effective_global_batch_size} is not divisible by the "
-            f"{config.num_train_ranks} training ranks (--actor-num-nodes × --actor-num-gpus-per-node)"
+            f"{config.num_train_ranks} training ranks (--actor-num-nodes × --actor-num-gpus-per-node): rayless "
+            "trains FSDP2 data parallel over every rank, where slime/miles divide the batch by their data-parallel "
+            "size (the ranks ÷ tensor × pipeline × context parallel sizes): make it a multiple of the ranks"
         )
 
 
@@ -213,6 +215,19 @@ def session_server_does_not_abort_on_update(config: Config) -> None:
     """miles' check: an abort at each weight update would cut agent sessions mid-turn."""
     if config.hooks.use_session_server is not None and config.sglang.pause_generation_mode == "abort":
         raise ConfigError("--use-session-server is incompatible with --pause-generation-mode=abort")
+
+
+def p2p_transfer_is_miles_own(config: Config) -> None:
+    """miles' `--update-weight-transfer-mode p2p` asserts no --colocate and no LoRA (miles/utils/arguments.py);
+    rayless runs it as its distributed transfer, which holds those rules too so a miles script means the same."""
+    if config.sglang.update_weight_transfer_mode != "p2p":
+        return
+    if config.cluster.colocate:
+        raise ConfigError("--update-weight-transfer-mode p2p with --colocate: miles refuses the pair (colocated "
+                          "weights move by disk here): drop one")
+    if config.lora.enabled:
+        raise ConfigError("--update-weight-transfer-mode p2p with LoRA (--lora-rank): miles refuses the pair "
+                          "(no LoRA weight sync over p2p): use --update-weight-transfer-mode broadcast")
 
 
 def colocation_is_not_async(config: Config) -> None:
@@ -335,6 +350,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     tis_hook_needs_tis,
     async_rollout_does_not_abort_on_update,
     session_server_does_not_abort_on_update,
+    p2p_transfer_is_miles_own,
     colocation_is_not_async,
     colocation_needs_both_halves,
     deterministic_runs_can_hold,

@@ -12,9 +12,15 @@ from dataclasses import dataclass, field
 from coordinator.config import values
 from coordinator.config.fields import ConfigError, Slice, flag
 
-ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
-#: "broadcast" is miles' name for "distributed" (an NCCL/gloo broadcast group from rank 0 to the engines).
-WEIGHT_TRANSFER_MODES = ("disk", "distributed", "broadcast")
+#: sglang-router's policies (0.3.2's `policy_from_str`; miles' scripts pick consistent_hashing). A policy only picks
+#: the engine of a request; those its command line takes (`LAUNCHABLE_POLICIES`) go to the router rayless launches.
+ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual", "bucket", "consistent_hashing",
+                   "prefix_hash")
+LAUNCHABLE_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
+#: "broadcast" is miles' name for "distributed" (an NCCL/gloo broadcast group from rank 0 to the engines); miles'
+#: "p2p" (each training rank writes its shard into the engines over RDMA) changes only the carrier, so it runs as
+#: "distributed" (the notice says so); miles' "disk-delta" is taken so that its refusal can name it.
+WEIGHT_TRANSFER_MODES = ("disk", "distributed", "broadcast", "p2p", "disk-delta")
 
 
 @dataclass(frozen=True)
@@ -78,12 +84,21 @@ class SglangConfig(Slice):
 
     def check(self) -> None:
         self._check_weight_update()
+        if self.launches_router and self.sglang_router_policy not in LAUNCHABLE_POLICIES:
+            raise ConfigError(f"--sglang-router-policy {self.sglang_router_policy}: the sglang-router rayless "
+                              f"launches takes --policy {' | '.join(LAUNCHABLE_POLICIES)} on its command line; pick "
+                              "one of those, or drop --use-sglang-router (rayless then dispatches requests itself)")
         if self.sglang_router_ip is not None and self.sglang_router_port is None:
             raise ConfigError("--sglang-router-ip names a running router: give its --sglang-router-port too "
                               "(--sglang-router-port alone launches the router on that port, as miles does)")
 
     def _check_weight_update(self) -> None:
         """slime's --update-weight-* flags against rayless' transfer modes (slime's own checks where they agree)."""
+        if self.update_weight_transfer_mode == "disk-delta":
+            raise ConfigError("--update-weight-transfer-mode disk-delta (miles': deltas published to a shared "
+                              "--update-weight-disk-dir, applied by each engine's /pull_weights into a host-local "
+                              "checkpoint) is not in rayless: slime's --update-weight-mode delta sends only the "
+                              "changed tensors over rayless' disk transfer (rayless' engines only)")
         distributed = self.update_weight_transfer_mode != "disk"
         if self.update_weight_transport == "nccl" and not distributed:
             raise ConfigError("--update-weight-transport nccl is rayless' --update-weight-transfer-mode distributed "

@@ -97,7 +97,7 @@ class TrainConfig(Slice):
                                            "attn_implementation; default sdpa): flash_attention_2 runs packed "
                                            "micro-batches as varlen on CUDA, sdpa/eager with a block-diagonal mask",
                                            choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3",
-                                                    "flex_attention"))
+                                                    "flex_attention", "triton"))
     train_pg_timeout_s: float = flag(300.0, help="the training ranks' collective timeout after their first step "
                                      "(0: keep the start-up's, RAYLESS_PG_TIMEOUT_S or 600 s)", minimum=0)
     micro_batch_size: int | None = flag(None, help="samples per micro-batch (without --use-dynamic-batch-size; "
@@ -130,6 +130,10 @@ class TrainConfig(Slice):
                                             "--recompute-granularity)", minimum=1)
 
     def check(self) -> None:
+        if self.attn_implementation == "triton":  # taken by the choices so that this names what it is
+            raise ConfigError("--attn-implementation triton is miles' SGLang Triton attention bridge in training "
+                              "(ROCm, true on-policy): not in rayless, whose training attention is transformers' "
+                              "(eager, sdpa, flash_attention_2, flash_attention_3, flex_attention)")
         if self.kl_coef and self.kl_loss_coef:
             raise ConfigError("--kl-coef (reward shaping) and --kl-loss-coef (loss term) are both set: slime "
                               "allows only one of them")

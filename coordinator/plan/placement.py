@@ -298,7 +298,7 @@ def _weight_sync(config: Config) -> WeightSyncPlan | None:
 def _check_colocated_transfer(config: Config, node: NodePlan, *, lenient: bool, warnings: list[str]) -> None:
     """A distributed update between a rank and an engine on the same GPU would need NCCL between two processes
     on one device, which NCCL refuses ("Duplicate GPU detected"); colocated CPU processes use gloo."""
-    if not config.colocated or config.sglang.update_weight_transfer_mode not in ("distributed", "broadcast"):
+    if not config.colocated or config.sglang.update_weight_transfer_mode not in ("distributed", "broadcast", "p2p"):
         return
     on_gpu = (node.ranks is not None and node.ranks.device == "cuda") or any(s.gpus for s in node.rollout_engines)
     if not on_gpu:

@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["TRANSFER_MODES", "TrainWeights", "WeightSync", "WeightSyncError"]
 
-#: --update-weight-transfer-mode: "broadcast" is miles' name for "distributed"
-TRANSFER_MODES = {"disk": "disk", "distributed": "distributed", "broadcast": "distributed"}
+#: --update-weight-transfer-mode: "broadcast" is miles' name for "distributed"; miles' "p2p" (RDMA from each
+#: rank) carries the same weights, here over the distributed group
+TRANSFER_MODES = {"disk": "disk", "distributed": "distributed", "broadcast": "distributed", "p2p": "distributed"}
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size
 
 

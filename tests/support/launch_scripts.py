@@ -1,12 +1,12 @@
 """Real slime/miles launch scripts as test data, made runnable here by replacing only their paths.
 
-`tests/data/launch_scripts/*.json` hold the argv 46 slime and miles launch scripts hand to `train.py` (each
+`tests/data/launch_scripts/*.json` hold the argv 52 slime and miles launch scripts hand to `train.py` (each
 with `source`: repo:path@commit), with placeholders where the scripts name paths on their machines.
 `materialize` replaces each placeholder with a local stand-in — the tiny model, small JSONL/Parquet files with
-the script's keys, fresh checkpoint directories, stub hook modules with slime's signatures, a sentinel W&B
-key — and nothing else. `validate_launch_argv` runs `rayless train ARGV` up to the point where it would launch
-(`--dry-run` where the CLI has it; else the real CLI with the launch step replaced by an exit 0), in a child
-process, and returns its exit status and output.
+the script's keys, fresh checkpoint directories (`DIR:name`: a path the script writes to), stub hook modules with
+slime's signatures, a sentinel W&B key — and nothing else. `validate_launch_argv` runs `rayless train ARGV` up to
+the point where it would launch (`--dry-run` where the CLI has it; else the real CLI with the launch step replaced
+by an exit 0), in a child process, and returns its exit status and output.
 
 `PENDING` lists the flags and values these scripts use that rayless does not have yet (they are refused with exit 2
 today), `UNSUPPORTED` those rayless refuses by design, each with why; `blockers` finds them in an argv, read
@@ -161,13 +161,13 @@ def write_hook_stub(root: Path, module: str, attribute: str) -> None:
 
 
 def write_prompts(path: Path, *, input_key: str, label_key: str | None, rows: int = 4,
-                  image_key: str | None = None) -> Path:
+                  image_key: str | None = None, metadata_key: str | None = None) -> Path:
     """A few prompts with the script's keys: chat messages (or a task index for an `index` key) and a label.
 
     tau-bench's `index` prompts are ints, read by its custom generate function (slime keeps the raw value).
     `image_key` (a script's `--multimodal-keys` column): geo3k's shape, a text prompt holding `<image>` and one
     image per row, as PNG bytes in Parquet (`{"bytes", "path"}`, as geo3k ships them) or a path relative to a
-    JSONL file."""
+    JSONL file. `metadata_key` (a script's `--metadata-key`): a small dict per row, as SWE-style data carries."""
     from tests.support.hostile_images import solid_png
 
     records = []
@@ -187,6 +187,8 @@ def write_prompts(path: Path, *, input_key: str, label_key: str | None, rows: in
                 record[image_key] = [f"{path.stem}-{index}.png"]
         if label_key is not None:
             record[label_key] = str(2 * index)
+        if metadata_key is not None:
+            record[metadata_key] = {"instance_id": f"task-{index}"}
         records.append(record)
     if path.suffix == ".parquet":
         import pyarrow as pa
@@ -231,6 +233,7 @@ def materialize(script: LaunchScript, workdir: Path, model_dir: Path,
     hooks.mkdir(parents=True, exist_ok=True)
     input_key = script.value("--input-key") or "input"
     label_key = script.value("--label-key")
+    metadata_key = script.value("--metadata-key")
     keys = script.value("--multimodal-keys")
     image_key = json.loads(keys).get("image") if keys else None
     if image_key is not None and vlm_dir is not None:
@@ -246,11 +249,15 @@ def materialize(script: LaunchScript, workdir: Path, model_dir: Path,
             # The same not-yet-existing directory as --save; miles' base-model torch_dist → the HF model itself.
             value = str(workdir / "checkpoints") if info.get("same_as") == "SAVE_DIR" or "{SAVE_DIR}" in original \
                 or "does not exist" in info.get("must_be", "") else str(model_dir)
-        elif token == "PROMPT_DATA" or token.startswith("EVAL_DATA:"):
+        elif token == "PROMPT_DATA":
             suffix = ".parquet" if original.endswith(".parquet") else ".jsonl"
-            name = "train" if token == "PROMPT_DATA" else token.split(":", 1)[1]
-            value = str(write_prompts(workdir / f"{name}{suffix}", input_key=input_key, label_key=label_key,
-                                      image_key=image_key))
+            value = str(write_prompts(workdir / f"train{suffix}", input_key=input_key, label_key=label_key,
+                                      image_key=image_key, metadata_key=metadata_key))
+        elif token.startswith("EVAL_DATA:"):  # eval reads --eval-input-key / --eval-label-key where given
+            suffix = ".parquet" if original.endswith(".parquet") else ".jsonl"
+            value = str(write_prompts(workdir / f"{token.split(':', 1)[1]}{suffix}",
+                                      input_key=script.value("--eval-input-key") or input_key,
+                                      label_key=script.value("--eval-label-key") or label_key, image_key=image_key))
         elif token == "EVAL_CONFIG":
             value = str(write_eval_config(workdir, hooks, info.get("yaml_text") or "{}\n",
                                           input_key=script.value("--eval-input-key") or input_key,
@@ -261,6 +268,8 @@ def materialize(script: LaunchScript, workdir: Path, model_dir: Path,
             value = str(path)
         elif token in ("DUMP_DETAILS_DIR", "EVAL_HF_DIR"):
             value = str(workdir / token.lower())
+        elif token.startswith("DIR:"):  # a path the script writes to (a dump, a weight-update directory)
+            value = str(workdir / token.split(":", 1)[1])
         elif token == "WANDB_KEY":
             value = WANDB_SENTINEL
         elif token == "RUN_ID":

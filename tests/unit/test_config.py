@@ -224,7 +224,8 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
     "global_batch_divides_rollout": (None, ["--rollout-num-engines", "1", "--global-batch-size", "3"],
                                      "--global-batch-size 3 does not divide"),
     "global_batch_splits_over_ranks": (None, ["--rollout-num-engines", "1", "--actor-num-gpus-per-node", "3"],
-                                       "not divisible by the 3 training ranks"),
+                                       "not divisible by the 3 training ranks (--actor-num-nodes × --actor-num-gpus-per-node): "
+                                       "rayless trains FSDP2 data parallel over every rank"),
     "steps_per_rollout_agree": (None, ["--rollout-num-engines", "1", "--global-batch-size", "8",
                                        "--num-steps-per-rollout", "2"], "--global-batch-size 8 and --num-steps-per-rollout 2 disagree"),
     "kl_reward_shaping_is_supported": (None, ["--rollout-num-engines", "1", "--kl-coef", "0.1",
@@ -270,6 +271,9 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
     "routing_replay_needs_a_dense_model": (None, ["--rollout-num-engines", "1", "--use-rollout-routing-replay"],
                                            "--use-rollout-routing-replay: MoE routing replay (R3) needs the "
                                            "engine's routed experts"),
+    "p2p_transfer_is_miles_own": (None, ["--rollout-num-engines", "1", "--update-weight-transfer-mode", "p2p",
+                                         "--colocate"],
+                                  "--update-weight-transfer-mode p2p with --colocate: miles refuses the pair"),
     "colocation_is_not_async": (None, ["--colocate", "--async-rollout"],
                                 "--colocate and --async-rollout: colocated engines and ranks take turns"),
     "colocation_needs_both_halves": (None, ["--rollout-num-engines", "1", "--colocate", "--debug-rollout-only"],
@@ -315,6 +319,46 @@ def test_each_named_rule_fires_on_its_contradiction(rule: str) -> None:
 def test_async_ppo_runs_with_either_of_miles_corrections(correction: str) -> None:
     config = cfg("--rollout-num-engines", "1", "--advantage-estimator", "ppo", "--async-rollout", correction)
     assert train_settings(config).critic is not None
+
+
+def test_miles_p2p_transfer_runs_as_distributed_and_keeps_miles_rules() -> None:
+    # miles' p2p (RDMA from each rank) carries the same weights: rayless runs its distributed transfer and says so
+    from coordinator.config.porting import porting_notice
+    from coordinator.weights.sync import TRANSFER_MODES
+
+    config = cfg("--rollout-num-engines", "1", "--update-weight-transfer-mode", "p2p")
+    assert TRANSFER_MODES[config.sglang.update_weight_transfer_mode] == "distributed"
+    assert "--update-weight-transfer-mode p2p → distributed" in (porting_notice(config) or "")
+    # miles asserts no LoRA with p2p (miles/utils/arguments.py); the colocate half is RULE_CASES'
+    with pytest.raises(ConfigError, match=re.escape("--update-weight-transfer-mode p2p with LoRA")):
+        cfg("--rollout-num-engines", "1", "--update-weight-transfer-mode", "p2p", "--lora-rank", "8",
+            "--target-modules", "all-linear")
+
+
+def test_miles_router_policies_are_taken_and_said_or_refused_where_the_launched_router_lacks_them() -> None:
+    # miles' GLM-5.2 launcher gives --sglang-router-policy consistent_hashing (sglang-router's policy_from_str has it)
+    from coordinator.config.porting import porting_notice
+
+    config = cfg("--rollout-num-engines", "1", "--sglang-router-policy", "consistent_hashing")
+    assert "--sglang-router-policy consistent_hashing: no sglang-router is launched" in (porting_notice(config) or "")
+    # the router rayless launches takes five policies on its command line; the others are refused naming them
+    cfg("--rollout-num-engines", "1", "--use-sglang-router", "--sglang-router-policy", "manual")
+    with pytest.raises(ConfigError, match=re.escape("--sglang-router-policy consistent_hashing: the sglang-router "
+                                                    "rayless launches takes --policy random | round_robin")):
+        cfg("--rollout-num-engines", "1", "--use-sglang-router", "--sglang-router-policy", "consistent_hashing")
+
+
+def test_miles_triton_attention_bridge_is_refused_by_name_not_as_an_invalid_choice() -> None:
+    # miles' examples/infra_features/true_on_policy/run_simple_amd_triton.py gives it
+    with pytest.raises(ConfigError, match=re.escape("--attn-implementation triton is miles' SGLang Triton "
+                                                    "attention bridge")):
+        cfg("--rollout-num-engines", "1", "--attn-implementation", "triton")
+
+
+def test_miles_disk_delta_transfer_is_refused_by_name_not_as_an_invalid_choice() -> None:
+    with pytest.raises(ConfigError, match=re.escape("--update-weight-transfer-mode disk-delta (miles'")) as info:
+        cfg("--rollout-num-engines", "1", "--update-weight-transfer-mode", "disk-delta")
+    assert "--update-weight-mode delta" in str(info.value) and "not a valid choice" not in str(info.value)
 
 
 def test_async_without_a_critic_needs_no_correction_as_miles() -> None:

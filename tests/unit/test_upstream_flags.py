@@ -82,6 +82,21 @@ def test_an_ignored_flag_is_in_the_grouped_notice_with_why() -> None:
     assert CATEGORIES["logging"] in notice and "no meaning under FSDP2" in notice
 
 
+def test_miles_dashboard_flags_are_known_and_said_not_called_unknown() -> None:
+    # miles' parser adds them from miles/dashboard/args.py (miles' scripts/run_qwen3_dense.py gives
+    # --use-miles-dashboard); the regeneration reads that file too
+    import fnmatch
+
+    from tools.upstream_flags.sources import MILES
+
+    assert any(fnmatch.fnmatch("miles/dashboard/args.py", pattern) for pattern in MILES.patterns)
+    config = parse_config([*BASE, "--use-miles-dashboard", "--dashboard-sglang-scrape-mode", "router",
+                           "--dashboard-flush-interval", "5"])
+    notice = porting_notice(config) or ""
+    assert "--use-miles-dashboard" in notice and "--dashboard-sglang-scrape-mode" in notice
+    assert "dashboard telemetry" in notice
+
+
 def test_refusals_name_the_feature_and_why_grouped() -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config([*BASE, "--teacher-port", "1", "--buffer-filter-path", "m:f",

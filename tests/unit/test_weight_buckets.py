@@ -108,10 +108,12 @@ def test_group_layout_counts_every_tensor_parallel_rank() -> None:
         group_layout([1, 0])
 
 
-def test_transfer_modes_take_miles_broadcast_for_distributed(tmp_path: Path) -> None:
-    assert TRANSFER_MODES == {"disk": "disk", "distributed": "distributed", "broadcast": "distributed"}
+def test_transfer_modes_take_miles_broadcast_and_p2p_for_distributed(tmp_path: Path) -> None:
+    assert TRANSFER_MODES == {"disk": "disk", "distributed": "distributed", "broadcast": "distributed",
+                              "p2p": "distributed"}
     kwargs = {"fleet": None, "client": None, "trainer": None, "snapshot_dir": tmp_path}
     assert WeightSync(mode="broadcast", **kwargs).mode == "distributed"  # type: ignore[arg-type]
+    assert WeightSync(mode="p2p", **kwargs).mode == "distributed"  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--update-weight-transfer-mode 'nccl': choose disk, distributed, broadcast"):
         WeightSync(mode="nccl", **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--update-weight-buffer-size"):

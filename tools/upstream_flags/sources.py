@@ -119,7 +119,8 @@ SLIME = Source("slime", ("slime/utils/arguments.py", "slime/backends/*/arguments
                fsdp_patterns=("slime/backends/fsdp_utils/arguments.py",),
                patch_patterns=("docker/patch/*/megatron*.patch",))
 MILES = Source("miles", ("miles/utils/arguments.py", "miles/backends/*/arguments.py",
-                         "miles/rollout/*.py", "miles/rollout/*/*.py", "miles/utils/ft_utils/*.py"),
+                         "miles/rollout/*.py", "miles/rollout/*/*.py", "miles/utils/ft_utils/*.py",
+                         "miles/dashboard/args.py"),  # add_dashboard_arguments, called by miles' parser
                fsdp_patterns=("miles/backends/fsdp_utils/arguments.py",),
                patch_patterns=("docker/patch/*/megatron*.patch",))
 MEGATRON = Source("megatron", ("megatron/training/arguments.py",), megatron_factory=True,
