@@ -36,7 +36,7 @@ def preflight(config: Config) -> list[str]:
     load_notes += check_disk(config)  # every file a rank or engine will read, before either starts
     notes += [*load_notes, *check_run_dir(config), *check_data(config), *check_hooks(config),
               *check_rewards(config), *check_metric_backends(config), *check_response_length(config),
-              *check_ports(config)]
+              *check_ports(config), *check_replay(config)]
     from coordinator.checks.trainable import check_trainable
 
     notes += check_trainable(config)  # with LoRA: the targets against the model
@@ -167,6 +167,32 @@ def _check_save_hf(template: str, *, hf_checkpoint: str | None, save: str | None
         raise ConfigError(f"--save-hf {template}: {first} holds files and is not a Hugging Face model directory "
                           "(no config.json); a save replaces only an earlier model or an empty directory")
     return _check_writable("--save-hf", first)
+
+
+def check_replay(config: Config) -> list[str]:
+    """A replay's dumps, found before anything launches: at least one dump the template matches; the ids found,
+    and those of the rollouts to replay that have none."""
+    template = config.debug.load_debug_rollout_data
+    if template is None or config.cluster.actor_node_rank != 0:  # node 0's coordinator is what reads them
+        return []
+    from replay.format import DumpError
+    from replay.loader import ReplayLoader
+
+    try:
+        loader = ReplayLoader(template)
+        ids = loader.available_rollout_ids()
+    except DumpError as error:
+        raise ConfigError(f"--load-debug-rollout-data {template!r}: {error}") from None
+    if not ids:
+        raise ConfigError(f"--load-debug-rollout-data {template!r} matches no dump file (the dumps' template, "
+                          "e.g. 'dumps/{rollout_id}.rld' as --save-debug-rollout-data wrote them)")
+    note = f"--load-debug-rollout-data {template}: {len(ids)} dump(s), rollout ids {ids[0]}..{ids[-1]}"
+    wanted = config.rollout.num_rollout
+    missing = sorted(set(range(wanted)) - set(ids)) if wanted is not None else []
+    if missing:
+        note += (f"; no dump for {len(missing)} of the {wanted} rollouts (the first: {missing[0]}): a run "
+                 "replaying them stops there")
+    return [note]
 
 
 def check_paths(config: Config) -> list[str]:

@@ -47,8 +47,8 @@ def _replayed(config: Config) -> int:
     except DumpError as error:
         raise ConfigError(f"--load-debug-rollout-data {template!r}: {error}") from None
     if not ids:
-        raise ConfigError(f"--load-debug-rollout-data {template!r} matches no dump file (give --num-rollout, or "
-                          "the template of the dumps)")
+        raise ConfigError(f"--load-debug-rollout-data {template!r} matches no dump file (the dumps' template, "
+                          "e.g. 'dumps/{rollout_id}.rld' as --save-debug-rollout-data wrote them)")
     return max(ids) + 1
 
 

@@ -168,3 +168,25 @@ def test_a_dry_run_of_a_2_node_8_gpu_plan_shows_each_nodes_share(run_cli: Callab
     assert token not in out + outcome["stderr"]
     if node == 1:  # its engines listen where node 0 reaches it; a login node has no route to gpu-node07
         assert "there is no route from here to node 0 (gpu-node07)" in outcome["stderr"]
+
+
+def test_a_replays_dumps_are_found_and_counted_by_the_dry_run(run_cli: Callable[..., dict], tiny_model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """The rollout count as the launch decides it, from the dumps the template finds; a template that finds none
+    exits 2 naming it, with --num-rollout given too (the count then reads nothing, the replay check does)."""
+    from tests.support.replay_inputs import write_sample_dump
+
+    for rollout_id in (0, 2):
+        write_sample_dump(tmp_path / "dumps" / f"{rollout_id}.rld", rollout_id=rollout_id)
+    replay = ["--hf-checkpoint", str(tiny_model_dir), "--actor-num-gpus-per-node", "1", "--rollout-batch-size", "3",
+              "--n-samples-per-prompt", "2", "--run-dir", str(tmp_path / "run"), "--dry-run"]
+    template = str(tmp_path / "dumps" / "{rollout_id}.rld")
+    found = run_cli(*replay, "--load-debug-rollout-data", template)
+    assert found["status"] == 0 and found["children"] == 0, found["stderr"]
+    assert f"--load-debug-rollout-data {template}: 2 dump(s), rollout ids 0..2" in found["stdout"]
+    assert "--num-rollout 3 (counted)" in found["stdout"]
+    wrong = str(tmp_path / "dump" / "{rollout_id}.rld")
+    for count in ([], ["--num-rollout", "2"]):
+        missing = run_cli(*replay, "--load-debug-rollout-data", wrong, *count)
+        assert missing["status"] == 2 and missing["children"] == 0
+        assert missing["stderr"].count(f"--load-debug-rollout-data '{wrong}' matches no dump file") == 1

@@ -125,3 +125,20 @@ def test_a_replay_without_num_rollout_counts_one_past_the_highest_dump_before_an
     (tmp_path / "7.rld").unlink()
     with pytest.raises(ConfigError, match=r"--load-debug-rollout-data .* matches no dump file"):
         with_rollout_count(dataclasses.replace(counted, rollout=dataclasses.replace(counted.rollout, num_rollout=None)))
+
+
+def test_a_replay_whose_dumps_are_not_there_stops_before_anything_launches(tmp_path: Path) -> None:
+    """Given --num-rollout the count reads nothing, so the start-up check is what finds a wrong template (a run
+    would otherwise launch its ranks and fail at its first rollout); a gap is said, not refused (a resumed
+    replay may start past it)."""
+    from coordinator.checks.preflight import check_replay
+
+    template = dump_of(parse_config(GENERATING), tmp_path, rollout_ids=(0, 1, 3))
+    assert check_replay(parse_config(["--load-debug-rollout-data", template, "--num-rollout", "2"])) == [
+        f"--load-debug-rollout-data {template}: 3 dump(s), rollout ids 0..3"]
+    (note,) = check_replay(parse_config(["--load-debug-rollout-data", template, "--num-rollout", "5"]))
+    assert note.endswith("no dump for 2 of the 5 rollouts (the first: 2): a run replaying them stops there")
+    elsewhere = str(tmp_path / "other" / "{rollout_id}.rld")
+    with pytest.raises(ConfigError, match=r"--load-debug-rollout-data '.*other/\{rollout_id\}.rld' matches no dump"):
+        check_replay(parse_config(["--load-debug-rollout-data", elsewhere, "--num-rollout", "2",
+                                   "--hf-checkpoint", "/model"]))
