@@ -59,6 +59,8 @@ class TrainConfig(Slice):
     eps_clip: float = flag(0.2, help="PPO ratio clip: lower bound 1 - eps", minimum=0)
     eps_clip_high: float | None = flag(None, help="PPO ratio clip: upper bound 1 + eps (default: --eps-clip)",
                                        minimum=0)
+    eps_clip_c: float | None = flag(None, help="dual-clip PPO (slime's): a token with a negative advantage A "
+                                    "loses at most -c·A however large its ratio; c > 1 (default: off)", above=1)
     use_kl_loss: bool = flag(False, help="load the reference model and add --kl-loss-coef × KL to the loss")
     kl_loss_coef: float = flag(0.0, help="coefficient of the KL loss term (with --use-kl-loss)", minimum=0)
     kl_loss_type: str = flag("k1", help="KL estimator: k1 = log r, k2 = (log r)²/2, k3 = exp(-log r) - 1 + log r, "
@@ -176,6 +178,7 @@ class TrainConfig(Slice):
         loss_type: the SFT slice's `--loss-type`; hook_args: the TIS hook's `args` (the hook layer builds them)."""
         return LossSettings(
             policy_loss=policy_loss, loss_type=loss_type, hook_args=hook_args, eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high,
+            eps_clip_c=self.eps_clip_c,
             use_kl_loss=self.use_kl_loss, kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type,
             entropy_coef=self.entropy_coef, use_rollout_logprobs=self.use_rollout_logprobs,
             use_tis=self.use_tis, tis_clip=self.tis_clip, tis_clip_low=self.tis_clip_low,

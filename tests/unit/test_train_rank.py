@@ -456,3 +456,25 @@ def test_a_slime_tis_hook_replaces_the_built_in_weight(tiny_model_dir: Path) -> 
     plain = train_steps(tiny_model_dir, samples, 1, use_tis=True, tis_clip=1e9)[0]
     assert rejected.loss != plain.loss and rejected.loss_tokens == plain.loss_tokens
     assert rejected.logprob_abs_diff_max == plain.logprob_abs_diff_max
+
+
+def test_dual_clip_caps_a_negative_advantages_loss_at_c_times_its_advantage() -> None:
+    """slime's dual-clip PPO (`--eps-clip-c`): pg = max(-A·r, -A·clip(r)) as always, then where A < 0,
+    min(pg, -c·A): a token far off-policy with a negative advantage no longer pushes its loss (and gradient) up
+    without bound; positive advantages and ratios under c are untouched."""
+    rollout = torch.zeros(1, 4)
+    advantages = torch.tensor([[-1.0, -1.0, 1.0, -2.0]])
+    log_probs = torch.tensor([[math.log(5.0), math.log(2.0), math.log(5.0), 0.0]], requires_grad=True)
+    mask = torch.ones(1, 4)
+    common = dict(rollout_log_probs=rollout, advantages=advantages, loss_mask=mask, global_loss_tokens=4,
+                  entropy=torch.zeros(1, 4))
+    plain, plain_sums, _ = policy_loss(log_probs=log_probs, config=LossSettings(eps_clip=0.2), **common)
+    dual, dual_sums, _ = policy_loss(log_probs=log_probs, config=LossSettings(eps_clip=0.2, eps_clip_c=3.0), **common)
+    # per token without dual-clip: r = 5, 2, 5, 1 → 5, 2, -1.2, 2; with c = 3 the first (A = -1, 5 > 3) is 3
+    assert math.isclose(float(plain.detach()), (5 + 2 - 1.2 + 2) / 4, rel_tol=1e-6)
+    assert math.isclose(float(dual.detach()), (3 + 2 - 1.2 + 2) / 4, rel_tol=1e-6)
+    dual.backward()
+    assert log_probs.grad is not None and log_probs.grad[0, 0] == 0 and log_probs.grad[0, 1] != 0
+    assert dual_sums["loss_tokens"] == plain_sums["loss_tokens"] == 4
+    with pytest.raises(SettingsError, match=r"eps_clip_c \(--eps-clip-c\) 1.0: dual-clip PPO's lower bound"):
+        LossSettings(eps_clip_c=1.0)

@@ -123,6 +123,7 @@ class LossSettings(_Settings):
     loss_type: str = "policy_loss"  # slime's --loss-type: policy_loss | sft_loss
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # None: eps_clip
+    eps_clip_c: float | None = None  # dual-clip PPO's c (> 1): a negative advantage's loss capped at -c·A
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "k1"
@@ -137,6 +138,9 @@ class LossSettings(_Settings):
     def __post_init__(self) -> None:
         _at_least("loss.eps_clip", self.eps_clip, 0)
         _at_least("loss.eps_clip_high", self.eps_clip_high, 0)
+        if self.eps_clip_c is not None and not self.eps_clip_c > 1.0:
+            raise SettingsError(f"loss.eps_clip_c (--eps-clip-c) {self.eps_clip_c}: dual-clip PPO's lower bound "
+                                "must be above 1 (slime's rule)")
         _choose("loss.kl_loss_type", self.kl_loss_type, KL_LOSS_TYPES)
         _choose("loss.policy_loss", self.policy_loss, POLICY_LOSSES)
         _choose("loss.loss_type", self.loss_type, LOSS_TYPES)

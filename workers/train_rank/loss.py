@@ -3,7 +3,8 @@ importance sampling, the KL loss with slime's estimators, and the entropy bonus.
 
 With `log_ratio = logp - old` (old: logprobs the trainer recomputed before the rollout's first step, or the
 engine's with `--use-rollout-logprobs`), `pg = max(-A·r, -A·clip(r, 1 - eps, 1 + eps_high))` per token, where
-`r = exp(log_ratio)` (ppo) or `exp(masked mean of log_ratio over the sample)` (gspo). `--use-tis` multiplies
+`r = exp(log_ratio)` (ppo) or `exp(masked mean of log_ratio over the sample)` (gspo); with `--eps-clip-c c`
+(dual-clip PPO) a token whose advantage is negative takes `min(pg, -c·A)`. `--use-tis` multiplies
 `pg` by `clamp(exp(old - rollout), tis_clip_low, tis_clip)` (no gradient through the weight). The KL to the
 reference (`approx_kl`, estimator `--kl-loss-type`) is always measured when a reference is loaded and added as
 `kl_loss_coef · KL` with `--use-kl-loss`; `--entropy-coef` subtracts `coef · entropy`.
@@ -83,6 +84,8 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - config.eps_clip, 1.0 + config.clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if config.eps_clip_c is not None:  # dual-clip: where A < 0, at most -c·A however large the ratio (slime's)
+        per_token = torch.where(advantages < 0, torch.minimum(-advantages * config.eps_clip_c, per_token), per_token)
     sums: dict[str, float] = {}
     if config.use_tis and tis_hook is not None:
         per_token, mask, hook_sums = tis_hook(pg_loss=per_token, train_log_probs=old.detach(),
