@@ -217,6 +217,25 @@ def session_server_does_not_abort_on_update(config: Config) -> None:
         raise ConfigError("--use-session-server is incompatible with --pause-generation-mode=abort")
 
 
+def skipped_forward_pass_needs_one_step(config: Config) -> None:
+    """miles' `--skip-actor-forward-only` asserts one optimizer step per rollout (miles/utils/arguments.py):
+    the old logprobs are then the step's own forward, which is what rayless does for a rollout's first step."""
+    if not config.train.skip_actor_forward_only:
+        return
+    if config.lora.enabled and config.lora.lora_dropout:
+        raise ConfigError("--skip-actor-forward-only with --lora-dropout: miles refuses the pair (with dropout the "
+                          "old logprobs need a forward-only pass with it off): drop one")
+    if not config.rollout.samples_per_rollout:
+        return  # a replay's rollout size comes from its dumps: the one-step rule is checked where it is known
+    steps = config.train_steps_per_rollout
+    if steps != 1:
+        raise ConfigError(f"--skip-actor-forward-only needs one optimizer step per rollout (miles' rule: the old "
+                          f"logprobs are then the step's own forward), but --global-batch-size "
+                          f"{config.effective_global_batch_size} makes {steps} steps of the rollout's "
+                          f"{config.rollout.samples_per_rollout} samples: drop one, or make the global batch the "
+                          "whole rollout")
+
+
 def p2p_transfer_is_miles_own(config: Config) -> None:
     """miles' `--update-weight-transfer-mode p2p` asserts no --colocate and no LoRA (miles/utils/arguments.py);
     rayless runs it as its distributed transfer, which holds those rules too so a miles script means the same."""
@@ -351,6 +370,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     async_rollout_does_not_abort_on_update,
     session_server_does_not_abort_on_update,
     p2p_transfer_is_miles_own,
+    skipped_forward_pass_needs_one_step,
     colocation_is_not_async,
     colocation_needs_both_halves,
     deterministic_runs_can_hold,

@@ -70,6 +70,10 @@ class TrainConfig(Slice):
     entropy_coef: float = flag(0.0, help="entropy bonus coefficient", minimum=0)
     use_rollout_logprobs: bool = flag(False, help="PPO ratio against the engine's logprobs instead of logprobs "
                                       "recomputed by the trainer before the rollout's first step")
+    skip_actor_forward_only: bool = flag(False, help="miles': no separate old-logprob pass. rayless runs none for "
+                                         "a rollout's first optimizer step anyway (its own forward, detached: a "
+                                         "log-ratio of exactly 0); with one step per rollout, as miles requires, "
+                                         "that is every step")
     use_tis: bool = flag(False, help="truncated importance sampling: weight each token's loss by "
                          "clamp(exp(train logprob - rollout logprob), --tis-clip-low, --tis-clip)")
     tis_clip: float = flag(2.0, help="upper clamp of the TIS weight", minimum=0)

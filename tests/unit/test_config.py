@@ -274,6 +274,9 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
     "p2p_transfer_is_miles_own": (None, ["--rollout-num-engines", "1", "--update-weight-transfer-mode", "p2p",
                                          "--colocate"],
                                   "--update-weight-transfer-mode p2p with --colocate: miles refuses the pair"),
+    "skipped_forward_pass_needs_one_step": (None, ["--rollout-num-engines", "1", "--skip-actor-forward-only",
+                                                   "--num-steps-per-rollout", "2"],
+                                            "--skip-actor-forward-only needs one optimizer step per rollout"),
     "colocation_is_not_async": (None, ["--colocate", "--async-rollout"],
                                 "--colocate and --async-rollout: colocated engines and ranks take turns"),
     "colocation_needs_both_halves": (None, ["--rollout-num-engines", "1", "--colocate", "--debug-rollout-only"],
@@ -398,3 +401,18 @@ def test_eval_allow_partial_fleet_reaches_the_eval_settings() -> None:
         config = parse_config([*BASE, *flags, *extra])
         settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
         assert settings.allow_partial_fleet is expected
+
+
+def test_miles_skip_actor_forward_only_is_what_rayless_does_said_in_the_notice() -> None:
+    """miles' flag skips a forward-only pass rayless never runs for a rollout's first step (the trainer reuses the
+    step's own forward, `SAME_POLICY`); with one step per rollout it is accepted and said, with LoRA dropout
+    refused as miles refuses it."""
+    from coordinator.config.porting import porting_notice
+
+    config = cfg("--rollout-num-engines", "1", "--skip-actor-forward-only")
+    assert config.train_steps_per_rollout == 1 and train_settings(config).loss.recomputes_old_log_probs
+    notice = porting_notice(config)
+    assert notice is not None and "--skip-actor-forward-only: no separate old-logprob pass" in notice
+    with pytest.raises(ConfigError, match=re.escape("--skip-actor-forward-only with --lora-dropout")):
+        cfg("--rollout-num-engines", "1", "--skip-actor-forward-only", "--lora-rank", "4", "--target-modules",
+            "all-linear", "--lora-dropout", "0.1")
