@@ -2,9 +2,8 @@
 
 Owns the dry run's report. It runs each check of `checks.preflight` (paths, data keys, hooks and their
 signatures, checkpoint and run directories, metric backends, response length against the context, the ports the
-flags fix), decides the rollout count as the launch does (a replay's dumps found) and loads the tokenizer (rendering
-the first prompt with `--apply-chat-template`), collecting every failure rather than stopping at the first, then
-prints the
+flags fix, a replay's dumps) and loads the tokenizer (rendering the first prompt with `--apply-chat-template`),
+collecting every failure rather than stopping at the first, then prints the
 plan a launch on this node would follow (`coordinator.plan`, built leniently: too few GPUs here, or no
 `sglang` package on a login node, are warnings).
 
@@ -65,8 +64,7 @@ def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = 
     from coordinator.checks.run_dir import check_run_dir
 
     for check in (check_paths, checkpoints, check_run_dir, check_data, check_tokenizer, check_hooks,
-                  check_metric_backends, check_response_length, check_ports, trainable, check_replay,
-                  check_rollout_count):
+                  check_metric_backends, check_response_length, check_ports, trainable, check_replay):
         try:
             notes += check(config)
         except ConfigError as error:
@@ -95,21 +93,6 @@ def dry_run(config: Config, *, mask: Callable[[str], str], out: TextIO | None = 
     print("dry run: " + (f"{len(errors)} problem(s), see above" if errors else "every check passed")
           + "; nothing was launched", file=out)
     return 2 if errors else 0
-
-
-def check_rollout_count(config: Config) -> list[str]:
-    """The rollout count as the launch decides it (`with_rollout_count`, with the same refusal when it cannot
-    be), said when it was counted rather than given."""
-    from coordinator.checks.preflight import check_replay
-    from coordinator.rollout.epochs import with_rollout_count
-
-    if config.debug.load_debug_rollout_data is not None:
-        try:
-            check_replay(config)
-        except ConfigError:
-            return []  # the replay check reports the dumps that are not there, once
-    counted = with_rollout_count(config).rollout.num_rollout
-    return [] if config.rollout.num_rollout is not None else [f"--num-rollout {counted} (counted)"]
 
 
 def check_tokenizer(config: Config) -> list[str]:

@@ -172,8 +172,8 @@ def test_a_dry_run_of_a_2_node_8_gpu_plan_shows_each_nodes_share(run_cli: Callab
 
 def test_a_replays_dumps_are_found_and_counted_by_the_dry_run(run_cli: Callable[..., dict], tiny_model_dir: Path,
                                                               tmp_path: Path) -> None:
-    """The rollout count as the launch decides it, from the dumps the template finds; a template that finds none
-    exits 2 naming it, with --num-rollout given too (the count then reads nothing, the replay check does)."""
+    """The dumps the template finds are listed; a template that finds none exits 2 naming it, with --num-rollout
+    given too (the launch's count then reads nothing: the replay check is what finds it)."""
     from tests.support.replay_inputs import write_sample_dump
 
     for rollout_id in (0, 2):
@@ -184,7 +184,6 @@ def test_a_replays_dumps_are_found_and_counted_by_the_dry_run(run_cli: Callable[
     found = run_cli(*replay, "--load-debug-rollout-data", template)
     assert found["status"] == 0 and found["children"] == 0, found["stderr"]
     assert f"--load-debug-rollout-data {template}: 2 dump(s), rollout ids 0..2" in found["stdout"]
-    assert "--num-rollout 3 (counted)" in found["stdout"]
     wrong = str(tmp_path / "dump" / "{rollout_id}.rld")
     for count in ([], ["--num-rollout", "2"]):
         missing = run_cli(*replay, "--load-debug-rollout-data", wrong, *count)
