@@ -47,6 +47,9 @@ def build(options: argparse.Namespace) -> tuple[dict[str, dict[str, str]], list[
     _origins(table, "sglang", sources.sglang_flags(Path(options.sglang), skipped))
     sglang_version = _dist_version(Path(options.sglang))
     header.append(f"sglang: {sglang_version} srt/server_args.py, under slime's --sglang- prefix")
+    header.append("plus, kept by hand and by regeneration (notes saying 'retired'), the flags slime and miles "
+                  "removed before those commits (their whole histories of arguments.py): older launch scripts "
+                  "still pass them")
     return table, header
 
 
@@ -65,6 +68,10 @@ def _dist_version(server_args: Path) -> str:
 
 
 def merge(table: dict[str, dict[str, str]], existing: dict[str, Row]) -> list[Row]:
+    """The rows of the flags read, each keeping its decided disposition; plus the existing rows of flags slime or
+    miles removed before the revisions read (their note says "retired"), which older launch scripts still pass
+    and which must not come back as unknown."""
+    retired = [row for flag, row in existing.items() if flag not in table and "retired" in row.note]
     rows = []
     for flag in sorted(table):
         origins = table[flag]
@@ -77,7 +84,7 @@ def merge(table: dict[str, dict[str, str]], existing: dict[str, Row]) -> list[Ro
         disposition, note = (kept.disposition, kept.note) if kept else default_disposition(flag, origins)
         rows.append(Row(flag, tuple(o for o in ("slime", "miles", "megatron", "sglang-router", "sglang")
                                     if o in origins), arity, disposition, note))
-    return rows
+    return sorted(rows + retired, key=lambda row: row.flag)
 
 
 def main(argv: list[str] | None = None) -> int:
