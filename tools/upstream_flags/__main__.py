@@ -47,9 +47,10 @@ def build(options: argparse.Namespace) -> tuple[dict[str, dict[str, str]], list[
     _origins(table, "sglang", sources.sglang_flags(Path(options.sglang), skipped))
     sglang_version = _dist_version(Path(options.sglang))
     header.append(f"sglang: {sglang_version} srt/server_args.py, under slime's --sglang- prefix")
-    header.append("plus, kept by hand and by regeneration (notes saying 'retired'), the flags slime and miles "
-                  "removed before those commits (their whole histories of arguments.py): older launch scripts "
-                  "still pass them")
+    header.append("plus, kept by hand and by regeneration (notes saying 'retired' or naming miles' Megatron-LM "
+                  "fork): the flags slime and miles removed before those commits (their whole histories of "
+                  "arguments.py), which older launch scripts still pass, and those of miles' Megatron-LM fork its "
+                  "launchers pass")
     return table, header
 
 
@@ -67,11 +68,16 @@ def _dist_version(server_args: Path) -> str:
     return "unknown version"
 
 
+#: what the note of a row this reader cannot find says, for the row to be kept: a flag slime or miles removed
+#: before the revisions read, or one of miles' Megatron-LM fork (which is not read)
+KEPT_BY_HAND = ("retired", "miles' Megatron-LM fork")
+
+
 def merge(table: dict[str, dict[str, str]], existing: dict[str, Row]) -> list[Row]:
-    """The rows of the flags read, each keeping its decided disposition; plus the existing rows of flags slime or
-    miles removed before the revisions read (their note says "retired"), which older launch scripts still pass
-    and which must not come back as unknown."""
-    retired = [row for flag, row in existing.items() if flag not in table and "retired" in row.note]
+    """The rows of the flags read, each keeping its decided disposition; plus the existing rows `KEPT_BY_HAND`,
+    flags real launch scripts pass that must not come back as unknown."""
+    retired = [row for flag, row in existing.items()
+               if flag not in table and any(mark in row.note for mark in KEPT_BY_HAND)]
     rows = []
     for flag in sorted(table):
         origins = table[flag]
