@@ -90,7 +90,10 @@ def build_parser(prog: str = "rayless train") -> argparse.ArgumentParser:
 def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless train") -> Config:
     """Parse and validate a command line. Raises ConfigError (the CLI maps it to exit status 2)."""
     parser = build_parser(prog)
-    args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    from coordinator.config.upstream import rename_retired_flags
+
+    arguments, renamed = rename_retired_flags(list(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(arguments)
     eval_passthrough, unknown = split_eval_sglang_passthrough(unknown)
     passthrough, rest = split_sglang_passthrough(unknown)
     given, upstream = take_upstream(vars(args))
@@ -120,7 +123,7 @@ def parse_config(argv: Sequence[str] | None = None, *, prog: str = "rayless trai
     config = build_config(values, config_file=config_file, sglang_passthrough=tuple(passthrough), given=names,
                           eval_sglang_passthrough=tuple(eval_passthrough),
                           custom_attributes=tuple(attributes.items()), upstream_ignored=upstream.ignored,
-                          router_passthrough=upstream.router_args)
+                          router_passthrough=upstream.router_args, renamed_flags=renamed)
     validate(config)
     return config
 

@@ -139,6 +139,11 @@ def _mapped(config: Config) -> list[str]:
     elif "micro_batch_size" in given:
         mapped.append(f"--micro-batch-size → {train.micro_batch_size} samples per micro-batch")
     mapped += [row.note for row in _given_mapped_rows(config)]
+    if config.renamed_flags:
+        from coordinator.config.upstream import upstream_rows
+
+        rows = upstream_rows()
+        mapped += [rows[old].note if old in rows else f"{old} → {new}" for old, new in config.renamed_flags]
     if config.train.megatron_config_path is not None:
         from coordinator.config.megatron_roles import describe
 

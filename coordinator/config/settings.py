@@ -72,6 +72,8 @@ class Config:
     upstream_ignored: tuple[Row, ...] = ()
     #: sglang-router flags (`--router-*` without the prefix, with their values) for the router's command line.
     router_passthrough: tuple[str, ...] = ()
+    #: old flag names upstream renamed, read as their current names: (old, new); see `upstream.RENAMED`.
+    renamed_flags: tuple[tuple[str, str], ...] = ()
 
     # --- the mode ---------------------------------------------------------------------------------------------
     @property
@@ -277,7 +279,8 @@ class Config:
 def build_config(values: dict[str, Any], *, config_file: str | None = None, given: frozenset[str] | None = None,
                  sglang_passthrough: tuple[str, ...] = (), eval_sglang_passthrough: tuple[str, ...] = (),
                  custom_attributes: tuple[tuple[str, Any], ...] = (), upstream_ignored: tuple[Row, ...] = (),
-                 router_passthrough: tuple[str, ...] = ()) -> Config:
+                 router_passthrough: tuple[str, ...] = (),
+                 renamed_flags: tuple[tuple[str, str], ...] = ()) -> Config:
     """A Config from converted values by field name (each routed to its slice); not validated."""
     given_names = frozenset(values) if given is None else given
     values, hook_aliases = apply_hook_aliases(values)
@@ -293,7 +296,7 @@ def build_config(values: dict[str, Any], *, config_file: str | None = None, give
     slices = {attribute: cls(**per_slice[attribute]) for attribute, cls in SLICES}
     return Config(**slices, config_file=config_file, given=given_names, hook_aliases=hook_aliases,
                   custom_attributes=custom_attributes, upstream_ignored=upstream_ignored,
-                  router_passthrough=router_passthrough)
+                  router_passthrough=router_passthrough, renamed_flags=renamed_flags)
 
 
 

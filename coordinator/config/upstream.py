@@ -4,7 +4,8 @@ here: `upstream_flags.tsv` beside this module, regenerated from upstream checkou
 Owns the data file's format (`Row`, `read_rows`, `render`), its rows (`UPSTREAM`, read once) and the
 dispositions:
 - `implemented`: a flag of rayless (a field of a slice), or, for `--sglang-*`, passed to sglang.launch_server;
-- `mapped`: a flag of rayless that does something else than upstream's; the note is the notice line printed;
+- `mapped`: a flag of rayless that does something else than upstream's, or an old name upstream renamed
+  (`RENAMED`, read as its current name); the note is the notice line printed;
 - `ignored`: accepted with its value and unused, because it has no meaning under FSDP2 (the note's first word
   is a category of `megatron.CATEGORIES`, said in the grouped notice);
 - `refused`: accepted by the parser only to stop the run with the note, which names the feature and why;
@@ -66,6 +67,31 @@ def render(header: list[str], rows: list[Row]) -> str:
     lines.append(_COLUMNS)
     lines += [f"{r.flag}\t{','.join(r.origins)}\t{r.arity}\t{r.disposition}\t{r.note}".rstrip("\t") for r in rows]
     return "\n".join(lines) + "\n"
+
+
+#: flags slime and miles renamed before the commits the table reads: the old name is read as the new one, and the
+#: notice says so (older launch scripts still pass the old names; each has a `mapped` row saying "retired")
+RENAMED: dict[str, str] = {
+    "--sampling-batch-size": "--over-sampling-batch-size",  # slime, 2025-06
+    "--rollout-num-gpus-per-node": "--num-gpus-per-node",  # slime #316, 2025-09
+    "--critic-config-path": "--megatron-config-path",  # slime #1866, 2026-04
+}
+
+
+def rename_retired_flags(argv: list[str]) -> tuple[list[str], tuple[tuple[str, str], ...]]:
+    """`argv` with each renamed flag (`RENAMED`, alone or as `--old=value`) under its current name; the renames
+    made, for the notice."""
+    renamed: list[tuple[str, str]] = []
+    out = []
+    for token in argv:
+        name, equals, value = token.partition("=")
+        new = RENAMED.get(name) if name.startswith("--") else None
+        if new is not None:
+            if (name, new) not in renamed:
+                renamed.append((name, new))
+            token = new + equals + value
+        out.append(token)
+    return out, tuple(renamed)
 
 
 @functools.cache

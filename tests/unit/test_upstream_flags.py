@@ -17,7 +17,7 @@ from coordinator.config.fields import ConfigError
 from coordinator.config.megatron import CATEGORIES
 from coordinator.config.parser import known_flags, parse_config
 from coordinator.config.porting import porting_notice
-from coordinator.config.upstream import DISPOSITIONS, upstream_rows
+from coordinator.config.upstream import DISPOSITIONS, RENAMED, upstream_rows
 from tools.upstream_flags import extract
 
 ROWS = upstream_rows()
@@ -49,7 +49,7 @@ def test_implemented_and_mapped_rows_are_flags_of_rayless_and_no_flag_of_rayless
     known = set(known_flags())
     for row in ROWS.values():
         if row.disposition in ("implemented", "mapped") and not row.flag.startswith(("--sglang-", "--router-")):
-            assert row.flag in known, row
+            assert row.flag in known or RENAMED.get(row.flag) in known, row
         if row.flag in known:  # the Megatron slice's flags are ignored; every other flag of rayless is taken
             expected = ("ignored",) if row.flag[2:].replace("-", "_") in CATEGORY_OF else ("implemented", "mapped")
             assert row.disposition in expected, row
@@ -204,14 +204,31 @@ def test_the_reader_follows_megatrons_dataclass_factory() -> None:
 def test_a_flag_slime_or_miles_retired_is_named_as_such_never_unknown() -> None:
     """Older launch scripts pass flags upstream removed before the commits the table reads (slime's
     rollout-buffer example still passes --ref-micro-batch-size): each has a row saying so, ignored where it only
-    tuned memory or the router, refused with its current name or replacement otherwise."""
+    tuned memory or the router, read under its current name where upstream renamed it, refused with what
+    replaced it otherwise."""
     retired = {flag: row for flag, row in ROWS.items() if "retired" in row.note}
     assert len(retired) >= 33 and all(set(row.origins) <= {"slime", "miles"} for row in retired.values())
     config = parse_config([*BASE, "--ref-micro-batch-size", "4", "--use-http2"])
     notice = porting_notice(config)
     assert notice is not None and "--ref-micro-batch-size" in notice and "--use-http2" in notice
     with pytest.raises(ConfigError) as caught:
-        parse_config([*BASE, "--sampling-batch-size", "8", "--rollout-num-gpus-per-node", "4"])
+        parse_config([*BASE, "--enable-off-policy-correction", "--update-rollout-weights-interval", "2"])
     message = str(caught.value)
-    assert "pass it as --over-sampling-batch-size, its current name" in message
-    assert "pass it as --num-gpus-per-node, its current name" in message and "unknown" not in message
+    assert "use --use-tis" in message and "--update-weights-interval" in message and "unknown" not in message
+
+
+def test_a_flag_upstream_renamed_is_read_as_its_current_name_and_said() -> None:
+    """slime renamed --sampling-batch-size (to --over-sampling-batch-size) and --rollout-num-gpus-per-node (to
+    --num-gpus-per-node): a script from before passes the old name, alone or as --old=value."""
+    old = parse_config([*BASE, "--rollout-batch-size", "4", "--sampling-batch-size", "8",
+                        "--rollout-num-gpus-per-node=4"])
+    new = parse_config([*BASE, "--rollout-batch-size", "4", "--over-sampling-batch-size", "8",
+                        "--num-gpus-per-node", "4"])
+    assert old.rollout.over_sampling_batch_size == new.rollout.over_sampling_batch_size == 8
+    assert old.flat() == new.flat() and old.given == new.given
+    assert old.renamed_flags == (("--sampling-batch-size", "--over-sampling-batch-size"),
+                                 ("--rollout-num-gpus-per-node", "--num-gpus-per-node"))
+    notice = porting_notice(old)
+    assert notice is not None and "--sampling-batch-size → --over-sampling-batch-size (renamed upstream" in notice
+    assert "--rollout-num-gpus-per-node → --num-gpus-per-node" in notice
+    assert all(ROWS[flag].disposition == "mapped" for flag in RENAMED)
