@@ -175,17 +175,9 @@ def check_replay(config: Config) -> list[str]:
     template = config.debug.load_debug_rollout_data
     if template is None or config.cluster.actor_node_rank != 0:  # node 0's coordinator is what reads them
         return []
-    from replay.format import DumpError
-    from replay.loader import ReplayLoader
+    from coordinator.rollout.epochs import replayed_rollout_ids
 
-    try:
-        loader = ReplayLoader(template)
-        ids = loader.available_rollout_ids()
-    except DumpError as error:
-        raise ConfigError(f"--load-debug-rollout-data {template!r}: {error}") from None
-    if not ids:
-        raise ConfigError(f"--load-debug-rollout-data {template!r} matches no dump file (the dumps' template, "
-                          "e.g. 'dumps/{rollout_id}.rld' as --save-debug-rollout-data wrote them)")
+    ids = replayed_rollout_ids(template)
     note = f"--load-debug-rollout-data {template}: {len(ids)} dump(s), rollout ids {ids[0]}..{ids[-1]}"
     wanted = config.rollout.num_rollout
     missing = sorted(set(range(wanted)) - set(ids)) if wanted is not None else []

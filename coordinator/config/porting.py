@@ -143,7 +143,7 @@ def _mapped(config: Config) -> list[str]:
         from coordinator.config.upstream import upstream_rows
 
         rows = upstream_rows()
-        mapped += [rows[old].note if old in rows else f"{old} → {new}" for old, new in config.renamed_flags]
+        mapped += [rows[old].note for old, _ in config.renamed_flags]  # every RENAMED flag has its row
     if config.train.megatron_config_path is not None:
         from coordinator.config.megatron_roles import describe
 

@@ -17,10 +17,12 @@ from coordinator.config.fields import ConfigError, Slice, flag
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual", "bucket", "consistent_hashing",
                    "prefix_hash")
 LAUNCHABLE_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
-#: "broadcast" is miles' name for "distributed" (an NCCL/gloo broadcast group from rank 0 to the engines); miles'
-#: "p2p" (each training rank writes its shard into the engines over RDMA) changes only the carrier, so it runs as
-#: "distributed" (the notice says so); miles' "disk-delta" is taken so that its refusal can name it.
-WEIGHT_TRANSFER_MODES = ("disk", "distributed", "broadcast", "p2p", "disk-delta")
+#: --update-weight-transfer-mode → the transfer rayless runs: "broadcast" is miles' name for "distributed" (an
+#: NCCL/gloo broadcast group from rank 0 to the engines); miles' "p2p" (each training rank writes its shard into the
+#: engines over RDMA) changes only the carrier, so it runs as "distributed" (the notice says so).
+TRANSFER_CARRIERS = {"disk": "disk", "distributed": "distributed", "broadcast": "distributed", "p2p": "distributed"}
+#: the flag's choices: miles' "disk-delta" is taken so that its refusal can name it
+WEIGHT_TRANSFER_MODES = (*TRANSFER_CARRIERS, "disk-delta")
 
 
 @dataclass(frozen=True)

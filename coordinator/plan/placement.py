@@ -22,6 +22,7 @@ from pathlib import Path
 from coordinator.config import determinism_rules as determinism
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
+from coordinator.config.sglang import TRANSFER_CARRIERS
 from coordinator.config.sglang_file import Deployment, deployment
 from coordinator.engines.spec import engine_launch_spec, engine_log_path, free_port, router_log_path
 from coordinator.plan.backend import EngineChoice, choose_engines, sglang_installed
@@ -298,7 +299,7 @@ def _weight_sync(config: Config) -> WeightSyncPlan | None:
 def _check_colocated_transfer(config: Config, node: NodePlan, *, lenient: bool, warnings: list[str]) -> None:
     """A distributed update between a rank and an engine on the same GPU would need NCCL between two processes
     on one device, which NCCL refuses ("Duplicate GPU detected"); colocated CPU processes use gloo."""
-    if not config.colocated or config.sglang.update_weight_transfer_mode not in ("distributed", "broadcast", "p2p"):
+    if not config.colocated or TRANSFER_CARRIERS.get(config.sglang.update_weight_transfer_mode) != "distributed":
         return
     on_gpu = (node.ranks is not None and node.ranks.device == "cuda") or any(s.gpus for s in node.rollout_engines)
     if not on_gpu:

@@ -36,12 +36,12 @@ def with_rollout_count(config: Config) -> Config:
     return _with_epoch_rollouts(config)
 
 
-def _replayed(config: Config) -> int:
-    """Replay without --num-rollout: every dump the template finds."""
+def replayed_rollout_ids(template: str) -> list[int]:
+    """The rollout ids of the dumps `--load-debug-rollout-data`'s template finds, ascending; ConfigError when it
+    is not a template or finds none (the start-up check and the count both ask here)."""
     from replay.format import DumpError
     from replay.loader import ReplayLoader
 
-    template = config.debug.load_debug_rollout_data or ""
     try:
         ids = ReplayLoader(template).available_rollout_ids()
     except DumpError as error:
@@ -49,7 +49,12 @@ def _replayed(config: Config) -> int:
     if not ids:
         raise ConfigError(f"--load-debug-rollout-data {template!r} matches no dump file (the dumps' template, "
                           "e.g. 'dumps/{rollout_id}.rld' as --save-debug-rollout-data wrote them)")
-    return max(ids) + 1
+    return ids
+
+
+def _replayed(config: Config) -> int:
+    """Replay without --num-rollout: every dump the template finds."""
+    return max(replayed_rollout_ids(config.debug.load_debug_rollout_data or "")) + 1
 
 
 def _with_epoch_rollouts(config: Config) -> Config:

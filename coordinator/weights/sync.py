@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import anyio
 
+from coordinator.config.sglang import TRANSFER_CARRIERS
 from coordinator.engines.client import EngineClient
 from coordinator.engines.deadline import acknowledged, read_timeout
 from coordinator.engines.errors import EngineError
@@ -43,9 +44,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["TRANSFER_MODES", "TrainWeights", "WeightSync", "WeightSyncError"]
 
-#: --update-weight-transfer-mode: "broadcast" is miles' name for "distributed"; miles' "p2p" (RDMA from each
-#: rank) carries the same weights, here over the distributed group
-TRANSFER_MODES = {"disk": "disk", "distributed": "distributed", "broadcast": "distributed", "p2p": "distributed"}
+#: --update-weight-transfer-mode → the transfer that runs (miles' names included: `config.sglang`'s table)
+TRANSFER_MODES = TRANSFER_CARRIERS
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size
 
 
