@@ -345,7 +345,8 @@ class TrainingLoop:
         if rollout_id in result.saved and self.checkpoint.save:
             # the row is written: only now may a resume start after this step
             with timeline.span("save"):
-                await self.trainer.publish(rollout_id)  # type: ignore[union-attr]
+                path = await self.trainer.publish(rollout_id)  # type: ignore[union-attr]
+            log.info("saved checkpoint of rollout %d to %s", rollout_id, path)
         await timeline.step_done(rollout_id, started, record["step/time_s"])
         self.progress.rollout_done(rollout_id)
         log.info("%s  %s", _summary(rollout_id, self.num_rollout, record), self.progress.timing_text())
@@ -363,7 +364,8 @@ class TrainingLoop:
         with timeline.span("save"):
             if self.checkpoint.save:
                 path = await self.trainer.save(rollout_id, extra, publish=publish)
-                log.info("saved checkpoint of rollout %d to %s", rollout_id, path)
+                if publish:  # else said once published, where it then lies (`rollout_<id>`, not `tmp-<id>`)
+                    log.info("saved checkpoint of rollout %d to %s", rollout_id, path)
             if self.checkpoint.save_hf:
                 path = await self.trainer.save_hf(save_hf_path(self.checkpoint.save_hf, rollout_id))
                 log.info("saved the model of rollout %d as a Hugging Face directory: %s", rollout_id, path)

@@ -68,7 +68,17 @@ def generated_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                         "--save-debug-rollout-data", str(run_dir / "dumps" / "{rollout_id}.rld"),
                         "--save", str(run_dir / "ckpt"), "--save-interval", "6",
                         "--save-hf", str(run_dir / "hf" / "{rollout_id}"))
-    summary, children = anyio.run(run_watched, config)
+    said = logging.FileHandler(run_dir / "said.log")  # what the run told its user (the CLI's coordinator.log)
+    logger = logging.getLogger("rayless")
+    level = logger.level
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
+    try:
+        summary, children = anyio.run(run_watched, config)
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+        said.close()
     (run_dir / "children.json").write_text(json.dumps(sorted(children)))
     assert summary["rollouts"] == ROLLOUTS and summary["train_steps"] == ROLLOUTS
     return run_dir
@@ -79,6 +89,17 @@ def test_the_ranks_end_on_their_shutdown_command(generated_run: Path) -> None:
     ranks_log = (generated_run / "train_ranks.log").read_text()
     assert "-m workers.train_rank" in ranks_log.splitlines()[0]
     assert "ChildFailedError" not in ranks_log and "Traceback" not in ranks_log, ranks_log[-3000:]
+
+
+def test_each_save_is_reported_where_the_checkpoint_lies(generated_run: Path) -> None:
+    """A periodic save is written to `tmp-<id>` and published once its metrics row is: the line a person reads
+    names the published `rollout_<id>`, which a resume's `--load` takes, never the temporary directory."""
+    said = [line for line in (generated_run / "said.log").read_text().splitlines()
+            if line.startswith("saved checkpoint of rollout")]
+    save = generated_run / "ckpt"
+    assert said == [f"saved checkpoint of rollout {r} to {save / f'rollout_{r}'}" for r in (5, 11)], said
+    assert (save / "rollout_5").is_dir() and (save / "rollout_11").is_dir()
+    assert not list(save.glob("tmp-*"))
 
 
 def losses(run_dir: Path) -> list[float]:
