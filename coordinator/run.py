@@ -33,6 +33,7 @@ from coordinator.config.secrets import config_secrets
 from coordinator.hooks.calls import HookBounds, hook_bounds
 from coordinator.lifecycle.failures import failure_line, log_failure
 from coordinator.lifecycle.logs import setup_logging
+from coordinator.lifecycle.model_out import model_hint
 from coordinator.lifecycle.processes import leaf_exceptions
 from coordinator.lifecycle.resume import resume_hint
 from coordinator.lifecycle.signals import StopSignals, run_until_signalled
@@ -208,6 +209,9 @@ async def run_training(config: Config, *, plan: PlacementPlan | None = None,
         summary["plot"] = str(plot)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     log.info("run %s in %.1fs; metrics in %s", outcome, summary["wall_s"], metrics.path)
+    hint = model_hint(config, summary.get("saved", []))
+    if hint is not None:
+        log.info("%s", hint)
     return summary
 
 
@@ -320,6 +324,7 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
         "stopped": result.stopped,
         "start_rollout": result.start_rollout,
         "checkpoint": str(result.checkpoint) if result.checkpoint is not None else None,
+        "saved": list(result.saved),
         "rollouts": result.rollouts,
         "train_steps": result.train_steps,
         "final_weight_version": loop.weight_version,

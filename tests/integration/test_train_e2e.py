@@ -100,6 +100,9 @@ def test_each_save_is_reported_where_the_checkpoint_lies(generated_run: Path) ->
     assert said == [f"saved checkpoint of rollout {r} to {save / f'rollout_{r}'}" for r in (5, 11)], said
     assert (save / "rollout_5").is_dir() and (save / "rollout_11").is_dir()
     assert not list(save.glob("tmp-*"))
+    # the run's last line says where its model is: the last --save-hf directory, which transformers loads
+    last = (generated_run / "said.log").read_text().splitlines()[-1]
+    assert last.startswith(f"the model of rollout 11: {generated_run / 'hf' / '11'} ("), last
 
 
 def losses(run_dir: Path) -> list[float]:
