@@ -114,11 +114,17 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
             for row in [list(header), *rows]]
 
 
+#: a run's states once it is over (`StatusService.finish`'s outcomes)
+_ENDED = frozenset({"finished", "interrupted", "failed"})
+
+
 def render(document: JsonObject, source: str) -> str:
     run = document["run"]
+    # an ETA only while the run goes on: an ended run's is not unknown, there is none
+    eta = "" if run["state"] in _ENDED else f" · ETA {_clock(run.get('eta_s'))}"
     # a count of rollouts done, not a rollout id (ids count from 0: "last rollouts" below)
     lines = [f"run {run['run_dir']}: {run['state']} · {run['rollouts_done']}/{run['num_rollout'] or '?'} rollouts · "
-             f"elapsed {_clock(run.get('elapsed_s'))} · ETA {_clock(run.get('eta_s'))} · weights "
+             f"elapsed {_clock(run.get('elapsed_s'))}{eta} · weights "
              f"{run.get('weight_version') or '-'}" + (f" · phase {run['phase']}" if run.get("phase") else ""),
              f"(from {source})"]
     if document.get("engines"):

@@ -201,6 +201,7 @@ def test_sigterm_with_save_saves_the_step_and_its_printed_command_resumes_it_exa
     with contextlib.redirect_stdout(status):
         assert status_command.main([str(run_dir)]) == 0
     assert f"run {run_dir}: interrupted · {last + 1}/100000 rollouts" in status.getvalue()
+    assert "ETA" not in status.getvalue(), "an ended run has no ETA to show"
 
     found = re.search(r"to resume from the checkpoint of rollout (\d+) \((.+)\), run from (.+):\n  (.+)\n", err)
     assert found is not None, err[-3000:]

@@ -138,6 +138,21 @@ def test_a_run_stopped_in_start_up_says_so_and_keeps_its_planned_rollouts(tmp_pa
     assert code == 0 and f"run {tmp_path}: interrupted · 1/60 rollouts" in text
 
 
+def test_the_eta_is_shown_while_the_run_goes_on_and_not_once_it_ended(tmp_path: Path) -> None:
+    progress = RunProgress()
+    progress.begin(0, 8)
+    progress.rollout_done(0)
+    metrics = MetricsLog(tmp_path)
+    metrics.close()
+    sources = StatusSources(run_dir=tmp_path, config_digest="", progress=progress, metrics=metrics,
+                            timeline=Timeline(None))
+    assert " · ETA 0:" in command.render(snapshot(sources), "test").splitlines()[0]  # running: 7 rollouts to go
+    for outcome in ("finished", "interrupted", "failed"):
+        sources.finished, sources.outcome = True, outcome
+        first = command.render(snapshot(sources), "test").splitlines()[0]
+        assert first.startswith(f"run {tmp_path}: {outcome} · 1/8 rollouts · elapsed ") and "ETA" not in first
+
+
 def test_status_flags_are_checked_at_start_up() -> None:
     base = ["--hf-checkpoint", "/model", "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1",
             "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
