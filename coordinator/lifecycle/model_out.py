@@ -2,8 +2,9 @@
 transformers and SGLang load it), else the newest `--save` checkpoint and the `rayless export` command that
 makes it one.
 
-Owns `model_hint`. Invariant: it names only what this run saved (never a path it did not write), and its export
-command is one a shell takes as printed.
+Owns `model_hint`. Invariant: it names only what this run saved (never a path it did not write), its paths are
+absolute (`./run.sh` runs the job from the repository, wherever its caller's shell is), and its export command
+is one a shell takes as printed, from any directory.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ def model_hint(config: Config, saved: Sequence[int]) -> str | None:
         return None
     last = saved[-1]
     if config.checkpoint.save_hf:
-        return (f"the model of rollout {last}: {save_hf_path(config.checkpoint.save_hf, last)} "
+        return (f"the model of rollout {last}: {Path(save_hf_path(config.checkpoint.save_hf, last)).absolute()} "
                 "(a Hugging Face directory: transformers and SGLang load it)")
     if config.checkpoint.save:
-        save = config.checkpoint.save
-        out = str(Path(save).parent / "model")
-        return (f"the checkpoint of rollout {last}: {Path(save) / f'rollout_{last}'}; as a Hugging Face "
-                f"directory: rayless export {shlex.quote(save)} {shlex.quote(out)}")
+        save = Path(config.checkpoint.save).absolute()
+        return (f"the checkpoint of rollout {last}: {save / f'rollout_{last}'}; as a Hugging Face directory: "
+                f"rayless export {shlex.quote(str(save))} {shlex.quote(str(save.parent / 'model'))}")
     return None
