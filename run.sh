@@ -124,6 +124,7 @@ case "${1:-}" in
         MODEL_DIR="runs/tiny-model"
         [ -f "$MODEL_DIR/model.safetensors" ] || "$VENV/bin/rayless" make-tiny-model "$MODEL_DIR"
         log "default job: 2 CPU engines, 2 torchrun ranks (gloo), task 'first digit'; run dir $RUN_DIR"
+        export RAYLESS_DEFAULT_JOB=1  # a refused run directory is then answered with ./run.sh's choices
         exec "$VENV/bin/rayless" train \
             --hf-checkpoint "$MODEL_DIR" \
             --prompt-data builtin:first_digit --rm-type first_digit \

@@ -13,7 +13,9 @@ nothing else a person keeps there.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from coordinator.config.checkpoint import checkpoint_rollout, run_config
 from coordinator.config.fields import ConfigError
 from coordinator.config.settings import Config
 
+#: set by `./run.sh` for its default job (whose run directory is `RAYLESS_RUN_DIR`, its save directory inside it)
+DEFAULT_JOB_ENV = "RAYLESS_DEFAULT_JOB"
 #: what a run writes in its run directory (docs/running.md, "What a run writes")
 RUN_ENTRIES = ("metrics.jsonl", "summary.json", "status.json", "status_url", "rewards.png", "timeline.json",
                "config.json", "plan.txt", "coordinator.log", "train_ranks.log", "logs", "weights", "eval_weights",
@@ -84,6 +88,10 @@ def check_run_dir(config: Config) -> list[str]:
             [f"--run-dir {run_dir}: holds no earlier run"]
     what = (f"--run-dir {run_dir} holds a run already ({held})" if held is not None
             else f"--save {save} holds the checkpoints of another run (newest: rollout {saved})")
+    if os.environ.get(DEFAULT_JOB_ENV) == "1":  # `./run.sh`: its user gives no flags, so the choices are its own
+        raise ConfigError(f"{what}; a run directory holds one run. Choose one:\n"
+                          f"  - a new run: RAYLESS_RUN_DIR={shlex.quote(str(_free_name(run_dir)))} ./run.sh\n"
+                          f"  - start over: rm -r {shlex.quote(str(run_dir))} && ./run.sh")
     raise ConfigError(f"{what}; a run directory holds one run. Choose one:\n"
                       f"  - a new run: --run-dir {_free_name(run_dir)}"
                       + (" with another --save" if save else "") + "\n"

@@ -22,6 +22,8 @@ from workers.train_rank import checkpoint as ckpt
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def argv_for(tmp_path: Path, *flags: str, model: Path | None = None) -> list[str]:
     return ["--hf-checkpoint", str(model or tmp_path / "model"), "--prompt-data", "builtin:first_digit",
@@ -77,6 +79,19 @@ def test_a_second_run_into_a_used_run_directory_is_refused_with_the_choices(tmp_
     # the same with a new --run-dir but the earlier run's --save: its checkpoints would be mixed with the new ones
     with pytest.raises(ConfigError, match=r"--save .* holds the checkpoints of another run \(newest: rollout 3\)"):
         check_run_dir(parse_config([*argv_for(tmp_path), "--run-dir", str(tmp_path / "other")]))
+
+
+def test_run_shs_default_job_is_given_run_shs_choices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`./run.sh` again: its user typed no flag, so the choices are what to type instead (run.sh sets the variable
+    for its default job, whose --save lies in its run directory)."""
+    earlier_run(tmp_path, steps=4, saved=[3])
+    monkeypatch.setenv("RAYLESS_DEFAULT_JOB", "1")
+    with pytest.raises(ConfigError) as refused:
+        check_run_dir(parse_config(argv_for(tmp_path)))
+    choices = str(refused.value).split("Choose one:\n", 1)[1].splitlines()
+    assert choices == [f"  - a new run: RAYLESS_RUN_DIR={tmp_path / 'run-2'} ./run.sh",
+                       f"  - start over: rm -r {tmp_path / 'run'} && ./run.sh"]
+    assert "export RAYLESS_DEFAULT_JOB=1" in (ROOT / "run.sh").read_text()
 
 
 def test_rayless_train_refuses_a_used_run_directory_with_exit_2_before_anything_launches(
