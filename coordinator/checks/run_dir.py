@@ -89,9 +89,12 @@ def check_run_dir(config: Config) -> list[str]:
     what = (f"--run-dir {run_dir} holds a run already ({held})" if held is not None
             else f"--save {save} holds the checkpoints of another run (newest: rollout {saved})")
     if os.environ.get(DEFAULT_JOB_ENV) == "1":  # `./run.sh`: its user gives no flags, so the choices are its own
+        stopped = saved is not None and not (held or "").endswith(", finished")
         raise ConfigError(f"{what}; a run directory holds one run. Choose one:\n"
                           f"  - a new run: RAYLESS_RUN_DIR={shlex.quote(str(_free_name(run_dir)))} ./run.sh\n"
-                          f"  - start over: rm -r {shlex.quote(str(run_dir))} && ./run.sh")
+                          + (f"  - continue it from its checkpoint of rollout {saved}: the `rayless train ... --load "
+                             f"{save}` command it printed as it stopped\n" if stopped else "")
+                          + f"  - start over: rm -r {shlex.quote(str(run_dir))} && ./run.sh")
     raise ConfigError(f"{what}; a run directory holds one run. Choose one:\n"
                       f"  - a new run: --run-dir {_free_name(run_dir)}"
                       + (" with another --save" if save else "") + "\n"

@@ -90,7 +90,14 @@ def test_run_shs_default_job_is_given_run_shs_choices(tmp_path: Path, monkeypatc
         check_run_dir(parse_config(argv_for(tmp_path)))
     choices = str(refused.value).split("Choose one:\n", 1)[1].splitlines()
     assert choices == [f"  - a new run: RAYLESS_RUN_DIR={tmp_path / 'run-2'} ./run.sh",
+                       f"  - continue it from its checkpoint of rollout 3: the `rayless train ... --load "
+                       f"{tmp_path / 'ckpt'}` command it printed as it stopped",
                        f"  - start over: rm -r {tmp_path / 'run'} && ./run.sh"]
+    # a run that finished has nothing to continue
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"outcome": "finished"}))
+    with pytest.raises(ConfigError) as refused:
+        check_run_dir(parse_config(argv_for(tmp_path)))
+    assert "continue it" not in str(refused.value) and "  - start over: rm -r" in str(refused.value)
     assert "export RAYLESS_DEFAULT_JOB=1" in (ROOT / "run.sh").read_text()
 
 
