@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.config.checkpoint import checkpoint_rollout, run_config
@@ -33,9 +34,21 @@ RUN_ENTRIES = ("metrics.jsonl", "summary.json", "status.json", "status_url", "re
 CHECKPOINT_ENTRIES = re.compile(r"latest|(?:rollout_|tmp-|old-|staging-)\d+")
 
 
-def earlier_run(run_dir: Path) -> str | None:
-    """What an earlier run left in `run_dir` ("rollouts 0..59 in metrics.jsonl, finished"), or None when it holds
-    no run (missing, empty, or a run stopped before its first rollout)."""
+@dataclass(frozen=True)
+class EarlierRun:
+    """What an earlier run left in a run directory: which rollouts its metrics hold, and how it ended (its
+    summary's outcome: "finished", "interrupted", "failed"; None while it runs or when it died unsummarised)."""
+
+    held: str
+    outcome: str | None
+
+    def __str__(self) -> str:  # "rollouts 0..59 in metrics.jsonl, finished"
+        return self.held + (f", {self.outcome}" if self.outcome is not None else "")
+
+
+def earlier_run(run_dir: Path) -> EarlierRun | None:
+    """What an earlier run left in `run_dir`, or None when it holds no run (missing, empty, or a run stopped
+    before its first rollout)."""
     metrics = run_dir / "metrics.jsonl"
     steps: list[int] = []
     try:
@@ -57,7 +70,7 @@ def earlier_run(run_dir: Path) -> str | None:
         outcome = json.loads(summary.read_text()).get("outcome", "finished")
     except (OSError, ValueError, AttributeError):
         outcome = None
-    return held + (f", {outcome}" if isinstance(outcome, str) else "")
+    return EarlierRun(held, outcome if isinstance(outcome, str) else None)
 
 
 def check_run_dir(config: Config) -> list[str]:
@@ -89,19 +102,18 @@ def check_run_dir(config: Config) -> list[str]:
     what = (f"--run-dir {run_dir} holds a run already ({held})" if held is not None
             else f"--save {save} holds the checkpoints of another run (newest: rollout {saved})")
     if os.environ.get(DEFAULT_JOB_ENV) == "1":  # `./run.sh`: its user gives no flags, so the choices are its own
-        stopped = saved is not None and not (held or "").endswith(", finished")
-        raise ConfigError(f"{what}; a run directory holds one run. Choose one:\n"
-                          f"  - a new run: RAYLESS_RUN_DIR={shlex.quote(str(_free_name(run_dir)))} ./run.sh\n"
-                          + (f"  - continue it from its checkpoint of rollout {saved}: the `rayless train ... --load "
-                             f"{save}` command it printed as it stopped\n" if stopped else "")
-                          + f"  - start over: rm -r {shlex.quote(str(run_dir))} && ./run.sh")
+        stopped = saved is not None and (held is None or held.outcome != "finished")
+        choices = [f"a new run: RAYLESS_RUN_DIR={shlex.quote(str(_free_name(run_dir)))} ./run.sh",
+                   *[f"continue it from its checkpoint of rollout {saved}: the `rayless train ... --load {save}` "
+                     "command it printed as it stopped"] * stopped,
+                   f"start over: rm -r {shlex.quote(str(run_dir))} && ./run.sh"]
+    else:
+        choices = [f"a new run: --run-dir {_free_name(run_dir)}" + (" with another --save" if save else ""),
+                   f"continue that run: {_continue_choice(run_dir, save, saved)}",
+                   "start over in it, removing the earlier run's files"
+                   + (f" and the checkpoints in --save {save}" if saved is not None else "") + ": --overwrite-run-dir"]
     raise ConfigError(f"{what}; a run directory holds one run. Choose one:\n"
-                      f"  - a new run: --run-dir {_free_name(run_dir)}"
-                      + (" with another --save" if save else "") + "\n"
-                      f"  - continue that run: {_continue_choice(run_dir, save, saved)}\n"
-                      "  - start over in it, removing the earlier run's files"
-                      + (f" and the checkpoints in --save {save}" if saved is not None else "")
-                      + ": --overwrite-run-dir")
+                      + "\n".join(f"  - {choice}" for choice in choices))
 
 
 def _continue_choice(run_dir: Path, save: str | None, saved: int | None) -> str:
