@@ -1,6 +1,7 @@
 """The cross-slice side of deterministic runs: the contradictions under which `--deterministic-mode` /
-`--true-on-policy-mode` cannot hold (each refused at start-up, exit 2, naming why), and the engines' extra
-flags and environment in this mode (`engine_args`, `engine_env`, read by the placement plan).
+`--true-on-policy-mode` cannot hold (each refused at start-up, exit 2, naming why), what holds only per sample
+(over-sampling: a warning, as miles runs it), and the engines' extra flags and environment in this mode
+(`engine_args`, `engine_env`, read by the placement plan).
 
 Invariant: when the mode is off nothing here refuses, adds a flag or an environment variable.
 """
@@ -8,11 +9,12 @@ Invariant: when the mode is off nothing here refuses, adds a flag or an environm
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from coordinator.config.determinism import THREADS_ENV, DeterminismConfig
-from coordinator.config.fields import ConfigError
+from coordinator.config.fields import ConfigError, ConfigWarning
 
 if TYPE_CHECKING:
     from coordinator.config.settings import Config
@@ -64,9 +66,13 @@ def deterministic_runs_can_hold(config: Config) -> None:
                           "depends on timing: drop one")
     over = rollout.over_sampling_batch_size
     if over is not None and rollout.rollout_batch_size is not None and over > rollout.rollout_batch_size:
-        raise ConfigError(f"{name} and --over-sampling-batch-size {over} > --rollout-batch-size "
-                          f"{rollout.rollout_batch_size}: the groups kept are the first to finish, set by "
-                          "timing: make them equal or drop one")
+        # Not refused: miles' own scripts pair the mode with dynamic sampling (examples/lora, run_mcore_fsdp.py,
+        # run_deepseek_v4.py), and what the mode promises per sample still holds: every kept group is generated
+        # whole by the current weights, decoded batch-invariantly and (true-on-policy) scored as the ranks do.
+        warnings.warn(f"{name} with --over-sampling-batch-size {over} > --rollout-batch-size "
+                      f"{rollout.rollout_batch_size}: which groups are kept is set by which finish first, so two "
+                      "runs may train on different groups; each sample is still generated and scored "
+                      "deterministically (make the two equal for identical runs)", ConfigWarning, stacklevel=3)
     if config.cluster.rollout_external_engine_addrs and config.needs_engines:
         raise ConfigError(f"{name} and --rollout-external-engine-addrs: rayless cannot switch on deterministic "
                           "inference in engines it did not launch: let rayless launch them")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 from coordinator.config import ConfigError, parse_config
 from coordinator.config.determinism_rules import check_engine_backends
+from coordinator.config.fields import ConfigWarning
 from coordinator.plan import GpuInventory, build_plan
 from coordinator.train.settings import train_settings
 
@@ -37,7 +39,6 @@ def test_the_flags_parse_and_true_on_policy_implies_deterministic_settings() -> 
 @pytest.mark.parametrize(("flags", "named"), [
     (["--async-rollout"], "--async-rollout"),
     (["--partial-rollout"], "--partial-rollout"),
-    (["--over-sampling-batch-size", "16"], "--over-sampling-batch-size 16"),
     (["--rollout-external-engine-addrs", "127.0.0.1:30000"], "--rollout-external-engine-addrs"),
     (["--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "30000"], "--sglang-router-ip"),
 ])
@@ -45,6 +46,22 @@ def test_what_makes_two_runs_differ_is_refused_naming_the_flag(flags: list[str],
     with pytest.raises(ConfigError) as caught:
         config("--rollout-num-engines", "1", "--deterministic-mode", *flags)
     assert "--deterministic-mode" in str(caught.value) and named in str(caught.value)
+
+
+@pytest.mark.parametrize("mode", ["--deterministic-mode", "--true-on-policy-mode"])
+def test_over_sampling_is_taken_with_a_warning_that_says_what_still_holds(mode: str) -> None:
+    """miles' own scripts pair the mode with dynamic sampling (examples/lora/run-qwen3-4B-megatron-lora.sh): the
+    per-sample promise holds, only which groups are kept depends on timing; equal sizes say nothing."""
+    with pytest.warns(ConfigWarning) as caught:
+        taken = config("--rollout-num-engines", "1", mode, "--over-sampling-batch-size", "16")
+    assert taken.determinism.active and taken.rollout.over_sampling_batch_size == 16
+    (message,) = [str(warning.message) for warning in caught if "over-sampling" in str(warning.message)]
+    assert message.startswith(f"{mode} with --over-sampling-batch-size 16 > --rollout-batch-size 8: which groups "
+                              "are kept is set by which finish first"), message
+    assert "each sample is still generated and scored deterministically" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        assert config("--rollout-num-engines", "1", mode, "--over-sampling-batch-size", "8").determinism.active
 
 
 def test_true_on_policy_with_mixed_precision_or_merged_lora_is_refused() -> None:
