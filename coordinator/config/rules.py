@@ -142,14 +142,19 @@ def dynamic_global_batch_needs_dynamic_micro_batches(config: Config) -> None:
 
 
 def global_batch_splits_over_ranks(config: Config) -> None:
+    """Every rank needs a sample in every step. A batch that is not a multiple of the ranks is fine: a step's
+    samples are split by tokens (`planning.balance_by_tokens`), so the ranks' sample counts differ anyway, and
+    every loss term is a token sum over the step's loss tokens of all ranks (`train_rank.loss`), the same
+    whatever the split (slime/miles only need a multiple of their data-parallel size)."""
     if config.replay_mode or not config.needs_train_ranks or config.train.use_dynamic_global_batch_size:
         return  # a dynamic global batch is rounded down to a multiple of the ranks each rollout
-    if config.effective_global_batch_size % config.num_train_ranks:
+    if config.effective_global_batch_size < config.num_train_ranks:
         raise ConfigError(
-            f"--global-batch-size {config.effective_global_batch_size} is not divisible by the "
+            f"--global-batch-size {config.effective_global_batch_size} is smaller than the "
             f"{config.num_train_ranks} training ranks (--actor-num-nodes × --actor-num-gpus-per-node): rayless "
-            "trains FSDP2 data parallel over every rank, where slime/miles divide the batch by their data-parallel "
-            "size (the ranks ÷ tensor × pipeline × context parallel sizes): make it a multiple of the ranks"
+            "trains FSDP2 data parallel over every rank and each needs a sample per step, where slime/miles split "
+            "the batch over their data-parallel size (the ranks ÷ tensor × pipeline × context parallel sizes): "
+            "make it at least the ranks, or train on fewer"
         )
 
 

@@ -1,7 +1,7 @@
 """The sharded path on CPU: a real torchrun group of 2 ranks running FSDP2 over gloo (`data_parallel: "fsdp"`),
 the policy and the reference built on the meta device and loaded shard by shard, packed micro-batches whose
 first-fit-decreasing counts differ between the ranks (so the ranks must agree on one count, or FSDP2's
-collectives would hang). The update equals one process training the same steps unsharded, with and without
+collectives would hang), and, in the LoRA run, a global batch of 3 samples that 2 ranks split 2 + 1. The update equals one process training the same steps unsharded, with and without
 LoRA, and with PPO's critic (sharded as the policy; the advantages whitened over both ranks); after the first step the process group's timeout is the short one, so a rank that stops is reported in
 seconds. One group (module fixture) is initialised three times, full, LoRA, then PPO (a re-init replaces the
 model, as train FT's does), and stopped last: one torchrun and two ranks serve every test here."""
@@ -72,8 +72,9 @@ async def sharded_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
             metrics = await group.commands.train(0, as_samples(raw))
             exported = await group.commands.export_weights(tmp_path / "weights", weight_version=1)
             # the process group's timeout is the short one from here on (set after that first step)
+            # a global batch that is not a multiple of the ranks: each step's 3 samples go 2 + 1
             lora_info = await group.commands.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", lora=LORA,
-                                                                  lr=1e-2, train_pg_timeout_s=3)))
+                                                                  lr=1e-2, train_pg_timeout_s=3, global_batch_size=3)))
             await group.commands.train(0, as_samples(lora_raw))
             lora_exported = await group.commands.export_weights(tmp_path / "lora-weights", weight_version=1)
             await group.commands.init(ppo_settings(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3))
@@ -93,12 +94,13 @@ async def sharded_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
                       failure.value)
 
 
-def one_process(model_dir: Path, raw: list[protocol.WireSample], **extra: object) -> Trainer:
-    """The same rollout trained unsharded in this process (the same seed, so the same initial adapters)."""
+def one_process(model_dir: Path, raw: list[protocol.WireSample], step: int = 6, **extra: object) -> Trainer:
+    """The same rollout trained unsharded in this process, in steps of `step` samples (the same seed, so the
+    same initial adapters)."""
     trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
-    trainer.init(init_command(config_for(model_dir, **extra)))
-    trainer.train(protocol.TrainCommand(0, [raw[:6], raw[6:]], [sum(sum(s.loss_mask) for s in part)
-                                                                 for part in (raw[:6], raw[6:])]))
+    trainer.init(init_command(config_for(model_dir, global_batch_size=step, **extra)))
+    parts = [raw[start : start + step] for start in range(0, len(raw), step)]
+    trainer.train(protocol.TrainCommand(0, parts, [sum(sum(s.loss_mask) for s in part) for part in parts]))
     return trainer
 
 
@@ -148,12 +150,15 @@ async def test_lora_adapters_under_fsdp_on_cpu_train_as_one_process_does(sharded
                                                                     tmp_path: Path) -> None:
     """LoRA on the sharded path: the adapters are injected into the meta model before sharding and their initial
     weights broadcast from rank 0, so 2 FSDP2 ranks train the same adapters as one unsharded process (same seed)
-    and the engines get the same merged weights."""
+    and the engines get the same merged weights. Its global batch (3) is not a multiple of the ranks: each step's
+    samples go 2 + 1, and the update is still one process's."""
     from transformers import AutoModelForCausalLM
 
     info = sharded_run.lora_info
     assert 0 < info.trainable_parameters < info.num_parameters
-    trainer = one_process(tiny_model_dir, sharded_run.lora_raw, lora=LORA, lr=1e-2)
+    steps = plan_steps(sharded_run.lora_raw, BatchingSettings(global_batch_size=3), 2)
+    assert [sorted(len(shard) for shard in step.shards) for step in steps] == [[1, 2]] * 4
+    trainer = one_process(tiny_model_dir, sharded_run.lora_raw, step=3, lora=LORA, lr=1e-2)
     one = trainer.export_weights(protocol.ExportWeightsCommand(str(tmp_path / "one"), "1")).path
     expected = AutoModelForCausalLM.from_pretrained(str(one), dtype=torch.float32)
     got = AutoModelForCausalLM.from_pretrained(str(sharded_run.lora_exported), dtype=torch.float32).state_dict()

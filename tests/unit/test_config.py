@@ -223,9 +223,10 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
     "default_rollout_needs_prompts": ("--prompt-data", ["--rollout-num-engines", "1"], "--prompt-data is required"),
     "global_batch_divides_rollout": (None, ["--rollout-num-engines", "1", "--global-batch-size", "3"],
                                      "--global-batch-size 3 does not divide"),
-    "global_batch_splits_over_ranks": (None, ["--rollout-num-engines", "1", "--actor-num-gpus-per-node", "3"],
-                                       "not divisible by the 3 training ranks (--actor-num-nodes × --actor-num-gpus-per-node): "
-                                       "rayless trains FSDP2 data parallel over every rank"),
+    "global_batch_splits_over_ranks": (None, ["--rollout-num-engines", "1", "--actor-num-gpus-per-node", "16"],
+                                       "is smaller than the 16 training ranks (--actor-num-nodes × "
+                                       "--actor-num-gpus-per-node): rayless trains FSDP2 data parallel over every "
+                                       "rank and each needs a sample per step"),
     "steps_per_rollout_agree": (None, ["--rollout-num-engines", "1", "--global-batch-size", "8",
                                        "--num-steps-per-rollout", "2"], "--global-batch-size 8 and --num-steps-per-rollout 2 disagree"),
     "kl_reward_shaping_is_supported": (None, ["--rollout-num-engines", "1", "--kl-coef", "0.1",
@@ -316,6 +317,13 @@ def test_each_named_rule_fires_on_its_contradiction(rule: str) -> None:
     else:
         with pytest.raises(ConfigError, match=re.escape(expected)):
             parse_config([*argv, *flags])
+
+
+def test_a_global_batch_that_is_not_a_multiple_of_the_ranks_is_taken() -> None:
+    """miles' multi-node scripts size --global-batch-size for their data-parallel size, not the GPU count; a step's
+    samples are split by tokens anyway (tests/integration/test_train_sharded.py trains 3 on 2 ranks)."""
+    config = cfg("--rollout-num-engines", "1", "--actor-num-gpus-per-node", "3")
+    assert config.effective_global_batch_size == 8 and config.num_train_ranks == 3
 
 
 @pytest.mark.parametrize("correction", ["--use-rollout-logprobs", "--use-tis"])
