@@ -142,20 +142,21 @@ def dynamic_global_batch_needs_dynamic_micro_batches(config: Config) -> None:
 
 
 def global_batch_splits_over_ranks(config: Config) -> None:
-    """Every rank needs a sample in every step. A batch that is not a multiple of the ranks is fine: a step's
-    samples are split by tokens (`planning.balance_by_tokens`), so the ranks' sample counts differ anyway, and
-    every loss term is a token sum over the step's loss tokens of all ranks (`train_rank.loss`), the same
-    whatever the split (slime/miles only need a multiple of their data-parallel size)."""
+    """Any global batch splits over the ranks: a step's samples are split by tokens (`planning.balance_by_tokens`),
+    so the ranks' sample counts differ anyway, and every loss term is a token sum over the step's loss tokens of
+    all ranks (`train_rank.loss`), the same whatever the split. slime/miles size the batch for their
+    data-parallel size (the GPUs ÷ tensor × pipeline × context parallel sizes); under FSDP2 every GPU is a
+    data-parallel rank, so a batch smaller than the ranks leaves some idle in each step: said, not refused."""
     if config.replay_mode or not config.needs_train_ranks or config.train.use_dynamic_global_batch_size:
         return  # a dynamic global batch is rounded down to a multiple of the ranks each rollout
-    if config.effective_global_batch_size < config.num_train_ranks:
-        raise ConfigError(
-            f"--global-batch-size {config.effective_global_batch_size} is smaller than the "
-            f"{config.num_train_ranks} training ranks (--actor-num-nodes × --actor-num-gpus-per-node): rayless "
-            "trains FSDP2 data parallel over every rank and each needs a sample per step, where slime/miles split "
-            "the batch over their data-parallel size (the ranks ÷ tensor × pipeline × context parallel sizes): "
-            "make it at least the ranks, or train on fewer"
-        )
+    batch, ranks = config.effective_global_batch_size, config.num_train_ranks
+    if batch < ranks:
+        warnings.warn(
+            f"--global-batch-size {batch} is smaller than the {ranks} training ranks (--actor-num-nodes × "
+            f"--actor-num-gpus-per-node): rayless trains FSDP2 data parallel over every rank, where slime/miles "
+            f"split the batch over their data-parallel size, so {ranks - batch} rank(s) get no sample in each step "
+            "and run an empty micro-batch; a global batch of at least the ranks uses them all",
+            ConfigWarning, stacklevel=3)
 
 
 def steps_per_rollout_agree(config: Config) -> None:

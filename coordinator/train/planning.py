@@ -49,11 +49,8 @@ def plan_steps(samples: list[WireSample], batching: BatchingSettings, world_size
             f"{len(samples)} samples are not a multiple of global_batch_size={global_batch_size}; "
             "make rollout_batch_size × n_samples_per_prompt divisible by it"
         )
-    if global_batch_size < world_size:
-        raise ValueError(
-            f"global_batch_size={global_batch_size} is smaller than the {world_size} data-parallel ranks: "
-            "every rank needs at least one sample per step"
-        )
+    # A step of fewer samples than ranks leaves some shards empty: those ranks run one empty micro-batch
+    # (`Trainer._micro_batches`), and the step's token mean is the same however it is split.
     plan = []
     for start in range(0, len(samples), global_batch_size):
         step = samples[start : start + global_batch_size]

@@ -68,6 +68,7 @@ class FirstRun:
     pids: list[int] = field(default_factory=list)
     log_path: Path | None = None
     torchrun_returncode: int | None = None
+    lone_export: Path | None = None
 
 
 def config_for(model_dir: Path, save_dir: Path) -> dict[str, Any]:
@@ -97,6 +98,11 @@ async def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
                     record.export_after_0 = await group.commands.export_weights(root / "weights", weight_version=1)
             record.export_after_2 = await group.commands.export_weights(root / "weights", weight_version=3)
             record.manifest = await group.commands.weight_manifest()
+            # a global batch of 1 on the 2 replicas: each step, one rank has the sample and one an empty shard
+            await group.commands.init(flat_settings({**config_for(tiny_model_dir, root / "ckpt-lone"),
+                                                     "global_batch_size": 1}))
+            await group.commands.train(0, as_samples(rollouts[0][:2]))
+            record.lone_export = await group.commands.export_weights(root / "lone", weight_version=1)
             tg.cancel_scope.cancel()
     assert group.torchrun is not None and group.torchrun.proc is not None
     record.torchrun_returncode = group.torchrun.proc.returncode
@@ -116,6 +122,27 @@ async def test_training_reports_finite_metrics_per_step(first_run: FirstRun) -> 
     # The reference is the initial model: zero KL at the first step, then the policy moves away.
     assert first_run.step_metrics[0][0]["kl"] == pytest.approx(0.0, abs=1e-9)
     assert first_run.step_metrics[2][-1]["kl"] > 0
+
+
+async def test_a_replica_given_no_sample_in_a_step_keeps_the_update_one_processs(
+    first_run: FirstRun, tiny_model_dir: Path
+) -> None:
+    """A global batch smaller than the ranks: the replica with no sample runs one empty micro-batch and joins the
+    gradient all-reduce with zeros, so two steps of one sample each update as one process does, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    lone = first_run.rollouts[0][:2]
+    assert [sorted(len(s) for s in step.shards) for step in plan_steps(lone, BatchingSettings(global_batch_size=1), 2)
+            ] == [[0, 1]] * 2
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(init_command({**config_for(tiny_model_dir, Path("unused")), "global_batch_size": 1}))
+    trainer.train(protocol.TrainCommand(0, [lone[:1], lone[1:]], [int(sample.loss_mask.sum()) for sample in lone]))
+    assert first_run.lone_export is not None
+    got = AutoModelForCausalLM.from_pretrained(str(first_run.lone_export), dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).state_dict()
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(got[name], tensor), name
+    assert any(not torch.equal(tensor, base[name]) for name, tensor in got.items()), "the two steps trained"
 
 
 async def test_recomputed_logprobs_match_the_rollout_logprobs(first_run: FirstRun) -> None:
@@ -283,8 +310,10 @@ def test_batch_settings_that_cannot_work_are_rejected_with_the_setting_named() -
     samples = [wire(6, 2) for _ in range(6)]
     with pytest.raises(ValueError, match="not a multiple of global_batch_size=4"):
         plan_steps(samples, BatchingSettings(global_batch_size=4), world_size=2)
-    with pytest.raises(ValueError, match="smaller than the 4 data-parallel ranks"):
-        plan_steps(samples, BatchingSettings(global_batch_size=2), world_size=4)
+    # fewer samples a step than ranks: the others get an empty shard (they run one empty micro-batch)
+    small = plan_steps(samples, BatchingSettings(global_batch_size=2), world_size=4)
+    assert [sorted(len(shard) for shard in step.shards) for step in small] == [[0, 0, 1, 1]] * 3
+    assert [step.loss_tokens for step in small] == [4] * 3
     with pytest.raises(SettingsError, match=r"either batching\.global_batch_size or batching\.num_steps_per_rollout"):
         BatchingSettings(global_batch_size=2, num_steps_per_rollout=3)
     with pytest.raises(ValueError, match="no samples"):

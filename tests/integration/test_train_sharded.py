@@ -57,6 +57,8 @@ class ShardedRun:
     lora_exported: Path
     ppo_metrics: dict[str, Any]
     ppo_exported: Path
+    lone_metrics: dict[str, Any]
+    lone_exported: Path
     failure: BaseException
 
 
@@ -80,6 +82,11 @@ async def sharded_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
             await group.commands.init(ppo_settings(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3))
             ppo_metrics = await group.commands.train(0, as_samples(raw))
             ppo_exported = await group.commands.export_weights(tmp_path / "ppo-weights", weight_version=1)
+            # a global batch of 1 on 2 ranks: in each step one rank has the sample, the other an empty shard
+            await group.commands.init(flat_settings(config_for(tiny_model_dir, data_parallel="fsdp", train_pg_timeout_s=3,
+                                                               global_batch_size=1)))
+            lone_metrics = await group.commands.train(0, as_samples(raw[:2]))
+            lone_exported = await group.commands.export_weights(tmp_path / "lone-weights", weight_version=1)
 
             # A stopped rank: the other's collective gives up after 3 s, not 600.
             victim = group.ranks[1].pid
@@ -91,7 +98,7 @@ async def sharded_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
                 os.kill(victim, signal.SIGCONT)
             tg.cancel_scope.cancel()
     return ShardedRun(raw, lora_raw, metrics, exported, lora_info, lora_exported, ppo_metrics, ppo_exported,
-                      failure.value)
+                      lone_metrics, lone_exported, failure.value)
 
 
 def one_process(model_dir: Path, raw: list[protocol.WireSample], step: int = 6, **extra: object) -> Trainer:
@@ -140,6 +147,28 @@ async def test_fsdp_on_cpu_matches_one_process(sharded_run: ShardedRun, tiny_mod
     assert set(got) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+async def test_a_rank_given_no_sample_in_a_step_runs_an_empty_one_and_the_update_is_one_processs(
+        sharded_run: ShardedRun, tiny_model_dir: Path) -> None:
+    """A global batch smaller than the ranks (miles' multi-node scripts size it for their data-parallel size):
+    the rank with no sample runs one empty micro-batch through FSDP2's collectives, and the two steps update the
+    weights as one process training the same two samples one at a time."""
+    from transformers import AutoModelForCausalLM
+
+    lone = sharded_run.raw[:2]
+    steps = plan_steps(lone, BatchingSettings(global_batch_size=1), 2)
+    assert [sorted(len(shard) for shard in step.shards) for step in steps] == [[0, 1]] * 2
+    assert sharded_run.lone_metrics["num_steps"] == 2
+    assert sharded_run.lone_metrics["loss_tokens"] == sum(int(sample.loss_mask.sum()) for sample in lone)
+    expected = one_process(tiny_model_dir, lone, step=1).model.state_dict()
+    got = AutoModelForCausalLM.from_pretrained(str(sharded_run.lone_exported), dtype=torch.float32).state_dict()
+    moved = 0
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).state_dict()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+        moved += not torch.equal(tensor, base[name])
+    assert moved > 0, "the two steps trained"
 
 
 async def test_a_stopped_rank_times_out_fast_after_the_first_step(sharded_run: ShardedRun) -> None:

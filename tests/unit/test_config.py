@@ -224,9 +224,10 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
     "global_batch_divides_rollout": (None, ["--rollout-num-engines", "1", "--global-batch-size", "3"],
                                      "--global-batch-size 3 does not divide"),
     "global_batch_splits_over_ranks": (None, ["--rollout-num-engines", "1", "--actor-num-gpus-per-node", "16"],
-                                       "is smaller than the 16 training ranks (--actor-num-nodes × "
-                                       "--actor-num-gpus-per-node): rayless trains FSDP2 data parallel over every "
-                                       "rank and each needs a sample per step"),
+                                       "warning: --global-batch-size 8 is smaller than the 16 training ranks "
+                                       "(--actor-num-nodes × --actor-num-gpus-per-node): rayless trains FSDP2 data "
+                                       "parallel over every rank, where slime/miles split the batch over their "
+                                       "data-parallel size, so 8 rank(s) get no sample in each step"),
     "steps_per_rollout_agree": (None, ["--rollout-num-engines", "1", "--global-batch-size", "8",
                                        "--num-steps-per-rollout", "2"], "--global-batch-size 8 and --num-steps-per-rollout 2 disagree"),
     "kl_reward_shaping_is_supported": (None, ["--rollout-num-engines", "1", "--kl-coef", "0.1",

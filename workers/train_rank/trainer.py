@@ -254,11 +254,12 @@ class Trainer:
 
     def _micro_batches(self, samples: list[protocol.WireSample]) -> list[MicroBatch]:
         """Packed micro-batches: first-fit-decreasing bins (or `micro_batch_size` groups), as many on every
-        sharded rank."""
+        sharded rank, and at least one: a rank given no sample in a step (a global batch smaller than the ranks)
+        runs one empty micro-batch, so its step is an ordinary one of no loss tokens."""
         settings, _, _ = self._require()
         groups = packing.plan(samples, max_tokens=settings.batching.max_tokens_per_micro_batch,
                               micro_batch_size=settings.batching.micro_batch_size)
-        count = self.parallel.agree_count(len(groups))
+        count = self.parallel.agree_count(max(len(groups), 1))
         if count > len(groups):
             groups = packing.split_to_count(groups, [len(sample.tokens) for sample in samples], count)
         batches = []
