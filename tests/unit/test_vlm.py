@@ -588,6 +588,22 @@ def test_session_image_parts_render_expand_and_refuse_as_the_session_server_need
     with pytest.raises(SessionRequestError, match="cannot be decoded"):
         decode_urls(["data:image/png;base64,aGVsbG8="])
     assert agent_messages("a text prompt", [red]) == "a text prompt"
+def test_a_vlm_rank_given_no_sample_runs_its_empty_micro_batch(tiny_vlm_dir: Path) -> None:
+    """A global batch smaller than the ranks leaves a rank an empty step: on a VLM its one padding micro-batch
+    takes the multimodal position form too, and its step has no loss tokens and no gradient."""
+    from tests.support.train_settings import init_command
+    from workers import protocol
+    from workers.train_rank.trainer import Trainer
+
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 1e-5, "max_tokens_per_micro_batch": 4096}))
+    (batch,) = trainer._micro_batches([])
+    assert batch.num_tokens == 0 and batch.vision is None and float(batch.loss_mask.sum()) == 0
+    assert batch.position_ids is not None and tuple(batch.position_ids.shape) == (4, 1, batch.input_ids.shape[1])
+    (step,) = trainer.train(protocol.TrainCommand(0, [[]], [1])).steps
+    assert step.loss_tokens == 0 and step.loss == 0 and step.grad_norm == 0  # the padding carries no gradient
+
+
 def test_a_micro_batch_of_text_samples_on_a_vlm_attends_within_each_sample(tiny_vlm_dir: Path) -> None:
     """A VLM run's micro-batch without images (text prompts beside image ones) packs as a text one does: each
     sample's logprobs are those of its own forward (with plain position ids the model attended across the row:

@@ -30,6 +30,8 @@ def attach_vision(batch: MicroBatch, samples: Sequence[WireSample], model: torch
     logprobs measured 0.1 off a sample's own forward)."""
     assert batch.position_ids is not None and batch.input_ids.shape[0] == 1, "attach_vision takes a packed row"
     rows, pixels, grids = [], [], []
+    if not samples:  # an empty micro-batch (a rank given no sample, or a padded count): its padding row as text
+        rows.append(torch.arange(batch.input_ids.shape[1]).view(1, 1, -1).expand(3, 1, -1))
     for index, sample in enumerate(samples):
         ids = torch.tensor([sample.tokens], dtype=torch.long)
         images = sample.images
