@@ -151,8 +151,12 @@ def global_batch_splits_over_ranks(config: Config) -> None:
         return  # a dynamic global batch is rounded down to a multiple of the ranks each rollout
     batch, ranks = config.effective_global_batch_size, config.num_train_ranks
     if batch < ranks:
+        given = (f"--global-batch-size {batch}" if config.train.global_batch_size
+                 else f"the global batch of {batch} sample(s) (the rollout's samples"
+                      + (f" / --num-steps-per-rollout {config.train.num_steps_per_rollout})"
+                         if config.train.num_steps_per_rollout else ")"))
         warnings.warn(
-            f"--global-batch-size {batch} is smaller than the {ranks} training ranks (--actor-num-nodes × "
+            f"{given} is smaller than the {ranks} training ranks (--actor-num-nodes × "
             f"--actor-num-gpus-per-node): rayless trains FSDP2 data parallel over every rank, where slime/miles "
             f"split the batch over their data-parallel size, so {ranks - batch} rank(s) get no sample in each step "
             "and run an empty micro-batch; a global batch of at least the ranks uses them all",

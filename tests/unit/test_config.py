@@ -224,7 +224,8 @@ RULE_CASES: dict[str, tuple[str | None, list[str], str]] = {
     "global_batch_divides_rollout": (None, ["--rollout-num-engines", "1", "--global-batch-size", "3"],
                                      "--global-batch-size 3 does not divide"),
     "global_batch_splits_over_ranks": (None, ["--rollout-num-engines", "1", "--actor-num-gpus-per-node", "16"],
-                                       "warning: --global-batch-size 8 is smaller than the 16 training ranks "
+                                       "warning: the global batch of 8 sample(s) (the rollout's samples) is "
+                                       "smaller than the 16 training ranks "
                                        "(--actor-num-nodes × --actor-num-gpus-per-node): rayless trains FSDP2 data "
                                        "parallel over every rank, where slime/miles split the batch over their "
                                        "data-parallel size, so 8 rank(s) get no sample in each step"),
@@ -325,6 +326,14 @@ def test_a_global_batch_that_is_not_a_multiple_of_the_ranks_is_taken() -> None:
     samples are split by tokens anyway (tests/integration/test_train_sharded.py trains 3 on 2 ranks)."""
     config = cfg("--rollout-num-engines", "1", "--actor-num-gpus-per-node", "3")
     assert config.effective_global_batch_size == 8 and config.num_train_ranks == 3
+    with pytest.warns(ConfigWarning, match=re.escape("the global batch of 8 sample(s) (the rollout's samples) is "
+                                                     "smaller than the 9 training ranks")):
+        cfg("--rollout-num-engines", "1", "--actor-num-gpus-per-node", "9")
+    with pytest.warns(ConfigWarning, match=re.escape("--global-batch-size 4 is smaller than the 6 training ranks")):
+        cfg("--rollout-num-engines", "1", "--actor-num-gpus-per-node", "6", "--global-batch-size", "4")
+    with pytest.warns(ConfigWarning, match=re.escape("the global batch of 4 sample(s) (the rollout's samples / "
+                                                     "--num-steps-per-rollout 2) is smaller than the 5")):
+        cfg("--rollout-num-engines", "1", "--actor-num-gpus-per-node", "5", "--num-steps-per-rollout", "2")
 
 
 @pytest.mark.parametrize("correction", ["--use-rollout-logprobs", "--use-tis"])
