@@ -1,6 +1,6 @@
 """Real slime/miles launch scripts as test data, made runnable here by replacing only their paths.
 
-`tests/data/launch_scripts/*.json` hold the argv 54 slime and miles launch scripts hand to `train.py` (each
+`tests/data/launch_scripts/*.json` hold the argv 64 slime and miles launch scripts hand to `train.py` (each
 with `source`: repo:path@commit), with placeholders where the scripts name paths on their machines.
 `materialize` replaces each placeholder with a local stand-in — the tiny model, small JSONL/Parquet files with
 the script's keys, fresh checkpoint directories (`DIR:name`: a path the script writes to), stub hook modules with
