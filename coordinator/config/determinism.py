@@ -25,7 +25,8 @@ class DeterminismConfig(Slice):
 
     deterministic_mode: bool = flag(False, help="Megatron/miles': two runs with the same seeds give the same "
                                     "metrics (batch-invariant engines, deterministic torch algorithms, one "
-                                    "sample per micro-batch, one fixed thread count)")
+                                    "sample per micro-batch, one fixed thread count); with --over-sampling-batch-size "
+                                    "above --rollout-batch-size each sample is, not which groups are kept")
     true_on_policy_mode: bool = flag(False, help="miles': the engine's logprobs of the sampled tokens equal the "
                                      "trainer's exactly (our engine rescores each finished sequence with the "
                                      "trainer's scoring function); implies --deterministic-mode")

@@ -83,7 +83,9 @@ class TrainConfig(Slice):
         "fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths) "
         "-> (pg_loss, loss_masks, metrics)", parse=values.hook_path, metavar="MODULE:NAME")
     # --- batching and memory
-    global_batch_size: int | None = flag(None, help="samples per optimizer step (default: the whole rollout)",
+    global_batch_size: int | None = flag(None, help="samples per optimizer step (default: the whole rollout); "
+                                         "any number: split over the training ranks by tokens, ranks beyond it "
+                                         "idle in the step",
                                          minimum=1)
     num_steps_per_rollout: int | None = flag(None, help="optimizer steps per rollout (sets --global-batch-size "
                                              "to the rollout's samples / this)", minimum=1)

@@ -47,6 +47,13 @@ QUIET_SCRIPTS = {
     "miles__qwen3_vl_4B_fsdp": "miles' FSDP CI recipe for Qwen3-VL: FSDP flags only, each implemented",
 }
 
+#: Scripts whose notice names only mapped flags: no Megatron-LM flag to ignore, each with why.
+MAPPED_ONLY_SCRIPTS = {
+    "miles__run_qwen3_0_6b_fsdp": "miles' FSDP launcher: --use-dynamic-batch-size and --balance-data mapped",
+    "miles__run_nemotron_3_nano_4b_fsdp": "miles' FSDP launcher: --use-dynamic-batch-size and --balance-data mapped",
+    "miles__run_mcore_fsdp": "miles' launcher in its FSDP mode (the snapshot's default): mapped flags only",
+}
+
 @dataclass(frozen=True)
 class LaunchScript:
     name: str
