@@ -14,7 +14,9 @@ function's), packed ahead (`pack_sample_ahead`, as the default rollout leaves an
 that packing cost, moved into the rollout, is printed once), and replayed (written with the dump writer and read
 back by `replay.reader`, as a replay run's loader gives them; the read's cost, in the loader, is printed once).
 `--lists-only` skips the last two; a checkout without `pack_sample_ahead` has no packed-ahead rounds. The frames
-are checked bit-identical across the three. Reported per kind: medians of each, the ratio (target ≤ 3×) and the channel's alone (ours less the coordinator's
+are checked bit-identical across the three. The coordinator and the ranks tune their collectors first, as a run's
+do (`tune_collector`): without it, full passes over the three copies of the rollout held here (~240 ms each) and
+over a rank's imports (~50 ms) land in a round or two. Reported per kind: medians of each, the ratio (target ≤ 3×) and the channel's alone (ours less the coordinator's
 preparation and encoding, as `bench.train_shapes` reports it), a rank's decode in wall and CPU seconds, CPU seconds
 on the path against the floor's, and the coordinator's RSS growth while handing off (sampled every 2 ms)
 against one copy of the frames.
@@ -89,6 +91,21 @@ def build_samples(count: int, tokens: int, prompt: int, seed: int = 0) -> list:
     return batch
 
 
+def tune_as_a_run_does(*, rank: bool) -> None:
+    """The collector tuned as the checkout's run tunes it before its first hand-off (start-up's heap frozen, fewer
+    passes): the coordinator's since issue 38's generate-path work, a rank's since `workers.collector`."""
+    try:
+        from workers.collector import tune_collector
+    except ImportError:  # a checkout from before it: only the coordinator tuned it, in the rollout manager
+        if rank:
+            return
+        try:
+            from coordinator.rollout.manager import tune_collector  # type: ignore[attr-defined,no-redef]
+        except ImportError:
+            return
+    tune_collector()
+
+
 def rank_process(control: str, token: str, rank: int, floor_address: tuple[str, int], max_tokens: int) -> None:
     """One rank: joins the control channel as the real rank does; per round one TrainCommand (received, decoded,
     its steps packed into micro-batch tensors, answered) then one floor frame read raw from the second socket;
@@ -96,6 +113,7 @@ def rank_process(control: str, token: str, rank: int, floor_address: tuple[str, 
     from workers import protocol
     from workers.train_rank import packing
 
+    tune_as_a_run_does(rank=True)
     hello = protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, token=token, rank=rank, world_size=2,
                            local_rank=rank, pid=os.getpid())
     channel = protocol.RankChannel.connect(control, hello, max_frame_bytes=2**40)
@@ -214,6 +232,7 @@ async def run(args: argparse.Namespace) -> None:
     from coordinator.train.channel import ControlServer
     from workers import protocol
 
+    tune_as_a_run_does(rank=False)
     ranks = 2
     token = secrets.token_hex(16)
     server = ControlServer(world_size=ranks, token=token, max_frame_bytes=2**40)

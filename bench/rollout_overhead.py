@@ -6,7 +6,7 @@ bookkeeping and the reward) is timed against a bare `aiohttp` loop posting the s
 same concurrency. Prints samples/s for both (the bare loop per sample and batched as the generate path sends), the ratios
 (target ≥ 0.8) and the coordinator's CPU time per
 sample, with the share of it the cyclic garbage collector took (start-up's heap frozen and the collector's first threshold raised first, as a run does:
-`coordinator.rollout.manager.tune_collector`). Usage: python -m bench.rollout_overhead [--samples 4096] [--concurrency 64 512]
+`workers.collector.tune_collector`). Usage: python -m bench.rollout_overhead [--samples 4096] [--concurrency 64 512]
 """
 
 from __future__ import annotations
@@ -107,7 +107,11 @@ async def generate_path(url: str, model_dir: Path, samples: int, concurrency: in
     from coordinator.config import parse_config
     from coordinator.engines.client import EngineClient
     from coordinator.engines.fleet import EngineFleet
-    from coordinator.rollout.manager import RolloutManager, tune_collector
+    from coordinator.rollout.manager import RolloutManager
+    try:
+        from workers.collector import tune_collector
+    except ImportError:  # a checkout from before it moved
+        from coordinator.rollout.manager import tune_collector  # type: ignore[attr-defined,no-redef]
 
     apply_process_environment()  # as `rayless` does at its start (the tokenizer's batch calls single-threaded)
     n = GROUP

@@ -263,7 +263,8 @@ async def _train(config: Config, services: Services, metrics: MetricsLog, progre
                  extra_hooks: Callable[[Services], list[StepHook]] | None, stop: StopSignals) -> dict[str, Any]:
     from coordinator.loop import TrainingLoop
     from coordinator.rollout.hook_services import start_hook_services
-    from coordinator.rollout.manager import RolloutManager, tune_collector
+    from coordinator.rollout.manager import RolloutManager
+    from workers.collector import tune_collector
 
     router_url = services.router.url if services.router is not None else None
     teachers = services.teacher_engines  # --opd-teacher-load of --opd-type sglang: the teacher rayless serves

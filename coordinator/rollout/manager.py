@@ -16,8 +16,8 @@ which names the mode and the flag that turned it off. Every batch handed to the 
 advantages computed here (one place, for generated and replayed rollouts alike) and, with
 `--save-debug-rollout-data`, is dumped before it is returned.
 
-`tune_collector` is what a run calls once its pieces are built: the heap that start-up made (transformers, the
-tokenizer, the config) lives as long as the run, and moving it out of the collector's reach, with fewer passes
+`workers.collector.tune_collector` is what a run calls once its pieces are built: the heap that start-up made
+(transformers, the tokenizer, the config) lives as long as the run, and moving it out of the collector's reach, with fewer passes
 over each rollout's own objects, keeps the collector's share of a sample small and flat in the rollout's size
 (issue 38: it was half the generate path's CPU per sample).
 """
@@ -25,7 +25,6 @@ over each rollout's own objects, keeps the collector's share of a sample small a
 from __future__ import annotations
 
 import argparse
-import gc
 import inspect
 import logging
 from collections import Counter
@@ -412,28 +411,6 @@ def sampling_params(rollout: RolloutConfig) -> JsonObject:
     return params
 
 
-def tune_collector() -> int:
-    """Collect what start-up left behind, freeze the rest (`gc.freeze`) and raise the collector's first threshold
-    to `GEN0_THRESHOLD`: start-up's long-lived objects are never scanned again by the cyclic collector, whose
-    full passes during a rollout otherwise walk them all (~400k objects with transformers imported), and a
-    rollout's own objects — tens of thousands of samples, live until its batch is handed over — are not
-    rescanned by a full pass every 70k allocations (`bench/rollout_overhead.py`, 8,192 samples: 50–75 µs of a
-    ~100 µs sample in the collector before, 25–30 µs frozen; 32,768 samples frozen: 22–25 µs, 8–10 µs with the
-    threshold). Objects frozen are still freed by reference counting; a cycle among them that dies later is
-    not reclaimed, the price of not rescanning them. Once per process (a second call does nothing); returns
-    how many objects are frozen."""
-    global _TUNED
-    if not _TUNED:
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
-        _TUNED = True
-    return gc.get_freeze_count()
-
-
-#: allocations (net, of objects the collector tracks) between two young-generation passes; CPython's is 700
-GEN0_THRESHOLD = 10_000
-_TUNED = False
 def vision_processor(rollout: RolloutConfig) -> VlmProcessor | None:
     """The policy's processor when the prompts hold images (`--multimodal-keys`): the rollout expands each
     prompt's image placeholders and makes the trainer's pixel inputs with it, as slime's processor does."""

@@ -89,21 +89,21 @@ def test_new_groups_hold_the_ids_of_one_call_per_prompt(tiny_model_dir: Path,
 def test_tune_collector_freezes_the_heap_once_and_raises_the_first_threshold(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """What a run does once its rollout pieces are built; undone here so the rest of the session is as before."""
-    from coordinator.rollout import manager
+    from workers import collector
 
     before = gc.get_threshold()
-    monkeypatch.setattr(manager, "_TUNED", False)
+    monkeypatch.setattr(collector, "_TUNED", False)
     try:
         already = gc.get_freeze_count()  # an earlier in-process run in this worker may have frozen its heap
         live = len(gc.get_objects())
-        frozen = manager.tune_collector() - already
+        frozen = collector.tune_collector() - already
         assert frozen >= live // 2  # the live heap went to the permanent generation
         assert len(gc.get_objects()) < live - frozen // 2  # and out of the collector's passes
-        assert gc.get_threshold() == (manager.GEN0_THRESHOLD, *before[1:])
+        assert gc.get_threshold() == (collector.GEN0_THRESHOLD, *before[1:])
         fresh = [[] for _ in range(10)]  # objects made afterwards are tracked (and collected) as before
         assert all(gc.is_tracked(item) for item in fresh) and any(obj is fresh[0] for obj in gc.get_objects())
         count = gc.get_freeze_count()
-        assert manager.tune_collector() == count  # a second call freezes nothing more
+        assert collector.tune_collector() == count  # a second call freezes nothing more
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)

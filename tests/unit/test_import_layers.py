@@ -37,7 +37,7 @@ LAYER_OF = {package: index for index, layer in enumerate(LAYERS) for package in 
 #: `workers`' packages and top-level modules, from the bottom up, by the same rule: the engine and the training
 #: ranks are separate processes and never import each other; what both run is below them.
 WORKER_LAYERS: list[set[str]] = [
-    {"errors", "host_memory", "lifeline", "stack_dumps"},  # leaves: no import of ours
+    {"errors", "host_memory", "lifeline", "stack_dumps", "collector"},  # leaves: no import of ours
     {"boundary"},  # every byte from a peer or a file decoded through it
     # the control channel's messages; hook paths; the tiny model; the vision-language processor (one rule for
     # image placeholders, shared by the coordinator, the engine and the ranks)
