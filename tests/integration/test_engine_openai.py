@@ -499,6 +499,16 @@ def test_structured_routes_behind_the_api_key_and_body_limit(
             stranger.messages.create(model="m", max_tokens=1, messages=MESSAGES[1:])
         with pytest.raises(anthropic.AuthenticationError):
             stranger.messages.count_tokens(model="m", messages=MESSAGES[1:])
+    # the SDK's own `api_key` goes as `x-api-key`: the key opens the Messages routes that way too
+    with anthropic.Anthropic(base_url=engine_url, api_key=API_KEY, max_retries=0, timeout=60) as own_header:
+        assert own_header.messages.count_tokens(model="m", messages=MESSAGES[1:]).input_tokens > 0
+        assert own_header.messages.create(model="m", max_tokens=1, messages=MESSAGES[1:]).usage.output_tokens == 1
+    with anthropic.Anthropic(base_url=engine_url, api_key="wrong", max_retries=0) as stranger:
+        with pytest.raises(anthropic.AuthenticationError):
+            stranger.messages.create(model="m", max_tokens=1, messages=MESSAGES[1:])
+    # and no other route: elsewhere the key is SGLang's Bearer token only
+    for path in ("/v1/models", "/model_info"):
+        assert httpx.get(engine_url + path, headers={"x-api-key": API_KEY}).status_code == 401
     with openai.OpenAI(base_url=engine_url + "/v1", api_key="wrong", max_retries=0) as stranger:
         with pytest.raises(openai.AuthenticationError):
             stranger.responses.create(model="m", input="x")

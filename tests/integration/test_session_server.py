@@ -133,6 +133,13 @@ async def test_sessions_are_token_in_token_out_and_sticky(tiny_model_dir: Path, 
             models = await agents[0].models.list()  # proxied to the session's engine
             assert models.data[0].id == str(tiny_model_dir)
             assert (await http.get(f"/sessions/{ids[0]}", headers={"Authorization": "Bearer nope"})).status_code == 401
+            # Anthropic's `x-api-key` opens only a session's Messages routes, and only with the key
+            anthropic_key = {"Authorization": "", "x-api-key": KEY}
+            assert (await http.get(f"/sessions/{ids[0]}", headers=anthropic_key)).status_code == 401
+            assert (await http.post(f"/sessions/{ids[0]}/v1/chat/completions", json={},
+                                    headers=anthropic_key)).status_code == 401
+            assert (await http.post(f"/sessions/{ids[0]}/v1/messages", json={},
+                                    headers={"Authorization": "", "x-api-key": "nope"})).status_code == 401
             assert (await http.get("/sessions/nope")).status_code == 404
             big = await http.post(f"/sessions/{ids[0]}/v1/chat/completions", content=b"x" * 70000)
             assert big.status_code == 413
@@ -359,8 +366,8 @@ async def _structured_formats(server: SessionServer, http: httpx.AsyncClient) ->
     tools = [{"name": "add", "description": "adds", "input_schema": {"type": "object",
                                                                       "properties": {"a": {"type": "number"}}}}]
     sid = (await http.post("/sessions")).json()["session_id"]
-    async with anthropic.AsyncAnthropic(base_url=f"{server.url}/sessions/{sid}", auth_token=KEY,
-                                        max_retries=0) as claude:
+    async with anthropic.AsyncAnthropic(base_url=f"{server.url}/sessions/{sid}", api_key=KEY,
+                                        max_retries=0) as claude:  # the SDK's `x-api-key` header
         ask: list[Any] = [{"role": "user", "content": "1+2"}]
         # (this SDK dropped `temperature` from its signature; SGLang's Messages route still reads it)
         first = await claude.messages.create(model="m", max_tokens=3, system="be brief", messages=ask, tools=tools,

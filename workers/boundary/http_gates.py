@@ -2,7 +2,7 @@
 
 Owns `error_response` (SGLang's `{"error": {"message": ...}}`) and `HttpReply` (a route's way to answer
 with it), `ApiKeyMiddleware` (Bearer auth on every path but the health and metrics ones, compared in constant
-time), `MethodGate` (CONNECT refused with a 405 before any app sees it), `AdminKeyMiddleware` (SGLang's separate
+time; Anthropic's `x-api-key` taken on its Messages paths), `MethodGate` (CONNECT refused with a 405 before any app sees it), `AdminKeyMiddleware` (SGLang's separate
 key for control routes), `BodyLimitMiddleware` (413 on a declared length over the limit before the app runs) and
 `read_body` / `read_json` (a streamed body cut off at the limit, then
 decoded through `json_input`, off the event loop when large). Shared by the engine, the hook endpoint and the
@@ -55,6 +55,22 @@ def open_path(path: str) -> bool:
     return path.startswith("/health") or path == "/metrics"
 
 
+#: the paths of Anthropic's Messages API, on an engine or under a session's prefix: the `anthropic` SDK sends its
+#: `api_key` as `x-api-key` (its `auth_token` as a Bearer token), so either opens them
+ANTHROPIC_PATH_ENDS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def key_presented(scope: Scope, expected: bytes) -> bool:
+    """Whether the request carries the key `expected` (`Bearer KEY`) as `Authorization`, or, on an Anthropic
+    Messages path, as `x-api-key` (the Anthropic SDK's own header), compared in constant time."""
+    headers = dict(scope["headers"])
+    if secrets.compare_digest(headers.get(b"authorization", b""), expected):
+        return True
+    anthropic_key = headers.get(b"x-api-key")
+    return (anthropic_key is not None and scope["path"].endswith(ANTHROPIC_PATH_ENDS)
+            and secrets.compare_digest(b"Bearer " + anthropic_key, expected))
+
+
 class ClientGone(BoundaryError):
     """The client disconnected before its body was complete; the answer goes nowhere."""
 
@@ -64,7 +80,8 @@ class BodyTooLarge(BoundaryError):
 
 
 class ApiKeyMiddleware:
-    """Bearer auth on every path `exempt` does not open (default: /health* and /metrics, as SGLang)."""
+    """Bearer auth on every path `exempt` does not open (default: /health* and /metrics, as SGLang); on an
+    Anthropic Messages path the key may come as `x-api-key` too (`key_presented`)."""
 
     def __init__(self, app: ASGIApp, api_key: str, *, body: Any = UNAUTHORIZED,
                  exempt: Callable[[str], bool] = open_path) -> None:
@@ -75,8 +92,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self.exempt(scope["path"]):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(header, self.expected):
+            if not key_presented(scope, self.expected):
                 await JSONResponse(self.body, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -117,8 +133,7 @@ class AdminKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self.exempt(scope["path"]):
             expected = self.admin if self.is_admin(scope["path"]) else self.normal
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            if expected is not None and not secrets.compare_digest(header, expected):
+            if expected is not None and not key_presented(scope, expected):
                 await JSONResponse(UNAUTHORIZED, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
