@@ -103,7 +103,10 @@ def tune_as_a_run_does(*, rank: bool) -> None:
             from coordinator.rollout.manager import tune_collector  # type: ignore[attr-defined,no-redef]
         except ImportError:
             return
-    tune_collector()
+    if rank:
+        tune_collector(collect_first=False)  # type: ignore[call-arg]
+    else:
+        tune_collector()
 
 
 def rank_process(control: str, token: str, rank: int, floor_address: tuple[str, int], max_tokens: int) -> None:

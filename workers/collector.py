@@ -14,8 +14,9 @@ GEN0_THRESHOLD = 10_000
 _TUNED = False
 
 
-def tune_collector() -> int:
-    """Collect what start-up left behind, freeze the rest (`gc.freeze`) and raise the collector's first threshold
+def tune_collector(*, collect_first: bool = True) -> int:
+    """Collect what start-up left behind (`collect_first`), freeze the rest (`gc.freeze`) and raise the collector's
+    first threshold
     to `GEN0_THRESHOLD`: start-up's long-lived objects (transformers, torch, the tokenizer: ~400k objects) are
     never scanned again by the cyclic collector, and the work's own objects are not rescanned by a full pass
     every 70k allocations.
@@ -25,12 +26,16 @@ def tune_collector() -> int:
     and 8–10 µs with the threshold. On a training rank (`bench/rollout_handoff.py`), a full pass over the heap of
     its imports took ~50 ms of a ~25 ms decode of a rollout's command, once every few commands.
 
+    A rank passes `collect_first=False`: after its imports a collection freed 23 objects and took 80–270 ms of its
+    start-up (the collector's own passes during the imports had already run); what it would free stays allocated.
+
     Objects frozen are still freed by reference counting; a cycle among them that dies later is not reclaimed, the
     price of not rescanning them. Once per process (a second call does nothing); returns how many objects are
     frozen."""
     global _TUNED
     if not _TUNED:
-        gc.collect()
+        if collect_first:
+            gc.collect()
         gc.freeze()
         gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
         _TUNED = True

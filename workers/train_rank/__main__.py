@@ -118,7 +118,7 @@ def main() -> None:
         timeout = datetime.timedelta(seconds=_env_int("RAYLESS_PG_TIMEOUT_S", 600))
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
         trainer = Trainer(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
-        tune_collector()  # the imports' heap out of the collector's full passes (issue 38: ~50 ms a pass)
+        tune_collector(collect_first=False)  # the imports' heap out of the collector's full passes (issue 38)
         try:
             serve(channel, trainer)
         finally:
