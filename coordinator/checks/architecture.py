@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workers.boundary.manifest import CheckpointError
+from workers.vlm_processor import vlm_model_type
 
 if TYPE_CHECKING:
     from workers.boundary.dcp_metadata import Metadata
@@ -88,15 +89,17 @@ def _remember(key: str | None) -> None:
 
 
 def meta_model(model_dir: Path) -> Any:
-    """The model `config.json` describes, on the meta device (no memory, no weights read); raises what
+    """The model `config.json` describes, on the meta device (no memory, no weights read), of the class the ranks
+    load (`workers.train_rank.model`: a vision-language model's own, with its vision tower); raises what
     transformers raises for a config it cannot build."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     model_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    model_class = AutoModelForImageTextToText if vlm_model_type(model_dir) else AutoModelForCausalLM
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # architecture notes of transformers; the ranks log them
-        return AutoModelForCausalLM.from_config(model_config)
+        return model_class.from_config(model_config)
 
 
 def build_meta_model(model_dir: Path) -> Any | None:
@@ -117,6 +120,9 @@ def check_coverage(model_dir: Path, stored: Mapping[str, tuple[str, tuple[int, .
     # whether transformers builds it depends on config.json and the versions only: an unbuildable directory
     # (a vision-language model AutoModelForCausalLM does not take) is remembered too, so its next start skips the
     # torch import this check would cost for nothing
+    if vlm_model_type(model_dir):
+        return ("the architecture was not checked (a vision-language model: transformers renames its stored tensors "
+                "as it loads them; the ranks will)")
     unbuildable = _cache_key(model_dir, "coverage-unbuildable", [])
     if _passed_before(unbuildable):
         return "the architecture was not checked (transformers does not build it here, as an earlier start found; " \
@@ -235,6 +241,8 @@ def check_adapter_shapes(model_dir: Path, tensors: Mapping[str, tuple[str, tuple
     key = _cache_key(model_dir, f"adapter-{rank}", [f"{n}:{d}:{list(s)}" for n, (d, s) in tensors.items()])
     if _passed_before(key):
         return "shapes fit the model (passed before)"
+    if vlm_model_type(model_dir):  # an adapter's keys may name the stored tensors' modules or the loaded ones'
+        return "shapes not checked (a vision-language model: the ranks check them as they load the adapter)"
     model = build_meta_model(model_dir)
     if model is None:
         return "shapes not checked (transformers does not build the model here)"

@@ -367,25 +367,33 @@ def test_a_pass_is_remembered_and_changed_weights_are_checked_again(model_copy: 
         verify_model_dir(model_copy)
 
 
-def test_a_config_transformers_does_not_build_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                           ) -> None:
-    """A vision-language model AutoModelForCausalLM does not take: its first start says the architecture was not
-    checked, the next one builds nothing (no torch import for a check that cannot run)."""
+def test_a_config_transformers_does_not_build_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           tiny_model_dir: Path) -> None:
+    """A config AutoModelForCausalLM does not take (here T5's, a sequence-to-sequence model): its first start says
+    the architecture was not checked, the next one builds nothing (no torch import for a check that cannot run).
+    A vision-language model is not built for this check at all: its stored tensors carry the names transformers
+    renames as it loads them."""
     from coordinator.checks import architecture
     from coordinator.checks.disk import verify_model_dir
     from workers.tiny_vlm import build_tiny_vlm
 
     monkeypatch.setenv("RAYLESS_CACHE_DIR", str(tmp_path / "cache"))
-    vlm = build_tiny_vlm(tmp_path / "vlm")
-    assert verify_model_dir(vlm).endswith("the architecture was not checked (transformers does not build it here; "
-                                          "the ranks will)")
+    seq2seq = Path(shutil.copytree(tiny_model_dir, tmp_path / "seq2seq"))
+    config = json.loads((seq2seq / "config.json").read_text())
+    (seq2seq / "config.json").write_text(json.dumps({**config, "model_type": "t5",
+                                                     "architectures": ["T5ForConditionalGeneration"]}))
+    assert verify_model_dir(seq2seq).endswith("the architecture was not checked (transformers does not build it "
+                                              "here; the ranks will)")
     assert len(list((tmp_path / "cache" / "architecture-ok").iterdir())) == 1
 
     def built(model_dir: Path) -> None:
         raise AssertionError(f"the meta model of {model_dir} was built again")
 
     monkeypatch.setattr(architecture, "build_meta_model", built)
-    assert "as an earlier start found" in verify_model_dir(vlm)
+    assert "as an earlier start found" in verify_model_dir(seq2seq)
+    vlm = build_tiny_vlm(tmp_path / "vlm")
+    assert verify_model_dir(vlm).endswith("the architecture was not checked (a vision-language model: transformers "
+                                          "renames its stored tensors as it loads them; the ranks will)")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped length", "wrong shape"])

@@ -219,6 +219,23 @@ def test_targets_the_model_lacks_fail_at_start_up(tiny_model_dir: Path, targets:
         check_trainable(config)
 
 
+def test_lora_on_a_vision_language_model_is_checked_on_the_class_the_ranks_load(tmp_path: Path) -> None:
+    """The start-up check builds a VLM as the ranks do (its own class, vision tower included), not as a causal
+    LM, which transformers refuses for its config: the targets are checked and the adapters counted."""
+    from transformers import AutoModelForImageTextToText
+
+    from workers.tiny_vlm import build_tiny_vlm
+
+    vlm = build_tiny_vlm(tmp_path / "vlm")
+    total = sum(p.numel() for p in AutoModelForImageTextToText.from_pretrained(vlm).parameters())
+    flags = ["--hf-checkpoint", str(vlm), "--prompt-data", "builtin:colour", "--rollout-num-engines", "1",
+             "--num-rollout", "2", "--rollout-batch-size", "2", "--lora-rank", "4"]
+    [note] = check_trainable(parse_config([*flags, "--target-modules", "all-linear"]))
+    assert note.startswith("trainable parameters: ") and f" of {total:,} " in note and "LoRA rank 4" in note
+    with pytest.raises(ConfigError, match="foo_proj"):
+        check_trainable(parse_config([*flags, "--target-modules", "q_proj,foo_proj"]))
+
+
 def test_the_dry_run_reports_the_trainable_parameters(tiny_model_dir: Path) -> None:
     total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
     for flags, expected in (([], f"trainable parameters: {total:,} (the full model)"),
