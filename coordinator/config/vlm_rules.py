@@ -25,8 +25,8 @@ def has_images(config: Config) -> bool:
 
 
 def images_need_a_vlm(config: Config) -> None:
-    """Images go to a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE model; a builtin text task has no image column
-    to map."""
+    """Images go to a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE model — the rollout's and an eval dataset's
+    (a built-in image task); a builtin text task has no image column to map."""
     from coordinator.data.tasks import builtin_task_name, is_image_task
     from workers.vlm_processor import VLM_MODEL_TYPES, vlm_model_type
 
@@ -35,10 +35,15 @@ def images_need_a_vlm(config: Config) -> None:
         what = "draws its images itself" if is_image_task(rollout.prompt_data) else "is text only"
         raise ConfigError(f"--multimodal-keys maps --prompt-data's columns; --prompt-data {rollout.prompt_data} "
                           f"{what}: drop --multimodal-keys")
-    if not has_images(config) or rollout.hf_checkpoint is None or not Path(rollout.hf_checkpoint).is_dir():
+    # an eval dataset that is a built-in image task draws its images whatever the training data is
+    evaluated = config.eval.eval_datasets if config.eval.eval_interval is not None else []
+    image_evals = [f"--eval-prompt-data {name} {path}" for name, path in evaluated if is_image_task(path)]
+    if not (has_images(config) or image_evals) or rollout.hf_checkpoint is None \
+            or not Path(rollout.hf_checkpoint).is_dir():
         return
     if vlm_model_type(rollout.hf_checkpoint) is None:
-        source = "--multimodal-keys" if rollout.multimodal_keys else f"--prompt-data {rollout.prompt_data}"
+        source = ("--multimodal-keys" if rollout.multimodal_keys else f"--prompt-data {rollout.prompt_data}"
+                  if has_images(config) else image_evals[0])
         raise ConfigError(f"{source}: prompts with images need a vision-language --hf-checkpoint (model_type "
                           f"{' or '.join(sorted(VLM_MODEL_TYPES))}); {rollout.hf_checkpoint} is not one "
                           "(`rayless make-tiny-model --vlm DIR` builds a tiny one)")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from coordinator.data.tasks import is_image_task
 from coordinator.eval.settings import EVAL_SEED, EvalDataset
 from coordinator.rewards.pass_rate import pass_rates
 from coordinator.rollout.dispatch import Dispatcher
@@ -44,7 +45,9 @@ def generate_state(dataset: EvalDataset, *, tokenizer: object, context_length: i
     the bound on requests in flight with the rollout (eval on the rollout engines)."""
     settings = dataset.settings
     vision = None
-    if settings.multimodal_keys and settings.processor_path is not None:
+    # images come from the records' columns (`--multimodal-keys`) or from a built-in image task (`builtin:colour`,
+    # whose prompts hold their images whatever the flags say), as the rollout's processor is chosen
+    if settings.processor_path is not None and (settings.multimodal_keys or is_image_task(settings.path)):
         from workers.vlm_processor import VlmProcessor
 
         vision = VlmProcessor(settings.processor_path)

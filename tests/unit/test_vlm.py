@@ -395,6 +395,10 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
         (["--hf-checkpoint", str(tiny_model_dir), *keys], "prompts with images need a vision-language "
                                                           "--hf-checkpoint"),
         (["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "builtin:colour"], "--prompt-data builtin:colour"),
+        # an eval dataset that is an image task, beside text training data
+        (["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", "builtin:first_digit", "--eval-prompt-data",
+          "colour", "builtin:colour", "--eval-interval", "1"], "--eval-prompt-data colour builtin:colour: prompts "
+                                                              "with images need"),
         (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", "builtin:colour", "--multimodal-keys",
           '{"image": "images"}'], "draws its images itself"),
         (["--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", str(data), "--multimodal-keys",
@@ -405,11 +409,40 @@ def test_a_vlm_run_is_refused_at_start_up_where_images_cannot_go(tmp_path: Path,
             parse_config([*base, *argv])
         assert reason in str(refused.value), argv
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys])  # a VLM with images: accepted
+    parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), "--prompt-data", "builtin:colour",
+                  "--eval-prompt-data", "colour", "builtin:colour", "digits", "builtin:first_digit",
+                  "--eval-interval", "1"])
     # a custom generate function carries images (slime's geo3k_vlm_multi_turn shape): accepted
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--custom-generate-function-path", "m.f"])
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--use-session-server"])  # images carried
     # true-on-policy: the engine's rescorer takes the images (test_true_on_policy_rescoring_...): accepted
     parse_config([*base, "--hf-checkpoint", str(tiny_vlm_dir), *keys, "--deterministic-mode", "--true-on-policy-mode"])
+
+
+def test_an_image_task_evaluated_gets_the_processor_its_prompts_need(tmp_path: Path, tiny_vlm_dir: Path) -> None:
+    """`--eval-prompt-data colour builtin:colour` on a VLM: the eval's generate state has the policy's processor
+    (chosen as the rollout's: by `--multimodal-keys` or a built-in image task), so each record's prompt ids come
+    with its image tokens expanded and the trainer's pixel inputs; a text dataset beside it gets none."""
+    from transformers import AutoTokenizer
+
+    from coordinator.config import parse_config
+    from coordinator.eval.run import generate_state
+    from coordinator.eval.settings import EvalSettings, load_eval_datasets
+    from coordinator.rollout.requests import with_images
+
+    config = parse_config(["--hf-checkpoint", str(tiny_vlm_dir), "--run-dir", str(tmp_path / "run"),
+                           "--prompt-data", "builtin:colour", "--rollout-num-engines", "1", "--num-rollout", "1",
+                           "--rollout-batch-size", "1", "--eval-prompt-data", "colour", "builtin:colour", "digits",
+                           "builtin:first_digit", "--eval-interval", "1"])
+    settings = EvalSettings.from_slices(config.eval, rollout=config.rollout, sglang=config.sglang)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm_dir)
+    colour, digits = load_eval_datasets(settings, tokenizer)
+    state = generate_state(colour, tokenizer=tokenizer, context_length=4096, concurrency=4)
+    record = colour.records[0]
+    prompt_ids = state.encode(str(record.prompt))
+    ids, inputs = with_images(state, record, prompt_ids)
+    assert inputs is not None and len(ids) > len(prompt_ids)  # the image's placeholder expanded to its tokens
+    assert generate_state(digits, tokenizer=tokenizer, context_length=4096, concurrency=4).vision is None
 
 
 def test_a_hooks_sample_with_images_is_made_whole_or_refused_naming_the_hook(tiny_vlm_dir: Path) -> None:
