@@ -545,7 +545,7 @@ def test_structured_routes_behind_the_api_key_and_body_limit(
                 model="m",
                 messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
             ),
-            "text parts",
+            "images need a vision-language model, and this engine's model is not one",
         ),
         (
             lambda c: c.completions.create(model="m", prompt="1", extra_body={"stop_token_ids": [10**6]}),

@@ -71,3 +71,16 @@ def test_message_content_parts_are_joined_and_others_refused() -> None:
                                          {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]
     with pytest.raises(RequestError, match="only text parts"):
         normalise_messages([{"role": "user", "content": [{"type": "image_url"}]}])
+    # a vision-language model's chat: a message with images keeps its parts, each image an `image` part where the
+    # template writes its placeholder; the URLs collected in order; a text-only message still joined
+    urls: list[str] = []
+    chat = [{"role": "system", "content": [{"type": "text", "text": "s"}]},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u1"}},
+                                         {"type": "image_url", "image_url": "u2"}]}]
+    assert normalise_messages(chat, urls) == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "image"}]}]
+    assert urls == ["u1", "u2"]
+    for bad in ({"type": "image_url"}, {"type": "image_url", "image_url": {"url": ""}}, {"type": "audio"}):
+        with pytest.raises(RequestError, match="content"):
+            normalise_messages([{"role": "user", "content": [bad]}], [])

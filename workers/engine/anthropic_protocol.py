@@ -14,11 +14,12 @@ either); `tools` → OpenAI function tools given to the chat template; `stop_seq
 `return_meta_info` (the reply's `meta_info`, with the output logprobs: token in / token out, as the chat
 route), `seed`.
 
-Images: with `images=True` (the session server on a vision-language policy, docs/vlm.md) a user message's
+Images: with `images=True` (the session server on a vision-language policy, and the engine's own route on a
+vision-language model, docs/vlm.md) a user message's
 `image` blocks, and those of a `tool_result`'s content, become OpenAI `image_url` parts in their place among the
 text parts, as SGLang's adapter does: a `base64` source as its data URL (`image/png` when no media type is given),
-a `url` source as that URL (which the session refuses, naming it: it fetches nothing). The engine's own routes
-serve no images.
+a `url` source as that URL (which the session refuses, naming it, and the engine takes only as `image_data`
+takes a reference: it fetches nothing).
 
 Invariants: every rejection is a `RequestError` naming the field (a 400 in Anthropic's error shape); images
 (unless taken as above), documents and other non-text content are refused by name, never dropped; `tool_choice`

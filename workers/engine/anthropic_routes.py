@@ -51,7 +51,7 @@ class AnthropicRoutes:
     async def count_tokens(self, request: Request) -> Response:
         try:
             body = await read_json(request, self.server.args.max_request_bytes)
-            spec = messages_request(body, self.server.model_path, counting=True)
+            spec = messages_request(body, self.server.model_path, counting=True, images=self.turns.vlm)
             return JSONResponse({"input_tokens": await self.turns.count(spec.chat_body)})
         except RequestError as exc:
             return anthropic_error(str(exc))
@@ -59,7 +59,7 @@ class AnthropicRoutes:
     async def messages(self, request: Request) -> Response:
         try:
             body = await read_json(request, self.server.args.max_request_bytes)
-            spec = messages_request(body, self.server.model_path)
+            spec = messages_request(body, self.server.model_path, images=self.turns.vlm)
             started = await self.turns.start(
                 spec.chat_body, prefill=spec.prefill, known=spec.tool_names, stops=spec.stop_sequences
             )

@@ -44,6 +44,11 @@ class TurnRunner:
         self.server = server
         self.chat = OpenAIRoutes(server)
 
+    @property
+    def vlm(self) -> bool:
+        """The engine's model is a vision-language model: the wire formats' image blocks are taken."""
+        return self.server.runner.vision_processor is not None
+
     async def start(
         self, chat_body: JsonObject, *, prefill: str, known: set[str], stops: list[str] | None = None
     ) -> Started:
@@ -52,10 +57,14 @@ class TurnRunner:
         return Started(seqs[0], group, prefill, known, list(stops or []))
 
     async def count(self, chat_body: JsonObject) -> int:
-        """The prompt's token count as the chat route would render it (nothing runs)."""
+        """The prompt's token count as the chat route would render it, each image's tokens included (nothing
+        runs)."""
         template = self.chat._chat_input(chat_body)  # the chat route's limits and template rule, then its render
-        spec = chat_request(chat_body, self.server.model_path)
-        return len(await self.chat._render_chat(spec, template))
+        spec = chat_request(chat_body, self.server.model_path, images=self.vlm)
+        ids = await self.chat._render_chat(spec, template)
+        if spec.image_urls:
+            ids = await self.chat.expanded(ids, spec.image_urls)
+        return len(ids)
 
     def finished(self, started: Started, *, meta_info: bool) -> Turn:
         seq = started.seq

@@ -231,16 +231,18 @@ class RequestBuilder:
                                    f"context length ({self.server.context_length} tokens).")
         return visions
 
-    async def build(self, body: JsonObject) -> tuple[list[Seq], bool, RequestGroup]:
+    async def build(self, body: JsonObject, *, expand_images: bool = False) -> tuple[list[Seq], bool, RequestGroup]:
         """Validate the whole request and make its sequences; nothing reaches the scheduler before this
-        returns, so a bad request is refused whole and never joins (or breaks) the running batch."""
+        returns, so a bad request is refused whole and never joins (or breaks) the running batch.
+        `expand_images`: the `input_ids` were rendered from a chat here (one placeholder an image, as a text
+        prompt's), not sent expanded."""
         if body.get("lora_path") is not None:
             raise RequestError("'lora_path': LoRA adapters are not supported by the rayless engine")
         stream = self._flag(body, "stream")
         self._flag(body, "return_text_in_logprobs")
         prompts, batched = await self._prompts(body)
         count = len(prompts)
-        visions = await self._images(body, prompts, from_text=body.get("text") is not None)
+        visions = await self._images(body, prompts, from_text=body.get("text") is not None or expand_images)
         params_list = [
             parse_sampling_params(p, vocab_size=self.server.runner.vocab_size, max_n=self.server.args.max_n)
             for p in self._per_item(body.get("sampling_params"), count, "sampling_params")

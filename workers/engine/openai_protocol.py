@@ -66,6 +66,9 @@ class GenerateBody:
     #: chat: the messages and template arguments, rendered to `input_ids` by the server (off the loop)
     messages: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: chat on a vision-language model: the messages' image URLs in order (SGLang's `image_data` for the prompt);
+    #: each one's part is `{"type": "image"}` in `messages`, where the template writes its placeholder
+    image_urls: list[str] = field(default_factory=list)
 
 
 def _bool(body: JsonObject, key: str, default: bool = False) -> bool:
@@ -136,26 +139,52 @@ def _common(body: JsonObject) -> None:
         raise RequestError("'rid' must be a string")
 
 
-def _message_content(message: JsonObject, index: int) -> JsonValue:
-    """SGLang's 'string' content format: text parts joined with newlines; other parts refused."""
+def _image_url(part: JsonObject, where: str) -> str:
+    """An `image_url` part's URL (`{"url": ...}` or the string itself, as SGLang takes both)."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise RequestError(f"{where}: an image_url part needs image_url.url, a non-empty string")
+    return url
+
+
+def _message_content(message: JsonObject, index: int, images: list[str] | None = None) -> JsonValue:
+    """SGLang's 'string' content format: text parts joined with newlines; other parts refused. With `images` (a
+    vision-language model's chat) a content holding `image_url` parts stays a list — text parts and one
+    `{"type": "image"}` per image, where the model's template writes the image's placeholder, as SGLang's
+    'openai' content format — and the images' URLs are appended to `images` in order."""
     content = message.get("content")
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise RequestError(f"messages[{index}].content must be a string, a list of parts or null")
     texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    parts: list[JsonObject] = []
+    found: list[str] = []
+    for position, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "image_url" and images is not None:
+            found.append(_image_url(part, f"messages[{index}].content[{position}]"))  # type: ignore[arg-type]
+            parts.append({"type": "image"})
+            continue
+        if not isinstance(part, dict) or kind != "text" or not isinstance(part.get("text"), str):
+            why = (": images need a vision-language model, and this engine's model is not one"
+                   if kind == "image_url" else "")
             raise RequestError(
                 f"messages[{index}].content: only text parts are supported by the rayless engine, got {show(kind)}"
+                f"{why}"
             )
         texts.append(part["text"])
+        parts.append({"type": "text", "text": part["text"]})
+    if found:
+        images.extend(found)  # type: ignore[union-attr]
+        return parts
     return "\n".join(texts)
 
 
-def normalise_messages(messages: JsonValue) -> list[JsonObject]:
-    """The messages as the chat template sees them (content flattened to a string, None kept)."""
+def normalise_messages(messages: JsonValue, images: list[str] | None = None) -> list[JsonObject]:
+    """The messages as the chat template sees them (content flattened to a string, None kept); with `images`,
+    a message holding images keeps its parts and their URLs are collected (`_message_content`)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of message objects")
     normalised = []
@@ -163,16 +192,17 @@ def normalise_messages(messages: JsonValue) -> list[JsonObject]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestError(f"messages[{index}] must be an object with a string 'role'")
         item = {key: value for key, value in message.items() if value is not None}
-        item["content"] = _message_content(message, index)
+        item["content"] = _message_content(message, index, images)
         if item["content"] is None:
             item["content"] = ""  # SGLang renders a null content (a tool-call turn) as ""
         normalised.append(item)
     return normalised
 
 
-def chat_request(body: JsonObject, default_model: str) -> GenerateBody:
+def chat_request(body: JsonObject, default_model: str, *, images: bool = False) -> GenerateBody:
     """A /v1/chat/completions body as a generate body; `messages` left for the server to render unless
-    `input_ids` are given (then the messages are not rendered, as in SGLang)."""
+    `input_ids` are given (then the messages are not rendered, as in SGLang). `images`: the engine's model is a
+    vision-language model, so `image_url` parts are taken (`GenerateBody.image_urls`)."""
     _common(body)
     stream = _bool(body, "stream")
     logprobs = _bool(body, "logprobs")
@@ -221,7 +251,7 @@ def chat_request(body: JsonObject, default_model: str) -> GenerateBody:
         if body.get("image_data") is not None:  # a VLM's images for those ids (the session server sends them)
             generate["image_data"] = body["image_data"]
         return result
-    result.messages = normalise_messages(body.get("messages"))
+    result.messages = normalise_messages(body.get("messages"), result.image_urls if images else None)
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RequestError("'tools' must be a list")

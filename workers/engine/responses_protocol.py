@@ -18,7 +18,8 @@ Invariants: every rejection is a `RequestError` naming the field (SGLang's 400 `
 `previous_response_id` and `conversation` are refused (the engine stores no responses: send the whole input),
 as are non-function tools, forced `tool_choice` (it needs constrained decoding), structured `text.format`, and
 non-text content — never silently dropped — except, with `images=True` (the session server on a vision-language
-policy, docs/vlm.md), `input_image` parts, which become OpenAI `image_url` parts in their place.
+policy, and the engine's own route on a vision-language model, docs/vlm.md), `input_image` parts, which become
+OpenAI `image_url` parts in their place.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class ResponsesRoutes:
     async def responses(self, request: Request) -> Response:
         try:
             body = await read_json(request, self.server.args.max_request_bytes)
-            spec = responses_request(body, self.server.model_path)
+            spec = responses_request(body, self.server.model_path, images=self.turns.vlm)
             started = await self.turns.start(spec.chat_body, prefill="", known=spec.tool_names)
         except RequestError as exc:
             return openai_error(str(exc))

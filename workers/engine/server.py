@@ -81,9 +81,9 @@ class EngineServer:
 
     # ---- what /generate and the /v1 routes share ------------------------------------------------------
 
-    async def build(self, body: JsonObject) -> tuple[list[Seq], bool, RequestGroup]:
+    async def build(self, body: JsonObject, *, expand_images: bool = False) -> tuple[list[Seq], bool, RequestGroup]:
         """Validate a /generate body whole and make its sequences (`RequestBuilder.build`)."""
-        return await self.requests.build(body)
+        return await self.requests.build(body, expand_images=expand_images)
 
     def render(self, seq: Seq, *, with_text: bool, final: bool) -> JsonObject:
         return self.generation.render(seq, with_text=with_text, final=final)
