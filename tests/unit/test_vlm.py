@@ -658,3 +658,40 @@ def test_a_micro_batch_of_text_samples_on_a_vlm_attends_within_each_sample(tiny_
             own = torch.log_softmax(trainer.model(input_ids=ids).logits[0, :-1].float(), -1)
         expected = own.gather(-1, ids[0, 1:, None])[-5:, 0]
         assert float((packed[start:end] - expected).abs().max()) < 1e-5
+
+
+def test_the_engine_loads_a_vlm_checkpoint_from_disk_under_either_naming(tiny_vlm_dir: Path, tmp_path: Path) -> None:
+    """`/update_weights_from_disk` on a VLM engine takes the checkpoint as transformers saves it and the hub holds
+    Qwen2.5-VL (`model.layers...`, `visual...`: an eval fleet pins `--hf-checkpoint` so at step 0) and as the
+    loaded model names it (`model.language_model...`, `model.visual...`: a rank's export), as SGLang's loader
+    does; every weight lands, and a name of neither form is still refused."""
+    import json
+    import struct
+
+    import torch
+    from safetensors.torch import save_file
+
+    from workers.engine.runner import ModelRunner, WeightUpdateError
+
+    stored = tiny_vlm_dir / "model.safetensors"
+    header = json.loads(stored.read_bytes()[8:8 + struct.unpack("<Q", stored.read_bytes()[:8])[0]])
+    header.pop("__metadata__", None)
+    assert any(name.startswith("visual.") for name in header)  # the saved form: the test reads what it claims
+    runner = ModelRunner(str(tiny_vlm_dir))
+    state = {name: tensor.detach().clone() for name, tensor in runner.model.state_dict().items()}
+    with torch.no_grad():
+        for parameter in runner.model.parameters():
+            parameter.add_(1.0)
+    assert runner.load_from_disk(str(tiny_vlm_dir)) == len(header)
+    assert all(torch.equal(runner.model.state_dict()[name], state[name]) for name in state)
+
+    loaded_form = tmp_path / "loaded-form"
+    loaded_form.mkdir()
+    save_file({name: tensor.contiguous() for name, tensor in state.items()
+               if name != "lm_head.weight" or not runner.model.config.get_text_config().tie_word_embeddings},
+              str(loaded_form / "model.safetensors"))
+    assert runner.load_from_disk(str(loaded_form)) > 0
+
+    save_file({"model.nonsense.weight": torch.zeros(2)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(WeightUpdateError, match=r"unknown parameter 'model\.nonsense\.weight'"):
+        runner.load_from_disk(str(tmp_path / "bad.safetensors"))

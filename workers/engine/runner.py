@@ -407,24 +407,40 @@ class ModelRunner:
         device = "cpu" if self.device.type == "cpu" else str(self.device)
         try:
             handles = [safe_open(str(file), framework="pt", device=device) for file in files]
-            where: dict[str, Any] = {}
+            where: dict[str, tuple[Any, str]] = {}  # the model's name -> (file, the name stored there)
             incoming: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+            state = self.model.state_dict(keep_vars=True)
             for handle in handles:
-                for name in handle.keys():
-                    tensor_slice = handle.get_slice(name)
+                for stored in handle.keys():
+                    tensor_slice = handle.get_slice(stored)
                     kind = tensor_slice.get_dtype()  # "F32", "BF16", "I64", ...
                     if kind not in _SAFETENSORS_DTYPES:
-                        raise WeightUpdateError(f"{name}: dtype {kind} is not supported")
+                        raise WeightUpdateError(f"{stored}: dtype {kind} is not supported")
+                    name = self._model_name(stored, state)
                     incoming[name] = (tuple(tensor_slice.get_shape()), _SAFETENSORS_DTYPES[kind])
-                    where[name] = handle
+                    where[name] = (handle, stored)
             self._validate(incoming, require_all=True)
-            state = self.model.state_dict(keep_vars=True)
             with torch.no_grad():
-                for name, handle in where.items():
-                    state[name].data.copy_(handle.get_tensor(name).to(state[name].dtype))
+                for name, (handle, stored) in where.items():
+                    state[name].data.copy_(handle.get_tensor(stored).to(state[name].dtype))
         except (SafetensorError, OSError) as error:
             raise WeightUpdateError(f"cannot read {model_path}: {error}") from error
         return len(incoming)
+
+    def _model_name(self, stored: str, state: dict[str, Any]) -> str:
+        """The model's name of a tensor stored under `stored`. A vision-language checkpoint as transformers saves
+        it (and the hub holds Qwen2-VL / Qwen2.5-VL) names the language model `model.layers...` and the tower
+        `visual...`, where the loaded model has `model.language_model.layers...` and `model.visual...`: SGLang's
+        loader takes both forms, and so does this one. Any other name is kept (and checked by `_validate`)."""
+        if not self.vlm_type or stored in state:
+            return stored
+        if stored.startswith("visual."):
+            renamed = "model." + stored
+        elif stored.startswith("model.") and not stored.startswith(("model.language_model.", "model.visual.")):
+            renamed = "model.language_model." + stored[len("model."):]
+        else:
+            return stored
+        return renamed if renamed in state else stored
 
     def load_delta(self, model_path: str, current_version: str) -> int:
         """Apply a delta directory (`weight_delta`) to the weights held at `current_version`: every changed
