@@ -182,10 +182,19 @@ _KEPT = ("step", "rollout/reward_mean", "rollout/response_len_mean", "rollout/ti
          "sync/time_s")
 
 
+def is_evaluation_row(row: dict[str, Any]) -> bool:
+    """A row an evaluation wrote (on the rollout engines or the eval fleet, a skipped one's too), beside its
+    rollout's own: `eval/` figures and no rollout's or train step's."""
+    return any(key.startswith("eval/") for key in row) and not any(
+        key.startswith(("rollout/", "train/")) for key in row)
+
+
 class MetricsLog:
     """Appends metrics to `<run_dir>/metrics.jsonl` (and to TensorBoard / wandb when asked). `history` keeps,
-    per step, only what the end-of-run plot and summary read (`_KEPT`): a long run holds ~0.5 KB per rollout
-    in memory, not its every metric (~2.4 KB)."""
+    per rollout, only what the end-of-run plot and summary read (`_KEPT`): a long run holds ~0.5 KB per rollout
+    in memory, not its every metric (~2.4 KB). An evaluation's rows go to the file and the trackers only: the
+    history, the status page's recent rows and `last` (the status page's and `/metrics`' latest rollout) are
+    the rollouts'."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = False, wandb: bool = False,
                  wandb_key: str | None = None, wandb_login: dict[str, Any] | None = None,
@@ -220,8 +229,9 @@ class MetricsLog:
         for source in self.row_sources:
             metrics = {**source(), **metrics}
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
-        self.history.append({key: record[key] for key in _KEPT if key in record})
-        self.last = record
+        if not is_evaluation_row(record):  # an evaluation's row is the file's, not a rollout of the history
+            self.history.append({key: record[key] for key in _KEPT if key in record})
+            self.last = record
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and k not in ("step", "time")}
@@ -246,7 +256,7 @@ class MetricsLog:
                 dropped += 1
                 continue
             kept.append(line)
-            if type(step) is int:
+            if type(step) is int and not is_evaluation_row(row):  # type: ignore[arg-type]
                 earlier.append({key: row[key] for key in _KEPT if key in row})  # type: ignore[index]
         if dropped:
             tmp = self.path.with_name(self.path.name + ".tmp")

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from coordinator.observe.progress import is_evaluation_row
 from coordinator.status.reading import (
     MAX_BYTES,
     NoStatus,
@@ -139,7 +140,10 @@ def render(document: JsonObject, source: str) -> str:
             [str(r["rank"]), str(r["node"] if r["node"] is not None else "-"), r["state"],
              _num(r.get("last_step_s"), ".2f") + " s", _num((r.get("memory_bytes") or 0) / 2**20, ".0f") + " MiB"
              if r.get("memory_bytes") else "-"] for r in document["ranks"]])
-    rows = document.get("metrics") or []
+    metrics = document.get("metrics") or []
+    # an evaluation writes its own row beside its rollout's (read back from metrics.jsonl): a table of its own
+    rows = [row for row in metrics if isinstance(row, dict) and not is_evaluation_row(row)]
+    evals = [row for row in metrics if isinstance(row, dict) and is_evaluation_row(row)]
     if rows:
         lines.append("last rollouts:")
         lines += _table(("ROLLOUT", "REWARD", "RESPONSE LEN", "GENERATE", "TRAIN", "SYNC"), [
@@ -147,10 +151,29 @@ def render(document: JsonObject, source: str) -> str:
              _num(row.get("rollout/response_len_mean"), ".1f"), _num(row.get("rollout/time_s"), ".2f") + " s",
              _num(row.get("train/time_s"), ".2f") + " s", _num(row.get("sync/time_s"), ".2f") + " s"]
             for row in rows[-5:]])
+    fleet = document.get("eval") or {}
+    if isinstance(fleet.get("records"), list) and fleet["records"]:  # the eval fleet's, done or skipped
+        evals = [{**(record.get("metrics") or {}), "step": record.get("pinned_step"),
+                  "eval/weight_version": record.get("weight_version"),
+                  "status": record.get("status") if record.get("status") != "done" else None,
+                  "reason": record.get("reason")} for record in fleet["records"] if isinstance(record, dict)]
+    if evals:
+        lines.append("last evaluations:")
+        lines += _table(("ROLLOUT", "WEIGHTS", "REWARD PER DATASET"), [
+            [str(row.get("step")), str(row.get("eval/weight_version") or "-"), _eval_rewards(row)]
+            for row in evals[-5:]])
     if document.get("events"):
         lines.append("failures and recoveries:")
         lines += [f"  {e['engine']}: {e['kind']} {e.get('detail', '')[:90]}" for e in document["events"][-10:]]
     return "\n".join(lines)
+
+
+def _eval_rewards(row: dict[str, Any]) -> str:
+    """An evaluation's mean reward per dataset (`eval/<name>/reward_mean`), or why it did not run."""
+    if row.get("status") or "eval/skipped" in row:
+        return f"skipped: {row.get('reason') or row.get('eval/skip_reason') or row.get('status')}"
+    return "  ".join(f"{key[len('eval/'):-len('/reward_mean')]} {_num(value, '.3f')}"
+                     for key, value in sorted(row.items()) if key.endswith("/reward_mean"))
 
 
 def main(argv: Sequence[str]) -> int:

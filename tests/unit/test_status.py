@@ -153,6 +153,37 @@ def test_the_eta_is_shown_while_the_run_goes_on_and_not_once_it_ended(tmp_path: 
         assert first.startswith(f"run {tmp_path}: {outcome} · 1/8 rollouts · elapsed ") and "ETA" not in first
 
 
+def test_an_evaluations_rows_stay_out_of_the_rollouts_and_show_as_evaluations(tmp_path: Path) -> None:
+    """An evaluation writes its own row at its rollout's step (on the rollout engines, or the fleet's, skipped or
+    done). The page's recent rollouts, `/metrics`' latest figures and the engines' rates read the rollouts' rows
+    only (after an evaluation they went blank); `rayless status` lists the evaluations in a table of their own."""
+    metrics = MetricsLog(tmp_path)
+    rollout = {"rollout/reward_mean": 0.5, "rollout/response_len_mean": 4.0, "rollout/time_s": 1.0,
+               "train/time_s": 2.0, "sync/time_s": 0.1, "rollout/tokens_per_s/rollout-0": 40.0}
+    metrics.log(0, {"eval/step": 0, "eval/weight_version": "0", "eval/digits/reward_mean": 0.25})
+    metrics.log(0, rollout)
+    metrics.log(1, {**rollout, "rollout/reward_mean": 0.75})
+    metrics.log(1, {"eval/skipped": 1.0, "eval/skipped_busy": 1.0, "eval/skip_reason": "busy",
+                    "eval/weight_version": "2"})
+    metrics.close()
+    assert [row["rollout/reward_mean"] for row in metrics.history] == [0.5, 0.75]
+    assert metrics.last["rollout/reward_mean"] == 0.75 and "rollout/tokens_per_s/rollout-0" in metrics.last
+    sources = StatusSources(run_dir=tmp_path, config_digest="", progress=RunProgress(), metrics=metrics,
+                            timeline=Timeline(None))
+    document = snapshot(sources)
+    assert [row["step"] for row in document["metrics"]] == [0, 1]
+    families = {family.name: family for family in text_string_to_metric_families(prometheus.render(document).decode())}
+    assert families["rayless_reward_mean"].samples[0].value == 0.75
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_rollout": 2}))  # no status.json: read from the files
+    code, text = run_status([str(tmp_path)])
+    rollouts = text[text.index("last rollouts:"):text.index("last evaluations:")].splitlines()
+    assert code == 0 and len(rollouts) == 4 and all(" - " not in line for line in rollouts)
+    evaluations = text[text.index("last evaluations:"):].splitlines()
+    assert evaluations[2].split() == ["0", "0", "digits", "0.250"]
+    assert evaluations[3].split()[:3] == ["1", "2", "skipped:"] and "busy" in evaluations[3]
+
+
 def test_status_flags_are_checked_at_start_up() -> None:
     base = ["--hf-checkpoint", "/model", "--prompt-data", "builtin:first_digit", "--rollout-num-engines", "1",
             "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
