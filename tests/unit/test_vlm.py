@@ -695,3 +695,41 @@ def test_the_engine_loads_a_vlm_checkpoint_from_disk_under_either_naming(tiny_vl
     save_file({"model.nonsense.weight": torch.zeros(2)}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(WeightUpdateError, match=r"unknown parameter 'model\.nonsense\.weight'"):
         runner.load_from_disk(str(tmp_path / "bad.safetensors"))
+
+
+def test_a_vlm_critic_reads_the_images_and_its_tower_trains(tiny_vlm_dir: Path) -> None:
+    """PPO on a VLM: the critic's values after the images come from the images (another image, other values),
+    as the policy's logprobs do, and its vision tower gets gradients — without them its optimizer held no state
+    for the tower, and a resumed run failed to load the checkpoint it saved."""
+    from tests.support.train_settings import flat_settings
+    from workers import protocol
+    from workers.protocol.control import wire_images
+    from workers.protocol.train_settings import CriticSettings, ReturnsSettings
+    from workers.train_rank.trainer import Trainer
+
+    _, rows, vision = engine_rollout(tiny_vlm_dir)
+    ids, out, logprobs = rows["vlm"]
+    images = {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw}
+    settings = flat_settings({"model_path": str(tiny_vlm_dir), "lr": 1e-3, "max_tokens_per_micro_batch": 4096,
+                              "seed": 3}).replace(returns=ReturnsSettings(estimator="ppo", gamma=1.0, lambd=1.0),
+                                                  critic=CriticSettings(lr=1e-2))
+    trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+    trainer.init(protocol.InitCommand(settings))
+    assert trainer.critic is not None
+
+    def batch(pixels: torch.Tensor) -> object:
+        sample = protocol.WireSample(tokens=ids + out, response_length=len(out), loss_mask=[1] * len(out),
+                                     rollout_log_probs=logprobs, advantage=1.0,
+                                     images=wire_images({**images, "pixel_values": pixels}))
+        (only,) = trainer._micro_batches([sample])
+        return only
+
+    with torch.no_grad():  # the zero-initialised head makes every value 0: give it a direction first
+        trainer.critic.model.get_output_embeddings().weight.normal_(0.0, 1.0)
+    seen = trainer.critic.old_values(batch(images["pixel_values"]))
+    other = trainer.critic.old_values(batch(torch.flip(images["pixel_values"], dims=[0])))
+    assert not torch.allclose(seen, other)
+    values = trainer.critic.values(batch(images["pixel_values"]))
+    values.sum().backward()
+    tower = [p.grad for p in trainer.critic.model.model.visual.parameters() if p.requires_grad]
+    assert tower and all(grad is not None for grad in tower) and any(float(g.abs().sum()) > 0 for g in tower)

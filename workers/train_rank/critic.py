@@ -100,9 +100,11 @@ class Critic:
                             adapt=attach_value_head, adapt_full=attach_value_head)
 
     def values(self, batch: MicroBatch) -> torch.Tensor:
-        """[B, L-1] float32 values at the shifted positions (0 outside the responses)."""
+        """[B, L-1] float32 values at the shifted positions (0 outside the responses). A vision-language batch's
+        images go in as the policy's do (`batch.vision`): the value of a state after an image is read from the
+        image, and the critic's tower trains with it."""
         out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                         position_ids=batch.position_ids).logits
+                         position_ids=batch.position_ids, **(batch.vision or {})).logits
         return out[:, :-1, 0].float() * batch.response_positions()
 
     @torch.no_grad()
