@@ -733,3 +733,41 @@ def test_a_vlm_critic_reads_the_images_and_its_tower_trains(tiny_vlm_dir: Path) 
     values.sum().backward()
     tower = [p.grad for p in trainer.critic.model.model.visual.parameters() if p.requires_grad]
     assert tower and all(grad is not None for grad in tower) and any(float(g.abs().sum()) > 0 for g in tower)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in one process
+def test_a_vlm_trained_on_text_alone_saves_a_checkpoint_it_can_resume_exactly(tiny_vlm_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """A run whose steps so far held no image (a mixed dataset's text prompts) never stepped the vision tower,
+    so AdamW held no state for it; the checkpoint it saved lacked those entries and loading it failed. Every
+    trainable weight's state is saved (zero, as AdamW starts it), so the resumed steps equal the continued ones."""
+    from tests.support.train_settings import init_command
+    from workers import protocol
+    from workers.train_rank.trainer import Trainer
+
+    _, rows, _ = engine_rollout(tiny_vlm_dir)
+    ids, out, logprobs = rows["text"]
+    samples = [protocol.WireSample(tokens=ids + out, response_length=len(out), loss_mask=[1] * len(out),
+                                   rollout_log_probs=logprobs, advantage=advantage) for advantage in (1.0, -0.5)]
+    tokens = [2 * len(out)]
+
+    def fresh() -> Trainer:
+        trainer = Trainer(rank=0, world_size=1, device=torch.device("cpu"))
+        trainer.init(init_command({"model_path": str(tiny_vlm_dir), "lr": 1e-2, "max_tokens_per_micro_batch": 4096,
+                                   "seed": 3}))
+        return trainer
+
+    def step(trainer: Trainer, rollout_id: int) -> tuple[float, float]:
+        metrics = trainer.train(protocol.TrainCommand(rollout_id, [samples], tokens)).steps[0]
+        return metrics.loss, metrics.grad_norm
+
+    trainer = fresh()
+    step(trainer, 0)
+    trainer.save(protocol.SaveCommand(directory=str(tmp_path / "ckpt"), rollout_id=0, extra={}))
+    continued = [step(trainer, 1), step(trainer, 2)]
+    resumed = fresh()
+    resumed.load(protocol.LoadCommand(path=str(tmp_path / "ckpt")))
+    assert [step(resumed, 1), step(resumed, 2)] == continued
+    for (name, mine), theirs in zip(trainer.model.state_dict().items(), resumed.model.state_dict().values(),
+                                    strict=True):
+        assert torch.equal(mine, theirs), name

@@ -190,10 +190,12 @@ def write_tmp(
         _settle(save_dir)
         prepare_tmp(save_dir, rollout_id)
     _barrier()
+    complete_optimizer_state(optimizer)
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     model_state = _without_frozen(model, model_state)
     shards: dict[str, Any] = {"model": model_state, "optim": optim_state}
     if critic is not None:
+        complete_optimizer_state(critic.optimizer)
         shards["critic"], shards["critic_optim"] = get_state_dict(critic.model, critic.optimizer)
     dcp.save(shards, checkpoint_id=str(tmp))
     _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
@@ -359,6 +361,23 @@ def load_critic_weights(path: str | Path, model: Any) -> Path:
     _dcp_load(state, directory)
     set_model_state_dict(model, state["critic"])
     return directory
+
+
+def complete_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every trainable weight AdamW's state, as AdamW starts it (step 0, zero moments), where it has none:
+    a weight that never had a gradient yet (a VLM's tower after text-only steps, an expert no token was routed
+    to) is stepped by AdamW exactly as if it had none. Without it the checkpoint lacks those entries while a
+    fresh optimizer loading it expects one per weight (DCP initialises them all), and the resume fails."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            state = optimizer.state[parameter]
+            if len(state) or not parameter.requires_grad:
+                continue
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
 
 
 def _dcp_load(state: dict[str, Any], directory: Path) -> None:
