@@ -16,15 +16,14 @@ _TUNED = False
 
 def tune_collector(*, collect_first: bool = True) -> int:
     """Collect what start-up left behind (`collect_first`), freeze the rest (`gc.freeze`) and raise the collector's
-    first threshold
-    to `GEN0_THRESHOLD`: start-up's long-lived objects (transformers, torch, the tokenizer: ~400k objects) are
+    first threshold to `GEN0_THRESHOLD`: start-up's long-lived objects (transformers, torch, the tokenizer: ~400k objects) are
     never scanned again by the cyclic collector, and the work's own objects are not rescanned by a full pass
     every 70k allocations.
 
     Measured (issue 38): in the coordinator's generate path (`bench/rollout_overhead.py`, 8,192 samples) the
     collector took 50–75 µs of a ~100 µs sample before, 25–30 µs frozen; at 32,768 samples 22–25 µs frozen alone
     and 8–10 µs with the threshold. On a training rank (`bench/rollout_handoff.py`), a full pass over the heap of
-    its imports took ~50 ms of a ~25 ms decode of a rollout's command, once every few commands.
+    its imports took ~50 ms, beside a ~25 ms decode of a rollout's command, once every few commands.
 
     A rank passes `collect_first=False`: after its imports a collection freed 23 objects and took 80–270 ms of its
     start-up (the collector's own passes during the imports had already run); what it would free stays allocated.

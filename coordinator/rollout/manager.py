@@ -17,9 +17,9 @@ advantages computed here (one place, for generated and replayed rollouts alike) 
 `--save-debug-rollout-data`, is dumped before it is returned.
 
 `workers.collector.tune_collector` is what a run calls once its pieces are built: the heap that start-up made
-(transformers, the tokenizer, the config) lives as long as the run, and moving it out of the collector's reach, with fewer passes
-over each rollout's own objects, keeps the collector's share of a sample small and flat in the rollout's size
-(issue 38: it was half the generate path's CPU per sample).
+(transformers, the tokenizer, the config) lives as long as the run, and moving it out of the collector's reach,
+with fewer passes over each rollout's own objects, keeps the collector's share of a sample small and flat in the
+rollout's size (issue 38: it was half the generate path's CPU per sample).
 """
 
 from __future__ import annotations
