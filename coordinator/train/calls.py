@@ -107,6 +107,9 @@ def _idle_socket(stream: anyio.abc.ByteStream) -> tuple[_Transport, int] | None:
     return None if sock is None else (transport, int(sock.fileno()))
 
 
+#: bytes written without waiting after which the event loop gets a turn (~2 ms of copying)
+_YIELD_BYTES = 8 << 20
+
 #: how often a write waiting for a full socket looks whether its connection was closed meanwhile (a lost node's
 #: connection is closed by the channel while its send may be waiting for a peer that will never read)
 _CLOSED_CHECK_S = 0.25
@@ -124,6 +127,7 @@ async def _write_parts(transport: _Transport, descriptor: int, parts: list[bytes
     await anyio.lowlevel.checkpoint_if_cancelled()
     views = deque(view for view in (memoryview(part).cast("B") for part in parts) if len(view))
     duplicate = os.dup(descriptor)
+    unyielded = 0
     try:
         while views:
             if transport.is_closing():
@@ -131,9 +135,14 @@ async def _write_parts(transport: _Transport, descriptor: int, parts: list[bytes
             try:
                 sent = os.writev(duplicate, list(islice(views, _IOV_MAX)))
             except BlockingIOError:
+                unyielded = 0
                 with anyio.move_on_after(_CLOSED_CHECK_S):
                     await anyio.wait_writable(duplicate)
                 continue
+            unyielded += sent
+            if unyielded >= _YIELD_BYTES:  # a reader that keeps up never fills the socket: let other tasks run
+                unyielded = 0
+                await anyio.lowlevel.checkpoint()
             while sent:
                 head = views[0]
                 if sent >= len(head):
