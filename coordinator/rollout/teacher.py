@@ -41,12 +41,24 @@ class TeacherError(RaylessError, RuntimeError):
 
 def score_payload(sample: Sample) -> JsonObject:
     """The teacher's request for one sample: prefill only, the input logprobs from the prompt's last token."""
-    return {
+    return with_images({
         "input_ids": [int(token) for token in sample.tokens],
         "sampling_params": {"temperature": 1.0, "max_new_tokens": 0, "skip_special_tokens": False},
         "return_logprob": True,
         "logprob_start_len": max(sample.prompt_length - 1, 0),
-    }
+    }, sample)
+
+
+def with_images(payload: JsonObject, sample: Sample) -> JsonObject:
+    """`payload` with the sample's images as `image_data` when it has any, as its rollout request sent them: a
+    vision-language teacher scores the tokens after an image from the image (without it, from the placeholder's
+    embedding alone)."""
+    from coordinator.rollout.requests import image_data
+
+    images = image_data(sample)
+    if images:
+        payload["image_data"] = images
+    return payload
 
 
 def response_log_probs(answer: GenerateAnswer, response_length: int, where: str) -> list[float]:
@@ -137,8 +149,9 @@ class TeacherScorer:
         student_entries = (topk.student_top_logprobs(sample.metadata, length, where) if spec.student_top else None)
         asked = (topk.asked_ids(spec, sample.tokens, prompt, student_entries)
                  if student_entries and spec.strategy in topk.TEACHER_ON_STUDENT else None)
-        payload = topk.score_payload(sample.tokens, prompt, top=spec.k if spec.strategy in topk.TEACHER_TOP else 0,
-                                     asked=asked)
+        payload = with_images(topk.score_payload(sample.tokens, prompt,
+                                                 top=spec.k if spec.strategy in topk.TEACHER_TOP else 0, asked=asked),
+                              sample)
         async with self.limit:
             answer = await self.client.engine(url).generate(payload)
         plain = plain_answer(answer)
@@ -150,8 +163,9 @@ class TeacherScorer:
         if spec.student_on_teacher:
             assert self.student is not None  # checked at construction
             teacher_entries = [[[value, token] for token, value in position.items()] for position in teacher_top]
-            request = topk.score_payload(sample.tokens, prompt,
-                                         asked=topk.asked_ids(spec, sample.tokens, prompt, teacher_entries))
+            request = with_images(topk.score_payload(sample.tokens, prompt,
+                                                     asked=topk.asked_ids(spec, sample.tokens, prompt, teacher_entries)),
+                                  sample)
             async with self.limit:
                 student_answer = await self.student(request)
             student_asked = topk.response_maps(plain_answer(student_answer), "input_token_ids_logprobs", length,

@@ -2,7 +2,8 @@
 an OpenAI `image_url` part, an Anthropic `image` block and a Responses `input_image` each reach the model as the
 same prompt `/generate` builds from the rendered text and `image_data` — the image's placeholder expanded to its
 grid's tokens — so the greedy answer, its logprobs and the prompt's token count are `/generate`'s; count_tokens
-counts the image's tokens; a bad image is a 400 naming it."""
+counts the image's tokens; a bad image is a 400 naming it. An `sglang` OPD teacher's request carries the sample's
+images too."""
 
 from __future__ import annotations
 
@@ -31,14 +32,18 @@ def vlm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def generate(url: str, messages: list[dict[str, object]]) -> dict[str, object]:
-    """/generate on the template's text and `image_data`: the engine expands the placeholder itself."""
+def rolled_text(url: str, messages: list[dict[str, object]]) -> str:
+    """The messages through the engine's model's chat template, one placeholder an image."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(httpx.get(f"{url}/model_info", headers=auth()).json()["model_path"])
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def generate(url: str, messages: list[dict[str, object]]) -> dict[str, object]:
+    """/generate on the template's text and `image_data`: the engine expands the placeholder itself."""
     reply = httpx.post(f"{url}/generate", headers=auth(), timeout=60, json={
-        "text": text, "image_data": [URL], "return_logprob": True,
+        "text": rolled_text(url, messages), "image_data": [URL], "return_logprob": True,
         "sampling_params": {"max_new_tokens": 4, **GREEDY, "skip_special_tokens": False}})
     assert reply.status_code == 200, reply.text
     return reply.json()
@@ -95,3 +100,31 @@ def test_an_image_in_each_wire_format_is_the_generate_prompt_with_its_image(vlm_
         message = claude.messages.create(model="m", max_tokens=4, messages=asked, extra_body=GREEDY)  # type: ignore[arg-type]
         assert message.usage.input_tokens == meta["prompt_tokens"]
         assert claude.messages.count_tokens(model="m", messages=asked).input_tokens == meta["prompt_tokens"]  # type: ignore[arg-type]
+
+
+def test_an_sglang_teacher_scores_a_vlm_sample_with_its_images(vlm_url: str) -> None:
+    """On-policy distillation's `sglang` teacher (`TeacherScorer`'s request): a sample with images is scored with
+    them, so a teacher with the policy's weights gives the logprobs the policy's engine sampled with (without the
+    images it scored the tokens after a placeholder that stood for nothing)."""
+    import io
+
+    from PIL import Image
+
+    from coordinator.rollout.teacher import score_payload
+    from replay.sample import Sample
+
+    template_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
+    rolled = generate(vlm_url, template_messages)
+    prefilled = httpx.post(f"{vlm_url}/generate", headers=auth(), timeout=60, json={
+        "text": rolled_text(vlm_url, template_messages), "image_data": [URL], "return_logprob": True,
+        "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}}).json()
+    prompt = [token for _, token, _ in prefilled["meta_info"]["input_token_logprobs"]]  # the image's tokens expanded
+    response = rolled["meta_info"]["output_token_logprobs"]
+    sample = Sample(tokens=prompt + [token for _, token, _ in response], response_length=len(response),
+                    multimodal_inputs={"images": [Image.open(io.BytesIO(PNG)).convert("RGB")]})
+    payload = score_payload(sample)
+    assert len(payload["image_data"]) == 1  # type: ignore[arg-type]
+    scored = httpx.post(f"{vlm_url}/generate", headers=auth(), timeout=60, json=payload)
+    assert scored.status_code == 200, scored.text
+    teacher = [logprob for logprob, _, _ in scored.json()["meta_info"]["input_token_logprobs"]][-len(response):]
+    assert teacher == pytest.approx([logprob for logprob, _, _ in response], abs=1e-5)
