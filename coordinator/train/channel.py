@@ -333,22 +333,24 @@ class ControlServer:
             }
             frames = await encode_frames(requests, self.max_frame_bytes)
             call = Call()
-            pendings: dict[int, Pending] = {}
-            for rank in list(frames):
-                request_id, data = frames.pop(rank)  # each frame released once sent
-                conn = self._connections[rank]
-                pending = pendings[rank] = conn.pending[request_id] = Pending(rank, call, commands[rank].reply)
-                try:
-                    async with conn.send_lock:
-                        await send_frame(conn.stream, data)
-                except STREAM_ERRORS as exc:
-                    conn.pending.pop(request_id, None)
-                    self._fail(RankFailure([rank], f"rank {rank} could not be sent a command ({exc!r})"))
-                    pending.resolve(failure=self._failure)
+            pendings = {rank: Pending(rank, call, commands[rank].reply) for rank in frames}
             kind = next(iter(commands.values())).kind
             started = time.monotonic()
+            # in flight from its first byte: a rank that stops reading a large frame is named and, past its
+            # deadline, ended by the rank watch as one that stops answering is (its end fails the send)
             self.in_flight = InFlight(kind, started, pendings)
             try:
+                for rank in list(frames):
+                    request_id, data = frames.pop(rank)  # each frame released once sent
+                    conn = self._connections[rank]
+                    pending = conn.pending[request_id] = pendings[rank]
+                    try:
+                        async with conn.send_lock:
+                            await send_frame(conn.stream, data)
+                    except STREAM_ERRORS as exc:
+                        conn.pending.pop(request_id, None)
+                        self._fail(RankFailure([rank], f"rank {rank} could not be sent a command ({exc!r})"))
+                        pending.resolve(failure=self._failure)
                 replies = await gather_replies(kind, call, pendings, error_window_s=self.error_window_s,
                                                explain=self.explain)
             except RankCommandError as error:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import anyio
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from coordinator.train.group import TrainGroup
 from coordinator.train.torchrun import TorchrunSpec
 from tests.support.memory import PeakMemory
 from tests.support.train_settings import init_command
+from tests.support.waiting import wait_until
 from workers import protocol
 from workers.protocol.arrays import Kind, PackedArray
 
@@ -386,6 +388,39 @@ async def test_a_rank_that_disconnects_fails_the_pending_call_at_once(tmp_path) 
         await group.shutdown()
         for thread in threads:
             await anyio.to_thread.run_sync(thread.join, 10)
+
+
+async def test_a_rank_that_stops_reading_a_large_command_is_in_flight_and_its_end_fails_the_call(tmp_path) -> None:
+    """The command is in flight (what the rank watch reads to name, and past the deadline end, a rank) from its
+    first byte, not once every frame is sent: a rank that stops reading a frame larger than the sockets hold is
+    named as waiting while the send waits; when it ends, the send fails and so does the call, naming it."""
+    async with anyio.create_task_group() as tg:
+        group = await start_listener(tg, run_dir=tmp_path)
+        channel = await anyio.to_thread.run_sync(protocol.RankChannel.connect, group.address, hello(group.token))
+        await group.ready.wait()  # the stand-in rank never reads: its buffers fill and the send waits
+        tokens = 8 << 20  # 32 MiB of int32 tokens, well over what two sockets hold
+        command = protocol.TrainCommand(0, [[protocol.WireSample(PackedArray.of(Kind.TOKENS, np.arange(tokens, dtype=np.int32)), 1,
+                                                                 [1], [-0.5])]], [1])
+        failure: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                await group.server.call({0: command})
+            except RankFailure as error:
+                failure.append(error)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as calls:
+                calls.start_soon(call)
+                # the call encodes its frame off the event loop first, then sends it
+                in_flight = await wait_until(lambda: group.server.in_flight, what="the command in flight",
+                                             timeout=30)
+                await anyio.wait_all_tasks_blocked()
+                assert in_flight.waiting() == [0] and not failure  # sending, watched
+                channel.close()  # the rank ends (as the watch ends one past its deadline)
+        assert failure and failure[0].ranks == [0]  # type: ignore[attr-defined]
+        assert group.server.in_flight is None
+        await group.shutdown()
 
 
 async def test_a_reconnected_rank_makes_the_group_usable_again(tmp_path) -> None:
