@@ -21,6 +21,8 @@ from coordinator.sessions.tito import SessionRequestError
 from workers.boundary.errors import BoundaryError
 from workers.boundary.images import DATA_URL_PREFIX, decode_image, encode_data_url
 from workers.boundary.json_input import JsonObject, JsonValue
+from workers.engine.openai_protocol import image_url_of
+from workers.engine.sampling_params import RequestError
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -29,10 +31,10 @@ if TYPE_CHECKING:
 
 
 def _part_url(part: JsonObject, where: str) -> str:
-    value = part.get("image_url")
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str):
-        raise SessionRequestError(f"{where}: an image_url part needs image_url.url, a string")
+    try:
+        url = image_url_of(part, where)
+    except RequestError as error:
+        raise SessionRequestError(str(error)) from None
     if not url.startswith(DATA_URL_PREFIX):
         raise SessionRequestError(f"{where}: image {url[:80]!r}: a session takes images as base64 data URLs "
                                   "(data:image/png;base64,...); nothing is fetched from the network")

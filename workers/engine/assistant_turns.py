@@ -63,7 +63,7 @@ class TurnRunner:
         spec = chat_request(chat_body, self.server.model_path, images=self.vlm)
         ids = await self.chat._render_chat(spec, template)
         if spec.image_urls:
-            ids = await self.chat.expanded(ids, spec.image_urls)
+            ids = await self.server.expand_images(ids, spec.image_urls)
         return len(ids)
 
     def finished(self, started: Started, *, meta_info: bool) -> Turn:

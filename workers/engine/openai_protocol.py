@@ -139,8 +139,9 @@ def _common(body: JsonObject) -> None:
         raise RequestError("'rid' must be a string")
 
 
-def _image_url(part: JsonObject, where: str) -> str:
-    """An `image_url` part's URL (`{"url": ...}` or the string itself, as SGLang takes both)."""
+def image_url_of(part: JsonObject, where: str) -> str:
+    """An `image_url` part's URL (`{"url": ...}` or the string itself, as SGLang takes both); shared by the
+    engine's chat route and the session server."""
     value = part.get("image_url")
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
@@ -164,7 +165,7 @@ def _message_content(message: JsonObject, index: int, images: list[str] | None =
     for position, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if kind == "image_url" and images is not None:
-            found.append(_image_url(part, f"messages[{index}].content[{position}]"))  # type: ignore[arg-type]
+            found.append(image_url_of(part, f"messages[{index}].content[{position}]"))  # type: ignore[arg-type]
             parts.append({"type": "image"})
             continue
         if not isinstance(part, dict) or kind != "text" or not isinstance(part.get("text"), str):

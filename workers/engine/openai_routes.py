@@ -26,8 +26,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from workers.boundary.chat_requests import oversized_message, request_template
-from workers.boundary.errors import BoundaryError
-from workers.boundary.images import decode_image
 from workers.boundary.json_input import JsonObject, JsonValue
 from workers.engine import openai_render as render
 from workers.engine.chat_template import TemplateRefused, bounded, render_request_template
@@ -35,7 +33,6 @@ from workers.engine.http_input import read_json
 from workers.engine.openai_protocol import GenerateBody, chat_request, completion_request
 from workers.engine.sampling_params import RequestError
 from workers.engine.sequences import MemoryReleasedError, RequestGroup, Seq
-from workers.vlm_processor import VlmInputError
 
 if TYPE_CHECKING:
     from workers.engine.args import EngineArgs
@@ -54,6 +51,8 @@ class EngineCore(Protocol):
     context_length: int
 
     async def build(self, body: JsonObject, *, expand_images: bool = False) -> tuple[list[Seq], bool, RequestGroup]: ...
+
+    async def expand_images(self, ids: list[int], urls: list[str]) -> list[int]: ...
 
     def render(self, seq: Seq, *, with_text: bool, final: bool) -> JsonObject: ...
 
@@ -125,21 +124,6 @@ class OpenAIRoutes:
         except TemplateRefused as exc:
             raise RequestError(str(exc)) from None
         return await anyio.to_thread.run_sync(lambda: list(tokenizer.encode(text, add_special_tokens=False)))
-
-    async def expanded(self, ids: list[int], urls: list[str]) -> list[int]:
-        """`ids` rendered from a chat with each image's placeholder expanded to its grid's tokens, as /generate
-        expands them (the images decoded under the boundary's bounds, off the event loop)."""
-        processor = self.server.runner.vision_processor
-        assert processor is not None, "images are taken only on a vision-language model"
-
-        def expand() -> list[int]:
-            images = [decode_image(url, f"image {index}") for index, url in enumerate(urls)]
-            return processor.expand_ids(ids, processor.pixel_inputs(images).image_grid_thw)
-
-        try:
-            return await anyio.to_thread.run_sync(expand)
-        except (BoundaryError, VlmInputError) as error:
-            raise RequestError(f"'image_data': {error}") from None
 
     def _chat_input(self, body: JsonObject) -> str | None:
         """The request's own chat template (None: the model's) once its messages passed their size limit (413)

@@ -85,6 +85,13 @@ class EngineServer:
         """Validate a /generate body whole and make its sequences (`RequestBuilder.build`)."""
         return await self.requests.build(body, expand_images=expand_images)
 
+    async def expand_images(self, ids: list[int], urls: list[str]) -> list[int]:
+        """A rendered prompt's ids with each image's placeholder expanded to its grid's tokens, as `build` expands
+        them (the same decoding, bounds and errors): a count of the tokens the prompt will take."""
+        prompts = [list(ids)]
+        await self.requests._images({"image_data": urls}, prompts, from_text=True)
+        return prompts[0]
+
     def render(self, seq: Seq, *, with_text: bool, final: bool) -> JsonObject:
         return self.generation.render(seq, with_text=with_text, final=final)
 
