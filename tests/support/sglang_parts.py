@@ -116,3 +116,25 @@ def receive_weights_from_distributed(
     return methods["receive_weights_from_distributed"](
         updater, names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, load_format=load_format
     )
+
+
+@functools.cache
+def template_content_processor() -> Any:
+    """SGLang's `process_content_for_template_format` (`srt/parser/jinja_template_utils.py`): a chat message's
+    content parts as its chat route hands them to the template, and the image URLs it collects, compiled from
+    the installed source with plain stand-ins for the `ImageData` / `VideoData` records it builds."""
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class MediaData:
+        url: str
+        detail: Any = "auto"
+        max_dynamic_patch: Any = None
+        content_hash: Any = None
+        max_long_side_pixel: Any = None
+        preprocess_kwargs: Any = field(default=None)
+
+    path = package_dir() / "srt" / "parser" / "jinja_template_utils.py"
+    namespace = _compile(path, _functions(path, {"process_content_for_template_format"}),
+                         {"ImageData": MediaData, "VideoData": MediaData, "GLM_MEDIA_CONFIG_KEYS": ()})
+    return namespace["process_content_for_template_format"]

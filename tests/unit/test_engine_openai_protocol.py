@@ -84,3 +84,25 @@ def test_message_content_parts_are_joined_and_others_refused() -> None:
     for bad in ({"type": "image_url"}, {"type": "image_url", "image_url": {"url": ""}}, {"type": "audio"}):
         with pytest.raises(RequestError, match="content"):
             normalise_messages([{"role": "user", "content": [bad]}], [])
+
+
+def test_a_vlm_chats_image_parts_reach_the_template_as_sglangs_chat_route_hands_them() -> None:
+    """Against SGLang's own code (the wheel's `process_content_for_template_format`, 'openai' content format, which
+    its chat route uses for a VLM's template): each message's parts and the image URLs collected, in order, are
+    the engine's — `{"image_url": {"url": ...}}` and the bare-string form alike."""
+    from tests.support.sglang_parts import template_content_processor
+
+    process = template_content_processor()
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "which colour?"},
+                                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+                                             {"type": "image_url", "image_url": "data:image/png;base64,BB"},
+                                             {"type": "text", "text": "and this?"}]},
+                {"role": "assistant", "content": "red"}]
+    theirs_urls: list[object] = []
+    theirs = [process(dict(message), "openai", theirs_urls, [], [], []) for message in messages]
+    ours_urls: list[str] = []
+    ours = normalise_messages(messages, ours_urls)
+    assert [image.url for image in theirs_urls] == ours_urls == ["data:image/png;base64,AA",
+                                                                  "data:image/png;base64,BB"]
+    assert ours[1] == theirs[1] and [m["content"] for m in ours] == [m["content"] for m in theirs]
